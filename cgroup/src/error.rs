@@ -1,0 +1,97 @@
+//! The error of the kernel layer.
+
+use std::io;
+use std::path::PathBuf;
+
+/// What went wrong talking to the kernel, with the operation, the object and
+/// the errno, and where a fix is known, the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A `bpf(2)` command failed.
+    #[error("bpf({op}) on {what}: {source}")]
+    Bpf {
+        /// The command, e.g. `BPF_MAP_CREATE`.
+        op: &'static str,
+        /// The object: a pin path, a map name.
+        what: String,
+        /// errno.
+        source: io::Error,
+    },
+    /// The verifier refused the fence program.
+    #[error("the kernel's verifier refused the fence program ({source}):\n{log}")]
+    Verifier {
+        /// errno of `BPF_PROG_LOAD`.
+        source: io::Error,
+        /// The verifier's log.
+        log: String,
+    },
+    /// The kernel lacks `bpf_get_current_ancestor_cgroup_id` for device programs.
+    #[error(
+        "this kernel does not let cgroup device programs call bpf_get_current_ancestor_cgroup_id \
+         (helper 123): gpufence needs Linux 6.1 or later, or a kernel with that helper backported \
+         for BPF_PROG_TYPE_CGROUP_DEVICE (RHEL 9.3+). The fence is NOT installed. ({detail})"
+    )]
+    HelperUnsupported {
+        /// The probe's verifier output or errno.
+        detail: String,
+    },
+    /// No fence is pinned at the configured bpffs directory.
+    #[error(
+        "the fence is not installed ({path} has no pinned {what}); run `gpufence fence install`"
+    )]
+    NotInstalled {
+        /// The bpffs directory.
+        path: PathBuf,
+        /// What was missing.
+        what: &'static str,
+    },
+    /// A pinned map exists with another layout (older gpufence, or someone else's pin).
+    #[error("pinned map {path} has {found}, expected {expected}; remove the old fence first (`gpufence fence remove`)")]
+    MapMismatch {
+        /// The pin.
+        path: PathBuf,
+        /// What the kernel reports.
+        found: String,
+        /// What this version needs.
+        expected: String,
+    },
+    /// No cgroup2 hierarchy is mounted.
+    #[error("no cgroup2 filesystem in /proc/self/mountinfo: gpufence needs the unified hierarchy (mount -t cgroup2 none /sys/fs/cgroup/unified, or boot with systemd.unified_cgroup_hierarchy)")]
+    NoCgroup2,
+    /// The bpffs directory is not on a bpf filesystem and could not be put on one.
+    #[error(
+        "{path} is not on a bpf filesystem ({detail}); mount one: mount -t bpf bpf /sys/fs/bpf"
+    )]
+    NotBpffs {
+        /// The configured directory.
+        path: PathBuf,
+        /// Why it could not be mounted.
+        detail: String,
+    },
+    /// A cgroup filesystem operation failed.
+    #[error("{op} {path}: {source}")]
+    Cgroup {
+        /// What was attempted.
+        op: &'static str,
+        /// The cgroup directory or file.
+        path: PathBuf,
+        /// errno.
+        source: io::Error,
+    },
+    /// A cgroup cannot be granted: it is deeper than the fence walks.
+    #[error("cgroup {path} is at level {level}, deeper than the {max} levels the fence walks; grants there would never match")]
+    TooDeep {
+        /// The cgroup.
+        path: String,
+        /// Its level (root = 0).
+        level: usize,
+        /// The fence's limit.
+        max: usize,
+    },
+    /// Assembling the program failed (a bug in the builder).
+    #[error("fence program assembly: {0}")]
+    Asm(#[from] crate::asm::AsmError),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

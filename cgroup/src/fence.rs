@@ -1,0 +1,894 @@
+//! The fence as kernel objects: three pinned maps, one program, one cgroup
+//! link pinned in `bpffs_dir`, attached at `cgroup_root`.
+//!
+//! Every operation is keyed by the pin paths and safe to repeat: installing
+//! twice leaves one program and one link (the second install swaps the
+//! program with `BPF_LINK_UPDATE`, atomically), removing twice is a no-op.
+//! Concurrent installs are serialised by an `flock(2)` on the bpffs
+//! directory.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use gpufence_model::device::{Access, DevNum};
+use gpufence_model::procdevices::ProtectedMajors;
+
+use crate::error::{Error, Result};
+use crate::hierarchy::{level_of, Cgroup2};
+use crate::maps::{
+    map_specs, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT, CGROUP_GRANTED, MAJORS_ENTRIES,
+    MAJOR_PROTECTED, PIN_CGROUPS, PIN_GRANTS, PIN_LINK, PIN_MAJORS,
+};
+use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
+use crate::sys;
+
+/// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+/// Where bpffs is conventionally mounted (systemd mounts it there).
+const BPFFS_MOUNT: &str = "/sys/fs/bpf";
+/// Name of the program as the kernel lists it.
+pub const PROG_NAME: &str = "gpufence";
+
+/// What to install.
+#[derive(Clone, Debug)]
+pub struct FenceSpec {
+    /// Attach point, relative to the cgroup2 mount (`""` = the whole node).
+    pub cgroup_root: String,
+    /// bpffs directory for the pins.
+    pub bpffs_dir: PathBuf,
+    /// Majors to protect. Must not be empty.
+    pub protected: ProtectedMajors,
+    /// Exempt cgroups, relative to the mount.
+    pub exempt: Vec<String>,
+    /// Capacity of the `cgroups` and `grants` maps.
+    pub max_grants: u32,
+}
+
+/// What an install did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InstallReport {
+    /// A link was already pinned and its program was swapped in place.
+    pub replaced_program: bool,
+    /// The kernel id of the new program.
+    pub prog_id: u32,
+    /// The kernel id of the link.
+    pub link_id: u32,
+    /// The cgroup id of `cgroup_root`.
+    pub root_cgroup_id: u64,
+    /// Exempt cgroups found, with their ids.
+    pub exempt_applied: Vec<(String, u64)>,
+    /// Exempt cgroups that do not exist (yet): not exempt until the next install.
+    pub exempt_missing: Vec<String>,
+    /// The protected majors now in the map.
+    pub majors: Vec<u32>,
+    /// Pinned maps already existed and were kept (grants survive reinstall).
+    pub reused_maps: bool,
+    /// bpffs was mounted at /sys/fs/bpf by this install.
+    pub mounted_bpffs: bool,
+    /// Notes for the admin (e.g. a map kept with another capacity).
+    pub notes: Vec<String>,
+}
+
+/// What `status` found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FenceStatus {
+    /// A link is pinned, attached, and attached at `cgroup_root`.
+    pub installed: bool,
+    /// The configured attach point.
+    pub cgroup_root: String,
+    /// Its cgroup id, when it exists.
+    pub root_cgroup_id: Option<u64>,
+    /// Where the pinned link is attached (0 when detached by someone).
+    pub link_cgroup_id: Option<u64>,
+    /// The pinned link's id.
+    pub link_id: Option<u32>,
+    /// The attached program's id.
+    pub prog_id: Option<u32>,
+    /// Protected majors in the map.
+    pub protected_majors: Vec<u32>,
+    /// Entries in the grants map.
+    pub grants: usize,
+    /// Exempt cgroup ids.
+    pub exempt_cgroup_ids: Vec<u64>,
+    /// Why it is not installed, or what looks wrong.
+    pub problems: Vec<String>,
+}
+
+/// One entry of the grants map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrantEntry {
+    /// The cgroup it is keyed by.
+    pub cgroup_id: u64,
+    /// The device.
+    pub dev: DevNum,
+    /// Access granted.
+    pub access: Access,
+    /// The job.
+    pub job_id: u32,
+}
+
+/// The pinned maps, opened.
+#[derive(Debug)]
+pub struct Fence {
+    dir: PathBuf,
+    majors: OwnedFd,
+    cgroups: OwnedFd,
+    grants: OwnedFd,
+    max_entries: u32,
+}
+
+fn bpf_err(op: &'static str, what: impl Into<String>) -> impl FnOnce(io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Bpf { op, what, source }
+}
+
+fn statfs_magic(p: &Path) -> io::Result<i64> {
+    let c = CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: statfs into a zeroed struct we own.
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(s.f_type as i64)
+}
+
+/// Makes sure `dir` exists on a bpf filesystem, mounting bpffs at
+/// `/sys/fs/bpf` when `dir` is below it and nothing is mounted there.
+/// Returns whether it mounted.
+///
+/// # Errors
+/// [`Error::NotBpffs`].
+pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
+    let mut existing = dir.to_path_buf();
+    while !existing.exists() {
+        if !existing.pop() {
+            break;
+        }
+    }
+    let not_bpffs = |detail: String| Error::NotBpffs {
+        path: dir.to_path_buf(),
+        detail,
+    };
+    let magic = statfs_magic(&existing)
+        .map_err(|e| not_bpffs(format!("statfs {}: {e}", existing.display())))?;
+    let mut mounted = false;
+    if magic != BPF_FS_MAGIC {
+        let conventional = Path::new(BPFFS_MOUNT);
+        if !dir.starts_with(conventional) || !conventional.is_dir() {
+            return Err(not_bpffs(format!("{} is not bpffs", existing.display())));
+        }
+        if statfs_magic(conventional).ok() != Some(BPF_FS_MAGIC) {
+            // SAFETY: mount(2) with NUL-terminated literals.
+            let r = unsafe {
+                libc::mount(
+                    c"bpf".as_ptr(),
+                    c"/sys/fs/bpf".as_ptr(),
+                    c"bpf".as_ptr(),
+                    0,
+                    c"mode=0700".as_ptr().cast(),
+                )
+            };
+            if r != 0 {
+                return Err(not_bpffs(format!(
+                    "mount bpf on {BPFFS_MOUNT}: {}",
+                    io::Error::last_os_error()
+                )));
+            }
+            mounted = true;
+        }
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| not_bpffs(format!("mkdir {}: {e}", dir.display())))?;
+    if statfs_magic(dir).ok() != Some(BPF_FS_MAGIC) {
+        return Err(not_bpffs(format!(
+            "{} is not bpffs after mkdir",
+            dir.display()
+        )));
+    }
+    Ok(mounted)
+}
+
+/// Checks that the kernel lets device programs call
+/// `bpf_get_current_ancestor_cgroup_id` by loading a 4-instruction program
+/// that does (`../shared/domain/bpf.md`: probe, do not trust versions).
+///
+/// # Errors
+/// [`Error::HelperUnsupported`] naming the requirement, or [`Error::Bpf`]
+/// when loading fails for another reason (no CAP_BPF).
+pub fn probe_ancestor_helper() -> Result<()> {
+    let p = program::probe()?;
+    match sys::prog_load_cgroup_device(&p.insns, "gpufence_probe") {
+        Ok(_fd) => Ok(()),
+        Err(e) if e.errno.raw_os_error() == Some(libc::EINVAL) => Err(Error::HelperUnsupported {
+            detail: format!(
+                "{}: {}",
+                e.errno,
+                e.log
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("")
+            ),
+        }),
+        Err(e) => Err(Error::Bpf {
+            op: "BPF_PROG_LOAD",
+            what: format!("probe program ({})", e.log.trim()),
+            source: e.errno,
+        }),
+    }
+}
+
+fn open_or_create_map(
+    dir: &Path,
+    spec: &MapSpec,
+    notes: &mut Vec<String>,
+) -> Result<(OwnedFd, bool)> {
+    let pin = dir.join(spec.name);
+    for _ in 0..3 {
+        match sys::obj_get(&pin) {
+            Ok(fd) => {
+                check_map(&fd, &pin, spec, notes)?;
+                return Ok((fd, true));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(bpf_err("BPF_OBJ_GET", pin.display().to_string())(e)),
+        }
+        let fd = sys::map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            spec.name,
+        )
+        .map_err(bpf_err("BPF_MAP_CREATE", spec.name))?;
+        match sys::obj_pin(fd.as_fd(), &pin) {
+            Ok(()) => return Ok((fd, false)),
+            // Another installer pinned first: use theirs.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+            Err(e) => return Err(bpf_err("BPF_OBJ_PIN", pin.display().to_string())(e)),
+        }
+    }
+    Err(Error::Bpf {
+        op: "BPF_OBJ_GET",
+        what: pin.display().to_string(),
+        source: io::Error::other("pin appeared and vanished repeatedly"),
+    })
+}
+
+fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) -> Result<()> {
+    let info = sys::map_info(fd.as_fd())
+        .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", pin.display().to_string()))?;
+    if (info.map_type, info.key_size, info.value_size)
+        != (spec.map_type, spec.key_size, spec.value_size)
+    {
+        return Err(Error::MapMismatch {
+            path: pin.to_path_buf(),
+            found: format!(
+                "type {} key {} value {}",
+                info.map_type, info.key_size, info.value_size
+            ),
+            expected: format!(
+                "type {} key {} value {}",
+                spec.map_type, spec.key_size, spec.value_size
+            ),
+        });
+    }
+    if info.max_entries != spec.max_entries {
+        notes.push(format!(
+            "{} keeps its capacity {} (config asks {}): it holds live grants; `gpufence fence remove` then install to resize",
+            pin.display(),
+            info.max_entries,
+            spec.max_entries
+        ));
+    }
+    Ok(())
+}
+
+/// Holds an exclusive `flock` on the bpffs directory while alive.
+struct DirLock(#[allow(dead_code)] File);
+
+impl DirLock {
+    fn take(dir: &Path) -> Result<Self> {
+        let f = File::open(dir).map_err(|e| Error::Cgroup {
+            op: "open",
+            path: dir.to_path_buf(),
+            source: e,
+        })?;
+        // SAFETY: flock on a descriptor we own; released on close.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(Error::Cgroup {
+                op: "flock",
+                path: dir.to_path_buf(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(DirLock(f))
+    }
+}
+
+fn raise_memlock() {
+    // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; systemd and
+    // slurmd may start us with a small one. Best effort: newer kernels use
+    // memcg accounting and ignore it.
+    let r = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit with a valid struct.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &r) };
+}
+
+impl Fence {
+    /// Installs (or re-installs) the fence: probe, maps, majors, exemptions,
+    /// program, link. Fails closed: on any error the previous state stays
+    /// (a previously attached program keeps running) and the error says why.
+    ///
+    /// # Errors
+    /// [`Error`]: no bpffs, no helper, no CAP_BPF, a cgroup_root that does
+    /// not exist, a pinned map of another layout, an empty majors set.
+    pub fn install(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
+        let mut report = InstallReport::default();
+        if spec.protected.is_empty() {
+            return Err(Error::Bpf {
+                op: "install",
+                what: "protected majors".into(),
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "no NVIDIA major in /proc/devices and no [majors] table: nothing to protect (is the driver loaded?)",
+                ),
+            });
+        }
+        raise_memlock();
+        report.mounted_bpffs = ensure_bpffs(&spec.bpffs_dir)?;
+        let _lock = DirLock::take(&spec.bpffs_dir)?;
+        probe_ancestor_helper()?;
+
+        let root_dir = cg.path(&spec.cgroup_root);
+        let root_fd = File::open(&root_dir).map_err(|e| Error::Cgroup {
+            op: "open",
+            path: root_dir.clone(),
+            source: e,
+        })?;
+        report.root_cgroup_id = cg.id(&spec.cgroup_root)?;
+
+        let [majors_spec, cgroups_spec, grants_spec] = map_specs(spec.max_grants);
+        let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
+        let (cgroups, r2) = open_or_create_map(&spec.bpffs_dir, &cgroups_spec, &mut report.notes)?;
+        let (grants, r3) = open_or_create_map(&spec.bpffs_dir, &grants_spec, &mut report.notes)?;
+        report.reused_maps = r1 && r2 && r3;
+        let max_entries = sys::map_info(grants.as_fd())
+            .map(|i| i.max_entries)
+            .unwrap_or(spec.max_grants);
+        let fence = Fence {
+            dir: spec.bpffs_dir.clone(),
+            majors,
+            cgroups,
+            grants,
+            max_entries,
+        };
+
+        fence.set_majors(&spec.protected)?;
+        report.majors = spec.protected.majors().collect();
+        let (applied, missing) = fence.set_exempt(cg, &spec.exempt)?;
+        report.exempt_applied = applied;
+        report.exempt_missing = missing;
+
+        let prog = program::build(&FenceProgramSpec {
+            majors_fd: fence.majors.as_raw_fd(),
+            cgroups_fd: fence.cgroups.as_raw_fd(),
+            grants_fd: fence.grants.as_raw_fd(),
+            max_level: MAX_LEVEL,
+        })?;
+        let prog_fd =
+            sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
+                source: e.errno,
+                log: e.log,
+            })?;
+        report.prog_id = sys::prog_info(prog_fd.as_fd())
+            .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", "fence program"))?
+            .id;
+
+        let link_pin = spec.bpffs_dir.join(PIN_LINK);
+        match sys::obj_get(&link_pin) {
+            Ok(link) => {
+                let info = sys::link_info(link.as_fd()).map_err(bpf_err(
+                    "BPF_OBJ_GET_INFO_BY_FD",
+                    link_pin.display().to_string(),
+                ))?;
+                if info.cgroup_id == report.root_cgroup_id && info.prog_id != 0 {
+                    sys::link_update(link.as_fd(), prog_fd.as_fd())
+                        .map_err(bpf_err("BPF_LINK_UPDATE", link_pin.display().to_string()))?;
+                    report.replaced_program = true;
+                    report.link_id = info.id;
+                } else {
+                    // Pinned link detached by someone, or attached at another
+                    // root: attach the new one first, then retire the old
+                    // one, so there is no moment without a fence.
+                    let new = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                        .map_err(bpf_err("BPF_LINK_CREATE", root_dir.display().to_string()))?;
+                    let _ = sys::link_detach(link.as_fd());
+                    fs::remove_file(&link_pin).map_err(|e| Error::Cgroup {
+                        op: "unlink",
+                        path: link_pin.clone(),
+                        source: e,
+                    })?;
+                    sys::obj_pin(new.as_fd(), &link_pin)
+                        .map_err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string()))?;
+                    report.link_id = sys::link_info(new.as_fd()).map(|i| i.id).unwrap_or(0);
+                    report.notes.push(format!(
+                        "replaced a pinned link that was {}",
+                        if info.prog_id == 0 {
+                            "detached".to_string()
+                        } else {
+                            format!("attached to cgroup id {}", info.cgroup_id)
+                        }
+                    ));
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                let link = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                    .map_err(bpf_err("BPF_LINK_CREATE", root_dir.display().to_string()))?;
+                if let Err(e) = sys::obj_pin(link.as_fd(), &link_pin) {
+                    // Unpinned, the link would vanish with this process:
+                    // say so rather than pretend.
+                    let _ = sys::link_detach(link.as_fd());
+                    return Err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string())(e));
+                }
+                report.link_id = sys::link_info(link.as_fd()).map(|i| i.id).unwrap_or(0);
+            }
+            Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
+        }
+        Ok((fence, report))
+    }
+
+    /// Opens the pinned maps of an installed fence.
+    ///
+    /// # Errors
+    /// [`Error::NotInstalled`] when a map is not pinned; [`Error::Bpf`] otherwise.
+    pub fn open(bpffs_dir: &Path) -> Result<Fence> {
+        let get = |name: &'static str| -> Result<OwnedFd> {
+            let p = bpffs_dir.join(name);
+            sys::obj_get(&p).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOENT) {
+                    Error::NotInstalled {
+                        path: bpffs_dir.to_path_buf(),
+                        what: name,
+                    }
+                } else {
+                    bpf_err("BPF_OBJ_GET", p.display().to_string())(e)
+                }
+            })
+        };
+        let grants = get(PIN_GRANTS)?;
+        let max_entries = sys::map_info(grants.as_fd())
+            .map(|i| i.max_entries)
+            .unwrap_or(0);
+        Ok(Fence {
+            dir: bpffs_dir.to_path_buf(),
+            majors: get(PIN_MAJORS)?,
+            cgroups: get(PIN_CGROUPS)?,
+            grants,
+            max_entries,
+        })
+    }
+
+    /// Reports whether the fence is attached at `cgroup_root` and what it holds.
+    /// Never fails: problems are listed in [`FenceStatus::problems`].
+    pub fn status(cg: &Cgroup2, cgroup_root: &str, bpffs_dir: &Path) -> FenceStatus {
+        let mut st = FenceStatus {
+            cgroup_root: cgroup_root.to_string(),
+            ..Default::default()
+        };
+        match cg.id(cgroup_root) {
+            Ok(id) => st.root_cgroup_id = Some(id),
+            Err(e) => st.problems.push(e.to_string()),
+        }
+        let link_pin = bpffs_dir.join(PIN_LINK);
+        match sys::obj_get(&link_pin) {
+            Ok(link) => match sys::link_info(link.as_fd()) {
+                Ok(info) => {
+                    st.link_id = Some(info.id);
+                    st.link_cgroup_id = Some(info.cgroup_id);
+                    if info.prog_id == 0 {
+                        st.problems.push(format!(
+                            "{} is detached from its cgroup",
+                            link_pin.display()
+                        ));
+                    } else {
+                        st.prog_id = Some(info.prog_id);
+                    }
+                    if st.root_cgroup_id.is_some()
+                        && Some(info.cgroup_id) != st.root_cgroup_id
+                        && info.prog_id != 0
+                    {
+                        st.problems.push(format!(
+                            "the link is attached to cgroup id {}, not to cgroup_root {:?} (id {:?})",
+                            info.cgroup_id, cgroup_root, st.root_cgroup_id
+                        ));
+                    }
+                }
+                Err(e) => st.problems.push(format!("{}: {e}", link_pin.display())),
+            },
+            Err(e) => st
+                .problems
+                .push(format!("no pinned link at {}: {e}", link_pin.display())),
+        }
+        match Fence::open(bpffs_dir) {
+            Ok(f) => {
+                match f.protected_majors() {
+                    Ok(m) => st.protected_majors = m,
+                    Err(e) => st.problems.push(e.to_string()),
+                }
+                match f.entries() {
+                    Ok(g) => st.grants = g.len(),
+                    Err(e) => st.problems.push(e.to_string()),
+                }
+                match f.cgroup_flags() {
+                    Ok(c) => {
+                        st.exempt_cgroup_ids = c
+                            .into_iter()
+                            .filter(|(_, fl)| fl & CGROUP_EXEMPT != 0)
+                            .map(|(id, _)| id)
+                            .collect()
+                    }
+                    Err(e) => st.problems.push(e.to_string()),
+                }
+            }
+            Err(e) => st.problems.push(e.to_string()),
+        }
+        st.installed = st.problems.is_empty() && st.prog_id.is_some();
+        st
+    }
+
+    /// Detaches the link and removes every pin and the directory. Returns
+    /// whether anything was there.
+    ///
+    /// # Errors
+    /// [`Error`] when a pin exists but cannot be detached or removed.
+    pub fn remove(bpffs_dir: &Path) -> Result<bool> {
+        if !bpffs_dir.exists() {
+            return Ok(false);
+        }
+        let _lock = DirLock::take(bpffs_dir)?;
+        let mut found = false;
+        let link_pin = bpffs_dir.join(PIN_LINK);
+        match sys::obj_get(&link_pin) {
+            Ok(link) => {
+                found = true;
+                match sys::link_detach(link.as_fd()) {
+                    Ok(()) => {}
+                    // Already detached (ENOLINK on some kernels, EINVAL on others).
+                    Err(e)
+                        if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {
+                    }
+                    Err(e) => {
+                        return Err(bpf_err("BPF_LINK_DETACH", link_pin.display().to_string())(
+                            e,
+                        ))
+                    }
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
+        }
+        for name in [PIN_LINK, PIN_GRANTS, PIN_CGROUPS, PIN_MAJORS] {
+            let p = bpffs_dir.join(name);
+            match fs::remove_file(&p) {
+                Ok(()) => found = true,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(Error::Cgroup {
+                        op: "unlink",
+                        path: p,
+                        source: e,
+                    })
+                }
+            }
+        }
+        drop(_lock);
+        match fs::remove_dir(bpffs_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(Error::Cgroup {
+                    op: "rmdir",
+                    path: bpffs_dir.to_path_buf(),
+                    source: e,
+                })
+            }
+        }
+        Ok(found)
+    }
+
+    /// The bpffs directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Capacity of the grants map.
+    pub fn max_entries(&self) -> u32 {
+        self.max_entries
+    }
+
+    fn set_majors(&self, protected: &ProtectedMajors) -> Result<()> {
+        let want: BTreeSet<u32> = protected.majors().collect();
+        let current: BTreeSet<u32> = self.protected_majors()?.into_iter().collect();
+        // Protect new majors before unprotecting old ones: no moment in
+        // which a major that should be closed is open.
+        for m in want.difference(&current) {
+            sys::map_update(
+                self.majors.as_fd(),
+                &m.to_ne_bytes(),
+                &MAJOR_PROTECTED.to_ne_bytes(),
+            )
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+        }
+        for m in current.difference(&want) {
+            sys::map_update(self.majors.as_fd(), &m.to_ne_bytes(), &0u32.to_ne_bytes())
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+        }
+        Ok(())
+    }
+
+    /// The protected majors, from the map.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn protected_majors(&self) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        let mut v = [0u8; 4];
+        for m in 0..MAJORS_ENTRIES {
+            if sys::map_lookup(self.majors.as_fd(), &m.to_ne_bytes(), &mut v)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
+                && u32::from_ne_bytes(v) != 0
+            {
+                out.push(m);
+            }
+        }
+        Ok(out)
+    }
+
+    fn flags_of(&self, cgroup_id: u64) -> Result<u32> {
+        let mut v = [0u8; 4];
+        let found = sys::map_lookup(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes(), &mut v)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?;
+        Ok(if found { u32::from_ne_bytes(v) } else { 0 })
+    }
+
+    fn write_flags(&self, cgroup_id: u64, flags: u32) -> Result<()> {
+        if flags == 0 {
+            sys::map_delete(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes())
+                .map_err(bpf_err("BPF_MAP_DELETE_ELEM", "cgroups"))?;
+        } else {
+            sys::map_update(
+                self.cgroups.as_fd(),
+                &cgroup_id.to_ne_bytes(),
+                &flags.to_ne_bytes(),
+            )
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
+        }
+        Ok(())
+    }
+
+    /// Every entry of the `cgroups` map: id → flags.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn cgroup_flags(&self) -> Result<BTreeMap<u64, u32>> {
+        let keys = sys::map_keys(self.cgroups.as_fd(), 8, self.max_entries)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
+        let mut out = BTreeMap::new();
+        for k in keys {
+            let id = u64::from_ne_bytes(k.as_slice().try_into().unwrap_or([0; 8]));
+            let f = self.flags_of(id)?;
+            if f != 0 {
+                out.insert(id, f);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether cgroup `id` is exempt.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn is_exempt(&self, cgroup_id: u64) -> Result<bool> {
+        Ok(self.flags_of(cgroup_id)? & CGROUP_EXEMPT != 0)
+    }
+
+    /// Makes exactly the existing cgroups of `paths` exempt: adds the
+    /// missing flags, then clears the flag from cgroups no longer listed.
+    /// Returns `(applied, missing)`.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn set_exempt(
+        &self,
+        cg: &Cgroup2,
+        paths: &[String],
+    ) -> Result<(Vec<(String, u64)>, Vec<String>)> {
+        let mut applied = Vec::new();
+        let mut missing = Vec::new();
+        for p in paths {
+            match cg.id(p) {
+                Ok(id) => applied.push((p.clone(), id)),
+                Err(_) => missing.push(p.clone()),
+            }
+        }
+        let want: BTreeSet<u64> = applied.iter().map(|(_, id)| *id).collect();
+        for id in &want {
+            let f = self.flags_of(*id)?;
+            self.write_flags(*id, f | CGROUP_EXEMPT)?;
+        }
+        for (id, f) in self.cgroup_flags()? {
+            if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {
+                self.write_flags(id, f & !CGROUP_EXEMPT)?;
+            }
+        }
+        Ok((applied, missing))
+    }
+
+    /// Grants `devices` to cgroup `cgroup_id` (at `cgroup_path`, checked
+    /// against the walk depth) for `job_id`. Grant entries are written before
+    /// the cgroup's GRANTED flag, so the program never sees a half grant as
+    /// more than it is. On failure, what this call added is removed again.
+    ///
+    /// # Errors
+    /// [`Error::TooDeep`]; [`Error::Bpf`] (`E2BIG`: the map is full).
+    pub fn grant(
+        &self,
+        cgroup_id: u64,
+        cgroup_path: &str,
+        job_id: u32,
+        devices: &[(DevNum, Access)],
+    ) -> Result<()> {
+        let level = level_of(cgroup_path);
+        if level == 0 || level > MAX_LEVEL {
+            return Err(Error::TooDeep {
+                path: cgroup_path.to_string(),
+                level,
+                max: MAX_LEVEL,
+            });
+        }
+        let mut added: Vec<GrantKey> = Vec::new();
+        let result = (|| {
+            for (dev, access) in devices {
+                let key = GrantKey {
+                    cgroup_id,
+                    dev: *dev,
+                };
+                let val = GrantValue {
+                    access: *access,
+                    job_id,
+                };
+                sys::map_update(self.grants.as_fd(), &key.to_bytes(), &val.to_bytes()).map_err(
+                    bpf_err("BPF_MAP_UPDATE_ELEM", format!("grants[{cgroup_id}, {dev}]")),
+                )?;
+                added.push(key);
+            }
+            let f = self.flags_of(cgroup_id)?;
+            self.write_flags(cgroup_id, f | CGROUP_GRANTED)
+        })();
+        if result.is_err() {
+            for k in &added {
+                let _ = sys::map_delete(self.grants.as_fd(), &k.to_bytes());
+            }
+        }
+        result
+    }
+
+    /// Every grant in the map.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn entries(&self) -> Result<Vec<GrantEntry>> {
+        let keys = sys::map_keys(self.grants.as_fd(), GrantKey::SIZE, self.max_entries)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "grants"))?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut v = [0u8; GrantValue::SIZE];
+        for k in keys {
+            let Some(key) = GrantKey::from_bytes(&k) else {
+                continue;
+            };
+            if sys::map_lookup(self.grants.as_fd(), &k, &mut v)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?
+            {
+                if let Some(val) = GrantValue::from_bytes(&v) {
+                    out.push(GrantEntry {
+                        cgroup_id: key.cgroup_id,
+                        dev: key.dev,
+                        access: val.access,
+                        job_id: val.job_id,
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|e| (e.job_id, e.cgroup_id, e.dev));
+        Ok(out)
+    }
+
+    /// The grant for `(cgroup_id, dev)`, if any.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn lookup(&self, cgroup_id: u64, dev: DevNum) -> Result<Option<GrantValue>> {
+        let key = GrantKey { cgroup_id, dev };
+        let mut v = [0u8; GrantValue::SIZE];
+        let found = sys::map_lookup(self.grants.as_fd(), &key.to_bytes(), &mut v)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?;
+        Ok(if found {
+            GrantValue::from_bytes(&v)
+        } else {
+            None
+        })
+    }
+
+    /// Removes every grant of `job_id` (whatever cgroup it is keyed by) and
+    /// clears the GRANTED flag of cgroups left without grants. Returns what
+    /// was removed. Repeating it is a no-op.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`] when an entry cannot be deleted (the fence then still
+    /// holds a grant: the caller must treat the node as unsafe).
+    pub fn revoke_job(&self, job_id: u32) -> Result<Vec<GrantEntry>> {
+        self.revoke_where(|e| e.job_id == job_id)
+    }
+
+    /// Removes every grant keyed by `cgroup_id` (a cgroup that is gone).
+    ///
+    /// # Errors
+    /// As [`Fence::revoke_job`].
+    pub fn revoke_cgroup(&self, cgroup_id: u64) -> Result<Vec<GrantEntry>> {
+        self.revoke_where(|e| e.cgroup_id == cgroup_id)
+    }
+
+    fn revoke_where(&self, pred: impl Fn(&GrantEntry) -> bool) -> Result<Vec<GrantEntry>> {
+        let all = self.entries()?;
+        let (gone, kept): (Vec<GrantEntry>, Vec<GrantEntry>) =
+            all.into_iter().partition(|e| pred(e));
+        let touched: BTreeSet<u64> = gone.iter().map(|e| e.cgroup_id).collect();
+        let still: BTreeSet<u64> = kept.iter().map(|e| e.cgroup_id).collect();
+        // Clear the flag first: from then on the program skips the cgroup.
+        for id in touched.difference(&still) {
+            let f = self.flags_of(*id)?;
+            self.write_flags(*id, f & !CGROUP_GRANTED)?;
+        }
+        for e in &gone {
+            let key = GrantKey {
+                cgroup_id: e.cgroup_id,
+                dev: e.dev,
+            };
+            sys::map_delete(self.grants.as_fd(), &key.to_bytes()).map_err(bpf_err(
+                "BPF_MAP_DELETE_ELEM",
+                format!("grants[{}, {}]", e.cgroup_id, e.dev),
+            ))?;
+        }
+        Ok(gone)
+    }
+}
+
+/// The programs attached directly at cgroup `rel` for device checks:
+/// `(attach_flags, prog_ids)`. For tests and `doctor`.
+///
+/// # Errors
+/// [`Error`] when the cgroup cannot be opened or queried.
+pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
+    let p = cg.path(rel);
+    let f = File::open(&p).map_err(|e| Error::Cgroup {
+        op: "open",
+        path: p.clone(),
+        source: e,
+    })?;
+    sys::prog_query_cgroup_device(f.as_fd())
+        .map_err(bpf_err("BPF_PROG_QUERY", p.display().to_string()))
+}

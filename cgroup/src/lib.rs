@@ -1,0 +1,29 @@
+//! The kernel side of gpufence.
+//!
+//! - [`hierarchy`]: find the cgroup2 mount, cgroup ids, job cgroups, moves.
+//! - [`asm`]: a small typed eBPF assembler with symbolic labels.
+//! - [`program`]: the fence program, built purely from its parameters.
+//! - [`interp`]: an interpreter for the instructions [`program`] emits, so the
+//!   program can be checked against [`gpufence_model::policy`] without a kernel.
+//! - [`sys`]: the `bpf(2)` calls, as owned file descriptors.
+//! - [`maps`]: the layouts of the pinned maps.
+//! - [`fence`]: install, open, status, remove; grant and revoke.
+//!
+//! Facts this rests on are in `../shared/domain/bpf.md` (kernel
+//! `kernel/bpf/cgroup.c`): a `BPF_F_ALLOW_MULTI` program (or a cgroup
+//! `bpf_link`, which has MULTI semantics) at a cgroup runs for every task
+//! below it, ANDed with whatever Slurm, systemd or a container runtime
+//! attach lower down.
+
+pub mod asm;
+pub mod error;
+pub mod fence;
+pub mod hierarchy;
+pub mod interp;
+pub mod maps;
+pub mod program;
+pub mod sys;
+
+pub use error::Error;
+pub use fence::{Fence, FenceSpec, FenceStatus};
+pub use hierarchy::Cgroup2;

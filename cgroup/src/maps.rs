@@ -1,0 +1,178 @@
+//! The pinned maps the fence program reads and the prolog, plugin and epilog
+//! edit, with their byte layouts.
+//!
+//! ```text
+//! majors   ARRAY  u32 major            -> u32 (1 = protected)       4096 entries
+//! cgroups  HASH   u64 cgroup id        -> u32 flags (EXEMPT|GRANTED) max_grants entries
+//! grants   HASH   {u64 cgid, u32 major, u32 minor} -> {u32 access, u32 job id}
+//! ```
+//!
+//! `cgroups` lets the program skip an ancestor with one lookup when it is
+//! neither exempt nor granted (most of them), so the ancestor walk costs one
+//! hash lookup per level on the deny path.
+
+use gpufence_model::device::{Access, DevNum};
+
+/// `BPF_MAP_TYPE_HASH`.
+pub const MAP_TYPE_HASH: u32 = 1;
+/// `BPF_MAP_TYPE_ARRAY`.
+pub const MAP_TYPE_ARRAY: u32 = 2;
+
+/// Pin name of the cgroup link, in `bpffs_dir`.
+pub const PIN_LINK: &str = "link";
+/// Pin name of the protected-majors map.
+pub const PIN_MAJORS: &str = "majors";
+/// Pin name of the cgroup-flags map.
+pub const PIN_CGROUPS: &str = "cgroups";
+/// Pin name of the grants map.
+pub const PIN_GRANTS: &str = "grants";
+
+/// Entries of the majors array: every major the kernel can represent.
+pub const MAJORS_ENTRIES: u32 = gpufence_model::device::MAX_MAJOR + 1;
+/// Value of a protected major in the majors array.
+pub const MAJOR_PROTECTED: u32 = 1;
+
+/// `cgroups` flag: processes here and below may open every protected device.
+pub const CGROUP_EXEMPT: u32 = 1;
+/// `cgroups` flag: this cgroup holds at least one entry in `grants`.
+pub const CGROUP_GRANTED: u32 = 2;
+
+/// The shape of one map, compared with what a pinned map reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSpec {
+    /// Pin name and map name.
+    pub name: &'static str,
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Key size in bytes.
+    pub key_size: u32,
+    /// Value size in bytes.
+    pub value_size: u32,
+    /// Capacity.
+    pub max_entries: u32,
+}
+
+/// The three maps, with `grants` and `cgroups` sized for `max_grants` entries.
+pub fn map_specs(max_grants: u32) -> [MapSpec; 3] {
+    [
+        MapSpec {
+            name: PIN_MAJORS,
+            map_type: MAP_TYPE_ARRAY,
+            key_size: 4,
+            value_size: 4,
+            max_entries: MAJORS_ENTRIES,
+        },
+        MapSpec {
+            name: PIN_CGROUPS,
+            map_type: MAP_TYPE_HASH,
+            key_size: 8,
+            value_size: 4,
+            max_entries: max_grants,
+        },
+        MapSpec {
+            name: PIN_GRANTS,
+            map_type: MAP_TYPE_HASH,
+            key_size: GrantKey::SIZE as u32,
+            value_size: GrantValue::SIZE as u32,
+            max_entries: max_grants,
+        },
+    ]
+}
+
+/// Key of the grants map: `struct { u64 cgroup_id; u32 major; u32 minor; }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GrantKey {
+    /// The cgroup id (inode of its cgroup2 directory).
+    pub cgroup_id: u64,
+    /// The device.
+    pub dev: DevNum,
+}
+
+impl GrantKey {
+    /// Size in bytes.
+    pub const SIZE: usize = 16;
+    /// Offset of `cgroup_id` in the key.
+    pub const OFF_CGROUP_ID: i16 = 0;
+    /// Offset of `major`.
+    pub const OFF_MAJOR: i16 = 8;
+    /// Offset of `minor`.
+    pub const OFF_MINOR: i16 = 12;
+
+    /// Native-endian bytes, as the program builds the key on its stack.
+    pub fn to_bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&self.cgroup_id.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.dev.major.to_ne_bytes());
+        b[12..16].copy_from_slice(&self.dev.minor.to_ne_bytes());
+        b
+    }
+
+    /// Parses 16 key bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::SIZE {
+            return None;
+        }
+        Some(GrantKey {
+            cgroup_id: u64::from_ne_bytes(b[0..8].try_into().ok()?),
+            dev: DevNum::new(
+                u32::from_ne_bytes(b[8..12].try_into().ok()?),
+                u32::from_ne_bytes(b[12..16].try_into().ok()?),
+            ),
+        })
+    }
+}
+
+/// Value of the grants map: `struct { u32 access; u32 job_id; }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrantValue {
+    /// Access bits granted (`BPF_DEVCG_ACC_*`).
+    pub access: Access,
+    /// The Slurm job the grant belongs to; the epilog revokes by it.
+    pub job_id: u32,
+}
+
+impl GrantValue {
+    /// Size in bytes.
+    pub const SIZE: usize = 8;
+    /// Offset of `access` in the value.
+    pub const OFF_ACCESS: i16 = 0;
+
+    /// Native-endian bytes.
+    pub fn to_bytes(&self) -> [u8; 8] {
+        let mut b = [0u8; 8];
+        b[0..4].copy_from_slice(&self.access.bits().to_ne_bytes());
+        b[4..8].copy_from_slice(&self.job_id.to_ne_bytes());
+        b
+    }
+
+    /// Parses 8 value bytes; unknown access bits are dropped.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::SIZE {
+            return None;
+        }
+        Some(GrantValue {
+            access: Access::from_bits_truncate(u32::from_ne_bytes(b[0..4].try_into().ok()?)),
+            job_id: u32::from_ne_bytes(b[4..8].try_into().ok()?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_and_value_round_trip() {
+        let k = GrantKey {
+            cgroup_id: 0x1122_3344_5566_7788,
+            dev: DevNum::new(509, 1),
+        };
+        assert_eq!(GrantKey::from_bytes(&k.to_bytes()), Some(k));
+        let v = GrantValue {
+            access: Access::RW,
+            job_id: 4_000_000_000,
+        };
+        assert_eq!(GrantValue::from_bytes(&v.to_bytes()), Some(v));
+        assert_eq!(GrantKey::from_bytes(&[0; 15]), None);
+    }
+}

@@ -1,0 +1,372 @@
+//! The fence program, built purely from its parameters.
+//!
+//! In pseudo-C, for `BPF_PROG_TYPE_CGROUP_DEVICE` (context
+//! `struct bpf_cgroup_dev_ctx`, `include/uapi/linux/bpf.h`):
+//!
+//! ```c
+//! int fence(struct bpf_cgroup_dev_ctx *ctx) {
+//!     if ((ctx->access_type & 0xffff) != BPF_DEVCG_DEV_CHAR) return 1;
+//!     u32 access = ctx->access_type >> 16;
+//!     u32 *p = majors[ctx->major];
+//!     if (!p || !*p) return 1;                       // not an NVIDIA major
+//!     struct grant_key key = { 0, ctx->major, ctx->minor };
+//!     for (level = 1; level <= MAX_LEVEL; level++) { // unrolled
+//!         u64 id = bpf_get_current_ancestor_cgroup_id(level);
+//!         if (!id) return 0;                         // walked past the task's cgroup
+//!         u32 *flags = cgroups[id];
+//!         if (!flags) continue;
+//!         if (*flags & EXEMPT) return 1;
+//!         if (!(*flags & GRANTED)) continue;
+//!         key.cgroup_id = id;
+//!         struct grant_value *g = grants[key];
+//!         if (g && !(access & ~g->access)) return 1;
+//!     }
+//!     return 0;
+//! }
+//! ```
+//!
+//! Unprotected devices (`/dev/null`, disks) leave after one context load,
+//! one compare, and one array lookup that the verifier inlines.
+
+use std::mem::offset_of;
+
+use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
+use crate::maps::{GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+
+/// How many cgroup levels below the root the program walks. Slurm's job
+/// cgroup sits at level 3 (`system.slice/slurmstepd.scope/job_<id>`); tasks
+/// at level 6. Grants on cgroups deeper than this are refused at grant time.
+pub const MAX_LEVEL: usize = 16;
+
+/// `struct bpf_cgroup_dev_ctx` (`include/uapi/linux/bpf.h`).
+#[repr(C)]
+pub struct BpfCgroupDevCtx {
+    /// Device type (low 16 bits) | access (high 16 bits).
+    pub access_type: u32,
+    /// Major number.
+    pub major: u32,
+    /// Minor number.
+    pub minor: u32,
+}
+
+/// `BPF_DEVCG_DEV_CHAR`.
+pub const DEVCG_DEV_CHAR: i32 = 2;
+
+const CTX_ACCESS_TYPE: i16 = offset_of!(BpfCgroupDevCtx, access_type) as i16;
+const CTX_MAJOR: i16 = offset_of!(BpfCgroupDevCtx, major) as i16;
+const CTX_MINOR: i16 = offset_of!(BpfCgroupDevCtx, minor) as i16;
+
+// Stack slots (offsets from r10, the frame pointer).
+const STACK_CGROUP_KEY: i16 = -8; // u64, key of `cgroups`
+const STACK_GRANT_KEY: i16 = -24; // struct grant_key, 16 bytes, key of `grants`
+const STACK_MAJOR_KEY: i16 = -28; // u32, key of `majors`
+
+/// What the program needs: the fds of the three maps and the walk depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FenceProgramSpec {
+    /// fd of the `majors` array.
+    pub majors_fd: i32,
+    /// fd of the `cgroups` hash.
+    pub cgroups_fd: i32,
+    /// fd of the `grants` hash.
+    pub grants_fd: i32,
+    /// Levels walked, 1..=`max_level` ([`MAX_LEVEL`] in production).
+    pub max_level: usize,
+}
+
+/// Builds the fence program.
+///
+/// # Errors
+/// [`AsmError`] only if the builder itself is wrong.
+pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
+    use Reg::*;
+    let mut a = Asm::new();
+    a.comment("u32 t = ctx->access_type; if ((t & 0xffff) != BPF_DEVCG_DEV_CHAR) return 1;")
+        .load(Size::W, R2, R1, CTX_ACCESS_TYPE)
+        .mov64_reg(R3, R2)
+        .alu64_imm(AluOp::And, R3, 0xffff)
+        .jmp_imm(JmpOp::Ne, R3, DEVCG_DEV_CHAR, "allow")
+        .comment("r7 = access = t >> 16; r8 = major; r9 = minor")
+        .mov64_reg(R7, R2)
+        .alu64_imm(AluOp::Rsh, R7, 16)
+        .load(Size::W, R8, R1, CTX_MAJOR)
+        .load(Size::W, R9, R1, CTX_MINOR)
+        .comment("u32 *p = majors[major]; if (!p || !*p) return 1;")
+        .store(Size::W, R10, STACK_MAJOR_KEY, R8)
+        .ld_map_fd(R1, spec.majors_fd, "majors")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_MAJOR_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, R0, 0, "allow")
+        .load(Size::W, R1, R0, 0)
+        .jmp_imm(JmpOp::Eq, R1, 0, "allow")
+        .comment("key.major = major; key.minor = minor;")
+        .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MAJOR, R8)
+        .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MINOR, R9);
+    for level in 1..=spec.max_level {
+        let next = format!("level_{}", level + 1);
+        a.label(&format!("level_{level}"))
+            .comment(&format!(
+                "id = ancestor_cgroup_id({level}); if (!id) return 0; f = cgroups[id]; if (!f) continue;"
+            ))
+            .mov64_imm(R1, level as i32)
+            .call(Helper::GetCurrentAncestorCgroupId)
+            .jmp_imm(JmpOp::Eq, R0, 0, "deny")
+            .store(Size::DW, R10, STACK_CGROUP_KEY, R0)
+            .store(Size::DW, R10, STACK_GRANT_KEY + GrantKey::OFF_CGROUP_ID, R0)
+            .ld_map_fd(R1, spec.cgroups_fd, "cgroups")
+            .mov64_reg(R2, R10)
+            .alu64_imm(AluOp::Add, R2, STACK_CGROUP_KEY as i32)
+            .call(Helper::MapLookupElem)
+            .jmp_imm(JmpOp::Eq, R0, 0, &next)
+            .comment("if (*f & EXEMPT) return 1; if (!(*f & GRANTED)) continue;")
+            .load(Size::W, R1, R0, 0)
+            .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, "allow")
+            .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
+            .jmp_imm(JmpOp::Eq, R1, 0, &next)
+            .comment("g = grants[{id, major, minor}]; if (g && !(access & ~g->access)) return 1;")
+            .ld_map_fd(R1, spec.grants_fd, "grants")
+            .mov64_reg(R2, R10)
+            .alu64_imm(AluOp::Add, R2, STACK_GRANT_KEY as i32)
+            .call(Helper::MapLookupElem)
+            .jmp_imm(JmpOp::Eq, R0, 0, &next)
+            .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
+            .alu32_imm(AluOp::Xor, R1, -1)
+            .alu64_reg(AluOp::And, R1, R7)
+            .jmp_imm(JmpOp::Eq, R1, 0, "allow");
+    }
+    a.label(&format!("level_{}", spec.max_level + 1))
+        .label("deny")
+        .comment("return 0;  /* EPERM */")
+        .mov64_imm(R0, 0)
+        .exit()
+        .label("allow")
+        .comment("return 1;")
+        .mov64_imm(R0, 1)
+        .exit();
+    a.assemble()
+}
+
+/// The feature probe: a device program that calls
+/// `bpf_get_current_ancestor_cgroup_id(1)` and allows. The kernel refuses
+/// to load it when the helper is not available to device programs.
+pub fn probe() -> Result<Program, AsmError> {
+    let mut a = Asm::new();
+    a.comment("bpf_get_current_ancestor_cgroup_id(1); return 1;")
+        .mov64_imm(Reg::R1, 1)
+        .call(Helper::GetCurrentAncestorCgroupId)
+        .mov64_imm(Reg::R0, 1)
+        .exit();
+    a.assemble()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interp::{self, Env};
+    use crate::maps::{GrantValue, MAJOR_PROTECTED};
+    use gpufence_model::device::{Access, DevNum};
+    use gpufence_model::policy::{DevType, Policy, Request};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    const MAJORS: i32 = 11;
+    const CGROUPS: i32 = 12;
+    const GRANTS: i32 = 13;
+
+    fn spec(max_level: usize) -> FenceProgramSpec {
+        FenceProgramSpec {
+            majors_fd: MAJORS,
+            cgroups_fd: CGROUPS,
+            grants_fd: GRANTS,
+            max_level,
+        }
+    }
+
+    /// The maps as the fence would fill them from a [`Policy`].
+    struct PolicyEnv<'a> {
+        policy: &'a Policy,
+        ancestry: &'a [u64],
+        grant_jobs: BTreeMap<(u64, DevNum), u32>,
+    }
+
+    impl Env for PolicyEnv<'_> {
+        fn key_size(&self, fd: i32) -> Option<usize> {
+            match fd {
+                MAJORS => Some(4),
+                CGROUPS => Some(8),
+                GRANTS => Some(GrantKey::SIZE),
+                _ => None,
+            }
+        }
+        fn map_lookup(&self, fd: i32, key: &[u8]) -> Option<Vec<u8>> {
+            match fd {
+                MAJORS => {
+                    let m = u32::from_ne_bytes(key.try_into().ok()?);
+                    (m < crate::maps::MAJORS_ENTRIES).then(|| {
+                        let v = if self.policy.protected.contains(&m) {
+                            MAJOR_PROTECTED
+                        } else {
+                            0
+                        };
+                        v.to_ne_bytes().to_vec()
+                    })
+                }
+                CGROUPS => {
+                    let id = u64::from_ne_bytes(key.try_into().ok()?);
+                    let mut f = 0;
+                    if self.policy.exempt.contains(&id) {
+                        f |= CGROUP_EXEMPT;
+                    }
+                    if self.policy.grants.keys().any(|(c, _)| *c == id) {
+                        f |= CGROUP_GRANTED;
+                    }
+                    (f != 0).then(|| f.to_ne_bytes().to_vec())
+                }
+                GRANTS => {
+                    let k = GrantKey::from_bytes(key)?;
+                    let access = *self.policy.grants.get(&(k.cgroup_id, k.dev))?;
+                    let job_id = self
+                        .grant_jobs
+                        .get(&(k.cgroup_id, k.dev))
+                        .copied()
+                        .unwrap_or(1);
+                    Some(GrantValue { access, job_id }.to_bytes().to_vec())
+                }
+                _ => None,
+            }
+        }
+        fn ancestor_cgroup_id(&self, level: u64) -> u64 {
+            self.ancestry.get(level as usize).copied().unwrap_or(0)
+        }
+    }
+
+    fn run(policy: &Policy, ancestry: &[u64], req: &Request, max_level: usize) -> bool {
+        let prog = build(&spec(max_level)).unwrap();
+        let env = PolicyEnv {
+            policy,
+            ancestry,
+            grant_jobs: BTreeMap::new(),
+        };
+        let ctx = [
+            req.dev_type.raw() | (req.access.bits() << 16),
+            req.dev.major,
+            req.dev.minor,
+        ];
+        match interp::run(&prog.insns, ctx, &env).expect("program runs") {
+            0 => false,
+            1 => true,
+            other => panic!("program returned {other}"),
+        }
+    }
+
+    #[test]
+    fn golden_listing_depth_2() {
+        let got = build(&spec(2)).unwrap().listing;
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/fence-depth2.listing");
+        if std::env::var_os("GPUFENCE_UPDATE_GOLDEN").is_some() {
+            std::fs::write(&path, &got).unwrap();
+        }
+        let want = std::fs::read_to_string(&path)
+            .expect("golden listing (GPUFENCE_UPDATE_GOLDEN=1 writes it)");
+        assert_eq!(
+            got, want,
+            "listing changed; review and rerun with GPUFENCE_UPDATE_GOLDEN=1"
+        );
+    }
+
+    #[test]
+    fn production_program_size() {
+        let p = build(&spec(MAX_LEVEL)).unwrap();
+        // 19 instructions of prologue, 25 per level, 4 of epilogue
+        assert_eq!(p.insns.len(), 19 + 25 * MAX_LEVEL + 4);
+    }
+
+    #[test]
+    fn table_against_policy() {
+        let policy = Policy {
+            protected: [195, 509].into(),
+            exempt: [50].into(),
+            grants: [
+                ((10, DevNum::new(195, 0)), Access::RW),
+                ((10, DevNum::new(195, 255)), Access::RW),
+                ((11, DevNum::new(195, 1)), Access::READ),
+            ]
+            .into(),
+        };
+        let char_req = |major, minor, access| Request {
+            dev_type: DevType::Char,
+            dev: DevNum::new(major, minor),
+            access,
+        };
+        let cases: &[(&[u64], Request, bool)] = &[
+            (&[1, 7, 10, 12, 13], char_req(195, 0, Access::RW), true),
+            (&[1, 7, 10], char_req(195, 255, Access::READ), true),
+            (&[1, 7, 10], char_req(195, 1, Access::READ), false),
+            (&[1, 7, 10], char_req(195, 0, Access::all()), false),
+            (&[1, 7, 8], char_req(195, 0, Access::READ), false),
+            (&[1, 7, 8], char_req(1, 3, Access::RW), true),
+            (&[1, 50, 51, 52], char_req(509, 1, Access::all()), true),
+            (&[1, 11], char_req(195, 1, Access::WRITE), false),
+            (&[1, 11], char_req(195, 1, Access::READ), true),
+            (&[1], char_req(195, 0, Access::READ), false),
+        ];
+        for (anc, req, want) in cases {
+            assert_eq!(run(&policy, anc, req, MAX_LEVEL), *want, "{anc:?} {req:?}");
+            assert_eq!(
+                policy.allows(anc, req, MAX_LEVEL),
+                *want,
+                "model: {anc:?} {req:?}"
+            );
+        }
+        let block = Request {
+            dev_type: DevType::Block,
+            ..char_req(195, 0, Access::RW)
+        };
+        assert!(run(&policy, &[1, 8], &block, MAX_LEVEL));
+    }
+
+    fn arb_policy() -> impl Strategy<Value = Policy> {
+        let ids = 1u64..12;
+        let dev = (prop::sample::select(vec![195u32, 509, 10]), 0u32..4)
+            .prop_map(|(a, b)| DevNum::new(a, b));
+        (
+            prop::collection::btree_set(prop::sample::select(vec![195u32, 509, 10, 1]), 0..4),
+            prop::collection::btree_set(ids.clone(), 0..3),
+            prop::collection::btree_map(
+                (ids, dev),
+                (0u32..8).prop_map(Access::from_bits_truncate),
+                0..12,
+            ),
+        )
+            .prop_map(|(protected, exempt, grants)| Policy {
+                protected,
+                exempt,
+                grants,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn program_matches_policy(
+            policy in arb_policy(),
+            ancestry in prop::collection::vec(1u64..12, 1..8),
+            major in prop::sample::select(vec![195u32, 509, 10, 1]),
+            minor in 0u32..4,
+            access in (1u32..8).prop_map(Access::from_bits_truncate),
+            block in any::<bool>(),
+            max_level in 1usize..6,
+        ) {
+            let req = Request {
+                dev_type: if block { DevType::Block } else { DevType::Char },
+                dev: DevNum::new(major, minor),
+                access,
+            };
+            prop_assert_eq!(
+                run(&policy, &ancestry, &req, max_level),
+                policy.allows(&ancestry, &req, max_level)
+            );
+        }
+    }
+}

@@ -1,0 +1,518 @@
+//! The `bpf(2)` commands the fence uses, as owned file descriptors.
+//!
+//! Attribute layouts are the members of `union bpf_attr` and the info
+//! structs in `include/uapi/linux/bpf.h`, prefixes only: the kernel zero-fills
+//! what a caller's shorter struct leaves out (`bpf_check_uarg_tail_zero`).
+
+use std::ffi::CString;
+use std::io;
+use std::mem::size_of;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use crate::asm::RawInsn;
+
+const BPF_MAP_CREATE: i32 = 0;
+const BPF_MAP_LOOKUP_ELEM: i32 = 1;
+const BPF_MAP_UPDATE_ELEM: i32 = 2;
+const BPF_MAP_DELETE_ELEM: i32 = 3;
+const BPF_MAP_GET_NEXT_KEY: i32 = 4;
+const BPF_PROG_LOAD: i32 = 5;
+const BPF_OBJ_PIN: i32 = 6;
+const BPF_OBJ_GET: i32 = 7;
+const BPF_PROG_QUERY: i32 = 16;
+const BPF_OBJ_GET_INFO_BY_FD: i32 = 15;
+const BPF_LINK_CREATE: i32 = 28;
+const BPF_LINK_UPDATE: i32 = 29;
+const BPF_LINK_DETACH: i32 = 34;
+
+/// `BPF_PROG_TYPE_CGROUP_DEVICE`.
+pub const PROG_TYPE_CGROUP_DEVICE: u32 = 15;
+/// `BPF_CGROUP_DEVICE` attach type.
+pub const ATTACH_CGROUP_DEVICE: u32 = 6;
+/// `BPF_LINK_TYPE_CGROUP`.
+pub const LINK_TYPE_CGROUP: u32 = 3;
+/// `BPF_ANY` for map updates.
+pub const UPDATE_ANY: u64 = 0;
+/// `BPF_F_ALLOW_MULTI` as reported in query attach flags.
+pub const F_ALLOW_MULTI: u32 = 1 << 1;
+/// `BPF_F_ALLOW_OVERRIDE`.
+pub const F_ALLOW_OVERRIDE: u32 = 1 << 0;
+
+fn bpf<T>(cmd: i32, attr: &mut T) -> io::Result<i64> {
+    // SAFETY: `attr` is a repr(C) prefix of `union bpf_attr` for `cmd`,
+    // valid for reads and writes of size_of::<T>() bytes.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>()) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn fd_result(r: i64) -> OwnedFd {
+    // SAFETY: the kernel returned a new descriptor we now own.
+    unsafe { OwnedFd::from_raw_fd(r as RawFd) }
+}
+
+fn name16(name: &str) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    // BPF object names: at most 15 chars of [A-Za-z0-9_.]
+    for (d, s) in b.iter_mut().zip(
+        name.bytes()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'.')
+            .take(15),
+    ) {
+        *d = s;
+    }
+    b
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner_map_fd: u32,
+    numa_node: u32,
+    map_name: [u8; 16],
+}
+
+/// `BPF_MAP_CREATE`.
+///
+/// # Errors
+/// errno (`EPERM` without CAP_BPF, `ENOMEM` past RLIMIT_MEMLOCK on < 5.11).
+pub fn map_create(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    name: &str,
+) -> io::Result<OwnedFd> {
+    let mut a = MapCreateAttr {
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        map_name: name16(name),
+        ..Default::default()
+    };
+    bpf(BPF_MAP_CREATE, &mut a).map(fd_result)
+}
+
+#[repr(C)]
+struct MapElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// `BPF_MAP_LOOKUP_ELEM`: `Ok(false)` when the key is absent.
+///
+/// # Errors
+/// errno other than `ENOENT`.
+pub fn map_lookup(map: BorrowedFd<'_>, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
+    let mut a = MapElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        key: key.as_ptr() as u64,
+        value: value.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    match bpf(BPF_MAP_LOOKUP_ELEM, &mut a) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// `BPF_MAP_UPDATE_ELEM` with `BPF_ANY`.
+///
+/// # Errors
+/// errno (`E2BIG` when a hash map is full).
+pub fn map_update(map: BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::Result<()> {
+    let mut a = MapElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        key: key.as_ptr() as u64,
+        value: value.as_ptr() as u64,
+        flags: UPDATE_ANY,
+    };
+    bpf(BPF_MAP_UPDATE_ELEM, &mut a).map(|_| ())
+}
+
+/// `BPF_MAP_DELETE_ELEM`: `Ok(false)` when the key was absent.
+///
+/// # Errors
+/// errno other than `ENOENT`.
+pub fn map_delete(map: BorrowedFd<'_>, key: &[u8]) -> io::Result<bool> {
+    let mut a = MapElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        key: key.as_ptr() as u64,
+        value: 0,
+        flags: 0,
+    };
+    match bpf(BPF_MAP_DELETE_ELEM, &mut a) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Every key of a hash map (`BPF_MAP_GET_NEXT_KEY` from NULL). Keys deleted
+/// concurrently may restart the walk; the kernel then returns the first key
+/// again, so this is bounded by `max_entries` visits plus a guard.
+///
+/// # Errors
+/// errno other than the `ENOENT` that ends the walk.
+pub fn map_keys(
+    map: BorrowedFd<'_>,
+    key_size: usize,
+    max_entries: u32,
+) -> io::Result<Vec<Vec<u8>>> {
+    let mut keys: Vec<Vec<u8>> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut cur: Option<Vec<u8>> = None;
+    let limit = max_entries as usize * 2 + 16;
+    for _ in 0..limit {
+        let mut next = vec![0u8; key_size];
+        let mut a = MapElemAttr {
+            map_fd: map.as_raw_fd() as u32,
+            _pad: 0,
+            key: cur.as_ref().map_or(0, |k| k.as_ptr() as u64),
+            value: next.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut a) {
+            Ok(_) => {
+                if seen.insert(next.clone()) {
+                    keys.push(next.clone());
+                }
+                cur = Some(next);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(keys),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(keys)
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoadAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+}
+
+/// A refused `BPF_PROG_LOAD`: errno and the verifier's log.
+#[derive(Debug)]
+pub struct LoadError {
+    /// errno.
+    pub errno: io::Error,
+    /// The verifier log (empty when the kernel wrote none).
+    pub log: String,
+}
+
+/// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_CGROUP_DEVICE` program. On failure,
+/// loads again with the verifier log on, so the error carries the reason.
+///
+/// # Errors
+/// [`LoadError`].
+pub fn prog_load_cgroup_device(insns: &[RawInsn], name: &str) -> Result<OwnedFd, LoadError> {
+    let license = c"GPL";
+    let attempt = |log: Option<&mut Vec<u8>>| {
+        let mut a = ProgLoadAttr {
+            prog_type: PROG_TYPE_CGROUP_DEVICE,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            prog_name: name16(name),
+            expected_attach_type: ATTACH_CGROUP_DEVICE,
+            ..Default::default()
+        };
+        if let Some(buf) = log {
+            a.log_level = 1;
+            a.log_size = buf.len() as u32;
+            a.log_buf = buf.as_mut_ptr() as u64;
+        }
+        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+    };
+    match attempt(None) {
+        Ok(fd) => Ok(fd),
+        Err(errno) => {
+            let mut buf = vec![0u8; 1 << 20];
+            let second = attempt(Some(&mut buf));
+            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
+            match second {
+                // Loading with a log succeeded where the first did not:
+                // transient; use it.
+                Ok(fd) => Ok(fd),
+                Err(_) => Err(LoadError { errno, log }),
+            }
+        }
+    }
+}
+
+#[repr(C)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+fn cpath(p: &Path) -> io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))
+}
+
+/// `BPF_OBJ_PIN`: pins `fd` at `path` on a bpffs.
+///
+/// # Errors
+/// errno (`EEXIST` when the pin exists, `EPERM` off bpffs).
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let c = cpath(path)?;
+    let mut a = ObjAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        file_flags: 0,
+    };
+    bpf(BPF_OBJ_PIN, &mut a).map(|_| ())
+}
+
+/// `BPF_OBJ_GET`: opens a pinned object.
+///
+/// # Errors
+/// errno (`ENOENT` when nothing is pinned there).
+pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let c = cpath(path)?;
+    let mut a = ObjAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    bpf(BPF_OBJ_GET, &mut a).map(fd_result)
+}
+
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+}
+
+/// `BPF_LINK_CREATE` of a device program on a cgroup (MULTI semantics).
+///
+/// # Errors
+/// errno (`E2BIG` when the cgroup already has 64 programs).
+pub fn link_create_cgroup_device(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+) -> io::Result<OwnedFd> {
+    let mut a = LinkCreateAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        flags: 0,
+    };
+    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+}
+
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+/// `BPF_LINK_UPDATE`: swaps the link's program atomically.
+///
+/// # Errors
+/// errno.
+pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
+    let mut a = LinkUpdateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: prog.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    bpf(BPF_LINK_UPDATE, &mut a).map(|_| ())
+}
+
+#[repr(C)]
+struct LinkDetachAttr {
+    link_fd: u32,
+}
+
+/// `BPF_LINK_DETACH`: detaches the link's program now, whoever holds it.
+///
+/// # Errors
+/// errno.
+pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
+    let mut a = LinkDetachAttr {
+        link_fd: link.as_raw_fd() as u32,
+    };
+    bpf(BPF_LINK_DETACH, &mut a).map(|_| ())
+}
+
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+/// The prefix of `struct bpf_link_info` for cgroup links.
+#[repr(C)]
+#[derive(Default, Debug, Clone, Copy)]
+pub struct LinkInfo {
+    /// `BPF_LINK_TYPE_*`.
+    pub link_type: u32,
+    /// Link id.
+    pub id: u32,
+    /// Id of the attached program; 0 after a detach.
+    pub prog_id: u32,
+    _pad: u32,
+    /// The cgroup's id (0 after a detach).
+    pub cgroup_id: u64,
+    /// Attach type.
+    pub attach_type: u32,
+    _pad2: u32,
+}
+
+/// The prefix of `struct bpf_map_info`.
+#[repr(C)]
+#[derive(Default, Debug, Clone, Copy)]
+pub struct MapInfo {
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Map id.
+    pub id: u32,
+    /// Key size.
+    pub key_size: u32,
+    /// Value size.
+    pub value_size: u32,
+    /// Capacity.
+    pub max_entries: u32,
+    /// Flags.
+    pub map_flags: u32,
+    /// Name.
+    pub name: [u8; 16],
+}
+
+fn info_by_fd<T: Default>(fd: BorrowedFd<'_>) -> io::Result<T> {
+    let mut info = T::default();
+    let mut a = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<T>() as u32,
+        info: &mut info as *mut T as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    Ok(info)
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on a link.
+///
+/// # Errors
+/// errno.
+pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    info_by_fd(fd)
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on a map.
+///
+/// # Errors
+/// errno.
+pub fn map_info(fd: BorrowedFd<'_>) -> io::Result<MapInfo> {
+    info_by_fd(fd)
+}
+
+/// The prefix of `struct bpf_prog_info` up to the name.
+#[repr(C)]
+#[derive(Default, Debug, Clone, Copy)]
+pub struct ProgInfo {
+    /// `BPF_PROG_TYPE_*`.
+    pub prog_type: u32,
+    /// Program id.
+    pub id: u32,
+    /// SHA-1 prefix of the instructions.
+    pub tag: [u8; 8],
+    jited_prog_len: u32,
+    xlated_prog_len: u32,
+    jited_prog_insns: u64,
+    xlated_prog_insns: u64,
+    /// Load time, ns since boot.
+    pub load_time: u64,
+    /// Loader's uid.
+    pub created_by_uid: u32,
+    nr_map_ids: u32,
+    map_ids: u64,
+    /// Name.
+    pub name: [u8; 16],
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on a program.
+///
+/// # Errors
+/// errno.
+pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
+    info_by_fd(fd)
+}
+
+#[repr(C)]
+struct QueryAttr {
+    target_fd: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    prog_cnt: u32,
+    _pad: u32,
+}
+
+/// Programs attached directly at a cgroup (not inherited), for the device
+/// attach type: `(attach_flags, prog_ids)`. Link-attached programs are
+/// listed too.
+///
+/// # Errors
+/// errno.
+pub fn prog_query_cgroup_device(cgroup: BorrowedFd<'_>) -> io::Result<(u32, Vec<u32>)> {
+    let mut ids = vec![0u32; 64];
+    let mut a = QueryAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        query_flags: 0,
+        attach_flags: 0,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        _pad: 0,
+    };
+    bpf(BPF_PROG_QUERY, &mut a)?;
+    ids.truncate(a.prog_cnt as usize);
+    Ok((a.attach_flags, ids))
+}
+
+/// Trims a NUL-padded BPF object name.
+pub fn name_str(b: &[u8; 16]) -> String {
+    let end = b.iter().position(|c| *c == 0).unwrap_or(16);
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}

@@ -1,0 +1,179 @@
+//! `gpufence`: the admin CLI.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+use gpufence_node::{fence_ops, grants, Node, NodeError};
+
+/// Admin tool of gpufence, the node-wide GPU fence for Slurm.
+#[derive(Parser, Debug)]
+#[command(version, about, propagate_version = true)]
+struct Cli {
+    /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Install, inspect or remove the node-wide fence.
+    Fence {
+        #[command(subcommand)]
+        op: FenceOp,
+    },
+    /// List the live grants: job, cgroup, devices.
+    Grants {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum FenceOp {
+    /// Attach the fence (or swap in the current program); safe to repeat.
+    Install,
+    /// Whether the fence is attached at cgroup_root, and what it holds. Exit 1 when not installed.
+    Status {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Detach the fence and remove every pin: GPUs are then open to every process.
+    Remove,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gpufence: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode, NodeError> {
+    let node = Node::load(cli.config.as_deref())?;
+    match cli.cmd {
+        Cmd::Fence {
+            op: FenceOp::Install,
+        } => {
+            let r = fence_ops::install(&node)?;
+            println!(
+                "fence {} at /{} (program {}, link {}); protected majors {:?}",
+                if r.replaced_program {
+                    "updated"
+                } else {
+                    "installed"
+                },
+                node.cfg.cgroup_root,
+                r.prog_id,
+                r.link_id,
+                r.majors
+            );
+            for (p, id) in &r.exempt_applied {
+                println!("exempt: /{p} (cgroup id {id})");
+            }
+            for p in &r.exempt_missing {
+                println!(
+                    "exempt cgroup /{p} does not exist yet: not exempt until the next install"
+                );
+            }
+            for n in &r.notes {
+                println!("note: {n}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Fence {
+            op: FenceOp::Status { json },
+        } => {
+            let st = fence_ops::status(&node);
+            if json {
+                let v = json!({
+                    "installed": st.installed,
+                    "cgroup_root": format!("/{}", st.cgroup_root),
+                    "cgroup_root_id": st.root_cgroup_id,
+                    "bpffs_dir": node.cfg.bpffs_dir,
+                    "link_id": st.link_id,
+                    "prog_id": st.prog_id,
+                    "protected_majors": st.protected_majors,
+                    "grants": st.grants,
+                    "exempt_cgroup_ids": st.exempt_cgroup_ids,
+                    "problems": st.problems,
+                    "config": node.origin.to_string(),
+                });
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                println!(
+                    "fence: {}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {}\nexempt cgroup ids: {:?}\nconfig: {}",
+                    if st.installed { "installed" } else { "NOT INSTALLED" },
+                    st.cgroup_root,
+                    st.protected_majors,
+                    st.grants,
+                    st.exempt_cgroup_ids,
+                    node.origin
+                );
+                for p in &st.problems {
+                    println!("problem: {p}");
+                }
+            }
+            Ok(if st.installed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Cmd::Fence {
+            op: FenceOp::Remove,
+        } => {
+            let found = fence_ops::remove(&node)?;
+            println!(
+                "{}",
+                if found {
+                    "fence removed: NVIDIA devices are no longer guarded on this node"
+                } else {
+                    "no fence was installed"
+                }
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Grants { json } => {
+            let g = grants::list(&node)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&g).unwrap_or_default());
+            } else if g.is_empty() {
+                println!("no live grants");
+            } else {
+                println!(
+                    "{:<10} {:<12} {:<6} {:<40} devices",
+                    "job", "cgroup_id", "alive", "cgroup"
+                );
+                for c in g {
+                    let devs: Vec<String> = c
+                        .devices
+                        .iter()
+                        .map(|d| format!("{} {}", d.dev, d.access))
+                        .collect();
+                    println!(
+                        "{:<10} {:<12} {:<6} {:<40} {}",
+                        c.job_id,
+                        c.cgroup_id,
+                        c.cgroup_alive,
+                        c.cgroup_path
+                            .map(|p| format!("/{p}"))
+                            .unwrap_or_else(|| "?".into()),
+                        devs.join(", ")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The audit log: JSON Lines, one object per event.
+//!
+//! Every object has `ts` (RFC 3339, UTC) and `event`; `job_id`, `uid`,
+//! `pid` and `devices` appear where they apply; other fields are event
+//! specific. Concurrent prologs, plugins and epilogs append to one file: each
+//! event is one `write(2)` of a whole line on an `O_APPEND` descriptor under
+//! an exclusive `flock(2)`, so lines never interleave or get lost.
+
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::fsutil::create_dir_all_mode;
+use crate::record::now_rfc3339;
+
+/// Names of the events gpufence writes.
+pub mod events {
+    /// The fence was attached or its program replaced.
+    pub const FENCE_INSTALLED: &str = "fence_installed";
+    /// The fence was detached and its pins removed.
+    pub const FENCE_REMOVED: &str = "fence_removed";
+    /// The prolog recorded a job's devices.
+    pub const GRANT_RECORDED: &str = "grant_recorded";
+    /// The plugin put a job's grant into the fence for a cgroup.
+    pub const GRANT_APPLIED: &str = "grant_applied";
+    /// The plugin could not apply a grant: the step has no GPU access.
+    pub const GRANT_REFUSED: &str = "grant_refused";
+    /// The epilog removed a job's grant from the fence.
+    pub const GRANT_REVOKED: &str = "grant_revoked";
+    /// A process holds a job's device after the job and outside any grant.
+    pub const LINGERING_PROCESS: &str = "lingering_process";
+    /// A lingering process was killed and is gone.
+    pub const PROCESS_KILLED: &str = "process_killed";
+    /// A lingering process could not be killed.
+    pub const SURVIVOR: &str = "survivor";
+    /// Something went wrong that an admin must look at.
+    pub const ERROR: &str = "error";
+}
+
+/// One audit event, built with the setters and written by [`AuditLog::append`].
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditEvent {
+    event: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    job_id: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pid: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    devices: Option<Vec<String>>,
+    #[serde(flatten)]
+    fields: Map<String, Value>,
+}
+
+impl AuditEvent {
+    /// An event named `event` (see [`events`]).
+    pub fn new(event: &str) -> Self {
+        AuditEvent {
+            event: event.to_string(),
+            job_id: None,
+            uid: None,
+            pid: None,
+            devices: None,
+            fields: Map::new(),
+        }
+    }
+    /// Sets `job_id`.
+    pub fn job(mut self, job_id: u32) -> Self {
+        self.job_id = Some(job_id);
+        self
+    }
+    /// Sets `uid`.
+    pub fn uid(mut self, uid: u32) -> Self {
+        self.uid = Some(uid);
+        self
+    }
+    /// Sets `pid`.
+    pub fn pid(mut self, pid: i32) -> Self {
+        self.pid = Some(pid);
+        self
+    }
+    /// Sets `devices`, each written with its `Display` form.
+    pub fn devices<I, D>(mut self, devices: I) -> Self
+    where
+        I: IntoIterator<Item = D>,
+        D: std::fmt::Display,
+    {
+        self.devices = Some(devices.into_iter().map(|d| d.to_string()).collect());
+        self
+    }
+    /// Adds an event-specific field. Keys `ts`, `event`, `job_id`, `uid`,
+    /// `pid`, `devices` are reserved and ignored here.
+    pub fn field(mut self, key: &str, value: impl Into<Value>) -> Self {
+        if !matches!(key, "ts" | "event" | "job_id" | "uid" | "pid" | "devices") {
+            self.fields.insert(key.to_string(), value.into());
+        }
+        self
+    }
+
+    /// The event's name.
+    pub fn name(&self) -> &str {
+        &self.event
+    }
+
+    /// The JSON line (with `ts` set to now, and a trailing newline).
+    pub fn to_line(&self) -> Vec<u8> {
+        let mut obj = Map::new();
+        obj.insert("ts".into(), Value::String(now_rfc3339()));
+        if let Ok(Value::Object(m)) = serde_json::to_value(self) {
+            obj.extend(m);
+        }
+        let mut line = serde_json::to_vec(&Value::Object(obj)).unwrap_or_default();
+        line.push(b'\n');
+        line
+    }
+}
+
+/// The audit log file.
+#[derive(Clone, Debug)]
+pub struct AuditLog {
+    path: PathBuf,
+}
+
+impl AuditLog {
+    /// The log at `path` (created on first append, with its directory).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        AuditLog { path: path.into() }
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one event as one line.
+    ///
+    /// # Errors
+    /// The `io::Error` of `mkdir`, `open`, `flock` or `write`, with the path.
+    pub fn append(&self, ev: &AuditEvent) -> io::Result<()> {
+        let with_path = |e: io::Error| {
+            io::Error::new(e.kind(), format!("audit log {}: {e}", self.path.display()))
+        };
+        if let Some(dir) = self.path.parent() {
+            create_dir_all_mode(dir, 0o750).map_err(with_path)?;
+        }
+        let mut f = OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o640)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&self.path)
+            .map_err(with_path)?;
+        // SAFETY: flock on a descriptor we own; released when `f` closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(with_path(io::Error::last_os_error()));
+        }
+        f.write_all(&ev.to_line()).map_err(with_path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_carry_ts_event_and_fields() {
+        let ev = AuditEvent::new(events::GRANT_RECORDED)
+            .job(42)
+            .uid(1000)
+            .devices(["195:0 rw /dev/nvidia0"])
+            .field("ts", "spoof")
+            .field("step", "batch");
+        let v: Value = serde_json::from_slice(&ev.to_line()).unwrap();
+        assert_eq!(v["event"], "grant_recorded");
+        assert_eq!(v["job_id"], 42);
+        assert_eq!(v["uid"], 1000);
+        assert_eq!(v["devices"][0], "195:0 rw /dev/nvidia0");
+        assert_eq!(v["step"], "batch");
+        let ts = v["ts"].as_str().unwrap();
+        assert!(chrono::DateTime::parse_from_rfc3339(ts).is_ok(), "{ts}");
+        assert!(v.get("pid").is_none());
+    }
+
+    #[test]
+    fn concurrent_appends_never_interleave() {
+        let d = tempfile::tempdir().unwrap();
+        let log = AuditLog::new(d.path().join("sub/audit.jsonl"));
+        let big = "x".repeat(20_000); // larger than PIPE_BUF and a page
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let log = log.clone();
+                let big = big.clone();
+                s.spawn(move || {
+                    for i in 0..50 {
+                        log.append(
+                            &AuditEvent::new("t")
+                                .job(t)
+                                .pid(i)
+                                .field("pad", big.as_str()),
+                        )
+                        .unwrap();
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(log.path()).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            let v: Value = serde_json::from_str(line).expect("every line is whole JSON");
+            assert!(seen.insert((v["job_id"].as_u64().unwrap(), v["pid"].as_i64().unwrap())));
+        }
+        assert_eq!(seen.len(), 400);
+    }
+}

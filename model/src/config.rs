@@ -1,0 +1,407 @@
+//! The one configuration file every part of gpufence reads.
+//!
+//! TOML. Where it is: `--config PATH` on the binaries, `config=PATH` as a
+//! plugstack.conf argument of the plugin, else `$GPUFENCE_CONFIG`, else
+//! [`DEFAULT_CONFIG_PATH`]. When none was named and the default file is
+//! absent, the defaults apply (they are the safe ones: deny everything that
+//! no Slurm grant or exemption covers). Unknown keys and wrong types are
+//! errors that name the key and the file.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::MAX_MAJOR;
+
+/// Where the config lives when nothing else names it.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/slurm/gpufence.toml";
+/// The environment variable that names the config file.
+pub const CONFIG_ENV: &str = "GPUFENCE_CONFIG";
+
+/// How the plugin finds (or makes) the cgroup a job's grant is keyed by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Slurm's cgroup/v2 plugin made the job cgroup: it is the ancestor
+    /// named `job_<id>` of slurmstepd's own cgroup
+    /// (`system.slice/slurmstepd.scope/job_<id>/step_<n>/slurm`).
+    Slurm,
+    /// Slurm's cgroups are v1 or absent (hybrid hosts): the plugin creates
+    /// `<cgroup_root>/job_<id>/step_<step>` in cgroup2 and moves slurmstepd
+    /// there, so every task it forks inherits it.
+    Own,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Layout::Slurm => "slurm",
+            Layout::Own => "own",
+        })
+    }
+}
+
+/// The configuration, with every default filled in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The subtree the fence is attached to, relative to the cgroup2 mount
+    /// (`"/"`: the whole node). Stored without leading or trailing `/`.
+    pub cgroup_root: String,
+    /// How job cgroups are found; see [`Layout`].
+    pub layout: Layout,
+    /// bpffs directory holding the pinned link and maps.
+    pub bpffs_dir: PathBuf,
+    /// Job records, the `slurmd -G` cache and grant bookkeeping (tmpfs is right:
+    /// they must not outlive a reboot, the pinned maps do not either).
+    pub state_dir: PathBuf,
+    /// JSON Lines audit log.
+    pub audit_log: PathBuf,
+    /// One root-only JSON file per lingering process found at job end.
+    pub evidence_dir: PathBuf,
+    /// Where device nodes live; names control devices in records.
+    pub dev_dir: PathBuf,
+    /// cgroup paths (relative to the cgroup2 mount) whose processes, and
+    /// their descendants, may open every NVIDIA device.
+    pub exempt_cgroups: Vec<String>,
+    /// `name = major`: replaces `/proc/devices` discovery of NVIDIA majors.
+    pub majors: Option<BTreeMap<String, u32>>,
+    /// A file holding `slurmd -G` output. Absent: `slurmd -G` is run and its
+    /// output cached under `state_dir`.
+    pub slurmd_gres: Option<PathBuf>,
+    /// The slurmd binary run as `slurmd -G` (the Prolog has no `PATH`).
+    pub slurmd_bin: PathBuf,
+    /// Capacity of the pinned grants map (entries: one per job cgroup and
+    /// device).
+    pub max_grants: u32,
+    /// How long the epilog waits for a killed process to be gone, in ms.
+    pub kill_wait_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            cgroup_root: String::new(),
+            layout: Layout::Slurm,
+            bpffs_dir: "/sys/fs/bpf/gpufence".into(),
+            state_dir: "/run/gpufence".into(),
+            audit_log: "/var/log/gpufence/audit.jsonl".into(),
+            evidence_dir: "/var/lib/gpufence/evidence".into(),
+            dev_dir: "/dev".into(),
+            exempt_cgroups: vec![
+                "system.slice/slurmd.service".into(),
+                "system.slice/nvidia-persistenced.service".into(),
+                "system.slice/nvidia-dcgm.service".into(),
+                "system.slice/dcgm.service".into(),
+            ],
+            majors: None,
+            slurmd_gres: None,
+            slurmd_bin: "/usr/sbin/slurmd".into(),
+            max_grants: 65536,
+            kill_wait_ms: 5000,
+        }
+    }
+}
+
+/// A config that could not be read or does not validate.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file named by `--config`, `config=` or `$GPUFENCE_CONFIG` is unreadable.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// TOML syntax error (the message carries line and column).
+    #[error("config {path}: {msg}")]
+    Syntax {
+        /// The file.
+        path: PathBuf,
+        /// toml's message.
+        msg: String,
+    },
+    /// A key that does not exist or has the wrong type or value.
+    #[error("config {path}: key `{key}`: {msg}")]
+    Key {
+        /// The file.
+        path: PathBuf,
+        /// Dotted key path (`majors.nvidia`); `.` for the top level.
+        key: String,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+/// Which file a config came from, for messages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigOrigin {
+    /// Read from this file.
+    File(PathBuf),
+    /// No file was named and [`DEFAULT_CONFIG_PATH`] is absent.
+    Defaults,
+}
+
+impl fmt::Display for ConfigOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigOrigin::File(p) => write!(f, "{}", p.display()),
+            ConfigOrigin::Defaults => write!(f, "built-in defaults ({DEFAULT_CONFIG_PATH} absent)"),
+        }
+    }
+}
+
+impl Config {
+    /// Finds and loads the config: `explicit` (from `--config` / `config=`),
+    /// else `$GPUFENCE_CONFIG` (read from `env`), else [`DEFAULT_CONFIG_PATH`]
+    /// when it exists, else the defaults.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when a named file is unreadable or invalid.
+    pub fn locate(
+        explicit: Option<&Path>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Config, ConfigOrigin), ConfigError> {
+        let named = explicit
+            .map(Path::to_path_buf)
+            .or_else(|| env(CONFIG_ENV).filter(|s| !s.is_empty()).map(PathBuf::from));
+        let path = match named {
+            Some(p) => p,
+            None => {
+                let d = PathBuf::from(DEFAULT_CONFIG_PATH);
+                if !d.exists() {
+                    return Ok((Config::default(), ConfigOrigin::Defaults));
+                }
+                d
+            }
+        };
+        let cfg = Config::load(&path)?;
+        Ok((cfg, ConfigOrigin::File(path)))
+    }
+
+    /// Reads and validates one file.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `path` and, for bad keys, the key.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Parses and validates TOML text read from `path`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `path` and, for bad keys, the key.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            msg: e.to_string().trim_end().to_string(),
+        })?;
+        let mut cfg: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                ConfigError::Key {
+                    path: path.to_path_buf(),
+                    key: e.path().to_string(),
+                    msg: e.into_inner().to_string(),
+                }
+            })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&mut self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = |key: &str, msg: String| ConfigError::Key {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            msg,
+        };
+        self.cgroup_root =
+            normalize_cgroup_path(&self.cgroup_root).map_err(|m| key_err("cgroup_root", m))?;
+        for (i, p) in self.exempt_cgroups.iter_mut().enumerate() {
+            let n = normalize_cgroup_path(p)
+                .map_err(|m| key_err(&format!("exempt_cgroups[{i}]"), m))?;
+            if n.is_empty() {
+                return Err(key_err(
+                    &format!("exempt_cgroups[{i}]"),
+                    "the cgroup2 root cannot be exempt: that would open every GPU to every process"
+                        .into(),
+                ));
+            }
+            *p = n;
+        }
+        if let Some(m) = &self.majors {
+            for (name, major) in m {
+                if *major == 0 || *major > MAX_MAJOR {
+                    return Err(key_err(
+                        &format!("majors.{name}"),
+                        format!("{major} is not a valid character major (1..={MAX_MAJOR})"),
+                    ));
+                }
+            }
+            if m.is_empty() {
+                return Err(key_err(
+                    "majors",
+                    "an empty table protects nothing; remove it to use /proc/devices".into(),
+                ));
+            }
+        }
+        for (key, p) in [
+            ("bpffs_dir", &self.bpffs_dir),
+            ("state_dir", &self.state_dir),
+            ("audit_log", &self.audit_log),
+            ("evidence_dir", &self.evidence_dir),
+            ("dev_dir", &self.dev_dir),
+            ("slurmd_bin", &self.slurmd_bin),
+        ] {
+            if !p.is_absolute() {
+                return Err(key_err(
+                    key,
+                    format!("{} is not an absolute path", p.display()),
+                ));
+            }
+        }
+        if self.max_grants == 0 {
+            return Err(key_err("max_grants", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Normalises a cgroup path relative to the cgroup2 mount: strips leading and
+/// trailing `/`, collapses `//` and `.`; `..` is refused (it could name a
+/// cgroup outside the intended subtree).
+///
+/// # Errors
+/// A message when the path holds `..`.
+pub fn normalize_cgroup_path(p: &str) -> Result<String, String> {
+    let mut parts = Vec::new();
+    for c in Path::new(p).components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(s) => parts.push(
+                s.to_str()
+                    .ok_or_else(|| format!("{p:?} is not UTF-8"))?
+                    .to_string(),
+            ),
+            Component::ParentDir => return Err(format!("{p:?} contains `..`")),
+            Component::Prefix(_) => return Err(format!("{p:?} is not a cgroup path")),
+        }
+    }
+    Ok(parts.join("/"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::parse(s, Path::new("/etc/slurm/gpufence.toml"))
+    }
+
+    #[test]
+    fn empty_file_gives_documented_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.cgroup_root, "");
+        assert_eq!(c.layout, Layout::Slurm);
+        assert_eq!(c.bpffs_dir, PathBuf::from("/sys/fs/bpf/gpufence"));
+        assert_eq!(c.state_dir, PathBuf::from("/run/gpufence"));
+        assert_eq!(c.audit_log, PathBuf::from("/var/log/gpufence/audit.jsonl"));
+        assert_eq!(c.evidence_dir, PathBuf::from("/var/lib/gpufence/evidence"));
+        assert_eq!(c.dev_dir, PathBuf::from("/dev"));
+        assert!(c
+            .exempt_cgroups
+            .contains(&"system.slice/slurmd.service".to_string()));
+        assert!(c.majors.is_none() && c.slurmd_gres.is_none());
+    }
+
+    #[test]
+    fn full_file_parses_and_normalises() {
+        let c = parse(
+            r#"
+            cgroup_root = "/gpufence-test/"
+            layout = "own"
+            exempt_cgroups = ["/system.slice//slurmd.service"]
+            slurmd_gres = "/tmp/g.txt"
+            [majors]
+            nvidia = 195
+            nvidia-uvm = 240
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.cgroup_root, "gpufence-test");
+        assert_eq!(c.layout, Layout::Own);
+        assert_eq!(c.exempt_cgroups, vec!["system.slice/slurmd.service"]);
+        assert_eq!(c.majors.unwrap()["nvidia-uvm"], 240);
+    }
+
+    #[test]
+    fn unknown_key_names_key_and_file() {
+        let e = parse("cgroup_rot = \"/\"").unwrap_err().to_string();
+        assert!(
+            e.starts_with("config /etc/slurm/gpufence.toml: key `cgroup_rot`: unknown field"),
+            "{e}"
+        );
+        assert!(e.contains("cgroup_rot"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_key_and_file() {
+        let e = parse("[majors]\nnvidia = \"195\"").unwrap_err().to_string();
+        assert!(
+            e.contains("/etc/slurm/gpufence.toml") && e.contains("majors.nvidia"),
+            "{e}"
+        );
+        let e = parse("layout = \"v1\"").unwrap_err().to_string();
+        assert!(e.contains("key `layout`"), "{e}");
+        let e = parse("kill_wait_ms = -1").unwrap_err().to_string();
+        assert!(e.contains("key `kill_wait_ms`"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_are_refused() {
+        for (text, key) in [
+            ("cgroup_root = \"a/../b\"", "cgroup_root"),
+            ("exempt_cgroups = [\"/\"]", "exempt_cgroups[0]"),
+            ("[majors]\nnvidia = 0", "majors.nvidia"),
+            ("[majors]\nnvidia = 4096", "majors.nvidia"),
+            ("[majors]", "majors"),
+            ("state_dir = \"run/x\"", "state_dir"),
+            ("max_grants = 0", "max_grants"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(&format!("key `{key}`")), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_name_the_file() {
+        let e = parse("cgroup_root = ").unwrap_err().to_string();
+        assert!(e.starts_with("config /etc/slurm/gpufence.toml: "), "{e}");
+    }
+
+    #[test]
+    fn locate_prefers_explicit_then_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.toml");
+        let b = dir.path().join("b.toml");
+        std::fs::write(&a, "layout = \"own\"").unwrap();
+        std::fs::write(&b, "layout = \"slurm\"\nkill_wait_ms = 7").unwrap();
+        let env_b = |k: &str| (k == CONFIG_ENV).then(|| b.display().to_string());
+        let (c, o) = Config::locate(Some(&a), env_b).unwrap();
+        assert_eq!((c.layout, o), (Layout::Own, ConfigOrigin::File(a.clone())));
+        let (c, o) = Config::locate(None, env_b).unwrap();
+        assert_eq!((c.kill_wait_ms, o), (7, ConfigOrigin::File(b.clone())));
+        let missing = dir.path().join("missing.toml");
+        assert!(matches!(
+            Config::locate(Some(&missing), |_| None),
+            Err(ConfigError::Read { .. })
+        ));
+    }
+}

@@ -1,0 +1,21 @@
+//! The model of gpufence, shared by the fence, the prolog, the epilog, the
+//! SPANK plugin and the admin CLI.
+//!
+//! Everything here is pure or touches only ordinary files: configuration
+//! ([`config`]), device numbers and access bits ([`device`]), the parsers of
+//! node inputs (`/proc/devices` in [`procdevices`], `slurmd -G` and GRES index
+//! lists in [`gres`]), the policy the BPF fence implements ([`policy`]), the
+//! job records kept under `state_dir` ([`record`]) and the JSON Lines audit
+//! log ([`audit`]). Nothing here loads BPF or touches cgroups.
+
+pub mod audit;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod fsutil;
+pub mod gres;
+pub mod policy;
+pub mod procdevices;
+pub mod record;
+
+pub use error::ParseError;

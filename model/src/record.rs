@@ -1,0 +1,338 @@
+//! What the prolog records for a job and what the plugin notes when it
+//! applies a grant, kept as small JSON files under `state_dir`:
+//!
+//! ```text
+//! <state_dir>/jobs/<job_id>.json            JobRecord, written by the prolog
+//! <state_dir>/applied/<job_id>-<cgid>.json  AppliedGrant, written by the plugin
+//! <state_dir>/slurmd-G.txt                  cached `slurmd -G` output
+//! ```
+//!
+//! Every write is atomic (temporary file + rename): a reader sees a whole
+//! record or none, even when the writer is killed.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::DeviceGrant;
+use crate::fsutil::{create_dir_all_mode, write_atomic};
+
+/// Format version of [`JobRecord`] files.
+pub const RECORD_VERSION: u32 = 1;
+
+/// What a job was allocated, as the prolog found it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobRecord {
+    /// [`RECORD_VERSION`].
+    pub version: u32,
+    /// `SLURM_JOB_ID`.
+    pub job_id: u32,
+    /// `SLURM_JOB_UID`.
+    pub uid: u32,
+    /// GRES indices from `SLURM_JOB_GPUS`, in order.
+    pub gres_indices: Vec<u32>,
+    /// Every device the job may open: its GRES files and the control devices.
+    /// Empty for a job without GPUs (it gets no grant at all).
+    pub devices: Vec<DeviceGrant>,
+    /// When the prolog wrote it (RFC 3339).
+    pub created: String,
+    /// Things the prolog noticed (e.g. a control device with no major on this node).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+}
+
+/// A grant the plugin applied to a cgroup for a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppliedGrant {
+    /// The job.
+    pub job_id: u32,
+    /// The step whose slurmstepd applied it (`extern`, `batch`, `0`, ...).
+    pub step: String,
+    /// The cgroup id the grant is keyed by.
+    pub cgroup_id: u64,
+    /// That cgroup's path relative to the cgroup2 mount.
+    pub cgroup_path: String,
+    /// When (RFC 3339).
+    pub applied: String,
+}
+
+/// A state file that exists but cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// Reading or writing failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The file is not a valid record.
+    #[error("{path}: corrupt state file: {msg}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// serde's message.
+        msg: String,
+    },
+}
+
+/// The `state_dir` tree.
+#[derive(Clone, Debug)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StateError + '_ {
+    move |source| StateError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl StateDir {
+    /// The tree rooted at `root` (nothing is created yet).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        StateDir { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn dir(&self, name: &str) -> Result<PathBuf, StateError> {
+        let d = self.root.join(name);
+        create_dir_all_mode(&d, 0o700).map_err(io_err(&d))?;
+        Ok(d)
+    }
+
+    /// Path of a job's record.
+    pub fn record_path(&self, job_id: u32) -> PathBuf {
+        self.root.join("jobs").join(format!("{job_id}.json"))
+    }
+
+    /// Path of the cached `slurmd -G` output.
+    pub fn gres_cache_path(&self) -> PathBuf {
+        self.root.join("slurmd-G.txt")
+    }
+
+    /// Writes `text` as the `slurmd -G` cache, atomically.
+    ///
+    /// # Errors
+    /// [`StateError::Io`].
+    pub fn write_gres_cache(&self, text: &str) -> Result<(), StateError> {
+        create_dir_all_mode(&self.root, 0o700).map_err(io_err(&self.root))?;
+        let p = self.gres_cache_path();
+        write_atomic(&p, text.as_bytes(), 0o600).map_err(io_err(&p))
+    }
+
+    /// Writes a job record atomically, replacing any earlier one.
+    ///
+    /// # Errors
+    /// [`StateError::Io`].
+    pub fn write_record(&self, rec: &JobRecord) -> Result<(), StateError> {
+        self.dir("jobs")?;
+        let p = self.record_path(rec.job_id);
+        let bytes = serde_json::to_vec_pretty(rec).map_err(|e| StateError::Corrupt {
+            path: p.clone(),
+            msg: e.to_string(),
+        })?;
+        write_atomic(&p, &bytes, 0o600).map_err(io_err(&p))
+    }
+
+    /// Reads a job's record; `Ok(None)` when there is none.
+    ///
+    /// # Errors
+    /// [`StateError`] when the file exists but is unreadable or corrupt.
+    pub fn read_record(&self, job_id: u32) -> Result<Option<JobRecord>, StateError> {
+        let p = self.record_path(job_id);
+        let bytes = match std::fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&p)(e)),
+        };
+        let rec: JobRecord = serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+            path: p.clone(),
+            msg: e.to_string(),
+        })?;
+        if rec.job_id != job_id {
+            return Err(StateError::Corrupt {
+                path: p,
+                msg: format!("holds job {} instead of {job_id}", rec.job_id),
+            });
+        }
+        Ok(Some(rec))
+    }
+
+    /// Removes a job's record; absent is fine.
+    ///
+    /// # Errors
+    /// [`StateError::Io`] for anything but "not found".
+    pub fn remove_record(&self, job_id: u32) -> Result<(), StateError> {
+        remove_if_exists(&self.record_path(job_id))
+    }
+
+    fn applied_path(&self, job_id: u32, cgroup_id: u64) -> PathBuf {
+        self.root
+            .join("applied")
+            .join(format!("{job_id}-{cgroup_id}.json"))
+    }
+
+    /// Notes that a grant was applied.
+    ///
+    /// # Errors
+    /// [`StateError::Io`].
+    pub fn write_applied(&self, a: &AppliedGrant) -> Result<(), StateError> {
+        self.dir("applied")?;
+        let p = self.applied_path(a.job_id, a.cgroup_id);
+        let bytes = serde_json::to_vec(a).map_err(|e| StateError::Corrupt {
+            path: p.clone(),
+            msg: e.to_string(),
+        })?;
+        write_atomic(&p, &bytes, 0o600).map_err(io_err(&p))
+    }
+
+    /// Every applied-grant note, optionally for one job only. Corrupt notes
+    /// are returned as errors beside the good ones, never hidden.
+    pub fn applied(&self, job_id: Option<u32>) -> (Vec<AppliedGrant>, Vec<StateError>) {
+        let dir = self.root.join("applied");
+        let mut good = Vec::new();
+        let mut bad = Vec::new();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return (good, bad),
+            Err(e) => {
+                bad.push(io_err(&dir)(e));
+                return (good, bad);
+            }
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            if let Some(j) = job_id {
+                if !name.starts_with(&format!("{j}-")) {
+                    continue;
+                }
+            }
+            let p = entry.path();
+            match std::fs::read(&p) {
+                Ok(b) => match serde_json::from_slice::<AppliedGrant>(&b) {
+                    Ok(a) => good.push(a),
+                    Err(e) => bad.push(StateError::Corrupt {
+                        path: p,
+                        msg: e.to_string(),
+                    }),
+                },
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => bad.push(io_err(&p)(e)),
+            }
+        }
+        good.sort_by_key(|a| (a.job_id, a.cgroup_id));
+        (good, bad)
+    }
+
+    /// Removes a job's applied-grant notes.
+    ///
+    /// # Errors
+    /// The first removal that failed for another reason than "not found".
+    pub fn remove_applied(&self, job_id: u32) -> Result<(), StateError> {
+        let (notes, _) = self.applied(Some(job_id));
+        for a in notes {
+            remove_if_exists(&self.applied_path(a.job_id, a.cgroup_id))?;
+        }
+        Ok(())
+    }
+}
+
+fn remove_if_exists(p: &Path) -> Result<(), StateError> {
+    match std::fs::remove_file(p) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(p)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Now, as RFC 3339 with microseconds, in UTC.
+pub fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{Access, DevNum, DeviceRole};
+
+    fn rec(job: u32) -> JobRecord {
+        JobRecord {
+            version: RECORD_VERSION,
+            job_id: job,
+            uid: 1000,
+            gres_indices: vec![1],
+            devices: vec![DeviceGrant {
+                path: "/dev/nvidia3".into(),
+                dev: DevNum::new(195, 3),
+                access: Access::RW,
+                role: DeviceRole::Gres,
+                gres_index: Some(1),
+            }],
+            created: now_rfc3339(),
+            notes: vec![],
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_vanish() {
+        let d = tempfile::tempdir().unwrap();
+        let s = StateDir::new(d.path().join("state"));
+        assert_eq!(s.read_record(7).unwrap(), None);
+        s.write_record(&rec(7)).unwrap();
+        assert_eq!(
+            s.read_record(7).unwrap(),
+            Some(rec(7)).map(|mut r| {
+                r.created = s.read_record(7).unwrap().unwrap().created;
+                r
+            })
+        );
+        s.remove_record(7).unwrap();
+        s.remove_record(7).unwrap();
+        assert_eq!(s.read_record(7).unwrap(), None);
+    }
+
+    #[test]
+    fn corrupt_or_misplaced_records_are_errors() {
+        let d = tempfile::tempdir().unwrap();
+        let s = StateDir::new(d.path());
+        s.write_record(&rec(8)).unwrap();
+        std::fs::rename(s.record_path(8), s.record_path(9)).unwrap();
+        assert!(matches!(s.read_record(9), Err(StateError::Corrupt { .. })));
+        std::fs::write(s.record_path(10), b"{\"version\":1,").unwrap();
+        assert!(matches!(s.read_record(10), Err(StateError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn applied_notes_by_job() {
+        let d = tempfile::tempdir().unwrap();
+        let s = StateDir::new(d.path());
+        for (job, cg) in [(5, 100), (5, 101), (51, 100)] {
+            s.write_applied(&AppliedGrant {
+                job_id: job,
+                step: "0".into(),
+                cgroup_id: cg,
+                cgroup_path: format!("job_{job}"),
+                applied: now_rfc3339(),
+            })
+            .unwrap();
+        }
+        assert_eq!(s.applied(Some(5)).0.len(), 2);
+        assert_eq!(s.applied(None).0.len(), 3);
+        s.remove_applied(5).unwrap();
+        let (left, bad) = s.applied(None);
+        assert_eq!((left.len(), left[0].job_id, bad.len()), (1, 51, 0));
+    }
+}

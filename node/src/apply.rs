@@ -1,0 +1,231 @@
+//! Applying a job's record to the fence for its cgroup: what the SPANK
+//! plugin does in `slurm_spank_init` in slurmstepd (remote context), after
+//! Slurm made the job cgroup and before any task exists.
+//!
+//! Inputs are spank items from slurmstepd (job id, step id, uid) and
+//! slurmstepd's own pid: nothing from the job's environment or options.
+
+use gpufence_cgroup::hierarchy::find_job_cgroup;
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::config::Layout;
+use gpufence_model::record::{now_rfc3339, AppliedGrant};
+
+use crate::fence_ops::open_installed;
+use crate::{is_under, join_cgroup, Node, NodeError};
+
+/// Slurm's special step ids (`slurm.h`: `SLURM_EXTERN_CONT`, `SLURM_BATCH_SCRIPT`,
+/// `SLURM_INTERACTIVE_STEP`).
+pub fn step_name(step_id: u32) -> String {
+    match step_id {
+        0xffff_fffc => "extern".into(),
+        0xffff_fffb => "batch".into(),
+        0xffff_fffa => "interactive".into(),
+        n => n.to_string(),
+    }
+}
+
+/// What the plugin knows about the step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepRequest {
+    /// `S_JOB_ID`.
+    pub job_id: u32,
+    /// `S_JOB_STEPID`.
+    pub step_id: u32,
+    /// `S_JOB_UID`.
+    pub uid: u32,
+    /// slurmstepd's pid (`getpid()` in the plugin).
+    pub stepd_pid: i32,
+}
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    /// The job's devices are granted to `cgroup_path`.
+    Granted {
+        /// The job cgroup.
+        cgroup_path: String,
+        /// Its id.
+        cgroup_id: u64,
+        /// How many devices.
+        devices: usize,
+    },
+    /// The job has a record without GPUs: nothing to grant.
+    NoGpus,
+    /// No record: the prolog did not run for this job. The step runs
+    /// without GPU access.
+    NoRecord,
+}
+
+/// Finds (slurm layout) or makes and enters (own layout) the job cgroup.
+///
+/// # Errors
+/// [`NodeError::JobCgroup`] when there is no job cgroup, or it lies outside
+/// the fenced subtree, or slurmstepd cannot be moved.
+pub fn job_cgroup(node: &Node, req: &StepRequest) -> Result<String, NodeError> {
+    let root = &node.cfg.cgroup_root;
+    match node.cfg.layout {
+        Layout::Own => {
+            let job = node.own_job_cgroup(req.job_id);
+            let step = join_cgroup(&job, &format!("step_{}", step_name(req.step_id)));
+            node.cg.create(&step)?;
+            node.cg.move_pid(&step, req.stepd_pid).map_err(|e| {
+                NodeError::JobCgroup(format!(
+                    "cannot move slurmstepd (pid {}) into {step}: {e}",
+                    req.stepd_pid
+                ))
+            })?;
+            Ok(job)
+        }
+        Layout::Slurm => {
+            let own = node.cg.cgroup_of(req.stepd_pid)?;
+            let job = find_job_cgroup(&own, req.job_id).ok_or_else(|| {
+                NodeError::JobCgroup(format!(
+                    "slurmstepd of job {} is in cgroup /{own}, which has no job_{} ancestor: Slurm's cgroup/v2 plugin \
+                     is not placing jobs; on cgroup v1 or hybrid hosts set layout = \"own\"",
+                    req.job_id, req.job_id
+                ))
+            })?;
+            if !is_under(&job, root) {
+                return Err(NodeError::JobCgroup(format!(
+                    "job cgroup /{job} is outside the fenced subtree /{root}"
+                )));
+            }
+            Ok(job)
+        }
+    }
+}
+
+/// Where a step's grant goes: the fence is installed and the job cgroup is
+/// known (and, in the `own` layout, slurmstepd is in it).
+#[derive(Debug)]
+pub struct Placement {
+    fence: gpufence_cgroup::Fence,
+    /// The job cgroup, relative to the cgroup2 mount.
+    pub job_cgroup: String,
+}
+
+/// First half of [`apply`]: checks the fence and places the step.
+///
+/// # Errors
+/// [`NodeError::FenceMissing`], [`NodeError::JobCgroup`], [`NodeError::Kernel`].
+/// The step must not run: its tasks would not be under the fence's control
+/// (no fence) or could land in slurmd's (possibly exempt) cgroup.
+pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
+    let fence = open_installed(node)?;
+    let job_cgroup = job_cgroup(node, req)?;
+    Ok(Placement { fence, job_cgroup })
+}
+
+/// Second half of [`apply`]: grants the job's record to the placed step.
+///
+/// # Errors
+/// [`NodeError`] for a corrupt or foreign record, an unwritable audit log,
+/// or a full map. The step is fenced without a grant: it may run, with no
+/// GPU access.
+pub fn grant(
+    node: &Node,
+    req: &StepRequest,
+    placement: &Placement,
+) -> Result<ApplyOutcome, NodeError> {
+    let job = &placement.job_cgroup;
+    let Some(rec) = node.state.read_record(req.job_id)? else {
+        return Ok(ApplyOutcome::NoRecord);
+    };
+    if rec.uid != req.uid {
+        return Err(NodeError::RecordMismatch {
+            job_id: req.job_id,
+            path: node.state.record_path(req.job_id),
+            record_uid: rec.uid,
+            step_uid: req.uid,
+        });
+    }
+    if rec.devices.is_empty() {
+        return Ok(ApplyOutcome::NoGpus);
+    }
+    let cgroup_id = node.cg.id(job)?;
+    let devs: Vec<_> = rec.devices.iter().map(|d| (d.dev, d.access)).collect();
+    let step = step_name(req.step_id);
+    // Recorded before it takes effect: no grant without its audit line.
+    node.audit(
+        AuditEvent::new(events::GRANT_APPLIED)
+            .job(req.job_id)
+            .uid(req.uid)
+            .pid(req.stepd_pid)
+            .devices(&rec.devices)
+            .field("cgroup", format!("/{job}"))
+            .field("cgroup_id", cgroup_id)
+            .field("step", step.clone()),
+    )?;
+    node.state.write_applied(&AppliedGrant {
+        job_id: req.job_id,
+        step,
+        cgroup_id,
+        cgroup_path: job.clone(),
+        applied: now_rfc3339(),
+    })?;
+    placement.fence.grant(cgroup_id, job, req.job_id, &devs)?;
+    Ok(ApplyOutcome::Granted {
+        cgroup_path: job.clone(),
+        cgroup_id,
+        devices: devs.len(),
+    })
+}
+
+/// Applies the job's record for one step: [`place`] then [`grant`].
+///
+/// # Errors
+/// As [`place`] and [`grant`].
+pub fn apply(node: &Node, req: &StepRequest) -> Result<ApplyOutcome, NodeError> {
+    let p = place(node, req)?;
+    grant(node, req, &p)
+}
+
+/// What the plugin does with a step, and the one line the user sees.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StepVerdict {
+    /// Run; the grant (if any) is in place.
+    Run,
+    /// Run with no GPU access; tell the user why.
+    RunWithoutGpus(String),
+    /// Do not run the step's tasks; tell the user why.
+    Refuse(String),
+}
+
+/// Decides the step's fate from the two halves' results, and writes a
+/// `grant_refused` audit line when it is not a plain run. `node_name` is
+/// for the user's message.
+pub fn verdict(
+    node: &Node,
+    req: &StepRequest,
+    node_name: &str,
+    placed: &Result<Placement, NodeError>,
+    granted: Option<&Result<ApplyOutcome, NodeError>>,
+) -> StepVerdict {
+    let job = req.job_id;
+    let v = match (placed, granted) {
+        (Err(e), _) => StepVerdict::Refuse(format!(
+            "gpufence: job {job} step {} refused on {node_name}: {e}",
+            step_name(req.step_id)
+        )),
+        (Ok(_), Some(Ok(ApplyOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
+            "gpufence: job {job} has no GPU grant on {node_name} (the gpufence prolog left no record for it); \
+             this step runs without GPU access. Admin: check Prolog= in slurm.conf"
+        )),
+        (Ok(_), Some(Err(e))) => StepVerdict::RunWithoutGpus(format!(
+            "gpufence: job {job} could not be granted its GPUs on {node_name}: {e}; this step runs without GPU access"
+        )),
+        (Ok(_), _) => StepVerdict::Run,
+    };
+    if let StepVerdict::Refuse(line) | StepVerdict::RunWithoutGpus(line) = &v {
+        let _ = node.audit(
+            AuditEvent::new(events::GRANT_REFUSED)
+                .job(job)
+                .uid(req.uid)
+                .pid(req.stepd_pid)
+                .field("step", step_name(req.step_id))
+                .field("refused_step", matches!(v, StepVerdict::Refuse(_)))
+                .field("reason", line.clone()),
+        );
+    }
+    v
+}

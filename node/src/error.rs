@@ -1,0 +1,111 @@
+//! The error of node operations. Each variant's message is the one line an
+//! admin (or, through the plugin, a user) sees: what failed and what to do.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use gpufence_model::config::ConfigError;
+use gpufence_model::record::StateError;
+use gpufence_model::ParseError;
+
+/// A node operation that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The config file is missing, unreadable or invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The kernel layer failed (BPF, cgroups).
+    #[error(transparent)]
+    Kernel(#[from] gpufence_cgroup::Error),
+    /// A state file is unreadable or corrupt.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// A node input (`/proc/devices`, `slurmd -G`, `SLURM_JOB_GPUS`) is malformed.
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+    /// A file operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The audit log cannot be written.
+    #[error("{0}; gpufence records every grant before it takes effect: fix the audit log (disk full? permissions?)")]
+    Audit(io::Error),
+    /// A variable slurmd always sets is missing or malformed.
+    #[error("{var}: {msg} (gpufence-prolog/epilog must run as slurmd's Prolog/Epilog)")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A GRES index the job was given is not in slurmd's list.
+    #[error("job {job_id} was given GRES index {index} but slurmd lists {count} GPU(s) (from {source_name}): node GRES configuration problem")]
+    UnmappedIndex {
+        /// The job.
+        job_id: u32,
+        /// The index.
+        index: u32,
+        /// How many GPUs slurmd lists.
+        count: usize,
+        /// Where the list came from.
+        source_name: String,
+    },
+    /// A device file named by slurmd is missing or is not a character device.
+    #[error(
+        "GRES index {index}: {path}: {msg}: node problem (driver not loaded? gres.conf wrong?)"
+    )]
+    BadDevice {
+        /// The GRES index.
+        index: u32,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// `slurmd -G` could not be run or failed.
+    #[error("`{cmd}` failed: {msg}")]
+    SlurmdG {
+        /// The command line.
+        cmd: String,
+        /// Status and stderr.
+        msg: String,
+    },
+    /// The fence is not installed: no GPU access can be controlled.
+    #[error("the gpufence fence is not installed on this node ({detail}); GPU access cannot be controlled. Admin: run `gpufence fence install` and check `gpufence fence status`")]
+    FenceMissing {
+        /// What status found.
+        detail: String,
+    },
+    /// The job's cgroup cannot be found or made.
+    #[error("{0}")]
+    JobCgroup(String),
+    /// The job record belongs to someone else.
+    #[error("job {job_id}: the record in {path} is for uid {record_uid}, the step runs as uid {step_uid}: stale record of an earlier job with this id; no GPU access granted")]
+    RecordMismatch {
+        /// The job.
+        job_id: u32,
+        /// The record file.
+        path: PathBuf,
+        /// uid in the record.
+        record_uid: u32,
+        /// uid of the step.
+        step_uid: u32,
+    },
+}
+
+impl NodeError {
+    /// A file error with its operation and path.
+    pub fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        NodeError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Installing, inspecting and removing the fence, with audit lines.
+
+use gpufence_cgroup::fence::{Fence, FenceSpec, FenceStatus, InstallReport};
+use gpufence_model::audit::{events, AuditEvent};
+
+use crate::{Node, NodeError};
+
+/// The spec of the fence this node's config describes.
+///
+/// # Errors
+/// [`NodeError`] when the protected majors cannot be determined.
+pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
+    Ok(FenceSpec {
+        cgroup_root: node.cfg.cgroup_root.clone(),
+        bpffs_dir: node.cfg.bpffs_dir.clone(),
+        protected: node.protected_majors()?,
+        exempt: node.cfg.exempt_cgroups.clone(),
+        max_grants: node.cfg.max_grants,
+    })
+}
+
+/// Installs or re-installs the fence and writes `fence_installed`.
+///
+/// # Errors
+/// [`NodeError`]: the fence is not installed (or the old one stays) and the
+/// message says why.
+pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
+    let spec = spec(node)?;
+    let (_fence, report) = Fence::install(&node.cg, &spec)?;
+    node.audit(
+        AuditEvent::new(events::FENCE_INSTALLED)
+            .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+            .field("protected_majors", report.majors.clone())
+            .field("prog_id", report.prog_id)
+            .field("link_id", report.link_id)
+            .field("replaced_program", report.replaced_program)
+            .field(
+                "exempt",
+                report
+                    .exempt_applied
+                    .iter()
+                    .map(|(p, _)| p.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .field("exempt_missing", report.exempt_missing.clone()),
+    )?;
+    Ok(report)
+}
+
+/// Status of this node's fence.
+pub fn status(node: &Node) -> FenceStatus {
+    Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
+}
+
+/// Opens the fence's maps, refusing when the fence is not installed at
+/// `cgroup_root` (a grant into maps nobody reads would be a lie).
+///
+/// # Errors
+/// [`NodeError::FenceMissing`].
+pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
+    let st = status(node);
+    if !st.installed {
+        return Err(NodeError::FenceMissing {
+            detail: st.problems.join("; "),
+        });
+    }
+    Ok(Fence::open(&node.cfg.bpffs_dir)?)
+}
+
+/// Removes the fence and writes `fence_removed`. Returns whether anything
+/// was installed.
+///
+/// # Errors
+/// [`NodeError`] when a pin cannot be removed.
+pub fn remove(node: &Node) -> Result<bool, NodeError> {
+    let found = Fence::remove(&node.cfg.bpffs_dir)?;
+    if found {
+        node.audit(
+            AuditEvent::new(events::FENCE_REMOVED)
+                .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+                .field("bpffs_dir", node.cfg.bpffs_dir.display().to_string()),
+        )?;
+    }
+    Ok(found)
+}

@@ -1,0 +1,169 @@
+//! GRES index → device files, from slurmd's own list (`slurmd -G`).
+//!
+//! Sources, first that applies: the config's `slurmd_gres` file; the cache
+//! under `state_dir` when its key matches; else `slurmd -G` is run with the
+//! `SLURM_CONF` in force and its output cached. The cache key names the
+//! slurm.conf path and the size and mtime of slurm.conf and gres.conf next
+//! to it, so an edited config is re-read, never served stale.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use gpufence_model::gres::{parse_slurmd_g, GresDevice};
+
+use crate::{Node, NodeError};
+
+/// Default slurm.conf when `SLURM_CONF` is unset (Debian's and Slurm's default).
+pub const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
+/// Set in the environment of the `slurmd -G` child, so a plugin loaded
+/// there (it is not, as of 22.05-25.11, but cheap to guard) never recurses.
+pub const IN_SLURMD_G_ENV: &str = "GPUFENCE_IN_SLURMD_G";
+/// How long `slurmd -G` may take (NVML initialisation with AutoDetect is slow).
+pub const SLURMD_G_TIMEOUT: Duration = Duration::from_secs(60);
+
+const CACHE_HEADER: &str = "# gpufence slurmd -G cache key: ";
+
+/// The node's GPUs in GRES-index order, and where the list came from.
+#[derive(Clone, Debug)]
+pub struct GresMap {
+    /// The GPUs.
+    pub devices: Vec<GresDevice>,
+    /// The file or command they came from.
+    pub source: String,
+}
+
+fn cache_key(slurm_conf: &Path) -> String {
+    let stamp = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| format!("{}:{}.{}", m.size(), m.mtime(), m.mtime_nsec()))
+            .unwrap_or_else(|_| "absent".into())
+    };
+    let gres_conf = slurm_conf.with_file_name("gres.conf");
+    format!(
+        "{} {} {}",
+        slurm_conf.display(),
+        stamp(slurm_conf),
+        stamp(&gres_conf)
+    )
+}
+
+/// Loads the GRES list for this node. `slurm_conf` is the `SLURM_CONF` of
+/// the caller (slurmd sets it for the Prolog), `None` for the default.
+///
+/// # Errors
+/// [`NodeError`] when the file cannot be read, `slurmd -G` fails, or the
+/// output does not parse.
+pub fn load(node: &Node, slurm_conf: Option<&Path>) -> Result<GresMap, NodeError> {
+    if let Some(file) = &node.cfg.slurmd_gres {
+        let text = std::fs::read_to_string(file).map_err(|e| NodeError::io("read", file, e))?;
+        return Ok(GresMap {
+            devices: parse_slurmd_g(&text, file)?,
+            source: file.display().to_string(),
+        });
+    }
+    let conf = slurm_conf
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SLURM_CONF));
+    let key = cache_key(&conf);
+    let cache = node.state.gres_cache_path();
+    if let Ok(text) = std::fs::read_to_string(&cache) {
+        if text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix(CACHE_HEADER))
+            == Some(key.as_str())
+        {
+            return Ok(GresMap {
+                devices: parse_slurmd_g(&text, &cache)?,
+                source: cache.display().to_string(),
+            });
+        }
+    }
+    refresh(node, &conf)
+}
+
+/// Runs `slurmd -G` for `slurm_conf` and rewrites the cache.
+///
+/// # Errors
+/// [`NodeError::SlurmdG`] when it cannot run, times out or exits non-zero;
+/// [`NodeError::Parse`] when its output is malformed.
+pub fn refresh(node: &Node, slurm_conf: &Path) -> Result<GresMap, NodeError> {
+    let key = cache_key(slurm_conf);
+    let text = run_slurmd_g(&node.cfg.slurmd_bin, slurm_conf)?;
+    let cmd = format!("{} -G", node.cfg.slurmd_bin.display());
+    let devices = parse_slurmd_g(&text, Path::new(&cmd))?;
+    node.state
+        .write_gres_cache(&format!("{CACHE_HEADER}{key}\n{text}"))?;
+    Ok(GresMap {
+        devices,
+        source: cmd,
+    })
+}
+
+fn run_slurmd_g(slurmd: &Path, slurm_conf: &Path) -> Result<String, NodeError> {
+    let cmd = format!(
+        "SLURM_CONF={} {} -G",
+        slurm_conf.display(),
+        slurmd.display()
+    );
+    let fail = |msg: String| NodeError::SlurmdG {
+        cmd: cmd.clone(),
+        msg,
+    };
+    let mut child = Command::new(slurmd)
+        .arg("-G")
+        .env("SLURM_CONF", slurm_conf)
+        .env(IN_SLURMD_G_ENV, "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(e.to_string()))?;
+    // slurmd -G logs to stderr; read both pipes on threads so neither fills.
+    let mut out = child.stdout.take();
+    let mut err = child.stderr.take();
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(o) = out.as_mut() {
+            let _ = std::io::Read::read_to_string(o, &mut s);
+        }
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(e) = err.as_mut() {
+            let _ = std::io::Read::read_to_string(e, &mut s);
+        }
+        s
+    });
+    let deadline = std::time::Instant::now() + SLURMD_G_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(fail(format!(
+                    "no answer within {}s",
+                    SLURMD_G_TIMEOUT.as_secs()
+                )));
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        }
+    };
+    let stdout = t_out.join().unwrap_or_default();
+    let stderr = t_err.join().unwrap_or_default();
+    if !status.success() {
+        let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+        return Err(fail(format!(
+            "{status}: {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )));
+    }
+    Ok(format!("{stdout}{stderr}"))
+}

@@ -1,0 +1,116 @@
+//! What a gpufence node does, as library calls shared by the prolog, the
+//! epilog, the SPANK plugin and the admin CLI (which are thin shells over it).
+//!
+//! - [`Node`]: the loaded config and the handles every operation needs.
+//! - [`fence_ops`]: install / status / remove with audit lines.
+//! - [`gresmap`]: GRES index → device files, from `slurmd -G`.
+//! - [`prolog`]: record what Slurm allocated to a job.
+//! - [`apply`]: put a job's record into the fence for its cgroup (the plugin).
+//! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
+//! - [`scan`] and [`evidence`]: who holds a device, and what we keep about them.
+//! - [`grants`]: the live grants, for admins.
+
+pub mod apply;
+pub mod epilog;
+pub mod error;
+pub mod evidence;
+pub mod fence_ops;
+pub mod grants;
+pub mod gresmap;
+pub mod prolog;
+pub mod scan;
+
+use gpufence_cgroup::Cgroup2;
+use gpufence_model::audit::{AuditEvent, AuditLog};
+use gpufence_model::config::{Config, ConfigOrigin};
+use gpufence_model::procdevices::{parse_proc_devices, ProtectedMajors};
+use gpufence_model::record::StateDir;
+
+pub use error::NodeError;
+
+/// The config and the handles derived from it.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The configuration.
+    pub cfg: Config,
+    /// Where it came from.
+    pub origin: ConfigOrigin,
+    /// The cgroup2 mount.
+    pub cg: Cgroup2,
+    /// `state_dir`.
+    pub state: StateDir,
+    /// `audit_log`.
+    pub audit: AuditLog,
+}
+
+impl Node {
+    /// Builds a node from a loaded config; finds the cgroup2 mount.
+    ///
+    /// # Errors
+    /// [`NodeError::Kernel`] when there is no cgroup2 mount.
+    pub fn new(cfg: Config, origin: ConfigOrigin) -> Result<Self, NodeError> {
+        let cg = Cgroup2::discover()?;
+        Ok(Node {
+            state: StateDir::new(&cfg.state_dir),
+            audit: AuditLog::new(&cfg.audit_log),
+            cfg,
+            origin,
+            cg,
+        })
+    }
+
+    /// Loads the config (`explicit`, else `$GPUFENCE_CONFIG`, else the
+    /// default path) and builds the node.
+    ///
+    /// # Errors
+    /// [`NodeError::Config`] or [`NodeError::Kernel`].
+    pub fn load(explicit: Option<&std::path::Path>) -> Result<Self, NodeError> {
+        let (cfg, origin) = Config::locate(explicit, |k| std::env::var(k).ok())?;
+        Node::new(cfg, origin)
+    }
+
+    /// The protected majors: the `[majors]` table, else every `nvidia*`
+    /// character driver in `/proc/devices`.
+    ///
+    /// # Errors
+    /// [`NodeError::Io`] / [`NodeError::Parse`] for `/proc/devices`.
+    pub fn protected_majors(&self) -> Result<ProtectedMajors, NodeError> {
+        if let Some(t) = &self.cfg.majors {
+            return Ok(ProtectedMajors::from_table(t));
+        }
+        let path = std::path::Path::new("/proc/devices");
+        let text = std::fs::read_to_string(path).map_err(|e| NodeError::io("read", path, e))?;
+        Ok(ProtectedMajors::from_proc_devices(&parse_proc_devices(
+            &text, path,
+        )?))
+    }
+
+    /// Appends an audit event. A failure is returned so that callers that
+    /// grant can refuse to proceed without a record of it.
+    ///
+    /// # Errors
+    /// [`NodeError::Audit`].
+    pub fn audit(&self, ev: AuditEvent) -> Result<(), NodeError> {
+        self.audit.append(&ev).map_err(NodeError::Audit)
+    }
+
+    /// The cgroup (relative to the mount) of job `job_id` in the `own`
+    /// layout: `<cgroup_root>/job_<id>`.
+    pub fn own_job_cgroup(&self, job_id: u32) -> String {
+        join_cgroup(&self.cfg.cgroup_root, &format!("job_{job_id}"))
+    }
+}
+
+/// Joins cgroup path parts, `""` being the root.
+pub fn join_cgroup(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_string(),
+        (_, true) => a.to_string(),
+        _ => format!("{a}/{b}"),
+    }
+}
+
+/// Whether cgroup `path` is `root` or below it.
+pub fn is_under(path: &str, root: &str) -> bool {
+    root.is_empty() || path == root || path.starts_with(&format!("{root}/"))
+}

@@ -1,0 +1,179 @@
+//! The Prolog: record what Slurm allocated to a job.
+//!
+//! Runs as slurmd's Prolog, before the job cgroup exists
+//! (`../shared/domain/slurm.md`). Its only inputs are the variables slurmd
+//! sets (trusted) and slurmd's GRES list; nothing the job's user controls.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
+use gpufence_model::gres::parse_index_list;
+use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
+
+use crate::fence_ops::open_installed;
+use crate::gresmap;
+use crate::{Node, NodeError};
+
+/// The Prolog's view of its environment (from slurmd).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrologEnv {
+    /// `SLURM_JOB_ID`.
+    pub job_id: u32,
+    /// `SLURM_JOB_UID`.
+    pub uid: u32,
+    /// `SLURM_JOB_GPUS`: GRES indices; empty for a job without GPUs.
+    pub gres_indices: Vec<u32>,
+    /// `SLURM_CONF`.
+    pub slurm_conf: Option<PathBuf>,
+}
+
+/// Parses a numeric variable slurmd always sets.
+///
+/// # Errors
+/// [`NodeError::Env`] when absent or not a `u32`.
+pub fn env_u32(get: &dyn Fn(&str) -> Option<String>, var: &'static str) -> Result<u32, NodeError> {
+    let v = get(var).ok_or(NodeError::Env {
+        var,
+        msg: "not set".into(),
+    })?;
+    v.trim().parse().map_err(|_| NodeError::Env {
+        var,
+        msg: format!("{v:?} is not a number"),
+    })
+}
+
+impl PrologEnv {
+    /// Reads the Prolog environment through `get` (`std::env::var` in production).
+    ///
+    /// # Errors
+    /// [`NodeError::Env`] / [`NodeError::Parse`] for missing or malformed values.
+    pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, NodeError> {
+        let job_id = env_u32(get, "SLURM_JOB_ID")?;
+        let uid = env_u32(get, "SLURM_JOB_UID")?;
+        let gres_indices = match get("SLURM_JOB_GPUS") {
+            Some(v) => parse_index_list(&v, "SLURM_JOB_GPUS")?,
+            None => Vec::new(),
+        };
+        Ok(PrologEnv {
+            job_id,
+            uid,
+            gres_indices,
+            slurm_conf: get("SLURM_CONF")
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from),
+        })
+    }
+}
+
+fn stat_char_device(index: u32, path: &Path) -> Result<DevNum, NodeError> {
+    let bad = |msg: String| NodeError::BadDevice {
+        index,
+        path: path.to_path_buf(),
+        msg,
+    };
+    let md = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if !md.file_type().is_char_device() {
+        return Err(bad("not a character device".into()));
+    }
+    Ok(DevNum::from_rdev(std::os::unix::fs::MetadataExt::rdev(&md)))
+}
+
+/// Builds the job's record: its GRES files by number, plus the control
+/// devices. Does not write anything.
+///
+/// # Errors
+/// [`NodeError`] for an index slurmd does not list, a missing device file,
+/// or an unreadable GRES list.
+pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
+    let mut rec = JobRecord {
+        version: RECORD_VERSION,
+        job_id: env.job_id,
+        uid: env.uid,
+        gres_indices: env.gres_indices.clone(),
+        devices: Vec::new(),
+        created: now_rfc3339(),
+        notes: Vec::new(),
+    };
+    if env.gres_indices.is_empty() {
+        return Ok(rec);
+    }
+    let protected = node.protected_majors()?;
+    let map = gresmap::load(node, env.slurm_conf.as_deref())?;
+    let mut seen = BTreeSet::new();
+    for &index in &env.gres_indices {
+        let gpu = map
+            .devices
+            .get(index as usize)
+            .ok_or_else(|| NodeError::UnmappedIndex {
+                job_id: env.job_id,
+                index,
+                count: map.devices.len(),
+                source_name: map.source.clone(),
+            })?;
+        for file in &gpu.files {
+            let dev = stat_char_device(index, file)?;
+            if !protected.contains(dev.major) {
+                rec.notes.push(format!(
+                    "{} ({dev}) is not on a protected major: the fence does not guard it",
+                    file.display()
+                ));
+            }
+            if seen.insert(dev) {
+                rec.devices.push(DeviceGrant {
+                    path: file.clone(),
+                    dev,
+                    access: Access::RW,
+                    role: DeviceRole::Gres,
+                    gres_index: Some(index),
+                });
+            }
+        }
+    }
+    let (control, missing) = protected.control_devices();
+    for (name, dev) in control {
+        if seen.insert(dev) {
+            rec.devices.push(DeviceGrant {
+                path: node.cfg.dev_dir.join(name),
+                dev,
+                access: Access::RW,
+                role: DeviceRole::Control,
+                gres_index: None,
+            });
+        }
+    }
+    for name in missing {
+        rec.notes
+            .push(format!("{name}: no major for it on this node; not granted"));
+    }
+    Ok(rec)
+}
+
+/// Runs the Prolog: checks the fence, builds and writes the record, audits.
+///
+/// # Errors
+/// [`NodeError`]: Slurm then drains the node and requeues the job.
+pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
+    // A job must not start on a node whose GPUs nobody guards.
+    open_installed(node)?;
+    let rec = build_record(node, env)?;
+    node.state.write_record(&rec)?;
+    if !rec.devices.is_empty() {
+        let mut ev = AuditEvent::new(events::GRANT_RECORDED)
+            .job(rec.job_id)
+            .uid(rec.uid)
+            .devices(&rec.devices)
+            .field("gres_indices", rec.gres_indices.clone());
+        if !rec.notes.is_empty() {
+            ev = ev.field("notes", rec.notes.clone());
+        }
+        if let Err(e) = node.audit(ev) {
+            // No record of the grant, no grant.
+            let _ = node.state.remove_record(rec.job_id);
+            return Err(e);
+        }
+    }
+    Ok(rec)
+}

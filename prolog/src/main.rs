@@ -1,0 +1,53 @@
+//! `gpufence-prolog`: slurmd's Prolog. Records what Slurm allocated to the
+//! job (from slurmd's environment and `slurmd -G`) so the SPANK plugin can
+//! grant it. Exit 0 on success; non-zero makes Slurm drain the node and
+//! requeue the job, which is right when the node cannot guard its GPUs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_node::prolog::{self, PrologEnv};
+use gpufence_node::Node;
+
+/// Record the devices Slurm allocated to a job (run as slurmd's Prolog).
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let node = match Node::load(args.config.as_deref()) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("gpufence-prolog: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let get = |k: &str| std::env::var(k).ok();
+    let result = PrologEnv::from_env(&get).and_then(|env| prolog::run(&node, &env));
+    match result {
+        Ok(rec) => {
+            for n in &rec.notes {
+                eprintln!("gpufence-prolog: job {}: note: {n}", rec.job_id);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let job = get("SLURM_JOB_ID").unwrap_or_default();
+            eprintln!("gpufence-prolog: job {job}: {e}");
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .field("component", "prolog")
+                    .field("slurm_job_id", job)
+                    .field("error", e.to_string()),
+            );
+            ExitCode::FAILURE
+        }
+    }
+}

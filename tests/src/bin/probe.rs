@@ -1,0 +1,170 @@
+//! `gpufence-probe`: what a job (or an intruder) does with a device node,
+//! reported in words the tests compare. Opening a `mknod`-made node gives
+//! ENXIO when the device cgroup allowed it (no driver behind it) and EPERM
+//! when a device program denied it.
+//!
+//! ```text
+//! gpufence-probe open [--ro] PATH...     one line per PATH: "PATH ok|ENXIO|EPERM|errno N"
+//! gpufence-probe mknod PATH MAJOR MINOR  "PATH ok|EPERM|errno N"
+//! gpufence-probe hold PATH               open O_RDWR, print "held", sleep until killed
+//! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
+//! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
+//! ```
+
+use std::ffi::CString;
+use std::io::{IoSlice, IoSliceMut, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::ExitCode;
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+fn open(path: &str, ro: bool) -> Result<OwnedFd, i32> {
+    let c = CString::new(path).map_err(|_| libc::EINVAL)?;
+    let flags = if ro { libc::O_RDONLY } else { libc::O_RDWR };
+    // SAFETY: open(2) with a NUL-terminated path.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    } else {
+        // SAFETY: fresh descriptor.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+fn word(r: Result<(), i32>) -> String {
+    match r {
+        Ok(()) => "ok".into(),
+        Err(libc::ENXIO) => "ENXIO".into(),
+        Err(libc::EPERM) => "EPERM".into(),
+        Err(libc::EACCES) => "EACCES".into(),
+        Err(n) => format!("errno {n}"),
+    }
+}
+
+fn say(s: &str) {
+    let mut o = std::io::stdout();
+    let _ = writeln!(o, "{s}");
+    let _ = o.flush();
+}
+
+fn sleep_forever() -> ! {
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    match a.as_slice() {
+        ["open", rest @ ..] => {
+            let (ro, paths) = match rest {
+                ["--ro", p @ ..] => (true, p),
+                p => (false, p),
+            };
+            for p in paths {
+                say(&format!("{p} {}", word(open(p, ro).map(|_| ()))));
+            }
+        }
+        ["mknod", path, major, minor] => {
+            let (Ok(ma), Ok(mi)) = (major.parse::<u32>(), minor.parse::<u32>()) else {
+                return ExitCode::from(2);
+            };
+            let c = CString::new(*path).unwrap_or_default();
+            // SAFETY: mknod(2) with a NUL-terminated path.
+            let r =
+                unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(ma, mi)) };
+            let res = if r == 0 {
+                let _ = std::fs::remove_file(path);
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+            };
+            say(&format!("{path} {}", word(res)));
+        }
+        ["hold", path] => match open(path, false) {
+            Ok(_fd) => {
+                say("held");
+                sleep_forever();
+            }
+            Err(e) => {
+                say(&format!("{path} {}", word(Err(e))));
+                return ExitCode::FAILURE;
+            }
+        },
+        ["recvfd", sock] => {
+            let _ = std::fs::remove_file(sock);
+            let l = match UnixListener::bind(sock) {
+                Ok(l) => l,
+                Err(e) => {
+                    say(&format!("bind: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            };
+            let _ =
+                std::fs::set_permissions(sock, std::os::unix::fs::PermissionsExt::from_mode(0o777));
+            say("listening");
+            let Ok((s, _)) = l.accept() else {
+                return ExitCode::FAILURE;
+            };
+            let mut buf = [0u8; 8];
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+            let Ok(msg) =
+                recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty())
+            else {
+                return ExitCode::FAILURE;
+            };
+            let mut held = Vec::new();
+            for c in msg.cmsgs().into_iter().flatten() {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    // SAFETY: descriptors received over SCM_RIGHTS are ours.
+                    held.extend(
+                        fds.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            say(if held.is_empty() {
+                "nothing"
+            } else {
+                "received"
+            });
+            sleep_forever();
+        }
+        ["sendfd", sock, path] => {
+            let fd = match open(path, false) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    say(&format!("{path} {}", word(Err(e))));
+                    return ExitCode::FAILURE;
+                }
+            };
+            let Ok(s) = UnixStream::connect(sock) else {
+                say("connect failed");
+                return ExitCode::FAILURE;
+            };
+            let fds = [fd.as_raw_fd()];
+            let iov = [IoSlice::new(b"x")];
+            match sendmsg::<()>(
+                s.as_raw_fd(),
+                &iov,
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::empty(),
+                None,
+            ) {
+                Ok(_) => say("sent"),
+                Err(e) => {
+                    say(&format!("sendmsg: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        _ => {
+            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH");
+            return ExitCode::from(2);
+        }
+    }
+    ExitCode::SUCCESS
+}

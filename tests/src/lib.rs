@@ -1,0 +1,273 @@
+//! Helpers of gpufence's privileged tests: each test gets its own cgroup2
+//! subtree, bpffs directory and temp dir, and removes them on drop. Nothing
+//! is attached to a cgroup the test did not create.
+//!
+//! Prerequisites (root, cgroup2, bpf): in CI (`CI=true`) a missing one
+//! fails the test loudly; elsewhere the test says why it skipped.
+
+use std::ffi::CString;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use gpufence_cgroup::fence::Fence;
+use gpufence_cgroup::Cgroup2;
+
+/// Whether privileged tests can run here. In CI a missing prerequisite
+/// panics; elsewhere it prints the reason and returns false.
+pub fn privileged() -> bool {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    // SAFETY: geteuid has no preconditions.
+    let why = if unsafe { libc::geteuid() } != 0 {
+        Some("not root")
+    } else if Cgroup2::discover().is_err() {
+        Some("no cgroup2 mount")
+    } else {
+        None
+    };
+    match why {
+        None => true,
+        Some(w) if ci => panic!("privileged test prerequisite missing in CI: {w}"),
+        Some(w) => {
+            eprintln!("SKIPPED (outside CI): {w}");
+            false
+        }
+    }
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// One test's private world.
+pub struct TestEnv {
+    /// The cgroup2 mount.
+    pub cg: Cgroup2,
+    /// This test's cgroup subtree, relative to the mount.
+    pub root: String,
+    /// This test's bpffs directory.
+    pub bpffs: PathBuf,
+    /// This test's temp dir (state, audit, evidence, device nodes).
+    pub tmp: tempfile::TempDir,
+    children: Vec<Child>,
+}
+
+impl TestEnv {
+    /// Creates `gpufence-test-<pid>-<n>-<tag>` under the cgroup2 mount and a
+    /// temp dir (mode 0755 so unprivileged users can reach device nodes).
+    pub fn new(tag: &str) -> Self {
+        let cg = Cgroup2::discover().expect("cgroup2");
+        let name = format!(
+            "gpufence-test-{}-{}-{tag}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
+        cg.create(&name).expect("create test cgroup");
+        let tmp = tempfile::Builder::new()
+            .prefix("gpufence-test-")
+            .tempdir()
+            .expect("tempdir");
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        TestEnv {
+            cg,
+            bpffs: PathBuf::from("/sys/fs/bpf").join(&name),
+            root: name,
+            tmp,
+            children: Vec::new(),
+        }
+    }
+
+    /// `<root>/<rel>`, created.
+    pub fn cgroup(&self, rel: &str) -> String {
+        let p = format!("{}/{}", self.root, rel.trim_matches('/'));
+        self.cg.create(&p).expect("create cgroup");
+        p
+    }
+
+    /// A path in the temp dir.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.tmp.path().join(rel)
+    }
+
+    /// Writes a config for this env with `extra` TOML appended, returns its path.
+    pub fn config(&self, extra: &str) -> PathBuf {
+        let p = self.path("gpufence.toml");
+        let text = format!(
+            "cgroup_root = \"{}\"\nbpffs_dir = \"{}\"\nstate_dir = \"{}\"\naudit_log = \"{}\"\nevidence_dir = \"{}\"\ndev_dir = \"{}\"\nkill_wait_ms = 3000\n{extra}\n",
+            self.root,
+            self.bpffs.display(),
+            self.path("state").display(),
+            self.path("log/audit.jsonl").display(),
+            self.path("evidence").display(),
+            self.path("dev").display(),
+        );
+        std::fs::write(&p, text).expect("write config");
+        p
+    }
+
+    /// `mknod <tmp>/dev/<name> c major minor`, mode 0666.
+    pub fn mknod(&self, name: &str, major: u32, minor: u32) -> PathBuf {
+        self.mknod_type(name, libc::S_IFCHR, major, minor)
+    }
+
+    /// `mknod` of a given type (`S_IFCHR` / `S_IFBLK`), mode 0666.
+    pub fn mknod_type(&self, name: &str, kind: libc::mode_t, major: u32, minor: u32) -> PathBuf {
+        let p = self.path("dev").join(name);
+        std::fs::create_dir_all(p.parent().unwrap()).expect("mkdir dev");
+        let _ = std::fs::remove_file(&p);
+        let c = CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: mknod(2) with a NUL-terminated path.
+        let r = unsafe { libc::mknod(c.as_ptr(), kind | 0o666, libc::makedev(major, minor)) };
+        assert_eq!(
+            r,
+            0,
+            "mknod {}: {}",
+            p.display(),
+            std::io::Error::last_os_error()
+        );
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+        p
+    }
+
+    /// A command that moves itself into cgroup `rel` (relative to the mount)
+    /// between fork and exec, so it runs there from its first instruction.
+    pub fn command_in(&self, rel: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let procs = CString::new(self.cg.path(rel).join("cgroup.procs").to_str().unwrap()).unwrap();
+        let mut cmd = Command::new(program);
+        // SAFETY: only async-signal-safe calls (open, write, close) after fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if r != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    /// Runs `gpufence-probe ARGS` in cgroup `rel` and returns its stdout lines.
+    pub fn probe_in(&self, rel: &str, args: &[&str]) -> Vec<String> {
+        let out = self
+            .command_in(rel, probe_bin())
+            .args(args)
+            .output()
+            .expect("run probe");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect()
+    }
+
+    /// The verdict word of opening `path` from cgroup `rel` (`ENXIO`, `EPERM`, `ok`).
+    pub fn open_from(&self, rel: &str, path: &Path) -> String {
+        self.open_mode_from(rel, path, false)
+    }
+
+    /// Same, read-only when `ro`.
+    pub fn open_mode_from(&self, rel: &str, path: &Path, ro: bool) -> String {
+        let p = path.to_str().unwrap();
+        let args: Vec<&str> = if ro {
+            vec!["open", "--ro", p]
+        } else {
+            vec!["open", p]
+        };
+        let lines = self.probe_in(rel, &args);
+        lines
+            .first()
+            .and_then(|l| l.rsplit(' ').next())
+            .unwrap_or("no output")
+            .to_string()
+    }
+
+    /// Starts `gpufence-probe ARGS` in cgroup `rel`, waits until it prints
+    /// `ready` (a line), and keeps it for cleanup. Returns its pid.
+    pub fn spawn_probe(&mut self, rel: &str, args: &[&str], ready: &str) -> i32 {
+        let mut child = self
+            .command_in(rel, probe_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn probe");
+        let pid = child.id() as i32;
+        let out = child.stdout.take().unwrap();
+        let want = ready.to_string();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(out).lines();
+            let first = lines.next().and_then(Result::ok).unwrap_or_default();
+            let _ = tx.send(first);
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+        assert_eq!(line, want, "probe {args:?} in /{rel} said {line:?}");
+        self.children.push(child);
+        pid
+    }
+
+    /// Starts `sleep 1000` in cgroup `rel` (a stand-in for slurmstepd).
+    pub fn spawn_sleeper(&mut self, rel: &str) -> i32 {
+        let child = self
+            .command_in(rel, "sleep")
+            .arg("1000")
+            .spawn()
+            .expect("sleep");
+        let pid = child.id() as i32;
+        self.children.push(child);
+        pid
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = self.cg.kill(&self.root);
+        let _ = Fence::remove(&self.bpffs);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.cg.remove_tree(&self.root).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A binary of this workspace, next to the test executable's `deps/`
+/// directory (cargo builds a package's binaries before its integration tests).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not built (cargo build --workspace first)",
+        p.display()
+    );
+    p
+}
+
+/// The probe binary.
+pub fn probe_bin() -> PathBuf {
+    workspace_bin("gpufence-probe")
+}
+
+/// Whether process `pid` is gone or a zombie.
+pub fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s
+            .rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('Z')),
+    }
+}

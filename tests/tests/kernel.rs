@@ -1,0 +1,565 @@
+//! Kernel tests: the real verifier, real cgroups, real device checks.
+//! Each test has its own cgroup subtree and bpffs directory (TestEnv).
+//! Observable: opening a mknod-made node gives ENXIO when the device cgroup
+//! allowed it, EPERM when our program denied it.
+
+use std::collections::BTreeSet;
+
+use gpufence_cgroup::fence::{programs_at, Fence};
+use gpufence_model::config::Config;
+use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
+use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
+use gpufence_node::apply::{self, ApplyOutcome, StepRequest};
+use gpufence_node::{epilog, fence_ops, Node, NodeError};
+use gpufence_tests::{gone, privileged, TestEnv};
+
+/// Test majors: 195 stands for the GPUs, 241 (unused on the test hosts) for
+/// nvidia-uvm; 242 is an unprotected, unused major.
+const MAJORS: &str = "[majors]\nnvidia = 195\nnvidia-uvm = 241\n";
+
+fn node(env: &TestEnv, extra: &str) -> Node {
+    let p = env.config(extra);
+    let cfg = Config::load(&p).expect("config");
+    Node::new(cfg, gpufence_model::config::ConfigOrigin::File(p)).expect("node")
+}
+
+fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
+    JobRecord {
+        version: RECORD_VERSION,
+        job_id,
+        uid,
+        gres_indices: vec![0],
+        devices: devs
+            .iter()
+            .map(|(ma, mi)| DeviceGrant {
+                path: format!("/dev/x{ma}_{mi}").into(),
+                dev: DevNum::new(*ma, *mi),
+                access: Access::RW,
+                role: DeviceRole::Gres,
+                gres_index: Some(0),
+            })
+            .collect(),
+        created: now_rfc3339(),
+        notes: vec![],
+    }
+}
+
+#[test]
+fn kernel_has_the_ancestor_helper() {
+    if !privileged() {
+        return;
+    }
+    gpufence_cgroup::fence::probe_ancestor_helper()
+        .expect("this kernel must accept helper 123 in device programs");
+}
+
+#[test]
+fn granted_job_opens_its_device_and_not_another() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("grant");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).expect("install");
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    let ctl = env.mknod("nvidiactl", 195, 255);
+    let uvm = env.mknod("nvidia-uvm", 241, 0);
+    let other = env.mknod("other", 242, 0);
+    let job = env.cgroup("job_1");
+    let task = env.cgroup("job_1/step_0/user/task_0");
+    let outside = env.cgroup("outside");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let id = env.cg.id(&job).unwrap();
+    fence
+        .grant(
+            id,
+            &job,
+            1,
+            &[
+                (DevNum::new(195, 0), Access::RW),
+                (DevNum::new(195, 255), Access::RW),
+                (DevNum::new(241, 0), Access::RW),
+            ],
+        )
+        .unwrap();
+
+    for cg in [&job, &task] {
+        assert_eq!(env.open_from(cg, &n0), "ENXIO", "granted device from /{cg}");
+        assert_eq!(env.open_from(cg, &ctl), "ENXIO", "nvidiactl from /{cg}");
+        assert_eq!(env.open_from(cg, &uvm), "ENXIO", "uvm from /{cg}");
+        assert_eq!(env.open_from(cg, &n1), "EPERM", "other GPU from /{cg}");
+    }
+    for dev in [&n0, &n1, &ctl, &uvm] {
+        assert_eq!(
+            env.open_from(&outside, dev),
+            "EPERM",
+            "{} from outside",
+            dev.display()
+        );
+        assert_eq!(
+            env.open_from(&env.root, dev),
+            "EPERM",
+            "{} from the subtree root",
+            dev.display()
+        );
+    }
+    for cg in [&job, &outside] {
+        assert_eq!(env.open_from(cg, std::path::Path::new("/dev/null")), "ok");
+        assert_eq!(
+            env.open_from(cg, &other),
+            "ENXIO",
+            "unprotected major is untouched"
+        );
+    }
+    // Outside the test subtree the fence does not apply.
+    assert_eq!(env.open_from("", &n1), "ENXIO");
+
+    // Revoke: the job loses it.
+    let gone = fence.revoke_job(1).unwrap();
+    assert_eq!(gone.len(), 3);
+    assert_eq!(env.open_from(&task, &n0), "EPERM");
+    assert!(fence.entries().unwrap().is_empty());
+    assert!(
+        fence.cgroup_flags().unwrap().is_empty(),
+        "GRANTED flag cleared"
+    );
+}
+
+#[test]
+fn access_bits_and_mknod() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("access");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let blk = env.mknod_type("blk195", libc::S_IFBLK, 195, 0);
+    let job = env.cgroup("job_2");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    fence
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            2,
+            &[(DevNum::new(195, 0), Access::READ)],
+        )
+        .unwrap();
+    assert_eq!(env.open_mode_from(&job, &n0, true), "ENXIO", "read granted");
+    assert_eq!(
+        env.open_mode_from(&job, &n0, false),
+        "EPERM",
+        "write not granted"
+    );
+    let target = env.path("dev/made");
+    let lines = env.probe_in(&job, &["mknod", target.to_str().unwrap(), "195", "0"]);
+    assert_eq!(
+        lines,
+        vec![format!("{} EPERM", target.display())],
+        "mknod is never granted"
+    );
+    let lines = env.probe_in(&job, &["mknod", target.to_str().unwrap(), "242", "0"]);
+    assert_eq!(
+        lines,
+        vec![format!("{} ok", target.display())],
+        "mknod of unprotected majors is untouched"
+    );
+    // A block device with a protected number is not an NVIDIA device.
+    assert_eq!(env.open_from(&job, &blk), "ENXIO");
+}
+
+#[test]
+fn exempt_cgroup_and_descendants_open_everything() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("exempt");
+    let exempt = env.cgroup("system.slice/nvidia-persistenced.service");
+    let child = env.cgroup("system.slice/nvidia-persistenced.service/sub");
+    let sibling = env.cgroup("system.slice/other.service");
+    let node = node(&env, &format!("exempt_cgroups = [\"{exempt}\"]\n{MAJORS}"));
+    let r = fence_ops::install(&node).unwrap();
+    assert_eq!(r.exempt_applied.len(), 1);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    let uvm = env.mknod("nvidia-uvm-tools", 241, 1);
+    for cg in [&exempt, &child] {
+        assert_eq!(env.open_from(cg, &n1), "ENXIO");
+        assert_eq!(env.open_from(cg, &uvm), "ENXIO");
+    }
+    assert_eq!(env.open_from(&sibling, &n1), "EPERM");
+    // Dropping it from the config and reinstalling removes the exemption.
+    let node = self::node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    assert_eq!(env.open_from(&child, &n1), "EPERM");
+}
+
+#[test]
+fn install_twice_is_one_program_and_keeps_grants() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("twice");
+    let node = node(&env, MAJORS);
+    let first = fence_ops::install(&node).unwrap();
+    assert!(!first.replaced_program && !first.reused_maps);
+    let job = env.cgroup("job_3");
+    let n0 = env.mknod("nvidia0", 195, 0);
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            3,
+            &[(DevNum::new(195, 0), Access::RW)],
+        )
+        .unwrap();
+    let second = fence_ops::install(&node).unwrap();
+    assert!(second.replaced_program && second.reused_maps);
+    assert_eq!(second.link_id, first.link_id, "same link");
+    assert_ne!(second.prog_id, first.prog_id, "program swapped in place");
+    let (flags, ids) = programs_at(&env.cg, &env.root).unwrap();
+    assert_eq!(
+        ids,
+        vec![second.prog_id],
+        "exactly one program at the root (flags {flags:#x})"
+    );
+    assert_eq!(
+        env.open_from(&job, &n0),
+        "ENXIO",
+        "grant survived reinstall"
+    );
+    let st = fence_ops::status(&node);
+    assert!(st.installed, "{:?}", st.problems);
+    assert_eq!(
+        (st.grants, st.protected_majors.clone()),
+        (1, vec![195, 241])
+    );
+}
+
+#[test]
+fn driver_reload_rekeys_majors_without_a_gap() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("rekey");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let old_uvm = env.mknod("uvm-old", 241, 0);
+    let new_uvm = env.mknod("uvm-new", 243, 0);
+    let out = env.cgroup("outside");
+    assert_eq!(env.open_from(&out, &old_uvm), "EPERM");
+    assert_eq!(env.open_from(&out, &new_uvm), "ENXIO");
+    let node = self::node(&env, "[majors]\nnvidia = 195\nnvidia-uvm = 243\n");
+    fence_ops::install(&node).unwrap();
+    assert_eq!(env.open_from(&out, &new_uvm), "EPERM");
+    assert_eq!(env.open_from(&out, &old_uvm), "ENXIO");
+}
+
+#[test]
+fn remove_leaves_nothing_behind() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("remove");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let out = env.cgroup("outside");
+    assert_eq!(env.open_from(&out, &n0), "EPERM");
+    assert!(fence_ops::remove(&node).unwrap());
+    assert!(!env.bpffs.exists(), "bpffs dir removed");
+    assert_eq!(
+        programs_at(&env.cg, &env.root).unwrap().1,
+        Vec::<u32>::new()
+    );
+    assert_eq!(env.open_from(&out, &n0), "ENXIO");
+    assert!(
+        !fence_ops::remove(&node).unwrap(),
+        "second remove is a no-op"
+    );
+    let st = fence_ops::status(&node);
+    assert!(!st.installed);
+    // Audit has installed then removed.
+    let audit = std::fs::read_to_string(&node.cfg.audit_log).unwrap();
+    let events: Vec<String> = audit
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(events, vec!["fence_installed", "fence_removed"]);
+}
+
+#[test]
+fn grants_deeper_than_the_walk_are_refused_and_deep_tasks_still_match() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("deep");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let job = env.cgroup("job_4");
+    let deep_rel: String = (0..20)
+        .map(|i| format!("d{i}"))
+        .collect::<Vec<_>>()
+        .join("/");
+    let deep = env.cgroup(&format!("job_4/{deep_rel}"));
+    let n0 = env.mknod("nvidia0", 195, 0);
+    fence
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            4,
+            &[(DevNum::new(195, 0), Access::RW)],
+        )
+        .unwrap();
+    assert_eq!(
+        env.open_from(&deep, &n0),
+        "ENXIO",
+        "task 21 levels down finds the grant at level 2"
+    );
+    let e = fence
+        .grant(
+            env.cg.id(&deep).unwrap(),
+            &deep,
+            5,
+            &[(DevNum::new(195, 1), Access::RW)],
+        )
+        .unwrap_err();
+    assert!(matches!(e, gpufence_cgroup::Error::TooDeep { .. }), "{e}");
+    assert!(
+        fence.entries().unwrap().iter().all(|g| g.job_id == 4),
+        "failed grant left nothing"
+    );
+}
+
+#[test]
+fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("slurm");
+    let node = node(&env, &format!("layout = \"slurm\"\n{MAJORS}"));
+    fence_ops::install(&node).unwrap();
+    let base = "system.slice/slurmstepd.scope";
+    let stepd_cg = env.cgroup(&format!("{base}/job_42/step_0/slurm"));
+    let task = env.cgroup(&format!("{base}/job_42/step_0/user/task_0"));
+    let other_task = env.cgroup(&format!("{base}/job_43/step_0/user/task_0"));
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    node.state
+        .write_record(&record(42, 1000, &[(195, 0)]))
+        .unwrap();
+    let stepd = env.spawn_sleeper(&stepd_cg);
+    let req = StepRequest {
+        job_id: 42,
+        step_id: 0,
+        uid: 1000,
+        stepd_pid: stepd,
+    };
+    let out = apply::apply(&node, &req).unwrap();
+    let want_cg = format!("{}/{base}/job_42", env.root);
+    assert!(
+        matches!(&out, ApplyOutcome::Granted { cgroup_path, devices: 1, .. } if *cgroup_path == want_cg),
+        "{out:?}"
+    );
+    assert_eq!(env.open_from(&task, &n0), "ENXIO");
+    assert_eq!(env.open_from(&task, &n1), "EPERM");
+    assert_eq!(
+        env.open_from(&other_task, &n0),
+        "EPERM",
+        "job 43 does not get job 42's GPU"
+    );
+
+    // A record for another uid is refused (stale record of a reused job id).
+    let e = apply::apply(
+        &node,
+        &StepRequest {
+            uid: 1001,
+            ..req.clone()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, NodeError::RecordMismatch { .. }), "{e}");
+    // A slurmstepd without a job_<id> ancestor cannot be placed.
+    let lost = env.cgroup("system.slice/slurmd.service");
+    let stray = env.spawn_sleeper(&lost);
+    let e = apply::place(
+        &node,
+        &StepRequest {
+            stepd_pid: stray,
+            ..req.clone()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, NodeError::JobCgroup(_)), "{e}");
+}
+
+#[test]
+fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("own");
+    let node = node(&env, &format!("layout = \"own\"\n{MAJORS}"));
+    fence_ops::install(&node).unwrap();
+    let slurmd = env.cgroup("slurmd");
+    let stepd = env.spawn_sleeper(&slurmd);
+    node.state.write_record(&record(7, 0, &[(195, 0)])).unwrap();
+    let req = StepRequest {
+        job_id: 7,
+        step_id: 0xffff_fffb,
+        uid: 0,
+        stepd_pid: stepd,
+    };
+    apply::apply(&node, &req).unwrap();
+    let job = format!("{}/job_7", env.root);
+    assert_eq!(
+        env.cg.cgroup_of(stepd).unwrap(),
+        format!("{job}/step_batch")
+    );
+    let n0 = env.mknod("nvidia0", 195, 0);
+    assert_eq!(env.open_from(&format!("{job}/step_batch"), &n0), "ENXIO");
+    assert_eq!(env.open_from(&slurmd, &n0), "EPERM");
+    // No record: placed, but nothing granted.
+    let stepd2 = env.spawn_sleeper(&slurmd);
+    let out = apply::apply(
+        &node,
+        &StepRequest {
+            job_id: 8,
+            stepd_pid: stepd2,
+            ..req
+        },
+    )
+    .unwrap();
+    assert_eq!(out, ApplyOutcome::NoRecord);
+    assert_eq!(
+        env.open_from(&format!("{}/job_8/step_batch", env.root), &n0),
+        "EPERM"
+    );
+    // Epilog of job 7 removes its cgroup, killing the stand-in slurmstepd.
+    let o = epilog::run(&node, 7);
+    assert!(o.clean(), "{:?}", o.errors);
+    assert!(!env.cg.path(&job).exists());
+    assert!(std::fs::read_dir(node.cfg.state_dir.join("jobs"))
+        .unwrap()
+        .next()
+        .is_none());
+}
+
+#[test]
+fn no_fence_means_no_placement() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("nofence");
+    let node = node(&env, &format!("layout = \"own\"\n{MAJORS}"));
+    let slurmd = env.cgroup("slurmd");
+    let stepd = env.spawn_sleeper(&slurmd);
+    let e = apply::place(
+        &node,
+        &StepRequest {
+            job_id: 9,
+            step_id: 0,
+            uid: 0,
+            stepd_pid: stepd,
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, NodeError::FenceMissing { .. }), "{e}");
+    assert!(e.to_string().contains("gpufence fence install"), "{e}");
+}
+
+/// A descriptor opened inside the job and handed to a process outside over
+/// a unix socket keeps working (the check runs at open only); the epilog
+/// finds the holder by st_rdev, keeps evidence and kills it, and leaves a
+/// process of another job with a live grant on the same device alone.
+#[test]
+fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("epilog");
+    // /dev/fuse's number, on a node in our temp dir, protected in our subtree only.
+    let node = node(&env, "[majors]\nnvidia = 195\nfake-gpu = 10\n");
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("nvidia7", 10, 229);
+    let job = env.cgroup("job_11");
+    let other_job = env.cgroup("job_12");
+    let outside = env.cgroup("outside");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    for (j, cg) in [(11, &job), (12, &other_job)] {
+        fence
+            .grant(
+                env.cg.id(cg).unwrap(),
+                cg,
+                j,
+                &[(DevNum::new(10, 229), Access::RW)],
+            )
+            .unwrap();
+    }
+    node.state
+        .write_record(&record(11, 0, &[(10, 229)]))
+        .unwrap();
+    assert_eq!(env.open_from(&outside, &gpu), "EPERM");
+    let sock = env.path("hand.sock");
+    let s = sock.to_str().unwrap().to_string();
+    let receiver = env.spawn_probe(&outside, &["recvfd", &s], "listening");
+    let lines = env.probe_in(&job, &["sendfd", &s, gpu.to_str().unwrap()]);
+    assert_eq!(lines, vec!["sent"]);
+    let neighbour = env.spawn_probe(&other_job, &["hold", gpu.to_str().unwrap()], "held");
+    // wait until the receiver really holds it
+    let want: BTreeSet<DevNum> = [DevNum::new(10, 229)].into();
+    let t0 = std::time::Instant::now();
+    while gpufence_node::scan::holder(receiver, &want).is_none() && t0.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    let out = epilog::run(&node, 11);
+    assert!(out.clean(), "{:?}", out.errors);
+    assert_eq!(out.revoked.len(), 1);
+    assert_eq!(out.lingering.len(), 1, "{:?}", out.lingering);
+    let l = &out.lingering[0];
+    assert_eq!((l.pid, l.gone), (receiver, true));
+    assert!(gone(receiver));
+    assert!(!gone(neighbour), "job 12's process holds its own grant");
+    let ev_path = l.evidence.clone().expect("evidence written");
+    let md = std::fs::metadata(&ev_path).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&md.permissions()) & 0o777,
+        0o600
+    );
+    let ev: serde_json::Value = serde_json::from_slice(&std::fs::read(&ev_path).unwrap()).unwrap();
+    assert_eq!(ev["pid"], receiver);
+    assert_eq!(ev["job_id"], 11);
+    assert_eq!(ev["fds"][0]["dev"]["major"], 10);
+    assert_eq!(ev["cgroup"], outside.as_str());
+    assert_eq!(ev["cmdline"][1], "recvfd");
+    assert_eq!(ev["exe_sha256"].as_str().unwrap().len(), 64);
+    assert!(ev["start_time"].is_string() && ev["ppid"].is_number() && ev["uid"] == 0);
+    let audit = std::fs::read_to_string(&node.cfg.audit_log).unwrap();
+    let events: Vec<serde_json::Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.ends_with(&["grant_revoked", "lingering_process", "process_killed"]),
+        "{names:?}"
+    );
+    assert_eq!(events.last().unwrap()["pid"], receiver);
+    // Job 12 still has its grant; job 11 none.
+    let left = fence.entries().unwrap();
+    assert_eq!(left.iter().map(|g| g.job_id).collect::<Vec<_>>(), vec![12]);
+    // Running the epilog again (or for a job without a record) is fine.
+    assert!(epilog::run(&node, 11).clean());
+    assert!(epilog::run(&node, 999).clean());
+}
