@@ -77,7 +77,7 @@ pub enum NodeError {
         msg: String,
     },
     /// The fence is not installed: no GPU access can be controlled.
-    #[error("the gpufence fence is not installed on this node ({detail}); GPU access cannot be controlled. Admin: run `gpufence fence install` and check `gpufence fence status`")]
+    #[error("the GPU fence is not installed on this node ({detail}), so GPU access cannot be controlled; admin: run `gpufence fence install`")]
     FenceMissing {
         /// What status found.
         detail: String,

@@ -60,9 +60,13 @@ pub fn status(node: &Node) -> FenceStatus {
 pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
     let st = status(node);
     if !st.installed {
-        return Err(NodeError::FenceMissing {
-            detail: st.problems.join("; "),
-        });
+        // The first problem is the cause; the rest follow from it.
+        let detail = st
+            .problems
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "no program attached".into());
+        return Err(NodeError::FenceMissing { detail });
     }
     Ok(Fence::open(&node.cfg.bpffs_dir)?)
 }

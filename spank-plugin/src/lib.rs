@@ -54,6 +54,19 @@ impl PluginArgs {
     }
 }
 
+/// The error a task returns when its step was refused: the user already
+/// has the reason on stderr, so it is not logged again.
+#[derive(Debug)]
+struct Refused;
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("step refused")
+    }
+}
+
+impl Error for Refused {}
+
 /// The plugin's state across callbacks of one process.
 #[derive(Default)]
 pub struct GpuFence {
@@ -61,7 +74,11 @@ pub struct GpuFence {
 }
 
 fn log(level: LogLevel, msg: &str) {
-    spank_log(level, &format!("gpufence: {msg}"));
+    if msg.starts_with("gpufence: ") {
+        spank_log(level, msg);
+    } else {
+        spank_log(level, &format!("gpufence: {msg}"));
+    }
 }
 
 fn node_name() -> String {
@@ -179,7 +196,9 @@ unsafe impl Plugin for GpuFence {
     }
 
     fn report_error(&self, error: &dyn Error) {
-        log(LogLevel::Error, &error.to_string());
+        if !error.is::<Refused>() {
+            log(LogLevel::Error, &error.to_string());
+        }
     }
 
     fn init(&mut self, spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
@@ -199,7 +218,7 @@ unsafe impl Plugin for GpuFence {
             if spank.task_global_id().unwrap_or(0) == 0 {
                 let _ = writeln!(std::io::stderr(), "{line}");
             }
-            return Err(line.clone().into());
+            return Err(Box::new(Refused));
         }
         Ok(())
     }

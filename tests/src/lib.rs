@@ -14,6 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod cluster;
+
 use gpufence_cgroup::fence::Fence;
 use gpufence_cgroup::Cgroup2;
 
@@ -192,15 +194,17 @@ impl TestEnv {
     /// Starts `gpufence-probe ARGS` in cgroup `rel`, waits until it prints
     /// `ready` (a line), and keeps it for cleanup. Returns its pid.
     pub fn spawn_probe(&mut self, rel: &str, args: &[&str], ready: &str) -> i32 {
-        let mut child = self
-            .command_in(rel, probe_bin())
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn probe");
+        let mut cmd = self.command_in(rel, probe_bin());
+        cmd.args(args);
+        self.spawn_ready(cmd, ready)
+    }
+
+    /// Starts `cmd`, waits until its first stdout line is `ready`, and keeps
+    /// it for cleanup. Returns its pid.
+    pub fn spawn_ready(&mut self, mut cmd: Command, ready: &str) -> i32 {
+        let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn");
         let pid = child.id() as i32;
         let out = child.stdout.take().unwrap();
-        let want = ready.to_string();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(out).lines();
@@ -209,8 +213,8 @@ impl TestEnv {
             for _ in lines {}
         });
         let line = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
-        assert_eq!(line, want, "probe {args:?} in /{rel} said {line:?}");
         self.children.push(child);
+        assert_eq!(line, ready, "{cmd:?} said {line:?}");
         pid
     }
 

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs every gpufence test on this machine, as root: unit and property tests,
+# kernel tests (real BPF programs on test-owned cgroups), and the end-to-end
+# suite on a real one-node Slurm cluster. Installs what is missing first.
+# Privileged tests fail (never skip) when CI=true; here they run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash contrib/setup.sh
+export CI="${CI:-true}"
+cargo build --workspace --all-targets --locked
+cargo test --workspace --locked -- --test-threads="${GPUFENCE_TEST_THREADS:-2}"

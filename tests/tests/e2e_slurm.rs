@@ -1,0 +1,484 @@
+//! End to end on a real one-node Slurm cluster (Debian 12's slurmctld,
+//! slurmd, munged; Slurm 22.05), jobs run as an unprivileged user.
+//!
+//! GPUs are stand-ins made with mknod in the test's temp dir; their names,
+//! minors and GRES order disagree on purpose:
+//!
+//! ```text
+//! GRES index 0: nvidia3      c 195:3    Type=sim
+//! GRES index 1: nvidia1      c 195:1    Type=sim
+//! GRES index 2: nvidia-held  c 10:229   Type=held  (/dev/fuse's number: opens for real,
+//!                                                  so a job can hold it and hand it out)
+//! ```
+//!
+//! The fence is attached at the test's cgroup subtree (slurmd, its prologs
+//! and its slurmstepds live below it); `[majors]` protects 195, 241 (uvm
+//! stand-in) and 10 there only. Layout `own` (this host's Slurm uses no
+//! cgroup2). One test function runs the scenarios in order on one cluster.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpufence_tests::cluster::{test_uid, Cluster, TEST_USER};
+use gpufence_tests::{gone, privileged, probe_bin, TestEnv};
+use serde_json::Value;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn both(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `KEY=value` from a job's output.
+fn field(out: &str, key: &str) -> Option<String> {
+    out.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .map(str::to_string)
+}
+
+/// The verdict the probe printed for `path`.
+fn verdict(out: &str, path: &std::path::Path) -> String {
+    let p = path.display().to_string();
+    out.lines()
+        .find_map(|l| l.strip_prefix(&format!("{p} ")))
+        .unwrap_or("missing")
+        .to_string()
+}
+
+fn audit(env: &TestEnv) -> Vec<Value> {
+    std::fs::read_to_string(env.path("log/audit.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
+        .collect()
+}
+
+fn events_for(env: &TestEnv, job: u32) -> Vec<String> {
+    audit(env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job)
+        .map(|e| e["event"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn real_slurm_cluster_end_to_end() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("e2e");
+    let n3 = env.mknod("nvidia3", 195, 3);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    let held = env.mknod("nvidia-held", 10, 229);
+    let gres = format!(
+        "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
+        n3.display(),
+        n1.display(),
+        held.display()
+    );
+    let by_index: [PathBuf; 3] = [n3.clone(), n1.clone(), held.clone()];
+    let cluster = Cluster::start(
+        &env,
+        &gres,
+        "gpu:sim:2,gpu:held:1",
+        "layout = \"own\"\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nfake-held = 10\n",
+        16917,
+    );
+    let probe = cluster.bin.join("gpufence-probe");
+    let probe_s = probe.to_str().unwrap().to_string();
+    let devs = [
+        n3.to_str().unwrap(),
+        n1.to_str().unwrap(),
+        held.to_str().unwrap(),
+    ];
+
+    // The plugin installed the fence at slurmd start (slurmd context).
+    let st = cluster.gpufence(&["fence", "status", "--json"]);
+    let st: Value = serde_json::from_slice(&st.stdout).expect("status JSON");
+    assert_eq!(
+        st["installed"],
+        true,
+        "{st}\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    assert_eq!(st["cgroup_root"], format!("/{}", env.root));
+    assert_eq!(st["protected_majors"], serde_json::json!([10, 195, 241]));
+
+    // 1. srun --gres=gpu:sim:1 opens its GPU and not the other.
+    let script = format!("echo JOB=$SLURM_JOB_ID; echo GPUS=${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}}; {probe_s} open {}", devs.join(" "));
+    let o = cluster.as_user("srun", &["--gres=gpu:sim:1", "sh", "-c", &script]);
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    let job1: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    let idx: usize = field(&out, "GPUS")
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("one GRES index:\n{out}"));
+    let (mine, other) = (&by_index[idx], &by_index[1 - idx]);
+    assert_eq!(verdict(&out, mine), "ENXIO", "own GPU, index {idx}:\n{out}");
+    assert_eq!(verdict(&out, other), "EPERM", "other GPU:\n{out}");
+    assert_eq!(
+        verdict(&out, &held),
+        "EPERM",
+        "unallocated held GPU:\n{out}"
+    );
+
+    // 2. The same user outside any job opens neither (and root neither).
+    let outside = env.cgroup("outside");
+    let o = env
+        .command_in(&outside, "setpriv")
+        .args([
+            "--reuid",
+            TEST_USER,
+            "--regid",
+            TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(&probe)
+        .arg("open")
+        .args(devs)
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    for d in [&n3, &n1, &held] {
+        assert_eq!(
+            verdict(&out, d),
+            "EPERM",
+            "outsider {}:\n{out}",
+            d.display()
+        );
+    }
+    assert_eq!(
+        env.open_from(&outside, &n3),
+        "EPERM",
+        "root outside any job"
+    );
+
+    // 3. A job that names every GPU in its own environment still gets one.
+    let o = cluster
+        .user_cmd("srun")
+        .env("CUDA_VISIBLE_DEVICES", "0,1")
+        .env("SLURM_JOB_GPUS", "0,1")
+        .args(["--export=ALL", "--gres=gpu:sim:1", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    let opened: Vec<_> = [&n3, &n1]
+        .into_iter()
+        .filter(|d| verdict(&out, d) == "ENXIO")
+        .collect();
+    assert_eq!(
+        opened.len(),
+        1,
+        "exactly one GPU despite the spoofed environment:\n{out}"
+    );
+    let job3: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+
+    // 4. After the jobs, `gpufence grants` shows nothing for them, and the
+    //    audit log has recorded -> applied -> revoked for each.
+    for job in [job1, job3] {
+        assert!(
+            Cluster::wait_for(Duration::from_secs(20), || events_for(&env, job)
+                .contains(&"grant_revoked".into())),
+            "epilog of job {job} did not run: {:?}\n{}",
+            events_for(&env, job),
+            cluster.log_tail("slurmd.log")
+        );
+        let ev = events_for(&env, job);
+        let pos = |n: &str| {
+            ev.iter()
+                .position(|e| e == n)
+                .unwrap_or_else(|| panic!("{n} missing in {ev:?}"))
+        };
+        assert!(
+            pos("grant_recorded") < pos("grant_applied")
+                && pos("grant_applied") < pos("grant_revoked"),
+            "{ev:?}"
+        );
+    }
+    let g = cluster.gpufence(&["grants", "--json"]);
+    let g: Value = serde_json::from_slice(&g.stdout).expect("grants JSON");
+    let live: Vec<u64> = g
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["job_id"].as_u64().unwrap())
+        .collect();
+    assert!(
+        !live.contains(&(job1 as u64)) && !live.contains(&(job3 as u64)),
+        "{g}"
+    );
+    assert!(
+        !env.cg.path(&format!("{}/job_{job1}", env.root)).exists(),
+        "own-layout job cgroup removed"
+    );
+
+    // 5. A job without GPUs runs, and opens none.
+    let o = cluster.as_user(
+        "srun",
+        &["sh", "-c", &format!("{probe_s} open {}", devs.join(" "))],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    for d in [&n3, &n1, &held] {
+        assert_eq!(
+            verdict(&out, d),
+            "EPERM",
+            "GPU-less job {}:\n{out}",
+            d.display()
+        );
+    }
+    assert!(
+        !both(&o).contains("gpufence:"),
+        "no message for a job without GPUs: {}",
+        both(&o)
+    );
+
+    // 6. A batch job gets its GPU in the batch step.
+    let out_file = env.path("jobs/batch.out");
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--wait",
+            "--gres=gpu:held:1",
+            "-o",
+            out_file.to_str().unwrap(),
+            "--wrap",
+            &format!("{probe_s} open {}", held.display()),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let out = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_eq!(
+        verdict(&out, &held),
+        "ok",
+        "batch step opens its (real) device:\n{out}"
+    );
+
+    // 7. A job hands its open GPU descriptor to a process outside the job
+    //    over a unix socket, then ends: the epilog finds the holder by
+    //    st_rdev, writes evidence and audit lines, and kills it.
+    let sock = env.path("jobs/handoff.sock");
+    let mut recv = env.command_in(&outside, "setpriv");
+    recv.args([
+        "--reuid",
+        TEST_USER,
+        "--regid",
+        TEST_USER,
+        "--init-groups",
+        "--",
+    ])
+    .arg(&probe)
+    .arg("recvfd")
+    .arg(&sock);
+    let receiver = env.spawn_ready(recv, "listening");
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; {probe_s} sendfd {} {}",
+                sock.display(),
+                held.display()
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success() && out.contains("sent"), "{}", both(&o));
+    let job7: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || gone(receiver)),
+        "the epilog did not kill pid {receiver}: {:?}\n{}",
+        events_for(&env, job7),
+        cluster.log_tail("slurmd.log")
+    );
+    let ev: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job7)
+        .collect();
+    let names: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert!(
+        names.ends_with(&["grant_revoked", "lingering_process", "process_killed"]),
+        "{names:?}"
+    );
+    let killed = ev.last().unwrap();
+    assert_eq!(killed["pid"], receiver);
+    assert_eq!(killed["uid"], test_uid());
+    assert_eq!(killed["devices"], serde_json::json!(["10:229"]));
+    let evidence: Vec<_> = std::fs::read_dir(env.path("evidence"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("job{job7}-pid{receiver}-"))
+        })
+        .collect();
+    assert_eq!(evidence.len(), 1, "one evidence file");
+    let e: Value = serde_json::from_slice(&std::fs::read(evidence[0].path()).unwrap()).unwrap();
+    assert_eq!(
+        (e["pid"].clone(), e["uid"].clone()),
+        (Value::from(receiver), Value::from(test_uid()))
+    );
+    assert_eq!(e["exe"], probe.display().to_string());
+    // Slurm did not drain the node: the epilog exited 0 (the node is clean).
+    let o = cluster.as_user("sinfo", &["-h", "-o", "%T"]);
+    assert_eq!(stdout(&o).trim(), "idle", "{}", both(&o));
+
+    // Nothing of the jobs is left: no grants, no job cgroups, no records.
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&g.stdout).unwrap(),
+        serde_json::json!([])
+    );
+    let jobs_left: Vec<_> = std::fs::read_dir(env.cg.path(&env.root))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("job_"))
+        .collect();
+    assert!(jobs_left.is_empty(), "{jobs_left:?}");
+
+    // 8. The fence disappears while a job runs: its next step is refused,
+    //    and the user reads why, in one line, in the job's output.
+    let flag = env.path("jobs/fence-removed");
+    let out_file = env.path("jobs/refused.out");
+    let batch = format!(
+        "#!/bin/sh\nsrun true\necho STEP1_DONE > {ready}\nwhile [ ! -e {flag} ]; do sleep 0.1; done\nsrun {probe_s} open {dev}\necho SRUN_RC=$?\n",
+        ready = env.path("jobs/step1").display(),
+        flag = flag.display(),
+        dev = devs[0],
+    );
+    let script_path = env.path("jobs/refused.sh");
+    std::fs::write(&script_path, batch).unwrap();
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--gres=gpu:sim:1",
+            "-o",
+            out_file.to_str().unwrap(),
+            script_path.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || env.path("jobs/step1").exists()),
+        "first step did not run: {}",
+        std::fs::read_to_string(&out_file).unwrap_or_default()
+    );
+    let o = cluster.gpufence(&["fence", "remove"]);
+    assert!(o.status.success(), "{}", both(&o));
+    std::fs::write(&flag, "").unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || std::fs::read_to_string(
+            &out_file
+        )
+        .unwrap_or_default()
+        .contains("SRUN_RC=")),
+        "batch job did not finish"
+    );
+    let all = std::fs::read_to_string(&out_file).unwrap();
+    let lines: Vec<&str> = all.lines().filter(|l| l.starts_with("gpufence:")).collect();
+    assert_eq!(lines.len(), 1, "one gpufence line for the user:\n{all}");
+    assert!(
+        lines[0].contains("fence is not installed") && lines[0].contains("gpufence fence install"),
+        "{all}"
+    );
+    assert!(
+        !all.contains(&format!("{} ", devs[0])),
+        "the task never ran its command:\n{all}"
+    );
+    assert!(!all.contains("SRUN_RC=0"), "{all}");
+    let o = cluster.gpufence(&["fence", "install"]);
+    assert!(o.status.success(), "{}", both(&o));
+
+    // 9. A job cannot start on a node without the fence: the prolog fails,
+    //    Slurm drains the node; `gpufence fence install` and a resume fix it.
+    let o = cluster.gpufence(&["fence", "remove"]);
+    assert!(o.status.success(), "{}", both(&o));
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            "-J",
+            "noprolog",
+            &probe_s,
+            "open",
+            devs[0],
+        ],
+    );
+    let all = both(&o);
+    assert!(
+        !o.status.success() && all.contains("prolog failed"),
+        "{all}"
+    );
+    assert!(
+        !all.contains(&format!("{} ", devs[0])),
+        "the task never ran:\n{all}"
+    );
+    let o = cluster.as_user("sinfo", &["-h", "-o", "%T"]);
+    assert!(
+        stdout(&o).trim().starts_with("drain"),
+        "node drained: {}",
+        both(&o)
+    );
+    let errors: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["event"] == "error" && e["component"] == "prolog")
+        .collect();
+    assert!(
+        errors.last().is_some_and(|e| e["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("gpufence fence install")),
+        "{errors:?}"
+    );
+    let o = cluster.gpufence(&["fence", "install"]);
+    assert!(o.status.success(), "{}", both(&o));
+    let admin = |args: &[&str]| {
+        std::process::Command::new("env")
+            .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let _ = admin(&["scancel", "-n", "noprolog"]);
+    let o = admin(&[
+        "scontrol",
+        "update",
+        &format!("nodename={}", gpufence_tests::cluster::hostname()),
+        "state=resume",
+    ]);
+    assert!(o.status.success(), "{}", both(&o));
+    let o = cluster.as_user(
+        "srun",
+        &["--gres=gpu:sim:1", &probe_s, "open", devs[0], devs[1]],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(
+        [verdict(&out, &n3), verdict(&out, &n1)]
+            .iter()
+            .filter(|v| *v == "ENXIO")
+            .count(),
+        1,
+        "back in service with the fence:\n{out}"
+    );
+    let _ = probe_bin();
+    drop(cluster);
+}
