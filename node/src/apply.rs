@@ -229,3 +229,45 @@ pub fn verdict(
     }
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn special_step_names() {
+        assert_eq!(step_name(0xffff_fffc), "extern");
+        assert_eq!(step_name(0xffff_fffb), "batch");
+        assert_eq!(step_name(0xffff_fffa), "interactive");
+        assert_eq!(step_name(3), "3");
+    }
+
+    #[test]
+    fn verdicts() {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let d = tempfile::tempdir().unwrap();
+        let text = format!("audit_log = \"{}/a.jsonl\"\n", d.path().display());
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let req = StepRequest {
+            job_id: 3,
+            step_id: 0,
+            uid: 1000,
+            stepd_pid: 1,
+        };
+        let refused: Result<Placement, NodeError> =
+            Err(NodeError::FenceMissing { detail: "x".into() });
+        assert!(
+            matches!(verdict(&node, &req, "n1", &refused, None), StepVerdict::Refuse(l) if l.starts_with("gpufence: job 3 step 0 refused on n1: the GPU fence is not installed"))
+        );
+        let audit = std::fs::read_to_string(d.path().join("a.jsonl")).unwrap();
+        assert!(
+            audit.contains("\"event\":\"grant_refused\"")
+                && audit.contains("\"refused_step\":true"),
+            "{audit}"
+        );
+    }
+}

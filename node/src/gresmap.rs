@@ -167,3 +167,93 @@ fn run_slurmd_g(slurmd: &Path, slurm_conf: &Path) -> Result<String, NodeError> {
     }
     Ok(format!("{stdout}{stderr}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufence_model::config::{Config, ConfigOrigin};
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in `slurmd` at the C-library-free boundary we call: a script
+    /// that prints `slurmd -G`-shaped lines on stderr (as slurmd does) and
+    /// counts its runs.
+    fn fake_slurmd(dir: &Path, body: &str) -> PathBuf {
+        let p = dir.join("slurmd");
+        std::fs::write(
+            &p,
+            format!(
+                "#!/bin/sh\necho run >> {}/runs\n[ \"$1\" = -G ] || exit 9\n{body}\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn node(dir: &Path, slurmd: &Path) -> Node {
+        let text = format!(
+            "state_dir = \"{d}/state\"\naudit_log = \"{d}/a.jsonl\"\nslurmd_bin = \"{s}\"\n",
+            d = dir.display(),
+            s = slurmd.display()
+        );
+        Node::new(
+            Config::parse(&text, Path::new("t.toml")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap()
+    }
+
+    fn runs(dir: &Path) -> usize {
+        std::fs::read_to_string(dir.join("runs"))
+            .unwrap_or_default()
+            .lines()
+            .count()
+    }
+
+    #[test]
+    fn runs_slurmd_once_then_uses_the_cache_until_the_config_changes() {
+        let d = tempfile::tempdir().unwrap();
+        let s = fake_slurmd(
+            d.path(),
+            "echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=3 ID=1 File=/dev/nvidia3 (null)\" >&2\n\
+             echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=1 ID=1 File=/dev/nvidia1 (null)\" >&2",
+        );
+        let n = node(d.path(), &s);
+        let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "ClusterName=x\n").unwrap();
+        let m = load(&n, Some(&conf)).unwrap();
+        assert_eq!(m.devices[1].files, vec![PathBuf::from("/dev/nvidia1")]);
+        assert_eq!(runs(d.path()), 1);
+        let m = load(&n, Some(&conf)).unwrap();
+        assert_eq!(
+            (m.devices.len(), runs(d.path())),
+            (2, 1),
+            "served from the cache"
+        );
+        assert!(m.source.ends_with("slurmd-G.txt"));
+        std::fs::write(d.path().join("gres.conf"), "Name=gpu File=/dev/nvidia1\n").unwrap();
+        load(&n, Some(&conf)).unwrap();
+        assert_eq!(runs(d.path()), 2, "gres.conf changed: slurmd -G again");
+        let other = d.path().join("other.conf");
+        std::fs::write(&other, "").unwrap();
+        load(&n, Some(&other)).unwrap();
+        assert_eq!(runs(d.path()), 3, "another SLURM_CONF: slurmd -G again");
+    }
+
+    #[test]
+    fn failing_slurmd_is_an_error_with_its_words() {
+        let d = tempfile::tempdir().unwrap();
+        let s = fake_slurmd(
+            d.path(),
+            "echo 'slurmd: fatal: Unable to open gres.conf' >&2; exit 1",
+        );
+        let n = node(d.path(), &s);
+        let e = load(&n, Some(&d.path().join("slurm.conf"))).unwrap_err();
+        assert!(
+            matches!(&e, NodeError::SlurmdG { msg, .. } if msg.contains("Unable to open gres.conf")),
+            "{e}"
+        );
+        assert!(!n.state.gres_cache_path().exists(), "nothing cached");
+    }
+}

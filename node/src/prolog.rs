@@ -177,3 +177,173 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
     }
     Ok(rec)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufence_model::config::{Config, ConfigOrigin};
+    use std::collections::HashMap;
+
+    /// A node whose GRES list comes from a file; device files are ordinary
+    /// character devices every machine has (/dev/null 1:3, /dev/zero 1:5),
+    /// listed so that names, numbers and order disagree.
+    fn node(dir: &Path, gres: &str, majors: &str) -> Node {
+        let g = dir.join("slurmd-G.txt");
+        std::fs::write(&g, gres).unwrap();
+        let text = format!(
+            "state_dir = \"{d}/state\"\naudit_log = \"{d}/audit.jsonl\"\nslurmd_gres = \"{g}\"\n{majors}",
+            d = dir.display(),
+            g = g.display()
+        );
+        let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+        Node::new(cfg, ConfigOrigin::Defaults).expect("cgroup2 mount")
+    }
+
+    const GRES: &str = "slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=1 File=/dev/zero (null)\n\
+                        slurmd: Gres Name=gpu Type=(null) Count=1 Index=3 ID=1 File=/dev/null (null)\n";
+    const MAJORS: &str = "[majors]\nnvidia = 1\nnvidia-uvm = 241\n";
+
+    fn env(vars: &[(&str, &str)]) -> Result<PrologEnv, NodeError> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        PrologEnv::from_env(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn index_maps_by_position_and_adds_control_devices() {
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), GRES, MAJORS);
+        let e = env(&[
+            ("SLURM_JOB_ID", "17"),
+            ("SLURM_JOB_UID", "1000"),
+            ("SLURM_JOB_GPUS", "1"),
+        ])
+        .unwrap();
+        let r = build_record(&n, &e).unwrap();
+        let devs: Vec<(DevNum, DeviceRole)> = r.devices.iter().map(|d| (d.dev, d.role)).collect();
+        assert_eq!(
+            devs,
+            vec![
+                (DevNum::new(1, 3), DeviceRole::Gres), // index 1 is the second line: /dev/null, not /dev/zero
+                (DevNum::new(1, 255), DeviceRole::Control),
+                (DevNum::new(241, 0), DeviceRole::Control),
+                (DevNum::new(241, 1), DeviceRole::Control),
+            ]
+        );
+        assert!(r.devices.iter().all(|d| d.access == Access::RW));
+        assert_eq!(r.devices[0].gres_index, Some(1));
+        assert!(r.notes.is_empty(), "{:?}", r.notes);
+    }
+
+    #[test]
+    fn job_without_gpus_gets_no_devices() {
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), GRES, MAJORS);
+        for vars in [
+            vec![("SLURM_JOB_ID", "5"), ("SLURM_JOB_UID", "0")],
+            vec![
+                ("SLURM_JOB_ID", "5"),
+                ("SLURM_JOB_UID", "0"),
+                ("SLURM_JOB_GPUS", ""),
+            ],
+        ] {
+            let r = build_record(&n, &env(&vars).unwrap()).unwrap();
+            assert!(r.devices.is_empty() && r.gres_indices.is_empty());
+        }
+    }
+
+    #[test]
+    fn node_problems_are_errors() {
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), GRES, MAJORS);
+        let e = env(&[
+            ("SLURM_JOB_ID", "5"),
+            ("SLURM_JOB_UID", "0"),
+            ("SLURM_JOB_GPUS", "2"),
+        ])
+        .unwrap();
+        assert!(matches!(
+            build_record(&n, &e),
+            Err(NodeError::UnmappedIndex {
+                index: 2,
+                count: 2,
+                ..
+            })
+        ));
+        let missing = "Gres Name=gpu Count=1 File=/dev/nvidia-does-not-exist\n";
+        let n = node(d.path(), missing, MAJORS);
+        let e = env(&[
+            ("SLURM_JOB_ID", "5"),
+            ("SLURM_JOB_UID", "0"),
+            ("SLURM_JOB_GPUS", "0"),
+        ])
+        .unwrap();
+        let err = build_record(&n, &e).unwrap_err();
+        assert!(
+            matches!(err, NodeError::BadDevice { index: 0, .. }),
+            "{err}"
+        );
+        let n = node(
+            d.path(),
+            "Gres Name=gpu Count=1 File=/etc/hostname\n",
+            MAJORS,
+        );
+        assert!(matches!(
+            build_record(&n, &e),
+            Err(NodeError::BadDevice { .. })
+        ));
+    }
+
+    #[test]
+    fn unprotected_major_and_missing_uvm_are_noted() {
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), GRES, "[majors]\nnvidia = 195\n");
+        let e = env(&[
+            ("SLURM_JOB_ID", "5"),
+            ("SLURM_JOB_UID", "0"),
+            ("SLURM_JOB_GPUS", "0"),
+        ])
+        .unwrap();
+        let r = build_record(&n, &e).unwrap();
+        assert!(
+            r.notes
+                .iter()
+                .any(|m| m.contains("/dev/zero") && m.contains("not on a protected major")),
+            "{:?}",
+            r.notes
+        );
+        assert!(
+            r.notes.iter().any(|m| m.starts_with("nvidia-uvm")),
+            "{:?}",
+            r.notes
+        );
+    }
+
+    #[test]
+    fn environment_is_checked() {
+        assert!(matches!(
+            env(&[("SLURM_JOB_UID", "0")]),
+            Err(NodeError::Env {
+                var: "SLURM_JOB_ID",
+                ..
+            })
+        ));
+        assert!(matches!(
+            env(&[("SLURM_JOB_ID", "x"), ("SLURM_JOB_UID", "0")]),
+            Err(NodeError::Env {
+                var: "SLURM_JOB_ID",
+                ..
+            })
+        ));
+        assert!(matches!(
+            env(&[
+                ("SLURM_JOB_ID", "1"),
+                ("SLURM_JOB_UID", "0"),
+                ("SLURM_JOB_GPUS", "0,../1")
+            ]),
+            Err(NodeError::Parse(_))
+        ));
+    }
+}

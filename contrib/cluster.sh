@@ -1,0 +1,513 @@
+#!/usr/bin/env bash
+# Start and stop an isolated one-node Slurm cluster on loopback, for the demo
+# and the end-to-end tests.  Everything (munge key and socket, slurm.conf,
+# state, spool, logs, pid files) lives in a directory chosen by the caller, so
+# several clusters can exist side by side (with different port bases) and
+# nothing system-wide is touched except the `gpufence-test` user.
+#
+#   cluster.sh start DIR   build DIR/slurm.conf, start munged, slurmctld and
+#                          slurmd; exit 0 once the node is idle and jobs run
+#                          as an unprivileged user.  Prints only errors.
+#   cluster.sh stop DIR    kill what `start` started in DIR; idempotent.
+#   cluster.sh env DIR     print `export SLURM_CONF=...` for `eval`.
+#
+# Inputs read from DIR (written by the caller before `start`):
+#   slurm-extra.conf   lines appended to slurm.conf.  A key set there replaces
+#                      the one this script would write (Slurm itself logs an
+#                      error on every command for a key given twice), so a
+#                      NodeName= or PartitionName= line there replaces the
+#                      default node or partition.
+#   gres.conf, cgroup.conf, plugstack.conf ...  found by Slurm next to
+#                      slurm.conf.
+# The check at the end of `start` runs one job (id 1, `srun true` as the
+# test user), so the caller's Prolog, Epilog and SPANK plugins have already
+# run once when `start` returns.  A batch job submitted within about 3 s of
+# `start` may wait for slurmctld's first scheduling pass; later ones start
+# within a second (SchedulerParameters=batch_sched_delay=0).
+# Environment:
+#   GPUFENCE_CLUSTER_PORT_BASE  slurmctld port (default 16817); slurmd uses
+#                               base+1.  Two clusters at once need two bases.
+#   GPUFENCE_SLURMD_CGROUP      existing cgroup2 directory to start slurmd in,
+#                               so that slurmd, its prologs and its slurmstepds
+#                               are all below it.
+#
+# Needs root: Slurm daemons run as root (SlurmUser=root) and the test user is
+# created with useradd.  `start` makes DIR mode 0755 (the test user reads
+# slurm.conf and reaches the munge socket there), so every directory above
+# DIR must be searchable by all: /tmp/x works, /root/x does not.
+# Tested with Slurm 22.05.8 and munge 0.5.15 (Debian 12).
+
+set -euo pipefail
+
+readonly TEST_USER=gpufence-test
+# Every wait is bounded so that a broken cluster fails a test instead of
+# hanging it.
+readonly WAIT_S=30
+# Each daemon gets this variable in its environment.  `stop` kills a pid only
+# when its /proc/PID/environ carries it with this DIR, so a recycled pid or
+# another cluster's daemon is never hit.  slurmstepd inherits slurmd's
+# environment, which is how stray step daemons are found.
+readonly MARK=GPUFENCE_CLUSTER_DIR
+# Daemons started so far by this run of `start`, watched while waiting.
+STARTED=()
+
+die() {
+    printf 'cluster.sh: %s\n' "$*" >&2
+    exit 1
+}
+
+usage() {
+    printf 'usage: %s start|stop|env DIR\n' "${0##*/}" >&2
+    exit 2
+}
+
+# --- helpers ---------------------------------------------------------------
+
+# has_mark PID: true when PID is alive and was started by this script for DIR.
+has_mark() {
+    local env
+    env=$(tr '\0' '\n' 2>/dev/null <"/proc/$1/environ") || return 1
+    grep -qxF "$MARK=$DIR" <<<"$env"
+}
+
+# pid_of NAME: the pid recorded for daemon NAME, if it is still ours.
+pid_of() {
+    local f="$DIR/run/$1.pid" pid
+    [[ -r $f ]] || return 1
+    read -r pid <"$f" || return 1
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    has_mark "$pid" || return 1
+    printf '%s\n' "$pid"
+}
+
+# marked_stepds: slurmstepd processes forked by this cluster's slurmd.  They
+# detach from slurmd (double fork), so the process tree alone misses them.
+marked_stepds() {
+    local d pid
+    for d in /proc/[0-9]*; do
+        pid=${d#/proc/}
+        [[ $(cat "$d/comm" 2>/dev/null) == slurmstepd ]] || continue
+        has_mark "$pid" && printf '%s\n' "$pid"
+    done
+    return 0
+}
+
+# descendants PID...: all processes below the given ones (not the roots).
+# Collected before anything is killed, because a killed parent's children
+# are reparented and can no longer be traced to it.
+descendants() {
+    ps -e -o pid=,ppid= | awk -v roots="$*" '
+        BEGIN { n = split(roots, r, " "); for (i = 1; i <= n; i++) want[r[i]] = 1 }
+        { parent[$1] = $2; order[NR] = $1 }
+        END {
+            do {
+                grew = 0
+                for (i = 1; i <= NR; i++) {
+                    p = order[i]
+                    if (!(p in want) && (parent[p] in want)) { want[p] = 1; out[p] = 1; grew = 1 }
+                }
+            } while (grew)
+            for (p in out) print p
+        }'
+}
+
+# wait_for SECONDS DESCRIPTION CMD...: poll CMD until it succeeds.
+wait_for() {
+    local limit=$1 what=$2 deadline=$((SECONDS + $1))
+    shift 2
+    until "$@" >/dev/null 2>&1; do
+        # A daemon that died (bad config, port taken) will not come back:
+        # fail now rather than at the deadline.
+        local name
+        for name in "${STARTED[@]}"; do
+            if ! pid_of "$name" >/dev/null; then
+                printf 'cluster.sh: %s exited while waiting for %s\n' "$name" "$what" >&2
+                return 1
+            fi
+        done
+        if ((SECONDS >= deadline)); then
+            printf 'cluster.sh: timed out after %ss waiting for %s\n' "$limit" "$what" >&2
+            return 1
+        fi
+        sleep 0.2
+    done
+}
+
+# running PID: PID exists and is not a zombie.  Daemons detach, so their
+# parent is init, and an init that does not reap (as in some containers)
+# leaves zombies that kill -0 still finds.
+running() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    [[ ${stat:0:1} != Z ]]
+}
+
+# wait_gone PID...: wait until none of the pids runs, at most 10 s.
+wait_gone() {
+    local deadline=$((SECONDS + 10)) p alive
+    while :; do
+        alive=0
+        for p in "$@"; do
+            running "$p" && alive=1
+        done
+        ((alive)) || return 0
+        ((SECONDS < deadline)) || return 1
+        sleep 0.1
+    done
+}
+
+# port_busy PORT: something already listens there (another cluster, or a
+# system slurmd).  Checked up front because the daemons would only log it.
+port_busy() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+show_logs() {
+    local f
+    for f in "$DIR"/log/*.log "$DIR"/log/*.stderr; do
+        [[ -s $f ]] || continue
+        printf '==> %s <==\n' "$f" >&2
+        tail -n 20 "$f" >&2
+    done
+}
+
+# spawn NAME CGROUP CMD...: run CMD detached (own session, output in
+# log/NAME.stderr, which holds what fails before the log file is opened, no
+# inherited descriptors) and record its pid.  When CGROUP is set the
+# wrapper shell moves itself there before exec, so CMD and everything it
+# forks starts inside that cgroup.
+spawn() {
+    local name=$1 cg=$2
+    shift 2
+    (
+        # A caller's pipe inherited by a long-lived daemon would keep the
+        # caller waiting for EOF; close everything but stdio.
+        for fd in /proc/"$BASHPID"/fd/*; do
+            fd=${fd##*/}
+            ((fd > 2)) && eval "exec $fd>&-"
+        done
+        # Do not pin the caller's working directory for the daemon's life.
+        cd / || exit 1
+        if [[ -n $cg ]]; then
+            echo "$BASHPID" >"$cg/cgroup.procs" ||
+                { echo "cannot join cgroup $cg" >&2; exit 1; }
+        fi
+        exec setsid env "$MARK=$DIR" SLURM_CONF="$CONF" "$@"
+    ) </dev/null >>"$DIR/log/$name.stderr" 2>&1 &
+    echo "$!" >"$DIR/run/$name.pid"
+    STARTED+=("$name")
+}
+
+no_jobs() {
+    [[ -z $(squeue -h -o %A 2>/dev/null) ]]
+}
+
+node_idle() {
+    local states
+    states=$(sinfo -h -N -o '%T') || return 1
+    [[ -n $states ]] && ! grep -qvx idle <<<"$states"
+}
+
+# --- slurm.conf --------------------------------------------------------------
+
+write_conf() {
+    local extra="$DIR/slurm-extra.conf" host ctld_port slurmd_port line key
+    host=$(hostname -s)
+    ctld_port=${GPUFENCE_CLUSTER_PORT_BASE:-16817}
+    if ! [[ $ctld_port =~ ^[0-9]+$ ]] || ((ctld_port < 1 || ctld_port > 65534)); then
+        die "GPUFENCE_CLUSTER_PORT_BASE must be a port number below 65535"
+    fi
+    slurmd_port=$((ctld_port + 1))
+    local p
+    for p in "$ctld_port" "$slurmd_port"; do
+        port_busy "$p" && die "port $p on 127.0.0.1 is already in use (set GPUFENCE_CLUSTER_PORT_BASE)"
+    done
+
+    local -a base=(
+        "ClusterName=gpufence"
+        "SlurmctldHost=$host(127.0.0.1)"
+        "SlurmctldPort=$ctld_port"
+        "SlurmdPort=$slurmd_port"
+        "SlurmUser=root"
+        "SlurmdUser=root"
+        "AuthType=auth/munge"
+        "CredType=cred/munge"
+        # Slurm's own munge client otherwise talks to the system socket.
+        "AuthInfo=socket=$DIR/munge/munge.socket"
+        "StateSaveLocation=$DIR/state"
+        "SlurmdSpoolDir=$DIR/spool"
+        # Not run/NAME.pid: those are written by this script, and Slurm
+        # truncates its pid file while rewriting it.
+        "SlurmctldPidFile=$DIR/run/slurmctld.slurm-pid"
+        "SlurmdPidFile=$DIR/run/slurmd.slurm-pid"
+        "SlurmctldLogFile=$DIR/log/slurmctld.log"
+        "SlurmdLogFile=$DIR/log/slurmd.log"
+        "SlurmctldDebug=info"
+        "SlurmdDebug=info"
+        # The default (/bin/mail) is missing on most test machines.
+        "MailProg=/bin/true"
+        # No cgroups unless the caller asks for them: the host may be v1,
+        # v2 or hybrid, and the fence under test owns device access.
+        "ProctrackType=proctrack/linuxproc"
+        "TaskPlugin=task/none"
+        "JobAcctGatherType=jobacct_gather/none"
+        "AccountingStorageType=accounting_storage/none"
+        "JobCompType=jobcomp/none"
+        "MpiDefault=none"
+        "SwitchType=switch/none"
+        "GresTypes=gpu"
+        "SelectType=select/cons_tres"
+        "SelectTypeParameters=CR_Core"
+        # Take the node as configured: CI machines differ in cores and
+        # memory, and a node with "less than configured" would be drained.
+        "SlurmdParameters=config_overrides"
+        # Short timeouts: tests kill jobs and restart daemons often.
+        "KillWait=2"
+        "MessageTimeout=10"
+        "SlurmdTimeout=30"
+        "SlurmctldTimeout=30"
+        "InactiveLimit=0"
+        "UnkillableStepTimeout=30"
+        # A node that went DOWN comes back on its own when slurmd registers
+        # (a DRAINed one still needs `scontrol update ... State=RESUME`).
+        "ReturnToService=2"
+        # Batch jobs otherwise wait up to 3 s for the scheduler; with 0
+        # they start within about a second.
+        "SchedulerParameters=batch_sched_delay=0"
+        # Keep finished jobs visible to `scontrol show job` for a while.
+        "MinJobAge=300"
+        "NodeName=$host NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 State=UNKNOWN"
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=60 State=UP"
+    )
+
+    {
+        echo "# Generated by contrib/cluster.sh; edit slurm-extra.conf instead."
+        for line in "${base[@]}"; do
+            key=${line%%=*}
+            # The caller's value wins; see the header.
+            if [[ -f $extra ]] && grep -qiE "^[[:space:]]*${key}[[:space:]]*=" "$extra"; then
+                continue
+            fi
+            echo "$line"
+        done
+        if [[ -f $extra ]]; then
+            echo "# --- from slurm-extra.conf ---"
+            cat "$extra"
+            echo
+        fi
+    } >"$CONF.tmp"
+    mv "$CONF.tmp" "$CONF"
+    chmod 0644 "$CONF"
+}
+
+# The NodeName slurmd must claim (-N): the first NodeName= of the extra file
+# when it is a single plain name, so the caller may name the node freely.
+node_name() {
+    local extra="$DIR/slurm-extra.conf" name
+    [[ -f $extra ]] || return 0
+    name=$(sed -nE 's/^[[:space:]]*NodeName[[:space:]]*=[[:space:]]*([^[:space:]]+).*/\1/Ip' "$extra" | head -n 1)
+    [[ -n $name && $name != *[\[,]* && ${name,,} != default ]] && printf '%s\n' "$name"
+    return 0
+}
+
+# --- commands ------------------------------------------------------------------
+
+start_munged() {
+    local key="$DIR/munge/munge.key"
+    if [[ ! -s $key ]]; then
+        if [[ -r /etc/munge/munge.key ]]; then
+            cp /etc/munge/munge.key "$key" || return 1
+        elif command -v mungekey >/dev/null; then
+            mungekey --create --keyfile="$key" >/dev/null || return 1
+        else
+            dd if=/dev/urandom of="$key" bs=1024 count=1 status=none || return 1
+        fi
+    fi
+    # munged refuses a key readable by others or owned by another user.
+    # (set -e is off here: this function runs on the left of ||.)
+    chown root:root "$key" && chmod 0600 "$key" || return 1
+    rm -f "$DIR/munge/munge.socket" "$DIR/munge/munge.socket.lock"
+    # munged runs fine as root; in daemon mode it returns only once its
+    # socket is ready, and it writes its own pid file.  The socket is
+    # created mode 0777, so the unprivileged user's srun can reach it.
+    (
+        for fd in /proc/"$BASHPID"/fd/*; do
+            fd=${fd##*/}
+            ((fd > 2)) && eval "exec $fd>&-"
+        done
+        cd / || exit 1
+        exec env "$MARK=$DIR" munged \
+            --socket="$DIR/munge/munge.socket" \
+            --key-file="$key" \
+            --pid-file="$DIR/run/munged.pid" \
+            --log-file="$DIR/log/munged.log" \
+            --seed-file="$DIR/munge/munged.seed"
+    ) </dev/null >>"$DIR/log/munged.stderr" 2>&1 || return 1
+    wait_for "$WAIT_S" "munged" munge -n -S "$DIR/munge/munge.socket" || return 1
+    STARTED+=(munged)
+}
+
+# fail MESSAGE: a failed start shows why, then takes down what it started so
+# that a caller that does not call stop is not left with stray daemons.
+fail() {
+    printf 'cluster.sh: %s\n' "$*" >&2
+    show_logs
+    cmd_stop >/dev/null 2>&1 || true
+    exit 1
+}
+
+cmd_start() {
+    ((EUID == 0)) || die "start must run as root"
+    [[ ! -e $DIR/run ]] || [[ -z $(any_alive) ]] ||
+        die "a cluster is already running in $DIR; run stop first"
+
+    local cg=${GPUFENCE_SLURMD_CGROUP:-}
+    if [[ -n $cg ]]; then
+        [[ -f $cg/cgroup.procs ]] || die "GPUFENCE_SLURMD_CGROUP=$cg is not a cgroup directory"
+        # Absolute, because the daemon wrapper changes to / first.
+        cg=$(cd "$cg" && pwd -P)
+    fi
+
+    # Start state: a fresh controller state (drained nodes and job ids of a
+    # previous run in the same DIR must not leak into the next test).
+    rm -rf "$DIR/state" "$DIR/spool" "$DIR/run" "$DIR/log"
+    mkdir -p "$DIR/state" "$DIR/spool" "$DIR/run" "$DIR/log" "$DIR/munge"
+    # munged checks that every directory up to its socket is searchable by
+    # all and writable only by its owner; the test user needs to read
+    # slurm.conf.  mktemp -d makes 0700 directories.
+    chmod 0755 "$DIR" "$DIR/munge" "$DIR/spool" "$DIR/log" "$DIR/run"
+    chmod 0700 "$DIR/state"
+
+    id -u "$TEST_USER" >/dev/null 2>&1 ||
+        useradd --no-create-home --home-dir / --shell /bin/sh --user-group "$TEST_USER" ||
+        die "cannot create user $TEST_USER"
+
+    write_conf
+    trap 'fail "interrupted"' INT TERM
+
+    start_munged || fail "munged failed to start"
+
+    # -i: ignore (empty) state; -D so that the pid recorded is the daemon's.
+    spawn slurmctld "" slurmctld -D -i -f "$CONF"
+    wait_for "$WAIT_S" "slurmctld" scontrol ping || fail "slurmctld did not answer"
+
+    local -a nflag=()
+    local name
+    name=$(node_name)
+    [[ -n $name ]] && nflag=(-N "$name")
+    spawn slurmd "$cg" slurmd -D -f "$CONF" "${nflag[@]}"
+    wait_for "$WAIT_S" "the node to be idle" node_idle || fail "the node did not become idle: $(sinfo -h -N -o '%N %T %E' 2>&1)"
+
+    # A job as the unprivileged user exercises munge (client side as that
+    # user), the prolog/epilog and the SPANK stack end to end.  Run from /
+    # because the user cannot enter the caller's directory.  (No batch job
+    # here: slurmctld's first scheduling pass, the only thing that starts
+    # batch jobs, comes about 3 s after it started, which would triple the
+    # time of every start.)
+    (cd / && timeout "$WAIT_S" runuser -u "$TEST_USER" -- srun --quiet -N1 true) >/dev/null ||
+        fail "srun as $TEST_USER failed"
+    # The last epilog may still be running; tests that check node state
+    # expect idle.
+    wait_for "$WAIT_S" "the node to be idle again" node_idle || fail "the node did not return to idle: $(sinfo -h -N -o '%N %T %E' 2>&1)"
+    trap - INT TERM
+}
+
+# any_alive: pids of this DIR's daemons and step daemons still running.
+any_alive() {
+    local n
+    for n in slurmctld slurmd munged; do
+        pid_of "$n" || true
+    done
+    marked_stepds
+}
+
+# kill_all SIGNAL PID...: signal whichever of the pids still exist.
+kill_all() {
+    local sig=$1
+    shift
+    (($#)) || return 0
+    kill "-$sig" "$@" 2>/dev/null || true
+}
+
+cmd_stop() {
+    [[ -d $DIR/run ]] || return 0
+    local ctld slurmd munged
+    ctld=$(pid_of slurmctld || true)
+    slurmd=$(pid_of slurmd || true)
+    munged=$(pid_of munged || true)
+
+    # Cancel jobs first while the daemons are up, so that their epilogs run
+    # and linuxproc kills the tasks; bounded because a wedged slurmd must not
+    # block teardown.
+    if [[ -n $ctld && -n $slurmd ]]; then
+        local jobs
+        jobs=$(squeue -h -o %A 2>/dev/null || true)
+        if [[ -n $jobs ]]; then
+            # shellcheck disable=SC2086 # one job id per word
+            scancel $jobs 2>/dev/null || true
+            wait_for 5 "jobs to end" no_jobs 2>/dev/null || true
+        fi
+    fi
+
+    # Everything below slurmd (prologs) and below each of its step daemons
+    # (the job tasks), gathered before the parents die.  slurmctld's own
+    # children (slurmscriptd) go with it on SIGTERM; they are only killed
+    # when slurmctld had to be killed.
+    local -a stepds workers=() ctld_tree=() late=()
+    mapfile -t stepds < <(marked_stepds)
+    if [[ -n $slurmd || ${#stepds[@]} -gt 0 ]]; then
+        mapfile -t workers < <(descendants ${slurmd:+"$slurmd"} "${stepds[@]}")
+    fi
+    workers+=("${stepds[@]}")
+    [[ -n $ctld ]] && mapfile -t ctld_tree < <(descendants "$ctld")
+    kill_all KILL "${workers[@]}"
+    # slurmd first, while slurmctld still answers: its shutdown waits for
+    # threads that may be reporting a killed prolog to the controller.
+    if [[ -n $slurmd ]]; then
+        kill_all TERM "$slurmd"
+        wait_gone "$slurmd" || kill_all KILL "$slurmd"
+    fi
+    if [[ -n $ctld ]]; then
+        kill_all TERM "$ctld"
+        wait_gone "$ctld" || kill_all KILL "$ctld" "${ctld_tree[@]}"
+    fi
+    # A step daemon forked while slurmd was shutting down.
+    mapfile -t late < <(marked_stepds)
+    kill_all KILL "${late[@]}"
+    # munged last: slurmd and slurmctld authenticate until they exit.
+    if [[ -n $munged ]]; then
+        kill_all TERM "$munged"
+        wait_gone "$munged" || kill_all KILL "$munged"
+    fi
+    local -a all=("${workers[@]}" "${ctld_tree[@]}" "${late[@]}")
+    [[ -n $slurmd ]] && all+=("$slurmd")
+    [[ -n $ctld ]] && all+=("$ctld")
+    ((${#all[@]} == 0)) || wait_gone "${all[@]}" ||
+        echo "cluster.sh: some processes of $DIR did not exit" >&2
+    rm -f "$DIR"/run/*.pid "$DIR"/run/*.slurm-pid
+    return 0
+}
+
+cmd_env() {
+    printf 'export SLURM_CONF=%q\n' "$CONF"
+}
+
+# --- main ------------------------------------------------------------------------
+
+(($# == 2)) || usage
+# Stopping a cluster whose directory is already gone has nothing to do.
+[[ $1 == stop && ! -d $2 ]] && exit 0
+[[ -d $2 ]] || die "$2 is not a directory"
+DIR=$(cd "$2" && pwd -P)
+# slurm.conf values end at whitespace and AuthInfo options at commas.
+[[ $DIR != *[[:space:],]* ]] || die "DIR must not contain spaces or commas: $DIR"
+CONF="$DIR/slurm.conf"
+export SLURM_CONF="$CONF"
+
+case $1 in
+start) cmd_start ;;
+stop) cmd_stop ;;
+env) cmd_env ;;
+*) usage ;;
+esac
