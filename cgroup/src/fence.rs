@@ -519,9 +519,12 @@ impl Fence {
                 }
                 Err(e) => st.problems.push(format!("{}: {e}", link_pin.display())),
             },
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => st
+                .problems
+                .push(format!("no pinned link at {}", link_pin.display())),
             Err(e) => st
                 .problems
-                .push(format!("no pinned link at {}: {e}", link_pin.display())),
+                .push(format!("pinned link {}: {e}", link_pin.display())),
         }
         match Fence::open(bpffs_dir) {
             Ok(f) => {

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# gpufence demo: on a fresh Debian 12 machine, as root. Installs what is
+# missing, builds, starts a one-node Slurm cluster on loopback whose "GPUs"
+# are device nodes made with mknod, puts the fence in front of them, and runs
+# jobs that show a granted GPU opening and an outsider being denied.
+#
+#   sudo bash contrib/demo.sh          run the demo, then clean up
+#   sudo bash contrib/demo.sh --keep   leave the cluster running to play with
+#                                      (then: bash contrib/demo.sh --stop)
+#
+# How to read the results: the GPU nodes have no driver behind them, so an
+# open that the device cgroup ALLOWS fails with ENXIO ("no such device or
+# address"), and an open the fence DENIES fails with EPERM. Everything lives
+# in its own cgroup subtree (/gpufence-demo), bpffs directory and
+# /tmp/gpufence-demo; the machine's root cgroup is never touched.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+DEMO=${GPUFENCE_DEMO_DIR:-/tmp/gpufence-demo}
+BPFFS=/sys/fs/bpf/gpufence-demo
+PORT_BASE=${GPUFENCE_CLUSTER_PORT_BASE:-17817}
+USER_=gpufence-test
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+cg2() { awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo; }
+
+stop_demo() {
+    bash "$REPO/contrib/cluster.sh" stop "$DEMO/cluster" 2>/dev/null || true
+    [[ -x $DEMO/bin/gpufence ]] && "$DEMO/bin/gpufence" --config "$DEMO/gpufence.toml" fence remove >/dev/null 2>&1 || true
+    local root
+    root="$(cg2)/gpufence-demo"
+    if [[ -d $root ]]; then
+        # deepest first; every process left in the subtree is the demo's
+        find "$root" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+        sleep 0.2
+        find "$root" -depth -type d -exec rmdir {} + 2>/dev/null || true
+    fi
+}
+
+if [[ ${1:-} == --stop ]]; then
+    stop_demo
+    rm -rf "$DEMO"
+    echo "demo stopped and removed"
+    exit 0
+fi
+
+step "1. Set up this machine (Debian packages, bpffs, demo user) and build"
+bash contrib/setup.sh
+cargo build --workspace --locked
+T=$REPO/target/debug
+
+stop_demo
+rm -rf "$DEMO"
+mkdir -p "$DEMO"/{bin,dev,jobs,cluster}
+chmod 0755 "$DEMO" "$DEMO"/{bin,dev,cluster}
+chmod 1777 "$DEMO/jobs"
+install -m 0755 "$T/gpufence" "$T/gpufence-prolog" "$T/gpufence-epilog" "$T/gpufence-probe" "$DEMO/bin/"
+install -m 0755 "$T/libgpufence.so" "$DEMO/bin/gpufence.so"
+
+step "2. Two simulated GPUs: device nodes on the NVIDIA major (195)"
+mknod -m 0666 "$DEMO/dev/nvidia0" c 195 0
+mknod -m 0666 "$DEMO/dev/nvidia1" c 195 1
+ls -l "$DEMO/dev"
+
+CGROOT=$(cg2)
+mkdir -p "$CGROOT/gpufence-demo/slurmd" "$CGROOT/gpufence-demo/outside"
+cat >"$DEMO/gpufence.toml" <<TOML
+# The demo fences its own cgroup subtree; a real node uses cgroup_root = "/".
+cgroup_root = "gpufence-demo"
+# This host's Slurm uses cgroup v1, so gpufence makes the job cgroups in cgroup2.
+layout = "own"
+bpffs_dir = "$BPFFS"
+state_dir = "$DEMO/state"
+audit_log = "$DEMO/audit.jsonl"
+evidence_dir = "$DEMO/evidence"
+dev_dir = "$DEMO/dev"
+exempt_cgroups = []
+[majors]
+nvidia = 195
+nvidia-uvm = 241
+TOML
+for s in prolog epilog; do
+    printf '#!/bin/sh\nexec %s --config %s\n' "$DEMO/bin/gpufence-$s" "$DEMO/gpufence.toml" >"$DEMO/bin/$s.sh"
+    chmod 0755 "$DEMO/bin/$s.sh"
+done
+cat >"$DEMO/cluster/gres.conf" <<GRES
+Name=gpu File=$DEMO/dev/nvidia0
+Name=gpu File=$DEMO/dev/nvidia1
+GRES
+echo "required $DEMO/bin/gpufence.so config=$DEMO/gpufence.toml" >"$DEMO/cluster/plugstack.conf"
+cat >"$DEMO/cluster/slurm-extra.conf" <<CONF
+NodeName=$(hostname -s) NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 Gres=gpu:2 State=UNKNOWN
+PlugStackConfig=$DEMO/cluster/plugstack.conf
+Prolog=$DEMO/bin/prolog.sh
+Epilog=$DEMO/bin/epilog.sh
+CONF
+
+step "3. Start slurmctld + slurmd + munged on loopback; the plugin installs the fence at slurmd start"
+GPUFENCE_CLUSTER_PORT_BASE=$PORT_BASE GPUFENCE_SLURMD_CGROUP="$CGROOT/gpufence-demo/slurmd" \
+    bash contrib/cluster.sh start "$DEMO/cluster"
+export SLURM_CONF=$DEMO/cluster/slurm.conf
+GF=("$DEMO/bin/gpufence" --config "$DEMO/gpufence.toml")
+"${GF[@]}" fence status
+sinfo
+
+as_user() { setpriv --reuid="$USER_" --regid="$USER_" --init-groups -- env SLURM_CONF="$SLURM_CONF" "$@"; }
+PROBE=$DEMO/bin/gpufence-probe
+cd "$DEMO/jobs"
+
+step "4. A job with one GPU (srun --gres=gpu:1, as user $USER_): its GPU opens (ENXIO), the other is denied (EPERM)"
+as_user srun --gres=gpu:1 sh -c "echo \"job \$SLURM_JOB_ID was given GRES index \$SLURM_STEP_GPUS\"; $PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
+
+step "5. A job that sets CUDA_VISIBLE_DEVICES=0,1 itself still gets one GPU"
+as_user env CUDA_VISIBLE_DEVICES=0,1 srun --export=ALL --gres=gpu:1 sh -c "$PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
+
+step "6. The same user outside any job (a miner on an idle node): every GPU denied"
+sh -c "echo \$\$ > $CGROOT/gpufence-demo/outside/cgroup.procs; exec setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- $PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
+
+step "7. Live grants while a batch job runs, and none after it"
+jid=$(as_user sbatch --parsable --gres=gpu:2 -o /dev/null --wrap "sleep 3")
+for _ in $(seq 50); do [[ $(squeue -h -j "$jid" -o %T) == RUNNING ]] && break; sleep 0.2; done
+sleep 0.5
+"${GF[@]}" grants
+for _ in $(seq 100); do squeue -h -j "$jid" | grep -q . || break; sleep 0.2; done
+sleep 1
+"${GF[@]}" grants
+
+step "8. The audit log (JSON Lines): recorded by the prolog, applied by the plugin, revoked by the epilog"
+tail -n 8 "$DEMO/audit.jsonl"
+
+cd "$REPO"
+if [[ ${1:-} == --keep ]]; then
+    step "Left running. SLURM_CONF=$SLURM_CONF; stop with: bash contrib/demo.sh --stop"
+else
+    step "9. Stop the cluster, remove the fence and the demo's cgroups"
+    stop_demo
+    "${GF[@]}" fence status || true
+    rm -rf "$DEMO"
+fi
