@@ -11,13 +11,18 @@
 # How to read the results: the GPU nodes have no driver behind them, so an
 # open that the device cgroup ALLOWS fails with ENXIO ("no such device or
 # address"), and an open the fence DENIES fails with EPERM. Everything lives
-# in its own cgroup subtree (/gpufence-demo), bpffs directory and
-# /tmp/gpufence-demo; the machine's root cgroup is never touched.
+# in its own cgroup subtree (/gpufence-demo), bpffs directory
+# (/sys/fs/bpf/gpufence-demo) and /tmp/gpufence-demo; the machine's root
+# cgroup is never touched. GPUFENCE_DEMO_DIR=/tmp/x names them gpufence-x.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DEMO=${GPUFENCE_DEMO_DIR:-/tmp/gpufence-demo}
-BPFFS=/sys/fs/bpf/gpufence-demo
+# The demo's cgroup subtree and bpffs directory are named after its
+# directory, so two demos (different GPUFENCE_DEMO_DIR) never collide.
+base=$(basename "$DEMO")
+NAME=gpufence-$(printf '%s' "${base#gpufence-}" | tr -c 'A-Za-z0-9_.-' '_')
+BPFFS=/sys/fs/bpf/$NAME
 PORT_BASE=${GPUFENCE_CLUSTER_PORT_BASE:-17817}
 USER_=gpufence-test
 
@@ -28,7 +33,7 @@ stop_demo() {
     bash "$REPO/contrib/cluster.sh" stop "$DEMO/cluster" 2>/dev/null || true
     [[ -x $DEMO/bin/gpufence ]] && "$DEMO/bin/gpufence" --config "$DEMO/gpufence.toml" fence remove >/dev/null 2>&1 || true
     local root
-    root="$(cg2)/gpufence-demo"
+    root="$(cg2)/$NAME"
     if [[ -d $root ]]; then
         # deepest first; every process left in the subtree is the demo's
         find "$root" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null || true
@@ -63,10 +68,10 @@ mknod -m 0666 "$DEMO/dev/nvidia1" c 195 1
 ls -l "$DEMO/dev"
 
 CGROOT=$(cg2)
-mkdir -p "$CGROOT/gpufence-demo/slurmd" "$CGROOT/gpufence-demo/outside"
+mkdir -p "$CGROOT/$NAME/slurmd" "$CGROOT/$NAME/outside"
 cat >"$DEMO/gpufence.toml" <<TOML
 # The demo fences its own cgroup subtree; a real node uses cgroup_root = "/".
-cgroup_root = "gpufence-demo"
+cgroup_root = "$NAME"
 # This host's Slurm uses cgroup v1, so gpufence makes the job cgroups in cgroup2.
 layout = "own"
 bpffs_dir = "$BPFFS"
@@ -96,7 +101,7 @@ Epilog=$DEMO/bin/epilog.sh
 CONF
 
 step "3. Start slurmctld + slurmd + munged on loopback; the plugin installs the fence at slurmd start"
-GPUFENCE_CLUSTER_PORT_BASE=$PORT_BASE GPUFENCE_SLURMD_CGROUP="$CGROOT/gpufence-demo/slurmd" \
+GPUFENCE_CLUSTER_PORT_BASE=$PORT_BASE GPUFENCE_SLURMD_CGROUP="$CGROOT/$NAME/slurmd" \
     bash contrib/cluster.sh start "$DEMO/cluster"
 export SLURM_CONF=$DEMO/cluster/slurm.conf
 GF=("$DEMO/bin/gpufence" --config "$DEMO/gpufence.toml")
@@ -114,7 +119,7 @@ step "5. A job that sets CUDA_VISIBLE_DEVICES=0,1 itself still gets one GPU"
 as_user env CUDA_VISIBLE_DEVICES=0,1 srun --export=ALL --gres=gpu:1 sh -c "$PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
 
 step "6. The same user outside any job (a miner on an idle node): every GPU denied"
-sh -c "echo \$\$ > $CGROOT/gpufence-demo/outside/cgroup.procs; exec setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- $PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
+sh -c "echo \$\$ > $CGROOT/$NAME/outside/cgroup.procs; exec setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- $PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
 
 step "7. Live grants while a batch job runs, and none after it"
 jid=$(as_user sbatch --parsable --gres=gpu:2 -o /dev/null --wrap "sleep 3")
