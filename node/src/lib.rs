@@ -19,6 +19,7 @@ pub mod grants;
 pub mod gresmap;
 pub mod prolog;
 pub mod scan;
+pub mod slurmctld;
 
 use gpufence_cgroup::Cgroup2;
 use gpufence_model::audit::{AuditEvent, AuditLog};
