@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # gpufence demo: on a fresh Debian 12 machine, as root. Installs what is
-# missing, builds, starts a one-node Slurm cluster on loopback whose "GPUs"
+# missing, builds, starts a one-node Slurm cluster on this machine (nodes
+# addressed on 127.0.0.1) whose "GPUs"
 # are device nodes made with mknod, puts the fence in front of them, and runs
 # jobs that show a granted GPU opening and an outsider being denied.
 #
-#   sudo bash contrib/demo.sh          run the demo, then clean up
-#   sudo bash contrib/demo.sh --keep   leave the cluster running to play with
-#                                      (then: bash contrib/demo.sh --stop)
+#   bash contrib/demo.sh          run the demo, then clean up
+#   bash contrib/demo.sh --keep   leave the cluster running to play with
+#                                 (then: bash contrib/demo.sh --stop)
 #
 # How to read the results: the GPU nodes have no driver behind them, so an
 # open that the device cgroup ALLOWS fails with ENXIO ("no such device or
@@ -62,9 +63,25 @@ chmod 1777 "$DEMO/jobs"
 install -m 0755 "$T/gpufence" "$T/gpufence-prolog" "$T/gpufence-epilog" "$T/gpufence-probe" "$DEMO/bin/"
 install -m 0755 "$T/libgpufence.so" "$DEMO/bin/gpufence.so"
 
-step "2. Two simulated GPUs: device nodes on the NVIDIA major (195)"
+step "2. Simulated GPUs: two device nodes on the NVIDIA major (195), and one that really opens"
 mknod -m 0666 "$DEMO/dev/nvidia0" c 195 0
 mknod -m 0666 "$DEMO/dev/nvidia1" c 195 1
+# A 195 node can never be held open (no driver: ENXIO). To show the epilog
+# catching a process that keeps a GPU, the third "GPU" is a real misc device
+# that no process on this machine holds (the epilog looks machine-wide).
+HELD=
+for minor in 234 237 256 257 235; do
+    mknod -m 0666 "$DEMO/dev/probe" c 10 "$minor"
+    if [[ -z $("$DEMO/bin/gpufence-probe" holders "10:$minor") ]] &&
+        [[ $("$DEMO/bin/gpufence-probe" open "$DEMO/dev/probe") == *" ok" ]]; then
+        HELD=$minor
+        rm -f "$DEMO/dev/probe"
+        break
+    fi
+    rm -f "$DEMO/dev/probe"
+done
+[[ -n $HELD ]] || { echo "demo: no free misc device to stand in for a held GPU" >&2; exit 1; }
+mknod -m 0666 "$DEMO/dev/nvidia2" c 10 "$HELD"
 ls -l "$DEMO/dev"
 
 CGROOT=$(cg2)
@@ -83,18 +100,21 @@ exempt_cgroups = []
 [majors]
 nvidia = 195
 nvidia-uvm = 241
+# the misc major of the third stand-in, fenced in the demo's subtree only
+demo-held-gpu = 10
 TOML
 for s in prolog epilog; do
     printf '#!/bin/sh\nexec %s --config %s\n' "$DEMO/bin/gpufence-$s" "$DEMO/gpufence.toml" >"$DEMO/bin/$s.sh"
     chmod 0755 "$DEMO/bin/$s.sh"
 done
 cat >"$DEMO/cluster/gres.conf" <<GRES
-Name=gpu File=$DEMO/dev/nvidia0
-Name=gpu File=$DEMO/dev/nvidia1
+Name=gpu Type=sim File=$DEMO/dev/nvidia0
+Name=gpu Type=sim File=$DEMO/dev/nvidia1
+Name=gpu Type=held File=$DEMO/dev/nvidia2
 GRES
 echo "required $DEMO/bin/gpufence.so config=$DEMO/gpufence.toml" >"$DEMO/cluster/plugstack.conf"
 cat >"$DEMO/cluster/slurm-extra.conf" <<CONF
-NodeName=$(hostname -s) NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 Gres=gpu:2 State=UNKNOWN
+NodeName=$(hostname -s) NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 Gres=gpu:sim:2,gpu:held:1 State=UNKNOWN
 PlugStackConfig=$DEMO/cluster/plugstack.conf
 Prolog=$DEMO/bin/prolog.sh
 Epilog=$DEMO/bin/epilog.sh
@@ -122,7 +142,7 @@ step "6. The same user outside any job (a miner on an idle node): every GPU deni
 sh -c "echo \$\$ > $CGROOT/$NAME/outside/cgroup.procs; exec setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- $PROBE open $DEMO/dev/nvidia0 $DEMO/dev/nvidia1"
 
 step "7. Live grants while a batch job runs, and none after it"
-jid=$(as_user sbatch --parsable --gres=gpu:2 -o /dev/null --wrap "sleep 3")
+jid=$(as_user sbatch --parsable --gres=gpu:sim:2 -o /dev/null --wrap "sleep 3")
 for _ in $(seq 50); do [[ $(squeue -h -j "$jid" -o %T) == RUNNING ]] && break; sleep 0.2; done
 sleep 0.5
 "${GF[@]}" grants
@@ -130,15 +150,29 @@ for _ in $(seq 100); do squeue -h -j "$jid" | grep -q . || break; sleep 0.2; don
 sleep 1
 "${GF[@]}" grants
 
-step "8. The audit log (JSON Lines): recorded by the prolog, applied by the plugin, revoked by the epilog"
-tail -n 8 "$DEMO/audit.jsonl"
+step "8. The audit log (JSON Lines): job $jid recorded by the prolog, applied by the plugin, revoked by the epilog"
+grep "\"job_id\":$jid[,}]" "$DEMO/audit.jsonl"
+
+step "9. A job hands its open GPU descriptor to a process outside the job, then ends"
+echo "   (the kernel checks at open only, so the descriptor keeps working; the epilog finds it by st_rdev)"
+sh -c "echo \$\$ > $CGROOT/$NAME/outside/cgroup.procs; exec setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- $PROBE recvfd $DEMO/jobs/handoff.sock" >"$DEMO/jobs/receiver.out" &
+for _ in $(seq 50); do [[ -S $DEMO/jobs/handoff.sock ]] && break; sleep 0.1; done
+as_user srun --gres=gpu:held:1 sh -c "echo \"job \$SLURM_JOB_ID: \$($PROBE sendfd $DEMO/jobs/handoff.sock $DEMO/dev/nvidia2)\""
+for _ in $(seq 100); do grep -q process_killed "$DEMO/audit.jsonl" && break; sleep 0.1; done
+grep -E '"event":"(lingering_process|process_killed)"' "$DEMO/audit.jsonl"
+ev=$(ls "$DEMO"/evidence/*.json 2>/dev/null | head -1)
+[[ -n $ev ]] && { echo "evidence file $ev (mode $(stat -c %a "$ev")):"; head -c 600 "$ev"; echo " ..."; }
+wait 2>/dev/null || true
 
 cd "$REPO"
 if [[ ${1:-} == --keep ]]; then
-    step "Left running. SLURM_CONF=$SLURM_CONF; stop with: bash contrib/demo.sh --stop"
+    step "Left running. To use it:"
+    echo "  export SLURM_CONF=$SLURM_CONF GPUFENCE_CONFIG=$DEMO/gpufence.toml PATH=$DEMO/bin:\$PATH"
+    echo "  (GPUFENCE_CONFIG matters: without it gpufence reads /etc/slurm/gpufence.toml, a whole-node fence)"
+    echo "  stop with: GPUFENCE_DEMO_DIR=$DEMO bash contrib/demo.sh --stop"
 else
-    step "9. Stop the cluster, remove the fence and the demo's cgroups"
+    step "10. Stop the cluster, remove the fence and the demo's cgroups"
     stop_demo
-    "${GF[@]}" fence status || true
+    [[ -e $BPFFS ]] && echo "fence pins left in $BPFFS" >&2 || echo "fence removed, no pins left in /sys/fs/bpf"
     rm -rf "$DEMO"
 fi

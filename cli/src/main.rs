@@ -10,7 +10,7 @@ use gpufence_node::{fence_ops, grants, Node, NodeError};
 
 /// Admin tool of gpufence, the node-wide GPU fence for Slurm.
 #[derive(Parser, Debug)]
-#[command(version, about, propagate_version = true)]
+#[command(name = "gpufence", version, about, propagate_version = true)]
 struct Cli {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, global = true, value_name = "PATH")]
@@ -95,6 +95,23 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             op: FenceOp::Status { json },
         } => {
             let st = fence_ops::status(&node);
+            // Each configured exemption: its id now, and whether the fence has it.
+            let exempt: Vec<serde_json::Value> = node
+                .cfg
+                .exempt_cgroups
+                .iter()
+                .map(|p| {
+                    let id = node.cg.id(p).ok();
+                    json!({
+                        "cgroup": format!("/{p}"),
+                        "id": id,
+                        "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
+                    })
+                })
+                .collect();
+            let jobs: std::collections::BTreeSet<u32> = grants::list(&node)
+                .map(|g| g.into_iter().map(|c| c.job_id).collect())
+                .unwrap_or_default();
             if json {
                 let v = json!({
                     "installed": st.installed,
@@ -105,21 +122,34 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     "prog_id": st.prog_id,
                     "protected_majors": st.protected_majors,
                     "grants": st.grants,
-                    "exempt_cgroup_ids": st.exempt_cgroup_ids,
+                    "grant_jobs": jobs.len(),
+                    "exempt": exempt,
                     "problems": st.problems,
                     "config": node.origin.to_string(),
                 });
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
                 println!(
-                    "fence: {}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {}\nexempt cgroup ids: {:?}\nconfig: {}",
+                    "fence: {}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
                     if st.installed { "installed" } else { "NOT INSTALLED" },
                     st.cgroup_root,
                     st.protected_majors,
                     st.grants,
-                    st.exempt_cgroup_ids,
+                    jobs.len(),
                     node.origin
                 );
+                for e in &exempt {
+                    println!(
+                        "exempt: {} {}",
+                        e["cgroup"].as_str().unwrap_or(""),
+                        match (e["id"].as_u64(), e["exempt"].as_bool()) {
+                            (None, _) => "(does not exist: not exempt)".to_string(),
+                            (Some(id), Some(true)) => format!("(id {id})"),
+                            (Some(id), _) =>
+                                format!("(id {id}, NOT in the fence: run `gpufence fence install`)"),
+                        }
+                    );
+                }
                 for p in &st.problems {
                     println!("problem: {p}");
                 }

@@ -1,20 +1,22 @@
 //! `gpufence-epilog`: slurmd's Epilog. Revokes the job's grant, finds every
 //! process still holding the job's devices outside any grant, keeps
-//! evidence, kills them. Exit 0 when the node is clean; non-zero when
-//! something survived or a grant could not be revoked (Slurm drains the node).
+//! evidence, kills them, checks the GPUs' memory came back. Exit 0 when the
+//! node is clean; non-zero when something survived or a grant could not be
+//! revoked. It then also drains the node (`scontrol update ... state=drain`)
+//! with a reason naming gpufence, the job and the pid, so `sinfo -R` tells
+//! the admin what happened; a failing scontrol does not hide the exit code.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use gpufence_model::audit::{events, AuditEvent};
 use gpufence_node::epilog;
 use gpufence_node::prolog::env_u32;
 use gpufence_node::Node;
 
 /// Revoke a job's GPU grant and clean up after it (run as slurmd's Epilog).
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(name = "gpufence-epilog", version, about)]
 struct Args {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, value_name = "PATH")]
@@ -38,7 +40,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let out = epilog::run(&node, job_id);
+    let node_name = get("SLURMD_NODENAME");
+    let out = epilog::run(&node, job_id, node_name.as_deref());
     for n in &out.notes {
         eprintln!("gpufence-epilog: job {job_id}: {n}");
     }
@@ -52,17 +55,16 @@ fn main() -> ExitCode {
             "gpufence-epilog: job {job_id}: pid {} held {:?} after the job ({}); evidence {ev}",
             l.pid,
             l.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
-            if l.gone { "killed" } else { "SURVIVED SIGKILL" }
+            l.ended_by
+                .map(|s| format!("ended by {s}"))
+                .unwrap_or_else(|| "SURVIVED SIGKILL".into())
         );
+    }
+    for s in &out.survivors {
+        eprintln!("gpufence-epilog: job {job_id}: survivor: {s}");
     }
     for e in &out.errors {
         eprintln!("gpufence-epilog: job {job_id}: {e}");
-        let _ = node.audit(
-            AuditEvent::new(events::ERROR)
-                .job(job_id)
-                .field("component", "epilog")
-                .field("error", e.clone()),
-        );
     }
     if out.clean() {
         ExitCode::SUCCESS

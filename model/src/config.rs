@@ -78,6 +78,39 @@ pub struct Config {
     pub max_grants: u32,
     /// How long the epilog waits for a killed process to be gone, in ms.
     pub kill_wait_ms: u64,
+    /// Between SIGTERM and SIGKILL of a lingering process, in ms.
+    pub term_grace_ms: u64,
+    /// Ask the driver (NVML) which processes use the job's GPUs, besides the
+    /// descriptor scan. Without the library or driver, gpufence falls back
+    /// to the scan and says so once in the audit log.
+    pub nvml: bool,
+    /// The NVML library to load (a name for the dynamic loader, or a path).
+    pub nvml_library: PathBuf,
+    /// After the kills, how long the used memory of each job GPU may take to
+    /// return to its idle level, in ms.
+    pub memory_wait_ms: u64,
+    /// How far above its idle level a GPU's used memory may stay, in MiB.
+    pub memory_tolerance_mib: u64,
+    /// The idle level when the prolog could not measure one, in MiB.
+    pub idle_memory_mib: u64,
+    /// What the prolog does with processes that hold the job's GPUs before it
+    /// starts: `kill` (and refuse the job only if one survives) or `refuse`.
+    pub prolog_strays: StrayPolicy,
+    /// Drain the node (`scontrol update ... state=drain`) when something
+    /// survives, besides exiting non-zero.
+    pub drain: bool,
+    /// The scontrol binary used to drain.
+    pub scontrol_bin: PathBuf,
+}
+
+/// What the prolog does with a process found on the job's GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StrayPolicy {
+    /// Freeze, keep evidence, kill; refuse the job only if one survives.
+    Kill,
+    /// Keep evidence and refuse the job (Slurm drains the node, requeues the job).
+    Refuse,
 }
 
 impl Default for Config {
@@ -101,6 +134,15 @@ impl Default for Config {
             slurmd_bin: "/usr/sbin/slurmd".into(),
             max_grants: 65536,
             kill_wait_ms: 5000,
+            term_grace_ms: 5000,
+            nvml: true,
+            nvml_library: "libnvidia-ml.so.1".into(),
+            memory_wait_ms: 10_000,
+            memory_tolerance_mib: 64,
+            idle_memory_mib: 1024,
+            prolog_strays: StrayPolicy::Kill,
+            drain: true,
+            scontrol_bin: "/usr/bin/scontrol".into(),
         }
     }
 }
@@ -233,6 +275,15 @@ impl Config {
                         .into(),
                 ));
             }
+            // An exempt cgroup at or above the fenced subtree's root would
+            // exempt every process the fence is meant to stop.
+            let root = &self.cgroup_root;
+            if *root == n || root.starts_with(&format!("{n}/")) {
+                return Err(key_err(
+                    &format!("exempt_cgroups[{i}]"),
+                    format!("/{n} contains the fenced subtree /{root}: exempting it would open every GPU to every process"),
+                ));
+            }
             *p = n;
         }
         if let Some(m) = &self.majors {
@@ -258,6 +309,7 @@ impl Config {
             ("evidence_dir", &self.evidence_dir),
             ("dev_dir", &self.dev_dir),
             ("slurmd_bin", &self.slurmd_bin),
+            ("scontrol_bin", &self.scontrol_bin),
         ] {
             if !p.is_absolute() {
                 return Err(key_err(
@@ -369,6 +421,14 @@ mod tests {
         for (text, key) in [
             ("cgroup_root = \"a/../b\"", "cgroup_root"),
             ("exempt_cgroups = [\"/\"]", "exempt_cgroups[0]"),
+            (
+                "cgroup_root = \"a/b\"\nexempt_cgroups = [\"a/b\"]",
+                "exempt_cgroups[0]",
+            ),
+            (
+                "cgroup_root = \"a/b\"\nexempt_cgroups = [\"x\", \"a\"]",
+                "exempt_cgroups[1]",
+            ),
             ("[majors]\nnvidia = 0", "majors.nvidia"),
             ("[majors]\nnvidia = 4096", "majors.nvidia"),
             ("[majors]", "majors"),

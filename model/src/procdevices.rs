@@ -101,7 +101,12 @@ pub const UVM_MINOR: u32 = 0;
 pub const UVM_TOOLS_MINOR: u32 = 1;
 
 impl ProtectedMajors {
-    /// Every character driver of `devices` whose name starts with `nvidia`.
+    /// Every character driver of `devices` whose name starts with `nvidia`,
+    /// and always [`NVIDIA_MAJOR`]: it is fixed, so a node whose driver is
+    /// not loaded yet (or a CPU node) still has `/dev/nvidia*` fenced the
+    /// moment the driver appears. The dynamic majors (uvm, caps, nvswitch)
+    /// are only known once registered: reinstall the fence after loading
+    /// the driver (the systemd unit orders itself after it).
     pub fn from_proc_devices(devices: &ProcDevices) -> Self {
         let mut by_major: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
         for (major, name) in &devices.char_devices {
@@ -109,6 +114,9 @@ impl ProtectedMajors {
                 by_major.entry(*major).or_default().insert(name.clone());
             }
         }
+        by_major
+            .entry(NVIDIA_MAJOR)
+            .or_insert_with(|| BTreeSet::from(["nvidia".to_string()]));
         ProtectedMajors { by_major }
     }
 
@@ -231,6 +239,15 @@ mod tests {
         let (ctl, _) = p.control_devices();
         assert_eq!(ctl[0].1, DevNum::new(195, 255));
         assert_eq!(ctl[1].1, DevNum::new(510, 0));
+    }
+
+    #[test]
+    fn a_node_without_the_driver_still_fences_195() {
+        let d =
+            parse_proc_devices("Character devices:\n  1 mem\n 10 misc\n", Path::new("x")).unwrap();
+        let p = ProtectedMajors::from_proc_devices(&d);
+        assert_eq!(p.majors().collect::<Vec<_>>(), vec![195]);
+        assert_eq!(p.major_of("nvidia"), Some(195));
     }
 
     #[test]

@@ -41,6 +41,20 @@ pub struct JobRecord {
     /// Things the prolog noticed (e.g. a control device with no major on this node).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// Used memory of each job GPU when the job started (after the clean
+    /// start), from NVML: the level the epilog waits for memory to return to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_idle: Vec<GpuIdle>,
+}
+
+/// A GPU's used memory at job start.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuIdle {
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// Used memory, bytes.
+    pub used_bytes: u64,
 }
 
 /// A grant the plugin applied to a cgroup for a job.
@@ -283,6 +297,7 @@ mod tests {
             }],
             created: now_rfc3339(),
             notes: vec![],
+            gpu_idle: vec![],
         }
     }
 

@@ -1,41 +1,27 @@
 //! The Epilog: revoke the job's grant, then prove nothing still holds the
 //! job's devices.
 //!
-//! Order: revoke (from now on nothing new opens the devices) → find every
-//! process whose descriptors point at the job's devices and that is neither
-//! in a cgroup with a live grant for that device nor exempt → for each,
-//! evidence first, then SIGKILL and check it is gone → in the `own` layout,
-//! kill what is left in the job's cgroup and remove it → forget the record.
-//! Exit 0 when the node is clean (also after kills); non-zero when anything
-//! survives or a grant could not be revoked (Slurm then drains the node).
+//! Order: revoke (nothing new can open them) → ask the driver (NVML) and the
+//! descriptor tables who still holds them → respond to each process that no
+//! live grant or exemption covers ([`crate::respond`]: freeze, evidence,
+//! SIGTERM, SIGKILL, check) → look again → wait for each GPU's memory to come
+//! back to its idle level → in the `own` layout, kill what is left in the
+//! job's cgroup and remove it → forget the record. Clean (exit 0) when
+//! nothing survived and every step worked; otherwise exit non-zero and, when
+//! configured, drain the node with a reason naming the job and the pid.
 
 use std::collections::BTreeSet;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::fence::{Fence, GrantEntry};
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
-use gpufence_model::device::DevNum;
+use gpufence_model::device::{DevNum, DeviceRole};
+use gpufence_model::record::JobRecord;
 
-use crate::evidence;
-use crate::scan::{self, Holder};
-use crate::Node;
-
-/// A process found holding the job's devices.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Lingering {
-    /// The process.
-    pub pid: i32,
-    /// Its cgroup.
-    pub cgroup: Option<String>,
-    /// The devices it holds without a grant.
-    pub devices: Vec<DevNum>,
-    /// The evidence file, when written.
-    pub evidence: Option<std::path::PathBuf>,
-    /// Whether it is gone now.
-    pub gone: bool,
-}
+use crate::gpus::Gpus;
+use crate::respond::{self, Lingering};
+use crate::{drain, Node};
 
 /// What the epilog did.
 #[derive(Clone, Debug, Default)]
@@ -44,75 +30,88 @@ pub struct EpilogOutcome {
     pub revoked: Vec<GrantEntry>,
     /// Processes that held the job's devices.
     pub lingering: Vec<Lingering>,
+    /// Processes still holding the job's devices after the response.
+    pub survivors: Vec<String>,
     /// Problems that make the node unsafe (non-zero exit).
     pub errors: Vec<String>,
     /// Things worth a line that do not fail the epilog.
     pub notes: Vec<String>,
+    /// The drain reason, when the node was (or should have been) drained.
+    pub drain_reason: Option<String>,
 }
 
 impl EpilogOutcome {
-    /// Whether the node is clean: nothing survived and every revoke worked.
+    /// Whether the node is clean: nothing survived and every step worked.
     pub fn clean(&self) -> bool {
-        self.errors.is_empty() && self.lingering.iter().all(|l| l.gone)
+        self.errors.is_empty()
+            && self.survivors.is_empty()
+            && self.lingering.iter().all(Lingering::gone)
     }
 }
 
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open(2) returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+/// The GPU minors among `devs` (devices on the `/dev/nvidia<N>` major,
+/// excluding `nvidiactl` 255 and `nvidia-modeset` 254).
+pub fn gpu_minors(devs: &BTreeSet<DevNum>, gpu_major: u32) -> BTreeSet<u32> {
+    devs.iter()
+        .filter(|d| d.major == gpu_major && d.minor < 254)
+        .map(|d| d.minor)
+        .collect()
 }
 
-/// Sends SIGKILL through `pidfd` and waits up to `wait` for the process to
-/// exit. Returns whether it is gone.
-fn kill_and_wait(pidfd: &OwnedFd, wait: Duration) -> bool {
-    // SAFETY: pidfd_send_signal(2) on a pidfd we own.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return true;
+fn accounting_fields(
+    node: &Node,
+    gpus: &Gpus,
+    rec: &JobRecord,
+    minors: &BTreeSet<u32>,
+    ev: AuditEvent,
+) -> AuditEvent {
+    let start = chrono::DateTime::parse_from_rfc3339(&rec.created).ok();
+    let now = chrono::Utc::now();
+    let Some(start) = start else { return ev };
+    let wall = (now.timestamp_micros() - start.timestamp_micros()).max(0) as f64 / 1e6;
+    let ev = ev
+        .field("wall_seconds", (wall * 1000.0).round() / 1000.0)
+        .field(
+            "gpu_seconds",
+            (wall * rec.gres_indices.len() as f64 * 1000.0).round() / 1000.0,
+        );
+    if !gpus.available() {
+        return ev;
     }
-    let deadline = Instant::now() + wait;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // A pidfd becomes readable when the process exits (zombie or reaped).
-        // SAFETY: poll on one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if n > 0 {
-            return true;
+    match gpus.accounting(
+        minors,
+        start.timestamp_micros().max(0) as u64,
+        now.timestamp_micros().max(0) as u64,
+    ) {
+        Ok(acc) if !acc.is_empty() => {
+            let per_gpu: Vec<serde_json::Value> = acc
+                .into_iter()
+                .map(|(minor, procs)| {
+                    let max_mem = procs.iter().filter_map(|p| p.max_memory).max();
+                    let utils: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
+                    let avg = (!utils.is_empty())
+                        .then(|| utils.iter().sum::<u32>() as f64 / utils.len() as f64);
+                    serde_json::json!({
+                        "minor": minor,
+                        "processes": procs.len(),
+                        "max_memory_bytes": max_mem,
+                        "avg_gpu_utilization": avg,
+                    })
+                })
+                .collect();
+            ev.field("accounting", per_gpu)
         }
-        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
+        Ok(_) => ev,
+        Err(e) => {
+            let _ = node;
+            ev.field("accounting_error", e)
         }
-        return false;
     }
 }
 
-/// Whether `holder` may hold `dev`: some cgroup ancestor is exempt or holds a
-/// live grant for it.
-fn covered(node: &Node, fence: Option<&Fence>, cgroup: Option<&str>, dev: DevNum) -> bool {
-    let (Some(fence), Some(cg)) = (fence, cgroup) else {
-        return false;
-    };
-    node.cg.ancestry(cg).into_iter().any(|(_, id)| {
-        fence.is_exempt(id).unwrap_or(false) || fence.lookup(id, dev).ok().flatten().is_some()
-    })
-}
-
-/// Runs the epilog for `job_id`.
-pub fn run(node: &Node, job_id: u32) -> EpilogOutcome {
+/// Runs the epilog for `job_id`. `node_name` is `SLURMD_NODENAME`, used to
+/// drain; `None` skips draining.
+pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     let mut out = EpilogOutcome::default();
     let rec = match node.state.read_record(job_id) {
         Ok(r) => r,
@@ -142,28 +141,126 @@ pub fn run(node: &Node, job_id: u32) -> EpilogOutcome {
         .flat_map(|r| r.devices.iter().map(|d| d.dev))
         .collect();
     devs.extend(out.revoked.iter().map(|e| e.dev));
+    let gpu_major = node.gpu_major();
+    // The job's GPUs for NVML: its GRES devices on the nvidia major.
+    let gres_devs: BTreeSet<DevNum> = match &rec {
+        Some(r) => r
+            .devices
+            .iter()
+            .filter(|d| d.role == DeviceRole::Gres)
+            .map(|d| d.dev)
+            .collect(),
+        None => devs.clone(),
+    };
+    let minors = gpu_minors(&gres_devs, gpu_major);
+    let gpus = if minors.is_empty() {
+        Gpus::none("the job has no NVIDIA GPU")
+    } else {
+        node.open_gpus()
+    };
+
     if !out.revoked.is_empty() || rec.as_ref().is_some_and(|r| !r.devices.is_empty()) {
         let cgroups: BTreeSet<u64> = out.revoked.iter().map(|e| e.cgroup_id).collect();
-        let ev = AuditEvent::new(events::GRANT_REVOKED)
+        let mut ev = AuditEvent::new(events::GRANT_REVOKED)
             .job(job_id)
             .devices(devs.iter())
             .field("cgroup_ids", cgroups.into_iter().collect::<Vec<_>>())
             .field("entries", out.revoked.len());
-        let ev = match &rec {
-            Some(r) => ev.uid(r.uid),
-            None => ev,
-        };
+        if let Some(r) = &rec {
+            ev = accounting_fields(node, &gpus, r, &minors, ev.uid(r.uid));
+        }
         if let Err(e) = node.audit(ev) {
             out.errors.push(e.to_string());
         }
     }
 
-    // 2. Find holders not covered by a live grant or an exemption.
-    for h in scan::holders(&devs) {
-        handle_holder(node, fence.as_ref(), job_id, h, &mut out);
+    // 2. Who holds the job's devices, by descriptor and per the driver.
+    let info = match gpus.query(&minors) {
+        Ok(i) => i,
+        Err(e) => {
+            out.errors.push(format!(
+                "NVML query failed, the job's GPUs cannot be shown clean: {e}"
+            ));
+            Vec::new()
+        }
+    };
+    let cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major);
+    let (lingering, errs) = respond::respond(
+        node,
+        job_id,
+        "epilog",
+        "holds a device of an ended job outside any grant",
+        cands,
+    );
+    out.lingering = lingering;
+    out.errors.extend(errs);
+
+    // 3. Look again: a process that survived, or appeared, is a survivor.
+    if !out.lingering.is_empty() {
+        let again = gpus.query(&minors).unwrap_or_default();
+        for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major) {
+            out.survivors.push(format!(
+                "pid {} still holds {}",
+                c.pid,
+                c.devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
     }
 
-    // 3. Own layout: the job's cgroup goes with the job.
+    // 4. Memory comes back.
+    if gpus.available() && !minors.is_empty() {
+        // A GPU another live grant still covers (shared) is not checked.
+        let shared: BTreeSet<u32> = fence
+            .as_ref()
+            .and_then(|f| f.entries().ok())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.dev.major == gpu_major)
+            .map(|e| e.dev.minor)
+            .collect();
+        let check: BTreeSet<u32> = minors.difference(&shared).copied().collect();
+        let idle = |minor: u32| -> u64 {
+            rec.as_ref()
+                .and_then(|r| r.gpu_idle.iter().find(|g| g.minor == minor))
+                .map(|g| g.used_bytes)
+                .unwrap_or(node.cfg.idle_memory_mib << 20)
+                + (node.cfg.memory_tolerance_mib << 20)
+        };
+        let deadline = Instant::now() + Duration::from_millis(node.cfg.memory_wait_ms);
+        loop {
+            match gpus.memory_used(&check) {
+                Ok(used) => {
+                    let high: Vec<(u32, u64)> =
+                        used.into_iter().filter(|(m, u)| *u > idle(*m)).collect();
+                    if high.is_empty() {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        for (m, u) in high {
+                            out.survivors.push(format!(
+                                "GPU /dev/nvidia{m} still has {} MiB in use (idle level {} MiB) after {} ms",
+                                u >> 20,
+                                idle(m) >> 20,
+                                node.cfg.memory_wait_ms
+                            ));
+                        }
+                        break;
+                    }
+                }
+                Err(e) => {
+                    out.errors.push(format!("NVML memory query failed: {e}"));
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    // 5. Own layout: the job's cgroup goes with the job.
     if node.cfg.layout == Layout::Own {
         let job_cg = node.own_job_cgroup(job_id);
         if node.cg.path(&job_cg).exists() {
@@ -194,7 +291,7 @@ pub fn run(node: &Node, job_id: u32) -> EpilogOutcome {
         }
     }
 
-    // 4. Forget the job, unless its grant is still in the fence.
+    // 6. Forget the job, unless its grant is still in the fence.
     if out.errors.iter().all(|e| !e.starts_with("revoking")) {
         if let Err(e) = node
             .state
@@ -204,86 +301,46 @@ pub fn run(node: &Node, job_id: u32) -> EpilogOutcome {
             out.errors.push(e.to_string());
         }
     }
-    out
-}
 
-fn handle_holder(
-    node: &Node,
-    fence: Option<&Fence>,
-    job_id: u32,
-    h: Holder,
-    out: &mut EpilogOutcome,
-) {
-    let cgroup = node.cg.cgroup_of(h.pid).ok();
-    let uncovered: Vec<DevNum> = h
-        .devices()
-        .into_iter()
-        .filter(|d| !covered(node, fence, cgroup.as_deref(), *d))
-        .collect();
-    if uncovered.is_empty() {
-        return;
-    }
-    // Pin the process's identity before anything else, so the kill can
-    // never hit a recycled pid.
-    let Some(pidfd) = pidfd_open(h.pid) else {
-        return; // gone already
-    };
-    let fds: Vec<_> = h
-        .fds
-        .iter()
-        .filter(|f| uncovered.contains(&f.dev))
-        .cloned()
-        .collect();
-    let ev = evidence::collect(
-        h.pid,
-        job_id,
-        "holds a device of an ended job outside any grant",
-        fds,
-        cgroup.clone(),
-    );
-    let mut l = Lingering {
-        pid: h.pid,
-        cgroup: cgroup.clone(),
-        devices: uncovered.clone(),
-        evidence: None,
-        gone: false,
-    };
-    match evidence::write(&node.cfg.evidence_dir, &ev) {
-        Ok(p) => l.evidence = Some(p),
-        Err(e) => out.errors.push(format!("evidence for pid {}: {e}", h.pid)),
-    }
-    let audit = |name: &str| {
-        let mut a = AuditEvent::new(name)
-            .job(job_id)
-            .pid(h.pid)
-            .devices(uncovered.iter())
-            .field(
-                "cgroup",
-                cgroup
-                    .as_deref()
-                    .map(|c| format!("/{c}"))
-                    .unwrap_or_default(),
-            )
-            .field("comm", ev.comm.clone().unwrap_or_default());
-        if let Some(u) = ev.uid {
-            a = a.uid(u);
+    // 7. Drain with a reason when the node is not clean.
+    if !out.clean() {
+        let first = out
+            .lingering
+            .iter()
+            .find(|l| !l.gone())
+            .map(|l| {
+                format!(
+                    "pid {} ({}) survived SIGKILL holding {}",
+                    l.pid,
+                    l.comm.clone().unwrap_or_default(),
+                    l.devices
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            })
+            .or_else(|| out.survivors.first().cloned())
+            .or_else(|| out.errors.first().cloned())
+            .unwrap_or_default();
+        let reason = format!("gpufence: job {job_id}: {first}");
+        if node.cfg.drain {
+            if let Some(name) = node_name {
+                match drain::drain(node, name, &reason) {
+                    Ok(()) => out.notes.push(format!("node {name} drained: {reason}")),
+                    Err(e) => out.errors.push(format!("could not drain {name}: {e}")),
+                }
+            }
         }
-        if let Some(p) = &l.evidence {
-            a = a.field("evidence", p.display().to_string());
-        }
-        a
-    };
-    if let Err(e) = node.audit(audit(events::LINGERING_PROCESS)) {
-        out.errors.push(e.to_string());
+        let _ = node.audit(
+            AuditEvent::new(events::ERROR)
+                .job(job_id)
+                .field("component", "epilog")
+                .field("drain_reason", drain::clean_reason(&reason))
+                .field("survivors", out.survivors.clone())
+                .field("errors", out.errors.clone()),
+        );
+        out.drain_reason = Some(drain::clean_reason(&reason));
     }
-    l.gone = kill_and_wait(&pidfd, Duration::from_millis(node.cfg.kill_wait_ms));
-    let name = if l.gone {
-        events::PROCESS_KILLED
-    } else {
-        events::SURVIVOR
-    };
-    if let Err(e) = node.audit(audit(name)) {
-        out.errors.push(e.to_string());
-    }
-    out.lingering.push(l);
+    out
 }

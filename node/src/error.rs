@@ -85,6 +85,19 @@ pub enum NodeError {
     /// The job's cgroup cannot be found or made.
     #[error("{0}")]
     JobCgroup(String),
+    /// Processes hold the job's GPUs before it starts (clean start).
+    #[error("job {job_id}: {what} on its GPUs before it starts: {pids:?}; evidence in the evidence directory, see the audit log")]
+    Strays {
+        /// The job.
+        job_id: u32,
+        /// "processes survived SIGKILL" or "stray processes (policy: refuse)".
+        what: String,
+        /// The processes.
+        pids: Vec<i32>,
+    },
+    /// NVML answered with an error: the GPUs cannot be shown clean.
+    #[error("NVML query failed, the job's GPUs cannot be shown clean: {0}")]
+    Nvml(String),
     /// The job record belongs to someone else.
     #[error("job {job_id}: the record in {path} is for uid {record_uid}, the step runs as uid {step_uid}: stale record of an earlier job with this id; no GPU access granted")]
     RecordMismatch {

@@ -45,6 +45,133 @@ pub struct Evidence {
     pub start_time: Option<String>,
     /// The descriptors on the job's devices.
     pub fds: Vec<HeldFd>,
+    /// Its sockets, with addresses (from its network namespace's
+    /// `/proc/<pid>/net/{tcp,tcp6,udp,udp6}`, matched by socket inode).
+    pub sockets: Vec<SocketInfo>,
+    /// The container it runs in, when its cgroup path names one.
+    pub container: Option<ContainerRef>,
+    /// GPU memory it uses per GPU, from NVML.
+    pub gpu_memory: Vec<GpuMemory>,
+    /// How it was stopped before this was written (`cgroup-freeze`, `SIGSTOP`).
+    pub frozen: Option<String>,
+}
+
+/// One socket of the process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SocketInfo {
+    /// `tcp`, `tcp6`, `udp`, `udp6`.
+    pub proto: &'static str,
+    /// Local address and port.
+    pub local: String,
+    /// Remote address and port.
+    pub remote: String,
+    /// TCP state (`Listen`, `Established`, ...); `None` for UDP.
+    pub state: Option<String>,
+    /// Socket inode.
+    pub inode: u64,
+}
+
+/// A container named by a cgroup path.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ContainerRef {
+    /// `docker`, `containerd`, `cri-o`, `podman`.
+    pub runtime: &'static str,
+    /// The container id (hex).
+    pub id: String,
+}
+
+/// GPU memory of the process on one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct GpuMemory {
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// The GPU's UUID.
+    pub uuid: String,
+    /// Bytes, when NVML says.
+    pub used_bytes: Option<u64>,
+}
+
+/// The container a cgroup path names, for the shapes runtimes use:
+/// `docker-<id>.scope` and `docker/<id>` (Docker), `cri-containerd-<id>.scope`
+/// (containerd CRI), `crio-<id>.scope` (CRI-O), `libpod-<id>.scope` (Podman).
+/// Ids are 12 to 64 lowercase hex digits.
+pub fn container_of(cgroup: &str) -> Option<ContainerRef> {
+    let hex = |s: &str| {
+        (12..=64).contains(&s.len())
+            && s.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    };
+    let parts: Vec<&str> = cgroup.split('/').collect();
+    for (i, part) in parts.iter().enumerate().rev() {
+        let scope = part.strip_suffix(".scope").unwrap_or(part);
+        for (prefix, runtime) in [
+            ("docker-", "docker"),
+            ("cri-containerd-", "containerd"),
+            ("crio-", "cri-o"),
+            ("libpod-", "podman"),
+        ] {
+            if let Some(id) = scope.strip_prefix(prefix) {
+                if hex(id) {
+                    return Some(ContainerRef {
+                        runtime,
+                        id: id.to_string(),
+                    });
+                }
+            }
+        }
+        if i > 0 && hex(part) && parts[i - 1] == "docker" {
+            return Some(ContainerRef {
+                runtime: "docker",
+                id: part.to_string(),
+            });
+        }
+    }
+    None
+}
+
+/// The sockets of `pid`, from its fd table and its network namespace's tables.
+pub fn sockets_of(pid: i32) -> Vec<SocketInfo> {
+    let Ok(p) = procfs::process::Process::new(pid) else {
+        return Vec::new();
+    };
+    let inodes: std::collections::BTreeSet<u64> = match p.fd() {
+        Ok(fds) => fds
+            .flatten()
+            .filter_map(|f| match f.target {
+                procfs::process::FDTarget::Socket(i) => Some(i),
+                _ => None,
+            })
+            .collect(),
+        Err(_) => return Vec::new(),
+    };
+    let mut out = Vec::new();
+    for (proto, entries) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
+        for e in entries.into_iter().flatten() {
+            if inodes.contains(&e.inode) {
+                out.push(SocketInfo {
+                    proto,
+                    local: e.local_address.to_string(),
+                    remote: e.remote_address.to_string(),
+                    state: Some(format!("{:?}", e.state)),
+                    inode: e.inode,
+                });
+            }
+        }
+    }
+    for (proto, entries) in [("udp", p.udp()), ("udp6", p.udp6())] {
+        for e in entries.into_iter().flatten() {
+            if inodes.contains(&e.inode) {
+                out.push(SocketInfo {
+                    proto,
+                    local: e.local_address.to_string(),
+                    remote: e.remote_address.to_string(),
+                    state: None,
+                    inode: e.inode,
+                });
+            }
+        }
+    }
+    out
 }
 
 fn sha256_file(p: &Path) -> Option<String> {
@@ -81,6 +208,8 @@ pub fn collect(
     reason: &str,
     fds: Vec<HeldFd>,
     cgroup: Option<String>,
+    gpu_memory: Vec<GpuMemory>,
+    frozen: Option<String>,
 ) -> Evidence {
     let proc = procfs::process::Process::new(pid).ok();
     let stat = proc.as_ref().and_then(|p| p.stat().ok());
@@ -102,9 +231,13 @@ pub fn collect(
             .and_then(|p| p.exe().ok())
             .map(|e| e.display().to_string()),
         exe_sha256: sha256_file(&PathBuf::from(format!("/proc/{pid}/exe"))),
+        container: cgroup.as_deref().and_then(container_of),
         cgroup,
         start_time: stat.as_ref().and_then(start_time),
         fds,
+        sockets: sockets_of(pid),
+        gpu_memory,
+        frozen,
     }
 }
 
@@ -137,4 +270,56 @@ pub fn write(dir: &Path, ev: &Evidence) -> Result<PathBuf, NodeError> {
         dir,
         std::io::Error::other("100 evidence files with the same name"),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn containers_from_cgroup_paths() {
+        let id = "3f4e5d6c7b8a99887766554433221100ffeeddccbbaa99887766554433221100";
+        for (path, runtime) in [
+            (format!("system.slice/docker-{id}.scope"), "docker"),
+            (format!("docker/{id}"), "docker"),
+            (format!("kubepods.slice/kubepods-pod1.slice/cri-containerd-{id}.scope"), "containerd"),
+            (format!("kubepods.slice/crio-{id}.scope"), "cri-o"),
+            (format!("user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{id}.scope/container"), "podman"),
+        ] {
+            assert_eq!(
+                container_of(&path),
+                Some(ContainerRef { runtime, id: id.to_string() }),
+                "{path}"
+            );
+        }
+        for path in [
+            "system.slice/slurmd.service",
+            "docker-xyz.scope",
+            "job_1/step_0",
+            "",
+            "docker/ABCDEF123456",
+        ] {
+            assert_eq!(container_of(path), None, "{path}");
+        }
+    }
+
+    #[test]
+    fn sockets_are_found_by_inode_with_addresses() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let s = sockets_of(std::process::id() as i32);
+        assert!(
+            s.iter()
+                .any(|x| x.local == format!("127.0.0.1:{port}")
+                    && x.state.as_deref() == Some("Listen")),
+            "{s:?}"
+        );
+        let peer = c.local_addr().unwrap();
+        assert!(
+            s.iter()
+                .any(|x| x.local == peer.to_string() && x.remote == format!("127.0.0.1:{port}")),
+            "{s:?}"
+        );
+    }
 }

@@ -11,13 +11,16 @@
 //! - [`grants`]: the live grants, for admins.
 
 pub mod apply;
+pub mod drain;
 pub mod epilog;
 pub mod error;
 pub mod evidence;
 pub mod fence_ops;
+pub mod gpus;
 pub mod grants;
 pub mod gresmap;
 pub mod prolog;
+pub mod respond;
 pub mod scan;
 pub mod slurmctld;
 
@@ -93,6 +96,41 @@ impl Node {
     /// [`NodeError::Audit`].
     pub fn audit(&self, ev: AuditEvent) -> Result<(), NodeError> {
         self.audit.append(&ev).map_err(NodeError::Audit)
+    }
+
+    /// The major of `/dev/nvidia<minor>`: the one `/proc/devices` (or the
+    /// table) names `nvidia` / `nvidia-frontend`, else 195.
+    pub fn gpu_major(&self) -> u32 {
+        let p = self.protected_majors().unwrap_or_default();
+        ["nvidia", "nvidia-frontend", "nvidiactl"]
+            .iter()
+            .find_map(|n| p.major_of(n))
+            .unwrap_or(gpufence_model::procdevices::NVIDIA_MAJOR)
+    }
+
+    /// NVML as the config says; when it is unavailable, says so once in
+    /// the audit log (again only when the reason changes), via a note in
+    /// `state_dir`.
+    pub fn open_gpus(&self) -> gpus::Gpus {
+        let g = gpus::Gpus::open(&self.cfg);
+        let marker = self.state.root().join("nvml-unavailable.txt");
+        match &g.unavailable {
+            Some(why) => {
+                if std::fs::read_to_string(&marker).ok().as_deref() != Some(why.as_str()) {
+                    let _ = gpufence_model::fsutil::create_dir_all_mode(self.state.root(), 0o700);
+                    let _ = gpufence_model::fsutil::write_atomic(&marker, why.as_bytes(), 0o600);
+                    let _ = self.audit(
+                        AuditEvent::new("nvml_unavailable")
+                            .field("reason", why.clone())
+                            .field("fallback", "descriptor scan only"),
+                    );
+                }
+            }
+            None => {
+                let _ = std::fs::remove_file(&marker);
+            }
+        }
+        g
     }
 
     /// The cgroup (relative to the mount) of job `job_id` in the `own`

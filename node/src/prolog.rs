@@ -8,13 +8,17 @@ use std::collections::BTreeSet;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
+use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::config::StrayPolicy;
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::gres::parse_index_list;
-use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
+use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, RECORD_VERSION};
 
+use crate::epilog::gpu_minors;
 use crate::fence_ops::open_installed;
-use crate::gresmap;
+use crate::gpus::Gpus;
+use crate::{evidence, gresmap, respond};
 use crate::{Node, NodeError};
 
 /// The Prolog's view of its environment (from slurmd).
@@ -28,6 +32,8 @@ pub struct PrologEnv {
     pub gres_indices: Vec<u32>,
     /// `SLURM_CONF`.
     pub slurm_conf: Option<PathBuf>,
+    /// `SLURMD_NODENAME`: this node as Slurm names it.
+    pub node_name: Option<String>,
 }
 
 /// Parses a numeric variable slurmd always sets.
@@ -64,6 +70,7 @@ impl PrologEnv {
             slurm_conf: get("SLURM_CONF")
                 .filter(|s| !s.is_empty())
                 .map(PathBuf::from),
+            node_name: get("SLURMD_NODENAME").filter(|s| !s.is_empty()),
         })
     }
 }
@@ -81,6 +88,64 @@ fn stat_char_device(index: u32, path: &Path) -> Result<DevNum, NodeError> {
     Ok(DevNum::from_rdev(std::os::unix::fs::MetadataExt::rdev(&md)))
 }
 
+/// How long the Prolog waits for slurmctld's view of a job.
+pub const SLURMCTLD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The job's GRES indices on this node. `SLURM_JOB_GPUS` is exact unless the
+/// node has GPUs of several types: then slurmd sets it once per type record
+/// of the job, each overwriting the last (`gres_g_prep_set_env`,
+/// `src/interfaces/gres.c`; still so in 25.11), and the Prolog sees only one
+/// type's GPUs. On such nodes the job's allocation on this node is read from
+/// slurmctld as JSON ([`crate::slurmctld`]) and united with the environment
+/// (which also carries shard allocations, that the JSON `gpu` entries do
+/// not). Both sources are Slurm's own; if slurmctld cannot answer, the
+/// environment alone is used (never more than allocated) and a note says so.
+fn complete_indices(
+    node: &Node,
+    env: &PrologEnv,
+    map: &gresmap::GresMap,
+    notes: &mut Vec<String>,
+) -> Result<Vec<u32>, NodeError> {
+    let types: BTreeSet<Option<&str>> =
+        map.devices.iter().map(|d| d.gres_type.as_deref()).collect();
+    if types.len() <= 1 {
+        return Ok(env.gres_indices.clone());
+    }
+    let Some(node_name) = env.node_name.as_deref() else {
+        notes.push(
+            "SLURMD_NODENAME unset: GPUs of several types may be granted only in part".into(),
+        );
+        return Ok(env.gres_indices.clone());
+    };
+    match crate::slurmctld::job_gpu_indices(
+        &node.cfg.scontrol_bin,
+        env.slurm_conf.as_deref(),
+        env.job_id,
+        node_name,
+        SLURMCTLD_TIMEOUT,
+    ) {
+        Ok(from_ctld) => {
+            let mut all: Vec<u32> = env.gres_indices.clone();
+            for i in from_ctld {
+                if !all.contains(&i) {
+                    all.push(i);
+                }
+            }
+            if all.len() != env.gres_indices.len() {
+                notes.push(format!(
+                    "SLURM_JOB_GPUS={:?} was incomplete (several GPU types); slurmctld allocated {all:?} here",
+                    env.gres_indices
+                ));
+            }
+            Ok(all)
+        }
+        Err(e) => {
+            notes.push(format!("slurmctld could not be asked for the job's GPUs ({e}); granting SLURM_JOB_GPUS only"));
+            Ok(env.gres_indices.clone())
+        }
+    }
+}
+
 /// Builds the job's record: its GRES files by number, plus the control
 /// devices. Does not write anything.
 ///
@@ -96,14 +161,17 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         devices: Vec::new(),
         created: now_rfc3339(),
         notes: Vec::new(),
+        gpu_idle: Vec::new(),
     };
     if env.gres_indices.is_empty() {
         return Ok(rec);
     }
     let protected = node.protected_majors()?;
     let map = gresmap::load(node, env.slurm_conf.as_deref())?;
+    let indices = complete_indices(node, env, &map, &mut rec.notes)?;
+    rec.gres_indices = indices.clone();
     let mut seen = BTreeSet::new();
-    for &index in &env.gres_indices {
+    for &index in &indices {
         let gpu = map
             .devices
             .get(index as usize)
@@ -151,14 +219,108 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
     Ok(rec)
 }
 
-/// Runs the Prolog: checks the fence, builds and writes the record, audits.
+/// The clean start: processes that hold the job's GPUs (by descriptor, or
+/// per NVML) outside every grant and exemption are dealt with per
+/// `prolog_strays`; then each GPU's used memory is recorded as its idle level.
+///
+/// # Errors
+/// [`NodeError::Strays`] when the policy refuses or something survives;
+/// [`NodeError::Nvml`] when NVML answers with an error.
+pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), NodeError> {
+    let gres: BTreeSet<DevNum> = rec
+        .devices
+        .iter()
+        .filter(|d| d.role == DeviceRole::Gres)
+        .map(|d| d.dev)
+        .collect();
+    if gres.is_empty() {
+        return Ok(());
+    }
+    let gpu_major = node.gpu_major();
+    let minors = gpu_minors(&gres, gpu_major);
+    let gpus = if minors.is_empty() {
+        Gpus::none("no NVIDIA GPU in the job")
+    } else {
+        node.open_gpus()
+    };
+    let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
+    let cands = respond::uncovered(node, Some(fence), &gres, &info, gpu_major);
+    if !cands.is_empty() {
+        let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
+        match node.cfg.prolog_strays {
+            StrayPolicy::Refuse => {
+                for c in &cands {
+                    let ev = evidence::collect(
+                        c.pid,
+                        rec.job_id,
+                        "held the job's GPU before it started (policy: refuse)",
+                        c.fds.clone(),
+                        c.cgroup.clone(),
+                        c.gpu_memory.clone(),
+                        None,
+                    );
+                    let path = evidence::write(&node.cfg.evidence_dir, &ev)?;
+                    node.audit(
+                        AuditEvent::new(events::LINGERING_PROCESS)
+                            .job(rec.job_id)
+                            .pid(c.pid)
+                            .devices(c.devices.iter())
+                            .field("phase", "prolog")
+                            .field("evidence", path.display().to_string()),
+                    )?;
+                }
+                return Err(NodeError::Strays {
+                    job_id: rec.job_id,
+                    what: "stray processes (policy: refuse)".into(),
+                    pids,
+                });
+            }
+            StrayPolicy::Kill => {
+                let (done, errors) = respond::respond(
+                    node,
+                    rec.job_id,
+                    "prolog",
+                    "held the job's GPU before it started",
+                    cands,
+                );
+                if let Some(e) = errors.into_iter().next() {
+                    return Err(NodeError::Audit(std::io::Error::other(e)));
+                }
+                let survived: Vec<i32> = done.iter().filter(|l| !l.gone()).map(|l| l.pid).collect();
+                if !survived.is_empty() {
+                    return Err(NodeError::Strays {
+                        job_id: rec.job_id,
+                        what: "processes survived SIGKILL".into(),
+                        pids: survived,
+                    });
+                }
+                rec.notes
+                    .push(format!("clean start: killed {pids:?} on the job's GPUs"));
+            }
+        }
+    }
+    if gpus.available() {
+        rec.gpu_idle = gpus
+            .memory_used(&minors)
+            .map_err(NodeError::Nvml)?
+            .into_iter()
+            .map(|(minor, used_bytes)| GpuIdle { minor, used_bytes })
+            .collect();
+    }
+    Ok(())
+}
+
+/// Runs the Prolog: checks the fence, builds the record, makes sure the
+/// job's GPUs are free, writes the record, audits.
 ///
 /// # Errors
 /// [`NodeError`]: Slurm then drains the node and requeues the job.
 pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
     // A job must not start on a node whose GPUs nobody guards.
-    open_installed(node)?;
-    let rec = build_record(node, env)?;
+    let fence = open_installed(node)?;
+    let mut rec = build_record(node, env)?;
+    clean_start(node, &fence, &mut rec)?;
+    let rec = rec;
     node.state.write_record(&rec)?;
     if !rec.devices.is_empty() {
         let mut ev = AuditEvent::new(events::GRANT_RECORDED)

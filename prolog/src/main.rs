@@ -13,7 +13,7 @@ use gpufence_node::Node;
 
 /// Record the devices Slurm allocated to a job (run as slurmd's Prolog).
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(name = "gpufence-prolog", version, about)]
 struct Args {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, value_name = "PATH")]
@@ -40,7 +40,11 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             let job = get("SLURM_JOB_ID").unwrap_or_default();
-            eprintln!("gpufence-prolog: job {job}: {e}");
+            if job.is_empty() {
+                eprintln!("gpufence-prolog: {e}");
+            } else {
+                eprintln!("gpufence-prolog: job {job}: {e}");
+            }
             let _ = node.audit(
                 AuditEvent::new(events::ERROR)
                     .field("component", "prolog")

@@ -246,6 +246,87 @@ impl Drop for TestEnv {
     }
 }
 
+/// A real device a test can hold open, standing in for a GPU a process
+/// keeps using (a `mknod c 195 N` node can never be held: ENXIO).
+///
+/// The epilog and the prolog look for holders across the whole machine by
+/// device number, so the stand-in must be a number that no other process
+/// here holds, or the test would find (and kill) it. This claims one: the
+/// first misc device of a list, least used first, that opens and that no
+/// process holds, under an exclusive `flock` so that concurrent test runs on
+/// one machine claim different ones. Released on drop.
+pub struct HoldableDevice {
+    /// Major (10, misc).
+    pub major: u32,
+    /// Minor.
+    pub minor: u32,
+    /// The driver's name.
+    pub name: &'static str,
+    _lock: std::fs::File,
+}
+
+impl HoldableDevice {
+    /// Claims one, or panics naming what holds them all.
+    pub fn claim() -> HoldableDevice {
+        use std::os::fd::AsRawFd;
+        let candidates = [
+            (234, "btrfs-control"),
+            (237, "loop-control"),
+            (256, "vga_arbiter"),
+            (257, "userfaultfd"),
+            (235, "autofs"),
+            (200, "tun"),
+            (229, "fuse"),
+        ];
+        let mut why = Vec::new();
+        for (minor, name) in candidates {
+            let lock_path = std::env::temp_dir().join(format!("gpufence-test-misc-{minor}.lock"));
+            let Ok(f) = std::fs::File::create(&lock_path) else {
+                continue;
+            };
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                why.push(format!("{name}: claimed by another test run"));
+                continue;
+            }
+            let dev = gpufence_model::device::DevNum::new(10, minor);
+            let holders = gpufence_node::scan::holders(&[dev].into());
+            if !holders.is_empty() {
+                why.push(format!(
+                    "{name}: held by pids {:?}",
+                    holders.iter().map(|h| h.pid).collect::<Vec<_>>()
+                ));
+                continue;
+            }
+            let dir = tempfile::tempdir().expect("tempdir");
+            let node = dir.path().join("n");
+            let c = CString::new(node.to_str().unwrap()).unwrap();
+            // SAFETY: mknod(2) with a NUL-terminated path.
+            if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(10, minor)) }
+                != 0
+            {
+                continue;
+            }
+            if std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&node)
+                .is_err()
+            {
+                why.push(format!("{name}: does not open here"));
+                continue;
+            }
+            return HoldableDevice {
+                major: 10,
+                minor,
+                name,
+                _lock: f,
+            };
+        }
+        panic!("no misc device can stand in for a held GPU: {why:?}");
+    }
+}
+
 /// A binary of this workspace, next to the test executable's `deps/`
 /// directory (cargo builds a package's binaries before its integration tests).
 pub fn workspace_bin(name: &str) -> PathBuf {

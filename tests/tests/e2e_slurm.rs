@@ -7,8 +7,9 @@
 //! ```text
 //! GRES index 0: nvidia3      c 195:3    Type=sim
 //! GRES index 1: nvidia1      c 195:1    Type=sim
-//! GRES index 2: nvidia-held  c 10:229   Type=held  (/dev/fuse's number: opens for real,
-//!                                                  so a job can hold it and hand it out)
+//! GRES index 2: nvidia-held  c 10:M     Type=held  (a real misc device nothing else on
+//!                                                  the machine holds, HoldableDevice: it opens
+//!                                                  for real, so a job can hold it and hand it out)
 //! ```
 //!
 //! The fence is attached at the test's cgroup subtree (slurmd, its prologs
@@ -73,9 +74,10 @@ fn real_slurm_cluster_end_to_end() {
         return;
     }
     let mut env = TestEnv::new("e2e");
+    let real = gpufence_tests::HoldableDevice::claim();
     let n3 = env.mknod("nvidia3", 195, 3);
     let n1 = env.mknod("nvidia1", 195, 1);
-    let held = env.mknod("nvidia-held", 10, 229);
+    let held = env.mknod("nvidia-held", real.major, real.minor);
     let gres = format!(
         "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
         n3.display(),
@@ -87,8 +89,14 @@ fn real_slurm_cluster_end_to_end() {
         &env,
         &gres,
         "gpu:sim:2,gpu:held:1",
-        "layout = \"own\"\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nfake-held = 10\n",
-        16917,
+        &format!(
+            "layout = \"own\"\nterm_grace_ms = 1000\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nfake-held = {}\n",
+            real.major
+        ),
+        std::env::var("GPUFENCE_E2E_PORT_BASE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16917),
     );
     let probe = cluster.bin.join("gpufence-probe");
     let probe_s = probe.to_str().unwrap().to_string();
@@ -302,7 +310,8 @@ fn real_slurm_cluster_end_to_end() {
     assert!(o.status.success() && out.contains("sent"), "{}", both(&o));
     let job7: u32 = field(&out, "JOB").unwrap().parse().unwrap();
     assert!(
-        Cluster::wait_for(Duration::from_secs(30), || gone(receiver)),
+        Cluster::wait_for(Duration::from_secs(30), || gone(receiver)
+            && events_for(&env, job7).contains(&"process_killed".to_string())),
         "the epilog did not kill pid {receiver}: {:?}\n{}",
         events_for(&env, job7),
         cluster.log_tail("slurmd.log")
@@ -319,7 +328,10 @@ fn real_slurm_cluster_end_to_end() {
     let killed = ev.last().unwrap();
     assert_eq!(killed["pid"], receiver);
     assert_eq!(killed["uid"], test_uid());
-    assert_eq!(killed["devices"], serde_json::json!(["10:229"]));
+    assert_eq!(
+        killed["devices"],
+        serde_json::json!([format!("{}:{}", real.major, real.minor)])
+    );
     let evidence: Vec<_> = std::fs::read_dir(env.path("evidence"))
         .unwrap()
         .flatten()
@@ -337,8 +349,14 @@ fn real_slurm_cluster_end_to_end() {
     );
     assert_eq!(e["exe"], probe.display().to_string());
     // Slurm did not drain the node: the epilog exited 0 (the node is clean).
-    let o = cluster.as_user("sinfo", &["-h", "-o", "%T"]);
-    assert_eq!(stdout(&o).trim(), "idle", "{}", both(&o));
+    let mut state = String::new();
+    let idle = Cluster::wait_for(Duration::from_secs(20), || {
+        state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+            .trim()
+            .to_string();
+        state == "idle"
+    });
+    assert!(idle, "node not idle after the epilog: {state}");
 
     // Nothing of the jobs is left: no grants, no job cgroups, no records.
     let g = cluster.gpufence(&["grants", "--json"]);
@@ -353,6 +371,207 @@ fn real_slurm_cluster_end_to_end() {
         .filter(|n| n.starts_with("job_"))
         .collect();
     assert!(jobs_left.is_empty(), "{jobs_left:?}");
+
+    // 7b. Several GPU types in one job: Slurm 22.05's Prolog sees only the
+    //     last type in SLURM_JOB_GPUS; gpufence asks slurmctld and grants both.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1,gpu:held:1",
+            &probe_s,
+            "open",
+            devs[0],
+            devs[1],
+            devs[2],
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(
+        verdict(&out, &held),
+        "ok",
+        "the held GPU of a two-type job:\n{out}"
+    );
+    assert_eq!(
+        [verdict(&out, &n3), verdict(&out, &n1)]
+            .iter()
+            .filter(|v| *v == "ENXIO")
+            .count(),
+        1,
+        "exactly one sim GPU of a two-type job:\n{out}"
+    );
+
+    // 7c. A job leaves a daemonised child that ignores SIGTERM and holds its
+    //     GPU: the epilog freezes it, keeps evidence, SIGTERM, SIGKILL; the
+    //     node stays up.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; {probe_s} hold --ignore-term --daemon {}",
+                held.display()
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    let job_d: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    let daemon: i32 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("held "))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("daemon pid:\n{}", both(&o)));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || gone(daemon)
+            && events_for(&env, job_d).contains(&"process_killed".to_string())),
+        "daemon {daemon} of job {job_d} survived: {:?}",
+        events_for(&env, job_d)
+    );
+    let killed: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job_d && e["event"] == "process_killed")
+        .collect();
+    assert_eq!(killed.len(), 1, "{:?}", events_for(&env, job_d));
+    assert_eq!(
+        (killed[0]["pid"].clone(), killed[0]["ended_by"].clone()),
+        (Value::from(daemon), Value::from("SIGKILL"))
+    );
+    assert!(
+        killed[0]["frozen"].is_string() && killed[0]["evidence"].is_string(),
+        "{}",
+        killed[0]
+    );
+    let idle = Cluster::wait_for(Duration::from_secs(20), || {
+        state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+            .trim()
+            .to_string();
+        state == "idle"
+    });
+    assert!(
+        idle,
+        "node stays up after killing a TERM-ignoring daemon: {state}"
+    );
+
+    // 7d. A GPU held by a stray process before a job starts: the prolog
+    //     (policy kill) deals with it and the job gets its GPU.
+    let mut stray_cmd = std::process::Command::new(&probe);
+    stray_cmd.arg("hold").arg(&held);
+    let stray = env.spawn_ready(stray_cmd, "held");
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!("echo JOB=$SLURM_JOB_ID; {probe_s} open {}", held.display()),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(verdict(&out, &held), "ok", "{out}");
+    assert!(gone(stray), "the prolog killed the stray {stray}");
+    let job_s: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    let pro: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job_s && e["phase"] == "prolog")
+        .collect();
+    assert_eq!(
+        pro.iter()
+            .map(|e| e["event"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        vec!["lingering_process", "process_killed"],
+        "{pro:?}"
+    );
+    assert_eq!(pro[1]["pid"], stray);
+
+    // 7e. A holder that cannot be killed (frozen by the cgroup v1 freezer:
+    //     SIGKILL stays pending): the epilog exits non-zero and drains the
+    //     node with a reason naming gpufence, the job and the pid.
+    let freezer = std::path::PathBuf::from(format!("/sys/fs/cgroup/freezer/{}", env.root));
+    std::fs::create_dir_all(&freezer)
+        .expect("cgroup v1 freezer (this test simulates an unkillable process with it)");
+    let sock2 = env.path("jobs/handoff2.sock");
+    let mut recv2 = env.command_in(&outside, &probe);
+    recv2.arg("recvfd").arg(&sock2);
+    let stuck = env.spawn_ready(recv2, "listening");
+    std::fs::write(freezer.join("cgroup.procs"), stuck.to_string()).unwrap();
+    let go = env.path("jobs/frozen");
+    let job_cmd = format!(
+        "echo JOB=$SLURM_JOB_ID; {probe_s} sendfd {} {}; while [ ! -e {} ]; do sleep 0.1; done",
+        sock2.display(),
+        held.display(),
+        go.display()
+    );
+    let srun = cluster
+        .user_cmd("srun")
+        .args(["--gres=gpu:held:1", "sh", "-c", &job_cmd])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let want: std::collections::BTreeSet<_> =
+        [gpufence_model::device::DevNum::new(real.major, real.minor)].into();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || gpufence_node::scan::holder(
+            stuck, &want
+        )
+        .is_some()),
+        "receiver never got the descriptor"
+    );
+    std::fs::write(freezer.join("freezer.state"), "FROZEN").unwrap();
+    assert!(Cluster::wait_for(Duration::from_secs(5), || {
+        std::fs::read_to_string(freezer.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
+    }));
+    std::fs::write(&go, "").unwrap();
+    let o = srun.wait_with_output().unwrap();
+    let job_u: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
+    let reason_ok = |r: &str| {
+        r.contains("gpufence")
+            && r.contains(&format!("job {job_u}"))
+            && r.contains(&format!("pid {stuck}"))
+    };
+    let mut reasons = String::new();
+    let drained = Cluster::wait_for(Duration::from_secs(30), || {
+        reasons = stdout(&cluster.as_user("sinfo", &["-R", "-h", "-o", "%T|%E"]));
+        reasons
+            .lines()
+            .any(|l| l.starts_with("drain") && reason_ok(l))
+    });
+    // Thaw before asserting, so a failure leaves no frozen process behind.
+    std::fs::write(freezer.join("freezer.state"), "THAWED").unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || gone(stuck)),
+        "pending SIGKILL ends it once thawed"
+    );
+    let _ = std::fs::remove_dir(&freezer);
+    assert!(
+        drained,
+        "sinfo -R: {reasons}\n{:?}\n{}",
+        events_for(&env, job_u),
+        cluster.log_tail("slurmctld.log")
+    );
+    let surv: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job_u && e["event"] == "survivor")
+        .collect();
+    assert_eq!(surv.len(), 1, "{:?}", events_for(&env, job_u));
+    let admin = |args: &[&str]| {
+        std::process::Command::new("env")
+            .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = admin(&[
+        "scontrol",
+        "update",
+        &format!("nodename={}", gpufence_tests::cluster::hostname()),
+        "state=resume",
+    ]);
+    assert!(o.status.success(), "{}", both(&o));
 
     // 8. The fence disappears while a job runs: its next step is refused,
     //    and the user reads why, in one line, in the job's output.
@@ -450,13 +669,6 @@ fn real_slurm_cluster_end_to_end() {
     );
     let o = cluster.gpufence(&["fence", "install"]);
     assert!(o.status.success(), "{}", both(&o));
-    let admin = |args: &[&str]| {
-        std::process::Command::new("env")
-            .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
-            .args(args)
-            .output()
-            .unwrap()
-    };
     let _ = admin(&["scancel", "-n", "noprolog"]);
     let o = admin(&[
         "scontrol",
@@ -479,6 +691,9 @@ fn real_slurm_cluster_end_to_end() {
         1,
         "back in service with the fence:\n{out}"
     );
+    if let Some(dst) = std::env::var_os("GPUFENCE_E2E_KEEP_AUDIT") {
+        let _ = std::fs::copy(env.path("log/audit.jsonl"), dst);
+    }
     let _ = probe_bin();
     drop(cluster);
 }

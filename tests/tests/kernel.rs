@@ -41,6 +41,7 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
             .collect(),
         created: now_rfc3339(),
         notes: vec![],
+        gpu_idle: vec![],
     }
 }
 
@@ -443,7 +444,7 @@ fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
         "EPERM"
     );
     // Epilog of job 7 removes its cgroup, killing the stand-in slurmstepd.
-    let o = epilog::run(&node, 7);
+    let o = epilog::run(&node, 7, None);
     assert!(o.clean(), "{:?}", o.errors);
     assert!(!env.cg.path(&job).exists());
     assert!(std::fs::read_dir(node.cfg.state_dir.join("jobs"))
@@ -485,10 +486,13 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
         return;
     }
     let mut env = TestEnv::new("epilog");
-    // /dev/fuse's number, on a node in our temp dir, protected in our subtree only.
-    let node = node(&env, "[majors]\nnvidia = 195\nfake-gpu = 10\n");
+    // A real misc device nothing else holds, on a node in our temp dir,
+    // its major protected in our subtree only.
+    let held = gpufence_tests::HoldableDevice::claim();
+    let (ma, mi) = (held.major, held.minor);
+    let node = node(&env, &format!("[majors]\nnvidia = 195\nfake-gpu = {ma}\n"));
     fence_ops::install(&node).unwrap();
-    let gpu = env.mknod("nvidia7", 10, 229);
+    let gpu = env.mknod("nvidia7", ma, mi);
     let job = env.cgroup("job_11");
     let other_job = env.cgroup("job_12");
     let outside = env.cgroup("outside");
@@ -499,12 +503,12 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
                 env.cg.id(cg).unwrap(),
                 cg,
                 j,
-                &[(DevNum::new(10, 229), Access::RW)],
+                &[(DevNum::new(ma, mi), Access::RW)],
             )
             .unwrap();
     }
     node.state
-        .write_record(&record(11, 0, &[(10, 229)]))
+        .write_record(&record(11, 0, &[(ma, mi)]))
         .unwrap();
     assert_eq!(env.open_from(&outside, &gpu), "EPERM");
     let sock = env.path("hand.sock");
@@ -514,18 +518,18 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     assert_eq!(lines, vec!["sent"]);
     let neighbour = env.spawn_probe(&other_job, &["hold", gpu.to_str().unwrap()], "held");
     // wait until the receiver really holds it
-    let want: BTreeSet<DevNum> = [DevNum::new(10, 229)].into();
+    let want: BTreeSet<DevNum> = [DevNum::new(ma, mi)].into();
     let t0 = std::time::Instant::now();
     while gpufence_node::scan::holder(receiver, &want).is_none() && t0.elapsed().as_secs() < 5 {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 
-    let out = epilog::run(&node, 11);
+    let out = epilog::run(&node, 11, None);
     assert!(out.clean(), "{:?}", out.errors);
     assert_eq!(out.revoked.len(), 1);
     assert_eq!(out.lingering.len(), 1, "{:?}", out.lingering);
     let l = &out.lingering[0];
-    assert_eq!((l.pid, l.gone), (receiver, true));
+    assert_eq!((l.pid, l.gone()), (receiver, true));
     assert!(gone(receiver));
     assert!(!gone(neighbour), "job 12's process holds its own grant");
     let ev_path = l.evidence.clone().expect("evidence written");
@@ -537,7 +541,7 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     let ev: serde_json::Value = serde_json::from_slice(&std::fs::read(&ev_path).unwrap()).unwrap();
     assert_eq!(ev["pid"], receiver);
     assert_eq!(ev["job_id"], 11);
-    assert_eq!(ev["fds"][0]["dev"]["major"], 10);
+    assert_eq!(ev["fds"][0]["dev"]["minor"], mi);
     assert_eq!(ev["cgroup"], outside.as_str());
     assert_eq!(ev["cmdline"][1], "recvfd");
     assert_eq!(ev["exe_sha256"].as_str().unwrap().len(), 64);
@@ -560,6 +564,6 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     let left = fence.entries().unwrap();
     assert_eq!(left.iter().map(|g| g.job_id).collect::<Vec<_>>(), vec![12]);
     // Running the epilog again (or for a job without a record) is fine.
-    assert!(epilog::run(&node, 11).clean());
-    assert!(epilog::run(&node, 999).clean());
+    assert!(epilog::run(&node, 11, None).clean());
+    assert!(epilog::run(&node, 999, None).clean());
 }

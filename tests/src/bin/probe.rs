@@ -6,9 +6,13 @@
 //! ```text
 //! gpufence-probe open [--ro] PATH...     one line per PATH: "PATH ok|ENXIO|EPERM|errno N"
 //! gpufence-probe mknod PATH MAJOR MINOR  "PATH ok|EPERM|errno N"
-//! gpufence-probe hold PATH               open O_RDWR, print "held", sleep until killed
+//! gpufence-probe hold [--ignore-term] [--daemon] PATH
+//!                                        open O_RDWR, print "held" (with --daemon: double-fork,
+//!                                        setsid, print "held PID" from the grandchild, which
+//!                                        keeps the device; the command returns), sleep until killed
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
+//! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
 //! ```
 
 use std::ffi::CString;
@@ -83,16 +87,64 @@ fn main() -> ExitCode {
             };
             say(&format!("{path} {}", word(res)));
         }
-        ["hold", path] => match open(path, false) {
-            Ok(_fd) => {
-                say("held");
-                sleep_forever();
+        ["hold", rest @ ..] if !rest.is_empty() => {
+            let path = rest[rest.len() - 1];
+            let flags = &rest[..rest.len() - 1];
+            if flags
+                .iter()
+                .any(|f| !matches!(*f, "--ignore-term" | "--daemon"))
+            {
+                return ExitCode::from(2);
             }
-            Err(e) => {
-                say(&format!("{path} {}", word(Err(e))));
-                return ExitCode::FAILURE;
+            if flags.contains(&"--ignore-term") {
+                // SAFETY: setting a signal disposition to SIG_IGN.
+                unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
             }
-        },
+            if flags.contains(&"--daemon") {
+                // SAFETY: fork in a single-threaded process; the children
+                // only call async-signal-safe functions and our own code.
+                unsafe {
+                    match libc::fork() {
+                        -1 => return ExitCode::FAILURE,
+                        0 => {
+                            libc::setsid();
+                            if libc::fork() != 0 {
+                                libc::_exit(0);
+                            }
+                        }
+                        child => {
+                            let mut st = 0;
+                            libc::waitpid(child, &mut st, 0);
+                            // give the grandchild time to report
+                            std::thread::sleep(std::time::Duration::from_millis(300));
+                            return ExitCode::SUCCESS;
+                        }
+                    }
+                }
+            }
+            match open(path, false) {
+                Ok(_fd) => {
+                    if flags.contains(&"--daemon") {
+                        say(&format!("held {}", std::process::id()));
+                        // Let the job's output pipe close: nothing keeps it open.
+                        // SAFETY: replacing our own stdio with /dev/null.
+                        unsafe {
+                            let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                            libc::dup2(null, 0);
+                            libc::dup2(null, 1);
+                            libc::dup2(null, 2);
+                        }
+                    } else {
+                        say("held");
+                    }
+                    sleep_forever();
+                }
+                Err(e) => {
+                    say(&format!("{path} {}", word(Err(e))));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         ["recvfd", sock] => {
             let _ = std::fs::remove_file(sock);
             let l = match UnixListener::bind(sock) {
@@ -161,8 +213,20 @@ fn main() -> ExitCode {
                 }
             }
         }
+        ["holders", dev] => {
+            let Some((ma, mi)) = dev.split_once(':') else {
+                return ExitCode::from(2);
+            };
+            let (Ok(ma), Ok(mi)) = (ma.parse(), mi.parse()) else {
+                return ExitCode::from(2);
+            };
+            let want = [gpufence_model::device::DevNum::new(ma, mi)].into();
+            for h in gpufence_node::scan::holders(&want) {
+                say(&h.pid.to_string());
+            }
+        }
         _ => {
-            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH");
+            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH | holders MAJOR:MINOR");
             return ExitCode::from(2);
         }
     }

@@ -1,0 +1,96 @@
+//! Taking the node out of service with a reason an admin can act on:
+//! `scontrol update nodename=$SLURMD_NODENAME state=drain reason=...`, so
+//! `sinfo -R` says what gpufence found. A failing scontrol is reported but
+//! never hides the epilog's own non-zero exit.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::Node;
+
+/// The longest reason passed to scontrol (Slurm stores it as a string; long
+/// reasons make `sinfo -R` unreadable).
+pub const MAX_REASON: usize = 200;
+
+/// Makes `reason` safe as one scontrol argument: one line, printable ASCII,
+/// at most [`MAX_REASON`] characters, prefixed with `gpufence: `.
+pub fn clean_reason(reason: &str) -> String {
+    let mut r: String = reason
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                ' '
+            }
+        })
+        .collect();
+    if !r.starts_with("gpufence") {
+        r = format!("gpufence: {r}");
+    }
+    if r.len() > MAX_REASON {
+        r.truncate(MAX_REASON - 3);
+        r.push_str("...");
+    }
+    r
+}
+
+/// Drains `node_name` with `reason`.
+///
+/// # Errors
+/// A message when scontrol cannot run, times out or exits non-zero.
+pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), String> {
+    let reason = clean_reason(reason);
+    let mut child = Command::new(&node.cfg.scontrol_bin)
+        .args([
+            "update",
+            &format!("nodename={node_name}"),
+            "state=drain",
+            &format!("reason={reason}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{}: {e}", node.cfg.scontrol_bin.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) if st.success() => return Ok(()),
+            Ok(Some(st)) => {
+                let mut msg = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut msg);
+                }
+                return Err(format!(
+                    "scontrol update nodename={node_name} state=drain: {st}: {}",
+                    msg.trim()
+                ));
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("scontrol did not answer within 20 s".into());
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_are_one_safe_line() {
+        assert_eq!(
+            clean_reason("job 5: pid 7\nsurvived"),
+            "gpufence: job 5: pid 7 survived"
+        );
+        assert_eq!(clean_reason("gpufence: x\t\u{7}y"), "gpufence: x  y");
+        let long = clean_reason(&"x".repeat(500));
+        assert_eq!(long.len(), MAX_REASON);
+        assert!(long.ends_with("..."));
+    }
+}

@@ -1,0 +1,251 @@
+//! The driver's view of the GPUs, through NVML (`nvml-wrapper`, which loads
+//! `libnvidia-ml.so.1` at run time).
+//!
+//! GPUs are matched by minor number (`/dev/nvidia<minor>`, from
+//! `nvmlDeviceGetMinorNumber`), never by NVML index: NVML orders devices by
+//! PCI bus id, Slurm by its GRES list, and the two disagree
+//! (`../shared/cases/README.md`). UUID and PCI bus id are reported with each.
+//!
+//! A node without the library or driver is not an error: [`Gpus::open`]
+//! returns a view that says why it is unavailable, and callers fall back to
+//! the descriptor scan. An NVML error in the middle of a query *is* an error:
+//! a query that failed cannot say "clean".
+
+use std::collections::BTreeSet;
+use std::ffi::OsStr;
+
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::Nvml;
+use serde::Serialize;
+
+use gpufence_model::config::Config;
+
+/// A process the driver lists on a GPU (host pid).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct GpuProcess {
+    /// Host pid.
+    pub pid: u32,
+    /// GPU memory it uses, bytes, when the driver says.
+    pub used_memory: Option<u64>,
+    /// `compute` or `graphics`.
+    pub kind: &'static str,
+    /// MIG GPU instance id, when MIG is on.
+    pub gpu_instance_id: Option<u32>,
+    /// MIG compute instance id, when MIG is on.
+    pub compute_instance_id: Option<u32>,
+}
+
+/// One GPU as the driver sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct GpuInfo {
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// `GPU-...`.
+    pub uuid: String,
+    /// `0000:17:00.0` form.
+    pub pci_bus_id: String,
+    /// Used memory, bytes.
+    pub memory_used: u64,
+    /// Total memory, bytes.
+    pub memory_total: u64,
+    /// Compute and graphics processes.
+    pub processes: Vec<GpuProcess>,
+}
+
+/// What NVML accounting kept about one process of a GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AccountedProcess {
+    /// Host pid.
+    pub pid: u32,
+    /// Max memory ever allocated, bytes.
+    pub max_memory: Option<u64>,
+    /// Average GPU utilisation over the process's life, percent.
+    pub gpu_utilization: Option<u32>,
+    /// Average memory utilisation, percent.
+    pub memory_utilization: Option<u32>,
+    /// Start, µs since the epoch.
+    pub start_time_us: u64,
+    /// Active time, ms.
+    pub time_ms: u64,
+}
+
+/// The NVML handle, or why there is none.
+pub struct Gpus {
+    nvml: Option<Nvml>,
+    /// Why NVML is not available (library missing, driver not loaded, disabled).
+    pub unavailable: Option<String>,
+}
+
+impl std::fmt::Debug for Gpus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpus")
+            .field("available", &self.nvml.is_some())
+            .field("unavailable", &self.unavailable)
+            .finish()
+    }
+}
+
+impl Gpus {
+    /// Loads NVML as the config says. Never fails.
+    pub fn open(cfg: &Config) -> Gpus {
+        if !cfg.nvml {
+            return Gpus {
+                nvml: None,
+                unavailable: Some("disabled in the config (nvml = false)".into()),
+            };
+        }
+        let lib = cfg.nvml_library.as_os_str();
+        match Nvml::builder().lib_path(OsStr::new(lib)).init() {
+            Ok(n) => Gpus {
+                nvml: Some(n),
+                unavailable: None,
+            },
+            Err(e) => Gpus {
+                nvml: None,
+                unavailable: Some(format!("{}: {e}", cfg.nvml_library.display())),
+            },
+        }
+    }
+
+    /// A view without NVML (tests, and nodes without GPUs).
+    pub fn none(reason: &str) -> Gpus {
+        Gpus {
+            nvml: None,
+            unavailable: Some(reason.into()),
+        }
+    }
+
+    /// Whether NVML answers.
+    pub fn available(&self) -> bool {
+        self.nvml.is_some()
+    }
+
+    fn each_device<T>(
+        &self,
+        minors: &BTreeSet<u32>,
+        mut f: impl FnMut(u32, &nvml_wrapper::Device<'_>) -> Result<T, String>,
+    ) -> Result<Vec<T>, String> {
+        let Some(nvml) = &self.nvml else {
+            return Ok(Vec::new());
+        };
+        let n = nvml
+            .device_count()
+            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+        let mut out = Vec::new();
+        for i in 0..n {
+            let d = nvml
+                .device_by_index(i)
+                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+            let minor = d
+                .minor_number()
+                .map_err(|e| format!("nvmlDeviceGetMinorNumber({i}): {e}"))?;
+            if minors.contains(&minor) {
+                out.push(f(minor, &d)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The GPUs with these minors, with their processes and memory. GPUs
+    /// NVML does not list are absent from the result.
+    ///
+    /// # Errors
+    /// The first NVML error, with the call that failed.
+    pub fn query(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuInfo>, String> {
+        self.each_device(minors, |minor, d| {
+            let err = |what: &str, e: nvml_wrapper::error::NvmlError| {
+                format!("{what} (minor {minor}): {e}")
+            };
+            let mem = d
+                .memory_info()
+                .map_err(|e| err("nvmlDeviceGetMemoryInfo", e))?;
+            let mut processes = Vec::new();
+            for (kind, list) in [
+                ("compute", d.running_compute_processes()),
+                ("graphics", d.running_graphics_processes()),
+            ] {
+                let list =
+                    list.map_err(|e| err(&format!("nvmlDeviceGet{kind}RunningProcesses"), e))?;
+                processes.extend(list.into_iter().map(|p| GpuProcess {
+                    pid: p.pid,
+                    used_memory: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                    kind,
+                    gpu_instance_id: p.gpu_instance_id,
+                    compute_instance_id: p.compute_instance_id,
+                }));
+            }
+            Ok(GpuInfo {
+                minor,
+                uuid: d.uuid().map_err(|e| err("nvmlDeviceGetUUID", e))?,
+                pci_bus_id: d
+                    .pci_info()
+                    .map_err(|e| err("nvmlDeviceGetPciInfo", e))?
+                    .bus_id,
+                memory_used: mem.used,
+                memory_total: mem.total,
+                processes,
+            })
+        })
+    }
+
+    /// Used memory of each GPU with these minors, bytes.
+    ///
+    /// # Errors
+    /// The first NVML error.
+    pub fn memory_used(&self, minors: &BTreeSet<u32>) -> Result<Vec<(u32, u64)>, String> {
+        self.each_device(minors, |minor, d| {
+            d.memory_info()
+                .map(|m| (minor, m.used))
+                .map_err(|e| format!("nvmlDeviceGetMemoryInfo (minor {minor}): {e}"))
+        })
+    }
+
+    /// For GPUs with accounting mode on: the processes accounted that
+    /// started in `[since_us, until_us]` (µs since the epoch). GPUs with
+    /// accounting off are absent.
+    ///
+    /// # Errors
+    /// The first NVML error.
+    pub fn accounting(
+        &self,
+        minors: &BTreeSet<u32>,
+        since_us: u64,
+        until_us: u64,
+    ) -> Result<Vec<(u32, Vec<AccountedProcess>)>, String> {
+        let all = self.each_device(minors, |minor, d| {
+            let err = |what: &str, e: nvml_wrapper::error::NvmlError| {
+                format!("{what} (minor {minor}): {e}")
+            };
+            if !d
+                .is_accounting_enabled()
+                .map_err(|e| err("nvmlDeviceGetAccountingMode", e))?
+            {
+                return Ok(None);
+            }
+            let mut procs = Vec::new();
+            for pid in d
+                .accounting_pids()
+                .map_err(|e| err("nvmlDeviceGetAccountingPids", e))?
+            {
+                let s = d
+                    .accounting_stats_for(pid)
+                    .map_err(|e| err("nvmlDeviceGetAccountingStats", e))?;
+                if s.start_time >= since_us && s.start_time <= until_us {
+                    procs.push(AccountedProcess {
+                        pid,
+                        max_memory: s.max_memory_usage,
+                        gpu_utilization: s.gpu_utilization,
+                        memory_utilization: s.memory_utilization,
+                        start_time_us: s.start_time,
+                        time_ms: s.time,
+                    });
+                }
+            }
+            Ok(Some((minor, procs)))
+        })?;
+        Ok(all.into_iter().flatten().collect())
+    }
+}

@@ -1,0 +1,344 @@
+//! What gpufence does with a process that holds a job's GPU outside any
+//! grant, in the order incident responders use, at job end (epilog) and at
+//! job start (prolog, "clean start"):
+//!
+//! 1. pin each process's identity (`pidfd_open`), so no step can hit a
+//!    recycled pid;
+//! 2. freeze it: `cgroup.freeze` when its cgroup holds nothing but such
+//!    processes, `SIGSTOP` otherwise — it cannot act while we look;
+//! 3. write the evidence file, then an audit line;
+//! 4. `SIGTERM`, thaw, wait `term_grace_ms`; `SIGKILL` what is left, wait
+//!    `kill_wait_ms`; check each is gone.
+//!
+//! Exempt daemons and processes in a cgroup with a live grant for the device
+//! are never candidates ([`uncovered`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpufence_cgroup::fence::Fence;
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::device::DevNum;
+
+use crate::evidence::{self, GpuMemory};
+use crate::gpus::GpuInfo;
+use crate::scan::{self, HeldFd};
+use crate::Node;
+
+/// A process found on a job's devices without a grant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// Host pid.
+    pub pid: i32,
+    /// Its cgroup2 path.
+    pub cgroup: Option<String>,
+    /// The uncovered devices it holds (by descriptor or per NVML).
+    pub devices: BTreeSet<DevNum>,
+    /// Its descriptors on them.
+    pub fds: Vec<HeldFd>,
+    /// Its GPU memory per NVML.
+    pub gpu_memory: Vec<GpuMemory>,
+}
+
+/// What happened to one candidate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lingering {
+    /// The process.
+    pub pid: i32,
+    /// `comm`, when it could be read.
+    pub comm: Option<String>,
+    /// Its cgroup.
+    pub cgroup: Option<String>,
+    /// The devices it held without a grant.
+    pub devices: Vec<DevNum>,
+    /// The evidence file, when written.
+    pub evidence: Option<PathBuf>,
+    /// How it was stopped first.
+    pub frozen: Option<String>,
+    /// The signal that ended it, when it is gone (`SIGTERM`, `SIGKILL`, or
+    /// `exited` when it was gone before we signalled).
+    pub ended_by: Option<&'static str>,
+}
+
+impl Lingering {
+    /// Whether it is gone.
+    pub fn gone(&self) -> bool {
+        self.ended_by.is_some()
+    }
+}
+
+/// Whether a process in `cgroup` may hold `dev`: an ancestor is exempt or
+/// holds a live grant for it.
+pub fn covered(node: &Node, fence: Option<&Fence>, cgroup: Option<&str>, dev: DevNum) -> bool {
+    let (Some(fence), Some(cg)) = (fence, cgroup) else {
+        return false;
+    };
+    node.cg.ancestry(cg).into_iter().any(|(_, id)| {
+        fence.is_exempt(id).unwrap_or(false) || fence.lookup(id, dev).ok().flatten().is_some()
+    })
+}
+
+/// Processes holding any of `devs` — by descriptor, or listed by NVML on a
+/// GPU of `gpu_info` — that no grant or exemption covers. `gpu_major` is
+/// the major of `/dev/nvidia<minor>` (NVML minors are on it).
+pub fn uncovered(
+    node: &Node,
+    fence: Option<&Fence>,
+    devs: &BTreeSet<DevNum>,
+    gpu_info: &[GpuInfo],
+    gpu_major: u32,
+) -> Vec<Candidate> {
+    let me = std::process::id() as i32;
+    let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
+    let new = |pid: i32| Candidate {
+        pid,
+        cgroup: node.cg.cgroup_of(pid).ok(),
+        devices: BTreeSet::new(),
+        fds: Vec::new(),
+        gpu_memory: Vec::new(),
+    };
+    for h in scan::holders(devs) {
+        let c = by_pid.entry(h.pid).or_insert_with(|| new(h.pid));
+        c.fds.extend(h.fds.iter().cloned());
+        c.devices.extend(h.devices());
+    }
+    for g in gpu_info {
+        let dev = DevNum::new(gpu_major, g.minor);
+        for p in &g.processes {
+            let Ok(pid) = i32::try_from(p.pid) else {
+                continue;
+            };
+            if pid == me || pid <= 1 {
+                continue;
+            }
+            let c = by_pid.entry(pid).or_insert_with(|| new(pid));
+            c.devices.insert(dev);
+            c.gpu_memory.push(GpuMemory {
+                minor: g.minor,
+                uuid: g.uuid.clone(),
+                used_bytes: p.used_memory,
+            });
+        }
+    }
+    by_pid
+        .into_values()
+        .filter_map(|mut c| {
+            let cg = c.cgroup.clone();
+            c.devices
+                .retain(|d| !covered(node, fence, cg.as_deref(), *d));
+            c.fds.retain(|f| c.devices.contains(&f.dev));
+            (!c.devices.is_empty()).then_some(c)
+        })
+        .collect()
+}
+
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open(2) returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn signal(pidfd: &OwnedFd, sig: i32) {
+    // SAFETY: pidfd_send_signal(2) on a pidfd we own.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+}
+
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // A pidfd is readable once its process has exited (zombie or reaped).
+    // SAFETY: poll of one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+}
+
+/// Waits until every pidfd in `fds` has exited or `wait` passes.
+fn wait_all(fds: &[&OwnedFd], wait: Duration) {
+    let deadline = Instant::now() + wait;
+    while Instant::now() < deadline && !fds.iter().all(|f| exited(f)) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
+    let p = node.cg.path(cgroup);
+    if std::fs::write(p.join("cgroup.freeze"), if on { "1" } else { "0" }).is_err() {
+        return false;
+    }
+    if !on {
+        return true;
+    }
+    let deadline = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(p.join("cgroup.events"))
+            .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// Responds to `cands` as the module says. `phase` (`prolog`/`epilog`) goes
+/// into evidence and audit lines. Audit failures are returned as errors
+/// beside the outcome.
+pub fn respond(
+    node: &Node,
+    job_id: u32,
+    phase: &str,
+    reason: &str,
+    cands: Vec<Candidate>,
+) -> (Vec<Lingering>, Vec<String>) {
+    let mut errors = Vec::new();
+    // 1. Pin identities.
+    let pinned: Vec<(Candidate, OwnedFd)> = cands
+        .into_iter()
+        .filter_map(|c| pidfd_open(c.pid).map(|fd| (c, fd)))
+        .collect();
+    let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
+
+    // 2. Freeze: whole cgroups when they hold only candidates, else SIGSTOP.
+    let mut frozen_cgroups = BTreeSet::new();
+    let mut how: BTreeMap<i32, String> = BTreeMap::new();
+    for (c, fd) in &pinned {
+        let own_cgroup = c.cgroup.as_deref().filter(|cg| {
+            !cg.is_empty()
+                && !frozen_cgroups.contains(*cg)
+                && node.cg.procs_recursive(cg).iter().all(|p| pids.contains(p))
+        });
+        if let Some(cg) = own_cgroup {
+            if set_frozen(node, cg, true) {
+                frozen_cgroups.insert(cg.to_string());
+            }
+        }
+        if c.cgroup
+            .as_ref()
+            .is_some_and(|cg| frozen_cgroups.contains(cg))
+        {
+            how.insert(c.pid, "cgroup-freeze".into());
+        } else {
+            signal(fd, libc::SIGSTOP);
+            how.insert(c.pid, "SIGSTOP".into());
+        }
+    }
+
+    // 3. Evidence, then the audit line.
+    let mut out = Vec::new();
+    for (c, _) in &pinned {
+        let ev = evidence::collect(
+            c.pid,
+            job_id,
+            reason,
+            c.fds.clone(),
+            c.cgroup.clone(),
+            c.gpu_memory.clone(),
+            how.get(&c.pid).cloned(),
+        );
+        let mut l = Lingering {
+            pid: c.pid,
+            comm: ev.comm.clone(),
+            cgroup: c.cgroup.clone(),
+            devices: c.devices.iter().copied().collect(),
+            evidence: None,
+            frozen: how.get(&c.pid).cloned(),
+            ended_by: None,
+        };
+        match evidence::write(&node.cfg.evidence_dir, &ev) {
+            Ok(p) => l.evidence = Some(p),
+            Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
+        }
+        if let Err(e) = node.audit(audit_line(
+            events::LINGERING_PROCESS,
+            job_id,
+            phase,
+            &l,
+            ev.uid,
+        )) {
+            errors.push(e.to_string());
+        }
+        out.push((l, ev.uid));
+    }
+
+    // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
+    for (c, fd) in &pinned {
+        signal(fd, libc::SIGTERM);
+        if how.get(&c.pid).map(String::as_str) == Some("SIGSTOP") {
+            signal(fd, libc::SIGCONT);
+        }
+    }
+    for cg in &frozen_cgroups {
+        set_frozen(node, cg, false);
+    }
+    let fds: Vec<&OwnedFd> = pinned.iter().map(|(_, f)| f).collect();
+    wait_all(&fds, Duration::from_millis(node.cfg.term_grace_ms));
+    let mut ended: BTreeMap<i32, &'static str> = BTreeMap::new();
+    for (c, fd) in &pinned {
+        if exited(fd) {
+            ended.insert(c.pid, "SIGTERM");
+        } else {
+            signal(fd, libc::SIGKILL);
+        }
+    }
+    wait_all(&fds, Duration::from_millis(node.cfg.kill_wait_ms));
+    for (c, fd) in &pinned {
+        if !ended.contains_key(&c.pid) && exited(fd) {
+            ended.insert(c.pid, "SIGKILL");
+        }
+    }
+    let mut result = Vec::new();
+    for (mut l, uid) in out {
+        l.ended_by = ended.get(&l.pid).copied();
+        let name = if l.gone() {
+            events::PROCESS_KILLED
+        } else {
+            events::SURVIVOR
+        };
+        if let Err(e) = node.audit(audit_line(name, job_id, phase, &l, uid)) {
+            errors.push(e.to_string());
+        }
+        result.push(l);
+    }
+    (result, errors)
+}
+
+fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u32>) -> AuditEvent {
+    let mut a = AuditEvent::new(name)
+        .job(job_id)
+        .pid(l.pid)
+        .devices(l.devices.iter())
+        .field("phase", phase)
+        .field(
+            "cgroup",
+            l.cgroup
+                .as_deref()
+                .map(|c| format!("/{c}"))
+                .unwrap_or_default(),
+        )
+        .field("comm", l.comm.clone().unwrap_or_default());
+    if let Some(u) = uid {
+        a = a.uid(u);
+    }
+    if let Some(p) = &l.evidence {
+        a = a.field("evidence", p.display().to_string());
+    }
+    if let Some(f) = &l.frozen {
+        a = a.field("frozen", f.clone());
+    }
+    if let Some(s) = l.ended_by {
+        a = a.field("ended_by", s);
+    }
+    a
+}
