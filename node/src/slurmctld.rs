@@ -1262,40 +1262,6 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(5));
     }
 
-    /// Against a live cluster: `GPUFENCE_LIVE_SLURM_CONF`, `GPUFENCE_LIVE_JOB`,
-    /// `GPUFENCE_LIVE_NODE`, `GPUFENCE_LIVE_EXPECT` (comma list, may be empty),
-    /// optional `GPUFENCE_LIVE_SCONTROL` (default /usr/bin/scontrol).
-    #[test]
-    #[ignore]
-    fn live_cluster() {
-        let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"));
-        let scontrol =
-            std::env::var("GPUFENCE_LIVE_SCONTROL").unwrap_or("/usr/bin/scontrol".into());
-        let conf = PathBuf::from(var("GPUFENCE_LIVE_SLURM_CONF"));
-        let job: u32 = var("GPUFENCE_LIVE_JOB").parse().unwrap();
-        let want: Vec<u32> = var("GPUFENCE_LIVE_EXPECT")
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse().unwrap())
-            .collect();
-        let mut times = Vec::new();
-        for _ in 0..10 {
-            let t = Instant::now();
-            let got = job_gpu_indices(
-                Path::new(&scontrol),
-                Some(&conf),
-                job,
-                &var("GPUFENCE_LIVE_NODE"),
-                Duration::from_secs(30),
-            )
-            .unwrap();
-            times.push(t.elapsed().as_micros());
-            assert_eq!(got, want);
-        }
-        times.sort_unstable();
-        eprintln!("job_gpu_indices latency (us, sorted): {times:?}");
-    }
-
     // --- properties -------------------------------------------------------------
 
     /// A gres_detail item formatted as Slurm does.

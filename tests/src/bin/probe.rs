@@ -13,6 +13,8 @@
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
+//! gpufence-probe apply CONFIG JOB UID PID apply job JOB's record for a slurmstepd stand-in PID,
+//!                                        as the SPANK plugin does (for contrib/gpu-check.sh)
 //! ```
 
 use std::ffi::CString;
@@ -225,8 +227,33 @@ fn main() -> ExitCode {
                 say(&h.pid.to_string());
             }
         }
+        ["apply", config, job, uid, pid] => {
+            let (Ok(job), Ok(uid), Ok(pid)) = (job.parse(), uid.parse(), pid.parse()) else {
+                return ExitCode::from(2);
+            };
+            let node = match gpufence_node::Node::load(Some(std::path::Path::new(config))) {
+                Ok(n) => n,
+                Err(e) => {
+                    say(&format!("error: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            };
+            let req = gpufence_node::apply::StepRequest {
+                job_id: job,
+                step_id: 0,
+                uid,
+                stepd_pid: pid,
+            };
+            match gpufence_node::apply::apply(&node, &req) {
+                Ok(o) => say(&format!("{o:?}")),
+                Err(e) => {
+                    say(&format!("error: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         _ => {
-            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH | holders MAJOR:MINOR");
+            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH | holders MAJOR:MINOR | apply CONFIG JOB UID PID");
             return ExitCode::from(2);
         }
     }

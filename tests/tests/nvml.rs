@@ -1,0 +1,493 @@
+//! The epilog's and prolog's NVML path against the fake `libnvidia-ml`
+//! (`tests/fake-nvml`): the real nvml-wrapper code runs, the library answers
+//! from a scenario file next to it. Each test copies the library into its
+//! own temp dir, so each has its own scenario (found by the library with
+//! dladdr). The fence is real (each test's own cgroup subtree).
+//!
+//! Gap, named: the fake answers as NVML documents; what a real driver does
+//! under load is checked by `contrib/gpu-check.sh` on a GPU machine.
+
+use std::path::PathBuf;
+
+use gpufence_cgroup::fence::Fence;
+use gpufence_model::config::{Config, ConfigOrigin};
+use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
+use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
+use gpufence_node::prolog::{self, PrologEnv};
+use gpufence_node::{epilog, fence_ops, Node, NodeError};
+use gpufence_tests::{gone, privileged, workspace_bin, TestEnv};
+use serde_json::{json, Value};
+
+struct World {
+    env: TestEnv,
+    node: Node,
+    scenario: PathBuf,
+}
+
+/// A test env with the fence installed and NVML = a private copy of the fake.
+fn world(tag: &str, extra: &str) -> World {
+    let env = TestEnv::new(tag);
+    let lib_dir = env.path("nvml");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let lib = lib_dir.join("libnvidia-ml.so.1");
+    std::fs::copy(workspace_bin("libnvidia_ml.so"), &lib).unwrap();
+    let scenario = lib_dir.join("nvml-scenario.json");
+    std::fs::write(&scenario, json!({"gpus": []}).to_string()).unwrap();
+    let p = env.config(&format!(
+        "nvml_library = \"{}\"\nterm_grace_ms = 300\nmemory_wait_ms = 1500\nmemory_tolerance_mib = 16\n{extra}\n[majors]\nnvidia = 195\nnvidia-uvm = 241\n",
+        lib.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    fence_ops::install(&node).unwrap();
+    World {
+        env,
+        node,
+        scenario,
+    }
+}
+
+impl World {
+    fn scenario(&self, v: Value) {
+        std::fs::write(&self.scenario, v.to_string()).unwrap();
+    }
+    fn record(&self, job: u32, minors: &[u32]) {
+        let devices = minors
+            .iter()
+            .map(|m| DeviceGrant {
+                path: format!("/dev/nvidia{m}").into(),
+                dev: DevNum::new(195, *m),
+                access: Access::RW,
+                role: DeviceRole::Gres,
+                gres_index: Some(*m),
+            })
+            .collect();
+        self.node
+            .state
+            .write_record(&JobRecord {
+                version: RECORD_VERSION,
+                job_id: job,
+                uid: 0,
+                gres_indices: minors.to_vec(),
+                devices,
+                created: now_rfc3339(),
+                notes: vec![],
+                gpu_idle: vec![],
+            })
+            .unwrap();
+    }
+    fn audit(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.node.cfg.audit_log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+    fn events(&self, job: u32) -> Vec<String> {
+        self.audit()
+            .into_iter()
+            .filter(|e| e["job_id"] == job)
+            .map(|e| e["event"].as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+fn gpu(minor: u32, procs: Value) -> Value {
+    json!({"minor": minor, "uuid": format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
+           "idle_used_mib": 500, "memory_total_mib": 81920, "processes": procs})
+}
+
+/// NVML lists a process on the job's GPU that holds no descriptor of it
+/// (e.g. in another mount namespace): found by NVML alone, frozen, evidence
+/// with its GPU memory, killed; its memory comes back, the node is clean.
+#[test]
+fn nvml_only_holder_is_found_and_killed() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("nvml-only", "");
+    let out_cg = w.env.cgroup("outside");
+    let ghost = w.env.spawn_sleeper(&out_cg);
+    w.scenario(
+        json!({"gpus": [gpu(0, json!([{"pid": ghost, "used_mib": 4000}])), gpu(1, json!([]))]}),
+    );
+    w.record(21, &[0]);
+    let o = epilog::run(&w.node, 21, None);
+    assert!(o.clean(), "{o:?}");
+    assert_eq!(o.lingering.len(), 1);
+    assert_eq!((o.lingering[0].pid, o.lingering[0].gone()), (ghost, true));
+    assert!(gone(ghost));
+    let ev: Value =
+        serde_json::from_slice(&std::fs::read(o.lingering[0].evidence.as_ref().unwrap()).unwrap())
+            .unwrap();
+    assert_eq!(ev["gpu_memory"][0]["minor"], 0);
+    assert_eq!(ev["gpu_memory"][0]["used_bytes"], 4000u64 << 20);
+    assert_eq!(ev["fds"], json!([]));
+    assert_eq!(
+        ev["frozen"], "cgroup-freeze",
+        "alone in its cgroup: frozen as a cgroup"
+    );
+}
+
+/// Memory that never comes back after the kills is a survivor: not clean,
+/// with a drain reason naming the GPU.
+#[test]
+fn memory_that_never_comes_back_is_a_survivor() {
+    if !privileged() {
+        return;
+    }
+    let w = world("stuck", "");
+    let mut g = gpu(0, json!([]));
+    g["stuck_used_mib"] = json!(2048);
+    w.scenario(json!({"gpus": [g]}));
+    w.record(22, &[0]);
+    let o = epilog::run(&w.node, 22, None);
+    assert!(!o.clean());
+    assert_eq!(o.survivors.len(), 1, "{o:?}");
+    assert!(
+        o.survivors[0].contains("/dev/nvidia0 still has 2548 MiB in use"),
+        "{}",
+        o.survivors[0]
+    );
+    let r = o.drain_reason.unwrap();
+    assert!(r.starts_with("gpufence: job 22: GPU /dev/nvidia0"), "{r}");
+}
+
+/// The drain goes through scontrol with the node and the reason; a failing
+/// scontrol is reported and does not make the epilog look clean.
+#[test]
+fn drain_calls_scontrol_and_its_failure_is_not_hidden() {
+    if !privileged() {
+        return;
+    }
+    let w = world("drain", "");
+    let mut g = gpu(0, json!([]));
+    g["stuck_used_mib"] = json!(4096);
+    w.scenario(json!({"gpus": [g]}));
+    let log = w.env.path("scontrol.args");
+    let cfg_extra = |rc: &str| {
+        let f = w.env.path(&format!("scontrol-{rc}"));
+        std::fs::write(
+            &f,
+            format!(
+                "#!/bin/sh\nprintf '%s\\n' \"$@\" > {}\nexit {rc}\n",
+                log.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let p = w.env.config(&format!(
+            "nvml_library = \"{}\"\nscontrol_bin = \"{}\"\nmemory_wait_ms = 200\n[majors]\nnvidia = 195\n",
+            w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+            f.display()
+        ));
+        Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+    };
+    let node = cfg_extra("0");
+    w.record(34, &[0]);
+    let o = epilog::run(&node, 34, Some("gpu17"));
+    assert!(!o.clean());
+    let args = std::fs::read_to_string(&log).unwrap();
+    let args: Vec<&str> = args.lines().collect();
+    assert_eq!(&args[..3], &["update", "nodename=gpu17", "state=drain"]);
+    assert!(
+        args[3].starts_with("reason=gpufence: job 34: GPU /dev/nvidia0 still has"),
+        "{args:?}"
+    );
+    assert!(
+        o.notes.iter().any(|n| n.starts_with("node gpu17 drained")),
+        "{:?}",
+        o.notes
+    );
+    let node = cfg_extra("1");
+    w.record(35, &[0]);
+    let o = epilog::run(&node, 35, Some("gpu17"));
+    assert!(!o.clean());
+    assert!(
+        o.errors
+            .iter()
+            .any(|e| e.starts_with("could not drain gpu17")),
+        "{:?}",
+        o.errors
+    );
+}
+
+/// The baseline the prolog measured is the idle level: a GPU that idles at
+/// 3 GiB (another tenant's MIG slice, a persistence daemon) is clean at 3 GiB.
+#[test]
+fn the_prolog_baseline_is_the_idle_level() {
+    if !privileged() {
+        return;
+    }
+    let w = world("baseline", "idle_memory_mib = 0");
+    let mut g = gpu(3, json!([]));
+    g["stuck_used_mib"] = json!(2548);
+    w.scenario(json!({"gpus": [g]}));
+    let slurmd_g = w.env.path("slurmd-G.txt");
+    let n3 = w.env.mknod("nvidia3", 195, 3);
+    std::fs::write(
+        &slurmd_g,
+        format!("Gres Name=gpu Count=1 File={}\n", n3.display()),
+    )
+    .unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nmemory_wait_ms = 500\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        slurmd_g.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let env = PrologEnv {
+        job_id: 23,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+    };
+    let rec = prolog::run(&node, &env).unwrap();
+    assert_eq!(rec.gpu_idle.len(), 1);
+    assert_eq!(rec.gpu_idle[0].used_bytes, 3048u64 << 20);
+    assert!(epilog::run(&node, 23, None).clean());
+}
+
+/// A process on a GPU the job did not hold is none of the epilog's business;
+/// the prolog of the next job that gets that GPU kills it (policy kill).
+#[test]
+fn a_process_on_another_gpu_is_left_to_the_next_prolog() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("other-gpu", "");
+    let out_cg = w.env.cgroup("outside");
+    let squatter = w.env.spawn_sleeper(&out_cg);
+    w.scenario(
+        json!({"gpus": [gpu(0, json!([])), gpu(1, json!([{"pid": squatter, "used_mib": 100}]))]}),
+    );
+    w.record(24, &[0]);
+    let o = epilog::run(&w.node, 24, None);
+    assert!(o.clean() && o.lingering.is_empty(), "{o:?}");
+    assert!(!gone(squatter));
+
+    let n1 = w.env.mknod("nvidia1", 195, 1);
+    let g = w.env.path("slurmd-G.txt");
+    std::fs::write(&g, format!("Gres Name=gpu Count=1 File={}\n", n1.display())).unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nterm_grace_ms = 300\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        g.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let env = PrologEnv {
+        job_id: 25,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+    };
+    let rec = prolog::run(&node, &env).unwrap();
+    assert!(gone(squatter), "the prolog killed the squatter");
+    assert!(
+        rec.notes.iter().any(|n| n.contains("clean start: killed")),
+        "{:?}",
+        rec.notes
+    );
+    let ev: Vec<String> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["job_id"] == 25 && e["phase"] == "prolog")
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ev, vec!["lingering_process", "process_killed"]);
+}
+
+/// Policy refuse: evidence, no kill, the prolog fails (Slurm drains, requeues).
+#[test]
+fn refuse_policy_keeps_evidence_and_refuses() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("refuse", "");
+    let out_cg = w.env.cgroup("outside");
+    let squatter = w.env.spawn_sleeper(&out_cg);
+    w.scenario(json!({"gpus": [gpu(1, json!([{"pid": squatter, "used_mib": 100}]))]}));
+    let n1 = w.env.mknod("nvidia1", 195, 1);
+    let g = w.env.path("slurmd-G.txt");
+    std::fs::write(&g, format!("Gres Name=gpu Count=1 File={}\n", n1.display())).unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nprolog_strays = \"refuse\"\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        g.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let env = PrologEnv {
+        job_id: 26,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+    };
+    let e = prolog::run(&node, &env).unwrap_err();
+    assert!(
+        matches!(&e, NodeError::Strays { pids, .. } if *pids == vec![squatter]),
+        "{e}"
+    );
+    assert!(!gone(squatter), "refuse does not kill");
+    assert!(
+        node.state.read_record(26).unwrap().is_none(),
+        "no record, no grant"
+    );
+    assert_eq!(
+        std::fs::read_dir(&node.cfg.evidence_dir).unwrap().count(),
+        1
+    );
+}
+
+/// Exempt daemons (nvidia-persistenced, DCGM) are never flagged.
+#[test]
+fn exempt_daemons_are_never_flagged() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("exempt", "");
+    let daemon_cg = w.env.cgroup("system.slice/nvidia-persistenced.service");
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nexempt_cgroups = [\"{daemon_cg}\"]\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    fence_ops::install(&node).unwrap();
+    let daemon = w.env.spawn_sleeper(&daemon_cg);
+    w.scenario(json!({"gpus": [gpu(0, json!([{"pid": daemon, "used_mib": 10}]))]}));
+    w.record(27, &[0]);
+    let o = epilog::run(&node, 27, None);
+    assert!(o.clean() && o.lingering.is_empty(), "{o:?}");
+    assert!(!gone(daemon));
+}
+
+/// No library or no driver: the descriptor scan alone, said once in the
+/// audit log, and the job is never failed for it.
+#[test]
+fn missing_driver_falls_back_and_says_so_once() {
+    if !privileged() {
+        return;
+    }
+    let w = world("nodriver", "");
+    w.scenario(json!({"init_error": 9}));
+    for job in [28, 29] {
+        w.record(job, &[0]);
+        assert!(epilog::run(&w.node, job, None).clean());
+    }
+    let notes: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "nvml_unavailable")
+        .collect();
+    assert_eq!(notes.len(), 1, "said once: {notes:?}");
+    assert!(
+        notes[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("libnvidia-ml.so.1"),
+        "{}",
+        notes[0]
+    );
+    // A library that does not exist at all: same.
+    let p = w
+        .env
+        .config("nvml_library = \"/nonexistent/libnvidia-ml.so.1\"\n[majors]\nnvidia = 195\n");
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    w.record(30, &[0]);
+    assert!(epilog::run(&node, 30, None).clean());
+}
+
+/// An NVML error in the middle of a query is a finding, never "clean".
+#[test]
+fn nvml_errors_mid_query_are_findings() {
+    if !privileged() {
+        return;
+    }
+    let w = world("nvml-err", "");
+    let mut g = gpu(0, json!([]));
+    g["fail"] = json!({"processes": 15});
+    w.scenario(json!({"gpus": [g]}));
+    w.record(31, &[0]);
+    let o = epilog::run(&w.node, 31, None);
+    assert!(!o.clean());
+    assert!(
+        o.errors.iter().any(|e| e.contains("NVML query failed")),
+        "{:?}",
+        o.errors
+    );
+    assert!(o.drain_reason.unwrap().contains("NVML"));
+    // The prolog refuses on the same answer.
+    let n0 = w.env.mknod("nvidia0", 195, 0);
+    let gf = w.env.path("slurmd-G.txt");
+    std::fs::write(
+        &gf,
+        format!("Gres Name=gpu Count=1 File={}\n", n0.display()),
+    )
+    .unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        gf.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let env = PrologEnv {
+        job_id: 32,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+    };
+    assert!(matches!(prolog::run(&node, &env), Err(NodeError::Nvml(_))));
+}
+
+/// grant_revoked carries GPU-seconds, and with accounting mode on, each
+/// GPU's max memory and average utilisation of the job's processes.
+#[test]
+fn revoke_carries_gpu_seconds_and_accounting() {
+    if !privileged() {
+        return;
+    }
+    let w = world("acct", "");
+    w.record(33, &[0, 1]);
+    let now_us = chrono::Utc::now().timestamp_micros() as u64;
+    let mut g0 = gpu(0, json!([]));
+    g0["accounting"] = json!({"enabled": true, "pids": [
+        {"pid": 4242, "max_memory_mib": 900, "gpu_util": 60, "mem_util": 20, "start_time_us": now_us, "time_ms": 10, "is_running": false},
+        {"pid": 4243, "max_memory_mib": 1200, "gpu_util": 40, "mem_util": 10, "start_time_us": now_us, "time_ms": 10, "is_running": false},
+        {"pid": 17, "max_memory_mib": 99999, "gpu_util": 99, "start_time_us": 1000, "time_ms": 10, "is_running": false}
+    ]});
+    w.scenario(json!({"gpus": [g0, gpu(1, json!([]))]}));
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let o = epilog::run(&w.node, 33, None);
+    assert!(o.clean(), "{o:?}");
+    let rev = w
+        .audit()
+        .into_iter()
+        .find(|e| e["event"] == "grant_revoked" && e["job_id"] == 33)
+        .unwrap();
+    let wall = rev["wall_seconds"].as_f64().unwrap();
+    assert!(
+        wall > 0.0 && (rev["gpu_seconds"].as_f64().unwrap() - 2.0 * wall).abs() < 0.01,
+        "{rev}"
+    );
+    let acc = &rev["accounting"];
+    assert_eq!(
+        acc.as_array().unwrap().len(),
+        1,
+        "GPU 1 has accounting off: {rev}"
+    );
+    assert_eq!(acc[0]["minor"], 0);
+    assert_eq!(
+        acc[0]["processes"], 2,
+        "the pid that started before the job is not the job's"
+    );
+    assert_eq!(acc[0]["max_memory_bytes"], 1200u64 << 20);
+    assert_eq!(acc[0]["avg_gpu_utilization"], 50.0);
+    assert!(Fence::open(&w.env.bpffs)
+        .unwrap()
+        .entries()
+        .unwrap()
+        .is_empty());
+    assert_eq!(w.events(33), vec!["grant_revoked"]);
+}
