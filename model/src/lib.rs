@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod fsutil;
 pub mod gres;
+pub mod mig;
 pub mod nvproc;
 pub mod policy;
 pub mod procdevices;
