@@ -623,6 +623,69 @@ impl Fence {
         self.max_entries
     }
 
+    /// Protects each of `majors` that is not protected yet (never
+    /// unprotects). Returns the ones added. A few lookups: cheap enough for
+    /// every prolog, which heals a driver loaded after the install.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn add_majors(&self, majors: &[u32]) -> Result<Vec<u32>> {
+        let mut added = Vec::new();
+        let mut v = [0u8; 4];
+        for m in majors {
+            let on = sys::map_lookup(self.majors.as_fd(), &m.to_ne_bytes(), &mut v)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", format!("majors[{m}]")))?
+                && u32::from_ne_bytes(v) != 0;
+            if !on {
+                sys::map_update(
+                    self.majors.as_fd(),
+                    &m.to_ne_bytes(),
+                    &MAJOR_PROTECTED.to_ne_bytes(),
+                )
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+                added.push(*m);
+            }
+        }
+        Ok(added)
+    }
+
+    /// Whether the pinned link in `bpffs_dir` is attached at `cgroup_root`:
+    /// one pin lookup and one info call, for the prolog and the plugin (the
+    /// full [`Fence::status`] walks every map).
+    ///
+    /// # Errors
+    /// A one-line reason when it is not.
+    pub fn check_attached(
+        cg: &Cgroup2,
+        cgroup_root: &str,
+        bpffs_dir: &Path,
+    ) -> std::result::Result<(), String> {
+        let link_pin = bpffs_dir.join(PIN_LINK);
+        let link = sys::obj_get(&link_pin).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOENT) {
+                format!("no pinned link at {}", link_pin.display())
+            } else {
+                format!("pinned link {}: {e}", link_pin.display())
+            }
+        })?;
+        let info =
+            sys::link_info(link.as_fd()).map_err(|e| format!("{}: {e}", link_pin.display()))?;
+        if info.prog_id == 0 {
+            return Err(format!(
+                "{} is detached from its cgroup",
+                link_pin.display()
+            ));
+        }
+        let root = cg.id(cgroup_root).map_err(|e| e.to_string())?;
+        if info.cgroup_id != root {
+            return Err(format!(
+                "the link is attached to cgroup id {}, not to cgroup_root /{cgroup_root} (id {root})",
+                info.cgroup_id
+            ));
+        }
+        Ok(())
+    }
+
     fn set_majors(&self, protected: &ProtectedMajors) -> Result<()> {
         let want: BTreeSet<u32> = protected.majors().collect();
         let current: BTreeSet<u32> = self.protected_majors()?.into_iter().collect();

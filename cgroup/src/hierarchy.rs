@@ -163,23 +163,38 @@ impl Cgroup2 {
     }
 
     /// Kills every process in `rel` and below: `cgroup.kill` (Linux 5.14+),
-    /// else SIGKILL to each listed pid.
+    /// then SIGKILL to every thread listed in `cgroup.threads` as well: a
+    /// process whose main thread exited (a zombie leader with live threads)
+    /// was seen to survive `cgroup.kill` alone on 6.18.
     ///
     /// # Errors
-    /// [`Error::Cgroup`] when neither works.
+    /// Never: what cannot be killed shows when the cgroup cannot be removed.
     pub fn kill(&self, rel: &str) -> Result<()> {
-        let p = self.path(rel).join("cgroup.kill");
-        match fs::write(&p, b"1") {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound && !self.path(rel).exists() => Ok(()),
-            Err(_) => {
-                for pid in self.procs_recursive(rel) {
-                    // SAFETY: kill(2) with a pid read from cgroup.procs.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
+        let dir = self.path(rel);
+        if !dir.exists() {
+            return Ok(());
+        }
+        let _ = fs::write(dir.join("cgroup.kill"), b"1");
+        let mut stack = vec![dir];
+        while let Some(d) = stack.pop() {
+            for file in ["cgroup.procs", "cgroup.threads"] {
+                if let Ok(text) = fs::read_to_string(d.join(file)) {
+                    for id in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                        // SAFETY: kill(2); a thread id signals its whole
+                        // thread group.
+                        unsafe { libc::kill(id, libc::SIGKILL) };
+                    }
                 }
-                Ok(())
+            }
+            if let Ok(rd) = fs::read_dir(&d) {
+                stack.extend(
+                    rd.flatten()
+                        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                        .map(|e| e.path()),
+                );
             }
         }
+        Ok(())
     }
 
     /// Removes cgroup `rel` and every cgroup below it, deepest first.

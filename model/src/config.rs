@@ -101,6 +101,17 @@ pub struct Config {
     pub drain: bool,
     /// The scontrol binary used to drain.
     pub scontrol_bin: PathBuf,
+    /// Processes of uids up to this one (system accounts: root, dbus,
+    /// daemons) are never frozen or killed by the prolog or epilog: a user
+    /// could otherwise hand a job's descriptor to such a daemon to have it
+    /// killed. Evidence is kept and the node drained instead.
+    pub protected_uid_max: u32,
+    /// How much of a lingering process's executable is hashed for the
+    /// evidence file, in MiB (a huge or sparse file must not stall the epilog).
+    pub evidence_hash_max_mib: u64,
+    /// How many times the epilog looks again for holders after killing
+    /// (a holder may hand its descriptor on while it handles SIGTERM).
+    pub response_rounds: u32,
 }
 
 /// What the prolog does with a process found on the job's GPUs.
@@ -143,6 +154,9 @@ impl Default for Config {
             prolog_strays: StrayPolicy::Kill,
             drain: true,
             scontrol_bin: "/usr/bin/scontrol".into(),
+            protected_uid_max: 999,
+            evidence_hash_max_mib: 256,
+            response_rounds: 3,
         }
     }
 }

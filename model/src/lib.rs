@@ -19,5 +19,6 @@ pub mod nvproc;
 pub mod policy;
 pub mod procdevices;
 pub mod record;
+pub mod visible;
 
 pub use error::ParseError;

@@ -184,21 +184,49 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
             Vec::new()
         }
     };
-    let cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major);
-    let (lingering, errs) = respond::respond(
-        node,
-        job_id,
-        "epilog",
-        "holds a device of an ended job outside any grant",
-        cands,
-    );
-    out.lingering = lingering;
-    out.errors.extend(errs);
-
-    // 3. Look again: a process that survived, or appeared, is a survivor.
+    // 3. Respond, then look again: a holder may have handed its descriptor
+    //    on while it handled SIGTERM. New holders get the same response, up
+    //    to `response_rounds`; what is still there after that survives.
+    let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major);
+    let mut handled: BTreeSet<i32> = BTreeSet::new();
+    for round in 0..node.cfg.response_rounds.max(1) {
+        let fresh: Vec<_> = cands
+            .into_iter()
+            .filter(|c| !handled.contains(&c.pid))
+            .collect();
+        if fresh.is_empty() {
+            break;
+        }
+        if round > 0 {
+            out.notes.push(format!(
+                "round {}: new holders {:?}",
+                round + 1,
+                fresh.iter().map(|c| c.pid).collect::<Vec<_>>()
+            ));
+        }
+        handled.extend(fresh.iter().map(|c| c.pid));
+        let (lingering, errs) = respond::respond(
+            node,
+            job_id,
+            "epilog",
+            "holds a device of an ended job outside any grant",
+            fresh,
+        );
+        out.lingering.extend(lingering);
+        out.errors.extend(errs);
+        let again = gpus.query(&minors).unwrap_or_default();
+        cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major);
+    }
     if !out.lingering.is_empty() {
         let again = gpus.query(&minors).unwrap_or_default();
         for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major) {
+            if out
+                .lingering
+                .iter()
+                .any(|l| l.pid == c.pid && l.spared.is_some())
+            {
+                continue; // already a survivor, on purpose
+            }
             out.survivors.push(format!(
                 "pid {} still holds {}",
                 c.pid,
@@ -310,9 +338,14 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
             .find(|l| !l.gone())
             .map(|l| {
                 format!(
-                    "pid {} ({}) survived SIGKILL holding {}",
+                    "pid {} ({}) {} holding {}",
                     l.pid,
                     l.comm.clone().unwrap_or_default(),
+                    if l.spared.is_some() {
+                        "spared (system account)"
+                    } else {
+                        "survived SIGKILL"
+                    },
                     l.devices
                         .iter()
                         .map(|d| d.to_string())

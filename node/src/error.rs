@@ -76,6 +76,14 @@ pub enum NodeError {
         /// Status and stderr.
         msg: String,
     },
+    /// slurm.conf or gres.conf changed since slurmd read them.
+    #[error("slurm.conf or gres.conf changed since slurmd started ({cached} -> {now}); the running slurmd numbers GPUs by the old files, so GRES indices cannot be mapped safely: restart slurmd")]
+    GresChanged {
+        /// The cache key of slurmd's start.
+        cached: String,
+        /// The key now.
+        now: String,
+    },
     /// The fence is not installed: no GPU access can be controlled.
     #[error("the GPU fence is not installed on this node ({detail}), so GPU access cannot be controlled; admin: run `gpufence fence install`")]
     FenceMissing {

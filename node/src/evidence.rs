@@ -37,8 +37,13 @@ pub struct Evidence {
     /// `readlink /proc/<pid>/exe`.
     pub exe: Option<String>,
     /// SHA-256 of the executable's content, read through `/proc/<pid>/exe`
-    /// (works when the file was deleted).
+    /// (works when the file was deleted); of its first `exe_hashed_bytes`
+    /// when it is larger than `evidence_hash_max_mib`.
     pub exe_sha256: Option<String>,
+    /// How many bytes of the executable were hashed.
+    pub exe_hashed_bytes: Option<u64>,
+    /// The executable's size in bytes.
+    pub exe_size: Option<u64>,
     /// cgroup2 path.
     pub cgroup: Option<String>,
     /// Start time (RFC 3339), from `/proc/<pid>/stat` and the boot time.
@@ -174,18 +179,25 @@ pub fn sockets_of(pid: i32) -> Vec<SocketInfo> {
     out
 }
 
-fn sha256_file(p: &Path) -> Option<String> {
-    let mut f = std::fs::File::open(p).ok()?;
+/// SHA-256 of the first `max` bytes of `p`, and how many were hashed.
+fn sha256_file(p: &Path, max: u64) -> Option<(String, u64)> {
+    let f = std::fs::File::open(p).ok()?;
+    let mut f = f.take(max);
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
+    let mut total = 0u64;
     loop {
         let n = f.read(&mut buf).ok()?;
         if n == 0 {
             break;
         }
+        total += n as u64;
         h.update(&buf[..n]);
     }
-    Some(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Some((
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect(),
+        total,
+    ))
 }
 
 fn start_time(stat: &procfs::process::Stat) -> Option<String> {
@@ -210,7 +222,10 @@ pub fn collect(
     cgroup: Option<String>,
     gpu_memory: Vec<GpuMemory>,
     frozen: Option<String>,
+    hash_max_bytes: u64,
 ) -> Evidence {
+    let exe_path = PathBuf::from(format!("/proc/{pid}/exe"));
+    let hashed = sha256_file(&exe_path, hash_max_bytes);
     let proc = procfs::process::Process::new(pid).ok();
     let stat = proc.as_ref().and_then(|p| p.stat().ok());
     let status = proc.as_ref().and_then(|p| p.status().ok());
@@ -230,7 +245,9 @@ pub fn collect(
             .as_ref()
             .and_then(|p| p.exe().ok())
             .map(|e| e.display().to_string()),
-        exe_sha256: sha256_file(&PathBuf::from(format!("/proc/{pid}/exe"))),
+        exe_sha256: hashed.as_ref().map(|(h, _)| h.clone()),
+        exe_hashed_bytes: hashed.as_ref().map(|(_, n)| *n),
+        exe_size: std::fs::metadata(&exe_path).ok().map(|m| m.len()),
         container: cgroup.as_deref().and_then(container_of),
         cgroup,
         start_time: stat.as_ref().and_then(start_time),

@@ -47,28 +47,49 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
     Ok(report)
 }
 
-/// Status of this node's fence.
+/// Status of this node's fence. Besides what the kernel objects say, an
+/// NVIDIA major registered since the install (a driver loaded later) and not
+/// protected is a problem: the fence is then not installed as configured.
 pub fn status(node: &Node) -> FenceStatus {
-    Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
+    let mut st = Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+    if st.prog_id.is_some() {
+        if let Ok(want) = node.protected_majors() {
+            for m in want.majors().filter(|m| !st.protected_majors.contains(m)) {
+                st.problems.push(format!(
+                    "major {m} ({}) is registered but not protected: run `gpufence fence install`",
+                    want.names(m).collect::<Vec<_>>().join(", ")
+                ));
+                st.installed = false;
+            }
+        }
+    }
+    st
 }
 
-/// Opens the fence's maps, refusing when the fence is not installed at
-/// `cgroup_root` (a grant into maps nobody reads would be a lie).
+/// Opens the fence's maps, refusing when the fence is not attached at
+/// `cgroup_root` (a grant into maps nobody reads would be a lie). Cheap: it
+/// does not walk the maps. It also protects NVIDIA majors registered since
+/// the install (a driver loaded later) and audits that.
 ///
 /// # Errors
 /// [`NodeError::FenceMissing`].
 pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
-    let st = status(node);
-    if !st.installed {
-        // The first problem is the cause; the rest follow from it.
-        let detail = st
-            .problems
-            .first()
-            .cloned()
-            .unwrap_or_else(|| "no program attached".into());
-        return Err(NodeError::FenceMissing { detail });
+    Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
+        .map_err(|detail| NodeError::FenceMissing { detail })?;
+    let fence = Fence::open(&node.cfg.bpffs_dir)?;
+    let want: Vec<u32> = node.protected_majors()?.majors().collect();
+    let added = fence.add_majors(&want)?;
+    if !added.is_empty() {
+        node.audit(
+            AuditEvent::new("majors_added")
+                .field("majors", added)
+                .field(
+                    "why",
+                    "registered after the fence was installed (driver loaded later)",
+                ),
+        )?;
     }
-    Ok(Fence::open(&node.cfg.bpffs_dir)?)
+    Ok(fence)
 }
 
 /// Removes the fence and writes `fence_removed`. Returns whether anything

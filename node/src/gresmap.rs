@@ -1,10 +1,13 @@
 //! GRES index → device files, from slurmd's own list (`slurmd -G`).
 //!
 //! Sources, first that applies: the config's `slurmd_gres` file; the cache
-//! under `state_dir` when its key matches; else `slurmd -G` is run with the
-//! `SLURM_CONF` in force and its output cached. The cache key names the
-//! slurm.conf path and the size and mtime of slurm.conf and gres.conf next
-//! to it, so an edited config is re-read, never served stale.
+//! under `state_dir` (written by the plugin when slurmd starts) when its key
+//! matches; else `slurmd -G` is run with the `SLURM_CONF` in force and its
+//! output cached. The cache key names the slurm.conf path and the size and
+//! mtime of slurm.conf and gres.conf next to it. When those files changed
+//! since the cache was written, the running slurmd still numbers GPUs the
+//! old way, so the Prolog refuses ([`NodeError::GresChanged`]) until slurmd
+//! is restarted, rather than map indices with a newer list.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -69,15 +72,25 @@ pub fn load(node: &Node, slurm_conf: Option<&Path>) -> Result<GresMap, NodeError
     let key = cache_key(&conf);
     let cache = node.state.gres_cache_path();
     if let Ok(text) = std::fs::read_to_string(&cache) {
-        if text
+        let cached_key = text
             .lines()
             .next()
             .and_then(|l| l.strip_prefix(CACHE_HEADER))
-            == Some(key.as_str())
-        {
+            .unwrap_or("");
+        if cached_key == key {
             return Ok(GresMap {
                 devices: parse_slurmd_g(&text, &cache)?,
                 source: cache.display().to_string(),
+            });
+        }
+        // The cache is written when slurmd starts, and slurmd keeps the GRES
+        // order it read then. If the same config files changed since, a
+        // fresh `slurmd -G` would number GPUs differently from the running
+        // slurmd: jobs would get each other's GPUs. Refuse instead.
+        if cached_key.starts_with(&format!("{} ", conf.display())) {
+            return Err(NodeError::GresChanged {
+                cached: cached_key.to_string(),
+                now: key,
             });
         }
     }
@@ -212,7 +225,7 @@ mod tests {
     }
 
     #[test]
-    fn runs_slurmd_once_then_uses_the_cache_until_the_config_changes() {
+    fn runs_slurmd_once_then_uses_the_cache_and_refuses_a_changed_config() {
         let d = tempfile::tempdir().unwrap();
         let s = fake_slurmd(
             d.path(),
@@ -233,12 +246,25 @@ mod tests {
         );
         assert!(m.source.ends_with("slurmd-G.txt"));
         std::fs::write(d.path().join("gres.conf"), "Name=gpu File=/dev/nvidia1\n").unwrap();
-        load(&n, Some(&conf)).unwrap();
-        assert_eq!(runs(d.path()), 2, "gres.conf changed: slurmd -G again");
+        let e = load(&n, Some(&conf)).unwrap_err();
+        assert!(matches!(e, NodeError::GresChanged { .. }), "{e}");
+        assert!(e.to_string().contains("restart slurmd"), "{e}");
+        assert_eq!(
+            runs(d.path()),
+            1,
+            "gres.conf changed since slurmd started: refused, not recomputed"
+        );
         let other = d.path().join("other.conf");
         std::fs::write(&other, "").unwrap();
         load(&n, Some(&other)).unwrap();
-        assert_eq!(runs(d.path()), 3, "another SLURM_CONF: slurmd -G again");
+        assert_eq!(runs(d.path()), 2, "another SLURM_CONF: slurmd -G for it");
+        refresh(&n, &conf).unwrap();
+        load(&n, Some(&conf)).unwrap();
+        assert_eq!(
+            runs(d.path()),
+            3,
+            "a slurmd restart (refresh) pins the new order"
+        );
     }
 
     #[test]

@@ -258,6 +258,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
                         c.cgroup.clone(),
                         c.gpu_memory.clone(),
                         None,
+                        node.cfg.evidence_hash_max_mib << 20,
                     );
                     let path = evidence::write(&node.cfg.evidence_dir, &ev)?;
                     node.audit(
@@ -310,6 +311,59 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
     Ok(())
 }
 
+/// Removes what an earlier job with the same id left behind (its epilog was
+/// killed, or job ids wrapped or were reset with `slurmctld -i`): grants
+/// still keyed by this job id, bookkeeping notes, and in the `own` layout
+/// its cgroup with whatever still runs in it. Otherwise the new job would
+/// start in a cgroup holding an old grant and old processes. Returns notes.
+///
+/// # Errors
+/// [`NodeError`] when the fence refuses the revoke or the cgroup cannot be
+/// emptied.
+pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String>, NodeError> {
+    let mut notes = Vec::new();
+    let gone = fence.revoke_job(job_id)?;
+    if !gone.is_empty() {
+        notes.push(format!(
+            "revoked {} stale grant entries of an earlier job {job_id}",
+            gone.len()
+        ));
+    }
+    node.state.remove_applied(job_id)?;
+    if node.cfg.layout == gpufence_model::config::Layout::Own {
+        let cg = node.own_job_cgroup(job_id);
+        if node.cg.path(&cg).exists() {
+            let procs = node.cg.procs_recursive(&cg);
+            if !procs.is_empty() {
+                let _ = node.cg.kill(&cg);
+            }
+            let deadline =
+                std::time::Instant::now() + std::time::Duration::from_millis(node.cfg.kill_wait_ms);
+            loop {
+                match node.cg.remove_tree(&cg) {
+                    Ok(()) => break,
+                    Err(_) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_millis(10))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            notes.push(format!(
+                "removed the stale cgroup /{cg} (processes killed: {procs:?})"
+            ));
+        }
+    }
+    if !notes.is_empty() {
+        node.audit(
+            AuditEvent::new("stale_job_state")
+                .job(job_id)
+                .field("phase", "prolog")
+                .field("cleared", notes.clone()),
+        )?;
+    }
+    Ok(notes)
+}
+
 /// Runs the Prolog: checks the fence, builds the record, makes sure the
 /// job's GPUs are free, writes the record, audits.
 ///
@@ -318,7 +372,9 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
 pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
     // A job must not start on a node whose GPUs nobody guards.
     let fence = open_installed(node)?;
+    let stale = clear_stale(node, &fence, env.job_id)?;
     let mut rec = build_record(node, env)?;
+    rec.notes.extend(stale);
     clean_start(node, &fence, &mut rec)?;
     let rec = rec;
     node.state.write_record(&rec)?;

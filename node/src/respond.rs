@@ -60,6 +60,8 @@ pub struct Lingering {
     /// The signal that ended it, when it is gone (`SIGTERM`, `SIGKILL`, or
     /// `exited` when it was gone before we signalled).
     pub ended_by: Option<&'static str>,
+    /// Why it was left alive on purpose (a system account), if so.
+    pub spared: Option<String>,
 }
 
 impl Lingering {
@@ -192,6 +194,14 @@ fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
     true
 }
 
+fn uid_of(pid: i32) -> Option<u32> {
+    procfs::process::Process::new(pid)
+        .ok()?
+        .status()
+        .ok()
+        .map(|s| s.ruid)
+}
+
 /// Responds to `cands` as the module says. `phase` (`prolog`/`epilog`) goes
 /// into evidence and audit lines. Audit failures are returned as errors
 /// beside the outcome.
@@ -203,11 +213,58 @@ pub fn respond(
     cands: Vec<Candidate>,
 ) -> (Vec<Lingering>, Vec<String>) {
     let mut errors = Vec::new();
-    // 1. Pin identities.
-    let pinned: Vec<(Candidate, OwnedFd)> = cands
-        .into_iter()
-        .filter_map(|c| pidfd_open(c.pid).map(|fd| (c, fd)))
-        .collect();
+    let hash_max = node.cfg.evidence_hash_max_mib << 20;
+    // 1. Pin identities. System accounts are kept alive: a user could hand a
+    //    job's descriptor to a root daemon (dbus keeps passed descriptors)
+    //    to have it killed. They get evidence and make the node unclean.
+    let mut spared_out = Vec::new();
+    let mut pinned: Vec<(Candidate, OwnedFd)> = Vec::new();
+    for c in cands {
+        let uid = uid_of(c.pid);
+        if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
+            let why = format!(
+                "system account (uid {} <= protected_uid_max {}): not killed",
+                uid.unwrap_or(0),
+                node.cfg.protected_uid_max
+            );
+            let ev = evidence::collect(
+                c.pid,
+                job_id,
+                reason,
+                c.fds.clone(),
+                c.cgroup.clone(),
+                c.gpu_memory.clone(),
+                None,
+                hash_max,
+            );
+            let mut l = Lingering {
+                pid: c.pid,
+                comm: ev.comm.clone(),
+                cgroup: c.cgroup.clone(),
+                devices: c.devices.iter().copied().collect(),
+                evidence: None,
+                frozen: None,
+                ended_by: None,
+                spared: Some(why.clone()),
+            };
+            match evidence::write(&node.cfg.evidence_dir, &ev) {
+                Ok(p) => l.evidence = Some(p),
+                Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
+            }
+            for name in [events::LINGERING_PROCESS, events::SURVIVOR] {
+                if let Err(e) = node.audit(
+                    audit_line(name, job_id, phase, &l, ev.uid).field("not_killed", why.clone()),
+                ) {
+                    errors.push(e.to_string());
+                }
+            }
+            spared_out.push(l);
+            continue;
+        }
+        if let Some(fd) = pidfd_open(c.pid) {
+            pinned.push((c, fd));
+        }
+    }
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
 
     // 2. Freeze: whole cgroups when they hold only candidates, else SIGSTOP.
@@ -246,6 +303,7 @@ pub fn respond(
             c.cgroup.clone(),
             c.gpu_memory.clone(),
             how.get(&c.pid).cloned(),
+            hash_max,
         );
         let mut l = Lingering {
             pid: c.pid,
@@ -255,6 +313,7 @@ pub fn respond(
             evidence: None,
             frozen: how.get(&c.pid).cloned(),
             ended_by: None,
+            spared: None,
         };
         match evidence::write(&node.cfg.evidence_dir, &ev) {
             Ok(p) => l.evidence = Some(p),
@@ -298,7 +357,7 @@ pub fn respond(
             ended.insert(c.pid, "SIGKILL");
         }
     }
-    let mut result = Vec::new();
+    let mut result = spared_out;
     for (mut l, uid) in out {
         l.ended_by = ended.get(&l.pid).copied();
         let name = if l.gone() {

@@ -1,25 +1,60 @@
-//! Who holds a device open: a walk of `/proc/<pid>/fd`, comparing the
-//! `st_rdev` of what each descriptor points at with the devices sought.
-//! Paths are never compared: the same device can have many nodes (a copy
-//! made with `mknod` elsewhere, a container's `/dev`), and a descriptor
-//! passed over a unix socket keeps working wherever it lands.
+//! Who holds a device: a walk of every process, comparing the `st_rdev` of
+//! what it holds with the devices sought. Paths are never compared: the same
+//! device can have many nodes (a copy made with `mknod` elsewhere, a
+//! container's `/dev`), and a descriptor passed over a unix socket keeps
+//! working wherever it lands.
+//!
+//! A process can hold a device in more places than `/proc/<pid>/fd`:
+//!
+//! - the descriptor tables of its threads (`/proc/<pid>/task/<tid>/fd`): a
+//!   thread that called `unshare(CLONE_FILES)` has its own table, and a
+//!   process whose main thread exited (`pthread_exit`) shows an empty
+//!   `/proc/<pid>/fd` while its other threads keep theirs;
+//! - memory mappings (`/proc/<pid>/maps`, followed through
+//!   `/proc/<pid>/map_files`): a mapping of `/dev/nvidia*` outlives `close()`;
+//! - io_uring registered files (`/proc/<pid>/fdinfo/<ring fd>`, `UserFiles:`):
+//!   a file registered with `IORING_REGISTER_FILES` and closed can be put
+//!   back into the table later.
+//!
+//! What no walk can see: a descriptor in flight in a unix socket's queue
+//! (sent, not yet received). It is found once a process receives it (the
+//! next prolog's clean start, the sweep); see SECURITY.md.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
-/// One descriptor that points at a sought device.
+/// Where a device is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// The process's descriptor table.
+    Fd,
+    /// The descriptor table of one of its threads.
+    ThreadFd,
+    /// A memory mapping.
+    Mmap,
+    /// An io_uring registered file.
+    IoUring,
+}
+
+/// One hold of a sought device.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HeldFd {
-    /// The descriptor number.
+    /// The descriptor number (the ring's descriptor for io_uring; -1 for a mapping).
     pub fd: i32,
-    /// Where it points (`readlink /proc/<pid>/fd/<fd>`).
+    /// Where it points, or the mapped file / registered file path.
     pub path: PathBuf,
     /// The device.
     pub dev: DevNum,
+    /// Where it was found.
+    pub via: Via,
+    /// The thread, for [`Via::ThreadFd`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tid: Option<i32>,
 }
 
 /// A process holding at least one sought device.
@@ -27,7 +62,7 @@ pub struct HeldFd {
 pub struct Holder {
     /// The process.
     pub pid: i32,
-    /// Its descriptors on sought devices.
+    /// Its holds of sought devices.
     pub fds: Vec<HeldFd>,
 }
 
@@ -38,66 +73,220 @@ impl Holder {
     }
 }
 
-/// Every process (other than this one) with a descriptor on a character
-/// device in `devs`. Processes that vanish during the walk are skipped.
-pub fn holders(devs: &BTreeSet<DevNum>) -> Vec<Holder> {
-    let mut out = Vec::new();
-    if devs.is_empty() {
-        return out;
-    }
-    let me = std::process::id() as i32;
-    let Ok(proc_dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in proc_dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        if let Some(h) = holder(pid, devs) {
-            out.push(h);
-        }
-    }
-    out.sort_by_key(|h| h.pid);
-    out
+/// A scan: remembers which mapped files are character devices, so that a
+/// library mapped by every process is examined once.
+#[derive(Debug, Default)]
+pub struct Scanner {
+    mapped: HashMap<(String, u64), Option<DevNum>>,
 }
 
-/// The descriptors of `pid` on devices in `devs`, if any.
-pub fn holder(pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
-    let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
-    let rd = std::fs::read_dir(&fd_dir).ok()?;
-    let mut fds = Vec::new();
+fn char_rdev(p: &Path) -> Option<DevNum> {
+    // metadata() follows the magic links of /proc/<pid>/fd and map_files to
+    // the open file itself.
+    let md = std::fs::metadata(p).ok()?;
+    md.file_type()
+        .is_char_device()
+        .then(|| DevNum::from_rdev(md.rdev()))
+}
+
+impl Scanner {
+    /// A fresh scan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Every process (other than this one) holding a device in `devs`.
+    /// Processes that vanish during the walk are skipped.
+    pub fn holders(&mut self, devs: &BTreeSet<DevNum>) -> Vec<Holder> {
+        let mut out = Vec::new();
+        if devs.is_empty() {
+            return out;
+        }
+        let me = std::process::id() as i32;
+        let Ok(proc_dir) = std::fs::read_dir("/proc") else {
+            return out;
+        };
+        for entry in proc_dir.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            if pid == me {
+                continue;
+            }
+            if let Some(h) = self.holder(pid, devs) {
+                out.push(h);
+            }
+        }
+        out.sort_by_key(|h| h.pid);
+        out
+    }
+
+    /// The holds of `pid` on devices in `devs`, if any.
+    pub fn holder(&mut self, pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
+        self.holder_at(&PathBuf::from(format!("/proc/{pid}")), pid, devs)
+    }
+
+    /// [`Scanner::holder`] reading the process directory `base` (a
+    /// `/proc/<pid>`, or a fixture tree of the same shape in tests).
+    pub fn holder_at(&mut self, base: &Path, pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
+        let base = base.to_path_buf();
+        let mut fds = Vec::new();
+        fd_table(&base, devs, Via::Fd, None, &mut fds);
+        // Threads: only those whose table differs are worth a walk, but
+        // "differs" cannot be asked; walk each, and drop duplicates below.
+        if let Ok(tasks) = std::fs::read_dir(base.join("task")) {
+            for t in tasks.flatten() {
+                let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                if tid != pid {
+                    fd_table(&t.path(), devs, Via::ThreadFd, Some(tid), &mut fds);
+                }
+            }
+        }
+        self.mappings(&base, devs, &mut fds);
+        io_uring_files(&base, devs, &mut fds);
+        // The same hold seen through the main table and a thread sharing it.
+        let mut seen = BTreeSet::new();
+        fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
+        (!fds.is_empty()).then(|| {
+            fds.sort_by_key(|f| (f.via, f.fd));
+            Holder { pid, fds }
+        })
+    }
+
+    fn mappings(&mut self, base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
+        let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
+            return;
+        };
+        for line in maps.lines() {
+            // address perms offset dev inode path
+            let mut it = line.split_whitespace();
+            let (Some(range), _, _, Some(fsdev), Some(inode)) =
+                (it.next(), it.next(), it.next(), it.next(), it.next())
+            else {
+                continue;
+            };
+            let path: String = it.collect::<Vec<_>>().join(" ");
+            let Ok(ino) = inode.parse::<u64>() else {
+                continue;
+            };
+            if ino == 0 || path.is_empty() || path.starts_with('[') {
+                continue;
+            }
+            let key = (fsdev.to_string(), ino);
+            let dev = match self.mapped.get(&key) {
+                Some(d) => *d,
+                None => {
+                    let d = char_rdev(&base.join("map_files").join(range));
+                    self.mapped.insert(key, d);
+                    d
+                }
+            };
+            if let Some(d) = dev.filter(|d| devs.contains(d)) {
+                if !out.iter().any(|f| f.via == Via::Mmap && f.dev == d) {
+                    out.push(HeldFd {
+                        fd: -1,
+                        path: PathBuf::from(path),
+                        dev: d,
+                        via: Via::Mmap,
+                        tid: None,
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn fd_table(
+    dir: &Path,
+    devs: &BTreeSet<DevNum>,
+    via: Via,
+    tid: Option<i32>,
+    out: &mut Vec<HeldFd>,
+) {
+    let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
+        return;
+    };
     for e in rd.flatten() {
         let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
         let p = e.path();
-        // metadata() follows the magic link to the open file itself.
-        let Ok(md) = std::fs::metadata(&p) else {
-            continue;
-        };
-        if !md.file_type().is_char_device() {
-            continue;
-        }
-        let dev = DevNum::from_rdev(md.rdev());
-        if devs.contains(&dev) {
-            fds.push(HeldFd {
+        if let Some(dev) = char_rdev(&p).filter(|d| devs.contains(d)) {
+            out.push(HeldFd {
                 fd,
                 path: std::fs::read_link(&p).unwrap_or_default(),
                 dev,
+                via,
+                tid,
             });
         }
     }
-    (!fds.is_empty()).then(|| {
-        fds.sort_by_key(|f| f.fd);
-        Holder { pid, fds }
-    })
+}
+
+/// Files registered with an io_uring: the `UserFiles:` section of the
+/// ring's fdinfo lists them as `<index>: <path>` (`io_uring_show_fdinfo`,
+/// `io_uring/fdinfo.c`). Paths are resolved with `stat`.
+fn io_uring_files(base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
+    let Ok(rd) = std::fs::read_dir(base.join("fd")) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        if target.as_os_str() != "anon_inode:[io_uring]" {
+            continue;
+        }
+        let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(info) = std::fs::read_to_string(base.join("fdinfo").join(fd.to_string())) else {
+            continue;
+        };
+        let mut in_files = false;
+        for line in info.lines() {
+            if line.starts_with("UserFiles:") {
+                in_files = true;
+                continue;
+            }
+            if in_files {
+                let Some((idx, path)) = line.trim_start().split_once(": ") else {
+                    in_files = false;
+                    continue;
+                };
+                if idx.bytes().any(|b| !b.is_ascii_digit()) {
+                    in_files = false;
+                    continue;
+                }
+                let path = path.trim();
+                if let Some(dev) = char_rdev(Path::new(path)).filter(|d| devs.contains(d)) {
+                    out.push(HeldFd {
+                        fd,
+                        path: PathBuf::from(path),
+                        dev,
+                        via: Via::IoUring,
+                        tid: None,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Every process (other than this one) holding a device in `devs`.
+pub fn holders(devs: &BTreeSet<DevNum>) -> Vec<Holder> {
+    Scanner::new().holders(devs)
+}
+
+/// The holds of `pid` on devices in `devs`, if any.
+pub fn holder(pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
+    Scanner::new().holder(pid, devs)
 }
 
 /// Groups holders by device, for messages.
@@ -109,4 +298,57 @@ pub fn by_device(holders: &[Holder]) -> BTreeMap<DevNum, Vec<i32>> {
         }
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// A fixture process directory: a mapping of /dev/null (1:3) shown in
+    /// `maps` and followed through `map_files`, and an io_uring whose
+    /// fdinfo lists /dev/null as a registered file. Live mappings of
+    /// devices need a mappable character device, which test hosts lack
+    /// (/dev/zero maps as shmem, /dev/mem is usually off); the kernel tests
+    /// cover the live thread and io_uring cases.
+    #[test]
+    fn mappings_and_io_uring_files_from_proc_shapes() {
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path();
+        std::fs::create_dir_all(base.join("map_files")).unwrap();
+        std::fs::create_dir_all(base.join("fd")).unwrap();
+        std::fs::create_dir_all(base.join("fdinfo")).unwrap();
+        std::fs::write(
+            base.join("maps"),
+            "55d0c0000000-55d0c0001000 r--p 00000000 fd:01 1234 /usr/bin/x\n\
+             7f0000000000-7f0000001000 rw-s 00000000 00:05 4 /dev/null\n\
+             7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]\n",
+        )
+        .unwrap();
+        symlink(
+            "/dev/null",
+            base.join("map_files/7f0000000000-7f0000001000"),
+        )
+        .unwrap();
+        symlink(
+            "/etc/hostname",
+            base.join("map_files/55d0c0000000-55d0c0001000"),
+        )
+        .unwrap();
+        symlink("anon_inode:[io_uring]", base.join("fd/7")).unwrap();
+        std::fs::write(
+            base.join("fdinfo/7"),
+            "pos:\t0\nflags:\t02000002\nSqMask:\t0x3\nUserFiles:\t2\n    0: /etc/hostname\n    1: /dev/null\nUserBufs:\t0\n",
+        )
+        .unwrap();
+        let want: BTreeSet<DevNum> = [DevNum::new(1, 3)].into();
+        let h = Scanner::new().holder_at(base, 42, &want).expect("found");
+        let vias: Vec<Via> = h.fds.iter().map(|f| f.via).collect();
+        assert_eq!(vias, vec![Via::Mmap, Via::IoUring], "{h:?}");
+        assert_eq!(h.fds[1].fd, 7);
+        assert_eq!(h.fds[0].path, PathBuf::from("/dev/null"));
+        assert!(Scanner::new()
+            .holder_at(base, 42, &[DevNum::new(1, 5)].into())
+            .is_none());
+    }
 }

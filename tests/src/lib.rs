@@ -218,6 +218,55 @@ impl TestEnv {
         pid
     }
 
+    /// Like [`TestEnv::spawn_probe`], as the unprivileged test user (via
+    /// setpriv: no PAM, no cgroup move). Root and system accounts' processes
+    /// are never killed by gpufence, so lingering processes in tests that
+    /// must be killed run as this user.
+    pub fn spawn_user_probe(&mut self, rel: &str, args: &[&str], ready: &str) -> i32 {
+        let mut cmd = self.command_in(rel, "setpriv");
+        cmd.args([
+            "--reuid",
+            cluster::TEST_USER,
+            "--regid",
+            cluster::TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(probe_bin())
+        .args(args);
+        self.spawn_ready(cmd, ready)
+    }
+
+    /// `sleep 1000` in cgroup `rel` as the unprivileged test user.
+    pub fn spawn_user_sleeper(&mut self, rel: &str) -> i32 {
+        let child = self
+            .command_in(rel, "setpriv")
+            .args([
+                "--reuid",
+                cluster::TEST_USER,
+                "--regid",
+                cluster::TEST_USER,
+                "--init-groups",
+                "--",
+                "sleep",
+                "1000",
+            ])
+            .spawn()
+            .expect("setpriv sleep");
+        let pid = child.id() as i32;
+        self.children.push(child);
+        // setpriv execs sleep in place: same pid, wait until it is sleep.
+        let t0 = Instant::now();
+        while std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map(|c| c.trim() != "sleep")
+            .unwrap_or(true)
+            && t0.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        pid
+    }
+
     /// Starts `sleep 1000` in cgroup `rel` (a stand-in for slurmstepd).
     pub fn spawn_sleeper(&mut self, rel: &str) -> i32 {
         let child = self

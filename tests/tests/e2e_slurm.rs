@@ -457,8 +457,21 @@ fn real_slurm_cluster_end_to_end() {
 
     // 7d. A GPU held by a stray process before a job starts: the prolog
     //     (policy kill) deals with it and the job gets its GPU.
-    let mut stray_cmd = std::process::Command::new(&probe);
-    stray_cmd.arg("hold").arg(&held);
+    // The user's process outside the fenced subtree (where the fence does
+    // not apply) opens the device node first.
+    let mut stray_cmd = std::process::Command::new("setpriv");
+    stray_cmd
+        .args([
+            "--reuid",
+            TEST_USER,
+            "--regid",
+            TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(&probe)
+        .arg("hold")
+        .arg(&held);
     let stray = env.spawn_ready(stray_cmd, "held");
     let o = cluster.as_user(
         "srun",
@@ -494,8 +507,19 @@ fn real_slurm_cluster_end_to_end() {
     std::fs::create_dir_all(&freezer)
         .expect("cgroup v1 freezer (this test simulates an unkillable process with it)");
     let sock2 = env.path("jobs/handoff2.sock");
-    let mut recv2 = env.command_in(&outside, &probe);
-    recv2.arg("recvfd").arg(&sock2);
+    let mut recv2 = env.command_in(&outside, "setpriv");
+    recv2
+        .args([
+            "--reuid",
+            TEST_USER,
+            "--regid",
+            TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(&probe)
+        .arg("recvfd")
+        .arg(&sock2);
     let stuck = env.spawn_ready(recv2, "listening");
     std::fs::write(freezer.join("cgroup.procs"), stuck.to_string()).unwrap();
     let go = env.path("jobs/frozen");

@@ -513,7 +513,7 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     assert_eq!(env.open_from(&outside, &gpu), "EPERM");
     let sock = env.path("hand.sock");
     let s = sock.to_str().unwrap().to_string();
-    let receiver = env.spawn_probe(&outside, &["recvfd", &s], "listening");
+    let receiver = env.spawn_user_probe(&outside, &["recvfd", &s], "listening");
     let lines = env.probe_in(&job, &["sendfd", &s, gpu.to_str().unwrap()]);
     assert_eq!(lines, vec!["sent"]);
     let neighbour = env.spawn_probe(&other_job, &["hold", gpu.to_str().unwrap()], "held");
@@ -545,7 +545,8 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     assert_eq!(ev["cgroup"], outside.as_str());
     assert_eq!(ev["cmdline"][1], "recvfd");
     assert_eq!(ev["exe_sha256"].as_str().unwrap().len(), 64);
-    assert!(ev["start_time"].is_string() && ev["ppid"].is_number() && ev["uid"] == 0);
+    assert!(ev["start_time"].is_string() && ev["ppid"].is_number());
+    assert_eq!(ev["uid"], gpufence_tests::cluster::test_uid());
     let audit = std::fs::read_to_string(&node.cfg.audit_log).unwrap();
     let events: Vec<serde_json::Value> = audit
         .lines()

@@ -106,7 +106,7 @@ fn nvml_only_holder_is_found_and_killed() {
     }
     let mut w = world("nvml-only", "");
     let out_cg = w.env.cgroup("outside");
-    let ghost = w.env.spawn_sleeper(&out_cg);
+    let ghost = w.env.spawn_user_sleeper(&out_cg);
     w.scenario(
         json!({"gpus": [gpu(0, json!([{"pid": ghost, "used_mib": 4000}])), gpu(1, json!([]))]}),
     );
@@ -257,7 +257,7 @@ fn a_process_on_another_gpu_is_left_to_the_next_prolog() {
     }
     let mut w = world("other-gpu", "");
     let out_cg = w.env.cgroup("outside");
-    let squatter = w.env.spawn_sleeper(&out_cg);
+    let squatter = w.env.spawn_user_sleeper(&out_cg);
     w.scenario(
         json!({"gpus": [gpu(0, json!([])), gpu(1, json!([{"pid": squatter, "used_mib": 100}]))]}),
     );
@@ -306,7 +306,7 @@ fn refuse_policy_keeps_evidence_and_refuses() {
     }
     let mut w = world("refuse", "");
     let out_cg = w.env.cgroup("outside");
-    let squatter = w.env.spawn_sleeper(&out_cg);
+    let squatter = w.env.spawn_user_sleeper(&out_cg);
     w.scenario(json!({"gpus": [gpu(1, json!([{"pid": squatter, "used_mib": 100}]))]}));
     let n1 = w.env.mknod("nvidia1", 195, 1);
     let g = w.env.path("slurmd-G.txt");

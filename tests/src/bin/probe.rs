@@ -6,7 +6,12 @@
 //! ```text
 //! gpufence-probe open [--ro] PATH...     one line per PATH: "PATH ok|ENXIO|EPERM|errno N"
 //! gpufence-probe mknod PATH MAJOR MINOR  "PATH ok|EPERM|errno N"
-//! gpufence-probe hold [--ignore-term] [--daemon] PATH
+//! gpufence-probe hold [--ignore-term] [--daemon] [--via=fd|thread|leader-exit|mmap|io_uring] PATH
+//!                                        --pass-on-term=SOCK: on SIGTERM, send the descriptor to
+//!                                        SOCK (an accomplice) and exit
+//!                                        --via hides the hold where /proc/<pid>/fd does not show it:
+//!                                        a thread with its own table, a thread outliving the main
+//!                                        thread, a mapping (fd closed), an io_uring registered file
 //!                                        open O_RDWR, print "held" (with --daemon: double-fork,
 //!                                        setsid, print "held PID" from the grandchild, which
 //!                                        keeps the device; the command returns), sleep until killed
@@ -60,6 +65,159 @@ fn sleep_forever() -> ! {
     }
 }
 
+static TERM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_term(_: libc::c_int) {
+    TERM.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Holds `path`; on SIGTERM hands the descriptor to `sock` and exits.
+fn hold_then_pass(path: &str, sock: &str) -> ExitCode {
+    let fd = match open(path, false) {
+        Ok(fd) => fd,
+        Err(e) => {
+            say(&format!("{path} {}", word(Err(e))));
+            return ExitCode::FAILURE;
+        }
+    };
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe { libc::signal(libc::SIGTERM, on_term as *const () as libc::sighandler_t) };
+    say("held");
+    while !TERM.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    if let Ok(s) = UnixStream::connect(sock) {
+        let fds = [fd.as_raw_fd()];
+        let iov = [IoSlice::new(b"x")];
+        let _ = sendmsg::<()>(
+            s.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    ExitCode::SUCCESS
+}
+
+/// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
+/// sleeps. For the scanner's tests.
+fn hold_hidden(path: &str, via: &str) -> ExitCode {
+    let path = path.to_string();
+    match via {
+        "thread" => {
+            std::thread::spawn(move || {
+                // SAFETY: unshare of this thread's fd table.
+                if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+                    say("unshare failed");
+                    return;
+                }
+                match open(&path, false) {
+                    Ok(fd) => {
+                        say("held");
+                        let _keep = fd;
+                        sleep_forever();
+                    }
+                    Err(e) => say(&format!("{path} {}", word(Err(e)))),
+                }
+            });
+            sleep_forever();
+        }
+        "leader-exit" => {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || match open(&path, false) {
+                Ok(fd) => {
+                    let _ = tx.send(true);
+                    let _keep = fd;
+                    sleep_forever();
+                }
+                Err(e) => {
+                    say(&format!("{path} {}", word(Err(e))));
+                    let _ = tx.send(false);
+                }
+            });
+            if rx.recv() == Ok(true) {
+                say("held");
+                // The main thread goes; the process lives on in the other
+                // thread. exit(2), not exit_group(2) and not pthread_exit
+                // (whose forced unwind Rust's runtime aborts on).
+                // SAFETY: ends only the calling thread.
+                unsafe { libc::syscall(libc::SYS_exit, 0) };
+            }
+            ExitCode::FAILURE
+        }
+        "mmap" => {
+            let fd = match open(&path, false) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    say(&format!("{path} {}", word(Err(e))));
+                    return ExitCode::FAILURE;
+                }
+            };
+            // SAFETY: a shared read mapping of a descriptor we own.
+            let m = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if m == libc::MAP_FAILED {
+                say(&format!("mmap failed: {}", std::io::Error::last_os_error()));
+                return ExitCode::FAILURE;
+            }
+            drop(fd);
+            say("held");
+            sleep_forever();
+        }
+        "io_uring" => {
+            let fd = match open(&path, false) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    say(&format!("{path} {}", word(Err(e))));
+                    return ExitCode::FAILURE;
+                }
+            };
+            // struct io_uring_params is 120 bytes; zeroed asks for defaults.
+            let mut params = [0u8; 120];
+            // SAFETY: io_uring_setup(2) with a zeroed params struct.
+            let ring =
+                unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+            if ring < 0 {
+                say(&format!("no io_uring: {}", std::io::Error::last_os_error()));
+                return ExitCode::FAILURE;
+            }
+            let fds = [fd.as_raw_fd()];
+            // IORING_REGISTER_FILES = 2
+            // SAFETY: io_uring_register(2) of one descriptor.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    ring as i32,
+                    2u32,
+                    fds.as_ptr(),
+                    1u32,
+                )
+            };
+            if r < 0 {
+                say(&format!(
+                    "register failed: {}",
+                    std::io::Error::last_os_error()
+                ));
+                return ExitCode::FAILURE;
+            }
+            drop(fd);
+            say("held");
+            sleep_forever();
+        }
+        _ => ExitCode::from(2),
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -92,11 +250,22 @@ fn main() -> ExitCode {
         ["hold", rest @ ..] if !rest.is_empty() => {
             let path = rest[rest.len() - 1];
             let flags = &rest[..rest.len() - 1];
-            if flags
-                .iter()
-                .any(|f| !matches!(*f, "--ignore-term" | "--daemon"))
-            {
+            if flags.iter().any(|f| {
+                !matches!(*f, "--ignore-term" | "--daemon")
+                    && !f.starts_with("--via=")
+                    && !f.starts_with("--pass-on-term=")
+            }) {
                 return ExitCode::from(2);
+            }
+            let via = flags
+                .iter()
+                .find_map(|f| f.strip_prefix("--via="))
+                .unwrap_or("fd");
+            if via != "fd" {
+                return hold_hidden(path, via);
+            }
+            if let Some(sock) = flags.iter().find_map(|f| f.strip_prefix("--pass-on-term=")) {
+                return hold_then_pass(path, sock);
             }
             if flags.contains(&"--ignore-term") {
                 // SAFETY: setting a signal disposition to SIG_IGN.
