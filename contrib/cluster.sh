@@ -119,8 +119,13 @@ wait_for() {
         # A daemon that died (bad config, port taken) will not come back:
         # fail now rather than at the deadline.
         local name
+        # (Checked by the recorded pid alone: right after spawn the process
+        # is still the wrapper shell, whose environ lacks the mark until it
+        # execs the daemon; pid reuse within this one run is not a concern.)
         for name in "${STARTED[@]}"; do
-            if ! pid_of "$name" >/dev/null; then
+            local pid
+            read -r pid <"$DIR/run/$name.pid" 2>/dev/null || pid=
+            if [[ -z $pid ]] || ! running "$pid"; then
                 printf 'cluster.sh: %s exited while waiting for %s\n' "$name" "$what" >&2
                 return 1
             fi
