@@ -511,7 +511,15 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
         .write_record(&record(11, 0, &[(ma, mi)]))
         .unwrap();
     assert_eq!(env.open_from(&outside, &gpu), "EPERM");
-    let sock = env.path("hand.sock");
+    // The receiver runs as the test user: its socket goes in a directory it may write.
+    let sock_dir = env.path("sockets");
+    std::fs::create_dir_all(&sock_dir).unwrap();
+    std::fs::set_permissions(
+        &sock_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .unwrap();
+    let sock = sock_dir.join("hand.sock");
     let s = sock.to_str().unwrap().to_string();
     let receiver = env.spawn_user_probe(&outside, &["recvfd", &s], "listening");
     let lines = env.probe_in(&job, &["sendfd", &s, gpu.to_str().unwrap()]);
