@@ -32,6 +32,29 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The node's NVIDIA devices: GPUs, MIG slices and their capabilities, protected majors.
+    Devices {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// MIG planning.
+    Mig {
+        #[command(subcommand)]
+        op: MigOp,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum MigOp {
+    /// Whether MIG profiles fit on one GPU together, and where (start slice of each).
+    Check {
+        /// GPU model: A100-40GB, A100-80GB, A30, H100-80GB, H100-94GB (H100-NVL), H200 (141GB).
+        #[arg(long)]
+        gpu: String,
+        /// Profiles, comma separated (e.g. 3g.40gb,2g.20gb,1g.10gb).
+        profiles: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -60,8 +83,29 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, NodeError> {
+    // Planning needs no node, no config.
+    if let Cmd::Mig {
+        op: MigOp::Check { gpu, profiles },
+    } = &cli.cmd
+    {
+        return Ok(mig_check(gpu, profiles));
+    }
     let node = Node::load(cli.config.as_deref())?;
     match cli.cmd {
+        Cmd::Mig { .. } => Ok(ExitCode::SUCCESS),
+        Cmd::Devices { json } => {
+            let d = gpufence_node::inventory::devices(&node);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+            } else {
+                print_devices(&d);
+            }
+            Ok(if d.errors.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
         Cmd::Fence {
             op: FenceOp::Install,
         } => {
@@ -205,5 +249,98 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+fn mig_check(gpu: &str, profiles: &str) -> ExitCode {
+    use gpufence_model::mig::{place, GpuModel};
+    let model: GpuModel = match gpu.parse() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("gpufence: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let list: Vec<&str> = profiles
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    match place(model, &list) {
+        Ok(placements) => {
+            println!("fits on one {model}:");
+            for p in &placements {
+                println!("  {p}");
+            }
+            println!("(create the largest instances first: nvidia-smi places in the order given)");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("does not fit on one {model}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_devices(d: &gpufence_node::inventory::Devices) {
+    if d.gpus.is_empty() {
+        println!("no NVIDIA GPU found in the driver's /proc files");
+    }
+    for g in &d.gpus {
+        println!(
+            "GPU minor {}  {}  {}  {}",
+            g.minor, g.pci_bus_id, g.uuid, g.model
+        );
+        println!(
+            "  device file: {}   MIG: {}",
+            g.device_file
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "(none)".into()),
+            g.mig_mode
+        );
+        for m in &g.mig {
+            println!(
+                "  MIG gi {}{}  cap minor {}  {}",
+                m.gi,
+                m.ci.map(|c| format!(" ci {c}")).unwrap_or_default(),
+                m.cap_minor,
+                m.device_file
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "(no device file)".into())
+            );
+        }
+        for (uuid, profile) in &g.nvml_mig_devices {
+            println!("  NVML MIG device {uuid}  {profile}");
+        }
+    }
+    for (name, minor) in &d.mig_admin_caps {
+        println!(
+            "MIG {name} capability: minor {minor} (never granted{})",
+            if name == "monitor" {
+                " unless grant_mig_monitor"
+            } else {
+                ""
+            }
+        );
+    }
+    println!("protected majors:");
+    for m in &d.majors {
+        println!(
+            "  {} {}  {} device file(s)",
+            m.major,
+            m.names.join(","),
+            m.files.len()
+        );
+        for f in &m.files {
+            println!("      {}", f.display());
+        }
+    }
+    if let Some(w) = &d.nvml_unavailable {
+        println!("NVML: unavailable ({w})");
+    }
+    for e in &d.errors {
+        println!("error: {e}");
     }
 }

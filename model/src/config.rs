@@ -112,6 +112,14 @@ pub struct Config {
     /// How many times the epilog looks again for holders after killing
     /// (a holder may hand its descriptor on while it handles SIGTERM).
     pub response_rounds: u32,
+    /// Where the driver's /proc files are read (`driver/nvidia/gpus/*`,
+    /// `driver/nvidia-caps/mig-minors`, capabilities); tests point it at
+    /// fixture trees.
+    pub proc_dir: PathBuf,
+    /// Grant the MIG `monitor` capability when a job's GRES lists it
+    /// (it lets a process watch every MIG instance of the node). The
+    /// `config` capability (MIG reconfiguration) is never granted.
+    pub grant_mig_monitor: bool,
 }
 
 /// What the prolog does with a process found on the job's GPUs.
@@ -157,6 +165,8 @@ impl Default for Config {
             protected_uid_max: 999,
             evidence_hash_max_mib: 256,
             response_rounds: 3,
+            proc_dir: "/proc".into(),
+            grant_mig_monitor: false,
         }
     }
 }
@@ -324,6 +334,7 @@ impl Config {
             ("dev_dir", &self.dev_dir),
             ("slurmd_bin", &self.slurmd_bin),
             ("scontrol_bin", &self.scontrol_bin),
+            ("proc_dir", &self.proc_dir),
         ] {
             if !p.is_absolute() {
                 return Err(key_err(

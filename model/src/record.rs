@@ -45,6 +45,32 @@ pub struct JobRecord {
     /// start), from NVML: the level the epilog waits for memory to return to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_idle: Vec<GpuIdle>,
+    /// The MIG slices the job holds, from its GRES caps and `mig-minors`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MigSlice>,
+    /// `CUDA_VISIBLE_DEVICES` as slurmd set it for the Prolog (informational;
+    /// grants never come from it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuda_visible_devices: Vec<String>,
+}
+
+/// One MIG slice of a job: the parent GPU (shared with the neighbours on the
+/// same GPU) and the job's own GPU-instance and compute-instance caps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigSlice {
+    /// `/dev/nvidia<gpu>`: the parent device.
+    pub parent: crate::device::DevNum,
+    /// The parent's minor (`gpu<G>` in `mig-minors`).
+    pub gpu: u32,
+    /// GPU instance id.
+    pub gi: u32,
+    /// Compute instance id, when the GRES names one.
+    pub ci: Option<u32>,
+    /// The GI access cap device.
+    pub gi_cap: crate::device::DevNum,
+    /// The CI access cap device.
+    pub ci_cap: Option<crate::device::DevNum>,
 }
 
 /// A GPU's used memory at job start.
@@ -298,6 +324,8 @@ mod tests {
             created: now_rfc3339(),
             notes: vec![],
             gpu_idle: vec![],
+            mig: vec![],
+            cuda_visible_devices: vec![],
         }
     }
 

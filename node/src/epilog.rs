@@ -142,6 +142,8 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
         .collect();
     devs.extend(out.revoked.iter().map(|e| e.dev));
     let gpu_major = node.gpu_major();
+    let mig: Vec<gpufence_model::record::MigSlice> =
+        rec.as_ref().map(|r| r.mig.clone()).unwrap_or_default();
     // The job's GPUs for NVML: its GRES devices on the nvidia major.
     let gres_devs: BTreeSet<DevNum> = match &rec {
         Some(r) => r
@@ -187,7 +189,7 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     // 3. Respond, then look again: a holder may have handed its descriptor
     //    on while it handled SIGTERM. New holders get the same response, up
     //    to `response_rounds`; what is still there after that survives.
-    let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major);
+    let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
     let mut handled: BTreeSet<i32> = BTreeSet::new();
     for round in 0..node.cfg.response_rounds.max(1) {
         let fresh: Vec<_> = cands
@@ -215,11 +217,11 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
         out.lingering.extend(lingering);
         out.errors.extend(errs);
         let again = gpus.query(&minors).unwrap_or_default();
-        cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major);
+        cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig);
     }
     if !out.lingering.is_empty() {
         let again = gpus.query(&minors).unwrap_or_default();
-        for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major) {
+        for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig) {
             if out
                 .lingering
                 .iter()

@@ -103,6 +103,9 @@ pub enum NodeError {
         /// The processes.
         pids: Vec<i32>,
     },
+    /// A MIG capability in a GRES cannot be identified or is not grantable.
+    #[error("MIG: {0}")]
+    Mig(String),
     /// NVML answered with an error: the GPUs cannot be shown clean.
     #[error("NVML query failed, the job's GPUs cannot be shown clean: {0}")]
     Nvml(String),

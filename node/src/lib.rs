@@ -19,6 +19,7 @@ pub mod fence_ops;
 pub mod gpus;
 pub mod grants;
 pub mod gresmap;
+pub mod inventory;
 pub mod prolog;
 pub mod respond;
 pub mod scan;

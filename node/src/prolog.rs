@@ -13,7 +13,8 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::StrayPolicy;
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::gres::parse_index_list;
-use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, RECORD_VERSION};
+use gpufence_model::nvproc::{parse_mig_minors, CapKind, MigMinors};
+use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, MigSlice, RECORD_VERSION};
 
 use crate::epilog::gpu_minors;
 use crate::fence_ops::open_installed;
@@ -34,6 +35,8 @@ pub struct PrologEnv {
     pub slurm_conf: Option<PathBuf>,
     /// `SLURMD_NODENAME`: this node as Slurm names it.
     pub node_name: Option<String>,
+    /// `CUDA_VISIBLE_DEVICES` as slurmd set it (recorded, never granted from).
+    pub cuda_visible_devices: Vec<gpufence_model::visible::VisibleDevice>,
 }
 
 /// Parses a numeric variable slurmd always sets.
@@ -71,6 +74,12 @@ impl PrologEnv {
                 .filter(|s| !s.is_empty())
                 .map(PathBuf::from),
             node_name: get("SLURMD_NODENAME").filter(|s| !s.is_empty()),
+            cuda_visible_devices: match get("CUDA_VISIBLE_DEVICES") {
+                Some(v) => {
+                    gpufence_model::visible::parse_visible_devices(&v, "CUDA_VISIBLE_DEVICES")?
+                }
+                None => Vec::new(),
+            },
         })
     }
 }
@@ -146,6 +155,26 @@ fn complete_indices(
     }
 }
 
+/// `mig-minors` relative to `proc_dir` (`nv_procfs_read_mig_minors`,
+/// `kernel-open/nvidia/nv-caps.c`).
+pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
+
+/// Reads `<proc_dir>/driver/nvidia-caps/mig-minors`.
+///
+/// # Errors
+/// [`NodeError::Mig`] when it is missing or malformed: a cap that cannot be
+/// identified is never granted.
+pub fn read_mig_minors(node: &Node) -> Result<MigMinors, NodeError> {
+    let p = node.cfg.proc_dir.join(MIG_MINORS);
+    let text = std::fs::read_to_string(&p).map_err(|e| {
+        NodeError::Mig(format!(
+            "{}: {e}: MIG capabilities in a GRES cannot be identified",
+            p.display()
+        ))
+    })?;
+    Ok(parse_mig_minors(&text, &p)?)
+}
+
 /// Builds the job's record: its GRES files by number, plus the control
 /// devices. Does not write anything.
 ///
@@ -162,6 +191,12 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         created: now_rfc3339(),
         notes: Vec::new(),
         gpu_idle: Vec::new(),
+        mig: Vec::new(),
+        cuda_visible_devices: env
+            .cuda_visible_devices
+            .iter()
+            .map(|v| v.to_string())
+            .collect(),
     };
     if env.gres_indices.is_empty() {
         return Ok(rec);
@@ -171,6 +206,9 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
     let indices = complete_indices(node, env, &map, &mut rec.notes)?;
     rec.gres_indices = indices.clone();
     let mut seen = BTreeSet::new();
+    let caps_major = protected.major_of("nvidia-caps");
+    let gpu_major = node.gpu_major();
+    let mut mig_minors: Option<MigMinors> = None;
     for &index in &indices {
         let gpu = map
             .devices
@@ -181,8 +219,62 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
                 count: map.devices.len(),
                 source_name: map.source.clone(),
             })?;
+        let mut parent: Option<DevNum> = None;
+        let mut gi: Option<(u32, u32, DevNum)> = None;
+        let mut ci: Option<(u32, DevNum)> = None;
         for file in &gpu.files {
             let dev = stat_char_device(index, file)?;
+            if Some(dev.major) == caps_major {
+                // A MIG capability: which one is in mig-minors, never guessed.
+                if mig_minors.is_none() {
+                    mig_minors = Some(read_mig_minors(node)?);
+                }
+                let mm = mig_minors
+                    .as_ref()
+                    .ok_or_else(|| NodeError::Mig("mig-minors unread".into()))?;
+                match mm.kind_of(dev.minor) {
+                    Some(CapKind::Config) => {
+                        rec.notes.push(format!(
+                            "{} is the MIG config capability: never granted (it reconfigures MIG for every job)",
+                            file.display()
+                        ));
+                        continue;
+                    }
+                    Some(CapKind::Monitor) if !node.cfg.grant_mig_monitor => {
+                        rec.notes.push(format!(
+                            "{} is the MIG monitor capability: not granted (grant_mig_monitor = false)",
+                            file.display()
+                        ));
+                        continue;
+                    }
+                    Some(CapKind::Monitor) => {}
+                    Some(CapKind::GpuInstance { gpu, gi: g }) => gi = Some((*gpu, *g, dev)),
+                    Some(CapKind::ComputeInstance { gpu, gi: g, ci: c }) => {
+                        ci = Some((*c, dev));
+                        if gi.is_none() {
+                            // The GI cap by number, for the record; it is
+                            // granted only if the GRES lists it too.
+                            let m = mm.gi_minor(*gpu, *g).unwrap_or(dev.minor);
+                            gi = Some((*gpu, *g, DevNum::new(dev.major, m)));
+                        }
+                    }
+                    Some(CapKind::Other(name)) => {
+                        return Err(NodeError::Mig(format!(
+                            "{} is the capability {name:?}, not a MIG instance: not granted; fix gres.conf",
+                            file.display()
+                        )))
+                    }
+                    None => {
+                        return Err(NodeError::Mig(format!(
+                            "{} ({dev}) is not listed in {}: cannot tell which MIG capability it is",
+                            file.display(),
+                            node.cfg.proc_dir.join(MIG_MINORS).display()
+                        )))
+                    }
+                }
+            } else if dev.major == gpu_major {
+                parent = Some(dev);
+            }
             if !protected.contains(dev.major) {
                 rec.notes.push(format!(
                     "{} ({dev}) is not on a protected major: the fence does not guard it",
@@ -198,6 +290,27 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
                     gres_index: Some(index),
                 });
             }
+        }
+        if let Some((gpu_minor, g, gi_cap)) = gi {
+            let parent = parent.ok_or_else(|| {
+                NodeError::Mig(format!(
+                    "GRES index {index} holds MIG caps of gpu{gpu_minor} but not its parent /dev/nvidia{gpu_minor}"
+                ))
+            })?;
+            if parent.minor != gpu_minor {
+                return Err(NodeError::Mig(format!(
+                    "GRES index {index}: caps of gpu{gpu_minor} listed with /dev/nvidia{}",
+                    parent.minor
+                )));
+            }
+            rec.mig.push(MigSlice {
+                parent,
+                gpu: gpu_minor,
+                gi: g,
+                ci: ci.map(|(c, _)| c),
+                gi_cap,
+                ci_cap: ci.map(|(_, d)| d),
+            });
         }
     }
     let (control, missing) = protected.control_devices();
@@ -244,7 +357,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         node.open_gpus()
     };
     let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
-    let cands = respond::uncovered(node, Some(fence), &gres, &info, gpu_major);
+    let cands = respond::uncovered(node, Some(fence), &gres, &info, gpu_major, &rec.mig);
     if !cands.is_empty() {
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
         match node.cfg.prolog_strays {

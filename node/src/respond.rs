@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::device::DevNum;
+use gpufence_model::record::MigSlice;
 
 use crate::evidence::{self, GpuMemory};
 use crate::gpus::GpuInfo;
@@ -85,14 +86,34 @@ pub fn covered(node: &Node, fence: Option<&Fence>, cgroup: Option<&str>, dev: De
 /// Processes holding any of `devs` — by descriptor, or listed by NVML on a
 /// GPU of `gpu_info` — that no grant or exemption covers. `gpu_major` is
 /// the major of `/dev/nvidia<minor>` (NVML minors are on it).
+///
+/// `mig` is the job's MIG slices. A MIG parent GPU is shared with the jobs
+/// holding the other slices, so on it only the job's own processes count:
+/// per NVML, those on the job's GPU/compute instances; per descriptors,
+/// those holding one of the job's slice caps. A process that holds only the
+/// shared parent is not this job's to judge (the sweep reports it).
 pub fn uncovered(
     node: &Node,
     fence: Option<&Fence>,
     devs: &BTreeSet<DevNum>,
     gpu_info: &[GpuInfo],
     gpu_major: u32,
+    mig: &[MigSlice],
 ) -> Vec<Candidate> {
     let me = std::process::id() as i32;
+    let shared: BTreeSet<DevNum> = mig.iter().map(|s| s.parent).collect();
+    let own_caps: BTreeSet<DevNum> = mig
+        .iter()
+        .flat_map(|s| std::iter::once(s.gi_cap).chain(s.ci_cap))
+        .collect();
+    let mine_per_nvml = |minor: u32, gi: Option<u32>, ci: Option<u32>| {
+        let on_mig = mig.iter().filter(|s| s.gpu == minor).collect::<Vec<_>>();
+        on_mig.is_empty()
+            || gi.is_none()
+            || on_mig
+                .iter()
+                .any(|s| Some(s.gi) == gi && (s.ci.is_none() || ci.is_none() || s.ci == ci))
+    };
     let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
     let new = |pid: i32| Candidate {
         pid,
@@ -112,7 +133,10 @@ pub fn uncovered(
             let Ok(pid) = i32::try_from(p.pid) else {
                 continue;
             };
-            if pid == me || pid <= 1 {
+            if pid == me
+                || pid <= 1
+                || !mine_per_nvml(g.minor, p.gpu_instance_id, p.compute_instance_id)
+            {
                 continue;
             }
             let c = by_pid.entry(pid).or_insert_with(|| new(pid));
@@ -131,6 +155,12 @@ pub fn uncovered(
             c.devices
                 .retain(|d| !covered(node, fence, cg.as_deref(), *d));
             c.fds.retain(|f| c.devices.contains(&f.dev));
+            let nvml_listed = !c.gpu_memory.is_empty();
+            let only_shared = !c.devices.is_empty() && c.devices.iter().all(|d| shared.contains(d));
+            let holds_own_cap = c.fds.iter().any(|f| own_caps.contains(&f.dev));
+            if only_shared && !holds_own_cap && !nvml_listed {
+                return None;
+            }
             (!c.devices.is_empty()).then_some(c)
         })
         .collect()

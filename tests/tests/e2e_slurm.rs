@@ -78,19 +78,42 @@ fn real_slurm_cluster_end_to_end() {
     let n3 = env.mknod("nvidia3", 195, 3);
     let n1 = env.mknod("nvidia1", 195, 1);
     let held = env.mknod("nvidia-held", real.major, real.minor);
+    // Two MIG slices of one simulated GPU (parent nvidia5), gres.conf with
+    // MultipleFiles= as a manual MIG setup writes it; the caps' meaning comes
+    // from a fixture mig-minors (the driver's numbering for gpu5).
+    let n5 = env.mknod("nvidia5", 195, 5);
+    let caps: Vec<PathBuf> = [687, 688, 696, 697]
+        .iter()
+        .map(|m| env.mknod(&format!("nvidia-caps/nvidia-cap{m}"), 242, *m))
+        .collect();
+    let proc_dir = env.path("proc");
+    std::fs::create_dir_all(proc_dir.join("driver/nvidia-caps")).unwrap();
+    std::fs::write(
+        proc_dir.join("driver/nvidia-caps/mig-minors"),
+        "config 1\nmonitor 2\ngpu5/gi1/access 687\ngpu5/gi1/ci0/access 688\ngpu5/gi2/access 696\ngpu5/gi2/ci0/access 697\n",
+    )
+    .unwrap();
     let gres = format!(
-        "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
+        "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n\
+         Name=gpu Type=mig MultipleFiles={},{},{}\nName=gpu Type=mig MultipleFiles={},{},{}\n",
         n3.display(),
         n1.display(),
-        held.display()
+        held.display(),
+        n5.display(),
+        caps[0].display(),
+        caps[1].display(),
+        n5.display(),
+        caps[2].display(),
+        caps[3].display()
     );
     let by_index: [PathBuf; 3] = [n3.clone(), n1.clone(), held.clone()];
     let cluster = Cluster::start(
         &env,
         &gres,
-        "gpu:sim:2,gpu:held:1",
+        "gpu:sim:2,gpu:held:1,gpu:mig:2",
         &format!(
-            "layout = \"own\"\nterm_grace_ms = 1000\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nfake-held = {}\n",
+            "layout = \"own\"\nterm_grace_ms = 1000\nproc_dir = \"{}\"\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nnvidia-caps = 242\nfake-held = {}\n",
+            proc_dir.display(),
             real.major
         ),
         std::env::var("GPUFENCE_E2E_PORT_BASE")
@@ -116,7 +139,10 @@ fn real_slurm_cluster_end_to_end() {
         cluster.log_tail("slurmd.log")
     );
     assert_eq!(st["cgroup_root"], format!("/{}", env.root));
-    assert_eq!(st["protected_majors"], serde_json::json!([10, 195, 241]));
+    assert_eq!(
+        st["protected_majors"],
+        serde_json::json!([10, 195, 241, 242])
+    );
 
     // 1. srun --gres=gpu:sim:1 opens its GPU and not the other.
     let script = format!("echo JOB=$SLURM_JOB_ID; echo GPUS=${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}}; {probe_s} open {}", devs.join(" "));
@@ -596,6 +622,58 @@ fn real_slurm_cluster_end_to_end() {
         "state=resume",
     ]);
     assert!(o.status.success(), "{}", both(&o));
+
+    // 7f. Two jobs, each with a MIG slice of the same GPU: each opens the
+    //     shared parent and its own slice's caps, never the neighbour's.
+    let mig_open = format!(
+        "{probe_s} open {} {} {} {} {}",
+        n5.display(),
+        caps[0].display(),
+        caps[1].display(),
+        caps[2].display(),
+        caps[3].display()
+    );
+    let a_out = env.path("jobs/mig-a.out");
+    let a_go = env.path("jobs/mig-a.go");
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--gres=gpu:mig:1",
+            "-o",
+            a_out.to_str().unwrap(),
+            "--wrap",
+            &format!(
+                "{mig_open}; while [ ! -e {} ]; do sleep 0.1; done",
+                a_go.display()
+            ),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || std::fs::read_to_string(&a_out)
+            .unwrap_or_default()
+            .lines()
+            .count()
+            >= 5),
+        "job A did not run: {}",
+        std::fs::read_to_string(&a_out).unwrap_or_default()
+    );
+    let o = cluster.as_user("srun", &["--gres=gpu:mig:1", "sh", "-c", &mig_open]);
+    std::fs::write(&a_go, "").unwrap();
+    let b = stdout(&o);
+    let a = std::fs::read_to_string(&a_out).unwrap();
+    assert!(o.status.success(), "{}", both(&o));
+    for out in [&a, &b] {
+        assert_eq!(verdict(out, &n5), "ENXIO", "shared parent:\n{out}");
+    }
+    let pair = |out: &str| -> Vec<String> { caps.iter().map(|c| verdict(out, c)).collect() };
+    let (pa, pb) = (pair(&a), pair(&b));
+    let slice1 = vec!["ENXIO", "ENXIO", "EPERM", "EPERM"];
+    let slice2 = vec!["EPERM", "EPERM", "ENXIO", "ENXIO"];
+    assert!(
+        (pa == slice1 && pb == slice2) || (pa == slice2 && pb == slice1),
+        "each job its own slice only: A {pa:?}, B {pb:?}"
+    );
 
     // 8. The fence disappears while a job runs: its next step is refused,
     //    and the user reads why, in one line, in the job's output.

@@ -140,6 +140,8 @@ fn record(node: &Node, job: u32, dev: DevNum) {
             created: now_rfc3339(),
             notes: vec![],
             gpu_idle: vec![],
+            mig: vec![],
+            cuda_visible_devices: vec![],
         })
         .unwrap();
 }

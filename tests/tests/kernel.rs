@@ -42,6 +42,8 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
         created: now_rfc3339(),
         notes: vec![],
         gpu_idle: vec![],
+        mig: vec![],
+        cuda_visible_devices: vec![],
     }
 }
 

@@ -72,6 +72,8 @@ impl World {
                 created: now_rfc3339(),
                 notes: vec![],
                 gpu_idle: vec![],
+                mig: vec![],
+                cuda_visible_devices: vec![],
             })
             .unwrap();
     }
@@ -241,6 +243,7 @@ fn the_prolog_baseline_is_the_idle_level() {
         gres_indices: vec![0],
         slurm_conf: None,
         node_name: None,
+        cuda_visible_devices: vec![],
     };
     let rec = prolog::run(&node, &env).unwrap();
     assert_eq!(rec.gpu_idle.len(), 1);
@@ -281,6 +284,7 @@ fn a_process_on_another_gpu_is_left_to_the_next_prolog() {
         gres_indices: vec![0],
         slurm_conf: None,
         node_name: None,
+        cuda_visible_devices: vec![],
     };
     let rec = prolog::run(&node, &env).unwrap();
     assert!(gone(squatter), "the prolog killed the squatter");
@@ -323,6 +327,7 @@ fn refuse_policy_keeps_evidence_and_refuses() {
         gres_indices: vec![0],
         slurm_conf: None,
         node_name: None,
+        cuda_visible_devices: vec![],
     };
     let e = prolog::run(&node, &env).unwrap_err();
     assert!(
@@ -437,6 +442,7 @@ fn nvml_errors_mid_query_are_findings() {
         gres_indices: vec![0],
         slurm_conf: None,
         node_name: None,
+        cuda_visible_devices: vec![],
     };
     assert!(matches!(prolog::run(&node, &env), Err(NodeError::Nvml(_))));
 }

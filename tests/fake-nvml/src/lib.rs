@@ -66,7 +66,8 @@
 //!     process frees its memory; `stuck_used_mib` never comes back.
 //!   * `processes` (default `[]`): `pid`, `used_mib` (default 0; `null` means
 //!     NVML's "not available"), `kind` (`"compute"`, the default, or
-//!     `"graphics"`). A process is listed by
+//!     `"graphics"`), `gi` / `ci` (MIG GPU / compute instance ids; absent:
+//!     not on a MIG instance). A process is listed by
 //!     `nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3` only while
 //!     `/proc/<pid>` exists and is not a zombie, as with the real driver.
 //!   * `fail` (default: nothing fails): per query, an NVML return code that
@@ -218,6 +219,12 @@ struct Process {
     used_mib: Option<u64>,
     #[serde(default)]
     kind: Kind,
+    /// MIG GPU instance id the process runs on (`null`/absent: not MIG).
+    #[serde(default)]
+    gi: Option<u32>,
+    /// MIG compute instance id.
+    #[serde(default)]
+    ci: Option<u32>,
 }
 
 fn some_zero() -> Option<u64> {
@@ -851,8 +858,8 @@ unsafe fn running_processes(
                 infos.add(i).write(nvmlProcessInfo_t {
                     pid: p.pid,
                     usedGpuMemory: p.used_mib.map_or(NA_U64, |m| m.saturating_mul(MIB)),
-                    gpuInstanceId: NA_U32,
-                    computeInstanceId: NA_U32,
+                    gpuInstanceId: p.gi.unwrap_or(NA_U32),
+                    computeInstanceId: p.ci.unwrap_or(NA_U32),
                 });
             }
             SUCCESS
