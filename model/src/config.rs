@@ -399,6 +399,25 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_is_every_key_at_its_default() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/gpufence.toml");
+        let c = Config::load(&p).unwrap();
+        assert_eq!(c, Config::default(), "contrib/gpufence.toml drifted from the defaults");
+        let text = std::fs::read_to_string(&p).unwrap();
+        let table: toml::Table = toml::from_str(&text).unwrap();
+        let documented: std::collections::BTreeSet<&str> = table.keys().map(String::as_str).collect();
+        let all = serde_json::to_value(Config::default()).unwrap();
+        for key in all.as_object().unwrap().keys() {
+            // optional keys are documented commented out
+            if matches!(key.as_str(), "majors" | "slurmd_gres") {
+                assert!(text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")), "{key} undocumented");
+                continue;
+            }
+            assert!(documented.contains(key.as_str()), "{key} missing from contrib/gpufence.toml");
+        }
+    }
+
+    #[test]
     fn full_file_parses_and_normalises() {
         let c = parse(
             r#"
