@@ -252,6 +252,8 @@ pub mod opcode {
     pub const CLASS_ALU64: u8 = 0x07;
     pub const MODE_IMM: u8 = 0x00;
     pub const MODE_MEM: u8 = 0x60;
+    pub const MODE_ATOMIC: u8 = 0xc0;
+    pub const ATOMIC_ADD: i32 = 0x00;
     pub const SRC_K: u8 = 0x00;
     pub const SRC_X: u8 = 0x08;
     pub const JMP_JA: u8 = 0x00;
@@ -428,6 +430,19 @@ impl Asm {
             off,
             imm,
             format!("*({} *)({dst} {off:+}) = {imm}", size.c_type()),
+        )
+    }
+
+    /// `lock *(u64 *)(dst + off) += src` (`BPF_STX | BPF_ATOMIC | BPF_DW`,
+    /// imm `BPF_ADD`): a counter in a map value that concurrent CPUs share.
+    pub fn atomic_add64(&mut self, dst: Reg, off: i16, src: Reg) -> &mut Self {
+        self.push(
+            CLASS_STX | MODE_ATOMIC | Size::DW.code(),
+            dst,
+            src,
+            off,
+            ATOMIC_ADD,
+            format!("lock *(u64 *)({dst} {off:+}) += {src}"),
         )
     }
 

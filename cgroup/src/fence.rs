@@ -22,8 +22,9 @@ use gpufence_model::procdevices::ProtectedMajors;
 use crate::error::{Error, Result};
 use crate::hierarchy::{level_of, Cgroup2};
 use crate::maps::{
-    map_specs, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT, CGROUP_GRANTED, MAJORS_ENTRIES,
-    MAJOR_PROTECTED, PIN_CGROUPS, PIN_GRANTS, PIN_LINK, PIN_MAJORS,
+    map_specs, DenialKey, DenialValue, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT,
+    CGROUP_GRANTED, MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS,
+    PIN_LINK, PIN_MAJORS,
 };
 use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
@@ -48,6 +49,10 @@ pub struct FenceSpec {
     pub exempt: Vec<String>,
     /// Capacity of the `cgroups` and `grants` maps.
     pub max_grants: u32,
+    /// Capacity of the `denials` LRU map.
+    pub max_denials: u32,
+    /// Audit mode: denials are recorded and allowed.
+    pub audit: bool,
 }
 
 /// What an install did.
@@ -120,7 +125,27 @@ pub struct Fence {
     majors: OwnedFd,
     cgroups: OwnedFd,
     grants: OwnedFd,
+    denials: OwnedFd,
     max_entries: u32,
+}
+
+/// One denial record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DenialEntry {
+    /// The denied task's cgroup id.
+    pub cgroup_id: u64,
+    /// Its uid.
+    pub uid: u32,
+    /// The device.
+    pub dev: DevNum,
+    /// How many times.
+    pub count: u64,
+    /// The last denied process (tgid).
+    pub last_pid: u32,
+    /// Its command name.
+    pub last_comm: String,
+    /// When, as `CLOCK_MONOTONIC` ns (`bpf_ktime_get_ns`).
+    pub last_ns: u64,
 }
 
 fn bpf_err(op: &'static str, what: impl Into<String>) -> impl FnOnce(io::Error) -> Error {
@@ -361,10 +386,12 @@ impl Fence {
         })?;
         report.root_cgroup_id = cg.id(&spec.cgroup_root)?;
 
-        let [majors_spec, cgroups_spec, grants_spec] = map_specs(spec.max_grants);
+        let [majors_spec, cgroups_spec, grants_spec, denials_spec] =
+            map_specs(spec.max_grants, spec.max_denials);
         let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
         let (cgroups, r2) = open_or_create_map(&spec.bpffs_dir, &cgroups_spec, &mut report.notes)?;
         let (grants, r3) = open_or_create_map(&spec.bpffs_dir, &grants_spec, &mut report.notes)?;
+        let (denials, _) = open_or_create_map(&spec.bpffs_dir, &denials_spec, &mut report.notes)?;
         report.reused_maps = r1 && r2 && r3;
         let max_entries = sys::map_info(grants.as_fd())
             .map(|i| i.max_entries)
@@ -374,6 +401,7 @@ impl Fence {
             majors,
             cgroups,
             grants,
+            denials,
             max_entries,
         };
 
@@ -387,7 +415,9 @@ impl Fence {
             majors_fd: fence.majors.as_raw_fd(),
             cgroups_fd: fence.cgroups.as_raw_fd(),
             grants_fd: fence.grants.as_raw_fd(),
+            denials_fd: fence.denials.as_raw_fd(),
             max_level: MAX_LEVEL,
+            audit: spec.audit,
         })?;
         let prog_fd =
             sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
@@ -478,8 +508,45 @@ impl Fence {
             majors: get(PIN_MAJORS)?,
             cgroups: get(PIN_CGROUPS)?,
             grants,
+            denials: get(PIN_DENIALS)?,
             max_entries,
         })
+    }
+
+    /// Every denial record (the LRU map keeps the most recent `max_denials`).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn denials(&self) -> Result<Vec<DenialEntry>> {
+        let cap = sys::map_info(self.denials.as_fd())
+            .map(|i| i.max_entries)
+            .unwrap_or(0);
+        let keys = sys::map_keys(self.denials.as_fd(), DenialKey::SIZE, cap)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "denials"))?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut v = [0u8; DenialValue::SIZE];
+        for k in keys {
+            let Some(key) = DenialKey::from_bytes(&k) else {
+                continue;
+            };
+            if sys::map_lookup(self.denials.as_fd(), &k, &mut v)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "denials"))?
+            {
+                if let Some(val) = DenialValue::from_bytes(&v) {
+                    out.push(DenialEntry {
+                        cgroup_id: key.cgroup_id,
+                        uid: key.uid,
+                        dev: key.dev,
+                        count: val.count,
+                        last_pid: val.last_pid,
+                        last_comm: val.comm_str(),
+                        last_ns: val.last_ns,
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|d| (d.cgroup_id, d.uid, d.dev));
+        Ok(out)
     }
 
     /// Reports whether the fence is attached at `cgroup_root` and what it holds.
@@ -584,7 +651,7 @@ impl Fence {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
         }
-        for name in [PIN_LINK, PIN_GRANTS, PIN_CGROUPS, PIN_MAJORS] {
+        for name in [PIN_LINK, PIN_GRANTS, PIN_CGROUPS, PIN_MAJORS, PIN_DENIALS] {
             let p = bpffs_dir.join(name);
             match fs::remove_file(&p) {
                 Ok(()) => found = true,

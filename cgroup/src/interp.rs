@@ -11,10 +11,38 @@ use crate::asm::{opcode::*, Helper, RawInsn, PSEUDO_MAP_FD};
 pub trait Env {
     /// Key size in bytes of the map with this fd; `None` for an unknown fd.
     fn key_size(&self, fd: i32) -> Option<usize>;
+    /// Value size in bytes of the map with this fd (needed for updates).
+    fn value_size(&self, _fd: i32) -> Option<usize> {
+        None
+    }
     /// `bpf_map_lookup_elem` on the map whose fd was loaded: the value bytes.
     fn map_lookup(&self, fd: i32, key: &[u8]) -> Option<Vec<u8>>;
     /// `bpf_get_current_ancestor_cgroup_id(level)`: 0 past the task's depth.
     fn ancestor_cgroup_id(&self, level: u64) -> u64;
+    /// `bpf_map_update_elem`; returns the helper's result (0 on success).
+    fn map_update(&self, _fd: i32, _key: &[u8], _value: &[u8]) -> i64 {
+        0
+    }
+    /// `bpf_get_current_cgroup_id()`.
+    fn cgroup_id(&self) -> u64 {
+        0
+    }
+    /// `bpf_get_current_uid_gid()`: gid << 32 | uid.
+    fn uid_gid(&self) -> u64 {
+        0
+    }
+    /// `bpf_get_current_pid_tgid()`: tgid << 32 | pid.
+    fn pid_tgid(&self) -> u64 {
+        0
+    }
+    /// `bpf_get_current_comm()`: up to 16 bytes.
+    fn comm(&self) -> [u8; 16] {
+        [0; 16]
+    }
+    /// `bpf_ktime_get_ns()`.
+    fn ktime_ns(&self) -> u64 {
+        0
+    }
 }
 
 /// A program the interpreter cannot run.
@@ -93,6 +121,17 @@ pub fn run(insns: &[RawInsn], ctx: [u32; 3], env: &dyn Env) -> Result<u64, Inter
                 r[dst] = Val::Scalar(v);
                 pc += 1;
             }
+            CLASS_STX if i.code & 0xe0 == MODE_ATOMIC => {
+                if i.imm != ATOMIC_ADD || size_of_code(i.code) != Some(8) {
+                    return Err(err(format!("unsupported atomic {:#x}/{}", i.code, i.imm)));
+                }
+                let Val::Scalar(add) = r[src] else {
+                    return Err(err("atomic add of a pointer".into()));
+                };
+                let old = read(&regions, r[dst], i.off, 8).map_err(err)?;
+                write(&mut regions, r[dst], i.off, 8, old.wrapping_add(add)).map_err(err)?;
+                pc += 1;
+            }
             CLASS_STX | CLASS_ST => {
                 let size = size_of_code(i.code).ok_or_else(|| err("bad size".into()))?;
                 let v = if class == CLASS_STX {
@@ -103,8 +142,8 @@ pub fn run(insns: &[RawInsn], ctx: [u32; 3], env: &dyn Env) -> Result<u64, Inter
                 } else {
                     i.imm as i64 as u64
                 };
-                if !matches!(r[dst], Val::Ptr { region: STACK, .. }) {
-                    return Err(err("store outside the stack".into()));
+                if matches!(r[dst], Val::Ptr { region: CTX, .. }) {
+                    return Err(err("store into the context".into()));
                 }
                 write(&mut regions, r[dst], i.off, size, v).map_err(err)?;
                 pc += 1;
@@ -300,6 +339,61 @@ fn call(
                 None => Ok(Val::Scalar(0)),
             }
         }
-        other => Err(format!("helper {} is not modelled", other.name())),
+        Helper::MapUpdateElem => {
+            let Val::Map(fd) = r[1] else {
+                return Err("r1 is not a map".into());
+            };
+            let key_len = env
+                .key_size(fd)
+                .ok_or_else(|| format!("unknown map fd {fd}"))?;
+            let value_len = env
+                .value_size(fd)
+                .ok_or_else(|| format!("unknown map fd {fd}"))?;
+            let (
+                Val::Ptr {
+                    region: kr,
+                    off: ko,
+                },
+                Val::Ptr {
+                    region: vr,
+                    off: vo,
+                },
+            ) = (r[2], r[3])
+            else {
+                return Err("key/value are not pointers".into());
+            };
+            let get = |reg: usize, off: i64, len: usize| -> Result<Vec<u8>, String> {
+                let start = usize::try_from(off).map_err(|_| "negative offset".to_string())?;
+                regions
+                    .get(reg)
+                    .and_then(|m| m.get(start..start + len))
+                    .map(<[u8]>::to_vec)
+                    .ok_or_else(|| "key/value out of bounds".to_string())
+            };
+            let key = get(kr, ko, key_len)?;
+            let value = get(vr, vo, value_len)?;
+            Ok(Val::Scalar(env.map_update(fd, &key, &value) as u64))
+        }
+        Helper::GetCurrentCgroupId => Ok(Val::Scalar(env.cgroup_id())),
+        Helper::GetCurrentUidGid => Ok(Val::Scalar(env.uid_gid())),
+        Helper::GetCurrentPidTgid => Ok(Val::Scalar(env.pid_tgid())),
+        Helper::KtimeGetNs => Ok(Val::Scalar(env.ktime_ns())),
+        Helper::GetCurrentComm => {
+            let Val::Ptr { region, off } = r[1] else {
+                return Err("comm buffer is not a pointer".into());
+            };
+            let Val::Scalar(len) = r[2] else {
+                return Err("comm size is not a scalar".into());
+            };
+            let comm = env.comm();
+            let n = (len as usize).min(16);
+            let start = usize::try_from(off).map_err(|_| "negative offset")?;
+            let buf = regions
+                .get_mut(region)
+                .and_then(|m| m.get_mut(start..start + n))
+                .ok_or("comm buffer out of bounds")?;
+            buf.copy_from_slice(&comm[..n]);
+            Ok(Val::Scalar(0))
+        }
     }
 }

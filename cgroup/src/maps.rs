@@ -17,6 +17,8 @@ use gpufence_model::device::{Access, DevNum};
 pub const MAP_TYPE_HASH: u32 = 1;
 /// `BPF_MAP_TYPE_ARRAY`.
 pub const MAP_TYPE_ARRAY: u32 = 2;
+/// `BPF_MAP_TYPE_LRU_HASH`: full maps evict the least recently used entry.
+pub const MAP_TYPE_LRU_HASH: u32 = 9;
 
 /// Pin name of the cgroup link, in `bpffs_dir`.
 pub const PIN_LINK: &str = "link";
@@ -26,6 +28,8 @@ pub const PIN_MAJORS: &str = "majors";
 pub const PIN_CGROUPS: &str = "cgroups";
 /// Pin name of the grants map.
 pub const PIN_GRANTS: &str = "grants";
+/// Pin name of the denial records.
+pub const PIN_DENIALS: &str = "denials";
 
 /// Entries of the majors array: every major the kernel can represent.
 pub const MAJORS_ENTRIES: u32 = gpufence_model::device::MAX_MAJOR + 1;
@@ -52,8 +56,9 @@ pub struct MapSpec {
     pub max_entries: u32,
 }
 
-/// The three maps, with `grants` and `cgroups` sized for `max_grants` entries.
-pub fn map_specs(max_grants: u32) -> [MapSpec; 3] {
+/// The four maps, with `grants` and `cgroups` sized for `max_grants`
+/// entries and `denials` for `max_denials`.
+pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 4] {
     [
         MapSpec {
             name: PIN_MAJORS,
@@ -76,7 +81,116 @@ pub fn map_specs(max_grants: u32) -> [MapSpec; 3] {
             value_size: GrantValue::SIZE as u32,
             max_entries: max_grants,
         },
+        MapSpec {
+            name: PIN_DENIALS,
+            map_type: MAP_TYPE_LRU_HASH,
+            key_size: DenialKey::SIZE as u32,
+            value_size: DenialValue::SIZE as u32,
+            max_entries: max_denials,
+        },
     ]
+}
+
+/// Key of the denial records:
+/// `struct { u64 cgroup_id; u32 uid; u32 major; u32 minor; u32 pad; }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DenialKey {
+    /// The denied task's cgroup id (`bpf_get_current_cgroup_id`).
+    pub cgroup_id: u64,
+    /// Its uid (low half of `bpf_get_current_uid_gid`).
+    pub uid: u32,
+    /// The device.
+    pub dev: DevNum,
+}
+
+impl DenialKey {
+    /// Size in bytes.
+    pub const SIZE: usize = 24;
+    /// Offsets.
+    pub const OFF_CGROUP_ID: i16 = 0;
+    /// Offset of `uid`.
+    pub const OFF_UID: i16 = 8;
+    /// Offset of `major`.
+    pub const OFF_MAJOR: i16 = 12;
+    /// Offset of `minor`.
+    pub const OFF_MINOR: i16 = 16;
+    /// Offset of the padding (written as 0: keys are compared as bytes).
+    pub const OFF_PAD: i16 = 20;
+
+    /// Parses 24 key bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::SIZE {
+            return None;
+        }
+        let u32_at = |o: usize| b[o..o + 4].try_into().ok().map(u32::from_ne_bytes);
+        Some(DenialKey {
+            cgroup_id: u64::from_ne_bytes(b[0..8].try_into().ok()?),
+            uid: u32_at(8)?,
+            dev: DevNum::new(u32_at(12)?, u32_at(16)?),
+        })
+    }
+
+    /// Native-endian bytes.
+    pub fn to_bytes(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[0..8].copy_from_slice(&self.cgroup_id.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.uid.to_ne_bytes());
+        b[12..16].copy_from_slice(&self.dev.major.to_ne_bytes());
+        b[16..20].copy_from_slice(&self.dev.minor.to_ne_bytes());
+        b
+    }
+}
+
+/// Value of the denial records:
+/// `struct { u64 count; u64 last_ns; u32 last_pid; u32 pad; char comm[16]; }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DenialValue {
+    /// How many denied opens/mknods.
+    pub count: u64,
+    /// When the last one happened (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
+    pub last_ns: u64,
+    /// The last denied process (tgid).
+    pub last_pid: u32,
+    /// Its command name.
+    pub comm: [u8; 16],
+}
+
+impl DenialValue {
+    /// Size in bytes.
+    pub const SIZE: usize = 40;
+    /// Offset of `count`.
+    pub const OFF_COUNT: i16 = 0;
+    /// Offset of `last_ns`.
+    pub const OFF_LAST_NS: i16 = 8;
+    /// Offset of `last_pid`.
+    pub const OFF_LAST_PID: i16 = 16;
+    /// Offset of the padding.
+    pub const OFF_PAD: i16 = 20;
+    /// Offset of `comm`.
+    pub const OFF_COMM: i16 = 24;
+    /// Length of `comm` (`TASK_COMM_LEN`).
+    pub const COMM_LEN: usize = 16;
+
+    /// Parses 40 value bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::SIZE {
+            return None;
+        }
+        let mut comm = [0u8; 16];
+        comm.copy_from_slice(&b[24..40]);
+        Some(DenialValue {
+            count: u64::from_ne_bytes(b[0..8].try_into().ok()?),
+            last_ns: u64::from_ne_bytes(b[8..16].try_into().ok()?),
+            last_pid: u32::from_ne_bytes(b[16..20].try_into().ok()?),
+            comm,
+        })
+    }
+
+    /// The command name as text.
+    pub fn comm_str(&self) -> String {
+        let end = self.comm.iter().position(|c| *c == 0).unwrap_or(16);
+        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+    }
 }
 
 /// Key of the grants map: `struct { u64 cgroup_id; u32 major; u32 minor; }`.

@@ -12,7 +12,7 @@
 //!     struct grant_key key = { 0, ctx->major, ctx->minor };
 //!     for (level = 1; level <= MAX_LEVEL; level++) { // unrolled
 //!         u64 id = bpf_get_current_ancestor_cgroup_id(level);
-//!         if (!id) return 0;                         // walked past the task's cgroup
+//!         if (!id) goto deny;                        // walked past the task's cgroup
 //!         u32 *flags = cgroups[id];
 //!         if (!flags) continue;
 //!         if (*flags & EXEMPT) return 1;
@@ -21,7 +21,12 @@
 //!         struct grant_value *g = grants[key];
 //!         if (g && !(access & ~g->access)) return 1;
 //!     }
-//!     return 0;
+//! deny:                                          // recorded, in both modes
+//!     struct denial_key k = { cgroup_id(), uid, major, minor };
+//!     struct denial_value *v = denials[k];           // LRU hash
+//!     if (v) { v->count++ (atomic); v->last_ns, last_pid, comm = now, tgid, comm; }
+//!     else denials[k] = { 1, now, tgid, comm };
+//!     return AUDIT ? 1 : 0;
 //! }
 //! ```
 //!
@@ -31,7 +36,7 @@
 use std::mem::offset_of;
 
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
-use crate::maps::{GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+use crate::maps::{DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED};
 
 /// How many cgroup levels below the root the program walks. Slurm's job
 /// cgroup sits at level 3 (`system.slice/slurmstepd.scope/job_<id>`); tasks
@@ -60,6 +65,8 @@ const CTX_MINOR: i16 = offset_of!(BpfCgroupDevCtx, minor) as i16;
 const STACK_CGROUP_KEY: i16 = -8; // u64, key of `cgroups`
 const STACK_GRANT_KEY: i16 = -24; // struct grant_key, 16 bytes, key of `grants`
 const STACK_MAJOR_KEY: i16 = -28; // u32, key of `majors`
+const STACK_DENIAL_KEY: i16 = -56; // struct denial_key, 24 bytes
+const STACK_DENIAL_VALUE: i16 = -96; // struct denial_value, 40 bytes
 
 /// What the program needs: the fds of the three maps and the walk depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,8 +77,12 @@ pub struct FenceProgramSpec {
     pub cgroups_fd: i32,
     /// fd of the `grants` hash.
     pub grants_fd: i32,
+    /// fd of the `denials` LRU hash.
+    pub denials_fd: i32,
     /// Levels walked, 1..=`max_level` ([`MAX_LEVEL`] in production).
     pub max_level: usize,
+    /// Audit mode: record what would be denied, and allow it.
+    pub audit: bool,
 }
 
 /// Builds the fence program.
@@ -107,7 +118,7 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
         let next = format!("level_{}", level + 1);
         a.label(&format!("level_{level}"))
             .comment(&format!(
-                "id = ancestor_cgroup_id({level}); if (!id) return 0; f = cgroups[id]; if (!f) continue;"
+                "id = ancestor_cgroup_id({level}); if (!id) goto deny; f = cgroups[id]; if (!f) continue;"
             ))
             .mov64_imm(R1, level as i32)
             .call(Helper::GetCurrentAncestorCgroupId)
@@ -137,9 +148,86 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
     }
     a.label(&format!("level_{}", spec.max_level + 1))
         .label("deny")
-        .comment("return 0;  /* EPERM */")
-        .mov64_imm(R0, 0)
-        .exit()
+        .comment("k = { cgroup_id(), uid, major, minor, 0 };")
+        .call(Helper::GetCurrentCgroupId)
+        .store(
+            Size::DW,
+            R10,
+            STACK_DENIAL_KEY + DenialKey::OFF_CGROUP_ID,
+            R0,
+        )
+        .call(Helper::GetCurrentUidGid)
+        .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_UID, R0)
+        .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_MAJOR, R8)
+        .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_MINOR, R9)
+        .store_imm(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_PAD, 0)
+        .comment("v = denials[k]; if (!v) goto deny_new;")
+        .ld_map_fd(R1, spec.denials_fd, "denials")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_DENIAL_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, R0, 0, "deny_new")
+        .comment("v->count++ (atomic); v->last_ns = ktime; v->last_pid = tgid; v->comm = comm;")
+        .mov64_reg(R6, R0)
+        .mov64_imm(R1, 1)
+        .atomic_add64(R6, DenialValue::OFF_COUNT, R1)
+        .call(Helper::KtimeGetNs)
+        .store(Size::DW, R6, DenialValue::OFF_LAST_NS, R0)
+        .call(Helper::GetCurrentPidTgid)
+        .alu64_imm(AluOp::Rsh, R0, 32)
+        .store(Size::W, R6, DenialValue::OFF_LAST_PID, R0)
+        .mov64_reg(R1, R6)
+        .alu64_imm(AluOp::Add, R1, DenialValue::OFF_COMM as i32)
+        .mov64_imm(R2, DenialValue::COMM_LEN as i32)
+        .call(Helper::GetCurrentComm)
+        .ja("verdict")
+        .label("deny_new")
+        .comment("denials[k] = { 1, ktime, tgid, 0, comm };  (LRU: the oldest entry makes room)")
+        .store_imm(
+            Size::DW,
+            R10,
+            STACK_DENIAL_VALUE + DenialValue::OFF_COUNT,
+            1,
+        )
+        .call(Helper::KtimeGetNs)
+        .store(
+            Size::DW,
+            R10,
+            STACK_DENIAL_VALUE + DenialValue::OFF_LAST_NS,
+            R0,
+        )
+        .call(Helper::GetCurrentPidTgid)
+        .alu64_imm(AluOp::Rsh, R0, 32)
+        .store(
+            Size::W,
+            R10,
+            STACK_DENIAL_VALUE + DenialValue::OFF_LAST_PID,
+            R0,
+        )
+        .store_imm(Size::W, R10, STACK_DENIAL_VALUE + DenialValue::OFF_PAD, 0)
+        .mov64_reg(R1, R10)
+        .alu64_imm(
+            AluOp::Add,
+            R1,
+            (STACK_DENIAL_VALUE + DenialValue::OFF_COMM) as i32,
+        )
+        .mov64_imm(R2, DenialValue::COMM_LEN as i32)
+        .call(Helper::GetCurrentComm)
+        .ld_map_fd(R1, spec.denials_fd, "denials")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_DENIAL_KEY as i32)
+        .mov64_reg(R3, R10)
+        .alu64_imm(AluOp::Add, R3, STACK_DENIAL_VALUE as i32)
+        .mov64_imm(R4, 0)
+        .call(Helper::MapUpdateElem)
+        .label("verdict");
+    if spec.audit {
+        a.comment("return 1;  /* audit mode: recorded, allowed */")
+            .mov64_imm(R0, 1);
+    } else {
+        a.comment("return 0;  /* EPERM */").mov64_imm(R0, 0);
+    }
+    a.exit()
         .label("allow")
         .comment("return 1;")
         .mov64_imm(R0, 1)
@@ -147,15 +235,27 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
     a.assemble()
 }
 
-/// The feature probe: a device program that calls
-/// `bpf_get_current_ancestor_cgroup_id(1)` and allows. The kernel refuses
-/// to load it when the helper is not available to device programs.
+/// The feature probe: a device program that calls every helper the fence
+/// calls that older kernels lack for device programs
+/// (`bpf_get_current_ancestor_cgroup_id`, `get_current_cgroup_id`,
+/// `get_current_pid_tgid`, `get_current_comm`: all in
+/// `cgroup_current_func_proto` since 6.1) and allows. The kernel refuses to
+/// load it when one is missing.
 pub fn probe() -> Result<Program, AsmError> {
+    use Reg::*;
     let mut a = Asm::new();
-    a.comment("bpf_get_current_ancestor_cgroup_id(1); return 1;")
-        .mov64_imm(Reg::R1, 1)
+    a.comment("ancestor_cgroup_id(1); cgroup_id(); pid_tgid(); comm(buf, 16); return 1;")
+        .mov64_imm(R1, 1)
         .call(Helper::GetCurrentAncestorCgroupId)
-        .mov64_imm(Reg::R0, 1)
+        .call(Helper::GetCurrentCgroupId)
+        .call(Helper::GetCurrentPidTgid)
+        .call(Helper::GetCurrentUidGid)
+        .call(Helper::KtimeGetNs)
+        .mov64_reg(R1, R10)
+        .alu64_imm(AluOp::Add, R1, -16)
+        .mov64_imm(R2, 16)
+        .call(Helper::GetCurrentComm)
+        .mov64_imm(R0, 1)
         .exit();
     a.assemble()
 }
@@ -164,7 +264,7 @@ pub fn probe() -> Result<Program, AsmError> {
 mod tests {
     use super::*;
     use crate::interp::{self, Env};
-    use crate::maps::{GrantValue, MAJOR_PROTECTED};
+    use crate::maps::{DenialKey, DenialValue, GrantValue, MAJOR_PROTECTED};
     use gpufence_model::device::{Access, DevNum};
     use gpufence_model::policy::{DevType, Policy, Request};
     use proptest::prelude::*;
@@ -173,13 +273,16 @@ mod tests {
     const MAJORS: i32 = 11;
     const CGROUPS: i32 = 12;
     const GRANTS: i32 = 13;
+    const DENIALS: i32 = 14;
 
     fn spec(max_level: usize) -> FenceProgramSpec {
         FenceProgramSpec {
             majors_fd: MAJORS,
             cgroups_fd: CGROUPS,
             grants_fd: GRANTS,
+            denials_fd: DENIALS,
             max_level,
+            audit: false,
         }
     }
 
@@ -188,6 +291,7 @@ mod tests {
         policy: &'a Policy,
         ancestry: &'a [u64],
         grant_jobs: BTreeMap<(u64, DevNum), u32>,
+        updates: std::cell::RefCell<Vec<(i32, Vec<u8>, Vec<u8>)>>,
     }
 
     impl Env for PolicyEnv<'_> {
@@ -196,8 +300,33 @@ mod tests {
                 MAJORS => Some(4),
                 CGROUPS => Some(8),
                 GRANTS => Some(GrantKey::SIZE),
+                DENIALS => Some(DenialKey::SIZE),
                 _ => None,
             }
+        }
+        fn value_size(&self, fd: i32) -> Option<usize> {
+            (fd == DENIALS).then_some(DenialValue::SIZE)
+        }
+        fn map_update(&self, fd: i32, key: &[u8], value: &[u8]) -> i64 {
+            self.updates
+                .borrow_mut()
+                .push((fd, key.to_vec(), value.to_vec()));
+            0
+        }
+        fn cgroup_id(&self) -> u64 {
+            *self.ancestry.last().unwrap_or(&0)
+        }
+        fn uid_gid(&self) -> u64 {
+            (2000u64 << 32) | 1001
+        }
+        fn pid_tgid(&self) -> u64 {
+            (4242u64 << 32) | 4243
+        }
+        fn comm(&self) -> [u8; 16] {
+            *b"xmrig\0\0\0\0\0\0\0\0\0\0\0"
+        }
+        fn ktime_ns(&self) -> u64 {
+            777
         }
         fn map_lookup(&self, fd: i32, key: &[u8]) -> Option<Vec<u8>> {
             match fd {
@@ -242,22 +371,39 @@ mod tests {
     }
 
     fn run(policy: &Policy, ancestry: &[u64], req: &Request, max_level: usize) -> bool {
-        let prog = build(&spec(max_level)).unwrap();
+        run_mode(policy, ancestry, req, max_level, false).0
+    }
+
+    /// Runs the program; returns the verdict and the denial records written.
+    fn run_mode(
+        policy: &Policy,
+        ancestry: &[u64],
+        req: &Request,
+        max_level: usize,
+        audit: bool,
+    ) -> (bool, Vec<(i32, Vec<u8>, Vec<u8>)>) {
+        let prog = build(&FenceProgramSpec {
+            audit,
+            ..spec(max_level)
+        })
+        .unwrap();
         let env = PolicyEnv {
             policy,
             ancestry,
             grant_jobs: BTreeMap::new(),
+            updates: Default::default(),
         };
         let ctx = [
             req.dev_type.raw() | (req.access.bits() << 16),
             req.dev.major,
             req.dev.minor,
         ];
-        match interp::run(&prog.insns, ctx, &env).expect("program runs") {
+        let verdict = match interp::run(&prog.insns, ctx, &env).expect("program runs") {
             0 => false,
             1 => true,
             other => panic!("program returned {other}"),
-        }
+        };
+        (verdict, env.updates.into_inner())
     }
 
     #[test]
@@ -279,8 +425,8 @@ mod tests {
     #[test]
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
-        // 19 instructions of prologue, 25 per level, 4 of epilogue
-        assert_eq!(p.insns.len(), 19 + 25 * MAX_LEVEL + 4);
+        // 19 instructions of prologue, 25 per level, 49 of deny (record) and allow
+        assert_eq!(p.insns.len(), 19 + 25 * MAX_LEVEL + 49);
     }
 
     #[test]
@@ -327,6 +473,47 @@ mod tests {
         assert!(run(&policy, &[1, 8], &block, MAX_LEVEL));
     }
 
+    #[test]
+    fn a_denial_is_recorded_with_who_and_what() {
+        let policy = Policy {
+            protected: [195].into(),
+            ..Default::default()
+        };
+        let req = Request {
+            dev_type: DevType::Char,
+            dev: DevNum::new(195, 3),
+            access: Access::RW,
+        };
+        let (allowed, updates) = run_mode(&policy, &[1, 7, 9], &req, MAX_LEVEL, false);
+        assert!(!allowed);
+        assert_eq!(updates.len(), 1, "one new record");
+        let (fd, key, value) = &updates[0];
+        assert_eq!(*fd, DENIALS);
+        let k = DenialKey::from_bytes(key).unwrap();
+        assert_eq!((k.cgroup_id, k.uid, k.dev), (9, 1001, DevNum::new(195, 3)));
+        let v = DenialValue::from_bytes(value).unwrap();
+        assert_eq!(
+            (v.count, v.last_ns, v.last_pid, v.comm_str().as_str()),
+            (1, 777, 4242, "xmrig")
+        );
+        // Allowed and unprotected opens write nothing.
+        let (ok, updates) = run_mode(
+            &policy,
+            &[1, 7, 9],
+            &Request {
+                dev: DevNum::new(1, 3),
+                ..req
+            },
+            MAX_LEVEL,
+            false,
+        );
+        assert!(ok && updates.is_empty());
+        // Audit mode: the same record, and the open is allowed.
+        let (allowed, updates) = run_mode(&policy, &[1, 7, 9], &req, MAX_LEVEL, true);
+        assert!(allowed);
+        assert_eq!(updates.len(), 1);
+    }
+
     fn arb_policy() -> impl Strategy<Value = Policy> {
         let ids = 1u64..12;
         let dev = (prop::sample::select(vec![195u32, 509, 10]), 0u32..4)
@@ -363,10 +550,15 @@ mod tests {
                 dev: DevNum::new(major, minor),
                 access,
             };
-            prop_assert_eq!(
-                run(&policy, &ancestry, &req, max_level),
-                policy.allows(&ancestry, &req, max_level)
-            );
+            let want = policy.allows(&ancestry, &req, max_level);
+            let (got, updates) = run_mode(&policy, &ancestry, &req, max_level, false);
+            prop_assert_eq!(got, want);
+            // A denial is recorded exactly when it is denied.
+            prop_assert_eq!(updates.len(), usize::from(!want));
+            // Audit mode allows everything, records the same.
+            let (audit_got, audit_updates) = run_mode(&policy, &ancestry, &req, max_level, true);
+            prop_assert!(audit_got);
+            prop_assert_eq!(audit_updates.len(), usize::from(!want));
         }
     }
 }

@@ -47,6 +47,10 @@ impl fmt::Display for Layout {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// `enforce` (default) or `audit`.
+    pub mode: Mode,
+    /// Capacity of the denial records (an LRU map: the oldest make room).
+    pub max_denials: u32,
     /// The subtree the fence is attached to, relative to the cgroup2 mount
     /// (`"/"`: the whole node). Stored without leading or trailing `/`.
     pub cgroup_root: String,
@@ -120,6 +124,29 @@ pub struct Config {
     /// (it lets a process watch every MIG instance of the node). The
     /// `config` capability (MIG reconfiguration) is never granted.
     pub grant_mig_monitor: bool,
+    /// Remote TCP ports of mining pools: a connection to one is a finding.
+    pub mining_ports: Vec<u16>,
+    /// Where crontabs of users live (Debian: `/var/spool/cron/crontabs`,
+    /// RHEL: `/var/spool/cron`).
+    pub cron_spool_dir: PathBuf,
+    /// System unit directory watched for new or changed units and timers.
+    pub systemd_system_dir: PathBuf,
+    /// The passwd file naming users and their home directories (whose
+    /// `~/.config/systemd/user` is watched).
+    pub passwd_file: PathBuf,
+    /// The lowest severity that makes `gpufence sweep` exit non-zero:
+    /// `info`, `low`, `medium`, `high` or `critical`.
+    pub sweep_fail_severity: String,
+}
+
+/// Whether the fence denies or only records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Deny (EPERM) what no grant or exemption covers, and record it.
+    Enforce,
+    /// Record what would be denied, and allow it (rollout: observe first).
+    Audit,
 }
 
 /// What the prolog does with a process found on the job's GPUs.
@@ -135,6 +162,8 @@ pub enum StrayPolicy {
 impl Default for Config {
     fn default() -> Self {
         Config {
+            mode: Mode::Enforce,
+            max_denials: 4096,
             cgroup_root: String::new(),
             layout: Layout::Slurm,
             bpffs_dir: "/sys/fs/bpf/gpufence".into(),
@@ -167,6 +196,11 @@ impl Default for Config {
             response_rounds: 3,
             proc_dir: "/proc".into(),
             grant_mig_monitor: false,
+            mining_ports: vec![3333, 4444, 5555, 7777, 9999, 14444, 45700],
+            cron_spool_dir: "/var/spool/cron/crontabs".into(),
+            systemd_system_dir: "/etc/systemd/system".into(),
+            passwd_file: "/etc/passwd".into(),
+            sweep_fail_severity: "medium".into(),
         }
     }
 }
@@ -335,6 +369,9 @@ impl Config {
             ("slurmd_bin", &self.slurmd_bin),
             ("scontrol_bin", &self.scontrol_bin),
             ("proc_dir", &self.proc_dir),
+            ("cron_spool_dir", &self.cron_spool_dir),
+            ("systemd_system_dir", &self.systemd_system_dir),
+            ("passwd_file", &self.passwd_file),
         ] {
             if !p.is_absolute() {
                 return Err(key_err(
@@ -342,6 +379,21 @@ impl Config {
                     format!("{} is not an absolute path", p.display()),
                 ));
             }
+        }
+        if !matches!(
+            self.sweep_fail_severity.as_str(),
+            "info" | "low" | "medium" | "high" | "critical"
+        ) {
+            return Err(key_err(
+                "sweep_fail_severity",
+                format!(
+                    "{:?} is not one of info, low, medium, high, critical",
+                    self.sweep_fail_severity
+                ),
+            ));
+        }
+        if self.max_denials == 0 {
+            return Err(key_err("max_denials", "must be at least 1".into()));
         }
         if self.max_grants == 0 {
             return Err(key_err("max_grants", "must be at least 1".into()));
@@ -402,18 +454,29 @@ mod tests {
     fn the_shipped_example_is_every_key_at_its_default() {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/gpufence.toml");
         let c = Config::load(&p).unwrap();
-        assert_eq!(c, Config::default(), "contrib/gpufence.toml drifted from the defaults");
+        assert_eq!(
+            c,
+            Config::default(),
+            "contrib/gpufence.toml drifted from the defaults"
+        );
         let text = std::fs::read_to_string(&p).unwrap();
         let table: toml::Table = toml::from_str(&text).unwrap();
-        let documented: std::collections::BTreeSet<&str> = table.keys().map(String::as_str).collect();
+        let documented: std::collections::BTreeSet<&str> =
+            table.keys().map(String::as_str).collect();
         let all = serde_json::to_value(Config::default()).unwrap();
         for key in all.as_object().unwrap().keys() {
             // optional keys are documented commented out
             if matches!(key.as_str(), "majors" | "slurmd_gres") {
-                assert!(text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")), "{key} undocumented");
+                assert!(
+                    text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")),
+                    "{key} undocumented"
+                );
                 continue;
             }
-            assert!(documented.contains(key.as_str()), "{key} missing from contrib/gpufence.toml");
+            assert!(
+                documented.contains(key.as_str()),
+                "{key} missing from contrib/gpufence.toml"
+            );
         }
     }
 

@@ -16,6 +16,8 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
         protected: node.protected_majors()?,
         exempt: node.cfg.exempt_cgroups.clone(),
         max_grants: node.cfg.max_grants,
+        max_denials: node.cfg.max_denials,
+        audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
     })
 }
 
@@ -34,6 +36,7 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
             .field("prog_id", report.prog_id)
             .field("link_id", report.link_id)
             .field("replaced_program", report.replaced_program)
+            .field("mode", format!("{:?}", node.cfg.mode).to_lowercase())
             .field(
                 "exempt",
                 report

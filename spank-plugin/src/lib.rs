@@ -12,7 +12,8 @@
 //! - local / allocator / job_script contexts: nothing (srun runs as the
 //!   user: never touch root-only paths there).
 //!
-//! plugstack.conf arguments: `config=PATH`. Unknown arguments are errors.
+//! plugstack.conf arguments: `config=PATH`, `mode=audit|enforce`. Unknown
+//! arguments are errors.
 //! Panics are caught by slurm-spank (`catch_unwind`) and become -1.
 
 use std::error::Error;
@@ -31,6 +32,9 @@ include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
 pub struct PluginArgs {
     /// `config=PATH`.
     pub config: Option<PathBuf>,
+    /// `mode=audit|enforce`: overrides the config's `mode` for the fence the
+    /// plugin installs at slurmd start.
+    pub mode: Option<gpufence_model::config::Mode>,
 }
 
 impl PluginArgs {
@@ -43,9 +47,11 @@ impl PluginArgs {
         for arg in argv {
             match arg.split_once('=') {
                 Some(("config", v)) if !v.is_empty() => a.config = Some(PathBuf::from(v)),
+                Some(("mode", "audit")) => a.mode = Some(gpufence_model::config::Mode::Audit),
+                Some(("mode", "enforce")) => a.mode = Some(gpufence_model::config::Mode::Enforce),
                 _ => {
                     return Err(format!(
-                        "unknown plugstack.conf argument {arg:?} (known: config=PATH)"
+                        "unknown plugstack.conf argument {arg:?} (known: config=PATH, mode=audit|enforce)"
                     ))
                 }
             }
@@ -97,7 +103,10 @@ fn nix_hostname() -> Option<String> {
 }
 
 fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
-    let node = Node::load(args.config.as_deref())?;
+    let mut node = Node::load(args.config.as_deref())?;
+    if let Some(m) = args.mode {
+        node.cfg.mode = m;
+    }
     let r = fence_ops::install(&node)?;
     log(
         LogLevel::Info,
@@ -248,7 +257,11 @@ mod tests {
             PluginArgs::parse(["config=/etc/x.toml"]).unwrap().config,
             Some(PathBuf::from("/etc/x.toml"))
         );
-        for bad in ["config=", "cfg=/x", "config", "mode=audit"] {
+        assert_eq!(
+            PluginArgs::parse(["mode=audit"]).unwrap().mode,
+            Some(gpufence_model::config::Mode::Audit)
+        );
+        for bad in ["config=", "cfg=/x", "config", "mode=watch", "mode="] {
             assert!(PluginArgs::parse([bad]).is_err(), "{bad}");
         }
     }
