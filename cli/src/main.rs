@@ -32,6 +32,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Denied opens of NVIDIA devices: cgroup, user, device, count, last process and time.
+    Denials {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// The node's NVIDIA devices: GPUs, MIG slices and their capabilities, protected majors.
     Devices {
         /// Print JSON.
@@ -93,6 +99,34 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
     let node = Node::load(cli.config.as_deref())?;
     match cli.cmd {
         Cmd::Mig { .. } => Ok(ExitCode::SUCCESS),
+        Cmd::Denials { json } => {
+            let d = gpufence_node::denials::list(&node)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+            } else if d.is_empty() {
+                println!("no denied opens recorded");
+            } else {
+                println!(
+                    "{:<8} {:<12} {:<10} {:<8} {:<16} {:<25} cgroup",
+                    "count", "user", "device", "pid", "comm", "last"
+                );
+                for x in d {
+                    println!(
+                        "{:<8} {:<12} {:<10} {:<8} {:<16} {:<25} {}",
+                        x.count,
+                        x.user.unwrap_or_else(|| x.uid.to_string()),
+                        x.device,
+                        x.last_pid,
+                        x.last_comm,
+                        x.last_time,
+                        x.cgroup
+                            .map(|c| format!("/{c}"))
+                            .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Devices { json } => {
             let d = gpufence_node::inventory::devices(&node);
             if json {

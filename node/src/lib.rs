@@ -11,6 +11,7 @@
 //! - [`grants`]: the live grants, for admins.
 
 pub mod apply;
+pub mod denials;
 pub mod drain;
 pub mod epilog;
 pub mod error;

@@ -578,3 +578,139 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     assert!(epilog::run(&node, 11, None).clean());
     assert!(epilog::run(&node, 999, None).clean());
 }
+
+/// Every denied open is recorded: who (cgroup, uid, pid, comm), what
+/// (device), how often, when; `gpufence denials` resolves names.
+#[test]
+fn denials_are_recorded() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("denials");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let n1 = env.mknod("nvidia1", 195, 1);
+    let out = env.cgroup("outside");
+    for _ in 0..3 {
+        assert_eq!(env.open_from(&out, &n1), "EPERM");
+    }
+    let _ = env.spawn_user_probe(
+        &out,
+        &["open", n1.to_str().unwrap()],
+        &format!("{} EPERM", n1.display()),
+    );
+    let d = gpufence_node::denials::list(&node).unwrap();
+    let uid = gpufence_tests::cluster::test_uid();
+    let by_uid = |u: u32| {
+        d.iter()
+            .find(|x| x.uid == u)
+            .unwrap_or_else(|| panic!("no record for uid {u}: {d:?}"))
+    };
+    let root = by_uid(0);
+    assert_eq!(
+        (root.count, root.device.as_str(), root.cgroup.as_deref()),
+        (3, "195:1", Some(out.as_str()))
+    );
+    assert_eq!(root.last_comm, "gpufence-probe");
+    let user = by_uid(uid);
+    assert_eq!(
+        (user.count, user.user.as_deref()),
+        (1, Some(gpufence_tests::cluster::TEST_USER))
+    );
+    let t = chrono::DateTime::parse_from_rfc3339(&user.last_time).unwrap();
+    assert!(
+        (chrono::Utc::now() - t.with_timezone(&chrono::Utc))
+            .num_seconds()
+            .abs()
+            < 30,
+        "{}",
+        user.last_time
+    );
+    // Allowed and unprotected opens leave no record.
+    let job = env.cgroup("job_1");
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            1,
+            &[(DevNum::new(195, 1), Access::RW)],
+        )
+        .unwrap();
+    assert_eq!(env.open_from(&job, &n1), "ENXIO");
+    assert_eq!(env.open_from(&out, std::path::Path::new("/dev/null")), "ok");
+    assert_eq!(gpufence_node::denials::list(&node).unwrap().len(), 2);
+}
+
+/// Audit mode records what it would deny and allows it; switching to
+/// enforce replaces the program atomically: under a loop of opens by an
+/// outsider, no open succeeds after the switch returns.
+#[test]
+fn audit_mode_then_enforce_without_a_gap() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("audit");
+    let audit = node(&env, &format!("mode = \"audit\"\n{MAJORS}"));
+    let r = fence_ops::install(&audit).unwrap();
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let out = env.cgroup("outside");
+    assert_eq!(env.open_from(&out, &n0), "ENXIO", "audit mode allows");
+    let d = gpufence_node::denials::list(&audit).unwrap();
+    assert_eq!(
+        (d.len(), d[0].count, d[0].device.as_str()),
+        (1, 1, "195:0"),
+        "and records: {d:?}"
+    );
+
+    // An outsider opens in a tight loop and reports each result with a
+    // monotonic timestamp; the switch happens in the middle.
+    let log = env.path("loop.log");
+    let script = format!(
+        // the timestamp is taken before the open starts
+        "while :; do t=$(date +%s%N); r=$({} open {}); echo \"$t $r\"; done > {}",
+        gpufence_tests::probe_bin().display(),
+        n0.display(),
+        log.display()
+    );
+    let mut looper = env
+        .command_in(&out, "sh")
+        .arg("-c")
+        .arg(&script)
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let enforce = node(&env, MAJORS);
+    let r2 = fence_ops::install(&enforce).unwrap();
+    let switched = chrono::Utc::now().timestamp_nanos_opt().unwrap();
+    assert!(
+        r2.replaced_program && r2.link_id == r.link_id,
+        "same link, program swapped"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let _ = looper.kill();
+    let _ = looper.wait();
+    let _ = env.cg.kill(&out);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let (mut before, mut after) = (0, 0);
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let (Some(ts), Some(_path), Some(verdict)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        let ts: i64 = ts.parse().unwrap();
+        if ts > switched {
+            assert_eq!(
+                verdict, "EPERM",
+                "an open after the switch returned succeeded: {line}"
+            );
+            after += 1;
+        } else if verdict == "ENXIO" {
+            before += 1;
+        }
+    }
+    assert!(
+        before > 0 && after > 0,
+        "the loop ran on both sides of the switch ({before} before, {after} after)"
+    );
+}
