@@ -40,8 +40,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let node_name = get("SLURMD_NODENAME");
-    let out = epilog::run(&node, job_id, node_name.as_deref());
+    let env = epilog::EpilogEnv::from_env(job_id, &get);
+    let out = epilog::run_with(&node, &env);
     for n in &out.notes {
         eprintln!("gpufence-epilog: job {job_id}: {n}");
     }

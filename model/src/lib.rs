@@ -16,6 +16,7 @@ pub mod fsutil;
 pub mod gres;
 pub mod mig;
 pub mod nvproc;
+pub mod options;
 pub mod policy;
 pub mod procdevices;
 pub mod record;

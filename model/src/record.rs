@@ -52,6 +52,10 @@ pub struct JobRecord {
     /// grants never come from it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuda_visible_devices: Vec<String>,
+    /// Compute modes the prolog changed for `--gpu-exclusive`:
+    /// `(minor, mode before)`, restored by the epilog.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub saved_compute_modes: Vec<(u32, u32)>,
 }
 
 /// One MIG slice of a job: the parent GPU (shared with the neighbours on the
@@ -326,6 +330,7 @@ mod tests {
             gpu_idle: vec![],
             mig: vec![],
             cuda_visible_devices: vec![],
+            saved_compute_modes: vec![],
         }
     }
 

@@ -11,6 +11,7 @@
 //! configured, drain the node with a reason naming the job and the pid.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::fence::{Fence, GrantEntry};
@@ -38,6 +39,8 @@ pub struct EpilogOutcome {
     pub notes: Vec<String>,
     /// The drain reason, when the node was (or should have been) drained.
     pub drain_reason: Option<String>,
+    /// Compute modes restored after `--gpu-exclusive`.
+    pub exclusive: Vec<String>,
 }
 
 impl EpilogOutcome {
@@ -109,9 +112,54 @@ fn accounting_fields(
     }
 }
 
-/// Runs the epilog for `job_id`. `node_name` is `SLURMD_NODENAME`, used to
-/// drain; `None` skips draining.
+/// The epilog's inputs besides the config.
+#[derive(Clone, Debug, Default)]
+pub struct EpilogEnv {
+    /// `SLURM_JOB_ID`.
+    pub job_id: u32,
+    /// `SLURMD_NODENAME`, used to drain; `None` skips draining.
+    pub node_name: Option<String>,
+    /// The job's options (`--gpufence-report`), user input.
+    pub options: gpufence_model::options::JobOptions,
+    /// `SLURM_JOB_WORK_DIR`: where the report goes by default.
+    pub work_dir: Option<PathBuf>,
+    /// `SLURM_JOB_UID` / `SLURM_JOB_GID`, for writing the report as the user
+    /// when the job has no record.
+    pub uid: Option<u32>,
+    /// See `uid`.
+    pub gid: Option<u32>,
+}
+
+impl EpilogEnv {
+    /// Reads it from the Epilog environment.
+    pub fn from_env(job_id: u32, get: &dyn Fn(&str) -> Option<String>) -> Self {
+        EpilogEnv {
+            job_id,
+            node_name: get("SLURMD_NODENAME"),
+            options: gpufence_model::options::JobOptions::from_env(get).unwrap_or_default(),
+            work_dir: get("SLURM_JOB_WORK_DIR").filter(|s| !s.is_empty()).map(PathBuf::from),
+            uid: get("SLURM_JOB_UID").and_then(|v| v.parse().ok()),
+            gid: get("SLURM_JOB_GID").and_then(|v| v.parse().ok()),
+        }
+    }
+}
+
+/// Runs the epilog for `job_id` (no options, no draining: tests and tools).
 pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
+    run_with(
+        node,
+        &EpilogEnv {
+            job_id,
+            node_name: node_name.map(str::to_string),
+            ..Default::default()
+        },
+    )
+}
+
+/// Runs the epilog.
+pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
+    let job_id = env.job_id;
+    let node_name = env.node_name.as_deref();
     let mut out = EpilogOutcome::default();
     let rec = match node.state.read_record(job_id) {
         Ok(r) => r,
@@ -318,6 +366,73 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
                     }
                 }
             }
+        }
+    }
+
+    // 5b. Compute modes changed for --gpu-exclusive go back, whatever the
+    //     job's fate.
+    if let Some(r) = &rec {
+        if !r.saved_compute_modes.is_empty() {
+            let g = if gpus.available() { None } else { Some(node.open_gpus()) };
+            let gpus_ref = g.as_ref().unwrap_or(&gpus);
+            for (minor, old) in &r.saved_compute_modes {
+                match gpus_ref.swap_compute_mode(*minor, *old) {
+                    Ok(_) => out.exclusive.push(format!("/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored")),
+                    Err(e) => out.errors.push(format!("restoring the compute mode of /dev/nvidia{minor}: {e}")),
+                }
+            }
+        }
+    }
+
+    // 5c. The user's report.
+    if let Some(path) = &env.options.report {
+        let uid_gid = rec.as_ref().map(|r| r.uid).or(env.uid).zip(env.gid);
+        match (uid_gid, env.work_dir.as_ref()) {
+            (Some((uid, gid)), Some(wd)) => {
+                let start = rec.as_ref().and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
+                let wall = start.map(|s| (chrono::Utc::now() - s.with_timezone(&chrono::Utc)).num_milliseconds() as f64 / 1000.0);
+                let denials = crate::denials::list(node)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|d| d.uid == uid)
+                    .filter(|d| {
+                        start.is_none_or(|s| {
+                            chrono::DateTime::parse_from_rfc3339(&d.last_time).is_ok_and(|t| t >= s)
+                        })
+                    })
+                    .collect();
+                let accounting = match (&rec, start) {
+                    (Some(_), Some(s)) if gpus.available() => gpus
+                        .accounting(&minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(m, procs)| {
+                            let max = procs.iter().filter_map(|p| p.max_memory).max().unwrap_or(0);
+                            let u: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
+                            let avg = if u.is_empty() { 0.0 } else { u.iter().sum::<u32>() as f64 / u.len() as f64 };
+                            format!("/dev/nvidia{m}: max memory {} MiB, average utilisation {avg:.0}% ({} processes)", max >> 20, procs.len())
+                        })
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                let text = crate::report::render(&crate::report::ReportData {
+                    record: rec.as_ref(),
+                    job_id,
+                    node_name: node_name.unwrap_or("this node").to_string(),
+                    denials,
+                    lingering: &out.lingering,
+                    wall_seconds: wall,
+                    accounting,
+                    exclusive: out.exclusive.clone(),
+                });
+                let target = path.clone().unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt")));
+                match crate::report::write_as_user(&text, &target, wd, uid, gid) {
+                    Ok(p) => out.notes.push(format!("report written to {}", p.display())),
+                    // The user's path, the user's problem: noted, never a drain.
+                    Err(e) => out.notes.push(format!("report not written: {e}")),
+                }
+            }
+            _ => out.notes.push("report not written: the job's uid, gid or working directory is unknown".into()),
         }
     }
 

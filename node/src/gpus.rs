@@ -191,6 +191,50 @@ impl Gpus {
         })
     }
 
+    /// The minors of every GPU NVML lists (none without NVML).
+    ///
+    /// # Errors
+    /// The first NVML error.
+    pub fn minors(&self) -> Result<BTreeSet<u32>, String> {
+        let Some(nvml) = &self.nvml else {
+            return Ok(BTreeSet::new());
+        };
+        let n = nvml
+            .device_count()
+            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+        let mut out = BTreeSet::new();
+        for i in 0..n {
+            let d = nvml
+                .device_by_index(i)
+                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+            out.insert(
+                d.minor_number()
+                    .map_err(|e| format!("nvmlDeviceGetMinorNumber({i}): {e}"))?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Utilisation of each GPU with these minors over the driver's last
+    /// sample period: `(minor, Some((gpu %, memory %)))`, or `None` for a
+    /// GPU that does not report it (`NVML_ERROR_NOT_SUPPORTED`, e.g. with
+    /// MIG enabled).
+    ///
+    /// # Errors
+    /// The first other NVML error.
+    pub fn utilization(
+        &self,
+        minors: &BTreeSet<u32>,
+    ) -> Result<Vec<(u32, Option<(u32, u32)>)>, String> {
+        self.each_device(minors, |minor, d| match d.utilization_rates() {
+            Ok(u) => Ok((minor, Some((u.gpu, u.memory)))),
+            Err(nvml_wrapper::error::NvmlError::NotSupported) => Ok((minor, None)),
+            Err(e) => Err(format!(
+                "nvmlDeviceGetUtilizationRates (minor {minor}): {e}"
+            )),
+        })
+    }
+
     /// Used memory of each GPU with these minors, bytes.
     ///
     /// # Errors
@@ -247,5 +291,58 @@ impl Gpus {
             Ok(Some((minor, procs)))
         })?;
         Ok(all.into_iter().flatten().collect())
+    }
+}
+
+/// A GPU compute mode (`nvmlComputeMode_t`), by NVML's number:
+/// 0 default, 1 exclusive-thread (removed), 2 prohibited, 3 exclusive-process.
+pub type ComputeModeNum = u32;
+
+fn mode_from(m: nvml_wrapper::enum_wrappers::device::ComputeMode) -> ComputeModeNum {
+    use nvml_wrapper::enum_wrappers::device::ComputeMode::*;
+    match m {
+        Default => 0,
+        ExclusiveThread => 1,
+        Prohibited => 2,
+        ExclusiveProcess => 3,
+    }
+}
+
+fn mode_to(n: ComputeModeNum) -> Option<nvml_wrapper::enum_wrappers::device::ComputeMode> {
+    use nvml_wrapper::enum_wrappers::device::ComputeMode::*;
+    Some(match n {
+        0 => Default,
+        1 => ExclusiveThread,
+        2 => Prohibited,
+        3 => ExclusiveProcess,
+        _ => return None,
+    })
+}
+
+/// NVML's exclusive-process compute mode.
+pub const EXCLUSIVE_PROCESS: ComputeModeNum = 3;
+
+impl Gpus {
+    /// Sets the compute mode of the GPU with this minor and returns the
+    /// mode it had (needs root).
+    ///
+    /// # Errors
+    /// The NVML error, or "no GPU with minor N".
+    pub fn swap_compute_mode(&self, minor: u32, mode: ComputeModeNum) -> Result<ComputeModeNum, String> {
+        let Some(nvml) = &self.nvml else {
+            return Err(format!("NVML unavailable: {}", self.unavailable.clone().unwrap_or_default()));
+        };
+        let want = mode_to(mode).ok_or_else(|| format!("unknown compute mode {mode}"))?;
+        let n = nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+        for i in 0..n {
+            let mut d = nvml.device_by_index(i).map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+            if d.minor_number().map_err(|e| e.to_string())? != minor {
+                continue;
+            }
+            let old = mode_from(d.compute_mode().map_err(|e| format!("nvmlDeviceGetComputeMode: {e}"))?);
+            d.set_compute_mode(want).map_err(|e| format!("nvmlDeviceSetComputeMode (minor {minor}): {e}"))?;
+            return Ok(old);
+        }
+        Err(format!("NVML lists no GPU with minor {minor}"))
     }
 }

@@ -20,11 +20,14 @@ pub mod fence_ops;
 pub mod gpus;
 pub mod grants;
 pub mod gresmap;
+pub mod incident;
 pub mod inventory;
 pub mod prolog;
+pub mod report;
 pub mod respond;
 pub mod scan;
 pub mod slurmctld;
+pub mod sweep;
 
 use gpufence_cgroup::Cgroup2;
 use gpufence_model::audit::{AuditEvent, AuditLog};

@@ -37,6 +37,8 @@ pub struct PrologEnv {
     pub node_name: Option<String>,
     /// `CUDA_VISIBLE_DEVICES` as slurmd set it (recorded, never granted from).
     pub cuda_visible_devices: Vec<gpufence_model::visible::VisibleDevice>,
+    /// The job's `--gpu-exclusive` / `--gpufence-report` (user input).
+    pub options: gpufence_model::options::JobOptions,
 }
 
 /// Parses a numeric variable slurmd always sets.
@@ -80,6 +82,9 @@ impl PrologEnv {
                 }
                 None => Vec::new(),
             },
+            // User input, already checked by the plugin at submission; a
+            // value that still does not parse is ignored, never guessed.
+            options: gpufence_model::options::JobOptions::from_env(get).unwrap_or_default(),
         })
     }
 }
@@ -192,6 +197,7 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         notes: Vec::new(),
         gpu_idle: Vec::new(),
         mig: Vec::new(),
+        saved_compute_modes: Vec::new(),
         cuda_visible_devices: env
             .cuda_visible_devices
             .iter()
@@ -477,6 +483,22 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
     Ok(notes)
 }
 
+/// `--gpu-exclusive`: exclusive-process compute mode on the job's GPUs,
+/// remembering each GPU's mode for the epilog to restore. A GPU that cannot
+/// be switched is noted (the job still runs: the mode is the user's wish,
+/// not a security boundary).
+fn set_exclusive(node: &Node, rec: &mut JobRecord) {
+    let gres: BTreeSet<DevNum> = rec.devices.iter().filter(|d| d.role == DeviceRole::Gres).map(|d| d.dev).collect();
+    let minors = gpu_minors(&gres, node.gpu_major());
+    let gpus = node.open_gpus();
+    for m in minors {
+        match gpus.swap_compute_mode(m, crate::gpus::EXCLUSIVE_PROCESS) {
+            Ok(old) => rec.saved_compute_modes.push((m, old)),
+            Err(e) => rec.notes.push(format!("--gpu-exclusive: /dev/nvidia{m}: {e}")),
+        }
+    }
+}
+
 /// Runs the Prolog: checks the fence, builds the record, makes sure the
 /// job's GPUs are free, writes the record, audits.
 ///
@@ -489,6 +511,9 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
     let mut rec = build_record(node, env)?;
     rec.notes.extend(stale);
     clean_start(node, &fence, &mut rec)?;
+    if env.options.gpu_exclusive {
+        set_exclusive(node, &mut rec);
+    }
     let rec = rec;
     node.state.write_record(&rec)?;
     if !rec.devices.is_empty() {

@@ -89,6 +89,45 @@ fn char_rdev(p: &Path) -> Option<DevNum> {
         .then(|| DevNum::from_rdev(md.rdev()))
 }
 
+/// What one `stat` of a descriptor says: a character device, a socket (by
+/// inode, as the kernel's socket tables name it), or something else.
+enum FdKind {
+    Char(DevNum),
+    Socket(u64),
+    Other,
+}
+
+fn fd_kind(p: &Path) -> FdKind {
+    match std::fs::metadata(p) {
+        Ok(md) if md.file_type().is_char_device() => FdKind::Char(DevNum::from_rdev(md.rdev())),
+        Ok(md) if md.file_type().is_socket() => FdKind::Socket(md.ino()),
+        _ => FdKind::Other,
+    }
+}
+
+/// Which devices a scan looks for.
+pub type DevicePredicate<'a> = &'a dyn Fn(DevNum) -> bool;
+
+/// One walk of one process: its holds of the devices sought and the inodes
+/// of the sockets in its descriptor tables (both from the same `stat` of
+/// each descriptor), for the sweep, which walks `/proc` once.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessFds {
+    /// Its holds of devices the predicate selected, if any.
+    pub holder: Option<Holder>,
+    /// Socket inodes (`socket:[N]`) in its descriptor tables.
+    pub sockets: BTreeSet<u64>,
+}
+
+/// `kcmp(pid1, pid2, KCMP_FILES)`: whether two tasks share one descriptor
+/// table. `None` when the kernel cannot say (no kcmp, no permission).
+fn same_fd_table(a: i32, b: i32) -> Option<bool> {
+    const KCMP_FILES: libc::c_long = 2;
+    // SAFETY: kcmp(2) compares kernel objects of two tasks; no memory is passed.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, a, b, KCMP_FILES, 0, 0) };
+    (r >= 0).then_some(r == 0)
+}
+
 impl Scanner {
     /// A fresh scan.
     pub fn new() -> Self {
@@ -103,17 +142,7 @@ impl Scanner {
             return out;
         }
         let me = std::process::id() as i32;
-        let Ok(proc_dir) = std::fs::read_dir("/proc") else {
-            return out;
-        };
-        for entry in proc_dir.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
-                continue;
-            };
+        for pid in pids() {
             if pid == me {
                 continue;
             }
@@ -133,23 +162,83 @@ impl Scanner {
     /// [`Scanner::holder`] reading the process directory `base` (a
     /// `/proc/<pid>`, or a fixture tree of the same shape in tests).
     pub fn holder_at(&mut self, base: &Path, pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
+        self.walk(base, pid, &|d| devs.contains(&d), None, false)
+    }
+
+    /// Every process (other than this one) holding a device `want` selects
+    /// (e.g. any device whose major is protected), in pid order.
+    pub fn holders_where(&mut self, want: DevicePredicate<'_>) -> Vec<Holder> {
+        let me = std::process::id() as i32;
+        let mut out: Vec<Holder> = pids()
+            .into_iter()
+            .filter(|p| *p != me)
+            .filter_map(|pid| self.holder_where(pid, want))
+            .collect();
+        out.sort_by_key(|h| h.pid);
+        out
+    }
+
+    /// The holds of `pid` on devices `want` selects, if any.
+    pub fn holder_where(&mut self, pid: i32, want: DevicePredicate<'_>) -> Option<Holder> {
+        self.process_fds(pid, want).holder
+    }
+
+    /// One walk of `/proc/<pid>`: its holds of devices `want` selects
+    /// (descriptor tables of the process and its threads, mappings, io_uring
+    /// files, as [`Scanner::holder`]) and the inodes of its sockets. Threads
+    /// whose descriptor table is one already walked (`kcmp(2)`
+    /// `KCMP_FILES`) are skipped, so a process of a thousand threads costs
+    /// one table, not a thousand; the holds found are the same.
+    pub fn process_fds(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
+        let mut sockets = BTreeSet::new();
+        let base = PathBuf::from(format!("/proc/{pid}"));
+        let holder = self.walk(&base, pid, want, Some(&mut sockets), true);
+        ProcessFds { holder, sockets }
+    }
+
+    fn walk(
+        &mut self,
+        base: &Path,
+        pid: i32,
+        want: DevicePredicate<'_>,
+        mut sockets: Option<&mut BTreeSet<u64>>,
+        skip_shared_tables: bool,
+    ) -> Option<Holder> {
         let base = base.to_path_buf();
         let mut fds = Vec::new();
-        fd_table(&base, devs, Via::Fd, None, &mut fds);
-        // Threads: only those whose table differs are worth a walk, but
-        // "differs" cannot be asked; walk each, and drop duplicates below.
+        fd_table(&base, want, Via::Fd, None, &mut fds, sockets.as_deref_mut());
+        // Threads: only those whose table differs are worth a walk. Where
+        // kcmp can tell, tables already walked are skipped; otherwise each
+        // is walked and duplicates are dropped below.
+        let mut walked = vec![pid];
         if let Ok(tasks) = std::fs::read_dir(base.join("task")) {
             for t in tasks.flatten() {
                 let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                     continue;
                 };
-                if tid != pid {
-                    fd_table(&t.path(), devs, Via::ThreadFd, Some(tid), &mut fds);
+                if tid == pid {
+                    continue;
                 }
+                if skip_shared_tables
+                    && walked
+                        .iter()
+                        .any(|w| same_fd_table(*w, tid) == Some(true))
+                {
+                    continue;
+                }
+                fd_table(
+                    &t.path(),
+                    want,
+                    Via::ThreadFd,
+                    Some(tid),
+                    &mut fds,
+                    sockets.as_deref_mut(),
+                );
+                walked.push(tid);
             }
         }
-        self.mappings(&base, devs, &mut fds);
-        io_uring_files(&base, devs, &mut fds);
+        self.mappings(&base, want, &mut fds);
+        io_uring_files(&base, want, &mut fds);
         // The same hold seen through the main table and a thread sharing it.
         let mut seen = BTreeSet::new();
         fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
@@ -159,7 +248,7 @@ impl Scanner {
         })
     }
 
-    fn mappings(&mut self, base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
+    fn mappings(&mut self, base: &Path, want: DevicePredicate<'_>, out: &mut Vec<HeldFd>) {
         let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
             return;
         };
@@ -187,7 +276,7 @@ impl Scanner {
                     d
                 }
             };
-            if let Some(d) = dev.filter(|d| devs.contains(d)) {
+            if let Some(d) = dev.filter(|d| want(*d)) {
                 if !out.iter().any(|f| f.via == Via::Mmap && f.dev == d) {
                     out.push(HeldFd {
                         fd: -1,
@@ -204,10 +293,11 @@ impl Scanner {
 
 fn fd_table(
     dir: &Path,
-    devs: &BTreeSet<DevNum>,
+    want: DevicePredicate<'_>,
     via: Via,
     tid: Option<i32>,
     out: &mut Vec<HeldFd>,
+    mut sockets: Option<&mut BTreeSet<u64>>,
 ) {
     let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
         return;
@@ -217,14 +307,20 @@ fn fd_table(
             continue;
         };
         let p = e.path();
-        if let Some(dev) = char_rdev(&p).filter(|d| devs.contains(d)) {
-            out.push(HeldFd {
+        match fd_kind(&p) {
+            FdKind::Char(dev) if want(dev) => out.push(HeldFd {
                 fd,
                 path: std::fs::read_link(&p).unwrap_or_default(),
                 dev,
                 via,
                 tid,
-            });
+            }),
+            FdKind::Socket(ino) => {
+                if let Some(s) = sockets.as_deref_mut() {
+                    s.insert(ino);
+                }
+            }
+            _ => {}
         }
     }
 }
@@ -232,7 +328,7 @@ fn fd_table(
 /// Files registered with an io_uring: the `UserFiles:` section of the
 /// ring's fdinfo lists them as `<index>: <path>` (`io_uring_show_fdinfo`,
 /// `io_uring/fdinfo.c`). Paths are resolved with `stat`.
-fn io_uring_files(base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
+fn io_uring_files(base: &Path, want: DevicePredicate<'_>, out: &mut Vec<HeldFd>) {
     let Ok(rd) = std::fs::read_dir(base.join("fd")) else {
         return;
     };
@@ -265,7 +361,7 @@ fn io_uring_files(base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
                     continue;
                 }
                 let path = path.trim();
-                if let Some(dev) = char_rdev(Path::new(path)).filter(|d| devs.contains(d)) {
+                if let Some(dev) = char_rdev(Path::new(path)).filter(|d| want(*d)) {
                     out.push(HeldFd {
                         fd,
                         path: PathBuf::from(path),
@@ -277,6 +373,17 @@ fn io_uring_files(base: &Path, devs: &BTreeSet<DevNum>, out: &mut Vec<HeldFd>) {
             }
         }
     }
+}
+
+/// The pids in `/proc` (processes, not threads), unsorted.
+pub fn pids() -> Vec<i32> {
+    let Ok(proc_dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    proc_dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .collect()
 }
 
 /// Every process (other than this one) holding a device in `devs`.

@@ -18,6 +18,7 @@
 
 use std::error::Error;
 use std::io::Write;
+use std::os::raw::{c_char, c_int};
 use std::path::PathBuf;
 
 use slurm_spank::{spank_log, Context, LogLevel, Plugin, SpankHandle};
@@ -26,6 +27,141 @@ use gpufence_node::apply::{self, StepRequest, StepVerdict};
 use gpufence_node::{fence_ops, gresmap, Node};
 
 include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
+
+// The symbols Slurm's plugin loader looks for (`src/common/plugin.c`):
+// name, type "spank", and the version of the headers built against (only
+// major.minor must match the running Slurm for SPANK plugins).
+
+/// `plugin_name`.
+#[no_mangle]
+#[allow(non_upper_case_globals)]
+pub static plugin_name: [u8; 9] = *b"gpufence\0";
+/// `plugin_type`.
+#[no_mangle]
+#[allow(non_upper_case_globals)]
+pub static plugin_type: [u8; 6] = *b"spank\0";
+/// `plugin_version`.
+#[no_mangle]
+#[allow(non_upper_case_globals)]
+pub static plugin_version: std::os::raw::c_uint = BUILT_FOR_SLURM;
+
+/// Registers `--gpu-exclusive` and `--gpufence-report[=PATH]` with Slurm,
+/// raw: slurm-spank's `register_option` cannot make an option whose value
+/// is optional (`has_arg = 2`), and Slurm ignores a static `spank_options`
+/// table in sbatch/salloc (allocator context, `_spank_plugin_create`,
+/// `src/common/plugstack.c`). Slurm copies the struct, so a stack value is
+/// fine. Values reach the Prolog and Epilog as
+/// `SPANK__SLURM_SPANK_OPTION_gpufence_*`, which act on them.
+fn register_options(spank: slurm_spank::spank_sys::spank_t) -> c_int {
+    use slurm_spank::spank_sys::{spank_option, spank_option_register};
+    let mut opts = [
+        spank_option {
+            name: c"gpu-exclusive".as_ptr(),
+            arginfo: std::ptr::null(),
+            usage: c"run this job's GPUs in exclusive-process compute mode (restored at job end)".as_ptr(),
+            has_arg: 0,
+            val: 1,
+            cb: Some(option_cb),
+        },
+        spank_option {
+            name: c"gpufence-report".as_ptr(),
+            arginfo: c"PATH".as_ptr(),
+            usage: c"at job end, write a report of the job's GPU use (devices, denied opens, lingering processes, GPU-seconds) to PATH (default: gpufence-<jobid>.txt in the job's working directory)".as_ptr(),
+            has_arg: 2,
+            val: 2,
+            cb: Some(option_cb),
+        },
+    ];
+    for o in opts.iter_mut() {
+        // SAFETY: a valid spank handle from Slurm and a valid option struct.
+        let rc = unsafe { spank_option_register(spank, o) };
+        if rc != 0 {
+            log(
+                LogLevel::Error,
+                &format!("cannot register an option (spank error {rc})"),
+            );
+            return -1;
+        }
+    }
+    0
+}
+
+/// Runs one SPANK callback of [`GpuFence`] through slurm-spank's globals
+/// (state across callbacks, option cache, panic catching).
+fn hook(
+    spank: slurm_spank::spank_sys::spank_t,
+    ac: c_int,
+    argv: *const *const c_char,
+    which: fn(&mut dyn Plugin, &mut SpankHandle) -> Result<(), Box<dyn Error>>,
+) -> c_int {
+    slurm_spank::spank_callback_with_globals::<GpuFence, _>(move |plugin, options, need_setup| {
+        let mut h = slurm_spank::init_spank_handle(spank, ac, argv, options);
+        if need_setup {
+            plugin.setup(&mut h)?;
+        }
+        which(plugin, &mut h).inspect_err(|e| plugin.report_error(e.as_ref()))
+    })
+}
+
+/// `slurm_spank_init`: options first (every context where users type them
+/// or where their values arrive), then [`GpuFence::init`].
+#[no_mangle]
+pub extern "C" fn slurm_spank_init(
+    spank: slurm_spank::spank_sys::spank_t,
+    ac: c_int,
+    argv: *const *const c_char,
+) -> c_int {
+    use slurm_spank::spank_sys::*;
+    // SAFETY: spank_context() has no arguments and no preconditions.
+    let ctx = unsafe { spank_context() };
+    if (ctx == spank_context_S_CTX_LOCAL
+        || ctx == spank_context_S_CTX_ALLOCATOR
+        || ctx == spank_context_S_CTX_REMOTE)
+        && register_options(spank) != 0
+    {
+        return -1;
+    }
+    hook(spank, ac, argv, |p, h| p.init(h))
+}
+
+/// `slurm_spank_task_init_privileged`.
+#[no_mangle]
+pub extern "C" fn slurm_spank_task_init_privileged(
+    spank: slurm_spank::spank_sys::spank_t,
+    ac: c_int,
+    argv: *const *const c_char,
+) -> c_int {
+    hook(spank, ac, argv, |p, h| p.task_init_privileged(h))
+}
+
+/// `slurm_spank_task_init`.
+#[no_mangle]
+pub extern "C" fn slurm_spank_task_init(
+    spank: slurm_spank::spank_sys::spank_t,
+    ac: c_int,
+    argv: *const *const c_char,
+) -> c_int {
+    hook(spank, ac, argv, |p, h| p.task_init(h))
+}
+
+/// Validates option values where the user types them (srun, sbatch), so a
+/// bad value fails at submission with a clear line. Never panics.
+unsafe extern "C" fn option_cb(val: c_int, optarg: *const c_char, _remote: c_int) -> c_int {
+    let r = std::panic::catch_unwind(|| {
+        if val == 2 && !optarg.is_null() {
+            // SAFETY: Slurm passes a NUL-terminated string or NULL.
+            let s = unsafe { std::ffi::CStr::from_ptr(optarg) }
+                .to_string_lossy()
+                .into_owned();
+            if let Err(e) = gpufence_model::options::check_report_path(&s) {
+                log(LogLevel::Error, &e);
+                return -1;
+            }
+        }
+        0
+    });
+    r.unwrap_or(-1)
+}
 
 /// Arguments from plugstack.conf.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

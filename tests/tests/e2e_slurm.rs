@@ -107,13 +107,34 @@ fn real_slurm_cluster_end_to_end() {
         caps[3].display()
     );
     let by_index: [PathBuf; 3] = [n3.clone(), n1.clone(), held.clone()];
+    // The driver's view through the fake NVML (tests/fake-nvml): the two
+    // "sim" GPUs exist for it, idle. Its state file shows compute modes.
+    let nvml_dir = env.path("nvml");
+    std::fs::create_dir_all(&nvml_dir).unwrap();
+    std::fs::set_permissions(
+        &nvml_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let nvml_lib = nvml_dir.join("libnvidia-ml.so.1");
+    std::fs::copy(gpufence_tests::workspace_bin("libnvidia_ml.so"), &nvml_lib).unwrap();
+    std::fs::write(
+        nvml_dir.join("nvml-scenario.json"),
+        serde_json::json!({"gpus": [
+            {"minor": 3, "uuid": "GPU-33333333-0000-0000-0000-000000000003", "idle_used_mib": 400},
+            {"minor": 1, "uuid": "GPU-11111111-0000-0000-0000-000000000001", "idle_used_mib": 400}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
     let cluster = Cluster::start(
         &env,
         &gres,
         "gpu:sim:2,gpu:held:1,gpu:mig:2",
         &format!(
-            "layout = \"own\"\nterm_grace_ms = 1000\nproc_dir = \"{}\"\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nnvidia-caps = 242\nfake-held = {}\n",
+            "layout = \"own\"\nterm_grace_ms = 1000\nproc_dir = \"{}\"\nnvml_library = \"{}\"\n[majors]\nnvidia = 195\nnvidia-uvm = 241\nnvidia-caps = 242\nfake-held = {}\n",
             proc_dir.display(),
+            nvml_lib.display(),
             real.major
         ),
         std::env::var("GPUFENCE_E2E_PORT_BASE")
@@ -674,6 +695,124 @@ fn real_slurm_cluster_end_to_end() {
         (pa == slice1 && pb == slice2) || (pa == slice2 && pb == slice1),
         "each job its own slice only: A {pa:?}, B {pb:?}"
     );
+
+    // 7g. The options users have: --gpu-exclusive (compute mode set for the
+    //     job, restored after it) and --gpufence-report[=PATH].
+    let o = cluster.as_user("sbatch", &["--help"]);
+    let help = both(&o);
+    assert!(
+        help.contains("--gpu-exclusive") && help.contains("--gpufence-report=PATH"),
+        "{help}"
+    );
+    let state = nvml_dir.join("nvml-state.json");
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gpu-exclusive",
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; echo GPUS=$SLURM_STEP_GPUS; cat {}",
+                state.display()
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    let idx: usize = field(&out, "GPUS").unwrap().parse().unwrap();
+    let minor = [3, 1][idx];
+    let mode_of = |text: &str| -> Option<u64> {
+        let start = text.find('{')?;
+        let v: Value = serde_json::from_str(&text[start..]).ok()?;
+        v["compute_mode"][minor.to_string()].as_u64()
+    };
+    assert_eq!(
+        mode_of(&out),
+        Some(3),
+        "exclusive-process (3) on minor {minor} during the job:\n{out}"
+    );
+    let job_x: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&env, job_x)
+            .contains(&"grant_revoked".into())),
+        "{:?}",
+        events_for(&env, job_x)
+    );
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || std::fs::read_to_string(&state)
+            .is_ok_and(|s| mode_of(&s) == Some(0))),
+        "mode restored after the job: {}",
+        std::fs::read_to_string(&state).unwrap_or_default()
+    );
+    // The report, to the default place (the job's working directory) and to a path.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gpufence-report",
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            "echo JOB=$SLURM_JOB_ID",
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let job_r: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
+    let default_report = env.path(&format!("jobs/gpufence-{job_r}.txt"));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || default_report.exists()),
+        "no report at {}: {:?}",
+        default_report.display(),
+        events_for(&env, job_r)
+    );
+    let text = std::fs::read_to_string(&default_report).unwrap();
+    assert!(
+        text.starts_with(&format!("gpufence report for job {job_r}")),
+        "{text}"
+    );
+    assert!(
+        text.contains("devices granted:") && text.contains("GPU-seconds:"),
+        "{text}"
+    );
+    let md = std::fs::metadata(&default_report).unwrap();
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&md),
+        test_uid(),
+        "written as the user"
+    );
+    let mine = env.path("jobs/my-report.txt");
+    let o = cluster.as_user(
+        "srun",
+        &[
+            &format!("--gpufence-report={}", mine.display()),
+            "--gres=gpu:sim:1",
+            "true",
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || mine.exists()),
+        "no report at {}",
+        mine.display()
+    );
+    // A path the user may not write is not written (as root it would be).
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gpufence-report=/etc/gpufence-pwned",
+            "--gres=gpu:sim:1",
+            "true",
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        !std::path::Path::new("/etc/gpufence-pwned").exists(),
+        "the report was written as root"
+    );
+    // A bad value is refused at submission.
+    let o = cluster.as_user("srun", &["--gpufence-report=a\nb", "true"]);
+    assert!(!o.status.success(), "{}", both(&o));
 
     // 8. The fence disappears while a job runs: its next step is refused,
     //    and the user reads why, in one line, in the job's output.

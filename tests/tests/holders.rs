@@ -142,6 +142,7 @@ fn record(node: &Node, job: u32, dev: DevNum) {
             gpu_idle: vec![],
             mig: vec![],
             cuda_visible_devices: vec![],
+            saved_compute_modes: Vec::new(),
         })
         .unwrap();
 }

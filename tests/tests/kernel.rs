@@ -44,6 +44,7 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
         gpu_idle: vec![],
         mig: vec![],
         cuda_visible_devices: vec![],
+        saved_compute_modes: Vec::new(),
     }
 }
 

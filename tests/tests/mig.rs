@@ -64,6 +64,7 @@ fn prolog_env(job: u32, index: u32) -> PrologEnv {
         slurm_conf: None,
         node_name: None,
         cuda_visible_devices: vec![],
+        options: Default::default(),
     }
 }
 

@@ -74,6 +74,7 @@ impl World {
                 gpu_idle: vec![],
                 mig: vec![],
                 cuda_visible_devices: vec![],
+                saved_compute_modes: Vec::new(),
             })
             .unwrap();
     }
@@ -244,6 +245,7 @@ fn the_prolog_baseline_is_the_idle_level() {
         slurm_conf: None,
         node_name: None,
         cuda_visible_devices: vec![],
+        options: Default::default(),
     };
     let rec = prolog::run(&node, &env).unwrap();
     assert_eq!(rec.gpu_idle.len(), 1);
@@ -285,6 +287,7 @@ fn a_process_on_another_gpu_is_left_to_the_next_prolog() {
         slurm_conf: None,
         node_name: None,
         cuda_visible_devices: vec![],
+        options: Default::default(),
     };
     let rec = prolog::run(&node, &env).unwrap();
     assert!(gone(squatter), "the prolog killed the squatter");
@@ -328,6 +331,7 @@ fn refuse_policy_keeps_evidence_and_refuses() {
         slurm_conf: None,
         node_name: None,
         cuda_visible_devices: vec![],
+        options: Default::default(),
     };
     let e = prolog::run(&node, &env).unwrap_err();
     assert!(
@@ -443,6 +447,7 @@ fn nvml_errors_mid_query_are_findings() {
         slurm_conf: None,
         node_name: None,
         cuda_visible_devices: vec![],
+        options: Default::default(),
     };
     assert!(matches!(prolog::run(&node, &env), Err(NodeError::Nvml(_))));
 }

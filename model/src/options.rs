@@ -1,0 +1,168 @@
+//! The job options the SPANK plugin registers, as the Prolog and Epilog see
+//! them: `--gpu-exclusive` and `--gpufence-report[=PATH]`.
+//!
+//! Slurm hands option values to the Prolog/Epilog environment as
+//! `SPANK__SLURM_SPANK_OPTION_<plugin>_<option>` (and to the job as
+//! `_SLURM_SPANK_OPTION_...`), non-alphanumeric characters of both names
+//! turned into `_` (`_opt_env_name`, `src/common/plugstack.c`). They are
+//! user input: parsed strictly here, and they never widen a grant (they
+//! change a compute mode of the job's own GPUs, and where the job's report
+//! is written, as the job's user).
+
+use std::path::PathBuf;
+
+/// Option names as registered (and shown in `sbatch --help`).
+pub const OPT_GPU_EXCLUSIVE: &str = "gpu-exclusive";
+/// See [`OPT_GPU_EXCLUSIVE`].
+pub const OPT_REPORT: &str = "gpufence-report";
+/// The plugin's name (`plugin_name`), part of the variables' names.
+pub const PLUGIN_NAME: &str = "gpufence";
+
+/// The longest report path accepted.
+pub const MAX_PATH: usize = 1024;
+
+/// The variable carrying `option` in the Prolog/Epilog environment.
+pub fn env_name(option: &str, prolog: bool) -> String {
+    let canon = |s: &str| {
+        s.chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect::<String>()
+    };
+    format!(
+        "{}_SLURM_SPANK_OPTION_{}_{}",
+        if prolog { "SPANK_" } else { "" },
+        canon(PLUGIN_NAME),
+        canon(option)
+    )
+}
+
+/// What the user asked for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobOptions {
+    /// `--gpu-exclusive`.
+    pub gpu_exclusive: bool,
+    /// `--gpufence-report`: `Some(None)` for the default place, `Some(Some(p))` for `=PATH`.
+    pub report: Option<Option<PathBuf>>,
+}
+
+/// Checks a report path given by the user: non-empty, at most [`MAX_PATH`]
+/// bytes, one line of printable characters. Relative paths are relative to
+/// the job's working directory. Where it may be written is decided by the
+/// user's own permissions: the report is written as the user.
+///
+/// # Errors
+/// A one-line message for the user.
+pub fn check_report_path(p: &str) -> Result<PathBuf, String> {
+    if p.is_empty() {
+        return Err("--gpufence-report=PATH: empty path".into());
+    }
+    if p.len() > MAX_PATH {
+        return Err(format!(
+            "--gpufence-report=PATH: longer than {MAX_PATH} bytes"
+        ));
+    }
+    if p.chars().any(|c| c.is_control()) {
+        return Err("--gpufence-report=PATH: control characters in the path".into());
+    }
+    Ok(PathBuf::from(p))
+}
+
+impl JobOptions {
+    /// Reads the options from a Prolog/Epilog environment (`get`).
+    ///
+    /// # Errors
+    /// A message when a value does not parse (the Prolog then records no
+    /// options and says why; it never guesses).
+    pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let mut o = JobOptions::default();
+        let value = |opt: &str| get(&env_name(opt, true)).or_else(|| get(&env_name(opt, false)));
+        if let Some(v) = value(OPT_GPU_EXCLUSIVE) {
+            // a flag: Slurm passes an empty value (or "(null)")
+            if !(v.is_empty() || v == "(null)" || v == "1") {
+                return Err(format!("--{OPT_GPU_EXCLUSIVE} takes no value (got {v:?})"));
+            }
+            o.gpu_exclusive = true;
+        }
+        if let Some(v) = value(OPT_REPORT) {
+            o.report = Some(if v.is_empty() || v == "(null)" {
+                None
+            } else {
+                Some(check_report_path(&v)?)
+            });
+        }
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn names_follow_slurm() {
+        assert_eq!(
+            env_name("gpu-exclusive", true),
+            "SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive"
+        );
+        assert_eq!(
+            env_name("gpufence-report", false),
+            "_SLURM_SPANK_OPTION_gpufence_gpufence_report"
+        );
+    }
+
+    #[test]
+    fn values() {
+        let o = JobOptions::from_env(&env(&[
+            ("SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive", ""),
+            (
+                "SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report",
+                "/home/u/r.txt",
+            ),
+        ]))
+        .unwrap();
+        assert!(o.gpu_exclusive);
+        assert_eq!(o.report, Some(Some(PathBuf::from("/home/u/r.txt"))));
+        let o = JobOptions::from_env(&env(&[(
+            "SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report",
+            "",
+        )]))
+        .unwrap();
+        assert_eq!(
+            o,
+            JobOptions {
+                gpu_exclusive: false,
+                report: Some(None)
+            }
+        );
+        assert_eq!(
+            JobOptions::from_env(&env(&[])).unwrap(),
+            JobOptions::default()
+        );
+    }
+
+    #[test]
+    fn hostile_values_are_refused() {
+        for (k, v) in [
+            ("SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive", "0,1,2"),
+            ("SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report", "a\nb"),
+            (
+                "SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report",
+                &"x".repeat(5000),
+            ),
+        ] {
+            assert!(
+                JobOptions::from_env(&env(&[(k, v)])).is_err(),
+                "{k}={v:.20}"
+            );
+        }
+    }
+}

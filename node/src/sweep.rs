@@ -1,0 +1,1874 @@
+//! `gpufence sweep`: a node health check that looks for what the fence
+//! cannot prevent on its own, cheap enough to run every minute (Slurm's
+//! `HealthCheckProgram`, NHC, cron) on a node with 10,000 processes.
+//!
+//! One walk of `/proc` ([`Scanner::process_fds`]: each descriptor is
+//! `stat`ed once, for device holds and socket inodes alike; threads sharing
+//! a table are walked once) and one read of each network namespace's TCP
+//! tables find:
+//!
+//! | kind | severity | what |
+//! | --- | --- | --- |
+//! | `unfenced_gpu_holder` | critical | a process holding an NVIDIA device (descriptor, mapping, io_uring file, or per NVML) that no grant or exemption covers |
+//! | `fence_not_attached` | critical | the fence's link is missing, detached or attached elsewhere |
+//! | `unprotected_major` | critical | an NVIDIA major the node has (`/proc/devices` or `[majors]`) that the fence's majors map lacks (driver reloaded) |
+//! | `mining_cmdline` | critical | a `stratum+tcp://` / `stratum+ssl://` (`+tls`, `stratum2+tcp`) argument in a command line |
+//! | `mining_connection` | high | a TCP connection to a `mining_ports` port |
+//! | `gpu_busy_without_grant` | high | a GPU with utilisation, memory above its idle level, or processes, and no live grant on it (NVML) |
+//! | `unauthenticated_notebook` | high | a wildcard listener whose command line disables its token or password (Jupyter, code-server) |
+//! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
+//! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
+//! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
+//! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
+//! | `wildcard_listener` | low | a TCP listener on 0.0.0.0 or :: owned by a user above `protected_uid_max` |
+//! | `stale_grant` | low | a grant whose cgroup no longer exists: revoked by the sweep (high when the revocation failed) |
+//! | `stale_major` | low | a major the fence protects that the node no longer has |
+//!
+//! Nothing is probed over the network. `--cgroup` limits the process-based
+//! checks (holders, sockets, command lines) to one cgroup subtree.
+//!
+//! State under `state_dir/sweep/` (one sweep at a time, under `flock`):
+//! `denials.json` (what the last sweep saw, so only new denials are
+//! reported, and the running total exported as a counter) and
+//! `systemd-baseline.json` (the first sweep records it and reports nothing
+//! for it; later sweeps report every file that is new or different until an
+//! admin accepts the change by removing the file, or restores the unit).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use gpufence_cgroup::fence::{DenialEntry, Fence, GrantEntry};
+use gpufence_model::audit::AuditEvent;
+use gpufence_model::device::DevNum;
+use gpufence_model::fsutil::{create_dir_all_mode, write_atomic};
+use gpufence_model::record::now_rfc3339;
+
+use crate::denials;
+use crate::evidence::GpuMemory;
+use crate::respond::covered;
+use crate::scan::{HeldFd, Scanner};
+use crate::{drain, is_under, Node};
+
+/// How bad a finding is. Ordered: `Info < Low < Medium < High < Critical`.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// Worth knowing.
+    Info,
+    /// Worth a look; nothing to fix on the node.
+    Low,
+    /// An admin should act.
+    Medium,
+    /// Likely abuse or exposure.
+    High,
+    /// The fence's promise is broken on this node now.
+    Critical,
+}
+
+impl Severity {
+    /// Its name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Low => "low",
+            Severity::Medium => "medium",
+            Severity::High => "high",
+            Severity::Critical => "critical",
+        }
+    }
+}
+
+impl fmt::Display for Severity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Severity {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "info" => Ok(Severity::Info),
+            "low" => Ok(Severity::Low),
+            "medium" => Ok(Severity::Medium),
+            "high" => Ok(Severity::High),
+            "critical" => Ok(Severity::Critical),
+            _ => Err(format!(
+                "{s:?} is not a severity (info, low, medium, high, critical)"
+            )),
+        }
+    }
+}
+
+/// What a finding is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A process holds an NVIDIA device outside every grant and exemption.
+    UnfencedGpuHolder,
+    /// The fence is not attached at `cgroup_root`.
+    FenceNotAttached,
+    /// An NVIDIA major the node has is not in the fence's map.
+    UnprotectedMajor,
+    /// A stratum URL in a command line.
+    MiningCmdline,
+    /// A TCP connection to a mining-pool port.
+    MiningConnection,
+    /// A GPU in use with no live grant on it.
+    GpuBusyWithoutGrant,
+    /// A notebook or dashboard server on a wildcard address with its
+    /// token or password disabled.
+    UnauthenticatedNotebook,
+    /// Crontab entries of a non-system user.
+    PersistenceCron,
+    /// A systemd unit or timer new or changed since the baseline.
+    PersistenceSystemd,
+    /// A check that could not run.
+    CheckFailed,
+    /// New denial records.
+    DeniedOpen,
+    /// A user's listener on a wildcard address.
+    WildcardListener,
+    /// A grant whose cgroup is gone (revoked by the sweep).
+    StaleGrant,
+    /// A protected major the node no longer has.
+    StaleMajor,
+}
+
+impl Kind {
+    /// Every kind, in severity order (for the metrics, one series each).
+    pub const ALL: [Kind; 14] = [
+        Kind::UnfencedGpuHolder,
+        Kind::FenceNotAttached,
+        Kind::UnprotectedMajor,
+        Kind::MiningCmdline,
+        Kind::MiningConnection,
+        Kind::GpuBusyWithoutGrant,
+        Kind::UnauthenticatedNotebook,
+        Kind::PersistenceCron,
+        Kind::PersistenceSystemd,
+        Kind::CheckFailed,
+        Kind::DeniedOpen,
+        Kind::WildcardListener,
+        Kind::StaleGrant,
+        Kind::StaleMajor,
+    ];
+
+    /// Its name (as in JSON and metrics).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::UnfencedGpuHolder => "unfenced_gpu_holder",
+            Kind::FenceNotAttached => "fence_not_attached",
+            Kind::UnprotectedMajor => "unprotected_major",
+            Kind::MiningCmdline => "mining_cmdline",
+            Kind::MiningConnection => "mining_connection",
+            Kind::GpuBusyWithoutGrant => "gpu_busy_without_grant",
+            Kind::UnauthenticatedNotebook => "unauthenticated_notebook",
+            Kind::PersistenceCron => "persistence_cron",
+            Kind::PersistenceSystemd => "persistence_systemd",
+            Kind::CheckFailed => "check_failed",
+            Kind::DeniedOpen => "denied_open",
+            Kind::WildcardListener => "wildcard_listener",
+            Kind::StaleGrant => "stale_grant",
+            Kind::StaleMajor => "stale_major",
+        }
+    }
+
+    /// Its usual severity (see the module's table).
+    pub fn severity(self) -> Severity {
+        match self {
+            Kind::UnfencedGpuHolder
+            | Kind::FenceNotAttached
+            | Kind::UnprotectedMajor
+            | Kind::MiningCmdline => Severity::Critical,
+            Kind::MiningConnection | Kind::GpuBusyWithoutGrant | Kind::UnauthenticatedNotebook => {
+                Severity::High
+            }
+            Kind::PersistenceCron | Kind::PersistenceSystemd | Kind::CheckFailed => {
+                Severity::Medium
+            }
+            Kind::DeniedOpen | Kind::WildcardListener | Kind::StaleGrant | Kind::StaleMajor => {
+                Severity::Low
+            }
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One finding: what, how bad, who, and the evidence that triggered it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// What.
+    pub kind: Kind,
+    /// How bad.
+    pub severity: Severity,
+    /// The process, where one applies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    /// Its (real) uid, or the uid the finding is about.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// That uid's name, from `passwd_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// The cgroup (`/`-prefixed, relative to the cgroup2 mount).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// The process's command name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<String>,
+    /// One line for people.
+    pub summary: String,
+    /// What triggered it (kind specific).
+    pub evidence: Value,
+    /// What the sweep did about it, if anything.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+}
+
+impl Finding {
+    fn new(kind: Kind, summary: impl Into<String>, evidence: Value) -> Self {
+        Finding {
+            kind,
+            severity: kind.severity(),
+            pid: None,
+            uid: None,
+            user: None,
+            cgroup: None,
+            comm: None,
+            summary: summary.into(),
+            evidence,
+            action: None,
+        }
+    }
+
+    fn who(mut self, p: &ProcMeta) -> Self {
+        self.pid = Some(p.pid);
+        self.uid = p.uid;
+        self.user = p.user.clone();
+        self.cgroup = p.cgroup.as_deref().map(|c| format!("/{c}"));
+        self.comm = p.comm.clone();
+        self
+    }
+
+    /// The finding as one line of text:
+    /// `SEVERITY KIND [pid=.. uid=..(user) cgroup=.. comm=..]: SUMMARY [action: ..]`.
+    pub fn line(&self) -> String {
+        let mut s = format!("{} {}", self.severity, self.kind);
+        if let Some(p) = self.pid {
+            s.push_str(&format!(" pid={p}"));
+        }
+        match (self.uid, &self.user) {
+            (Some(u), Some(n)) => s.push_str(&format!(" uid={u}({n})")),
+            (Some(u), None) => s.push_str(&format!(" uid={u}")),
+            (None, Some(n)) => s.push_str(&format!(" user={n}")),
+            _ => {}
+        }
+        if let Some(c) = &self.cgroup {
+            s.push_str(&format!(" cgroup={c}"));
+        }
+        if let Some(c) = &self.comm {
+            s.push_str(&format!(" comm={c}"));
+        }
+        s.push_str(": ");
+        s.push_str(&self.summary);
+        if let Some(a) = &self.action {
+            s.push_str(&format!(" [action: {a}]"));
+        }
+        s.chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Users.
+
+/// The users of `passwd_file` (never NSS: the sweep must not hang on LDAP).
+#[derive(Clone, Debug, Default)]
+pub struct Passwd {
+    by_uid: BTreeMap<u32, (String, PathBuf)>,
+    by_name: BTreeMap<String, (u32, PathBuf)>,
+}
+
+impl Passwd {
+    /// Reads a passwd-format file; a missing file gives no users.
+    pub fn load(path: &Path) -> Passwd {
+        Passwd::parse(&std::fs::read_to_string(path).unwrap_or_default())
+    }
+
+    /// Parses passwd-format text (`name:x:uid:gid:gecos:home:shell`).
+    pub fn parse(text: &str) -> Passwd {
+        let mut p = Passwd::default();
+        for l in text.lines() {
+            let f: Vec<&str> = l.split(':').collect();
+            if f.len() < 6 || f[0].is_empty() || f[0].starts_with('#') {
+                continue;
+            }
+            let Ok(uid) = f[2].parse::<u32>() else {
+                continue;
+            };
+            let home = PathBuf::from(f[5]);
+            p.by_uid
+                .entry(uid)
+                .or_insert_with(|| (f[0].to_string(), home.clone()));
+            p.by_name
+                .entry(f[0].to_string())
+                .or_insert((uid, home));
+        }
+        p
+    }
+
+    /// The name of `uid`.
+    pub fn name(&self, uid: u32) -> Option<&str> {
+        self.by_uid.get(&uid).map(|(n, _)| n.as_str())
+    }
+
+    /// The uid of `name`.
+    pub fn uid(&self, name: &str) -> Option<u32> {
+        self.by_name.get(name).map(|(u, _)| *u)
+    }
+
+    /// The home of `uid`.
+    pub fn home(&self, uid: u32) -> Option<&Path> {
+        self.by_uid.get(&uid).map(|(_, h)| h.as_path())
+    }
+
+    /// Every `(name, uid, home)`.
+    pub fn users(&self) -> impl Iterator<Item = (&str, u32, &Path)> {
+        self.by_name
+            .iter()
+            .map(|(n, (u, h))| (n.as_str(), *u, h.as_path()))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Persistence.
+
+/// The entries of a crontab: lines that are not blank, not comments and
+/// not environment assignments (`NAME=value`).
+pub fn cron_entries(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter(|l| {
+            // An assignment: an identifier before `=`, no blank before it.
+            // A schedule starts with a digit, `*`, `@` or a name list.
+            match l.split_once('=') {
+                Some((k, _)) => {
+                    let k = k.trim();
+                    k.is_empty()
+                        || k.contains(char::is_whitespace)
+                        || k.starts_with(|c: char| c.is_ascii_digit() || c == '*' || c == '@')
+                }
+                None => true,
+            }
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// One persistence entry: a user's crontab or a systemd file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PersistenceEntry {
+    /// `cron`, `systemd_system` or `systemd_user`.
+    pub kind: &'static str,
+    /// The file.
+    pub path: PathBuf,
+    /// Its owner (the crontab's user, the unit file's owner).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The user's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Crontab entries; empty for unit files.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub entries: Vec<String>,
+    /// SHA-256 of a regular file's content.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// A symlink's target (`.wants/` links enable units).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
+    /// The file's content when it is small text (unit files, crontabs),
+    /// so that evidence survives the file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// How a systemd file is remembered in the baseline.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    /// SHA-256 of the content (regular files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// Target (symlinks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
+    /// Owner.
+    pub uid: u32,
+    /// Permission bits.
+    pub mode: u32,
+}
+
+/// The largest file hashed whole; larger ones are hashed up to this size.
+const UNIT_HASH_MAX: u64 = 1 << 20;
+/// Files kept as text in evidence when at most this large.
+const CONTENT_MAX: u64 = 64 << 10;
+/// How deep and how many files a unit directory walk goes (a unit tree is
+/// shallow: `foo.service.d/x.conf`, `multi-user.target.wants/foo.service`).
+const UNIT_DEPTH: usize = 4;
+const UNIT_FILES_MAX: usize = 20_000;
+
+fn sha256_prefix(p: &Path, max: u64) -> Option<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(p).ok()?;
+    let mut h = Sha256::new();
+    let mut buf = Vec::new();
+    f.take(max).read_to_end(&mut buf).ok()?;
+    h.update(&buf);
+    Some(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn fingerprint(p: &Path) -> Option<Fingerprint> {
+    let md = std::fs::symlink_metadata(p).ok()?;
+    let ft = md.file_type();
+    if ft.is_symlink() {
+        return Some(Fingerprint {
+            sha256: None,
+            link: std::fs::read_link(p)
+                .ok()
+                .map(|t| t.display().to_string()),
+            uid: md.uid(),
+            mode: md.mode() & 0o7777,
+        });
+    }
+    if !ft.is_file() {
+        return None;
+    }
+    Some(Fingerprint {
+        sha256: sha256_prefix(p, UNIT_HASH_MAX),
+        link: None,
+        uid: md.uid(),
+        mode: md.mode() & 0o7777,
+    })
+}
+
+/// Every regular file and symlink under `dir` (not following links), with
+/// its fingerprint.
+pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(dir.to_path_buf(), 0usize)];
+    while let Some((d, depth)) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            if out.len() >= UNIT_FILES_MAX {
+                return out;
+            }
+            let Ok(ft) = e.file_type() else { continue };
+            let p = e.path();
+            if ft.is_dir() {
+                if depth < UNIT_DEPTH {
+                    stack.push((p, depth + 1));
+                }
+            } else if let Some(f) = fingerprint(&p) {
+                out.insert(p, f);
+            }
+        }
+    }
+    out
+}
+
+fn small_text(p: &Path) -> Option<String> {
+    let md = std::fs::symlink_metadata(p).ok()?;
+    if !md.is_file() || md.len() > CONTENT_MAX {
+        return None;
+    }
+    String::from_utf8(std::fs::read(p).ok()?).ok()
+}
+
+fn unit_entry(kind: &'static str, path: &Path, f: &Fingerprint, users: &Passwd) -> PersistenceEntry {
+    PersistenceEntry {
+        kind,
+        path: path.to_path_buf(),
+        uid: Some(f.uid),
+        user: users.name(f.uid).map(String::from),
+        entries: Vec::new(),
+        sha256: f.sha256.clone(),
+        link: f.link.clone(),
+        content: small_text(path),
+    }
+}
+
+/// The crontab of user `name` in the spool, when it has entries.
+fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntry> {
+    let path = node.cfg.cron_spool_dir.join(name);
+    let md = std::fs::symlink_metadata(&path).ok()?;
+    if !md.is_file() {
+        return None;
+    }
+    let text = std::fs::read_to_string(&path).ok()?;
+    let entries = cron_entries(&text);
+    if entries.is_empty() {
+        return None;
+    }
+    Some(PersistenceEntry {
+        kind: "cron",
+        uid: users.uid(name),
+        user: Some(name.to_string()),
+        entries,
+        sha256: sha256_prefix(&path, UNIT_HASH_MAX),
+        link: None,
+        content: small_text(&path),
+        path,
+    })
+}
+
+/// The crontabs with entries of users above `protected_uid_max` (a file
+/// named by a user the passwd file does not know counts as such).
+pub fn user_crontabs(node: &Node, users: &Passwd) -> Vec<PersistenceEntry> {
+    let Ok(rd) = std::fs::read_dir(&node.cfg.cron_spool_dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = rd
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(String::from))
+        // crontab(1) writes `tmp.XXXXXX` while editing.
+        .filter(|n| !n.starts_with('.') && !n.starts_with("tmp."))
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter(|n| {
+            users
+                .uid(n)
+                .is_none_or(|u| u > node.cfg.protected_uid_max)
+        })
+        .filter_map(|n| crontab_of(node, &n, users))
+        .collect()
+}
+
+fn user_unit_dir(home: &Path) -> PathBuf {
+    home.join(".config/systemd/user")
+}
+
+/// The systemd files the sweep watches: `systemd_system_dir` and every
+/// passwd user's `~/.config/systemd/user`. Values: the fingerprint and
+/// `systemd_system` / `systemd_user`.
+pub fn systemd_files(node: &Node, users: &Passwd) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
+    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> = unit_files(&node.cfg.systemd_system_dir)
+        .into_iter()
+        .map(|(p, f)| (p, (f, "systemd_system")))
+        .collect();
+    let homes: BTreeSet<&Path> = users
+        .users()
+        .map(|(_, _, h)| h)
+        .filter(|h| h.is_absolute())
+        .collect();
+    for h in homes {
+        let d = user_unit_dir(h);
+        if d.starts_with(&node.cfg.systemd_system_dir) {
+            continue;
+        }
+        out.extend(
+            unit_files(&d)
+                .into_iter()
+                .map(|(p, f)| (p, (f, "systemd_user"))),
+        );
+    }
+    out
+}
+
+/// The persistence entries of `uid`: its crontab (whatever the uid), the
+/// files under its `~/.config/systemd/user`, and files it owns under
+/// `systemd_system_dir` (for uids other than root, which owns them all).
+pub fn persistence_of_uid(node: &Node, uid: u32) -> Vec<PersistenceEntry> {
+    let users = Passwd::load(&node.cfg.passwd_file);
+    let mut out = Vec::new();
+    if let Some(name) = users.name(uid) {
+        out.extend(crontab_of(node, name, &users));
+    }
+    if let Some(home) = users.home(uid).filter(|h| h.is_absolute()) {
+        for (p, f) in unit_files(&user_unit_dir(home)) {
+            out.push(unit_entry("systemd_user", &p, &f, &users));
+        }
+    }
+    if uid != 0 {
+        for (p, f) in unit_files(&node.cfg.systemd_system_dir) {
+            if f.uid == uid {
+                out.push(unit_entry("systemd_system", &p, &f, &users));
+            }
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Command lines.
+
+/// The arguments that carry a stratum (mining pool) URL.
+pub fn stratum_urls(cmdline: &[String]) -> Vec<String> {
+    const SCHEMES: [&str; 4] = [
+        "stratum+tcp://",
+        "stratum+ssl://",
+        "stratum+tls://",
+        "stratum2+tcp://",
+    ];
+    cmdline
+        .iter()
+        .filter(|a| {
+            let l = a.to_ascii_lowercase();
+            SCHEMES.iter().any(|s| l.contains(s))
+        })
+        .cloned()
+        .collect()
+}
+
+/// The arguments that disable a notebook or dashboard server's
+/// authentication: a Jupyter trait `--<Class>.token`, `.password` or
+/// `.hashed_password` set to nothing (`--ServerApp.token=`, `=''`, `=""`,
+/// or an empty next argument), and code-server's `--auth none`.
+pub fn auth_disabled(cmdline: &[String]) -> Vec<String> {
+    let empty = |v: &str| matches!(v.trim(), "" | "''" | "\"\"");
+    let mut out = Vec::new();
+    for (i, a) in cmdline.iter().enumerate() {
+        if !a.starts_with("--") {
+            continue;
+        }
+        let (key, val, joined) = match a.split_once('=') {
+            Some((k, v)) => (k, Some(v.to_string()), true),
+            None => (a.as_str(), cmdline.get(i + 1).cloned(), false),
+        };
+        let k = key.to_ascii_lowercase();
+        let jupyter = k.contains('.')
+            && (k.ends_with(".token") || k.ends_with(".password") || k.ends_with(".hashed_password"));
+        if jupyter {
+            if let Some(v) = val.filter(|v| joined || !v.starts_with("--")) {
+                if empty(&v) {
+                    out.push(if joined { a.clone() } else { format!("{a} {v:?}") });
+                }
+            }
+        } else if k == "--auth" && val.as_deref().is_some_and(|v| v.eq_ignore_ascii_case("none")) {
+            out.push(if joined { a.clone() } else { format!("{a} none") });
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// The process walk.
+
+/// What the sweep knows of a process it reports.
+#[derive(Clone, Debug, Default)]
+struct ProcMeta {
+    pid: i32,
+    comm: Option<String>,
+    uid: Option<u32>,
+    user: Option<String>,
+    cgroup: Option<String>,
+    cmdline: Vec<String>,
+}
+
+/// `PF_KTHREAD` (`include/linux/sched.h`).
+pub const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// `(comm, ppid, flags)` from `/proc/<pid>/stat`.
+pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let open = s.find('(')?;
+    let close = s.rfind(')')?;
+    let comm = s.get(open + 1..close)?.to_string();
+    let rest: Vec<&str> = s.get(close + 1..)?.split_whitespace().collect();
+    // state ppid pgrp session tty_nr tpgid flags
+    let ppid = rest.get(1)?.parse().ok()?;
+    let flags = rest.get(6)?.parse().ok()?;
+    Some((comm, ppid, flags))
+}
+
+/// The real uid of `pid` (`Uid:` of `/proc/<pid>/status`).
+pub fn read_uid(pid: i32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+}
+
+/// The command line of `pid`, split at NULs.
+pub fn read_cmdline(pid: i32) -> Vec<String> {
+    let Ok(b) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return Vec::new();
+    };
+    let mut v: Vec<String> = b
+        .split(|c| *c == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    if v.last().is_some_and(String::is_empty) {
+        v.pop();
+    }
+    v
+}
+
+fn netns_of(pid: i32) -> Option<u64> {
+    let l = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()?;
+    let s = l.to_str()?;
+    s.strip_prefix("net:[")?.strip_suffix(']')?.parse().ok()
+}
+
+/// Reads what findings need about processes, once each.
+struct Procs<'a> {
+    node: &'a Node,
+    users: &'a Passwd,
+    cache: BTreeMap<i32, ProcMeta>,
+}
+
+impl Procs<'_> {
+    fn meta(&mut self, pid: i32) -> ProcMeta {
+        if let Some(m) = self.cache.get(&pid) {
+            return m.clone();
+        }
+        let uid = read_uid(pid);
+        let m = ProcMeta {
+            pid,
+            comm: read_stat(pid).map(|(c, _, _)| c),
+            uid,
+            user: uid.and_then(|u| self.users.name(u)).map(String::from),
+            cgroup: self.node.cg.cgroup_of(pid).ok(),
+            cmdline: read_cmdline(pid),
+        };
+        self.cache.insert(pid, m.clone());
+        m
+    }
+}
+
+/// What one pass over `/proc` keeps: only processes with something to say.
+#[derive(Default)]
+struct Walk {
+    walked: usize,
+    holders: BTreeMap<i32, Vec<HeldFd>>,
+    /// socket inode → owning pids.
+    sockets: BTreeMap<u64, Vec<i32>>,
+    /// network namespace → a pid in it.
+    netns: BTreeMap<u64, i32>,
+    stratum: BTreeMap<i32, Vec<String>>,
+}
+
+fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) -> Walk {
+    let me = std::process::id() as i32;
+    let mut w = Walk::default();
+    let mut scanner = Scanner::new();
+    for pid in crate::scan::pids() {
+        if pid == me {
+            continue;
+        }
+        let Some((_, _, flags)) = read_stat(pid) else {
+            continue;
+        };
+        if flags & PF_KTHREAD != 0 {
+            continue;
+        }
+        if let Some(scope) = scope {
+            if !node
+                .cg
+                .cgroup_of(pid)
+                .is_ok_and(|cg| is_under(&cg, scope))
+            {
+                continue;
+            }
+        }
+        w.walked += 1;
+        let urls = stratum_urls(&read_cmdline(pid));
+        if !urls.is_empty() {
+            w.stratum.insert(pid, urls);
+        }
+        let f = scanner.process_fds(pid, want);
+        if let Some(h) = f.holder {
+            w.holders.insert(pid, h.fds);
+        }
+        if !f.sockets.is_empty() {
+            if let Some(ns) = netns_of(pid) {
+                w.netns.entry(ns).or_insert(pid);
+            }
+            for s in f.sockets {
+                w.sockets.entry(s).or_default().push(pid);
+            }
+        }
+    }
+    w
+}
+
+// ---------------------------------------------------------------------------
+// State.
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct SeenDenial {
+    cgroup_id: u64,
+    uid: u32,
+    major: u32,
+    minor: u32,
+    count: u64,
+    last_ns: u64,
+}
+
+/// What the last sweep saw of the denial records.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct DenialState {
+    /// Denied opens counted by every sweep so far (a counter: the LRU map
+    /// forgets, this does not, until `state_dir` goes with a reboot).
+    total: u64,
+    seen: Vec<SeenDenial>,
+}
+
+fn denial_key(d: &DenialEntry) -> (u64, u32, u32, u32) {
+    (d.cgroup_id, d.uid, d.dev.major, d.dev.minor)
+}
+
+/// The records that are new or grew since `prev`, with how many denials
+/// each adds, and the state to keep.
+fn new_denials(prev: &DenialState, now: &[DenialEntry]) -> (Vec<(DenialEntry, u64)>, DenialState) {
+    let old: BTreeMap<(u64, u32, u32, u32), &SeenDenial> = prev
+        .seen
+        .iter()
+        .map(|s| ((s.cgroup_id, s.uid, s.major, s.minor), s))
+        .collect();
+    let mut fresh = Vec::new();
+    let mut total = prev.total;
+    for d in now {
+        let delta = match old.get(&denial_key(d)) {
+            // Same record, grown.
+            Some(s) if d.count >= s.count && d.last_ns >= s.last_ns => d.count - s.count,
+            // Evicted and made again, or never seen.
+            _ => d.count,
+        };
+        if delta > 0 {
+            total += delta;
+            fresh.push((d.clone(), delta));
+        }
+    }
+    let seen = now
+        .iter()
+        .map(|d| SeenDenial {
+            cgroup_id: d.cgroup_id,
+            uid: d.uid,
+            major: d.dev.major,
+            minor: d.dev.minor,
+            count: d.count,
+            last_ns: d.last_ns,
+        })
+        .collect();
+    (fresh, DenialState { total, seen })
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Baseline {
+    recorded: String,
+    files: BTreeMap<PathBuf, Fingerprint>,
+}
+
+fn sweep_dir(node: &Node) -> PathBuf {
+    node.state.root().join("sweep")
+}
+
+/// The systemd baseline file (remove it to accept the current units).
+pub fn baseline_path(node: &Node) -> PathBuf {
+    sweep_dir(node).join("systemd-baseline.json")
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(p: &Path) -> Result<Option<T>, String> {
+    match std::fs::read(p) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| format!("{}: corrupt: {e}", p.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", p.display())),
+    }
+}
+
+fn write_json<T: Serialize>(p: &Path, v: &T) -> Result<(), String> {
+    let bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
+    write_atomic(p, &bytes, 0o600).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+/// Holds an exclusive `flock` on `state_dir/sweep/lock` while alive.
+struct SweepLock(#[allow(dead_code)] std::fs::File);
+
+fn lock(node: &Node) -> Result<SweepLock, String> {
+    let dir = sweep_dir(node);
+    create_dir_all_mode(&dir, 0o700).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let p = dir.join("lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // SAFETY: flock on a descriptor we own; released when it closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(SweepLock(f));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "another sweep has held {} for 30 s",
+                p.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The sweep.
+
+/// What to sweep.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Limit the process-based checks to this cgroup subtree (relative to
+    /// the cgroup2 mount); `None`: every process.
+    pub cgroup: Option<String>,
+}
+
+/// What a sweep found, and the numbers it exports.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SweepReport {
+    /// The findings, most severe first.
+    pub findings: Vec<Finding>,
+    /// The fence is attached at `cgroup_root`.
+    pub fence_installed: bool,
+    /// Live grant entries (cgroup, device) after stale ones were collected.
+    pub grants: usize,
+    /// Denied opens counted by sweeps since `state_dir` was created.
+    pub denials_total: u64,
+    /// Processes walked.
+    pub processes: usize,
+    /// How long it took.
+    pub duration_seconds: f64,
+    /// Things worth a line that are not findings (baseline recorded, no NVML).
+    pub notes: Vec<String>,
+    /// The sweep could not do part of its job (state not writable).
+    pub errors: Vec<String>,
+}
+
+impl SweepReport {
+    /// The findings at or above `threshold`.
+    pub fn failing(&self, threshold: Severity) -> Vec<&Finding> {
+        self.findings
+            .iter()
+            .filter(|f| f.severity >= threshold)
+            .collect()
+    }
+
+    /// How many findings of each kind (every kind, 0 when not seen).
+    pub fn counts(&self) -> BTreeMap<Kind, usize> {
+        let mut m: BTreeMap<Kind, usize> = Kind::ALL.iter().map(|k| (*k, 0)).collect();
+        for f in &self.findings {
+            *m.entry(f.kind).or_default() += 1;
+        }
+        m
+    }
+}
+
+fn dev_list(devs: &BTreeSet<DevNum>) -> String {
+    devs.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs every check once. Never fails: a check that cannot run is a
+/// [`Kind::CheckFailed`] finding, a state that cannot be kept is an error.
+pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
+    let t0 = Instant::now();
+    let mut r = SweepReport::default();
+    let scope = opts
+        .cgroup
+        .as_deref()
+        .map(|s| s.trim_matches('/').to_string());
+    if let Some(s) = &scope {
+        if !node.cg.path(s).is_dir() {
+            r.errors
+                .push(format!("--cgroup /{s}: no such cgroup under {}", node.cg.mount().display()));
+            return r;
+        }
+    }
+    let _lock = match lock(node) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            r.errors.push(e);
+            None
+        }
+    };
+    let users = Passwd::load(&node.cfg.passwd_file);
+    let mut procs = Procs {
+        node,
+        users: &users,
+        cache: BTreeMap::new(),
+    };
+    let mut findings = Vec::new();
+    let check_failed = |what: &str, e: String| {
+        Finding::new(
+            Kind::CheckFailed,
+            format!("{what}: {e}"),
+            json!({"check": what, "error": e}),
+        )
+    };
+
+    // Drift: the fence itself.
+    let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+    r.fence_installed = attached.is_ok();
+    if let Err(detail) = &attached {
+        findings.push(Finding::new(
+            Kind::FenceNotAttached,
+            format!("the fence is not attached at /{}: {detail}: every process may open every GPU; run `gpufence fence install`", node.cfg.cgroup_root),
+            json!({"cgroup_root": format!("/{}", node.cfg.cgroup_root), "bpffs_dir": node.cfg.bpffs_dir, "detail": detail}),
+        ));
+    }
+    let fence = match Fence::open(&node.cfg.bpffs_dir) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            if attached.is_ok() {
+                findings.push(check_failed("fence maps", e.to_string()));
+            }
+            None
+        }
+    };
+    let protected = match node.protected_majors() {
+        Ok(p) => Some(p),
+        Err(e) => {
+            findings.push(check_failed("protected majors", e.to_string()));
+            None
+        }
+    };
+    if let (Some(f), Some(want)) = (&fence, &protected) {
+        match f.protected_majors() {
+            Ok(have) => {
+                let have: BTreeSet<u32> = have.into_iter().collect();
+                let want_set: BTreeSet<u32> = want.majors().collect();
+                for m in want_set.difference(&have) {
+                    let names: Vec<&str> = want.names(*m).collect();
+                    findings.push(Finding::new(
+                        Kind::UnprotectedMajor,
+                        format!("major {m} ({}) is an NVIDIA driver's but the fence does not protect it (driver reloaded since install?): run `gpufence fence install`", names.join(",")),
+                        json!({"major": m, "names": names, "fence_majors": have}),
+                    ));
+                }
+                for m in have.difference(&want_set) {
+                    findings.push(Finding::new(
+                        Kind::StaleMajor,
+                        format!("the fence protects major {m}, which the node no longer has (driver unloaded or renumbered)"),
+                        json!({"major": m, "node_majors": want_set}),
+                    ));
+                }
+            }
+            Err(e) => findings.push(check_failed("fence majors", e.to_string())),
+        }
+    }
+
+    // Drift: grants whose cgroup is gone are collected. The entries are
+    // read before the cgroups are listed: a grant's cgroup exists before
+    // its grant does, so a live one cannot be missed.
+    let mut live_grants: Vec<GrantEntry> = Vec::new();
+    let mut cgroup_paths: Option<BTreeMap<u64, String>> = None;
+    if let Some(f) = &fence {
+        match f.entries() {
+            Ok(entries) => {
+                let ids: BTreeSet<u64> = entries.iter().map(|e| e.cgroup_id).collect();
+                let paths = cgroup_paths.get_or_insert_with(|| denials::cgroup_paths(node.cg.mount()));
+                let (notes, _) = node.state.applied(None);
+                let noted: BTreeMap<u64, (u32, String)> = notes
+                    .into_iter()
+                    .map(|a| (a.cgroup_id, (a.job_id, a.cgroup_path)))
+                    .collect();
+                for id in ids {
+                    let mine: Vec<&GrantEntry> = entries.iter().filter(|e| e.cgroup_id == id).collect();
+                    if paths.contains_key(&id) {
+                        live_grants.extend(mine.into_iter().copied());
+                        continue;
+                    }
+                    let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
+                    let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
+                    let path = noted.get(&id).map(|(_, p)| format!("/{p}"));
+                    let mut fnd = Finding::new(
+                        Kind::StaleGrant,
+                        format!(
+                            "grant of job(s) {jobs:?} on {} to cgroup id {id}{} whose cgroup no longer exists",
+                            dev_list(&devs),
+                            path.as_deref().map(|p| format!(" ({p})")).unwrap_or_default()
+                        ),
+                        json!({"cgroup_id": id, "cgroup_path": path, "job_ids": jobs, "devices": devs.iter().map(|d| d.to_string()).collect::<Vec<_>>()}),
+                    );
+                    fnd.cgroup = path.clone();
+                    match f.revoke_cgroup(id) {
+                        Ok(gone) => {
+                            fnd.action = Some(format!("revoked {} grant entr{}", gone.len(), if gone.len() == 1 { "y" } else { "ies" }));
+                            let mut ev = AuditEvent::new("grant_collected")
+                                .devices(devs.iter())
+                                .field("cgroup_id", id)
+                                .field("entries", gone.len())
+                                .field("why", "the grant's cgroup no longer exists (sweep)");
+                            if let Some(j) = jobs.iter().next() {
+                                ev = ev.job(*j);
+                            }
+                            if let Some(p) = &path {
+                                ev = ev.field("cgroup", p.clone());
+                            }
+                            if let Err(e) = node.audit(ev) {
+                                r.errors.push(e.to_string());
+                            }
+                        }
+                        Err(e) => {
+                            fnd.severity = Severity::High;
+                            fnd.action = Some(format!("revocation failed: {e}"));
+                            live_grants.extend(mine.into_iter().copied());
+                        }
+                    }
+                    findings.push(fnd);
+                }
+            }
+            Err(e) => findings.push(check_failed("fence grants", e.to_string())),
+        }
+    }
+    r.grants = live_grants.len();
+
+    // Denials since the last sweep.
+    if let Some(f) = &fence {
+        match f.denials() {
+            Ok(now) => {
+                let state_path = sweep_dir(node).join("denials.json");
+                let prev = match read_json::<DenialState>(&state_path) {
+                    Ok(p) => p.unwrap_or_default(),
+                    Err(e) => {
+                        r.errors.push(e);
+                        DenialState::default()
+                    }
+                };
+                let (fresh, next) = new_denials(&prev, &now);
+                r.denials_total = next.total;
+                let deltas: Vec<u64> = fresh.iter().map(|(_, d)| *d).collect();
+                let resolved = denials::resolve(node, fresh.into_iter().map(|(d, _)| d).collect());
+                for (d, delta) in resolved.into_iter().zip(deltas) {
+                    let mut fnd = Finding::new(
+                        Kind::DeniedOpen,
+                        format!(
+                            "{delta} denied open(s) of {} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
+                            d.device,
+                            d.user.as_deref().unwrap_or("?"),
+                            d.uid,
+                            d.last_pid,
+                            d.last_comm,
+                            d.last_time
+                        ),
+                        json!({"device": d.device, "new": delta, "count": d.count, "cgroup_id": d.cgroup_id, "last_time": d.last_time}),
+                    );
+                    fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
+                    fnd.uid = Some(d.uid);
+                    fnd.user = d.user;
+                    fnd.cgroup = d.cgroup.map(|c| format!("/{c}"));
+                    fnd.comm = Some(d.last_comm);
+                    findings.push(fnd);
+                }
+                if let Err(e) = write_json(&state_path, &next) {
+                    r.errors.push(e);
+                }
+            }
+            Err(e) => findings.push(check_failed("fence denials", e.to_string())),
+        }
+    }
+
+    // The /proc walk: holders, sockets, command lines.
+    let protected_set: BTreeSet<u32> = protected
+        .as_ref()
+        .map(|p| p.majors().collect())
+        .unwrap_or_default();
+    let want = |d: DevNum| protected_set.contains(&d.major);
+    let walk = walk_proc(node, scope.as_deref(), &want);
+    r.processes = walk.walked;
+    let config_exempt = |cg: Option<&str>| {
+        cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
+    };
+    let is_covered = |cg: Option<&str>, d: DevNum| config_exempt(cg) || covered(node, fence.as_ref(), cg, d);
+
+    // Holders, by descriptor and per NVML, one finding per process.
+    struct Holding {
+        devices: BTreeSet<DevNum>,
+        fds: Vec<HeldFd>,
+        gpu_memory: Vec<GpuMemory>,
+    }
+    let mut holding: BTreeMap<i32, Holding> = BTreeMap::new();
+    for (pid, fds) in &walk.holders {
+        let m = procs.meta(*pid);
+        let devs: BTreeSet<DevNum> = fds
+            .iter()
+            .map(|f| f.dev)
+            .filter(|d| !is_covered(m.cgroup.as_deref(), *d))
+            .collect();
+        if devs.is_empty() {
+            continue;
+        }
+        holding.insert(
+            *pid,
+            Holding {
+                fds: fds.iter().filter(|f| devs.contains(&f.dev)).cloned().collect(),
+                devices: devs,
+                gpu_memory: Vec::new(),
+            },
+        );
+    }
+    let gpu_major = node.gpu_major();
+    let gpus = node.open_gpus();
+    if let Some(why) = &gpus.unavailable {
+        r.notes.push(format!("NVML unavailable ({why}): descriptor scan only, GPU use not checked"));
+    } else {
+        let me = std::process::id() as i32;
+        let queried = gpus.minors().and_then(|minors| {
+            let info = gpus.query(&minors)?;
+            let util = gpus.utilization(&minors)?;
+            Ok((info, util))
+        });
+        match queried {
+            Err(e) => findings.push(check_failed("NVML", e)),
+            Ok((info, util)) => {
+                let util: BTreeMap<u32, Option<(u32, u32)>> = util.into_iter().collect();
+                let granted: BTreeSet<u32> = live_grants
+                    .iter()
+                    .filter(|e| e.dev.major == gpu_major)
+                    .map(|e| e.dev.minor)
+                    .collect();
+                let idle_max = (node.cfg.idle_memory_mib + node.cfg.memory_tolerance_mib) << 20;
+                for g in &info {
+                    let dev = DevNum::new(gpu_major, g.minor);
+                    let mut busy_pids = Vec::new();
+                    for p in &g.processes {
+                        let Ok(pid) = i32::try_from(p.pid) else { continue };
+                        if pid <= 0 || pid == me {
+                            continue;
+                        }
+                        let m = procs.meta(pid);
+                        if let Some(s) = &scope {
+                            if !m.cgroup.as_deref().is_some_and(|c| is_under(c, s)) {
+                                continue;
+                            }
+                        }
+                        if config_exempt(m.cgroup.as_deref()) {
+                            continue;
+                        }
+                        busy_pids.push(pid);
+                        if covered(node, fence.as_ref(), m.cgroup.as_deref(), dev) {
+                            continue;
+                        }
+                        let h = holding.entry(pid).or_insert_with(|| Holding {
+                            devices: BTreeSet::new(),
+                            fds: Vec::new(),
+                            gpu_memory: Vec::new(),
+                        });
+                        h.devices.insert(dev);
+                        h.gpu_memory.push(GpuMemory {
+                            minor: g.minor,
+                            uuid: g.uuid.clone(),
+                            used_bytes: p.used_memory,
+                        });
+                    }
+                    if granted.contains(&g.minor) {
+                        continue;
+                    }
+                    let u = util.get(&g.minor).copied().flatten();
+                    let utilised = u.is_some_and(|(gu, mu)| gu > 0 || mu > 0);
+                    let mem_busy = g.memory_used > idle_max;
+                    if utilised || mem_busy || !busy_pids.is_empty() {
+                        let mut why = Vec::new();
+                        if let Some((gu, mu)) = u.filter(|_| utilised) {
+                            why.push(format!("{gu}% GPU / {mu}% memory utilisation"));
+                        }
+                        if mem_busy {
+                            why.push(format!("{} MiB of memory in use", g.memory_used >> 20));
+                        }
+                        if !busy_pids.is_empty() {
+                            why.push(format!("processes {busy_pids:?}"));
+                        }
+                        findings.push(Finding::new(
+                            Kind::GpuBusyWithoutGrant,
+                            format!("GPU /dev/nvidia{} ({}) is in use with no live grant on it: {}", g.minor, g.uuid, why.join(", ")),
+                            json!({
+                                "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                                "utilization_gpu": u.map(|x| x.0), "utilization_memory": u.map(|x| x.1),
+                                "memory_used_bytes": g.memory_used, "memory_total_bytes": g.memory_total,
+                                "idle_threshold_bytes": idle_max, "pids": busy_pids,
+                            }),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for (pid, h) in holding {
+        let m = procs.meta(pid);
+        let how: Vec<String> = h
+            .fds
+            .iter()
+            .map(|f| {
+                let via = match f.via {
+                    crate::scan::Via::Fd => format!("fd {}", f.fd),
+                    crate::scan::Via::ThreadFd => format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd),
+                    crate::scan::Via::Mmap => "mapping".into(),
+                    crate::scan::Via::IoUring => format!("io_uring fd {}", f.fd),
+                };
+                format!("{} {} ({via})", f.dev, f.path.display())
+            })
+            .chain(h.gpu_memory.iter().map(|g| {
+                format!(
+                    "GPU {} per NVML{}",
+                    g.minor,
+                    g.used_bytes.map(|b| format!(", {} MiB", b >> 20)).unwrap_or_default()
+                )
+            }))
+            .collect();
+        findings.push(
+            Finding::new(
+                Kind::UnfencedGpuHolder,
+                format!("holds {} outside every grant and exemption: {}", dev_list(&h.devices), how.join("; ")),
+                json!({
+                    "devices": h.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
+                    "holds": h.fds, "gpu_memory": h.gpu_memory, "cmdline": m.cmdline,
+                }),
+            )
+            .who(&m),
+        );
+    }
+
+    // Command lines with a pool URL.
+    for (pid, urls) in &walk.stratum {
+        let m = procs.meta(*pid);
+        findings.push(
+            Finding::new(
+                Kind::MiningCmdline,
+                format!("mining pool URL in its command line: {}", urls.join(" ")),
+                json!({"arguments": urls, "cmdline": m.cmdline}),
+            )
+            .who(&m),
+        );
+    }
+
+    // Sockets: each network namespace's tables, read once.
+    let ports: BTreeSet<u16> = node.cfg.mining_ports.iter().copied().collect();
+    for (ns, rep) in &walk.netns {
+        let Ok(p) = procfs::process::Process::new(*rep) else {
+            continue;
+        };
+        for (proto, table) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
+            let Ok(table) = table else { continue };
+            for e in table {
+                let Some(owners) = walk.sockets.get(&e.inode) else {
+                    continue;
+                };
+                let owner = owners[0];
+                let listen = e.state == procfs::net::TcpState::Listen;
+                if listen && e.local_address.ip().is_unspecified() {
+                    let m = procs.meta(owner);
+                    let max = node.cfg.protected_uid_max;
+                    if e.uid <= max && m.uid.is_none_or(|u| u <= max) {
+                        continue;
+                    }
+                    let mut off = Vec::new();
+                    for pid in owners {
+                        off.extend(auth_disabled(&procs.meta(*pid).cmdline));
+                    }
+                    let ev = json!({
+                        "proto": proto, "local": e.local_address.to_string(), "socket_uid": e.uid,
+                        "inode": e.inode, "netns": ns, "pids": owners, "cmdline": m.cmdline,
+                        "auth_disabled": off,
+                    });
+                    let f = if off.is_empty() {
+                        Finding::new(
+                            Kind::WildcardListener,
+                            format!("listens on {} ({proto}, every address)", e.local_address),
+                            ev,
+                        )
+                    } else {
+                        Finding::new(
+                            Kind::UnauthenticatedNotebook,
+                            format!("listens on {} ({proto}, every address) with authentication disabled: {}", e.local_address, off.join(" ")),
+                            ev,
+                        )
+                    };
+                    findings.push(f.who(&m));
+                } else if !listen
+                    && matches!(
+                        e.state,
+                        procfs::net::TcpState::Established | procfs::net::TcpState::SynSent
+                    )
+                    && ports.contains(&e.remote_address.port())
+                {
+                    let m = procs.meta(owner);
+                    findings.push(
+                        Finding::new(
+                            Kind::MiningConnection,
+                            format!(
+                                "TCP connection to {} (a mining-pool port) from {}",
+                                e.remote_address, e.local_address
+                            ),
+                            json!({
+                                "proto": proto, "local": e.local_address.to_string(),
+                                "remote": e.remote_address.to_string(), "state": format!("{:?}", e.state),
+                                "inode": e.inode, "netns": ns, "pids": owners, "cmdline": m.cmdline,
+                            }),
+                        )
+                        .who(&m),
+                    );
+                }
+            }
+        }
+    }
+
+    // Persistence.
+    for c in user_crontabs(node, &users) {
+        let mut f = Finding::new(
+            Kind::PersistenceCron,
+            format!(
+                "crontab of {} with {} entr{}: {}",
+                c.user.as_deref().unwrap_or("?"),
+                c.entries.len(),
+                if c.entries.len() == 1 { "y" } else { "ies" },
+                c.entries.join(" | ")
+            ),
+            json!({"file": c.path, "entries": c.entries, "sha256": c.sha256}),
+        );
+        f.uid = c.uid;
+        f.user = c.user.clone();
+        findings.push(f);
+    }
+    let current = systemd_files(node, &users);
+    let bpath = baseline_path(node);
+    match read_json::<Baseline>(&bpath) {
+        Err(e) => findings.push(check_failed(
+            "systemd baseline",
+            format!("{e}; remove it to record a new baseline"),
+        )),
+        Ok(None) => {
+            let b = Baseline {
+                recorded: now_rfc3339(),
+                files: current.iter().map(|(p, (f, _))| (p.clone(), f.clone())).collect(),
+            };
+            match write_json(&bpath, &b) {
+                Ok(()) => r.notes.push(format!(
+                    "systemd baseline recorded: {} file(s) in {}",
+                    b.files.len(),
+                    bpath.display()
+                )),
+                Err(e) => r.errors.push(e),
+            }
+        }
+        Ok(Some(b)) => {
+            for (p, (f, scope_kind)) in &current {
+                let change = match b.files.get(p) {
+                    None => "new",
+                    Some(old) if old != f => "changed",
+                    Some(_) => continue,
+                };
+                let mut fnd = Finding::new(
+                    Kind::PersistenceSystemd,
+                    format!(
+                        "{} systemd {} {} since the baseline of {}",
+                        change,
+                        if *scope_kind == "systemd_user" { "user file" } else { "file" },
+                        p.display(),
+                        b.recorded
+                    ),
+                    json!({
+                        "file": p, "change": change, "scope": scope_kind, "sha256": f.sha256,
+                        "link": f.link, "owner_uid": f.uid, "mode": format!("{:o}", f.mode),
+                        "previous": b.files.get(p), "baseline": bpath,
+                    }),
+                );
+                fnd.uid = Some(f.uid);
+                fnd.user = users.name(f.uid).map(String::from);
+                findings.push(fnd);
+            }
+        }
+    }
+
+    findings.sort_by(|a, b| {
+        b.severity
+            .cmp(&a.severity)
+            .then(a.kind.cmp(&b.kind))
+            .then(a.pid.cmp(&b.pid))
+    });
+    r.findings = findings;
+    r.duration_seconds = t0.elapsed().as_secs_f64();
+    r
+}
+
+// ---------------------------------------------------------------------------
+// Outputs.
+
+fn prom_escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The node_exporter textfile of `r`.
+pub fn prometheus(r: &SweepReport) -> String {
+    let mut s = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, lines: Vec<(String, String)>| {
+        s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, v) in lines {
+            s.push_str(&format!("{name}{labels} {v}\n"));
+        }
+    };
+    metric(
+        "gpufence_fence_installed",
+        "gauge",
+        "Whether the gpufence device fence is attached at cgroup_root (1) or not (0).",
+        vec![(String::new(), u8::from(r.fence_installed).to_string())],
+    );
+    metric(
+        "gpufence_grants",
+        "gauge",
+        "Live grant entries (job cgroup, device) in the fence.",
+        vec![(String::new(), r.grants.to_string())],
+    );
+    metric(
+        "gpufence_denials_total",
+        "counter",
+        "Opens of NVIDIA devices the fence denied, as counted by sweeps.",
+        vec![(String::new(), r.denials_total.to_string())],
+    );
+    metric(
+        "gpufence_findings",
+        "gauge",
+        "Findings of the last gpufence sweep, by kind.",
+        r.counts()
+            .into_iter()
+            .map(|(k, n)| (format!("{{kind=\"{}\"}}", prom_escape(k.as_str())), n.to_string()))
+            .collect(),
+    );
+    metric(
+        "gpufence_sweep_duration_seconds",
+        "gauge",
+        "How long the last gpufence sweep took.",
+        vec![(String::new(), format!("{:.3}", r.duration_seconds))],
+    );
+    s
+}
+
+/// The drain reason naming the most severe of `failing` (most severe first).
+pub fn drain_reason(failing: &[&Finding]) -> Option<String> {
+    let f = failing.iter().max_by_key(|f| f.severity)?;
+    let mut who = String::new();
+    if let Some(p) = f.pid {
+        who.push_str(&format!(" pid {p}"));
+        if let Some(c) = &f.comm {
+            who.push_str(&format!(" ({c})"));
+        }
+    }
+    if let Some(u) = &f.user {
+        who.push_str(&format!(" user {u}"));
+    }
+    let more = if failing.len() > 1 {
+        format!(" (+{} more)", failing.len() - 1)
+    } else {
+        String::new()
+    };
+    Some(drain::clean_reason(&format!(
+        "gpufence: sweep: {} {}{who}: {}{more}",
+        f.severity, f.kind, f.summary
+    )))
+}
+
+/// The Slurm node name: `$SLURMD_NODENAME`, else the short host name.
+pub fn node_name() -> String {
+    if let Ok(n) = std::env::var("SLURMD_NODENAME") {
+        if !n.is_empty() {
+            return n;
+        }
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname into a buffer we own, with its length.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    let full = String::from_utf8_lossy(&buf[..end]).into_owned();
+    full.split('.').next().unwrap_or(&full).to_string()
+}
+
+/// What `gpufence sweep` was asked to do.
+#[derive(Clone, Debug, Default)]
+pub struct SweepRequest {
+    /// See [`Options::cgroup`].
+    pub cgroup: Option<String>,
+    /// Fail on findings at or above this; `None`: `sweep_fail_severity`.
+    pub fail_on: Option<Severity>,
+    /// Drain this node when something fails.
+    pub drain_node: Option<String>,
+    /// Write the node_exporter textfile here.
+    pub prometheus: Option<PathBuf>,
+}
+
+/// What `gpufence sweep` did.
+#[derive(Clone, Debug)]
+pub struct SweepOutcome {
+    /// The findings and numbers.
+    pub report: SweepReport,
+    /// The severity that fails.
+    pub threshold: Severity,
+    /// The drain reason, when the node was drained.
+    pub drained: Option<String>,
+    /// What could not be done (textfile, drain, state).
+    pub errors: Vec<String>,
+    /// The exit status: 0 clean, 1 findings at or above the threshold, 2
+    /// none but the sweep could not do all it was asked.
+    pub exit: u8,
+}
+
+/// The severity that fails a sweep: `fail_on` (CLI), else the config's.
+///
+/// # Errors
+/// A message naming the bad value.
+pub fn threshold(node: &Node, fail_on: Option<&str>) -> Result<Severity, String> {
+    match fail_on {
+        Some(s) => s.parse(),
+        None => node.cfg.sweep_fail_severity.parse(),
+    }
+}
+
+/// Sweeps, writes the textfile, drains when asked and something fails.
+pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
+    let threshold = req
+        .fail_on
+        .or_else(|| node.cfg.sweep_fail_severity.parse().ok())
+        .unwrap_or(Severity::Medium);
+    let report = sweep(
+        node,
+        &Options {
+            cgroup: req.cgroup.clone(),
+        },
+    );
+    let mut errors = report.errors.clone();
+    if let Some(p) = &req.prometheus {
+        if let Err(e) = write_atomic(p, prometheus(&report).as_bytes(), 0o644) {
+            errors.push(format!("textfile {}: {e}", p.display()));
+        }
+    }
+    let failing = report.failing(threshold);
+    let mut drained = None;
+    if let (Some(name), Some(reason)) = (&req.drain_node, drain_reason(&failing)) {
+        match drain::drain(node, name, &reason) {
+            Ok(()) => {
+                let _ = node.audit(
+                    AuditEvent::new("sweep_drained")
+                        .field("node", name.clone())
+                        .field("drain_reason", reason.clone())
+                        .field("findings", failing.len()),
+                );
+                drained = Some(reason);
+            }
+            Err(e) => errors.push(format!("could not drain {name}: {e}")),
+        }
+    }
+    let exit = if !failing.is_empty() {
+        1
+    } else if !errors.is_empty() {
+        2
+    } else {
+        0
+    };
+    SweepOutcome {
+        report,
+        threshold,
+        drained,
+        errors,
+        exit,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn severities_order_and_parse() {
+        assert!(Severity::Info < Severity::Low && Severity::High < Severity::Critical);
+        assert_eq!("HIGH".parse::<Severity>(), Ok(Severity::High));
+        assert!("urgent".parse::<Severity>().is_err());
+        assert_eq!(serde_json::to_value(Severity::Medium).unwrap(), "medium");
+        for k in Kind::ALL {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+        }
+        let names: BTreeSet<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), Kind::ALL.len());
+    }
+
+    #[test]
+    fn crontab_entries_skip_comments_and_assignments() {
+        let t = "# DO NOT EDIT THIS FILE\n\nMAILTO=\"\"\nSHELL=/bin/sh\n*/5 * * * * /tmp/.x/xmrig\n@reboot nohup ./m &\n  # indented comment\n0 0 * * * env A=b run\n";
+        assert_eq!(
+            cron_entries(t),
+            vec!["*/5 * * * * /tmp/.x/xmrig", "@reboot nohup ./m &", "0 0 * * * env A=b run"]
+        );
+        assert!(cron_entries("# only\n# comments\n").is_empty());
+    }
+
+    #[test]
+    fn stratum_arguments_are_found() {
+        assert_eq!(
+            stratum_urls(&args(&["xmrig", "-o", "stratum+tcp://pool:3333", "-u", "w"])),
+            vec!["stratum+tcp://pool:3333"]
+        );
+        assert_eq!(
+            stratum_urls(&args(&["m", "--url=STRATUM+SSL://p:443"])).len(),
+            1
+        );
+        assert!(stratum_urls(&args(&["curl", "https://pool:3333"])).is_empty());
+    }
+
+    #[test]
+    fn disabled_notebook_auth_is_recognised() {
+        for a in [
+            vec!["jupyter-notebook", "--NotebookApp.token=", "--ip=0.0.0.0"],
+            vec!["jupyter", "lab", "--ServerApp.token=''"],
+            vec!["jupyter", "lab", "--IdentityProvider.token=\"\""],
+            vec!["jupyter", "lab", "--ServerApp.token", ""],
+            vec!["jupyter", "notebook", "--NotebookApp.password="],
+            vec!["jupyter", "lab", "--PasswordIdentityProvider.hashed_password=''"],
+            vec!["code-server", "--auth", "none"],
+            vec!["code-server", "--auth=none"],
+        ] {
+            assert!(!auth_disabled(&args(&a)).is_empty(), "{a:?}");
+        }
+        for a in [
+            vec!["jupyter", "lab", "--ServerApp.token=abc123"],
+            vec!["jupyter", "lab", "--ServerApp.token", "--no-browser"],
+            vec!["jupyter", "lab", "--ip=0.0.0.0"],
+            vec!["code-server", "--auth", "password"],
+            vec!["tool", "--token="],
+        ] {
+            assert!(auth_disabled(&args(&a)).is_empty(), "{a:?}");
+        }
+    }
+
+    #[test]
+    fn passwd_names_uids_and_homes() {
+        let p = Passwd::parse("root:x:0:0:root:/root:/bin/bash\nalice:x:1001:1001::/home/alice:/bin/sh\nbad line\n#c:x:5:5::/:/\n");
+        assert_eq!(p.name(1001), Some("alice"));
+        assert_eq!(p.uid("root"), Some(0));
+        assert_eq!(p.home(1001), Some(Path::new("/home/alice")));
+        assert_eq!(p.users().count(), 2);
+    }
+
+    fn denial(count: u64, last_ns: u64) -> DenialEntry {
+        DenialEntry {
+            cgroup_id: 7,
+            uid: 1001,
+            dev: DevNum::new(195, 0),
+            count,
+            last_pid: 42,
+            last_comm: "x".into(),
+            last_ns,
+        }
+    }
+
+    #[test]
+    fn only_new_denials_are_reported_and_the_total_only_grows() {
+        let (fresh, s1) = new_denials(&DenialState::default(), &[denial(3, 100)]);
+        assert_eq!(fresh.len(), 1);
+        assert_eq!((fresh[0].1, s1.total), (3, 3));
+        let (fresh, s2) = new_denials(&s1, &[denial(3, 100)]);
+        assert!(fresh.is_empty());
+        assert_eq!(s2.total, 3);
+        let (fresh, s3) = new_denials(&s2, &[denial(5, 200)]);
+        assert_eq!((fresh[0].1, s3.total), (2, 5));
+        // Evicted by the LRU and made again: a smaller count is all new.
+        let (fresh, s4) = new_denials(&s3, &[denial(1, 300)]);
+        assert_eq!((fresh[0].1, s4.total), (1, 6));
+        // Evicted and gone: nothing new, the total stays.
+        let (fresh, s5) = new_denials(&s4, &[]);
+        assert!(fresh.is_empty());
+        assert_eq!(s5.total, 6);
+    }
+
+    #[test]
+    fn textfile_has_every_kind_with_help_and_type() {
+        let mut r = SweepReport {
+            fence_installed: true,
+            grants: 3,
+            denials_total: 9,
+            ..Default::default()
+        };
+        r.findings.push(Finding::new(Kind::WildcardListener, "x", json!({})));
+        r.findings.push(Finding::new(Kind::WildcardListener, "y", json!({})));
+        let t = prometheus(&r);
+        for l in [
+            "# TYPE gpufence_fence_installed gauge",
+            "gpufence_fence_installed 1",
+            "gpufence_grants 3",
+            "# TYPE gpufence_denials_total counter",
+            "gpufence_denials_total 9",
+            "# HELP gpufence_findings ",
+            "gpufence_findings{kind=\"wildcard_listener\"} 2",
+            "gpufence_findings{kind=\"unfenced_gpu_holder\"} 0",
+        ] {
+            assert!(t.contains(l), "{l} missing in\n{t}");
+        }
+        assert_eq!(
+            t.lines().filter(|l| l.starts_with("gpufence_findings{")).count(),
+            Kind::ALL.len()
+        );
+    }
+
+    #[test]
+    fn drain_reason_names_the_worst_finding() {
+        let low = Finding::new(Kind::DeniedOpen, "tried", json!({}));
+        let mut crit = Finding::new(Kind::MiningCmdline, "pool URL", json!({}));
+        crit.pid = Some(77);
+        crit.comm = Some("xmrig".into());
+        let r = drain_reason(&[&low, &crit]).unwrap();
+        assert!(
+            r.starts_with("gpufence: sweep: critical mining_cmdline pid 77 (xmrig): pool URL (+1 more)"),
+            "{r}"
+        );
+        assert!(drain_reason(&[]).is_none());
+    }
+
+    #[test]
+    fn unit_files_fingerprint_files_and_links() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("multi-user.target.wants")).unwrap();
+        std::fs::write(d.path().join("a.service"), "[Service]\nExecStart=/bin/true\n").unwrap();
+        std::os::unix::fs::symlink(
+            "../a.service",
+            d.path().join("multi-user.target.wants/a.service"),
+        )
+        .unwrap();
+        let f = unit_files(d.path());
+        assert_eq!(f.len(), 2);
+        let a = &f[&d.path().join("a.service")];
+        assert!(a.sha256.is_some() && a.link.is_none());
+        let l = &f[&d.path().join("multi-user.target.wants/a.service")];
+        assert_eq!(l.link.as_deref(), Some("../a.service"));
+    }
+}
