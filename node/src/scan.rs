@@ -94,14 +94,28 @@ fn char_rdev(p: &Path) -> Option<DevNum> {
 enum FdKind {
     Char(DevNum),
     Socket(u64),
+    /// An anonymous inode (no file type: io_uring, eventfd, epoll, ...), a
+    /// regular file (kernels may yet give anonymous inodes `S_IFREG`), or
+    /// one `stat` could not read: worth a `readlink` for io_uring.
+    Anon,
     Other,
 }
 
 fn fd_kind(p: &Path) -> FdKind {
     match std::fs::metadata(p) {
-        Ok(md) if md.file_type().is_char_device() => FdKind::Char(DevNum::from_rdev(md.rdev())),
-        Ok(md) if md.file_type().is_socket() => FdKind::Socket(md.ino()),
-        _ => FdKind::Other,
+        Ok(md) => {
+            let t = md.file_type();
+            if t.is_char_device() {
+                FdKind::Char(DevNum::from_rdev(md.rdev()))
+            } else if t.is_socket() {
+                FdKind::Socket(md.ino())
+            } else if t.is_dir() || t.is_symlink() || t.is_block_device() || t.is_fifo() {
+                FdKind::Other
+            } else {
+                FdKind::Anon
+            }
+        }
+        Err(_) => FdKind::Anon,
     }
 }
 
@@ -206,7 +220,16 @@ impl Scanner {
     ) -> Option<Holder> {
         let base = base.to_path_buf();
         let mut fds = Vec::new();
-        fd_table(&base, want, Via::Fd, None, &mut fds, sockets.as_deref_mut());
+        let mut anon = Vec::new();
+        fd_table(
+            &base,
+            want,
+            Via::Fd,
+            None,
+            &mut fds,
+            sockets.as_deref_mut(),
+            Some(&mut anon),
+        );
         // Threads: only those whose table differs are worth a walk. Where
         // kcmp can tell, tables already walked are skipped; otherwise each
         // is walked and duplicates are dropped below.
@@ -219,10 +242,7 @@ impl Scanner {
                 if tid == pid {
                     continue;
                 }
-                if skip_shared_tables
-                    && walked
-                        .iter()
-                        .any(|w| same_fd_table(*w, tid) == Some(true))
+                if skip_shared_tables && walked.iter().any(|w| same_fd_table(*w, tid) == Some(true))
                 {
                     continue;
                 }
@@ -233,12 +253,20 @@ impl Scanner {
                     Some(tid),
                     &mut fds,
                     sockets.as_deref_mut(),
+                    None,
                 );
                 walked.push(tid);
             }
         }
         self.mappings(&base, want, &mut fds);
-        io_uring_files(&base, want, &mut fds);
+        // Only anonymous inodes can be rings: the sweep's walk readlinks
+        // just those; the epilog's keeps reading every entry.
+        io_uring_files(
+            &base,
+            want,
+            &mut fds,
+            skip_shared_tables.then_some(&anon[..]),
+        );
         // The same hold seen through the main table and a thread sharing it.
         let mut seen = BTreeSet::new();
         fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
@@ -298,6 +326,7 @@ fn fd_table(
     tid: Option<i32>,
     out: &mut Vec<HeldFd>,
     mut sockets: Option<&mut BTreeSet<u64>>,
+    mut anon: Option<&mut Vec<i32>>,
 ) {
     let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
         return;
@@ -320,6 +349,11 @@ fn fd_table(
                     s.insert(ino);
                 }
             }
+            FdKind::Anon => {
+                if let Some(a) = anon.as_deref_mut() {
+                    a.push(fd);
+                }
+            }
             _ => {}
         }
     }
@@ -328,20 +362,36 @@ fn fd_table(
 /// Files registered with an io_uring: the `UserFiles:` section of the
 /// ring's fdinfo lists them as `<index>: <path>` (`io_uring_show_fdinfo`,
 /// `io_uring/fdinfo.c`). Paths are resolved with `stat`.
-fn io_uring_files(base: &Path, want: DevicePredicate<'_>, out: &mut Vec<HeldFd>) {
-    let Ok(rd) = std::fs::read_dir(base.join("fd")) else {
-        return;
+fn io_uring_files(
+    base: &Path,
+    want: DevicePredicate<'_>,
+    out: &mut Vec<HeldFd>,
+    only: Option<&[i32]>,
+) {
+    let entries: Vec<(i32, PathBuf)> = match only {
+        Some(fds) => fds
+            .iter()
+            .map(|fd| (*fd, base.join("fd").join(fd.to_string())))
+            .collect(),
+        None => {
+            let Ok(rd) = std::fs::read_dir(base.join("fd")) else {
+                return;
+            };
+            rd.flatten()
+                .filter_map(|e| {
+                    let fd = e.file_name().to_str()?.parse::<i32>().ok()?;
+                    Some((fd, e.path()))
+                })
+                .collect()
+        }
     };
-    for e in rd.flatten() {
-        let Ok(target) = std::fs::read_link(e.path()) else {
+    for (fd, link) in entries {
+        let Ok(target) = std::fs::read_link(&link) else {
             continue;
         };
         if target.as_os_str() != "anon_inode:[io_uring]" {
             continue;
         }
-        let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
         let Ok(info) = std::fs::read_to_string(base.join("fdinfo").join(fd.to_string())) else {
             continue;
         };
@@ -411,6 +461,43 @@ pub fn by_device(holders: &[Holder]) -> BTreeMap<DevNum, Vec<i32>> {
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
+
+    /// One walk of a live process (this one) finds its sockets by inode, as
+    /// the kernel's TCP table names them, and its holds of devices a
+    /// predicate selects; threads sharing the table add nothing.
+    #[test]
+    fn process_fds_finds_sockets_and_predicate_holds() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || rx.recv());
+        let me = std::process::id() as i32;
+        let f = Scanner::new().process_fds(me, &|d| d.major == 1 && d.minor == 3);
+        let inode = procfs::process::Process::myself()
+            .unwrap()
+            .tcp()
+            .unwrap()
+            .into_iter()
+            .find(|e| e.local_address.port() == port)
+            .unwrap()
+            .inode;
+        assert!(f.sockets.contains(&inode), "{f:?}");
+        let h = f.holder.expect("/dev/null is held");
+        assert!(h.fds.iter().all(|x| x.dev == DevNum::new(1, 3)));
+        assert!(h
+            .fds
+            .iter()
+            .any(|x| x.via == Via::Fd && x.path == Path::new("/dev/null")));
+        assert!(
+            h.fds.iter().all(|x| x.via != Via::ThreadFd),
+            "threads share the table: {h:?}"
+        );
+        assert!(Scanner::new().process_fds(me, &|_| false).holder.is_none());
+        tx.send(()).unwrap();
+        let _ = t.join();
+        drop((l, null));
+    }
 
     /// A fixture process directory: a mapping of /dev/null (1:3) shown in
     /// `maps` and followed through `map_files`, and an io_uring whose

@@ -59,9 +59,7 @@ use crate::scan::{HeldFd, Scanner};
 use crate::{drain, is_under, Node};
 
 /// How bad a finding is. Ordered: `Info < Low < Medium < High < Critical`.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     /// Worth knowing.
@@ -328,9 +326,7 @@ impl Passwd {
             p.by_uid
                 .entry(uid)
                 .or_insert_with(|| (f[0].to_string(), home.clone()));
-            p.by_name
-                .entry(f[0].to_string())
-                .or_insert((uid, home));
+            p.by_name.entry(f[0].to_string()).or_insert((uid, home));
         }
         p
     }
@@ -452,9 +448,7 @@ fn fingerprint(p: &Path) -> Option<Fingerprint> {
     if ft.is_symlink() {
         return Some(Fingerprint {
             sha256: None,
-            link: std::fs::read_link(p)
-                .ok()
-                .map(|t| t.display().to_string()),
+            link: std::fs::read_link(p).ok().map(|t| t.display().to_string()),
             uid: md.uid(),
             mode: md.mode() & 0o7777,
         });
@@ -505,7 +499,12 @@ fn small_text(p: &Path) -> Option<String> {
     String::from_utf8(std::fs::read(p).ok()?).ok()
 }
 
-fn unit_entry(kind: &'static str, path: &Path, f: &Fingerprint, users: &Passwd) -> PersistenceEntry {
+fn unit_entry(
+    kind: &'static str,
+    path: &Path,
+    f: &Fingerprint,
+    users: &Passwd,
+) -> PersistenceEntry {
     PersistenceEntry {
         kind,
         path: path.to_path_buf(),
@@ -557,11 +556,7 @@ pub fn user_crontabs(node: &Node, users: &Passwd) -> Vec<PersistenceEntry> {
     names.sort();
     names
         .into_iter()
-        .filter(|n| {
-            users
-                .uid(n)
-                .is_none_or(|u| u > node.cfg.protected_uid_max)
-        })
+        .filter(|n| users.uid(n).is_none_or(|u| u > node.cfg.protected_uid_max))
         .filter_map(|n| crontab_of(node, &n, users))
         .collect()
 }
@@ -573,11 +568,15 @@ fn user_unit_dir(home: &Path) -> PathBuf {
 /// The systemd files the sweep watches: `systemd_system_dir` and every
 /// passwd user's `~/.config/systemd/user`. Values: the fingerprint and
 /// `systemd_system` / `systemd_user`.
-pub fn systemd_files(node: &Node, users: &Passwd) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
-    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> = unit_files(&node.cfg.systemd_system_dir)
-        .into_iter()
-        .map(|(p, f)| (p, (f, "systemd_system")))
-        .collect();
+pub fn systemd_files(
+    node: &Node,
+    users: &Passwd,
+) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
+    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> =
+        unit_files(&node.cfg.systemd_system_dir)
+            .into_iter()
+            .map(|(p, f)| (p, (f, "systemd_system")))
+            .collect();
     let homes: BTreeSet<&Path> = users
         .users()
         .map(|(_, _, h)| h)
@@ -659,15 +658,29 @@ pub fn auth_disabled(cmdline: &[String]) -> Vec<String> {
         };
         let k = key.to_ascii_lowercase();
         let jupyter = k.contains('.')
-            && (k.ends_with(".token") || k.ends_with(".password") || k.ends_with(".hashed_password"));
+            && (k.ends_with(".token")
+                || k.ends_with(".password")
+                || k.ends_with(".hashed_password"));
         if jupyter {
             if let Some(v) = val.filter(|v| joined || !v.starts_with("--")) {
                 if empty(&v) {
-                    out.push(if joined { a.clone() } else { format!("{a} {v:?}") });
+                    out.push(if joined {
+                        a.clone()
+                    } else {
+                        format!("{a} {v:?}")
+                    });
                 }
             }
-        } else if k == "--auth" && val.as_deref().is_some_and(|v| v.eq_ignore_ascii_case("none")) {
-            out.push(if joined { a.clone() } else { format!("{a} none") });
+        } else if k == "--auth"
+            && val
+                .as_deref()
+                .is_some_and(|v| v.eq_ignore_ascii_case("none"))
+        {
+            out.push(if joined {
+                a.clone()
+            } else {
+                format!("{a} none")
+            });
         }
     }
     out
@@ -786,11 +799,7 @@ fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) ->
             continue;
         }
         if let Some(scope) = scope {
-            if !node
-                .cg
-                .cgroup_of(pid)
-                .is_ok_and(|cg| is_under(&cg, scope))
-            {
+            if !node.cg.cgroup_of(pid).is_ok_and(|cg| is_under(&cg, scope)) {
                 continue;
             }
         }
@@ -927,10 +936,7 @@ fn lock(node: &Node) -> Result<SweepLock, String> {
             return Ok(SweepLock(f));
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "another sweep has held {} for 30 s",
-                p.display()
-            ));
+            return Err(format!("another sweep has held {} for 30 s", p.display()));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -1005,8 +1011,10 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
         .map(|s| s.trim_matches('/').to_string());
     if let Some(s) = &scope {
         if !node.cg.path(s).is_dir() {
-            r.errors
-                .push(format!("--cgroup /{s}: no such cgroup under {}", node.cg.mount().display()));
+            r.errors.push(format!(
+                "--cgroup /{s}: no such cgroup under {}",
+                node.cg.mount().display()
+            ));
             return r;
         }
     }
@@ -1092,14 +1100,16 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
         match f.entries() {
             Ok(entries) => {
                 let ids: BTreeSet<u64> = entries.iter().map(|e| e.cgroup_id).collect();
-                let paths = cgroup_paths.get_or_insert_with(|| denials::cgroup_paths(node.cg.mount()));
+                let paths =
+                    cgroup_paths.get_or_insert_with(|| denials::cgroup_paths(node.cg.mount()));
                 let (notes, _) = node.state.applied(None);
                 let noted: BTreeMap<u64, (u32, String)> = notes
                     .into_iter()
                     .map(|a| (a.cgroup_id, (a.job_id, a.cgroup_path)))
                     .collect();
                 for id in ids {
-                    let mine: Vec<&GrantEntry> = entries.iter().filter(|e| e.cgroup_id == id).collect();
+                    let mine: Vec<&GrantEntry> =
+                        entries.iter().filter(|e| e.cgroup_id == id).collect();
                     if paths.contains_key(&id) {
                         live_grants.extend(mine.into_iter().copied());
                         continue;
@@ -1119,7 +1129,11 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
                     fnd.cgroup = path.clone();
                     match f.revoke_cgroup(id) {
                         Ok(gone) => {
-                            fnd.action = Some(format!("revoked {} grant entr{}", gone.len(), if gone.len() == 1 { "y" } else { "ies" }));
+                            fnd.action = Some(format!(
+                                "revoked {} grant entr{}",
+                                gone.len(),
+                                if gone.len() == 1 { "y" } else { "ies" }
+                            ));
                             let mut ev = AuditEvent::new("grant_collected")
                                 .devices(devs.iter())
                                 .field("cgroup_id", id)
@@ -1205,7 +1219,8 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
     let config_exempt = |cg: Option<&str>| {
         cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
     };
-    let is_covered = |cg: Option<&str>, d: DevNum| config_exempt(cg) || covered(node, fence.as_ref(), cg, d);
+    let is_covered =
+        |cg: Option<&str>, d: DevNum| config_exempt(cg) || covered(node, fence.as_ref(), cg, d);
 
     // Holders, by descriptor and per NVML, one finding per process.
     struct Holding {
@@ -1227,7 +1242,11 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
         holding.insert(
             *pid,
             Holding {
-                fds: fds.iter().filter(|f| devs.contains(&f.dev)).cloned().collect(),
+                fds: fds
+                    .iter()
+                    .filter(|f| devs.contains(&f.dev))
+                    .cloned()
+                    .collect(),
                 devices: devs,
                 gpu_memory: Vec::new(),
             },
@@ -1236,7 +1255,9 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
     let gpu_major = node.gpu_major();
     let gpus = node.open_gpus();
     if let Some(why) = &gpus.unavailable {
-        r.notes.push(format!("NVML unavailable ({why}): descriptor scan only, GPU use not checked"));
+        r.notes.push(format!(
+            "NVML unavailable ({why}): descriptor scan only, GPU use not checked"
+        ));
     } else {
         let me = std::process::id() as i32;
         let queried = gpus.minors().and_then(|minors| {
@@ -1258,7 +1279,9 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
                     let dev = DevNum::new(gpu_major, g.minor);
                     let mut busy_pids = Vec::new();
                     for p in &g.processes {
-                        let Ok(pid) = i32::try_from(p.pid) else { continue };
+                        let Ok(pid) = i32::try_from(p.pid) else {
+                            continue;
+                        };
                         if pid <= 0 || pid == me {
                             continue;
                         }
@@ -1327,7 +1350,9 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
             .map(|f| {
                 let via = match f.via {
                     crate::scan::Via::Fd => format!("fd {}", f.fd),
-                    crate::scan::Via::ThreadFd => format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd),
+                    crate::scan::Via::ThreadFd => {
+                        format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd)
+                    }
                     crate::scan::Via::Mmap => "mapping".into(),
                     crate::scan::Via::IoUring => format!("io_uring fd {}", f.fd),
                 };
@@ -1337,14 +1362,20 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
                 format!(
                     "GPU {} per NVML{}",
                     g.minor,
-                    g.used_bytes.map(|b| format!(", {} MiB", b >> 20)).unwrap_or_default()
+                    g.used_bytes
+                        .map(|b| format!(", {} MiB", b >> 20))
+                        .unwrap_or_default()
                 )
             }))
             .collect();
         findings.push(
             Finding::new(
                 Kind::UnfencedGpuHolder,
-                format!("holds {} outside every grant and exemption: {}", dev_list(&h.devices), how.join("; ")),
+                format!(
+                    "holds {} outside every grant and exemption: {}",
+                    dev_list(&h.devices),
+                    how.join("; ")
+                ),
                 json!({
                     "devices": h.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
                     "holds": h.fds, "gpu_memory": h.gpu_memory, "cmdline": m.cmdline,
@@ -1465,7 +1496,10 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
         Ok(None) => {
             let b = Baseline {
                 recorded: now_rfc3339(),
-                files: current.iter().map(|(p, (f, _))| (p.clone(), f.clone())).collect(),
+                files: current
+                    .iter()
+                    .map(|(p, (f, _))| (p.clone(), f.clone()))
+                    .collect(),
             };
             match write_json(&bpath, &b) {
                 Ok(()) => r.notes.push(format!(
@@ -1488,7 +1522,11 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
                     format!(
                         "{} systemd {} {} since the baseline of {}",
                         change,
-                        if *scope_kind == "systemd_user" { "user file" } else { "file" },
+                        if *scope_kind == "systemd_user" {
+                            "user file"
+                        } else {
+                            "file"
+                        },
                         p.display(),
                         b.recorded
                     ),
@@ -1558,7 +1596,12 @@ pub fn prometheus(r: &SweepReport) -> String {
         "Findings of the last gpufence sweep, by kind.",
         r.counts()
             .into_iter()
-            .map(|(k, n)| (format!("{{kind=\"{}\"}}", prom_escape(k.as_str())), n.to_string()))
+            .map(|(k, n)| {
+                (
+                    format!("{{kind=\"{}\"}}", prom_escape(k.as_str())),
+                    n.to_string(),
+                )
+            })
             .collect(),
     );
     metric(
@@ -1728,7 +1771,11 @@ mod tests {
         let t = "# DO NOT EDIT THIS FILE\n\nMAILTO=\"\"\nSHELL=/bin/sh\n*/5 * * * * /tmp/.x/xmrig\n@reboot nohup ./m &\n  # indented comment\n0 0 * * * env A=b run\n";
         assert_eq!(
             cron_entries(t),
-            vec!["*/5 * * * * /tmp/.x/xmrig", "@reboot nohup ./m &", "0 0 * * * env A=b run"]
+            vec![
+                "*/5 * * * * /tmp/.x/xmrig",
+                "@reboot nohup ./m &",
+                "0 0 * * * env A=b run"
+            ]
         );
         assert!(cron_entries("# only\n# comments\n").is_empty());
     }
@@ -1736,7 +1783,13 @@ mod tests {
     #[test]
     fn stratum_arguments_are_found() {
         assert_eq!(
-            stratum_urls(&args(&["xmrig", "-o", "stratum+tcp://pool:3333", "-u", "w"])),
+            stratum_urls(&args(&[
+                "xmrig",
+                "-o",
+                "stratum+tcp://pool:3333",
+                "-u",
+                "w"
+            ])),
             vec!["stratum+tcp://pool:3333"]
         );
         assert_eq!(
@@ -1754,7 +1807,11 @@ mod tests {
             vec!["jupyter", "lab", "--IdentityProvider.token=\"\""],
             vec!["jupyter", "lab", "--ServerApp.token", ""],
             vec!["jupyter", "notebook", "--NotebookApp.password="],
-            vec!["jupyter", "lab", "--PasswordIdentityProvider.hashed_password=''"],
+            vec![
+                "jupyter",
+                "lab",
+                "--PasswordIdentityProvider.hashed_password=''",
+            ],
             vec!["code-server", "--auth", "none"],
             vec!["code-server", "--auth=none"],
         ] {
@@ -1819,8 +1876,10 @@ mod tests {
             denials_total: 9,
             ..Default::default()
         };
-        r.findings.push(Finding::new(Kind::WildcardListener, "x", json!({})));
-        r.findings.push(Finding::new(Kind::WildcardListener, "y", json!({})));
+        r.findings
+            .push(Finding::new(Kind::WildcardListener, "x", json!({})));
+        r.findings
+            .push(Finding::new(Kind::WildcardListener, "y", json!({})));
         let t = prometheus(&r);
         for l in [
             "# TYPE gpufence_fence_installed gauge",
@@ -1835,7 +1894,9 @@ mod tests {
             assert!(t.contains(l), "{l} missing in\n{t}");
         }
         assert_eq!(
-            t.lines().filter(|l| l.starts_with("gpufence_findings{")).count(),
+            t.lines()
+                .filter(|l| l.starts_with("gpufence_findings{"))
+                .count(),
             Kind::ALL.len()
         );
     }
@@ -1848,7 +1909,9 @@ mod tests {
         crit.comm = Some("xmrig".into());
         let r = drain_reason(&[&low, &crit]).unwrap();
         assert!(
-            r.starts_with("gpufence: sweep: critical mining_cmdline pid 77 (xmrig): pool URL (+1 more)"),
+            r.starts_with(
+                "gpufence: sweep: critical mining_cmdline pid 77 (xmrig): pool URL (+1 more)"
+            ),
             "{r}"
         );
         assert!(drain_reason(&[]).is_none());
@@ -1858,7 +1921,11 @@ mod tests {
     fn unit_files_fingerprint_files_and_links() {
         let d = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(d.path().join("multi-user.target.wants")).unwrap();
-        std::fs::write(d.path().join("a.service"), "[Service]\nExecStart=/bin/true\n").unwrap();
+        std::fs::write(
+            d.path().join("a.service"),
+            "[Service]\nExecStart=/bin/true\n",
+        )
+        .unwrap();
         std::os::unix::fs::symlink(
             "../a.service",
             d.path().join("multi-user.target.wants/a.service"),

@@ -20,6 +20,10 @@
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
 //! gpufence-probe apply CONFIG JOB UID PID apply job JOB's record for a slurmstepd stand-in PID,
 //!                                        as the SPANK plugin does (for contrib/gpu-check.sh)
+//! gpufence-probe listen ADDR PORT [ARG...]  bind ADDR:PORT (TCP), listen, print "listening",
+//!                                        sleep; ARGs are ignored (they shape the command line
+//!                                        the sweep reads, e.g. a notebook's flags)
+//! gpufence-probe connect ADDR PORT [ARG...] connect to ADDR:PORT (TCP), print "connected", sleep
 //! ```
 
 use std::ffi::CString;
@@ -421,8 +425,40 @@ fn main() -> ExitCode {
                 }
             }
         }
+        ["listen", addr, port, ..] => {
+            let Ok(port) = port.parse::<u16>() else {
+                return ExitCode::from(2);
+            };
+            match std::net::TcpListener::bind((*addr, port)) {
+                Ok(l) => {
+                    say("listening");
+                    let _keep = l;
+                    sleep_forever();
+                }
+                Err(e) => {
+                    say(&format!("bind {addr}:{port}: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        ["connect", addr, port, ..] => {
+            let Ok(port) = port.parse::<u16>() else {
+                return ExitCode::from(2);
+            };
+            match std::net::TcpStream::connect((*addr, port)) {
+                Ok(s) => {
+                    say("connected");
+                    let _keep = s;
+                    sleep_forever();
+                }
+                Err(e) => {
+                    say(&format!("connect {addr}:{port}: {e}"));
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         _ => {
-            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH | holders MAJOR:MINOR | apply CONFIG JOB UID PID");
+            eprintln!("usage: gpufence-probe open [--ro] PATH... | mknod PATH MAJOR MINOR | hold PATH | recvfd SOCK | sendfd SOCK PATH | holders MAJOR:MINOR | apply CONFIG JOB UID PID | listen ADDR PORT [ARG...] | connect ADDR PORT [ARG...]");
             return ExitCode::from(2);
         }
     }

@@ -1,0 +1,723 @@
+//! `gpufence respond PID`: an admin's answer to one process (a miner the
+//! sweep found, a hijacked notebook), in the order incident responders use:
+//!
+//! 1. refuse what must never be touched: PID 1, this process (and its
+//!    ancestors), kernel threads (`PF_KTHREAD`, or no `/proc/<pid>/exe`),
+//!    exempt daemons (a process in or under an `exempt_cgroups` entry, or a
+//!    cgroup the fence holds exempt);
+//! 2. take the process tree (the process and its descendants) and pin each
+//!    member with a pidfd, so no later step can hit a recycled pid;
+//! 3. stop the tree where it stands: `cgroup.freeze` for each cgroup that
+//!    holds nothing but the tree, `SIGSTOP` for the others; descendants
+//!    forked meanwhile are found and stopped too. Stopping destroys nothing
+//!    and keeps what is collected next consistent (a tree cannot fork,
+//!    hand on a descriptor or delete files while it is read);
+//! 4. preserve evidence: one evidence file per member
+//!    ([`crate::evidence`]), and an incident file with the tree, how each
+//!    member was stopped, the evidence files and the persistence entries of
+//!    the process's uid with their content (root-only, never overwritten);
+//! 5. `SIGKILL` every member through its pidfd, thaw, and check each is gone;
+//! 6. list, never delete, the persistence entries found;
+//! 7. drain the node when asked.
+//!
+//! Every step writes an audit line (`respond_refused`, `respond_frozen`,
+//! `respond_evidence`, `respond_killed`, `respond_survivor`,
+//! `respond_persistence`, `respond_drained`, `respond_drain_failed`).
+//! Descendants in an exempt cgroup are spared and named; a process that left
+//! the tree before the response (double fork, re-parented to init) is not
+//! part of it: sweep again.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::json;
+
+use gpufence_cgroup::fence::Fence;
+use gpufence_model::audit::AuditEvent;
+use gpufence_model::device::DevNum;
+use gpufence_model::fsutil::{create_dir_all_mode, write_new};
+use gpufence_model::record::now_rfc3339;
+
+use crate::evidence::{self, GpuMemory};
+use crate::scan::Scanner;
+use crate::sweep::{
+    persistence_of_uid, read_cmdline, read_stat, read_uid, Passwd, PersistenceEntry, PF_KTHREAD,
+};
+use crate::{drain, is_under, Node};
+
+/// Why `respond` will not act on a pid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such process (or a zombie: nothing left to stop).
+    NotFound(i32),
+    /// PID 1.
+    Init,
+    /// This process.
+    Myself,
+    /// An ancestor of this process: the response would kill itself.
+    Ancestor(i32),
+    /// A kernel thread.
+    KernelThread(i32),
+    /// An exempt daemon.
+    Exempt {
+        /// The process.
+        pid: i32,
+        /// Its cgroup.
+        cgroup: String,
+        /// The exemption that covers it.
+        exemption: String,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::NotFound(p) => write!(f, "pid {p}: no such process (or already exited)"),
+            Refusal::Init => f.write_str("pid 1 (init) is never touched"),
+            Refusal::Myself => f.write_str("refusing to respond to gpufence itself"),
+            Refusal::Ancestor(p) => write!(
+                f,
+                "pid {p} is an ancestor of this gpufence process: responding would kill the responder"
+            ),
+            Refusal::KernelThread(p) => write!(f, "pid {p} is a kernel thread"),
+            Refusal::Exempt {
+                pid,
+                cgroup,
+                exemption,
+            } => write!(
+                f,
+                "pid {pid} is an exempt daemon (cgroup /{cgroup}, exemption {exemption}): never touched"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+/// One member of the process tree.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TreeProcess {
+    /// pid.
+    pub pid: i32,
+    /// Parent pid.
+    pub ppid: i32,
+    /// Real uid.
+    pub uid: Option<u32>,
+    /// `comm`.
+    pub comm: String,
+    /// Command line.
+    pub cmdline: Vec<String>,
+    /// cgroup2 path.
+    pub cgroup: Option<String>,
+}
+
+/// A descendant left alone, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Spared {
+    /// pid.
+    pub pid: i32,
+    /// Why.
+    pub why: String,
+}
+
+/// What `respond` did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct IncidentOutcome {
+    /// The process responded to.
+    pub pid: i32,
+    /// Its uid.
+    pub uid: Option<u32>,
+    /// Its user.
+    pub user: Option<String>,
+    /// Its `comm`.
+    pub comm: Option<String>,
+    /// The tree (the process first, then its descendants).
+    pub tree: Vec<TreeProcess>,
+    /// Descendants left alone.
+    pub spared: Vec<Spared>,
+    /// How each member was stopped: `cgroup-freeze` or `SIGSTOP`.
+    pub frozen: BTreeMap<i32, String>,
+    /// The evidence files, one per member.
+    pub evidence: Vec<PathBuf>,
+    /// The incident file (tree, persistence, evidence list).
+    pub incident_file: Option<PathBuf>,
+    /// Members gone after SIGKILL.
+    pub killed: Vec<i32>,
+    /// Members still alive after SIGKILL and `kill_wait_ms`.
+    pub survivors: Vec<i32>,
+    /// The persistence entries of its uid: listed, never deleted.
+    pub persistence: Vec<PersistenceEntry>,
+    /// The drain reason, when the node was drained.
+    pub drained: Option<String>,
+    /// What went wrong (evidence, audit, drain).
+    pub errors: Vec<String>,
+}
+
+impl IncidentOutcome {
+    /// Whether the tree is gone and every step worked.
+    pub fn complete(&self) -> bool {
+        self.survivors.is_empty() && self.errors.is_empty()
+    }
+}
+
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open(2) returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn signal(pidfd: &OwnedFd, sig: i32) -> bool {
+    // SAFETY: pidfd_send_signal(2) on a pidfd we own.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        ) == 0
+    }
+}
+
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll of one valid pollfd, no wait. Readable once it exited.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+}
+
+fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
+    let p = node.cg.path(cgroup);
+    if std::fs::write(p.join("cgroup.freeze"), if on { "1" } else { "0" }).is_err() {
+        return false;
+    }
+    if !on {
+        return true;
+    }
+    let deadline = Instant::now() + Duration::from_millis(1000);
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(p.join("cgroup.events"))
+            .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+fn state_of(pid: i32) -> Option<char> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    s.get(s.rfind(')')? + 1..)?.trim_start().chars().next()
+}
+
+/// pid → ppid of every process.
+fn parents() -> BTreeMap<i32, i32> {
+    crate::scan::pids()
+        .into_iter()
+        .filter_map(|p| read_stat(p).map(|(_, pp, _)| (p, pp)))
+        .collect()
+}
+
+/// `root` and its descendants, parents before children.
+fn tree_of(parents: &BTreeMap<i32, i32>, root: i32) -> Vec<i32> {
+    let mut children: BTreeMap<i32, Vec<i32>> = BTreeMap::new();
+    for (p, pp) in parents {
+        children.entry(*pp).or_default().push(*p);
+    }
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        if let Some(c) = children.get(&out[i]) {
+            for p in c {
+                if !out.contains(p) {
+                    out.push(*p);
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The exemption covering cgroup `cg`, if any: a configured entry it is in
+/// or under, or an ancestor the fence holds exempt.
+fn exemption(node: &Node, fence: Option<&Fence>, cg: &str) -> Option<String> {
+    if let Some(e) = node.cfg.exempt_cgroups.iter().find(|e| is_under(cg, e)) {
+        return Some(format!("/{e}"));
+    }
+    let f = fence?;
+    node.cg
+        .ancestry(cg)
+        .into_iter()
+        .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
+        .map(|(p, id)| format!("/{p} (fence-exempt id {id})"))
+}
+
+fn ancestors_of_me(parents: &BTreeMap<i32, i32>) -> BTreeSet<i32> {
+    let mut out = BTreeSet::new();
+    let mut cur = std::process::id() as i32;
+    while let Some(pp) = parents.get(&cur) {
+        if *pp <= 0 || !out.insert(*pp) {
+            break;
+        }
+        cur = *pp;
+    }
+    out
+}
+
+/// Checks that `pid` may be responded to.
+///
+/// # Errors
+/// The [`Refusal`].
+pub fn check(node: &Node, pid: i32) -> Result<(), Refusal> {
+    let me = std::process::id() as i32;
+    if pid == 1 {
+        return Err(Refusal::Init);
+    }
+    if pid == me {
+        return Err(Refusal::Myself);
+    }
+    if pid <= 0 {
+        return Err(Refusal::NotFound(pid));
+    }
+    let Some((_, _, flags)) = read_stat(pid) else {
+        return Err(Refusal::NotFound(pid));
+    };
+    if flags & PF_KTHREAD != 0 {
+        return Err(Refusal::KernelThread(pid));
+    }
+    if state_of(pid) == Some('Z') {
+        return Err(Refusal::NotFound(pid));
+    }
+    if std::fs::read_link(format!("/proc/{pid}/exe"))
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Err(Refusal::KernelThread(pid));
+    }
+    let fence = Fence::open(&node.cfg.bpffs_dir).ok();
+    if let Ok(cg) = node.cg.cgroup_of(pid) {
+        if let Some(e) = exemption(node, fence.as_ref(), &cg) {
+            return Err(Refusal::Exempt {
+                pid,
+                cgroup: cg,
+                exemption: e,
+            });
+        }
+    }
+    if ancestors_of_me(&parents()).contains(&pid) {
+        return Err(Refusal::Ancestor(pid));
+    }
+    Ok(())
+}
+
+const REASON: &str = "gpufence respond: incident response requested by an admin";
+
+/// Responds to `pid` as the module says; `drain_node` drains that node.
+///
+/// # Errors
+/// The [`Refusal`] (audited as `respond_refused`) when `pid` must not be
+/// touched; nothing was done then.
+pub fn respond_pid(
+    node: &Node,
+    pid: i32,
+    drain_node: Option<&str>,
+) -> Result<IncidentOutcome, Refusal> {
+    if let Err(r) = check(node, pid) {
+        let _ = node.audit(
+            AuditEvent::new("respond_refused")
+                .pid(pid)
+                .field("reason", r.to_string()),
+        );
+        return Err(r);
+    }
+    let mut out = IncidentOutcome {
+        pid,
+        ..Default::default()
+    };
+    let audit = |out: &mut IncidentOutcome, ev: AuditEvent| {
+        if let Err(e) = node.audit(ev) {
+            out.errors.push(e.to_string());
+        }
+    };
+    let users = Passwd::load(&node.cfg.passwd_file);
+    let fence = Fence::open(&node.cfg.bpffs_dir).ok();
+    out.uid = read_uid(pid);
+    out.user = out.uid.and_then(|u| users.name(u)).map(String::from);
+    out.comm = read_stat(pid).map(|(c, _, _)| c);
+    let uid = out.uid;
+
+    // 2. The tree, pinned. Exempt descendants and this process's own
+    //    lineage are spared.
+    let me = std::process::id() as i32;
+    let mut pinned: BTreeMap<i32, OwnedFd> = BTreeMap::new();
+    let mut cgroups: BTreeMap<i32, Option<String>> = BTreeMap::new();
+    let mut spared_pids: BTreeSet<i32> = BTreeSet::new();
+    let admit = |p: i32,
+                 out: &mut IncidentOutcome,
+                 pinned: &mut BTreeMap<i32, OwnedFd>,
+                 cgroups: &mut BTreeMap<i32, Option<String>>,
+                 spared_pids: &mut BTreeSet<i32>| {
+        if pinned.contains_key(&p) || spared_pids.contains(&p) {
+            return false;
+        }
+        let cg = node.cg.cgroup_of(p).ok();
+        let why = if p == me || p == 1 {
+            Some("gpufence itself or init".to_string())
+        } else if read_stat(p).is_some_and(|(_, _, f)| f & PF_KTHREAD != 0) {
+            Some("kernel thread".to_string())
+        } else {
+            cg.as_deref()
+                .and_then(|c| exemption(node, fence.as_ref(), c))
+                .map(|e| format!("exempt daemon ({e})"))
+        };
+        if let Some(why) = why {
+            spared_pids.insert(p);
+            out.spared.push(Spared { pid: p, why });
+            return false;
+        }
+        let Some(fd) = pidfd_open(p) else {
+            return false;
+        };
+        pinned.insert(p, fd);
+        cgroups.insert(p, cg);
+        true
+    };
+    let order = tree_of(&parents(), pid);
+    for p in &order {
+        admit(*p, &mut out, &mut pinned, &mut cgroups, &mut spared_pids);
+    }
+    if !pinned.contains_key(&pid) {
+        return Err(Refusal::NotFound(pid));
+    }
+
+    // 3. Stop it: whole cgroups when they hold only the tree, else SIGSTOP;
+    //    then look for descendants forked meanwhile, until none are new.
+    let mut frozen_cgroups: BTreeSet<String> = BTreeSet::new();
+    let stop = |fd: &OwnedFd,
+                cg: Option<&str>,
+                members: &BTreeSet<i32>,
+                frozen_cgroups: &mut BTreeSet<String>|
+     -> String {
+        if let Some(cg) = cg.filter(|c| !c.is_empty()) {
+            if frozen_cgroups.contains(cg) {
+                return "cgroup-freeze".into();
+            }
+            let inside = node.cg.procs_recursive(cg);
+            if !inside.is_empty()
+                && inside.iter().all(|q| members.contains(q))
+                && set_frozen(node, cg, true)
+            {
+                frozen_cgroups.insert(cg.to_string());
+                return "cgroup-freeze".into();
+            }
+        }
+        signal(fd, libc::SIGSTOP);
+        "SIGSTOP".into()
+    };
+    // One look after each stop: a child forked before its parent stopped
+    // is in /proc by then, and nothing stopped can fork again.
+    for _round in 0..8 {
+        let members: BTreeSet<i32> = pinned.keys().copied().collect();
+        for (p, fd) in &pinned {
+            if out.frozen.contains_key(p) {
+                continue;
+            }
+            let how = stop(
+                fd,
+                cgroups.get(p).cloned().flatten().as_deref(),
+                &members,
+                &mut frozen_cgroups,
+            );
+            out.frozen.insert(*p, how);
+        }
+        let mut new = false;
+        for p in tree_of(&parents(), pid) {
+            new |= admit(p, &mut out, &mut pinned, &mut cgroups, &mut spared_pids);
+        }
+        if !new {
+            break;
+        }
+    }
+    let tree_pids: Vec<i32> = order
+        .iter()
+        .copied()
+        .filter(|p| pinned.contains_key(p))
+        .chain(pinned.keys().copied().filter(|p| !order.contains(p)))
+        .collect();
+    out.tree = tree_pids
+        .iter()
+        .map(|p| TreeProcess {
+            pid: *p,
+            ppid: read_stat(*p).map(|(_, pp, _)| pp).unwrap_or(0),
+            uid: read_uid(*p),
+            comm: read_stat(*p).map(|(c, _, _)| c).unwrap_or_default(),
+            cmdline: read_cmdline(*p),
+            cgroup: cgroups.get(p).cloned().flatten(),
+        })
+        .collect();
+    let frozen_ev = AuditEvent::new("respond_frozen")
+        .pid(pid)
+        .field("tree", tree_pids.clone())
+        .field(
+            "how",
+            out.frozen
+                .iter()
+                .map(|(p, h)| (p.to_string(), serde_json::Value::from(h.clone())))
+                .collect::<serde_json::Map<_, _>>(),
+        )
+        .field(
+            "frozen_cgroups",
+            frozen_cgroups
+                .iter()
+                .map(|c| format!("/{c}"))
+                .collect::<Vec<_>>(),
+        )
+        .field(
+            "spared",
+            serde_json::to_value(&out.spared).unwrap_or_default(),
+        );
+    audit(&mut out, with_uid(frozen_ev, uid));
+
+    // 4. Evidence: each member, then the incident file.
+    let protected: BTreeSet<u32> = node
+        .protected_majors()
+        .map(|p| p.majors().collect())
+        .unwrap_or_default();
+    let want = |d: DevNum| protected.contains(&d.major);
+    let mut scanner = Scanner::new();
+    let gpu_mem: Vec<(u32, String, u32, Option<u64>)> = {
+        let g = node.open_gpus();
+        g.minors()
+            .and_then(|m| g.query(&m))
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|gi| {
+                gi.processes
+                    .iter()
+                    .map(|p| (gi.minor, gi.uuid.clone(), p.pid, p.used_memory))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let hash_max = node.cfg.evidence_hash_max_mib << 20;
+    for p in &tree_pids {
+        let holds = scanner
+            .holder_where(*p, &want)
+            .map(|h| h.fds)
+            .unwrap_or_default();
+        let mem: Vec<GpuMemory> = gpu_mem
+            .iter()
+            .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
+            .map(|(minor, uuid, _, used)| GpuMemory {
+                minor: *minor,
+                uuid: uuid.clone(),
+                used_bytes: *used,
+            })
+            .collect();
+        let ev = evidence::collect(
+            *p,
+            0,
+            REASON,
+            holds,
+            cgroups.get(p).cloned().flatten(),
+            mem,
+            out.frozen.get(p).cloned(),
+            hash_max,
+        );
+        match evidence::write(&node.cfg.evidence_dir, &ev) {
+            Ok(f) => out.evidence.push(f),
+            Err(e) => out.errors.push(format!("evidence for pid {p}: {e}")),
+        }
+    }
+    out.persistence = out
+        .uid
+        .map(|u| persistence_of_uid(node, u))
+        .unwrap_or_default();
+    let incident = json!({
+        "collected": now_rfc3339(),
+        "reason": REASON,
+        "pid": pid,
+        "uid": out.uid,
+        "user": out.user,
+        "comm": out.comm,
+        "tree": out.tree,
+        "spared": out.spared,
+        "frozen": out.frozen,
+        "evidence": out.evidence,
+        "persistence": out.persistence,
+    });
+    match write_incident(node, pid, &incident) {
+        Ok(p) => out.incident_file = Some(p),
+        Err(e) => out.errors.push(e),
+    }
+    let ev = AuditEvent::new("respond_evidence")
+        .pid(pid)
+        .field(
+            "evidence",
+            out.evidence
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>(),
+        )
+        .field(
+            "incident_file",
+            out.incident_file
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+        )
+        .field("tree", tree_pids.clone());
+    audit(&mut out, with_uid(ev, uid));
+
+    // 5. SIGKILL through the pidfds; thaw; check.
+    for fd in pinned.values() {
+        signal(fd, libc::SIGKILL);
+    }
+    for cg in &frozen_cgroups {
+        set_frozen(node, cg, false);
+    }
+    let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms.max(100));
+    while Instant::now() < deadline && !pinned.values().all(exited) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (p, fd) in &pinned {
+        if exited(fd) {
+            out.killed.push(*p);
+        } else {
+            out.survivors.push(*p);
+        }
+    }
+    let ev = AuditEvent::new("respond_killed")
+        .pid(pid)
+        .field("signal", "SIGKILL")
+        .field("killed", out.killed.clone())
+        .field("survivors", out.survivors.clone());
+    audit(&mut out, with_uid(ev, uid));
+    if !out.survivors.is_empty() {
+        let ev = AuditEvent::new("respond_survivor")
+            .pid(pid)
+            .field("survivors", out.survivors.clone());
+        audit(&mut out, with_uid(ev, uid));
+    }
+
+    // 6. The persistence entries: listed, never deleted.
+    let ev = AuditEvent::new("respond_persistence")
+        .pid(pid)
+        .field(
+            "entries",
+            out.persistence
+                .iter()
+                .map(|e| json!({"kind": e.kind, "path": e.path, "entries": e.entries}))
+                .collect::<Vec<_>>(),
+        )
+        .field("deleted", false);
+    audit(&mut out, with_uid(ev, uid));
+
+    // 7. Drain.
+    if let Some(name) = drain_node {
+        let reason = drain::clean_reason(&format!(
+            "gpufence: respond: pid {pid} ({}) of {} killed with its tree ({} process(es)){}",
+            out.comm.as_deref().unwrap_or("?"),
+            out.user
+                .clone()
+                .or_else(|| out.uid.map(|u| format!("uid {u}")))
+                .unwrap_or_else(|| "?".into()),
+            out.killed.len(),
+            if out.survivors.is_empty() {
+                String::new()
+            } else {
+                format!(", {} survived", out.survivors.len())
+            }
+        ));
+        match drain::drain(node, name, &reason) {
+            Ok(()) => {
+                let ev = AuditEvent::new("respond_drained")
+                    .pid(pid)
+                    .field("node", name.to_string())
+                    .field("drain_reason", reason.clone());
+                audit(&mut out, ev);
+                out.drained = Some(reason);
+            }
+            Err(e) => {
+                out.errors.push(format!("could not drain {name}: {e}"));
+                let ev = AuditEvent::new("respond_drain_failed")
+                    .pid(pid)
+                    .field("node", name.to_string())
+                    .field("error", e);
+                audit(&mut out, ev);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn with_uid(ev: AuditEvent, uid: Option<u32>) -> AuditEvent {
+    match uid {
+        Some(u) => ev.uid(u),
+        None => ev,
+    }
+}
+
+fn write_incident(node: &Node, pid: i32, v: &serde_json::Value) -> Result<PathBuf, String> {
+    let dir = &node.cfg.evidence_dir;
+    create_dir_all_mode(dir, 0o700).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
+    let stamp = chrono::Utc::now().format("%Y%m%dT%H%M%S%.6fZ");
+    for n in 0..100 {
+        let suffix = if n == 0 {
+            String::new()
+        } else {
+            format!("-{n}")
+        };
+        let p = dir.join(format!("incident-pid{pid}-{stamp}{suffix}.json"));
+        match write_new(&p, &bytes, 0o600) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(format!("{}: {e}", p.display())),
+        }
+    }
+    Err(format!(
+        "{}: 100 incident files with one name",
+        dir.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trees_are_descendants_parents_first() {
+        let parents: BTreeMap<i32, i32> =
+            [(10, 1), (11, 10), (12, 10), (13, 11), (20, 1), (21, 20)].into();
+        assert_eq!(tree_of(&parents, 10), vec![10, 11, 12, 13]);
+        assert_eq!(tree_of(&parents, 21), vec![21]);
+    }
+
+    #[test]
+    fn refusals_read_as_one_line() {
+        for r in [
+            Refusal::Init,
+            Refusal::Myself,
+            Refusal::KernelThread(2),
+            Refusal::NotFound(9),
+            Refusal::Ancestor(5),
+            Refusal::Exempt {
+                pid: 3,
+                cgroup: "system.slice/x.service".into(),
+                exemption: "/system.slice/x.service".into(),
+            },
+        ] {
+            let s = r.to_string();
+            assert!(!s.contains('\n') && !s.is_empty());
+        }
+    }
+}

@@ -1,0 +1,1056 @@
+//! `gpufence sweep` and `gpufence respond PID` against real processes,
+//! sockets (loopback, and wildcard listeners for the exposure check), a
+//! real fence in each test's own cgroup subtree, the fake NVML, and fixture
+//! cron / systemd / passwd trees. Every sweep is limited to the test's own
+//! subtree (`--cgroup`), so what else runs on the machine cannot show up.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use gpufence_cgroup::fence::Fence;
+use gpufence_model::config::{Config, ConfigOrigin};
+use gpufence_model::device::{Access, DevNum};
+use gpufence_node::incident::{self, Refusal};
+use gpufence_node::sweep::{self, Finding, Kind, Severity, SweepOutcome, SweepRequest};
+use gpufence_node::{fence_ops, Node};
+use gpufence_tests::cluster::{test_uid, TEST_USER};
+use gpufence_tests::{gone, privileged, workspace_bin, HoldableDevice, TestEnv};
+use serde_json::{json, Value};
+
+struct World {
+    env: TestEnv,
+    node: Node,
+    /// `nvml-scenario.json` of the fake NVML, when the world has one.
+    scenario: Option<PathBuf>,
+}
+
+/// Keys every world sets: fixture persistence trees, a passwd file naming
+/// the test user (home in the temp dir), a fake scontrol. `extra` comes
+/// before `[majors]` (which is `nvidia = 195` plus `majors`).
+fn config(env: &TestEnv, extra: &str, majors: &str, nvml: Option<&PathBuf>) -> Node {
+    for d in ["cron", "systemd", "home/gt/.config/systemd/user"] {
+        std::fs::create_dir_all(env.path(d)).unwrap();
+    }
+    std::fs::write(
+        env.path("passwd"),
+        format!(
+            "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n{TEST_USER}:x:{uid}:{uid}::{home}:/bin/sh\n",
+            uid = test_uid(),
+            home = env.path("home/gt").display()
+        ),
+    )
+    .unwrap();
+    let scontrol = env.path("scontrol");
+    std::fs::write(
+        &scontrol,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {}\n",
+            env.path("scontrol.args").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&scontrol, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let nvml = match nvml {
+        Some(lib) => format!("nvml_library = \"{}\"\n", lib.display()),
+        None => "nvml = false\n".into(),
+    };
+    let p = env.config(&format!(
+        "{nvml}cron_spool_dir = \"{}\"\nsystemd_system_dir = \"{}\"\npasswd_file = \"{}\"\nscontrol_bin = \"{}\"\n{extra}\n[majors]\nnvidia = 195\n{majors}\n",
+        env.path("cron").display(),
+        env.path("systemd").display(),
+        env.path("passwd").display(),
+        scontrol.display(),
+    ));
+    Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+}
+
+fn world(tag: &str, extra: &str, majors: &str, fence: bool) -> World {
+    let env = TestEnv::new(tag);
+    let node = config(&env, extra, majors, None);
+    if fence {
+        fence_ops::install(&node).unwrap();
+    }
+    World {
+        env,
+        node,
+        scenario: None,
+    }
+}
+
+/// A world whose NVML is a private copy of the fake library.
+fn nvml_world(tag: &str) -> World {
+    let env = TestEnv::new(tag);
+    let lib_dir = env.path("nvml");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let lib = lib_dir.join("libnvidia-ml.so.1");
+    std::fs::copy(workspace_bin("libnvidia_ml.so"), &lib).unwrap();
+    let scenario = lib_dir.join("nvml-scenario.json");
+    std::fs::write(&scenario, json!({"gpus": []}).to_string()).unwrap();
+    let node = config(&env, "", "", Some(&lib));
+    fence_ops::install(&node).unwrap();
+    World {
+        env,
+        node,
+        scenario: Some(scenario),
+    }
+}
+
+impl World {
+    fn sweep_with(&self, f: impl FnOnce(&mut SweepRequest)) -> SweepOutcome {
+        let mut req = SweepRequest {
+            cgroup: Some(self.env.root.clone()),
+            ..Default::default()
+        };
+        f(&mut req);
+        let t0 = Instant::now();
+        let o = sweep::execute(&self.node, &req);
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "a sweep took {:?}",
+            t0.elapsed()
+        );
+        o
+    }
+    fn sweep(&self) -> SweepOutcome {
+        self.sweep_with(|_| {})
+    }
+    fn audit(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.node.cfg.audit_log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+    fn events(&self) -> Vec<String> {
+        self.audit()
+            .into_iter()
+            .map(|e| e["event"].as_str().unwrap_or("").to_string())
+            .collect()
+    }
+}
+
+fn of_kind(o: &SweepOutcome, k: Kind) -> Vec<&Finding> {
+    o.report.findings.iter().filter(|f| f.kind == k).collect()
+}
+
+fn kinds(o: &SweepOutcome) -> Vec<Kind> {
+    o.report.findings.iter().map(|f| f.kind).collect()
+}
+
+fn mode(p: &std::path::Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// A fence, a user's sleeper and a user's loopback listener, empty cron and
+/// systemd trees: nothing to report, exit 0, on the first sweep (which
+/// records the systemd baseline) and on the next.
+#[test]
+fn a_clean_node_has_no_finding() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("clean", "", "", true);
+    std::fs::write(
+        w.env.path("systemd/base.service"),
+        "[Service]\nExecStart=/bin/true\n",
+    )
+    .unwrap();
+    let cg = w.env.cgroup("job_1");
+    w.env.spawn_user_sleeper(&cg);
+    w.env
+        .spawn_user_probe(&cg, &["listen", "127.0.0.1", "0"], "listening");
+    for round in 0..2 {
+        let o = w.sweep();
+        assert!(o.report.findings.is_empty(), "round {round}: {o:#?}");
+        assert_eq!(o.exit, 0, "{o:#?}");
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert!(o.report.fence_installed);
+        assert!(o.report.processes >= 2, "{}", o.report.processes);
+        assert_eq!(
+            o.report
+                .notes
+                .iter()
+                .any(|n| n.starts_with("systemd baseline recorded")),
+            round == 0,
+            "{:?}",
+            o.report.notes
+        );
+    }
+}
+
+/// A user's listener on 0.0.0.0 is low; one whose command line disables
+/// Jupyter's token is high; root's listener on 0.0.0.0 is not reported.
+#[test]
+fn wildcard_listeners_and_open_notebooks() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("listen", "", "", true);
+    let cg = w.env.cgroup("sessions");
+    let notebook = w.env.spawn_user_probe(
+        &cg,
+        &[
+            "listen",
+            "0.0.0.0",
+            "0",
+            "jupyter-notebook",
+            "--NotebookApp.token=",
+            "--no-browser",
+        ],
+        "listening",
+    );
+    let plain = w
+        .env
+        .spawn_user_probe(&cg, &["listen", "0.0.0.0", "0"], "listening");
+    let rootd = w
+        .env
+        .spawn_probe(&cg, &["listen", "0.0.0.0", "0"], "listening");
+    let o = w.sweep();
+    let nb = of_kind(&o, Kind::UnauthenticatedNotebook);
+    assert_eq!(nb.len(), 1, "{o:#?}");
+    assert_eq!(nb[0].pid, Some(notebook));
+    assert_eq!(nb[0].severity, Severity::High);
+    assert_eq!(nb[0].uid, Some(test_uid()));
+    assert_eq!(nb[0].user.as_deref(), Some(TEST_USER));
+    assert_eq!(
+        nb[0].evidence["auth_disabled"],
+        json!(["--NotebookApp.token="])
+    );
+    assert!(nb[0].evidence["local"]
+        .as_str()
+        .unwrap()
+        .starts_with("0.0.0.0:"));
+    let wl = of_kind(&o, Kind::WildcardListener);
+    assert_eq!(wl.len(), 1, "{o:#?}");
+    assert_eq!((wl[0].pid, wl[0].severity), (Some(plain), Severity::Low));
+    assert!(
+        o.report.findings.iter().all(|f| f.pid != Some(rootd)),
+        "root's listener is not a user's exposure: {o:#?}"
+    );
+    assert_eq!(o.exit, 1, "high is above the default threshold (medium)");
+    let line = nb[0].line();
+    assert!(
+        line.starts_with(&format!(
+            "high unauthenticated_notebook pid={notebook} uid={}({TEST_USER}) cgroup=/{cg}",
+            test_uid()
+        )),
+        "{line}"
+    );
+}
+
+/// A TCP connection to a mining-pool port (3333, on loopback) is high.
+#[test]
+fn a_connection_to_a_mining_port_is_found() {
+    if !privileged() {
+        return;
+    }
+    let pool = std::net::TcpListener::bind("127.0.0.1:3333").unwrap_or_else(|e| {
+        panic!(
+            "this test needs 127.0.0.1:3333 (a mining-pool port) free to stand in for a pool: {e}"
+        )
+    });
+    let mut w = world("mining", "", "", true);
+    let cg = w.env.cgroup("outside");
+    let miner = w
+        .env
+        .spawn_user_probe(&cg, &["connect", "127.0.0.1", "3333"], "connected");
+    let o = w.sweep();
+    let m = of_kind(&o, Kind::MiningConnection);
+    assert_eq!(m.len(), 1, "{o:#?}");
+    assert_eq!(m[0].pid, Some(miner));
+    assert_eq!(m[0].severity, Severity::High);
+    assert_eq!(m[0].evidence["remote"], "127.0.0.1:3333");
+    assert_eq!(m[0].cgroup.as_deref(), Some(format!("/{cg}").as_str()));
+    drop(pool);
+}
+
+/// A stratum URL in a command line is critical, connection or not.
+#[test]
+fn a_stratum_url_in_a_command_line_is_found() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("stratum", "", "", true);
+    let cg = w.env.cgroup("outside");
+    let miner = w.env.spawn_user_probe(
+        &cg,
+        &[
+            "listen",
+            "127.0.0.1",
+            "0",
+            "xmrig",
+            "-o",
+            "stratum+tcp://127.0.0.1:3333",
+            "-u",
+            "wallet",
+        ],
+        "listening",
+    );
+    let o = w.sweep();
+    let m = of_kind(&o, Kind::MiningCmdline);
+    assert_eq!(m.len(), 1, "{o:#?}");
+    assert_eq!((m[0].pid, m[0].severity), (Some(miner), Severity::Critical));
+    assert_eq!(
+        m[0].evidence["arguments"],
+        json!(["stratum+tcp://127.0.0.1:3333"])
+    );
+    assert_eq!(
+        kinds(&o),
+        vec![Kind::MiningCmdline],
+        "loopback: no listener finding"
+    );
+}
+
+/// A user's crontab with entries is persistence (medium); root's, and a
+/// user's with only comments, are not.
+#[test]
+fn a_users_crontab_is_persistence() {
+    if !privileged() {
+        return;
+    }
+    let w = world("cron", "", "", true);
+    std::fs::write(
+        w.env.path(&format!("cron/{TEST_USER}")),
+        "# DO NOT EDIT\nMAILTO=\"\"\n*/5 * * * * /tmp/.x/miner --quiet\n",
+    )
+    .unwrap();
+    std::fs::write(w.env.path("cron/root"), "0 3 * * * /usr/sbin/logrotate\n").unwrap();
+    std::fs::write(w.env.path("cron/daemon"), "* * * * * /x\n").unwrap();
+    std::fs::write(w.env.path("cron/nobody-here"), "# nothing\n").unwrap();
+    let o = w.sweep();
+    let c = of_kind(&o, Kind::PersistenceCron);
+    assert_eq!(c.len(), 1, "{o:#?}");
+    assert_eq!(c[0].user.as_deref(), Some(TEST_USER));
+    assert_eq!(c[0].uid, Some(test_uid()));
+    assert_eq!(c[0].severity, Severity::Medium);
+    assert_eq!(
+        c[0].evidence["entries"],
+        json!(["*/5 * * * * /tmp/.x/miner --quiet"])
+    );
+    assert_eq!(o.exit, 1);
+}
+
+/// Units, timers, `.wants` links and users' units that appear or change
+/// after the baseline are reported on every sweep until the baseline is
+/// removed (the admin's acceptance); the first sweep reports nothing.
+#[test]
+fn new_systemd_units_after_the_baseline() {
+    if !privileged() {
+        return;
+    }
+    let w = world("systemd", "", "", true);
+    let sys = w.env.path("systemd");
+    std::fs::write(sys.join("site.service"), "[Service]\nExecStart=/bin/true\n").unwrap();
+    let o = w.sweep();
+    assert!(of_kind(&o, Kind::PersistenceSystemd).is_empty(), "{o:#?}");
+    assert!(sweep::baseline_path(&w.node).exists());
+
+    std::fs::write(
+        sys.join("site.service"),
+        "[Service]\nExecStart=/bin/false\n",
+    )
+    .unwrap();
+    std::fs::write(
+        sys.join("gpu-helper.service"),
+        "[Service]\nExecStart=/tmp/.x/miner\n",
+    )
+    .unwrap();
+    std::fs::write(
+        sys.join("gpu-helper.timer"),
+        "[Timer]\nOnCalendar=minutely\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(sys.join("timers.target.wants")).unwrap();
+    std::os::unix::fs::symlink(
+        "../gpu-helper.timer",
+        sys.join("timers.target.wants/gpu-helper.timer"),
+    )
+    .unwrap();
+    let user_unit = w.env.path("home/gt/.config/systemd/user/notebook.service");
+    std::fs::write(&user_unit, "[Service]\nExecStart=jupyter lab\n").unwrap();
+    for _ in 0..2 {
+        let o = w.sweep();
+        let s = of_kind(&o, Kind::PersistenceSystemd);
+        let seen: BTreeSet<(String, String)> = s
+            .iter()
+            .map(|f| {
+                (
+                    f.evidence["file"].as_str().unwrap().to_string(),
+                    f.evidence["change"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        let want: BTreeSet<(String, String)> = [
+            (sys.join("site.service"), "changed"),
+            (sys.join("gpu-helper.service"), "new"),
+            (sys.join("gpu-helper.timer"), "new"),
+            (sys.join("timers.target.wants/gpu-helper.timer"), "new"),
+            (user_unit.clone(), "new"),
+        ]
+        .into_iter()
+        .map(|(p, c)| (p.display().to_string(), c.to_string()))
+        .collect();
+        assert_eq!(seen, want, "{o:#?}");
+        assert!(s.iter().all(|f| f.severity == Severity::Medium));
+        let link = s
+            .iter()
+            .find(|f| {
+                f.evidence["file"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("wants/gpu-helper.timer")
+            })
+            .unwrap();
+        assert_eq!(link.evidence["link"], "../gpu-helper.timer");
+        let user = s
+            .iter()
+            .find(|f| f.evidence["scope"] == "systemd_user")
+            .unwrap();
+        assert_eq!(user.evidence["file"], user_unit.display().to_string());
+    }
+    std::fs::remove_file(sweep::baseline_path(&w.node)).unwrap();
+    let o = w.sweep();
+    assert!(of_kind(&o, Kind::PersistenceSystemd).is_empty(), "{o:#?}");
+}
+
+/// An open the fence denied (a process outside every job) is reported by
+/// the next sweep, once; the exported total keeps counting.
+#[test]
+fn denied_opens_are_reported_once() {
+    if !privileged() {
+        return;
+    }
+    let w = world("denied", "", "", true);
+    let gpu = w.env.mknod("nvidia0", 195, 0);
+    let out = w.env.cgroup("outside");
+    assert_eq!(w.env.open_from(&out, &gpu), "EPERM");
+    let o = w.sweep();
+    let d = of_kind(&o, Kind::DeniedOpen);
+    assert_eq!(d.len(), 1, "{o:#?}");
+    assert_eq!(d[0].severity, Severity::Low);
+    assert_eq!(d[0].comm.as_deref(), Some("gpufence-probe"));
+    assert_eq!(d[0].uid, Some(0));
+    assert_eq!(d[0].user.as_deref(), Some("root"));
+    assert_eq!(d[0].cgroup.as_deref(), Some(format!("/{out}").as_str()));
+    assert_eq!(d[0].evidence["device"], "195:0");
+    assert_eq!(d[0].evidence["new"], 1);
+    assert!(d[0].pid.is_some_and(|p| p > 1));
+    assert_eq!(o.report.denials_total, 1);
+    assert_eq!(o.exit, 0, "low is below the default threshold");
+
+    let o = w.sweep();
+    assert!(of_kind(&o, Kind::DeniedOpen).is_empty(), "{o:#?}");
+    assert_eq!(o.report.denials_total, 1);
+
+    assert_eq!(w.env.open_from(&out, &gpu), "EPERM");
+    assert_eq!(w.env.open_from(&out, &gpu), "EPERM");
+    let o = w.sweep();
+    let d = of_kind(&o, Kind::DeniedOpen);
+    assert_eq!(d.len(), 1, "{o:#?}");
+    assert_eq!(
+        (d[0].evidence["new"].clone(), d[0].evidence["count"].clone()),
+        (json!(2), json!(3))
+    );
+    assert_eq!(o.report.denials_total, 3);
+}
+
+/// A grant whose cgroup was removed is revoked by the sweep and reported
+/// with the action; a live grant stays.
+#[test]
+fn grants_of_removed_cgroups_are_collected() {
+    if !privileged() {
+        return;
+    }
+    let w = world("stale", "", "", true);
+    let fence = Fence::open(&w.env.bpffs).unwrap();
+    let dead = w.env.cgroup("job_77");
+    let live = w.env.cgroup("job_78");
+    let dead_id = w.env.cg.id(&dead).unwrap();
+    let live_id = w.env.cg.id(&live).unwrap();
+    fence
+        .grant(dead_id, &dead, 77, &[(DevNum::new(195, 0), Access::RW)])
+        .unwrap();
+    fence
+        .grant(live_id, &live, 78, &[(DevNum::new(195, 1), Access::RW)])
+        .unwrap();
+    std::fs::remove_dir(w.env.cg.path(&dead)).unwrap();
+    let o = w.sweep();
+    let s = of_kind(&o, Kind::StaleGrant);
+    assert_eq!(s.len(), 1, "{o:#?}");
+    assert_eq!(s[0].severity, Severity::Low);
+    assert_eq!(s[0].evidence["cgroup_id"], dead_id);
+    assert_eq!(s[0].evidence["job_ids"], json!([77]));
+    assert_eq!(s[0].action.as_deref(), Some("revoked 1 grant entry"));
+    let left: Vec<u32> = fence.entries().unwrap().iter().map(|e| e.job_id).collect();
+    assert_eq!(left, vec![78]);
+    assert_eq!(o.report.grants, 1);
+    let collected: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "grant_collected")
+        .collect();
+    assert_eq!(collected.len(), 1);
+    assert_eq!(collected[0]["job_id"], 77);
+    assert_eq!(collected[0]["cgroup_id"], dead_id);
+    let o = w.sweep();
+    assert!(of_kind(&o, Kind::StaleGrant).is_empty(), "{o:#?}");
+}
+
+/// A process holding a protected device outside every grant is critical;
+/// one in a granted cgroup and one in an exempt cgroup are not reported.
+#[test]
+fn a_holder_outside_every_grant_is_found() {
+    if !privileged() {
+        return;
+    }
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let env = TestEnv::new("holder");
+    let exempt = format!("{}/exempt", env.root);
+    let node = config(
+        &env,
+        &format!("exempt_cgroups = [\"{exempt}\"]"),
+        &format!("fake-gpu = {}", real.major),
+        None,
+    );
+    let mut w = World {
+        env,
+        node,
+        scenario: None,
+    };
+    let gpu = w.env.mknod("gpu", real.major, real.minor);
+    let g = gpu.to_str().unwrap();
+    // Opened before the fence: it would deny them afterwards.
+    let out = w.env.cgroup("outside");
+    let intruder = w.env.spawn_user_probe(&out, &["hold", g], "held");
+    let ex = w.env.cgroup("exempt");
+    let daemon = w.env.spawn_user_probe(&ex, &["hold", g], "held");
+    // A hold no descriptor table shows: a registered io_uring file (the
+    // sweep readlinks only anonymous inodes, rings among them). io_uring
+    // may be disabled by sysctl; then there is nothing to hide in.
+    let out2 = w.env.cgroup("outside2");
+    let mut cmd = w.env.command_in(&out2, gpufence_tests::probe_bin());
+    cmd.args(["hold", "--via=io_uring", g]);
+    let mut ring_child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(ring_child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let ring = (line.trim() == "held").then_some(ring_child.id() as i32);
+    if ring.is_none() {
+        eprintln!("io_uring unavailable here: {}", line.trim());
+    }
+    fence_ops::install(&w.node).unwrap();
+    let job = w.env.cgroup("job_5");
+    let fence = Fence::open(&w.env.bpffs).unwrap();
+    fence
+        .grant(w.env.cg.id(&job).unwrap(), &job, 5, &[(dev, Access::RW)])
+        .unwrap();
+    let user = w.env.spawn_user_probe(&job, &["hold", g], "held");
+    let o = w.sweep();
+    let h = of_kind(&o, Kind::UnfencedGpuHolder);
+    if let Some(ring) = ring {
+        let r: Vec<&&Finding> = h.iter().filter(|f| f.pid == Some(ring)).collect();
+        assert_eq!(r.len(), 1, "{o:#?}");
+        assert_eq!(r[0].evidence["holds"][0]["via"], "io_uring");
+    }
+    let h: Vec<&Finding> = h.into_iter().filter(|f| f.pid != ring).collect();
+    assert_eq!(h.len(), 1, "{o:#?}");
+    assert_eq!(h[0].pid, Some(intruder));
+    assert_eq!(h[0].severity, Severity::Critical);
+    assert_eq!(h[0].evidence["devices"], json!([dev.to_string()]));
+    assert_eq!(h[0].evidence["holds"][0]["via"], "fd");
+    assert_eq!(h[0].evidence["holds"][0]["path"], g);
+    assert!(o
+        .report
+        .findings
+        .iter()
+        .all(|f| f.pid != Some(user) && f.pid != Some(daemon)));
+    assert_eq!(o.exit, 1);
+    let _ = ring_child.kill();
+    let _ = ring_child.wait();
+}
+
+/// NVML: a GPU with utilisation and no grant, a GPU with a process (which
+/// holds it per NVML alone, outside every grant), a granted busy GPU (not
+/// reported), an idle GPU (not reported).
+#[test]
+fn busy_gpus_without_grants_and_nvml_only_holders() {
+    if !privileged() {
+        return;
+    }
+    let mut w = nvml_world("gpubusy");
+    let out = w.env.cgroup("outside");
+    let ghost = w.env.spawn_user_sleeper(&out);
+    let job = w.env.cgroup("job_9");
+    Fence::open(&w.env.bpffs)
+        .unwrap()
+        .grant(
+            w.env.cg.id(&job).unwrap(),
+            &job,
+            9,
+            &[(DevNum::new(195, 2), Access::RW)],
+        )
+        .unwrap();
+    let gpu = |minor: u32| {
+        json!({"minor": minor, "uuid": format!("GPU-00000000-0000-0000-0000-00000000000{minor}"),
+               "idle_used_mib": 500, "memory_total_mib": 81920})
+    };
+    let mut g0 = gpu(0);
+    g0["util_gpu"] = json!(90);
+    g0["util_mem"] = json!(40);
+    let mut g1 = gpu(1);
+    g1["processes"] = json!([{"pid": ghost, "used_mib": 2000}]);
+    let mut g2 = gpu(2);
+    g2["util_gpu"] = json!(80);
+    let g3 = gpu(3);
+    std::fs::write(
+        w.scenario.as_ref().unwrap(),
+        json!({"gpus": [g0, g1, g2, g3]}).to_string(),
+    )
+    .unwrap();
+    let o = w.sweep();
+    let busy = of_kind(&o, Kind::GpuBusyWithoutGrant);
+    let minors: Vec<u64> = busy
+        .iter()
+        .map(|f| f.evidence["minor"].as_u64().unwrap())
+        .collect();
+    assert_eq!(minors, vec![0, 1], "{o:#?}");
+    assert!(busy.iter().all(|f| f.severity == Severity::High));
+    let b0 = busy.iter().find(|f| f.evidence["minor"] == 0).unwrap();
+    assert_eq!(
+        (
+            b0.evidence["utilization_gpu"].clone(),
+            b0.evidence["utilization_memory"].clone()
+        ),
+        (json!(90), json!(40))
+    );
+    let b1 = busy.iter().find(|f| f.evidence["minor"] == 1).unwrap();
+    assert_eq!(b1.evidence["pids"], json!([ghost]));
+    let h = of_kind(&o, Kind::UnfencedGpuHolder);
+    assert_eq!(h.len(), 1, "{o:#?}");
+    assert_eq!(h[0].pid, Some(ghost));
+    assert_eq!(h[0].evidence["devices"], json!(["195:1"]));
+    assert_eq!(h[0].evidence["gpu_memory"][0]["used_bytes"], 2000u64 << 20);
+    assert_eq!(h[0].evidence["holds"], json!([]));
+
+    // A query that fails mid-sweep cannot say clean.
+    let mut g = gpu(0);
+    g["fail"] = json!({"processes": 999});
+    std::fs::write(
+        w.scenario.as_ref().unwrap(),
+        json!({"gpus": [g]}).to_string(),
+    )
+    .unwrap();
+    let o = w.sweep();
+    assert_eq!(kinds(&o), vec![Kind::CheckFailed], "{o:#?}");
+    assert_eq!(o.exit, 1);
+}
+
+/// Drift: the fence not attached, and a protected major the fence lacks
+/// (driver reloaded) or has in excess.
+#[test]
+fn drift_is_reported() {
+    if !privileged() {
+        return;
+    }
+    let w = world("drift", "", "", false);
+    let o = w.sweep();
+    assert_eq!(kinds(&o), vec![Kind::FenceNotAttached], "{o:#?}");
+    assert!(!o.report.fence_installed);
+    assert_eq!(o.report.findings[0].severity, Severity::Critical);
+    fence_ops::install(&w.node).unwrap();
+    assert!(w.sweep().report.findings.is_empty());
+    // The node now has another NVIDIA major (uvm loaded after the
+    // install) and lost none: unprotected.
+    let grown = config(&w.env, "", "nvidia-uvm = 511", None);
+    let o = sweep::execute(
+        &grown,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    let u = of_kind(&o, Kind::UnprotectedMajor);
+    assert_eq!(u.len(), 1, "{o:#?}");
+    assert_eq!(u[0].evidence["major"], 511);
+    assert_eq!(u[0].severity, Severity::Critical);
+    // Installed with 511, then the node no longer has it: stale.
+    fence_ops::install(&grown).unwrap();
+    let shrunk = config(&w.env, "", "", None);
+    let o = sweep::execute(
+        &shrunk,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    let s = of_kind(&o, Kind::StaleMajor);
+    assert_eq!(s.len(), 1, "{o:#?}");
+    assert_eq!(
+        (s[0].evidence["major"].clone(), s[0].severity),
+        (json!(511), Severity::Low)
+    );
+}
+
+/// The textfile: written atomically, HELP/TYPE lines, one series per kind;
+/// exit codes follow the threshold (CLI override, then config).
+#[test]
+fn textfile_and_exit_codes_by_severity() {
+    if !privileged() {
+        return;
+    }
+    let w = world("prom", "", "", true);
+    std::fs::write(w.env.path(&format!("cron/{TEST_USER}")), "@reboot /tmp/x\n").unwrap();
+    let dir = w.env.path("textfiles");
+    std::fs::create_dir_all(&dir).unwrap();
+    let prom = dir.join("gpufence.prom");
+    std::fs::write(&prom, "stale content\n").unwrap();
+    let o = w.sweep_with(|r| r.prometheus = Some(prom.clone()));
+    assert_eq!((o.exit, o.threshold), (1, Severity::Medium), "{o:#?}");
+    let text = std::fs::read_to_string(&prom).unwrap();
+    for l in [
+        "# HELP gpufence_fence_installed ",
+        "# TYPE gpufence_fence_installed gauge\ngpufence_fence_installed 1\n",
+        "# TYPE gpufence_grants gauge\ngpufence_grants 0\n",
+        "# TYPE gpufence_denials_total counter\ngpufence_denials_total 0\n",
+        "# HELP gpufence_findings ",
+        "# TYPE gpufence_findings gauge\n",
+        "gpufence_findings{kind=\"persistence_cron\"} 1\n",
+        "gpufence_findings{kind=\"unfenced_gpu_holder\"} 0\n",
+    ] {
+        assert!(text.contains(l), "{l:?} missing from\n{text}");
+    }
+    for k in Kind::ALL {
+        assert!(
+            text.contains(&format!("gpufence_findings{{kind=\"{k}\"}} ")),
+            "{k}"
+        );
+    }
+    assert_eq!(mode(&prom), 0o644);
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["gpufence.prom"], "no temporary file left");
+
+    assert_eq!(w.sweep_with(|r| r.fail_on = Some(Severity::High)).exit, 0);
+    assert_eq!(w.sweep_with(|r| r.fail_on = Some(Severity::Medium)).exit, 1);
+    assert_eq!(w.sweep_with(|r| r.fail_on = Some(Severity::Info)).exit, 1);
+    let lenient = config(&w.env, "sweep_fail_severity = \"critical\"", "", None);
+    assert_eq!(sweep::threshold(&lenient, None), Ok(Severity::Critical));
+    assert_eq!(sweep::threshold(&lenient, Some("low")), Ok(Severity::Low));
+    assert!(sweep::threshold(&lenient, Some("urgent")).is_err());
+    let o = sweep::execute(
+        &lenient,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    assert_eq!((o.exit, o.threshold), (0, Severity::Critical));
+    // An unwritable textfile: nothing fails, but the sweep says so (2).
+    let o = sweep::execute(
+        &lenient,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            prometheus: Some(w.env.path("no/such/dir/x.prom")),
+            ..Default::default()
+        },
+    );
+    assert_eq!(o.exit, 2, "{o:#?}");
+    // A scope that does not exist is an error, not a clean node.
+    let o = sweep::execute(
+        &lenient,
+        &SweepRequest {
+            cgroup: Some(format!("{}/nope", w.env.root)),
+            ..Default::default()
+        },
+    );
+    assert_eq!(o.exit, 2, "{o:#?}");
+}
+
+/// `--drain` drains with a reason naming the worst finding, only when one
+/// is at or above the threshold.
+#[test]
+fn drain_names_the_finding() {
+    if !privileged() {
+        return;
+    }
+    let w = world("drain", "", "", true);
+    std::fs::write(w.env.path(&format!("cron/{TEST_USER}")), "@reboot /tmp/x\n").unwrap();
+    let args = w.env.path("scontrol.args");
+    let o = w.sweep_with(|r| {
+        r.drain_node = Some("node17".into());
+        r.fail_on = Some(Severity::High);
+    });
+    assert_eq!((o.exit, o.drained.clone()), (0, None));
+    assert!(!args.exists(), "nothing at or above high: no drain");
+    let o = w.sweep_with(|r| r.drain_node = Some("node17".into()));
+    assert_eq!(o.exit, 1);
+    let lines: Vec<String> = std::fs::read_to_string(&args)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(&lines[..3], &["update", "nodename=node17", "state=drain"]);
+    assert!(
+        lines[3].starts_with(&format!(
+            "reason=gpufence: sweep: medium persistence_cron user {TEST_USER}: crontab of {TEST_USER}"
+        )),
+        "{lines:?}"
+    );
+    assert_eq!(o.drained.as_deref(), lines[3].strip_prefix("reason="));
+    assert!(w.events().contains(&"sweep_drained".to_string()));
+    assert!(!sweep::node_name().is_empty());
+}
+
+/// `sh -c 'sleep & sleep & wait'` as the test user, alone in its cgroup.
+fn spawn_tree(env: &TestEnv, cg: &str) -> (Child, Vec<i32>) {
+    let child = env
+        .command_in(cg, "setpriv")
+        .args([
+            "--reuid",
+            TEST_USER,
+            "--regid",
+            TEST_USER,
+            "--init-groups",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1000 & sleep 1000 & wait",
+        ])
+        .spawn()
+        .unwrap();
+    let sh = child.id() as i32;
+    let t0 = Instant::now();
+    loop {
+        let kids: Vec<i32> = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .and_then(|r| r.split_whitespace().nth(1))
+                        .and_then(|pp| pp.parse::<i32>().ok())
+                        == Some(sh)
+                })
+            })
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim() == "sleep")
+            })
+            .collect();
+        if kids.len() == 2 {
+            let mut all = vec![sh];
+            all.extend(kids);
+            return (child, all);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "tree did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// respond PID on a process tree alone in its cgroup: frozen as a cgroup,
+/// one evidence file per member (0600) and an incident file with the tree
+/// and the user's persistence entries, every member killed, the entries
+/// listed and left in place, the node drained, every step audited.
+#[test]
+fn respond_stops_preserves_and_kills_a_process_tree() {
+    if !privileged() {
+        return;
+    }
+    let w = world("respond", "", "", false);
+    let cron = w.env.path(&format!("cron/{TEST_USER}"));
+    std::fs::write(&cron, "* * * * * /tmp/.x/miner\n").unwrap();
+    let unit = w.env.path("home/gt/.config/systemd/user/miner.service");
+    std::fs::write(&unit, "[Service]\nExecStart=/tmp/.x/miner\n").unwrap();
+    let cg = w.env.cgroup("incident");
+    let (mut child, tree) = spawn_tree(&w.env, &cg);
+    let o = incident::respond_pid(&w.node, tree[0], Some("node9")).unwrap();
+    let _ = child.wait();
+    assert!(o.complete(), "{o:#?}");
+    let got: BTreeSet<i32> = o.tree.iter().map(|t| t.pid).collect();
+    assert_eq!(got, tree.iter().copied().collect(), "{o:#?}");
+    assert_eq!(o.tree[0].pid, tree[0], "the process first");
+    assert!(o.frozen.values().all(|h| h == "cgroup-freeze"), "{o:#?}");
+    assert_eq!(o.killed.iter().copied().collect::<BTreeSet<_>>(), got);
+    assert!(tree.iter().all(|p| gone(*p)));
+    assert_eq!(o.uid, Some(test_uid()));
+    assert_eq!(o.user.as_deref(), Some(TEST_USER));
+    // Evidence: one per member, root-only; the incident file names them.
+    assert_eq!(o.evidence.len(), 3);
+    for e in &o.evidence {
+        assert_eq!(mode(e), 0o600, "{}", e.display());
+        let v: Value = serde_json::from_slice(&std::fs::read(e).unwrap()).unwrap();
+        assert!(got.contains(&(v["pid"].as_i64().unwrap() as i32)));
+        assert_eq!(v["frozen"], "cgroup-freeze");
+    }
+    let inc = o.incident_file.as_ref().unwrap();
+    assert_eq!(mode(inc), 0o600);
+    let v: Value = serde_json::from_slice(&std::fs::read(inc).unwrap()).unwrap();
+    assert_eq!(v["tree"].as_array().unwrap().len(), 3);
+    assert_eq!(v["evidence"].as_array().unwrap().len(), 3);
+    let kinds: BTreeSet<&str> = v["persistence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["cron", "systemd_user"].into_iter().collect());
+    assert!(v["persistence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("ExecStart=/tmp/.x/miner"))));
+    // Listed, not deleted.
+    assert_eq!(o.persistence.len(), 2);
+    assert!(cron.exists() && unit.exists());
+    // Drained, audited.
+    let args = std::fs::read_to_string(w.env.path("scontrol.args")).unwrap();
+    assert!(args.contains("nodename=node9"), "{args}");
+    assert!(
+        args.contains(&format!(
+            "reason=gpufence: respond: pid {} (sh) of {TEST_USER} killed",
+            tree[0]
+        )),
+        "{args}"
+    );
+    let ev = w.events();
+    for e in [
+        "respond_frozen",
+        "respond_evidence",
+        "respond_killed",
+        "respond_persistence",
+        "respond_drained",
+    ] {
+        assert!(ev.contains(&e.to_string()), "{e} missing: {ev:?}");
+    }
+    let order: Vec<&str> = ev.iter().map(String::as_str).collect();
+    let pos = |e: &str| order.iter().position(|x| *x == e).unwrap();
+    assert!(pos("respond_frozen") < pos("respond_evidence"));
+    assert!(pos("respond_evidence") < pos("respond_killed"));
+    assert!(pos("respond_killed") < pos("respond_persistence"));
+    let a = w
+        .audit()
+        .into_iter()
+        .find(|e| e["event"] == "respond_persistence")
+        .unwrap();
+    assert_eq!(a["deleted"], false);
+    assert_eq!(a["uid"], test_uid());
+}
+
+/// When the cgroup holds other processes, the tree is stopped with SIGSTOP
+/// and only the tree is killed.
+#[test]
+fn respond_uses_sigstop_in_a_shared_cgroup_and_spares_bystanders() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("respond-shared", "", "", false);
+    let cg = w.env.cgroup("shared");
+    let bystander = w.env.spawn_user_sleeper(&cg);
+    let target = w.env.spawn_user_sleeper(&cg);
+    let o = incident::respond_pid(&w.node, target, None).unwrap();
+    assert!(o.complete(), "{o:#?}");
+    assert_eq!(o.frozen.get(&target).map(String::as_str), Some("SIGSTOP"));
+    assert_eq!(o.killed, vec![target]);
+    assert!(gone(target));
+    assert!(!gone(bystander), "a bystander in the same cgroup lives");
+    assert!(o.drained.is_none());
+    assert!(!w.env.path("scontrol.args").exists());
+    let status = std::fs::read_to_string(format!("/proc/{bystander}/stat")).unwrap();
+    assert!(
+        !status
+            .rsplit(')')
+            .next()
+            .unwrap()
+            .trim_start()
+            .starts_with('T'),
+        "the bystander was not stopped: {status}"
+    );
+}
+
+/// Refusals: PID 1, itself, its ancestors, kernel threads, exempt daemons,
+/// processes that do not exist. Nothing is touched; each is audited.
+#[test]
+fn respond_refuses_what_must_not_be_touched() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("refuse");
+    let exempt = format!("{}/exempt", env.root);
+    let node = config(&env, &format!("exempt_cgroups = [\"{exempt}\"]"), "", None);
+    let mut w = World {
+        env,
+        node,
+        scenario: None,
+    };
+    let ex = w.env.cgroup("exempt");
+    let daemon = w.env.spawn_user_sleeper(&ex);
+    assert_eq!(
+        incident::respond_pid(&w.node, 1, None).unwrap_err(),
+        Refusal::Init
+    );
+    let me = std::process::id() as i32;
+    assert_eq!(
+        incident::respond_pid(&w.node, me, None).unwrap_err(),
+        Refusal::Myself
+    );
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    if parent > 1 {
+        assert_eq!(
+            incident::respond_pid(&w.node, parent, None).unwrap_err(),
+            Refusal::Ancestor(parent)
+        );
+    }
+    match incident::respond_pid(&w.node, daemon, None).unwrap_err() {
+        Refusal::Exempt { pid, cgroup, .. } => {
+            assert_eq!((pid, cgroup), (daemon, ex.clone()));
+        }
+        r => panic!("{r:?}"),
+    }
+    assert!(!gone(daemon), "an exempt daemon is never touched");
+    let kthread = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .find(|p| {
+            gpufence_node::sweep::read_stat(*p)
+                .is_some_and(|(_, _, f)| f & gpufence_node::sweep::PF_KTHREAD != 0)
+        });
+    match kthread {
+        Some(k) => assert_eq!(
+            incident::respond_pid(&w.node, k, None).unwrap_err(),
+            Refusal::KernelThread(k)
+        ),
+        None => {
+            eprintln!("no kernel thread visible here (pid namespace): that refusal is unchecked")
+        }
+    }
+    let none = i32::MAX - 7;
+    assert_eq!(
+        incident::respond_pid(&w.node, none, None).unwrap_err(),
+        Refusal::NotFound(none)
+    );
+    let refused = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "respond_refused")
+        .count();
+    assert!(refused >= 4, "{refused}");
+    assert!(
+        !w.env.path("evidence").exists(),
+        "no evidence, nothing done"
+    );
+}
