@@ -52,6 +52,18 @@ pub struct GpuInfo {
     pub processes: Vec<GpuProcess>,
 }
 
+/// One GPU's utilisation over the driver's last sample period
+/// (`nvmlDeviceGetUtilizationRates`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct GpuUtilization {
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// Percent of the time a kernel ran; `None` when not reported.
+    pub gpu: Option<u32>,
+    /// Percent of the time device memory was read or written.
+    pub memory: Option<u32>,
+}
+
 /// What NVML accounting kept about one process of a GPU.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct AccountedProcess {
@@ -216,19 +228,23 @@ impl Gpus {
     }
 
     /// Utilisation of each GPU with these minors over the driver's last
-    /// sample period: `(minor, Some((gpu %, memory %)))`, or `None` for a
-    /// GPU that does not report it (`NVML_ERROR_NOT_SUPPORTED`, e.g. with
-    /// MIG enabled).
+    /// sample period. A GPU that does not report it
+    /// (`NVML_ERROR_NOT_SUPPORTED`, e.g. with MIG enabled) has `None`s.
     ///
     /// # Errors
     /// The first other NVML error.
-    pub fn utilization(
-        &self,
-        minors: &BTreeSet<u32>,
-    ) -> Result<Vec<(u32, Option<(u32, u32)>)>, String> {
+    pub fn utilization(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuUtilization>, String> {
         self.each_device(minors, |minor, d| match d.utilization_rates() {
-            Ok(u) => Ok((minor, Some((u.gpu, u.memory)))),
-            Err(nvml_wrapper::error::NvmlError::NotSupported) => Ok((minor, None)),
+            Ok(u) => Ok(GpuUtilization {
+                minor,
+                gpu: Some(u.gpu),
+                memory: Some(u.memory),
+            }),
+            Err(nvml_wrapper::error::NvmlError::NotSupported) => Ok(GpuUtilization {
+                minor,
+                gpu: None,
+                memory: None,
+            }),
             Err(e) => Err(format!(
                 "nvmlDeviceGetUtilizationRates (minor {minor}): {e}"
             )),

@@ -55,7 +55,7 @@ use gpufence_model::record::now_rfc3339;
 use crate::denials;
 use crate::evidence::GpuMemory;
 use crate::respond::covered;
-use crate::scan::{HeldFd, Scanner};
+use crate::scan::{HeldFd, Scanner, Via};
 use crate::{drain, is_under, Node};
 
 /// How bad a finding is. Ordered: `Info < Low < Medium < High < Critical`.
@@ -408,12 +408,11 @@ pub struct PersistenceEntry {
     pub content: Option<String>,
 }
 
-/// How a systemd file is remembered in the baseline.
+/// How a systemd file is remembered in the baseline: what `lstat` says,
+/// so a sweep never reads a user's files to compare them (a user cannot
+/// set a file's ctime: any write, rename or chmod moves it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fingerprint {
-    /// SHA-256 of the content (regular files).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sha256: Option<String>,
     /// Target (symlinks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<String>,
@@ -421,46 +420,84 @@ pub struct Fingerprint {
     pub uid: u32,
     /// Permission bits.
     pub mode: u32,
+    /// Size in bytes.
+    pub size: u64,
+    /// Inode number.
+    pub ino: u64,
+    /// Modification time, ns since the epoch.
+    pub mtime_ns: i64,
+    /// Status change time, ns since the epoch.
+    pub ctime_ns: i64,
 }
 
-/// The largest file hashed whole; larger ones are hashed up to this size.
-const UNIT_HASH_MAX: u64 = 1 << 20;
-/// Files kept as text in evidence when at most this large.
-const CONTENT_MAX: u64 = 64 << 10;
+/// How much of a file is hashed or kept as evidence. Unit files and
+/// crontabs are a few hundred bytes.
+const EVIDENCE_MAX: u64 = 64 << 10;
 /// How deep and how many files a unit directory walk goes (a unit tree is
 /// shallow: `foo.service.d/x.conf`, `multi-user.target.wants/foo.service`).
 const UNIT_DEPTH: usize = 4;
 const UNIT_FILES_MAX: usize = 20_000;
+/// Reported systemd files that get a hash and content (a user can make
+/// thousands of files: each is reported, only these many are read).
+const UNIT_EVIDENCE_MAX: usize = 100;
 
-fn sha256_prefix(p: &Path, max: u64) -> Option<String> {
+/// Opens `p` for reading only if it is a regular file, without following
+/// a symlink and without blocking on a FIFO swapped in by its owner.
+fn open_regular(p: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(p)
+        .ok()?;
+    f.metadata().ok()?.is_file().then_some(f)
+}
+
+/// The first [`EVIDENCE_MAX`] bytes of a regular file.
+fn read_prefix(p: &Path) -> Option<Vec<u8>> {
     use std::io::Read;
-    let f = std::fs::File::open(p).ok()?;
-    let mut h = Sha256::new();
     let mut buf = Vec::new();
-    f.take(max).read_to_end(&mut buf).ok()?;
-    h.update(&buf);
-    Some(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    open_regular(p)?
+        .take(EVIDENCE_MAX)
+        .read_to_end(&mut buf)
+        .ok()?;
+    Some(buf)
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// SHA-256 and (when it is text) the content of the first
+/// [`EVIDENCE_MAX`] bytes of a regular file.
+fn file_evidence(p: &Path) -> (Option<String>, Option<String>) {
+    match read_prefix(p) {
+        Some(b) => (Some(sha256_hex(&b)), String::from_utf8(b).ok()),
+        None => (None, None),
+    }
 }
 
 fn fingerprint(p: &Path) -> Option<Fingerprint> {
     let md = std::fs::symlink_metadata(p).ok()?;
     let ft = md.file_type();
-    if ft.is_symlink() {
-        return Some(Fingerprint {
-            sha256: None,
-            link: std::fs::read_link(p).ok().map(|t| t.display().to_string()),
-            uid: md.uid(),
-            mode: md.mode() & 0o7777,
-        });
-    }
-    if !ft.is_file() {
+    if !ft.is_symlink() && !ft.is_file() {
         return None;
     }
     Some(Fingerprint {
-        sha256: sha256_prefix(p, UNIT_HASH_MAX),
-        link: None,
+        link: ft
+            .is_symlink()
+            .then(|| std::fs::read_link(p).ok())
+            .flatten()
+            .map(|t| t.display().to_string()),
         uid: md.uid(),
         mode: md.mode() & 0o7777,
+        size: md.size(),
+        ino: md.ino(),
+        mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+        ctime_ns: md.ctime() * 1_000_000_000 + md.ctime_nsec(),
     })
 }
 
@@ -491,41 +528,30 @@ pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
     out
 }
 
-fn small_text(p: &Path) -> Option<String> {
-    let md = std::fs::symlink_metadata(p).ok()?;
-    if !md.is_file() || md.len() > CONTENT_MAX {
-        return None;
-    }
-    String::from_utf8(std::fs::read(p).ok()?).ok()
-}
-
 fn unit_entry(
     kind: &'static str,
     path: &Path,
     f: &Fingerprint,
     users: &Passwd,
 ) -> PersistenceEntry {
+    let (sha256, content) = file_evidence(path);
     PersistenceEntry {
         kind,
         path: path.to_path_buf(),
         uid: Some(f.uid),
         user: users.name(f.uid).map(String::from),
         entries: Vec::new(),
-        sha256: f.sha256.clone(),
+        sha256,
         link: f.link.clone(),
-        content: small_text(path),
+        content,
     }
 }
 
 /// The crontab of user `name` in the spool, when it has entries.
 fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntry> {
     let path = node.cfg.cron_spool_dir.join(name);
-    let md = std::fs::symlink_metadata(&path).ok()?;
-    if !md.is_file() {
-        return None;
-    }
-    let text = std::fs::read_to_string(&path).ok()?;
-    let entries = cron_entries(&text);
+    let bytes = read_prefix(&path)?;
+    let entries = cron_entries(&String::from_utf8_lossy(&bytes));
     if entries.is_empty() {
         return None;
     }
@@ -534,9 +560,9 @@ fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntr
         uid: users.uid(name),
         user: Some(name.to_string()),
         entries,
-        sha256: sha256_prefix(&path, UNIT_HASH_MAX),
+        sha256: Some(sha256_hex(&bytes)),
         link: None,
-        content: small_text(&path),
+        content: String::from_utf8(bytes).ok(),
         path,
     })
 }
@@ -1000,556 +1026,672 @@ fn dev_list(devs: &BTreeSet<DevNum>) -> String {
         .join(",")
 }
 
-/// Runs every check once. Never fails: a check that cannot run is a
-/// [`Kind::CheckFailed`] finding, a state that cannot be kept is an error.
-pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
-    let t0 = Instant::now();
-    let mut r = SweepReport::default();
-    let scope = opts
-        .cgroup
-        .as_deref()
-        .map(|s| s.trim_matches('/').to_string());
-    if let Some(s) = &scope {
-        if !node.cg.path(s).is_dir() {
-            r.errors.push(format!(
-                "--cgroup /{s}: no such cgroup under {}",
-                node.cg.mount().display()
+/// Whether a configured exemption covers cgroup `cg`.
+fn config_exempt(node: &Node, cg: Option<&str>) -> bool {
+    cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
+}
+
+fn check_failed(what: &str, e: String) -> Finding {
+    Finding::new(
+        Kind::CheckFailed,
+        format!("{what}: {e}"),
+        json!({"check": what, "error": e}),
+    )
+}
+
+/// What a process holds outside every grant, by descriptor and per NVML.
+#[derive(Default)]
+struct Holding {
+    devices: BTreeSet<DevNum>,
+    fds: Vec<HeldFd>,
+    gpu_memory: Vec<GpuMemory>,
+}
+
+/// One sweep's context: the handles every check uses, and what they found.
+struct Sweep<'a> {
+    node: &'a Node,
+    users: &'a Passwd,
+    procs: Procs<'a>,
+    scope: Option<String>,
+    fence: Option<Fence>,
+    report: SweepReport,
+    findings: Vec<Finding>,
+}
+
+impl Sweep<'_> {
+    fn in_scope(&self, cg: Option<&str>) -> bool {
+        match &self.scope {
+            None => true,
+            Some(s) => cg.is_some_and(|c| is_under(c, s)),
+        }
+    }
+
+    /// The fence attached, its majors against the node's. Returns the
+    /// node's protected majors.
+    fn drift(&mut self) -> BTreeSet<u32> {
+        let node = self.node;
+        let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+        self.report.fence_installed = attached.is_ok();
+        if let Err(detail) = &attached {
+            self.findings.push(Finding::new(
+                Kind::FenceNotAttached,
+                format!(
+                    "the fence is not attached at /{}: {detail}: every process may open every GPU; run `gpufence fence install`",
+                    node.cfg.cgroup_root
+                ),
+                json!({
+                    "cgroup_root": format!("/{}", node.cfg.cgroup_root),
+                    "bpffs_dir": node.cfg.bpffs_dir, "detail": detail,
+                }),
             ));
-            return r;
         }
-    }
-    let _lock = match lock(node) {
-        Ok(l) => Some(l),
-        Err(e) => {
-            r.errors.push(e);
-            None
-        }
-    };
-    let users = Passwd::load(&node.cfg.passwd_file);
-    let mut procs = Procs {
-        node,
-        users: &users,
-        cache: BTreeMap::new(),
-    };
-    let mut findings = Vec::new();
-    let check_failed = |what: &str, e: String| {
-        Finding::new(
-            Kind::CheckFailed,
-            format!("{what}: {e}"),
-            json!({"check": what, "error": e}),
-        )
-    };
-
-    // Drift: the fence itself.
-    let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
-    r.fence_installed = attached.is_ok();
-    if let Err(detail) = &attached {
-        findings.push(Finding::new(
-            Kind::FenceNotAttached,
-            format!("the fence is not attached at /{}: {detail}: every process may open every GPU; run `gpufence fence install`", node.cfg.cgroup_root),
-            json!({"cgroup_root": format!("/{}", node.cfg.cgroup_root), "bpffs_dir": node.cfg.bpffs_dir, "detail": detail}),
-        ));
-    }
-    let fence = match Fence::open(&node.cfg.bpffs_dir) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            if attached.is_ok() {
-                findings.push(check_failed("fence maps", e.to_string()));
+        self.fence = match Fence::open(&node.cfg.bpffs_dir) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                if attached.is_ok() {
+                    self.findings
+                        .push(check_failed("fence maps", e.to_string()));
+                }
+                None
             }
-            None
-        }
-    };
-    let protected = match node.protected_majors() {
-        Ok(p) => Some(p),
-        Err(e) => {
-            findings.push(check_failed("protected majors", e.to_string()));
-            None
-        }
-    };
-    if let (Some(f), Some(want)) = (&fence, &protected) {
-        match f.protected_majors() {
-            Ok(have) => {
-                let have: BTreeSet<u32> = have.into_iter().collect();
-                let want_set: BTreeSet<u32> = want.majors().collect();
-                for m in want_set.difference(&have) {
-                    let names: Vec<&str> = want.names(*m).collect();
-                    findings.push(Finding::new(
-                        Kind::UnprotectedMajor,
-                        format!("major {m} ({}) is an NVIDIA driver's but the fence does not protect it (driver reloaded since install?): run `gpufence fence install`", names.join(",")),
-                        json!({"major": m, "names": names, "fence_majors": have}),
-                    ));
-                }
-                for m in have.difference(&want_set) {
-                    findings.push(Finding::new(
-                        Kind::StaleMajor,
-                        format!("the fence protects major {m}, which the node no longer has (driver unloaded or renumbered)"),
-                        json!({"major": m, "node_majors": want_set}),
-                    ));
-                }
+        };
+        let want = match node.protected_majors() {
+            Ok(p) => p,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("protected majors", e.to_string()));
+                return BTreeSet::new();
             }
-            Err(e) => findings.push(check_failed("fence majors", e.to_string())),
-        }
-    }
-
-    // Drift: grants whose cgroup is gone are collected. The entries are
-    // read before the cgroups are listed: a grant's cgroup exists before
-    // its grant does, so a live one cannot be missed.
-    let mut live_grants: Vec<GrantEntry> = Vec::new();
-    let mut cgroup_paths: Option<BTreeMap<u64, String>> = None;
-    if let Some(f) = &fence {
-        match f.entries() {
-            Ok(entries) => {
-                let ids: BTreeSet<u64> = entries.iter().map(|e| e.cgroup_id).collect();
-                let paths =
-                    cgroup_paths.get_or_insert_with(|| denials::cgroup_paths(node.cg.mount()));
-                let (notes, _) = node.state.applied(None);
-                let noted: BTreeMap<u64, (u32, String)> = notes
-                    .into_iter()
-                    .map(|a| (a.cgroup_id, (a.job_id, a.cgroup_path)))
-                    .collect();
-                for id in ids {
-                    let mine: Vec<&GrantEntry> =
-                        entries.iter().filter(|e| e.cgroup_id == id).collect();
-                    if paths.contains_key(&id) {
-                        live_grants.extend(mine.into_iter().copied());
-                        continue;
-                    }
-                    let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
-                    let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
-                    let path = noted.get(&id).map(|(_, p)| format!("/{p}"));
-                    let mut fnd = Finding::new(
-                        Kind::StaleGrant,
-                        format!(
-                            "grant of job(s) {jobs:?} on {} to cgroup id {id}{} whose cgroup no longer exists",
-                            dev_list(&devs),
-                            path.as_deref().map(|p| format!(" ({p})")).unwrap_or_default()
-                        ),
-                        json!({"cgroup_id": id, "cgroup_path": path, "job_ids": jobs, "devices": devs.iter().map(|d| d.to_string()).collect::<Vec<_>>()}),
-                    );
-                    fnd.cgroup = path.clone();
-                    match f.revoke_cgroup(id) {
-                        Ok(gone) => {
-                            fnd.action = Some(format!(
-                                "revoked {} grant entr{}",
-                                gone.len(),
-                                if gone.len() == 1 { "y" } else { "ies" }
-                            ));
-                            let mut ev = AuditEvent::new("grant_collected")
-                                .devices(devs.iter())
-                                .field("cgroup_id", id)
-                                .field("entries", gone.len())
-                                .field("why", "the grant's cgroup no longer exists (sweep)");
-                            if let Some(j) = jobs.iter().next() {
-                                ev = ev.job(*j);
-                            }
-                            if let Some(p) = &path {
-                                ev = ev.field("cgroup", p.clone());
-                            }
-                            if let Err(e) = node.audit(ev) {
-                                r.errors.push(e.to_string());
-                            }
-                        }
-                        Err(e) => {
-                            fnd.severity = Severity::High;
-                            fnd.action = Some(format!("revocation failed: {e}"));
-                            live_grants.extend(mine.into_iter().copied());
-                        }
-                    }
-                    findings.push(fnd);
-                }
+        };
+        let want_set: BTreeSet<u32> = want.majors().collect();
+        let Some(f) = &self.fence else {
+            return want_set;
+        };
+        let have: BTreeSet<u32> = match f.protected_majors() {
+            Ok(h) => h.into_iter().collect(),
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence majors", e.to_string()));
+                return want_set;
             }
-            Err(e) => findings.push(check_failed("fence grants", e.to_string())),
+        };
+        for m in want_set.difference(&have) {
+            let names: Vec<&str> = want.names(*m).collect();
+            self.findings.push(Finding::new(
+                Kind::UnprotectedMajor,
+                format!(
+                    "major {m} ({}) is an NVIDIA driver's but the fence does not protect it (driver reloaded since install?): run `gpufence fence install`",
+                    names.join(",")
+                ),
+                json!({"major": m, "names": names, "fence_majors": have}),
+            ));
         }
+        for m in have.difference(&want_set) {
+            self.findings.push(Finding::new(
+                Kind::StaleMajor,
+                format!(
+                    "the fence protects major {m}, which the node no longer has (driver unloaded or renumbered)"
+                ),
+                json!({"major": m, "node_majors": want_set}),
+            ));
+        }
+        want_set
     }
-    r.grants = live_grants.len();
 
-    // Denials since the last sweep.
-    if let Some(f) = &fence {
-        match f.denials() {
-            Ok(now) => {
-                let state_path = sweep_dir(node).join("denials.json");
-                let prev = match read_json::<DenialState>(&state_path) {
-                    Ok(p) => p.unwrap_or_default(),
-                    Err(e) => {
-                        r.errors.push(e);
-                        DenialState::default()
-                    }
-                };
-                let (fresh, next) = new_denials(&prev, &now);
-                r.denials_total = next.total;
-                let deltas: Vec<u64> = fresh.iter().map(|(_, d)| *d).collect();
-                let resolved = denials::resolve(node, fresh.into_iter().map(|(d, _)| d).collect());
-                for (d, delta) in resolved.into_iter().zip(deltas) {
-                    let mut fnd = Finding::new(
-                        Kind::DeniedOpen,
-                        format!(
-                            "{delta} denied open(s) of {} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
-                            d.device,
-                            d.user.as_deref().unwrap_or("?"),
-                            d.uid,
-                            d.last_pid,
-                            d.last_comm,
-                            d.last_time
-                        ),
-                        json!({"device": d.device, "new": delta, "count": d.count, "cgroup_id": d.cgroup_id, "last_time": d.last_time}),
-                    );
-                    fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
-                    fnd.uid = Some(d.uid);
-                    fnd.user = d.user;
-                    fnd.cgroup = d.cgroup.map(|c| format!("/{c}"));
-                    fnd.comm = Some(d.last_comm);
-                    findings.push(fnd);
-                }
-                if let Err(e) = write_json(&state_path, &next) {
-                    r.errors.push(e);
-                }
+    /// Grants whose cgroup is gone are revoked ("collected"). The entries
+    /// are read before the cgroups are listed: a grant's cgroup exists
+    /// before its grant does, so a live one cannot be taken for stale.
+    /// Returns the live grants.
+    fn stale_grants(&mut self) -> Vec<GrantEntry> {
+        let node = self.node;
+        let Some(f) = &self.fence else {
+            return Vec::new();
+        };
+        let entries = match f.entries() {
+            Ok(e) => e,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence grants", e.to_string()));
+                return Vec::new();
             }
-            Err(e) => findings.push(check_failed("fence denials", e.to_string())),
+        };
+        if entries.is_empty() {
+            return entries;
         }
-    }
-
-    // The /proc walk: holders, sockets, command lines.
-    let protected_set: BTreeSet<u32> = protected
-        .as_ref()
-        .map(|p| p.majors().collect())
-        .unwrap_or_default();
-    let want = |d: DevNum| protected_set.contains(&d.major);
-    let walk = walk_proc(node, scope.as_deref(), &want);
-    r.processes = walk.walked;
-    let config_exempt = |cg: Option<&str>| {
-        cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
-    };
-    let is_covered =
-        |cg: Option<&str>, d: DevNum| config_exempt(cg) || covered(node, fence.as_ref(), cg, d);
-
-    // Holders, by descriptor and per NVML, one finding per process.
-    struct Holding {
-        devices: BTreeSet<DevNum>,
-        fds: Vec<HeldFd>,
-        gpu_memory: Vec<GpuMemory>,
-    }
-    let mut holding: BTreeMap<i32, Holding> = BTreeMap::new();
-    for (pid, fds) in &walk.holders {
-        let m = procs.meta(*pid);
-        let devs: BTreeSet<DevNum> = fds
-            .iter()
-            .map(|f| f.dev)
-            .filter(|d| !is_covered(m.cgroup.as_deref(), *d))
+        let alive = denials::cgroup_paths(node.cg.mount());
+        let noted: BTreeMap<u64, String> = node
+            .state
+            .applied(None)
+            .0
+            .into_iter()
+            .map(|a| (a.cgroup_id, a.cgroup_path))
             .collect();
-        if devs.is_empty() {
-            continue;
+        let ids: BTreeSet<u64> = entries.iter().map(|e| e.cgroup_id).collect();
+        let mut live = Vec::new();
+        for id in ids {
+            let mine: Vec<GrantEntry> = entries
+                .iter()
+                .filter(|e| e.cgroup_id == id)
+                .copied()
+                .collect();
+            if alive.contains_key(&id) {
+                live.extend(mine);
+                continue;
+            }
+            let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
+            let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
+            let path = noted.get(&id).map(|p| format!("/{p}"));
+            let mut fnd = Finding::new(
+                Kind::StaleGrant,
+                format!(
+                    "grant of job(s) {jobs:?} on {} to cgroup id {id}{} whose cgroup no longer exists",
+                    dev_list(&devs),
+                    path.as_deref().map(|p| format!(" ({p})")).unwrap_or_default()
+                ),
+                json!({
+                    "cgroup_id": id, "cgroup_path": path, "job_ids": jobs,
+                    "devices": devs.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
+                }),
+            );
+            fnd.cgroup = path.clone();
+            match f.revoke_cgroup(id) {
+                Ok(gone) => {
+                    fnd.action = Some(format!(
+                        "revoked {} grant entr{}",
+                        gone.len(),
+                        if gone.len() == 1 { "y" } else { "ies" }
+                    ));
+                    let mut ev = AuditEvent::new("grant_collected")
+                        .devices(devs.iter())
+                        .field("cgroup_id", id)
+                        .field("entries", gone.len())
+                        .field("why", "the grant's cgroup no longer exists (sweep)");
+                    if let Some(j) = jobs.iter().next() {
+                        ev = ev.job(*j);
+                    }
+                    if let Some(p) = &path {
+                        ev = ev.field("cgroup", p.clone());
+                    }
+                    if let Err(e) = node.audit(ev) {
+                        self.report.errors.push(e.to_string());
+                    }
+                }
+                Err(e) => {
+                    fnd.severity = Severity::High;
+                    fnd.action = Some(format!("revocation failed: {e}"));
+                    live.extend(mine);
+                }
+            }
+            self.findings.push(fnd);
         }
-        holding.insert(
-            *pid,
-            Holding {
-                fds: fds
-                    .iter()
-                    .filter(|f| devs.contains(&f.dev))
-                    .cloned()
-                    .collect(),
-                devices: devs,
-                gpu_memory: Vec::new(),
-            },
-        );
+        live
     }
-    let gpu_major = node.gpu_major();
-    let gpus = node.open_gpus();
-    if let Some(why) = &gpus.unavailable {
-        r.notes.push(format!(
-            "NVML unavailable ({why}): descriptor scan only, GPU use not checked"
-        ));
-    } else {
-        let me = std::process::id() as i32;
+
+    /// Denial records new or grown since the last sweep.
+    fn denials(&mut self) {
+        let node = self.node;
+        let Some(f) = &self.fence else {
+            return;
+        };
+        let now = match f.denials() {
+            Ok(d) => d,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence denials", e.to_string()));
+                return;
+            }
+        };
+        let state_path = sweep_dir(node).join("denials.json");
+        let prev = match read_json::<DenialState>(&state_path) {
+            Ok(p) => p.unwrap_or_default(),
+            Err(e) => {
+                self.report.errors.push(e);
+                DenialState::default()
+            }
+        };
+        let (fresh, next) = new_denials(&prev, &now);
+        self.report.denials_total = next.total;
+        let deltas: Vec<u64> = fresh.iter().map(|(_, d)| *d).collect();
+        let resolved = denials::resolve(node, fresh.into_iter().map(|(d, _)| d).collect());
+        for (d, delta) in resolved.into_iter().zip(deltas) {
+            let mut fnd = Finding::new(
+                Kind::DeniedOpen,
+                format!(
+                    "{delta} denied open(s) of {} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
+                    d.device,
+                    d.user.as_deref().unwrap_or("?"),
+                    d.uid,
+                    d.last_pid,
+                    d.last_comm,
+                    d.last_time
+                ),
+                json!({
+                    "device": d.device, "new": delta, "count": d.count,
+                    "cgroup_id": d.cgroup_id, "last_time": d.last_time,
+                }),
+            );
+            fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
+            fnd.uid = Some(d.uid);
+            fnd.user = d.user;
+            fnd.cgroup = d.cgroup.map(|c| format!("/{c}"));
+            fnd.comm = Some(d.last_comm);
+            self.findings.push(fnd);
+        }
+        if let Err(e) = write_json(&state_path, &next) {
+            self.report.errors.push(e);
+        }
+    }
+
+    /// Processes holding protected devices by descriptor that no grant
+    /// or exemption covers.
+    fn descriptor_holders(&mut self, walk: &Walk) -> BTreeMap<i32, Holding> {
+        let node = self.node;
+        let mut holding = BTreeMap::new();
+        for (pid, fds) in &walk.holders {
+            let m = self.procs.meta(*pid);
+            let cg = m.cgroup.as_deref();
+            let devs: BTreeSet<DevNum> = fds
+                .iter()
+                .map(|f| f.dev)
+                .filter(|d| !config_exempt(node, cg) && !covered(node, self.fence.as_ref(), cg, *d))
+                .collect();
+            if devs.is_empty() {
+                continue;
+            }
+            let fds = fds
+                .iter()
+                .filter(|f| devs.contains(&f.dev))
+                .cloned()
+                .collect();
+            holding.insert(
+                *pid,
+                Holding {
+                    devices: devs,
+                    fds,
+                    gpu_memory: Vec::new(),
+                },
+            );
+        }
+        holding
+    }
+
+    /// NVML: processes on GPUs no grant covers (added to `holding`), and
+    /// GPUs in use with no live grant.
+    fn gpus(&mut self, live: &[GrantEntry], holding: &mut BTreeMap<i32, Holding>) {
+        let node = self.node;
+        let gpus = node.open_gpus();
+        if let Some(why) = &gpus.unavailable {
+            self.report.notes.push(format!(
+                "NVML unavailable ({why}): descriptor scan only, GPU use not checked"
+            ));
+            return;
+        }
         let queried = gpus.minors().and_then(|minors| {
             let info = gpus.query(&minors)?;
             let util = gpus.utilization(&minors)?;
             Ok((info, util))
         });
-        match queried {
-            Err(e) => findings.push(check_failed("NVML", e)),
-            Ok((info, util)) => {
-                let util: BTreeMap<u32, Option<(u32, u32)>> = util.into_iter().collect();
-                let granted: BTreeSet<u32> = live_grants
-                    .iter()
-                    .filter(|e| e.dev.major == gpu_major)
-                    .map(|e| e.dev.minor)
-                    .collect();
-                let idle_max = (node.cfg.idle_memory_mib + node.cfg.memory_tolerance_mib) << 20;
-                for g in &info {
-                    let dev = DevNum::new(gpu_major, g.minor);
-                    let mut busy_pids = Vec::new();
-                    for p in &g.processes {
-                        let Ok(pid) = i32::try_from(p.pid) else {
-                            continue;
-                        };
-                        if pid <= 0 || pid == me {
-                            continue;
-                        }
-                        let m = procs.meta(pid);
-                        if let Some(s) = &scope {
-                            if !m.cgroup.as_deref().is_some_and(|c| is_under(c, s)) {
-                                continue;
-                            }
-                        }
-                        if config_exempt(m.cgroup.as_deref()) {
-                            continue;
-                        }
-                        busy_pids.push(pid);
-                        if covered(node, fence.as_ref(), m.cgroup.as_deref(), dev) {
-                            continue;
-                        }
-                        let h = holding.entry(pid).or_insert_with(|| Holding {
-                            devices: BTreeSet::new(),
-                            fds: Vec::new(),
-                            gpu_memory: Vec::new(),
-                        });
-                        h.devices.insert(dev);
-                        h.gpu_memory.push(GpuMemory {
-                            minor: g.minor,
-                            uuid: g.uuid.clone(),
-                            used_bytes: p.used_memory,
-                        });
-                    }
-                    if granted.contains(&g.minor) {
-                        continue;
-                    }
-                    let u = util.get(&g.minor).copied().flatten();
-                    let utilised = u.is_some_and(|(gu, mu)| gu > 0 || mu > 0);
-                    let mem_busy = g.memory_used > idle_max;
-                    if utilised || mem_busy || !busy_pids.is_empty() {
-                        let mut why = Vec::new();
-                        if let Some((gu, mu)) = u.filter(|_| utilised) {
-                            why.push(format!("{gu}% GPU / {mu}% memory utilisation"));
-                        }
-                        if mem_busy {
-                            why.push(format!("{} MiB of memory in use", g.memory_used >> 20));
-                        }
-                        if !busy_pids.is_empty() {
-                            why.push(format!("processes {busy_pids:?}"));
-                        }
-                        findings.push(Finding::new(
-                            Kind::GpuBusyWithoutGrant,
-                            format!("GPU /dev/nvidia{} ({}) is in use with no live grant on it: {}", g.minor, g.uuid, why.join(", ")),
-                            json!({
-                                "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
-                                "utilization_gpu": u.map(|x| x.0), "utilization_memory": u.map(|x| x.1),
-                                "memory_used_bytes": g.memory_used, "memory_total_bytes": g.memory_total,
-                                "idle_threshold_bytes": idle_max, "pids": busy_pids,
-                            }),
-                        ));
-                    }
-                }
+        let (info, util) = match queried {
+            Ok(q) => q,
+            Err(e) => {
+                self.findings.push(check_failed("NVML", e));
+                return;
             }
-        }
-    }
-    for (pid, h) in holding {
-        let m = procs.meta(pid);
-        let how: Vec<String> = h
-            .fds
-            .iter()
-            .map(|f| {
-                let via = match f.via {
-                    crate::scan::Via::Fd => format!("fd {}", f.fd),
-                    crate::scan::Via::ThreadFd => {
-                        format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd)
-                    }
-                    crate::scan::Via::Mmap => "mapping".into(),
-                    crate::scan::Via::IoUring => format!("io_uring fd {}", f.fd),
-                };
-                format!("{} {} ({via})", f.dev, f.path.display())
-            })
-            .chain(h.gpu_memory.iter().map(|g| {
-                format!(
-                    "GPU {} per NVML{}",
-                    g.minor,
-                    g.used_bytes
-                        .map(|b| format!(", {} MiB", b >> 20))
-                        .unwrap_or_default()
-                )
-            }))
-            .collect();
-        findings.push(
-            Finding::new(
-                Kind::UnfencedGpuHolder,
-                format!(
-                    "holds {} outside every grant and exemption: {}",
-                    dev_list(&h.devices),
-                    how.join("; ")
-                ),
-                json!({
-                    "devices": h.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
-                    "holds": h.fds, "gpu_memory": h.gpu_memory, "cmdline": m.cmdline,
-                }),
-            )
-            .who(&m),
-        );
-    }
-
-    // Command lines with a pool URL.
-    for (pid, urls) in &walk.stratum {
-        let m = procs.meta(*pid);
-        findings.push(
-            Finding::new(
-                Kind::MiningCmdline,
-                format!("mining pool URL in its command line: {}", urls.join(" ")),
-                json!({"arguments": urls, "cmdline": m.cmdline}),
-            )
-            .who(&m),
-        );
-    }
-
-    // Sockets: each network namespace's tables, read once.
-    let ports: BTreeSet<u16> = node.cfg.mining_ports.iter().copied().collect();
-    for (ns, rep) in &walk.netns {
-        let Ok(p) = procfs::process::Process::new(*rep) else {
-            continue;
         };
-        for (proto, table) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
-            let Ok(table) = table else { continue };
-            for e in table {
-                let Some(owners) = walk.sockets.get(&e.inode) else {
+        let gpu_major = node.gpu_major();
+        let me = std::process::id() as i32;
+        let util: BTreeMap<u32, Option<(u32, u32)>> = util
+            .into_iter()
+            .map(|u| (u.minor, u.gpu.zip(u.memory)))
+            .collect();
+        let granted: BTreeSet<u32> = live
+            .iter()
+            .filter(|e| e.dev.major == gpu_major)
+            .map(|e| e.dev.minor)
+            .collect();
+        let idle_max = (node.cfg.idle_memory_mib + node.cfg.memory_tolerance_mib) << 20;
+        for g in &info {
+            let dev = DevNum::new(gpu_major, g.minor);
+            let mut pids = Vec::new();
+            for p in &g.processes {
+                let Ok(pid) = i32::try_from(p.pid) else {
                     continue;
                 };
-                let owner = owners[0];
-                let listen = e.state == procfs::net::TcpState::Listen;
-                if listen && e.local_address.ip().is_unspecified() {
-                    let m = procs.meta(owner);
-                    let max = node.cfg.protected_uid_max;
-                    if e.uid <= max && m.uid.is_none_or(|u| u <= max) {
-                        continue;
-                    }
-                    let mut off = Vec::new();
-                    for pid in owners {
-                        off.extend(auth_disabled(&procs.meta(*pid).cmdline));
-                    }
-                    let ev = json!({
-                        "proto": proto, "local": e.local_address.to_string(), "socket_uid": e.uid,
-                        "inode": e.inode, "netns": ns, "pids": owners, "cmdline": m.cmdline,
-                        "auth_disabled": off,
-                    });
-                    let f = if off.is_empty() {
-                        Finding::new(
-                            Kind::WildcardListener,
-                            format!("listens on {} ({proto}, every address)", e.local_address),
-                            ev,
-                        )
-                    } else {
-                        Finding::new(
-                            Kind::UnauthenticatedNotebook,
-                            format!("listens on {} ({proto}, every address) with authentication disabled: {}", e.local_address, off.join(" ")),
-                            ev,
-                        )
+                if pid <= 0 || pid == me {
+                    continue;
+                }
+                let m = self.procs.meta(pid);
+                let cg = m.cgroup.as_deref();
+                if !self.in_scope(cg) || config_exempt(node, cg) {
+                    continue;
+                }
+                pids.push(pid);
+                if covered(node, self.fence.as_ref(), cg, dev) {
+                    continue;
+                }
+                let h = holding.entry(pid).or_default();
+                h.devices.insert(dev);
+                h.gpu_memory.push(GpuMemory {
+                    minor: g.minor,
+                    uuid: g.uuid.clone(),
+                    used_bytes: p.used_memory,
+                });
+            }
+            if granted.contains(&g.minor) {
+                continue;
+            }
+            let u = util.get(&g.minor).copied().flatten();
+            let utilised = u.is_some_and(|(gu, mu)| gu > 0 || mu > 0);
+            let mem_busy = g.memory_used > idle_max;
+            if !utilised && !mem_busy && pids.is_empty() {
+                continue;
+            }
+            let mut why = Vec::new();
+            if let Some((gu, mu)) = u.filter(|_| utilised) {
+                why.push(format!("{gu}% GPU / {mu}% memory utilisation"));
+            }
+            if mem_busy {
+                why.push(format!("{} MiB of memory in use", g.memory_used >> 20));
+            }
+            if !pids.is_empty() {
+                why.push(format!("processes {pids:?}"));
+            }
+            self.findings.push(Finding::new(
+                Kind::GpuBusyWithoutGrant,
+                format!(
+                    "GPU /dev/nvidia{} ({}) is in use with no live grant on it: {}",
+                    g.minor,
+                    g.uuid,
+                    why.join(", ")
+                ),
+                json!({
+                    "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                    "utilization_gpu": u.map(|x| x.0), "utilization_memory": u.map(|x| x.1),
+                    "memory_used_bytes": g.memory_used, "memory_total_bytes": g.memory_total,
+                    "idle_threshold_bytes": idle_max, "pids": pids,
+                }),
+            ));
+        }
+    }
+
+    fn report_holders(&mut self, holding: BTreeMap<i32, Holding>) {
+        for (pid, h) in holding {
+            let m = self.procs.meta(pid);
+            let how: Vec<String> = h
+                .fds
+                .iter()
+                .map(|f| {
+                    let via = match f.via {
+                        Via::Fd => format!("fd {}", f.fd),
+                        Via::ThreadFd => format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd),
+                        Via::Mmap => "mapping".into(),
+                        Via::IoUring => format!("io_uring fd {}", f.fd),
                     };
-                    findings.push(f.who(&m));
-                } else if !listen
-                    && matches!(
+                    format!("{} {} ({via})", f.dev, f.path.display())
+                })
+                .chain(h.gpu_memory.iter().map(|g| {
+                    format!(
+                        "GPU {} per NVML{}",
+                        g.minor,
+                        g.used_bytes
+                            .map(|b| format!(", {} MiB", b >> 20))
+                            .unwrap_or_default()
+                    )
+                }))
+                .collect();
+            self.findings.push(
+                Finding::new(
+                    Kind::UnfencedGpuHolder,
+                    format!(
+                        "holds {} outside every grant and exemption: {}",
+                        dev_list(&h.devices),
+                        how.join("; ")
+                    ),
+                    json!({
+                        "devices": h.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
+                        "holds": h.fds, "gpu_memory": h.gpu_memory, "cmdline": m.cmdline,
+                    }),
+                )
+                .who(&m),
+            );
+        }
+    }
+
+    /// Command lines with a pool URL.
+    fn stratum(&mut self, walk: &Walk) {
+        for (pid, urls) in &walk.stratum {
+            let m = self.procs.meta(*pid);
+            self.findings.push(
+                Finding::new(
+                    Kind::MiningCmdline,
+                    format!("mining pool URL in its command line: {}", urls.join(" ")),
+                    json!({"arguments": urls, "cmdline": m.cmdline}),
+                )
+                .who(&m),
+            );
+        }
+    }
+
+    /// Each network namespace's TCP tables, read once: wildcard listeners
+    /// of users, connections to mining-pool ports.
+    fn sockets(&mut self, walk: &Walk) {
+        let node = self.node;
+        let ports: BTreeSet<u16> = node.cfg.mining_ports.iter().copied().collect();
+        let max = node.cfg.protected_uid_max;
+        for (ns, rep) in &walk.netns {
+            let Ok(p) = procfs::process::Process::new(*rep) else {
+                continue;
+            };
+            for (proto, table) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
+                let Ok(table) = table else { continue };
+                for e in table {
+                    let Some(owners) = walk.sockets.get(&e.inode) else {
+                        continue;
+                    };
+                    let listen = e.state == procfs::net::TcpState::Listen;
+                    if listen && e.local_address.ip().is_unspecified() {
+                        let m = self.procs.meta(owners[0]);
+                        if e.uid <= max && m.uid.is_none_or(|u| u <= max) {
+                            continue;
+                        }
+                        let mut off = Vec::new();
+                        for pid in owners {
+                            off.extend(auth_disabled(&self.procs.meta(*pid).cmdline));
+                        }
+                        let ev = json!({
+                            "proto": proto, "local": e.local_address.to_string(),
+                            "socket_uid": e.uid, "inode": e.inode, "netns": ns,
+                            "pids": owners, "cmdline": m.cmdline, "auth_disabled": off,
+                        });
+                        let f = if off.is_empty() {
+                            Finding::new(
+                                Kind::WildcardListener,
+                                format!("listens on {} ({proto}, every address)", e.local_address),
+                                ev,
+                            )
+                        } else {
+                            Finding::new(
+                                Kind::UnauthenticatedNotebook,
+                                format!(
+                                    "listens on {} ({proto}, every address) with authentication disabled: {}",
+                                    e.local_address,
+                                    off.join(" ")
+                                ),
+                                ev,
+                            )
+                        };
+                        self.findings.push(f.who(&m));
+                    } else if matches!(
                         e.state,
                         procfs::net::TcpState::Established | procfs::net::TcpState::SynSent
-                    )
-                    && ports.contains(&e.remote_address.port())
-                {
-                    let m = procs.meta(owner);
-                    findings.push(
-                        Finding::new(
-                            Kind::MiningConnection,
-                            format!(
-                                "TCP connection to {} (a mining-pool port) from {}",
-                                e.remote_address, e.local_address
-                            ),
-                            json!({
-                                "proto": proto, "local": e.local_address.to_string(),
-                                "remote": e.remote_address.to_string(), "state": format!("{:?}", e.state),
-                                "inode": e.inode, "netns": ns, "pids": owners, "cmdline": m.cmdline,
-                            }),
-                        )
-                        .who(&m),
-                    );
+                    ) && ports.contains(&e.remote_address.port())
+                    {
+                        let m = self.procs.meta(owners[0]);
+                        self.findings.push(
+                            Finding::new(
+                                Kind::MiningConnection,
+                                format!(
+                                    "TCP connection to {} (a mining-pool port) from {}",
+                                    e.remote_address, e.local_address
+                                ),
+                                json!({
+                                    "proto": proto, "local": e.local_address.to_string(),
+                                    "remote": e.remote_address.to_string(),
+                                    "state": format!("{:?}", e.state), "inode": e.inode,
+                                    "netns": ns, "pids": owners, "cmdline": m.cmdline,
+                                }),
+                            )
+                            .who(&m),
+                        );
+                    }
                 }
             }
         }
     }
 
-    // Persistence.
-    for c in user_crontabs(node, &users) {
-        let mut f = Finding::new(
-            Kind::PersistenceCron,
-            format!(
-                "crontab of {} with {} entr{}: {}",
-                c.user.as_deref().unwrap_or("?"),
-                c.entries.len(),
-                if c.entries.len() == 1 { "y" } else { "ies" },
-                c.entries.join(" | ")
-            ),
-            json!({"file": c.path, "entries": c.entries, "sha256": c.sha256}),
-        );
-        f.uid = c.uid;
-        f.user = c.user.clone();
-        findings.push(f);
-    }
-    let current = systemd_files(node, &users);
-    let bpath = baseline_path(node);
-    match read_json::<Baseline>(&bpath) {
-        Err(e) => findings.push(check_failed(
-            "systemd baseline",
-            format!("{e}; remove it to record a new baseline"),
-        )),
-        Ok(None) => {
-            let b = Baseline {
-                recorded: now_rfc3339(),
-                files: current
-                    .iter()
-                    .map(|(p, (f, _))| (p.clone(), f.clone()))
-                    .collect(),
-            };
-            match write_json(&bpath, &b) {
-                Ok(()) => r.notes.push(format!(
-                    "systemd baseline recorded: {} file(s) in {}",
-                    b.files.len(),
-                    bpath.display()
-                )),
-                Err(e) => r.errors.push(e),
-            }
+    /// Users' crontabs; systemd files against the baseline.
+    fn persistence(&mut self) {
+        let node = self.node;
+        let users = self.users;
+        for c in user_crontabs(node, users) {
+            let mut f = Finding::new(
+                Kind::PersistenceCron,
+                format!(
+                    "crontab of {} with {} entr{}: {}",
+                    c.user.as_deref().unwrap_or("?"),
+                    c.entries.len(),
+                    if c.entries.len() == 1 { "y" } else { "ies" },
+                    c.entries.join(" | ")
+                ),
+                json!({"file": c.path, "entries": c.entries, "sha256": c.sha256}),
+            );
+            f.uid = c.uid;
+            f.user = c.user.clone();
+            self.findings.push(f);
         }
-        Ok(Some(b)) => {
-            for (p, (f, scope_kind)) in &current {
-                let change = match b.files.get(p) {
-                    None => "new",
-                    Some(old) if old != f => "changed",
-                    Some(_) => continue,
+        let current = systemd_files(node, users);
+        let bpath = baseline_path(node);
+        let b = match read_json::<Baseline>(&bpath) {
+            Err(e) => {
+                self.findings.push(check_failed(
+                    "systemd baseline",
+                    format!("{e}; remove it to record a new baseline"),
+                ));
+                return;
+            }
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                let b = Baseline {
+                    recorded: now_rfc3339(),
+                    files: current
+                        .iter()
+                        .map(|(p, (f, _))| (p.clone(), f.clone()))
+                        .collect(),
                 };
-                let mut fnd = Finding::new(
-                    Kind::PersistenceSystemd,
-                    format!(
-                        "{} systemd {} {} since the baseline of {}",
-                        change,
-                        if *scope_kind == "systemd_user" {
-                            "user file"
-                        } else {
-                            "file"
-                        },
-                        p.display(),
-                        b.recorded
-                    ),
-                    json!({
-                        "file": p, "change": change, "scope": scope_kind, "sha256": f.sha256,
-                        "link": f.link, "owner_uid": f.uid, "mode": format!("{:o}", f.mode),
-                        "previous": b.files.get(p), "baseline": bpath,
-                    }),
-                );
-                fnd.uid = Some(f.uid);
-                fnd.user = users.name(f.uid).map(String::from);
-                findings.push(fnd);
+                match write_json(&bpath, &b) {
+                    Ok(()) => self.report.notes.push(format!(
+                        "systemd baseline recorded: {} file(s) in {}",
+                        b.files.len(),
+                        bpath.display()
+                    )),
+                    Err(e) => self.report.errors.push(e),
+                }
+                return;
             }
+        };
+        let mut read = 0;
+        for (p, (f, scope_kind)) in &current {
+            let change = match b.files.get(p) {
+                None => "new",
+                Some(old) if old != f => "changed",
+                Some(_) => continue,
+            };
+            let (sha256, content) = if read < UNIT_EVIDENCE_MAX {
+                read += 1;
+                file_evidence(p)
+            } else {
+                (None, None)
+            };
+            let mut fnd = Finding::new(
+                Kind::PersistenceSystemd,
+                format!(
+                    "{change} systemd {} {} since the baseline of {}",
+                    if *scope_kind == "systemd_user" {
+                        "user file"
+                    } else {
+                        "file"
+                    },
+                    p.display(),
+                    b.recorded
+                ),
+                json!({
+                    "file": p, "change": change, "scope": scope_kind, "sha256": sha256,
+                    "content": content, "link": f.link, "owner_uid": f.uid,
+                    "mode": format!("{:o}", f.mode), "size": f.size,
+                    "previous": b.files.get(p), "baseline": bpath,
+                }),
+            );
+            fnd.uid = Some(f.uid);
+            fnd.user = users.name(f.uid).map(String::from);
+            self.findings.push(fnd);
         }
     }
+}
 
-    findings.sort_by(|a, b| {
+/// Runs every check once. Never fails: a check that cannot run is a
+/// [`Kind::CheckFailed`] finding, a state that cannot be kept is an error.
+pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
+    let t0 = Instant::now();
+    let scope = opts
+        .cgroup
+        .as_deref()
+        .map(|s| s.trim_matches('/').to_string());
+    let mut report = SweepReport::default();
+    if let Some(s) = &scope {
+        if !node.cg.path(s).is_dir() {
+            report.errors.push(format!(
+                "--cgroup /{s}: no such cgroup under {}",
+                node.cg.mount().display()
+            ));
+            return report;
+        }
+    }
+    let _lock = lock(node).map_err(|e| report.errors.push(e)).ok();
+    let users = Passwd::load(&node.cfg.passwd_file);
+    let mut s = Sweep {
+        node,
+        users: &users,
+        procs: Procs {
+            node,
+            users: &users,
+            cache: BTreeMap::new(),
+        },
+        scope,
+        fence: None,
+        report,
+        findings: Vec::new(),
+    };
+    let protected = s.drift();
+    let live = s.stale_grants();
+    s.report.grants = live.len();
+    s.denials();
+    let want = |d: DevNum| protected.contains(&d.major);
+    let walk = walk_proc(node, s.scope.as_deref(), &want);
+    s.report.processes = walk.walked;
+    let mut holding = s.descriptor_holders(&walk);
+    s.gpus(&live, &mut holding);
+    s.report_holders(holding);
+    s.stratum(&walk);
+    s.sockets(&walk);
+    s.persistence();
+    let mut r = s.report;
+    r.findings = s.findings;
+    r.findings.sort_by(|a, b| {
         b.severity
             .cmp(&a.severity)
             .then(a.kind.cmp(&b.kind))
             .then(a.pid.cmp(&b.pid))
     });
-    r.findings = findings;
     r.duration_seconds = t0.elapsed().as_secs_f64();
     r
 }

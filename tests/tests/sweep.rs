@@ -811,6 +811,8 @@ fn drain_names_the_finding() {
 }
 
 /// `sh -c 'sleep & sleep & wait'` as the test user, alone in its cgroup.
+/// The caller waits for the returned child.
+#[allow(clippy::zombie_processes)]
 fn spawn_tree(env: &TestEnv, cg: &str) -> (Child, Vec<i32>) {
     let child = env
         .command_in(cg, "setpriv")
@@ -853,7 +855,12 @@ fn spawn_tree(env: &TestEnv, cg: &str) -> (Child, Vec<i32>) {
             all.extend(kids);
             return (child, all);
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "tree did not start");
+        if t0.elapsed() > Duration::from_secs(5) {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the process tree did not start");
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }
