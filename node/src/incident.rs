@@ -62,6 +62,13 @@ pub enum Refusal {
     Ancestor(i32),
     /// A kernel thread.
     KernelThread(i32),
+    /// A thread id, not a process: respond to the process.
+    Thread {
+        /// The thread.
+        tid: i32,
+        /// Its process.
+        tgid: i32,
+    },
     /// An exempt daemon.
     Exempt {
         /// The process.
@@ -84,6 +91,10 @@ impl fmt::Display for Refusal {
                 "pid {p} is an ancestor of this gpufence process: responding would kill the responder"
             ),
             Refusal::KernelThread(p) => write!(f, "pid {p} is a kernel thread"),
+            Refusal::Thread { tid, tgid } => write!(
+                f,
+                "{tid} is a thread of process {tgid}: respond to {tgid}"
+            ),
             Refusal::Exempt {
                 pid,
                 cgroup,
@@ -218,6 +229,14 @@ fn state_of(pid: i32) -> Option<char> {
     s.get(s.rfind(')')? + 1..)?.trim_start().chars().next()
 }
 
+fn tgid_of(pid: i32) -> Option<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// pid → ppid of every process.
 fn parents() -> BTreeMap<i32, i32> {
     crate::scan::pids()
@@ -297,6 +316,9 @@ pub fn check(node: &Node, pid: i32) -> Result<(), Refusal> {
     if state_of(pid) == Some('Z') {
         return Err(Refusal::NotFound(pid));
     }
+    if let Some(tgid) = tgid_of(pid).filter(|t| *t != pid) {
+        return Err(Refusal::Thread { tid: pid, tgid });
+    }
     if std::fs::read_link(format!("/proc/{pid}/exe"))
         .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
     {
@@ -330,13 +352,25 @@ pub fn respond_pid(
     pid: i32,
     drain_node: Option<&str>,
 ) -> Result<IncidentOutcome, Refusal> {
-    if let Err(r) = check(node, pid) {
+    let refuse = |r: Refusal| {
         let _ = node.audit(
             AuditEvent::new("respond_refused")
                 .pid(pid)
                 .field("reason", r.to_string()),
         );
-        return Err(r);
+        Err(r)
+    };
+    // Pinned before it is checked: if the pid is recycled meanwhile, the
+    // pidfd says the process it named exited, and nothing is done.
+    let target = match (pid > 0).then(|| pidfd_open(pid)).flatten() {
+        Some(fd) => fd,
+        None => return refuse(check(node, pid).err().unwrap_or(Refusal::NotFound(pid))),
+    };
+    if let Err(r) = check(node, pid) {
+        return refuse(r);
+    }
+    if exited(&target) {
+        return refuse(Refusal::NotFound(pid));
     }
     let mut out = IncidentOutcome {
         pid,
@@ -386,16 +420,21 @@ pub fn respond_pid(
         let Some(fd) = pidfd_open(p) else {
             return false;
         };
+        // Still the process the tree listed: alive, and a child of a
+        // member (pinned before it: the tree lists parents first).
+        let parent = read_stat(p).map(|(_, pp, _)| pp);
+        if exited(&fd) || !parent.is_some_and(|pp| pinned.contains_key(&pp)) {
+            return false;
+        }
         pinned.insert(p, fd);
         cgroups.insert(p, cg);
         true
     };
+    pinned.insert(pid, target);
+    cgroups.insert(pid, node.cg.cgroup_of(pid).ok());
     let order = tree_of(&parents(), pid);
     for p in &order {
         admit(*p, &mut out, &mut pinned, &mut cgroups, &mut spared_pids);
-    }
-    if !pinned.contains_key(&pid) {
-        return Err(Refusal::NotFound(pid));
     }
 
     // 3. Stop it: whole cgroups when they hold only the tree, else SIGSTOP;
@@ -710,6 +749,7 @@ mod tests {
             Refusal::KernelThread(2),
             Refusal::NotFound(9),
             Refusal::Ancestor(5),
+            Refusal::Thread { tid: 8, tgid: 7 },
             Refusal::Exempt {
                 pid: 3,
                 cgroup: "system.slice/x.service".into(),

@@ -1638,9 +1638,13 @@ impl Sweep<'_> {
     }
 }
 
-/// Runs every check once. Never fails: a check that cannot run is a
-/// [`Kind::CheckFailed`] finding, a state that cannot be kept is an error.
-pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
+/// Runs every check once. A check that cannot run is a
+/// [`Kind::CheckFailed`] finding, a state that cannot be kept is in
+/// [`SweepReport::errors`].
+///
+/// # Errors
+/// Only when there is nothing to sweep: `opts.cgroup` names no cgroup.
+pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     let t0 = Instant::now();
     let scope = opts
         .cgroup
@@ -1649,11 +1653,10 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
     let mut report = SweepReport::default();
     if let Some(s) = &scope {
         if !node.cg.path(s).is_dir() {
-            report.errors.push(format!(
+            return Err(format!(
                 "--cgroup /{s}: no such cgroup under {}",
                 node.cg.mount().display()
             ));
-            return report;
         }
     }
     let _lock = lock(node).map_err(|e| report.errors.push(e)).ok();
@@ -1693,7 +1696,7 @@ pub fn sweep(node: &Node, opts: &Options) -> SweepReport {
             .then(a.pid.cmp(&b.pid))
     });
     r.duration_seconds = t0.elapsed().as_secs_f64();
-    r
+    Ok(r)
 }
 
 // ---------------------------------------------------------------------------
@@ -1843,12 +1846,24 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
         .fail_on
         .or_else(|| node.cfg.sweep_fail_severity.parse().ok())
         .unwrap_or(Severity::Medium);
-    let report = sweep(
+    let report = match sweep(
         node,
         &Options {
             cgroup: req.cgroup.clone(),
         },
-    );
+    ) {
+        Ok(r) => r,
+        // Nothing was swept: no textfile (it would say "clean"), no drain.
+        Err(e) => {
+            return SweepOutcome {
+                report: SweepReport::default(),
+                threshold,
+                drained: None,
+                errors: vec![e],
+                exit: 2,
+            }
+        }
+    };
     let mut errors = report.errors.clone();
     if let Some(p) = &req.prometheus {
         if let Err(e) = write_atomic(p, prometheus(&report).as_bytes(), 0o644) {
@@ -2076,7 +2091,22 @@ mod tests {
         let f = unit_files(d.path());
         assert_eq!(f.len(), 2);
         let a = &f[&d.path().join("a.service")];
-        assert!(a.sha256.is_some() && a.link.is_none());
+        assert!(a.link.is_none() && a.size > 0 && a.ctime_ns > 0);
+        let (sha, text) = file_evidence(&d.path().join("a.service"));
+        assert_eq!(sha.map(|s| s.len()), Some(64));
+        assert!(text.unwrap().contains("ExecStart"));
+        // A FIFO swapped in for a file is neither read nor waited on.
+        let fifo = d.path().join("f.service");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert_eq!(file_evidence(&fifo), (None, None));
+        assert!(!unit_files(d.path()).contains_key(&fifo));
+        // A symlink is not followed.
+        assert_eq!(
+            file_evidence(&d.path().join("multi-user.target.wants/a.service")),
+            (None, None)
+        );
         let l = &f[&d.path().join("multi-user.target.wants/a.service")];
         assert_eq!(l.link.as_deref(), Some("../a.service"));
     }

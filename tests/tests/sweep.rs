@@ -1045,6 +1045,30 @@ fn respond_refuses_what_must_not_be_touched() {
             eprintln!("no kernel thread visible here (pid namespace): that refusal is unchecked")
         }
     }
+    // A thread id is not a process.
+    let t = std::thread::spawn(|| {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        std::thread::sleep(Duration::from_millis(300));
+        tid
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let tids: Vec<i32> = std::fs::read_dir(format!("/proc/{me}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|t| *t != me)
+        .collect();
+    if let Some(tid) = tids.first() {
+        assert_eq!(
+            incident::respond_pid(&w.node, *tid, None).unwrap_err(),
+            Refusal::Thread {
+                tid: *tid,
+                tgid: me
+            }
+        );
+    }
+    let _ = t.join();
     let none = i32::MAX - 7;
     assert_eq!(
         incident::respond_pid(&w.node, none, None).unwrap_err(),
