@@ -30,9 +30,27 @@
 //! State under `state_dir/sweep/` (one sweep at a time, under `flock`):
 //! `denials.json` (what the last sweep saw, so only new denials are
 //! reported, and the running total exported as a counter) and
-//! `systemd-baseline.json` (the first sweep records it and reports nothing
-//! for it; later sweeps report every file that is new or different until an
-//! admin accepts the change by removing the file, or restores the unit).
+//! `systemd-baseline.json` (each file's `lstat`: owner, mode, size, inode,
+//! mtime, ctime, link target; the first sweep records it and reports
+//! nothing for it; later sweeps report every file that is new or different
+//! until an admin accepts the change by removing the file, or restores the
+//! unit). Users' files are only read for evidence, and then only regular
+//! files, opened without following links or blocking on FIFOs, 64 KiB at
+//! most, for at most 100 files a sweep.
+//!
+//! Output ([`Finding`], one JSON object per line with `--json`):
+//!
+//! ```json
+//! {"kind":"mining_connection","severity":"high","pid":4242,"uid":1001,
+//!  "user":"alice","cgroup":"/user.slice/user-1001.slice/session-7.scope",
+//!  "comm":"xmrig","summary":"TCP connection to 10.1.2.3:3333 (a mining-pool port) from ...",
+//!  "evidence":{"remote":"10.1.2.3:3333","local":"...","state":"Established",
+//!              "inode":123,"netns":4026531840,"pids":[4242],"cmdline":["xmrig","..."]},
+//!  "action":"..."}
+//! ```
+//!
+//! `pid`, `uid`, `user`, `cgroup`, `comm` and `action` appear where they
+//! apply; `evidence` is kind specific.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
