@@ -23,8 +23,8 @@ use crate::error::{Error, Result};
 use crate::hierarchy::{level_of, Cgroup2};
 use crate::maps::{
     map_specs, DenialKey, DenialValue, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT,
-    CGROUP_GRANTED, MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS,
-    PIN_LINK, PIN_MAJORS,
+    CGROUP_GRANTED, CGROUP_VALUE_SIZE, MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS,
+    PIN_GRANTS, PIN_LEVELS, PIN_LINK, PIN_MAJORS,
 };
 use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
@@ -118,6 +118,10 @@ pub struct GrantEntry {
     pub job_id: u32,
 }
 
+/// What [`Fence::set_exempt`] did: `(applied, missing)`, applied as
+/// `(cgroup path, cgroup id)`, missing as the paths with no cgroup.
+pub type ExemptSplit = (Vec<(String, u64)>, Vec<String>);
+
 /// The pinned maps, opened.
 #[derive(Debug)]
 pub struct Fence {
@@ -126,6 +130,7 @@ pub struct Fence {
     cgroups: OwnedFd,
     grants: OwnedFd,
     denials: OwnedFd,
+    levels: OwnedFd,
     max_entries: u32,
 }
 
@@ -386,12 +391,13 @@ impl Fence {
         })?;
         report.root_cgroup_id = cg.id(&spec.cgroup_root)?;
 
-        let [majors_spec, cgroups_spec, grants_spec, denials_spec] =
+        let [majors_spec, cgroups_spec, grants_spec, denials_spec, levels_spec] =
             map_specs(spec.max_grants, spec.max_denials);
         let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
         let (cgroups, r2) = open_or_create_map(&spec.bpffs_dir, &cgroups_spec, &mut report.notes)?;
         let (grants, r3) = open_or_create_map(&spec.bpffs_dir, &grants_spec, &mut report.notes)?;
         let (denials, _) = open_or_create_map(&spec.bpffs_dir, &denials_spec, &mut report.notes)?;
+        let (levels, _) = open_or_create_map(&spec.bpffs_dir, &levels_spec, &mut report.notes)?;
         report.reused_maps = r1 && r2 && r3;
         let max_entries = sys::map_info(grants.as_fd())
             .map(|i| i.max_entries)
@@ -402,12 +408,16 @@ impl Fence {
             cgroups,
             grants,
             denials,
+            levels,
             max_entries,
         };
 
         fence.set_majors(&spec.protected)?;
         report.majors = spec.protected.majors().collect();
-        let (applied, missing) = fence.set_exempt(cg, &spec.exempt)?;
+        // This call holds the directory lock already: the unlocked variant,
+        // then the mask the program reads to skip empty levels.
+        let (applied, missing) = fence.set_exempt_unlocked(cg, &spec.exempt)?;
+        fence.refresh_levels()?;
         report.exempt_applied = applied;
         report.exempt_missing = missing;
 
@@ -416,6 +426,7 @@ impl Fence {
             cgroups_fd: fence.cgroups.as_raw_fd(),
             grants_fd: fence.grants.as_raw_fd(),
             denials_fd: fence.denials.as_raw_fd(),
+            levels_fd: fence.levels.as_raw_fd(),
             max_level: MAX_LEVEL,
             audit: spec.audit,
         })?;
@@ -509,8 +520,46 @@ impl Fence {
             cgroups: get(PIN_CGROUPS)?,
             grants,
             denials: get(PIN_DENIALS)?,
+            levels: get(PIN_LEVELS)?,
             max_entries,
         })
+    }
+
+    /// The tag (SHA-1 prefix over the instructions, map references zeroed;
+    /// `bpf_prog_calc_tag`) of the program this version would install now
+    /// in mode `audit`: loaded against the pinned maps, never attached.
+    /// Compared with the attached program's tag, it says whether the fence
+    /// is current.
+    ///
+    /// # Errors
+    /// [`Error`] when it cannot be built or loaded.
+    pub fn fresh_program_tag(&self, audit: bool) -> Result<[u8; 8]> {
+        let prog = program::build(&FenceProgramSpec {
+            majors_fd: self.majors.as_raw_fd(),
+            cgroups_fd: self.cgroups.as_raw_fd(),
+            grants_fd: self.grants.as_raw_fd(),
+            denials_fd: self.denials.as_raw_fd(),
+            levels_fd: self.levels.as_raw_fd(),
+            max_level: MAX_LEVEL,
+            audit,
+        })?;
+        let fd =
+            sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
+                source: e.errno,
+                log: e.log,
+            })?;
+        Ok(sys::prog_info(fd.as_fd())
+            .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", "fresh program"))?
+            .tag)
+    }
+
+    /// The id of the program the pinned link runs, if any.
+    pub fn linked_prog_id(bpffs_dir: &Path) -> Option<u32> {
+        let link = sys::obj_get(&bpffs_dir.join(PIN_LINK)).ok()?;
+        sys::link_info(link.as_fd())
+            .ok()
+            .map(|i| i.prog_id)
+            .filter(|id| *id != 0)
     }
 
     /// Every denial record (the LRU map keeps the most recent `max_denials`).
@@ -651,7 +700,14 @@ impl Fence {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
         }
-        for name in [PIN_LINK, PIN_GRANTS, PIN_CGROUPS, PIN_MAJORS, PIN_DENIALS] {
+        for name in [
+            PIN_LINK,
+            PIN_GRANTS,
+            PIN_CGROUPS,
+            PIN_MAJORS,
+            PIN_DENIALS,
+            PIN_LEVELS,
+        ] {
             let p = bpffs_dir.join(name);
             match fs::remove_file(&p) {
                 Ok(()) => found = true,
@@ -791,26 +847,95 @@ impl Fence {
         Ok(out)
     }
 
-    fn flags_of(&self, cgroup_id: u64) -> Result<u32> {
-        let mut v = [0u8; 4];
+    /// The `cgroups` entry of `cgroup_id`: `(flags, level)`.
+    fn entry_of(&self, cgroup_id: u64) -> Result<Option<(u32, u32)>> {
+        let mut v = [0u8; CGROUP_VALUE_SIZE as usize];
         let found = sys::map_lookup(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes(), &mut v)
             .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?;
-        Ok(if found { u32::from_ne_bytes(v) } else { 0 })
+        Ok(found.then(|| {
+            (
+                u32::from_ne_bytes([v[0], v[1], v[2], v[3]]),
+                u32::from_ne_bytes([v[4], v[5], v[6], v[7]]),
+            )
+        }))
     }
 
-    fn write_flags(&self, cgroup_id: u64, flags: u32) -> Result<()> {
+    fn flags_of(&self, cgroup_id: u64) -> Result<u32> {
+        Ok(self.entry_of(cgroup_id)?.map_or(0, |(f, _)| f))
+    }
+
+    /// Writes the flags of `cgroup_id` (deleting the entry at 0); `level`
+    /// is the cgroup's level, kept from the existing entry when `None`.
+    /// Callers hold the fence lock and call [`Fence::refresh_levels`] after.
+    fn write_flags(&self, cgroup_id: u64, flags: u32, level: Option<u32>) -> Result<()> {
         if flags == 0 {
             sys::map_delete(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes())
                 .map_err(bpf_err("BPF_MAP_DELETE_ELEM", "cgroups"))?;
-        } else {
-            sys::map_update(
-                self.cgroups.as_fd(),
-                &cgroup_id.to_ne_bytes(),
-                &flags.to_ne_bytes(),
-            )
-            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
+            return Ok(());
         }
+        let level = match level {
+            Some(l) => l,
+            None => self.entry_of(cgroup_id)?.map_or(0, |(_, l)| l),
+        };
+        let mut v = [0u8; CGROUP_VALUE_SIZE as usize];
+        v[0..4].copy_from_slice(&flags.to_ne_bytes());
+        v[4..8].copy_from_slice(&level.to_ne_bytes());
+        sys::map_update(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes(), &v)
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
         Ok(())
+    }
+
+    /// Recomputes the populated-levels mask from the `cgroups` entries.
+    /// Called under the fence lock after every change: a bit is set only
+    /// after its entry exists, and cleared only after the last entry of its
+    /// level is gone, so the program never skips a level that matters.
+    fn refresh_levels(&self) -> Result<()> {
+        let mut mask = 0u32;
+        for (_, (_, level)) in self.cgroup_entries()? {
+            if (1..=MAX_LEVEL as u32).contains(&level) {
+                mask |= 1 << level;
+            }
+        }
+        sys::map_update(
+            self.levels.as_fd(),
+            &0u32.to_ne_bytes(),
+            &mask.to_ne_bytes(),
+        )
+        .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))
+    }
+
+    /// The populated-levels mask, from the map.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn levels_mask(&self) -> Result<u32> {
+        let mut v = [0u8; 4];
+        sys::map_lookup(self.levels.as_fd(), &0u32.to_ne_bytes(), &mut v)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "levels"))?;
+        Ok(u32::from_ne_bytes(v))
+    }
+
+    /// Runs a change of the `cgroups`/`grants` maps under the fence lock
+    /// (concurrent prologs, plugins and epilogs), then refreshes the mask.
+    fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _lock = DirLock::take(&self.dir)?;
+        let r = f();
+        self.refresh_levels()?;
+        r
+    }
+
+    /// Every entry of the `cgroups` map: id → (flags, level).
+    fn cgroup_entries(&self) -> Result<BTreeMap<u64, (u32, u32)>> {
+        let keys = sys::map_keys(self.cgroups.as_fd(), 8, self.max_entries)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
+        let mut out = BTreeMap::new();
+        for k in keys {
+            let id = u64::from_ne_bytes(k.as_slice().try_into().unwrap_or([0; 8]));
+            if let Some(e) = self.entry_of(id)? {
+                out.insert(id, e);
+            }
+        }
+        Ok(out)
     }
 
     /// Every entry of the `cgroups` map: id → flags.
@@ -831,6 +956,17 @@ impl Fence {
         Ok(out)
     }
 
+    /// Makes cgroup `cgroup_id` (at `path`) exempt now, without a reinstall.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn add_exempt(&self, cgroup_id: u64, path: &str) -> Result<()> {
+        self.locked(|| {
+            let f = self.flags_of(cgroup_id)?;
+            self.write_flags(cgroup_id, f | CGROUP_EXEMPT, Some(level_of(path) as u32))
+        })
+    }
+
     /// Whether cgroup `id` is exempt.
     ///
     /// # Errors
@@ -845,11 +981,11 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::Bpf`].
-    pub fn set_exempt(
-        &self,
-        cg: &Cgroup2,
-        paths: &[String],
-    ) -> Result<(Vec<(String, u64)>, Vec<String>)> {
+    pub fn set_exempt(&self, cg: &Cgroup2, paths: &[String]) -> Result<ExemptSplit> {
+        self.locked(|| self.set_exempt_unlocked(cg, paths))
+    }
+
+    fn set_exempt_unlocked(&self, cg: &Cgroup2, paths: &[String]) -> Result<ExemptSplit> {
         let mut applied = Vec::new();
         let mut missing = Vec::new();
         for p in paths {
@@ -859,13 +995,13 @@ impl Fence {
             }
         }
         let want: BTreeSet<u64> = applied.iter().map(|(_, id)| *id).collect();
-        for id in &want {
+        for (p, id) in &applied {
             let f = self.flags_of(*id)?;
-            self.write_flags(*id, f | CGROUP_EXEMPT)?;
+            self.write_flags(*id, f | CGROUP_EXEMPT, Some(level_of(p) as u32))?;
         }
         for (id, f) in self.cgroup_flags()? {
             if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {
-                self.write_flags(id, f & !CGROUP_EXEMPT)?;
+                self.write_flags(id, f & !CGROUP_EXEMPT, None)?;
             }
         }
         Ok((applied, missing))
@@ -894,7 +1030,7 @@ impl Fence {
             });
         }
         let mut added: Vec<GrantKey> = Vec::new();
-        let result = (|| {
+        let result = self.locked(|| {
             for (dev, access) in devices {
                 let key = GrantKey {
                     cgroup_id,
@@ -910,14 +1046,37 @@ impl Fence {
                 added.push(key);
             }
             let f = self.flags_of(cgroup_id)?;
-            self.write_flags(cgroup_id, f | CGROUP_GRANTED)
-        })();
+            self.write_flags(cgroup_id, f | CGROUP_GRANTED, Some(level as u32))
+        });
         if result.is_err() {
             for k in &added {
                 let _ = sys::map_delete(self.grants.as_fd(), &k.to_bytes());
             }
         }
         result
+    }
+
+    /// Fills the grants map with `n` entries for cgroups that do not exist
+    /// (ids from 2^48 up, job id `u32::MAX`): what a node with many live
+    /// grants looks like to the program, for the benchmarks. The program
+    /// never reaches them (no cgroup flag names them).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`] (`E2BIG` past `max_grants`).
+    pub fn fill_grants_for_bench(&self, n: usize) -> Result<()> {
+        for i in 0..n as u64 {
+            let key = GrantKey {
+                cgroup_id: (1u64 << 48) + i,
+                dev: DevNum::new(195, (i % 8) as u32),
+            };
+            let val = GrantValue {
+                access: Access::RW,
+                job_id: u32::MAX,
+            };
+            sys::map_update(self.grants.as_fd(), &key.to_bytes(), &val.to_bytes())
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "grants (bench fill)"))?;
+        }
+        Ok(())
     }
 
     /// Every grant in the map.
@@ -986,6 +1145,10 @@ impl Fence {
     }
 
     fn revoke_where(&self, pred: impl Fn(&GrantEntry) -> bool) -> Result<Vec<GrantEntry>> {
+        self.locked(|| self.revoke_where_unlocked(pred))
+    }
+
+    fn revoke_where_unlocked(&self, pred: impl Fn(&GrantEntry) -> bool) -> Result<Vec<GrantEntry>> {
         let all = self.entries()?;
         let (gone, kept): (Vec<GrantEntry>, Vec<GrantEntry>) =
             all.into_iter().partition(|e| pred(e));
@@ -994,7 +1157,7 @@ impl Fence {
         // Clear the flag first: from then on the program skips the cgroup.
         for id in touched.difference(&still) {
             let f = self.flags_of(*id)?;
-            self.write_flags(*id, f & !CGROUP_GRANTED)?;
+            self.write_flags(*id, f & !CGROUP_GRANTED, None)?;
         }
         for e in &gone {
             let key = GrantKey {

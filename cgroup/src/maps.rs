@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! majors   ARRAY  u32 major            -> u32 (1 = protected)       4096 entries
-//! cgroups  HASH   u64 cgroup id        -> u32 flags (EXEMPT|GRANTED) max_grants entries
+//! cgroups  HASH   u64 cgroup id        -> {u32 flags (EXEMPT|GRANTED), u32 level}
+//! levels   ARRAY  0                    -> u32 mask: bit L set when a cgroup at level L has flags
 //! grants   HASH   {u64 cgid, u32 major, u32 minor} -> {u32 access, u32 job id}
 //! ```
 //!
 //! `cgroups` lets the program skip an ancestor with one lookup when it is
-//! neither exempt nor granted (most of them), so the ancestor walk costs one
-//! hash lookup per level on the deny path.
+//! neither exempt nor granted; `levels` lets it skip, with one bit test and
+//! no helper call, every level where no cgroup has an entry at all (on a
+//! Slurm node: all but the exempt services' level 2 and the jobs' level 3).
 
 use gpufence_model::device::{Access, DevNum};
 
@@ -30,6 +32,12 @@ pub const PIN_CGROUPS: &str = "cgroups";
 pub const PIN_GRANTS: &str = "grants";
 /// Pin name of the denial records.
 pub const PIN_DENIALS: &str = "denials";
+/// Pin name of the populated-levels mask.
+pub const PIN_LEVELS: &str = "levels";
+
+/// Size of a `cgroups` map value: `struct { u32 flags; u32 level; }` (the
+/// level, root = 0, lets the fence recompute the populated-levels mask).
+pub const CGROUP_VALUE_SIZE: u32 = 8;
 
 /// Entries of the majors array: every major the kernel can represent.
 pub const MAJORS_ENTRIES: u32 = gpufence_model::device::MAX_MAJOR + 1;
@@ -58,7 +66,7 @@ pub struct MapSpec {
 
 /// The four maps, with `grants` and `cgroups` sized for `max_grants`
 /// entries and `denials` for `max_denials`.
-pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 4] {
+pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 5] {
     [
         MapSpec {
             name: PIN_MAJORS,
@@ -71,7 +79,7 @@ pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 4] {
             name: PIN_CGROUPS,
             map_type: MAP_TYPE_HASH,
             key_size: 8,
-            value_size: 4,
+            value_size: CGROUP_VALUE_SIZE,
             max_entries: max_grants,
         },
         MapSpec {
@@ -87,6 +95,13 @@ pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 4] {
             key_size: DenialKey::SIZE as u32,
             value_size: DenialValue::SIZE as u32,
             max_entries: max_denials,
+        },
+        MapSpec {
+            name: PIN_LEVELS,
+            map_type: MAP_TYPE_ARRAY,
+            key_size: 4,
+            value_size: 4,
+            max_entries: 1,
         },
     ]
 }

@@ -10,7 +10,9 @@
 //!     u32 *p = majors[ctx->major];
 //!     if (!p || !*p) return 1;                       // not an NVIDIA major
 //!     struct grant_key key = { 0, ctx->major, ctx->minor };
+//!     u32 mask = levels[0];                          // levels holding any entry
 //!     for (level = 1; level <= MAX_LEVEL; level++) { // unrolled
+//!         if (!(mask & 1 << level)) continue;        // one bit test, no helper
 //!         u64 id = bpf_get_current_ancestor_cgroup_id(level);
 //!         if (!id) goto deny;                        // walked past the task's cgroup
 //!         u32 *flags = cgroups[id];
@@ -65,6 +67,7 @@ const CTX_MINOR: i16 = offset_of!(BpfCgroupDevCtx, minor) as i16;
 const STACK_CGROUP_KEY: i16 = -8; // u64, key of `cgroups`
 const STACK_GRANT_KEY: i16 = -24; // struct grant_key, 16 bytes, key of `grants`
 const STACK_MAJOR_KEY: i16 = -28; // u32, key of `majors`
+const STACK_LEVELS_KEY: i16 = -32; // u32 0, key of `levels`
 const STACK_DENIAL_KEY: i16 = -56; // struct denial_key, 24 bytes
 const STACK_DENIAL_VALUE: i16 = -96; // struct denial_value, 40 bytes
 
@@ -79,6 +82,8 @@ pub struct FenceProgramSpec {
     pub grants_fd: i32,
     /// fd of the `denials` LRU hash.
     pub denials_fd: i32,
+    /// fd of the `levels` array (populated-levels mask).
+    pub levels_fd: i32,
     /// Levels walked, 1..=`max_level` ([`MAX_LEVEL`] in production).
     pub max_level: usize,
     /// Audit mode: record what would be denied, and allow it.
@@ -114,9 +119,24 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
         .comment("key.major = major; key.minor = minor;")
         .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MAJOR, R8)
         .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MINOR, R9);
+    a.comment(
+        "r6 = mask = levels[0]; if (!p) goto deny;  /* levels where some cgroup has an entry */",
+    )
+    .store_imm(Size::W, R10, STACK_LEVELS_KEY, 0)
+    .ld_map_fd(R1, spec.levels_fd, "levels")
+    .mov64_reg(R2, R10)
+    .alu64_imm(AluOp::Add, R2, STACK_LEVELS_KEY as i32)
+    .call(Helper::MapLookupElem)
+    .jmp_imm(JmpOp::Eq, R0, 0, "deny")
+    .load(Size::W, R6, R0, 0);
     for level in 1..=spec.max_level {
         let next = format!("level_{}", level + 1);
+        let body = format!("walk_{level}");
         a.label(&format!("level_{level}"))
+            .comment(&format!("if (!(mask & 1 << {level})) continue;"))
+            .jmp_imm(JmpOp::Set, R6, 1 << level, &body)
+            .ja(&next)
+            .label(&body)
             .comment(&format!(
                 "id = ancestor_cgroup_id({level}); if (!id) goto deny; f = cgroups[id]; if (!f) continue;"
             ))
@@ -274,6 +294,10 @@ mod tests {
     const CGROUPS: i32 = 12;
     const GRANTS: i32 = 13;
     const DENIALS: i32 = 14;
+    const LEVELS: i32 = 15;
+
+    /// A map update the program made: `(map fd, key, value)`.
+    type Update = (i32, Vec<u8>, Vec<u8>);
 
     fn spec(max_level: usize) -> FenceProgramSpec {
         FenceProgramSpec {
@@ -281,6 +305,7 @@ mod tests {
             cgroups_fd: CGROUPS,
             grants_fd: GRANTS,
             denials_fd: DENIALS,
+            levels_fd: LEVELS,
             max_level,
             audit: false,
         }
@@ -291,7 +316,10 @@ mod tests {
         policy: &'a Policy,
         ancestry: &'a [u64],
         grant_jobs: BTreeMap<(u64, DevNum), u32>,
-        updates: std::cell::RefCell<Vec<(i32, Vec<u8>, Vec<u8>)>>,
+        /// Bits set in the levels mask beyond the levels that hold an
+        /// entry of this ancestry (the real mask covers every cgroup's).
+        extra_mask: u32,
+        updates: std::cell::RefCell<Vec<Update>>,
     }
 
     impl Env for PolicyEnv<'_> {
@@ -301,6 +329,7 @@ mod tests {
                 CGROUPS => Some(8),
                 GRANTS => Some(GrantKey::SIZE),
                 DENIALS => Some(DenialKey::SIZE),
+                LEVELS => Some(4),
                 _ => None,
             }
         }
@@ -350,8 +379,20 @@ mod tests {
                     if self.policy.grants.keys().any(|(c, _)| *c == id) {
                         f |= CGROUP_GRANTED;
                     }
-                    (f != 0).then(|| f.to_ne_bytes().to_vec())
+                    let level = self.ancestry.iter().position(|a| *a == id).unwrap_or(0) as u32;
+                    (f != 0).then(|| [f.to_ne_bytes(), level.to_ne_bytes()].concat())
                 }
+                LEVELS => (u32::from_ne_bytes(key.try_into().ok()?) == 0).then(|| {
+                    let mut mask = self.extra_mask;
+                    for (level, id) in self.ancestry.iter().enumerate().skip(1).take(31) {
+                        if self.policy.exempt.contains(id)
+                            || self.policy.grants.keys().any(|(c, _)| c == id)
+                        {
+                            mask |= 1 << level;
+                        }
+                    }
+                    mask.to_ne_bytes().to_vec()
+                }),
                 GRANTS => {
                     let k = GrantKey::from_bytes(key)?;
                     let access = *self.policy.grants.get(&(k.cgroup_id, k.dev))?;
@@ -381,7 +422,19 @@ mod tests {
         req: &Request,
         max_level: usize,
         audit: bool,
-    ) -> (bool, Vec<(i32, Vec<u8>, Vec<u8>)>) {
+    ) -> (bool, Vec<Update>) {
+        run_masked(policy, ancestry, req, max_level, audit, 0)
+    }
+
+    /// [`run_mode`] with `extra_mask` bits set in the levels mask.
+    fn run_masked(
+        policy: &Policy,
+        ancestry: &[u64],
+        req: &Request,
+        max_level: usize,
+        audit: bool,
+        extra_mask: u32,
+    ) -> (bool, Vec<Update>) {
         let prog = build(&FenceProgramSpec {
             audit,
             ..spec(max_level)
@@ -391,6 +444,7 @@ mod tests {
             policy,
             ancestry,
             grant_jobs: BTreeMap::new(),
+            extra_mask,
             updates: Default::default(),
         };
         let ctx = [
@@ -425,8 +479,9 @@ mod tests {
     #[test]
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
-        // 19 instructions of prologue, 25 per level, 49 of deny (record) and allow
-        assert_eq!(p.insns.len(), 19 + 25 * MAX_LEVEL + 49);
+        // 19 instructions of prologue, 8 to load the levels mask, 27 per
+        // level (2 of them the mask test), 49 of deny (record) and allow
+        assert_eq!(p.insns.len(), 19 + 8 + 27 * MAX_LEVEL + 49);
     }
 
     #[test]
@@ -544,6 +599,7 @@ mod tests {
             access in (1u32..8).prop_map(Access::from_bits_truncate),
             block in any::<bool>(),
             max_level in 1usize..6,
+            extra_mask in any::<u32>(),
         ) {
             let req = Request {
                 dev_type: if block { DevType::Block } else { DevType::Char },
@@ -553,6 +609,9 @@ mod tests {
             let want = policy.allows(&ancestry, &req, max_level);
             let (got, updates) = run_mode(&policy, &ancestry, &req, max_level, false);
             prop_assert_eq!(got, want);
+            // Levels marked populated without an entry change nothing.
+            let (masked, _) = run_masked(&policy, &ancestry, &req, max_level, false, extra_mask);
+            prop_assert_eq!(masked, want);
             // A denial is recorded exactly when it is denied.
             prop_assert_eq!(updates.len(), usize::from(!want));
             // Audit mode allows everything, records the same.

@@ -516,3 +516,96 @@ pub fn name_str(b: &[u8; 16]) -> String {
     let end = b.iter().position(|c| *c == 0).unwrap_or(16);
     String::from_utf8_lossy(&b[..end]).into_owned()
 }
+
+const BPF_PROG_ATTACH: i32 = 8;
+const BPF_PROG_DETACH: i32 = 9;
+const BPF_PROG_GET_FD_BY_ID: i32 = 13;
+/// `BPF_F_QUERY_EFFECTIVE`.
+pub const F_QUERY_EFFECTIVE: u32 = 1;
+
+#[repr(C)]
+struct AttachAttr {
+    target_fd: u32,
+    attach_bpf_fd: u32,
+    attach_type: u32,
+    attach_flags: u32,
+}
+
+/// `BPF_PROG_ATTACH` of a device program on a cgroup with `flags`
+/// (0, `BPF_F_ALLOW_OVERRIDE` or `BPF_F_ALLOW_MULTI`), as Slurm, systemd
+/// and runc attach theirs. gpufence itself attaches through a link; this is
+/// for tests that put a foreign program beside the fence.
+///
+/// # Errors
+/// errno.
+pub fn prog_attach_cgroup_device(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    flags: u32,
+) -> io::Result<()> {
+    let mut a = AttachAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_bpf_fd: prog.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        attach_flags: flags,
+    };
+    bpf(BPF_PROG_ATTACH, &mut a).map(|_| ())
+}
+
+/// `BPF_PROG_DETACH` of `prog` from a cgroup's device hook.
+///
+/// # Errors
+/// errno.
+pub fn prog_detach_cgroup_device(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>) -> io::Result<()> {
+    let mut a = AttachAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_bpf_fd: prog.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        attach_flags: 0,
+    };
+    bpf(BPF_PROG_DETACH, &mut a).map(|_| ())
+}
+
+#[repr(C)]
+struct GetIdAttr {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+/// `BPF_PROG_GET_FD_BY_ID`.
+///
+/// # Errors
+/// errno (`ENOENT` when the program is gone).
+pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    let mut a = GetIdAttr {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    bpf(BPF_PROG_GET_FD_BY_ID, &mut a).map(fd_result)
+}
+
+/// Like [`prog_query_cgroup_device`] with query flags (e.g.
+/// [`F_QUERY_EFFECTIVE`]: every program that runs for the cgroup).
+///
+/// # Errors
+/// errno.
+pub fn prog_query_cgroup_device_flags(
+    cgroup: BorrowedFd<'_>,
+    query_flags: u32,
+) -> io::Result<(u32, Vec<u32>)> {
+    let mut ids = vec![0u32; 128];
+    let mut a = QueryAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        query_flags,
+        attach_flags: 0,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        _pad: 0,
+    };
+    bpf(BPF_PROG_QUERY, &mut a)?;
+    ids.truncate(a.prog_cnt as usize);
+    Ok((a.attach_flags, ids))
+}

@@ -8,6 +8,8 @@ use serde_json::json;
 
 use gpufence_node::{fence_ops, grants, Node, NodeError};
 
+mod sweep_cmd;
+
 /// Admin tool of gpufence, the node-wide GPU fence for Slurm.
 #[derive(Parser, Debug)]
 #[command(name = "gpufence", version, about, propagate_version = true)]
@@ -43,6 +45,41 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Why a process (or every process of a cgroup) can or cannot open each NVIDIA device.
+    Doctor {
+        /// The process (default: this shell's process).
+        pid: Option<i32>,
+        /// A cgroup instead of a process (relative to the cgroup2 mount).
+        #[arg(long, conflicts_with = "pid")]
+        cgroup: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Look for GPU misuse now: unfenced holders, busy GPUs without a grant,
+    /// denied opens, mining, exposed notebooks, persistence, fence drift.
+    /// Exit 0 clean, 1 findings at or above --fail-on, 2 incomplete.
+    Sweep(sweep_cmd::SweepArgs),
+    /// Stop a misusing process tree: freeze, keep evidence, kill, audit
+    /// (and drain with --drain). Exit 0 gone, 1 survived, 2 refused.
+    Respond(sweep_cmd::RespondArgs),
+    /// Run an admin command (e.g. nvidia-smi) in the exempt cgroup, audited (root only).
+    Exec {
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the man page of gpufence into DIR (packaging).
+    #[command(hide = true)]
+    Man {
+        /// Output directory.
+        dir: PathBuf,
     },
     /// MIG planning.
     Mig {
@@ -89,7 +126,23 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, NodeError> {
-    // Planning needs no node, no config.
+    // These need no node, no config.
+    match &cli.cmd {
+        Cmd::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut buf = Vec::new();
+            clap_complete::generate(*shell, &mut cmd, "gpufence", &mut buf);
+            let _ = std::io::Write::write_all(&mut std::io::stdout(), &buf);
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::Man { dir } => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            clap_mangen::generate_to(cmd, dir)
+                .map_err(|e| NodeError::io("write man pages", dir, e))?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        _ => {}
+    }
     if let Cmd::Mig {
         op: MigOp::Check { gpu, profiles },
     } = &cli.cmd
@@ -98,7 +151,22 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
     }
     let node = Node::load(cli.config.as_deref())?;
     match cli.cmd {
-        Cmd::Mig { .. } => Ok(ExitCode::SUCCESS),
+        Cmd::Mig { .. } | Cmd::Completions { .. } | Cmd::Man { .. } => Ok(ExitCode::SUCCESS),
+        Cmd::Sweep(args) => Ok(sweep_cmd::run_sweep(&node, &args)),
+        Cmd::Respond(args) => Ok(sweep_cmd::run_respond(&node, &args)),
+        Cmd::Exec { cmd } => {
+            let code = gpufence_node::exec::exec(&node, &cmd)?;
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+        }
+        Cmd::Doctor { pid, cgroup, json } => {
+            let d = gpufence_node::doctor::doctor(&node, pid, cgroup.as_deref())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+            } else {
+                print_doctor(&d);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Denials { json } => {
             let d = gpufence_node::denials::list(&node)?;
             if json {
@@ -376,5 +444,51 @@ fn print_devices(d: &gpufence_node::inventory::Devices) {
     }
     for e in &d.errors {
         println!("error: {e}");
+    }
+}
+
+fn print_doctor(d: &gpufence_node::doctor::Doctor) {
+    match d.pid {
+        Some(p) => println!("process {p} in cgroup /{}", d.cgroup),
+        None => println!("cgroup /{}", d.cgroup),
+    }
+    println!(
+        "fence: {}{}; mode {}; {}",
+        if d.fence_attached { "attached" } else { "NOT attached" },
+        d.fence_problem.as_ref().map(|p| format!(" ({p})")).unwrap_or_default(),
+        d.mode,
+        match d.fence_current {
+            Some(true) => "the program is current",
+            Some(false) => "the program is NOT the one this version would install: run `gpufence fence install`",
+            None => "currency unknown",
+        }
+    );
+    if !d.under_fence {
+        println!("this cgroup is outside the fenced subtree: gpufence does not apply to it");
+    }
+    println!("device programs from the root down:");
+    for l in &d.levels {
+        println!("  /{} (attach flags: {})", l.cgroup, l.attach_flags);
+        for p in &l.programs {
+            println!(
+                "    prog {} {:<16} tag {} loaded by uid {} {}  -> {}",
+                p.id,
+                p.name,
+                p.tag,
+                p.loaded_by_uid,
+                if p.effective {
+                    "[runs for this target]"
+                } else {
+                    "[not effective here]"
+                },
+                p.owner
+            );
+        }
+    }
+    println!(
+        "NVIDIA devices (gpufence's verdict for read+write; other programs above may also deny):"
+    );
+    for v in &d.devices {
+        println!("  {:<8} {:<8} {}  ({})", v.device, v.verdict, v.why, v.path);
     }
 }

@@ -137,6 +137,9 @@ pub struct Config {
     /// The lowest severity that makes `gpufence sweep` exit non-zero:
     /// `info`, `low`, `medium`, `high` or `critical`.
     pub sweep_fail_severity: String,
+    /// The exempt cgroup `gpufence exec` runs admin commands in, relative to
+    /// `cgroup_root`; always exempt in the fence.
+    pub exec_cgroup: String,
 }
 
 /// Whether the fence denies or only records.
@@ -201,6 +204,7 @@ impl Default for Config {
             systemd_system_dir: "/etc/systemd/system".into(),
             passwd_file: "/etc/passwd".into(),
             sweep_fail_severity: "medium".into(),
+            exec_cgroup: "gpufence-exec".into(),
         }
     }
 }
@@ -379,6 +383,14 @@ impl Config {
                     format!("{} is not an absolute path", p.display()),
                 ));
             }
+        }
+        self.exec_cgroup =
+            normalize_cgroup_path(&self.exec_cgroup).map_err(|m| key_err("exec_cgroup", m))?;
+        if self.exec_cgroup.is_empty() {
+            return Err(key_err(
+                "exec_cgroup",
+                "must name a cgroup below cgroup_root".into(),
+            ));
         }
         if !matches!(
             self.sweep_fail_severity.as_str(),

@@ -137,7 +137,9 @@ impl EpilogEnv {
             job_id,
             node_name: get("SLURMD_NODENAME"),
             options: gpufence_model::options::JobOptions::from_env(get).unwrap_or_default(),
-            work_dir: get("SLURM_JOB_WORK_DIR").filter(|s| !s.is_empty()).map(PathBuf::from),
+            work_dir: get("SLURM_JOB_WORK_DIR")
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from),
             uid: get("SLURM_JOB_UID").and_then(|v| v.parse().ok()),
             gid: get("SLURM_JOB_GID").and_then(|v| v.parse().ok()),
         }
@@ -373,12 +375,20 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     //     job's fate.
     if let Some(r) = &rec {
         if !r.saved_compute_modes.is_empty() {
-            let g = if gpus.available() { None } else { Some(node.open_gpus()) };
+            let g = if gpus.available() {
+                None
+            } else {
+                Some(node.open_gpus())
+            };
             let gpus_ref = g.as_ref().unwrap_or(&gpus);
             for (minor, old) in &r.saved_compute_modes {
                 match gpus_ref.swap_compute_mode(*minor, *old) {
-                    Ok(_) => out.exclusive.push(format!("/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored")),
-                    Err(e) => out.errors.push(format!("restoring the compute mode of /dev/nvidia{minor}: {e}")),
+                    Ok(_) => out.exclusive.push(format!(
+                        "/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored"
+                    )),
+                    Err(e) => out.errors.push(format!(
+                        "restoring the compute mode of /dev/nvidia{minor}: {e}"
+                    )),
                 }
             }
         }
@@ -389,8 +399,13 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         let uid_gid = rec.as_ref().map(|r| r.uid).or(env.uid).zip(env.gid);
         match (uid_gid, env.work_dir.as_ref()) {
             (Some((uid, gid)), Some(wd)) => {
-                let start = rec.as_ref().and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
-                let wall = start.map(|s| (chrono::Utc::now() - s.with_timezone(&chrono::Utc)).num_milliseconds() as f64 / 1000.0);
+                let start = rec
+                    .as_ref()
+                    .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
+                let wall = start.map(|s| {
+                    (chrono::Utc::now() - s.with_timezone(&chrono::Utc)).num_milliseconds() as f64
+                        / 1000.0
+                });
                 let denials = crate::denials::list(node)
                     .unwrap_or_default()
                     .into_iter()
@@ -425,14 +440,18 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                     accounting,
                     exclusive: out.exclusive.clone(),
                 });
-                let target = path.clone().unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt")));
+                let target = path
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt")));
                 match crate::report::write_as_user(&text, &target, wd, uid, gid) {
                     Ok(p) => out.notes.push(format!("report written to {}", p.display())),
                     // The user's path, the user's problem: noted, never a drain.
                     Err(e) => out.notes.push(format!("report not written: {e}")),
                 }
             }
-            _ => out.notes.push("report not written: the job's uid, gid or working directory is unknown".into()),
+            _ => out.notes.push(
+                "report not written: the job's uid, gid or working directory is unknown".into(),
+            ),
         }
     }
 

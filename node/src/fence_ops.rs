@@ -14,7 +14,13 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
         cgroup_root: node.cfg.cgroup_root.clone(),
         bpffs_dir: node.cfg.bpffs_dir.clone(),
         protected: node.protected_majors()?,
-        exempt: node.cfg.exempt_cgroups.clone(),
+        exempt: node
+            .cfg
+            .exempt_cgroups
+            .iter()
+            .cloned()
+            .chain(std::iter::once(node.exec_cgroup()))
+            .collect(),
         max_grants: node.cfg.max_grants,
         max_denials: node.cfg.max_denials,
         audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
@@ -27,6 +33,10 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
 /// [`NodeError`]: the fence is not installed (or the old one stays) and the
 /// message says why.
 pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
+    // The exempt cgroup of `gpufence exec` exists from the install on.
+    if node.cg.path(&node.cfg.cgroup_root).is_dir() {
+        let _ = node.cg.create(&node.exec_cgroup());
+    }
     let spec = spec(node)?;
     let (_fence, report) = Fence::install(&node.cg, &spec)?;
     node.audit(

@@ -344,19 +344,34 @@ impl Gpus {
     ///
     /// # Errors
     /// The NVML error, or "no GPU with minor N".
-    pub fn swap_compute_mode(&self, minor: u32, mode: ComputeModeNum) -> Result<ComputeModeNum, String> {
+    pub fn swap_compute_mode(
+        &self,
+        minor: u32,
+        mode: ComputeModeNum,
+    ) -> Result<ComputeModeNum, String> {
         let Some(nvml) = &self.nvml else {
-            return Err(format!("NVML unavailable: {}", self.unavailable.clone().unwrap_or_default()));
+            return Err(format!(
+                "NVML unavailable: {}",
+                self.unavailable.clone().unwrap_or_default()
+            ));
         };
         let want = mode_to(mode).ok_or_else(|| format!("unknown compute mode {mode}"))?;
-        let n = nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+        let n = nvml
+            .device_count()
+            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
         for i in 0..n {
-            let mut d = nvml.device_by_index(i).map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+            let mut d = nvml
+                .device_by_index(i)
+                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
             if d.minor_number().map_err(|e| e.to_string())? != minor {
                 continue;
             }
-            let old = mode_from(d.compute_mode().map_err(|e| format!("nvmlDeviceGetComputeMode: {e}"))?);
-            d.set_compute_mode(want).map_err(|e| format!("nvmlDeviceSetComputeMode (minor {minor}): {e}"))?;
+            let old = mode_from(
+                d.compute_mode()
+                    .map_err(|e| format!("nvmlDeviceGetComputeMode: {e}"))?,
+            );
+            d.set_compute_mode(want)
+                .map_err(|e| format!("nvmlDeviceSetComputeMode (minor {minor}): {e}"))?;
             return Ok(old);
         }
         Err(format!("NVML lists no GPU with minor {minor}"))

@@ -12,10 +12,12 @@
 
 pub mod apply;
 pub mod denials;
+pub mod doctor;
 pub mod drain;
 pub mod epilog;
 pub mod error;
 pub mod evidence;
+pub mod exec;
 pub mod fence_ops;
 pub mod gpus;
 pub mod grants;
@@ -136,6 +138,11 @@ impl Node {
             }
         }
         g
+    }
+
+    /// The cgroup `gpufence exec` runs commands in (relative to the mount).
+    pub fn exec_cgroup(&self) -> String {
+        join_cgroup(&self.cfg.cgroup_root, &self.cfg.exec_cgroup)
     }
 
     /// The cgroup (relative to the mount) of job `job_id` in the `own`

@@ -488,13 +488,20 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
 /// be switched is noted (the job still runs: the mode is the user's wish,
 /// not a security boundary).
 fn set_exclusive(node: &Node, rec: &mut JobRecord) {
-    let gres: BTreeSet<DevNum> = rec.devices.iter().filter(|d| d.role == DeviceRole::Gres).map(|d| d.dev).collect();
+    let gres: BTreeSet<DevNum> = rec
+        .devices
+        .iter()
+        .filter(|d| d.role == DeviceRole::Gres)
+        .map(|d| d.dev)
+        .collect();
     let minors = gpu_minors(&gres, node.gpu_major());
     let gpus = node.open_gpus();
     for m in minors {
         match gpus.swap_compute_mode(m, crate::gpus::EXCLUSIVE_PROCESS) {
             Ok(old) => rec.saved_compute_modes.push((m, old)),
-            Err(e) => rec.notes.push(format!("--gpu-exclusive: /dev/nvidia{m}: {e}")),
+            Err(e) => rec
+                .notes
+                .push(format!("--gpu-exclusive: /dev/nvidia{m}: {e}")),
         }
     }
 }

@@ -53,7 +53,12 @@ pub fn render(d: &ReportData<'_>) -> String {
     }
     if let (Some(w), Some(r)) = (d.wall_seconds, d.record) {
         let n = r.gres_indices.len();
-        let _ = writeln!(s, "GPU-seconds: {:.1} ({w:.1} s x {n} GPU{})", w * n as f64, if n == 1 { "" } else { "s" });
+        let _ = writeln!(
+            s,
+            "GPU-seconds: {:.1} ({w:.1} s x {n} GPU{})",
+            w * n as f64,
+            if n == 1 { "" } else { "s" }
+        );
     }
     for e in &d.exclusive {
         let _ = writeln!(s, "{e}");
@@ -66,7 +71,11 @@ pub fn render(d: &ReportData<'_>) -> String {
     } else {
         let _ = writeln!(s, "denied opens during the job (by your uid):");
         for x in &d.denials {
-            let _ = writeln!(s, "  {} x{} by {} (pid {}), last {}", x.device, x.count, x.last_comm, x.last_pid, x.last_time);
+            let _ = writeln!(
+                s,
+                "  {} x{} by {} (pid {}), last {}",
+                x.device, x.count, x.last_comm, x.last_pid, x.last_time
+            );
         }
     }
     if d.lingering.is_empty() {
@@ -79,8 +88,14 @@ pub fn render(d: &ReportData<'_>) -> String {
                 "  pid {} ({}) held {} -> {}",
                 l.pid,
                 l.comm.clone().unwrap_or_default(),
-                l.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","),
-                l.ended_by.map(|e| format!("ended by {e}")).unwrap_or_else(|| "still there: the node was drained".into())
+                l.devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                l.ended_by
+                    .map(|e| format!("ended by {e}"))
+                    .unwrap_or_else(|| "still there: the node was drained".into())
             );
         }
     }
@@ -93,7 +108,13 @@ pub fn render(d: &ReportData<'_>) -> String {
 ///
 /// # Errors
 /// A message when the child cannot run or the user cannot write there.
-pub fn write_as_user(text: &str, path: &Path, work_dir: &Path, uid: u32, gid: u32) -> Result<PathBuf, String> {
+pub fn write_as_user(
+    text: &str,
+    path: &Path,
+    work_dir: &Path,
+    uid: u32,
+    gid: u32,
+) -> Result<PathBuf, String> {
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
         .arg("umask 077; cat > \"$1\"")
@@ -116,7 +137,9 @@ pub fn write_as_user(text: &str, path: &Path, work_dir: &Path, uid: u32, gid: u3
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start the report writer: {e}"))?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start the report writer: {e}"))?;
     if let Some(mut stdin) = child.stdin.take() {
         let _ = stdin.write_all(text.as_bytes());
     }
@@ -128,5 +151,9 @@ pub fn write_as_user(text: &str, path: &Path, work_dir: &Path, uid: u32, gid: u3
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    Ok(if path.is_absolute() { path.to_path_buf() } else { work_dir.join(path) })
+    Ok(if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        work_dir.join(path)
+    })
 }

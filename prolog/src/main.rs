@@ -18,10 +18,23 @@ struct Args {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
+    /// Write the man page into DIR and exit (packaging).
+    #[arg(long, value_name = "DIR", hide = true)]
+    generate_man: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(dir) = &args.generate_man {
+        let cmd = <Args as clap::CommandFactory>::command();
+        return match clap_mangen::generate_to(cmd, dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("gpufence-prolog: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let node = match Node::load(args.config.as_deref()) {
         Ok(n) => n,
         Err(e) => {

@@ -86,13 +86,16 @@ fn register_options(spank: slurm_spank::spank_sys::spank_t) -> c_int {
     0
 }
 
+/// One SPANK callback of the [`Plugin`] trait (`Plugin::init`, ...).
+type Callback = fn(&mut dyn Plugin, &mut SpankHandle) -> Result<(), Box<dyn Error>>;
+
 /// Runs one SPANK callback of [`GpuFence`] through slurm-spank's globals
 /// (state across callbacks, option cache, panic catching).
 fn hook(
     spank: slurm_spank::spank_sys::spank_t,
     ac: c_int,
     argv: *const *const c_char,
-    which: fn(&mut dyn Plugin, &mut SpankHandle) -> Result<(), Box<dyn Error>>,
+    which: Callback,
 ) -> c_int {
     slurm_spank::spank_callback_with_globals::<GpuFence, _>(move |plugin, options, need_setup| {
         let mut h = slurm_spank::init_spank_handle(spank, ac, argv, options);
@@ -400,11 +403,5 @@ mod tests {
         for bad in ["config=", "cfg=/x", "config", "mode=watch", "mode="] {
             assert!(PluginArgs::parse([bad]).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn built_for_the_installed_headers() {
-        // 22.05.8 on Debian 12: 0x160508; any build: major.minor non-zero.
-        assert!(BUILT_FOR_SLURM >> 8 != 0);
     }
 }

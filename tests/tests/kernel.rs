@@ -23,6 +23,11 @@ fn node(env: &TestEnv, extra: &str) -> Node {
     Node::new(cfg, gpufence_model::config::ConfigOrigin::File(p)).expect("node")
 }
 
+/// The level of cgroup `path` (root = 0), as the kernel counts it.
+fn level(path: &str) -> u32 {
+    path.split('/').filter(|s| !s.is_empty()).count() as u32
+}
+
 fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
     JobRecord {
         version: RECORD_VERSION,
@@ -88,6 +93,12 @@ fn granted_job_opens_its_device_and_not_another() {
         )
         .unwrap();
 
+    let exec = node.exec_cgroup();
+    assert_eq!(
+        fence.levels_mask().unwrap(),
+        1 << level(&job) | 1 << level(&exec),
+        "the walk visits the job's level and that of the exempt `gpufence exec` cgroup only"
+    );
     for cg in [&job, &task] {
         assert_eq!(env.open_from(cg, &n0), "ENXIO", "granted device from /{cg}");
         assert_eq!(env.open_from(cg, &ctl), "ENXIO", "nvidiactl from /{cg}");
@@ -124,9 +135,19 @@ fn granted_job_opens_its_device_and_not_another() {
     assert_eq!(gone.len(), 3);
     assert_eq!(env.open_from(&task, &n0), "EPERM");
     assert!(fence.entries().unwrap().is_empty());
-    assert!(
-        fence.cgroup_flags().unwrap().is_empty(),
-        "GRANTED flag cleared"
+    assert_eq!(
+        fence.cgroup_flags().unwrap(),
+        [(
+            env.cg.id(&exec).unwrap(),
+            gpufence_cgroup::maps::CGROUP_EXEMPT
+        )]
+        .into(),
+        "GRANTED flag cleared; the exec cgroup stays exempt"
+    );
+    assert_eq!(
+        fence.levels_mask().unwrap(),
+        1 << level(&exec),
+        "the job's level is no longer walked"
     );
 }
 
@@ -184,7 +205,9 @@ fn exempt_cgroup_and_descendants_open_everything() {
     let sibling = env.cgroup("system.slice/other.service");
     let node = node(&env, &format!("exempt_cgroups = [\"{exempt}\"]\n{MAJORS}"));
     let r = fence_ops::install(&node).unwrap();
-    assert_eq!(r.exempt_applied.len(), 1);
+    let exec = node.exec_cgroup();
+    let applied: Vec<&str> = r.exempt_applied.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(applied, vec![exempt.as_str(), exec.as_str()]);
     let n1 = env.mknod("nvidia1", 195, 1);
     let uvm = env.mknod("nvidia-uvm-tools", 241, 1);
     for cg in [&exempt, &child] {
@@ -192,10 +215,32 @@ fn exempt_cgroup_and_descendants_open_everything() {
         assert_eq!(env.open_from(cg, &uvm), "ENXIO");
     }
     assert_eq!(env.open_from(&sibling, &n1), "EPERM");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    assert_eq!(
+        fence.levels_mask().unwrap(),
+        1 << level(&exempt) | 1 << level(&exec)
+    );
+    // A grant one level deeper adds its level; the exempt one stays.
+    let job = env.cgroup("system.slice/other.service/job_9");
+    fence
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            9,
+            &[(DevNum::new(195, 1), Access::RW)],
+        )
+        .unwrap();
+    assert_eq!(
+        fence.levels_mask().unwrap(),
+        1 << level(&exempt) | 1 << level(&job) | 1 << level(&exec)
+    );
+    assert_eq!(env.open_from(&job, &n1), "ENXIO");
+    fence.revoke_job(9).unwrap();
     // Dropping it from the config and reinstalling removes the exemption.
     let node = self::node(&env, MAJORS);
     fence_ops::install(&node).unwrap();
     assert_eq!(env.open_from(&child, &n1), "EPERM");
+    assert_eq!(fence.levels_mask().unwrap(), 1 << level(&exec));
 }
 
 #[test]

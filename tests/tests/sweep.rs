@@ -105,14 +105,8 @@ impl World {
             ..Default::default()
         };
         f(&mut req);
-        let t0 = Instant::now();
-        let o = sweep::execute(&self.node, &req);
-        assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "a sweep took {:?}",
-            t0.elapsed()
-        );
-        o
+        // How long it takes is measured in `gpufence-bench scan`, not here.
+        sweep::execute(&self.node, &req)
     }
     fn sweep(&self) -> SweepOutcome {
         self.sweep_with(|_| {})
@@ -1083,5 +1077,55 @@ fn respond_refuses_what_must_not_be_touched() {
     assert!(
         !w.env.path("evidence").exists(),
         "no evidence, nothing done"
+    );
+}
+
+/// The CLI as an admin or a health check calls it: `gpufence sweep` prints
+/// one JSON object per finding and exits 1 at the threshold, 0 below it;
+/// `gpufence respond 1` refuses with exit 2.
+#[test]
+fn the_cli_sweeps_and_refuses() {
+    if !privileged() {
+        return;
+    }
+    let w = world("cli", "", "", true);
+    std::fs::write(
+        w.env.path(&format!("cron/{TEST_USER}")),
+        "* * * * * /tmp/x\n",
+    )
+    .unwrap();
+    let cfg = w.env.path("gpufence.toml");
+    let run = |args: &[&str]| {
+        std::process::Command::new(workspace_bin("gpufence"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["sweep", "--json", "--cgroup", &w.env.root]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let found: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        (found[0]["kind"].as_str(), found[0]["severity"].as_str()),
+        (Some("persistence_cron"), Some("medium"))
+    );
+    let o = run(&["sweep", "--fail-on", "high", "--cgroup", &w.env.root]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("persistence_cron"),
+        "{o:?}"
+    );
+    let o = run(&["sweep", "--fail-on", "urgent"]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let o = run(&["respond", "1"]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).is_empty(),
+        "says why: {o:?}"
     );
 }

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Checks that the packages built by contrib/package.sh contain what the
+# README's deploy section says they install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+deb=$(ls target/packages/gpufence_*.deb)
+want_deb=(
+    ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog
+    ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so
+    ./lib/systemd/system/gpufence.service
+    ./etc/slurm/gpufence.toml ./etc/logrotate.d/gpufence
+    ./usr/share/man/man1/gpufence.1.gz ./usr/share/man/man1/gpufence-prolog.1.gz ./usr/share/man/man1/gpufence-epilog.1.gz
+    ./usr/share/man/man1/gpufence-sweep.1.gz
+    ./usr/share/bash-completion/completions/gpufence
+    ./usr/share/doc/gpufence/README.md ./usr/share/doc/gpufence/SECURITY.md
+)
+list=$(dpkg-deb -c "$deb" | awk '{print $6}')
+fail=0
+for f in "${want_deb[@]}"; do
+    # cargo-deb places units in /lib or /usr/lib depending on its version
+    g=${f/.\/lib\/systemd/.\/usr\/lib\/systemd}
+    grep -qxF "$f" <<<"$list" || grep -qxF "$g" <<<"$list" || { echo "missing in $deb: $f" >&2; fail=1; }
+done
+dpkg-deb -f "$deb" Depends | grep -q slurmd || { echo "$deb does not depend on slurmd" >&2; fail=1; }
+grep -qx '/etc/slurm/gpufence.toml' <(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles) || { echo "config is not a conffile" >&2; fail=1; }
+if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
+    rpm=$(ls target/packages/x86_64/gpufence-*.rpm)
+    rlist=$(rpm -qlp "$rpm" 2>/dev/null)
+    for f in /usr/sbin/gpufence /usr/sbin/gpufence-prolog /usr/sbin/gpufence-epilog /usr/lib64/slurm/gpufence.so \
+        /usr/lib/systemd/system/gpufence.service /etc/slurm/gpufence.toml /usr/share/man/man1/gpufence.1; do
+        grep -qxF "$f" <<<"$rlist" || { echo "missing in $rpm: $f" >&2; fail=1; }
+    done
+    rpm -qcp "$rpm" 2>/dev/null | grep -qx /etc/slurm/gpufence.toml || { echo "config is not %config in $rpm" >&2; fail=1; }
+fi
+((fail == 0)) && echo "packages: ok ($(basename "$deb")${rpm:+, $(basename "$rpm")})"
+exit $fail

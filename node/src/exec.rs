@@ -1,0 +1,103 @@
+//! `gpufence exec -- CMD`: root runs an admin command (`nvidia-smi`, a
+//! diagnostic) in a dedicated exempt cgroup, with audit lines naming who ran
+//! what and how it ended. The cgroup is `<cgroup_root>/<exec_cgroup>/<pid>`;
+//! `exec_cgroup` is always in the fence's exemptions.
+
+use std::ffi::{CString, OsString};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use gpufence_model::audit::AuditEvent;
+
+use crate::fence_ops::open_installed;
+use crate::{join_cgroup, Node, NodeError};
+
+/// Who is running this: `SUDO_USER` (when root via sudo), else the login
+/// name, with the real uid.
+pub fn who() -> String {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let name = std::env::var("SUDO_USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .or_else(|_| std::env::var("USER"))
+        .unwrap_or_else(|_| "unknown".into());
+    format!("{name} (uid {uid})")
+}
+
+/// Runs `argv` in the exempt cgroup and returns its exit code (128+signal
+/// when killed).
+///
+/// # Errors
+/// [`NodeError`] when not root, the fence is missing, the cgroup cannot be
+/// made, or the command cannot start.
+pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(NodeError::JobCgroup(
+            "gpufence exec: only root may run commands in the exempt cgroup".into(),
+        ));
+    }
+    let Some((prog, args)) = argv.split_first() else {
+        return Err(NodeError::JobCgroup(
+            "gpufence exec: no command (gpufence exec -- CMD ...)".into(),
+        ));
+    };
+    let fence = open_installed(node)?;
+    let base = node.exec_cgroup();
+    node.cg.create(&base)?;
+    fence.add_exempt(node.cg.id(&base)?, &base)?;
+    let mine = join_cgroup(&base, &std::process::id().to_string());
+    node.cg.create(&mine)?;
+    let procs = CString::new(
+        node.cg
+            .path(&mine)
+            .join("cgroup.procs")
+            .to_string_lossy()
+            .into_owned(),
+    )
+    .map_err(|_| NodeError::JobCgroup("cgroup path with NUL".into()))?;
+    let who = who();
+    let cmdline: Vec<String> = argv
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    node.audit(
+        AuditEvent::new("exec_start")
+            .field("who", who.clone())
+            .field("argv", cmdline.clone())
+            .field("cgroup", format!("/{mine}")),
+    )?;
+    let mut cmd = Command::new(prog);
+    cmd.args(args);
+    // SAFETY: only open/write/close between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+            if r != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let status = cmd.status();
+    let code = match &status {
+        Ok(s) => s
+            .code()
+            .unwrap_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(s).unwrap_or(0)),
+        Err(_) => 127,
+    };
+    let _ = node.audit(
+        AuditEvent::new("exec_end")
+            .field("who", who)
+            .field("argv", cmdline)
+            .field("exit_code", code),
+    );
+    let _ = node.cg.remove_tree(&mine);
+    status.map_err(|e| NodeError::io("exec", std::path::Path::new(prog), e))?;
+    Ok(code)
+}

@@ -1,0 +1,203 @@
+//! Admin tools on the real kernel: `gpufence doctor` with a foreign program
+//! attached below the fence, and `gpufence exec` in the exempt cgroup.
+
+use std::os::fd::AsFd;
+use std::process::Command;
+
+use gpufence_cgroup::asm::{Asm, Reg};
+use gpufence_cgroup::fence::Fence;
+use gpufence_cgroup::sys;
+use gpufence_model::device::{Access, DevNum};
+use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
+use serde_json::Value;
+
+const MAJORS: &str = "[majors]\nnvidia = 195\nnvidia-uvm = 241\n";
+
+fn gpufence(cfg: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("doctor");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    env.mknod("nvidia0", 195, 0);
+    env.mknod("nvidia1", 195, 1);
+    let job = env.cgroup("job_5");
+    let task = env.cgroup("job_5/step_0/user/task_0");
+    // A foreign device program below the fence, attached the way Slurm
+    // attaches at a task cgroup (flags 0): allow-all.
+    let mut a = Asm::new();
+    a.mov64_imm(Reg::R0, 1).exit();
+    let prog = sys::prog_load_cgroup_device(&a.assemble().unwrap().insns, "slurm_like").unwrap();
+    let task_dir = std::fs::File::open(env.cg.path(&task)).unwrap();
+    sys::prog_attach_cgroup_device(prog.as_fd(), task_dir.as_fd(), 0).unwrap();
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            5,
+            &[(DevNum::new(195, 0), Access::RW)],
+        )
+        .unwrap();
+    let pid = env.spawn_sleeper(&task);
+    let o = gpufence(&cfg, &["doctor", &pid.to_string(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let d: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(d["cgroup"], task.as_str());
+    assert_eq!(
+        (d["fence_attached"].clone(), d["fence_current"].clone()),
+        (Value::from(true), Value::from(true))
+    );
+    let levels = d["levels"].as_array().unwrap();
+    let at = |c: &str| {
+        levels
+            .iter()
+            .find(|l| l["cgroup"] == c)
+            .unwrap_or_else(|| panic!("no level /{c}: {d}"))
+    };
+    let ours = at(&env.root);
+    assert_eq!(ours["attach_flags"], "multi");
+    assert!(
+        ours["programs"][0]["owner"]
+            .as_str()
+            .unwrap()
+            .starts_with("gpufence (this node"),
+        "{ours}"
+    );
+    assert_eq!(ours["programs"][0]["effective"], true);
+    let foreign = at(&task);
+    assert_eq!(foreign["attach_flags"], "none");
+    assert_eq!(foreign["programs"][0]["name"], "slurm_like");
+    assert_eq!(foreign["programs"][0]["effective"], true);
+    assert!(
+        foreign["programs"][0]["owner"]
+            .as_str()
+            .unwrap()
+            .starts_with("Slurm"),
+        "{foreign}"
+    );
+    let dev = |n: &str| {
+        d["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["device"] == n)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(dev("195:0")["verdict"], "allowed");
+    assert_eq!(dev("195:0")["why"], format!("grant of job 5 on /{job}"));
+    assert_eq!(dev("195:1")["verdict"], "denied");
+    assert!(
+        dev("241:0")["why"]
+            .as_str()
+            .unwrap()
+            .starts_with("no grant"),
+        "{d}"
+    );
+    // The kernel agrees with the doctor.
+    assert_eq!(env.open_from(&task, &env.path("dev/nvidia0")), "ENXIO");
+    assert_eq!(env.open_from(&task, &env.path("dev/nvidia1")), "EPERM");
+    // An audit-mode config says the enforcing program is not current for it.
+    let audit_cfg = env.path("audit.toml");
+    std::fs::write(
+        &audit_cfg,
+        std::fs::read_to_string(&cfg).unwrap().replacen(
+            "cgroup_root",
+            "mode = \"audit\"\ncgroup_root",
+            1,
+        ),
+    )
+    .unwrap();
+    let d: Value = serde_json::from_slice(
+        &gpufence(&audit_cfg, &["doctor", "--cgroup", &task, "--json"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(d["fence_current"], false);
+    // Text form.
+    let t =
+        String::from_utf8_lossy(&gpufence(&cfg, &["doctor", &pid.to_string()]).stdout).into_owned();
+    assert!(
+        t.contains("slurm_like") && t.contains("195:1    denied"),
+        "{t}"
+    );
+}
+
+#[test]
+fn exec_runs_admin_commands_exempt_and_audited() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("exec");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let out = env.cgroup("outside");
+    assert_eq!(env.open_from(&out, &n0), "EPERM");
+    let o = gpufence(
+        &cfg,
+        &[
+            "exec",
+            "--",
+            probe_bin().to_str().unwrap(),
+            "open",
+            n0.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("{} ENXIO", n0.display())
+    );
+    let audit = std::fs::read_to_string(env.path("log/audit.jsonl")).unwrap();
+    let evs: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let start = evs.iter().find(|e| e["event"] == "exec_start").unwrap();
+    assert_eq!(start["argv"][1], "open");
+    assert!(start["who"].as_str().unwrap().contains("uid 0"), "{start}");
+    assert!(start["cgroup"]
+        .as_str()
+        .unwrap()
+        .starts_with(&format!("/{}/gpufence-exec/", env.root)));
+    let end = evs.iter().find(|e| e["event"] == "exec_end").unwrap();
+    assert_eq!(end["exit_code"], 0);
+    // The command's exit code is passed on; per-run cgroups are removed.
+    let o = gpufence(&cfg, &["exec", "--", "sh", "-c", "exit 7"]);
+    assert_eq!(o.status.code(), Some(7));
+    let left: Vec<_> = std::fs::read_dir(env.cg.path(&format!("{}/gpufence-exec", env.root)))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_type().unwrap().is_dir())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    // Not for users.
+    let o = Command::new("setpriv")
+        .args([
+            "--reuid",
+            gpufence_tests::cluster::TEST_USER,
+            "--regid",
+            gpufence_tests::cluster::TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["exec", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+}
