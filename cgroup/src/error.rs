@@ -60,13 +60,28 @@ pub enum Error {
     NoCgroup2,
     /// The bpffs directory is not on a bpf filesystem and could not be put on one.
     #[error(
-        "{path} is not on a bpf filesystem ({detail}); mount one: mount -t bpf bpf /sys/fs/bpf"
+        "bpffs_dir {path} is not on a writable bpf filesystem ({detail}); the fence's pins need one: \
+         mount -t bpf bpf /sys/fs/bpf and set bpffs_dir below it. The fence is NOT installed."
     )]
     NotBpffs {
         /// The configured directory.
         path: PathBuf,
         /// Why it could not be mounted.
         detail: String,
+    },
+    /// The attach point already holds as many device programs as the kernel
+    /// allows on one cgroup (`BPF_CGROUP_MAX_PROGS`, 64).
+    #[error(
+        "cgroup {path} already holds {count} device programs, the kernel's limit per cgroup \
+         (BPF_CGROUP_MAX_PROGS = 64): another tool leaks programs there (an old runc?); list them \
+         with `bpftool cgroup show {path}`, detach the stale ones, then run `gpufence fence install`. \
+         The fence is NOT installed."
+    )]
+    TooManyPrograms {
+        /// The cgroup directory.
+        path: PathBuf,
+        /// How many programs are attached there now.
+        count: usize,
     },
     /// A cgroup filesystem operation failed.
     #[error("{op} {path}: {source}")]

@@ -225,17 +225,43 @@ pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
             dir.display()
         )));
     }
+    // A read-only bpffs (or one root may not write) would fail at the first
+    // pin, after the maps were made: say so now, in the same words.
+    let c = CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| not_bpffs("the path holds a NUL byte".into()))?;
+    // SAFETY: access(2) with a NUL-terminated path.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
+        return Err(not_bpffs(format!(
+            "{} cannot be written: {}",
+            dir.display(),
+            io::Error::last_os_error()
+        )));
+    }
     Ok(mounted)
 }
+
+/// **Test-only switch.** When this variable is `1` in the environment of
+/// the process, [`probe_ancestor_helper`] answers as a kernel without the
+/// helper does (before 6.1), so tests can check what gpufence does on such
+/// a host. It can only make gpufence refuse to install (fail closed), never
+/// weaken a fence; production configs never set it (slurmd builds the
+/// Prolog's environment, and jobs cannot reach slurmd's).
+pub const FORCE_NO_HELPER_ENV: &str = "GPUFENCE_TEST_FORCE_NO_HELPER";
 
 /// Checks that the kernel lets device programs call
 /// `bpf_get_current_ancestor_cgroup_id` by loading a 4-instruction program
 /// that does (`../shared/domain/bpf.md`: probe, do not trust versions).
 ///
 /// # Errors
-/// [`Error::HelperUnsupported`] naming the requirement, or [`Error::Bpf`]
-/// when loading fails for another reason (no CAP_BPF).
+/// [`Error::HelperUnsupported`] naming the requirement (also when the
+/// test-only [`FORCE_NO_HELPER_ENV`] is `1`), or [`Error::Bpf`] when
+/// loading fails for another reason (no CAP_BPF).
 pub fn probe_ancestor_helper() -> Result<()> {
+    if std::env::var_os(FORCE_NO_HELPER_ENV).is_some_and(|v| v == "1") {
+        return Err(Error::HelperUnsupported {
+            detail: format!("forced by {FORCE_NO_HELPER_ENV}=1 (a test switch)"),
+        });
+    }
     let p = program::probe()?;
     match sys::prog_load_cgroup_device(&p.insns, "gpufence_probe") {
         Ok(_fd) => Ok(()),
@@ -256,6 +282,21 @@ pub fn probe_ancestor_helper() -> Result<()> {
             source: e.errno,
         }),
     }
+}
+
+/// The error of `BPF_LINK_CREATE` at `root_dir`: `E2BIG` is the kernel's
+/// per-cgroup program limit, said as such with the count and the fix.
+fn link_create_err(root_dir: &Path, root_fd: &File, e: io::Error) -> Error {
+    if e.raw_os_error() == Some(libc::E2BIG) {
+        let count = sys::prog_query_cgroup_device(root_fd.as_fd())
+            .map(|(_, ids)| ids.len())
+            .unwrap_or(64);
+        return Error::TooManyPrograms {
+            path: root_dir.to_path_buf(),
+            count,
+        };
+    }
+    bpf_err("BPF_LINK_CREATE", root_dir.display().to_string())(e)
 }
 
 fn open_or_create_map(
@@ -456,7 +497,7 @@ impl Fence {
                     // root: attach the new one first, then retire the old
                     // one, so there is no moment without a fence.
                     let new = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
-                        .map_err(bpf_err("BPF_LINK_CREATE", root_dir.display().to_string()))?;
+                        .map_err(|e| link_create_err(&root_dir, &root_fd, e))?;
                     let _ = sys::link_detach(link.as_fd());
                     fs::remove_file(&link_pin).map_err(|e| Error::Cgroup {
                         op: "unlink",
@@ -478,7 +519,7 @@ impl Fence {
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 let link = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
-                    .map_err(bpf_err("BPF_LINK_CREATE", root_dir.display().to_string()))?;
+                    .map_err(|e| link_create_err(&root_dir, &root_fd, e))?;
                 if let Err(e) = sys::obj_pin(link.as_fd(), &link_pin) {
                     // Unpinned, the link would vanish with this process:
                     // say so rather than pretend.

@@ -107,7 +107,7 @@ pub struct AppliedGrant {
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     /// Reading or writing failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {source}; gpufence keeps job records in state_dir: it must be a writable, root-only directory (check its mount, free space and permissions)")]
     Io {
         /// The file or directory.
         path: PathBuf,
