@@ -11,6 +11,7 @@
 //! ```
 
 mod open;
+mod scan;
 
 use std::process::ExitCode;
 
@@ -40,6 +41,18 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// Epilog descriptor scan and full sweep with N extra processes of 20 descriptors each.
+    Scan {
+        /// Extra process counts.
+        #[arg(long, value_delimiter = ',', default_values_t = [2000usize, 10000])]
+        procs: Vec<usize>,
+        /// Runs per count (median).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// 50 processes, one run (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -50,6 +63,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     match cli.cmd {
+        Cmd::Scan { procs, runs, smoke } => print_scan(procs, runs, smoke, cli.json),
         Cmd::Open {
             rounds,
             iters,
@@ -57,11 +71,12 @@ fn main() -> ExitCode {
         } => {
             use open::{Config::*, Target};
             let (configs, depths, rounds, iters) = if smoke {
-                (vec![Floor, Slurm(8), Fence(1000)], vec![8], 1, 500)
+                (vec![Floor, Empty, Slurm(8), Fence(1000)], vec![8], 1, 500)
             } else {
                 (
                     vec![
                         Floor,
+                        Empty,
                         Slurm(8),
                         Slurm(64),
                         Fence(1),
@@ -74,7 +89,7 @@ fn main() -> ExitCode {
                 )
             };
             let r = open::run(&configs, &depths, rounds, iters);
-            println!("open()+close() per call, median of {rounds} rounds x {iters} calls, ns; ratios to the floor and to Slurm-style 8 devices at the same depth and device:\n");
+            println!("open()+close() per call, median of {rounds} rounds x {iters} calls, ns; ratios to the floor, to the empty program and to Slurm-style 8 devices at the same depth and device:\n");
             println!("| configuration | depth | /dev/null | granted (ENXIO) | denied (EPERM) |");
             println!("|---|---|---|---|---|");
             for c in &configs {
@@ -83,9 +98,13 @@ fn main() -> ExitCode {
                         let v = r[&(*c, *d, t)];
                         let floor = r[&(Floor, *d, t)];
                         let slurm = r.get(&(Slurm(8), *d, t)).copied();
+                        let empty = r.get(&(Empty, *d, t)).copied();
                         format!(
-                            "{v:.0} ({:.3}x floor{})",
+                            "{v:.0} ({:.3}x floor{}{})",
                             v / floor,
+                            empty
+                                .map(|s| format!(", {:.3}x empty", v / s))
+                                .unwrap_or_default(),
                             slurm
                                 .map(|s| format!(", {:.3}x slurm8", v / s))
                                 .unwrap_or_default()
@@ -109,4 +128,30 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::path::PathBuf>) {
+    let (procs, runs) = if smoke { (vec![50], 1) } else { (procs, runs) };
+    let r = scan::run(&procs, runs);
+    println!("Epilog descriptor scan and full sweep, median of {runs} runs, release build:\n");
+    println!("| extra processes (20 fds each) | processes on the node | epilog scan | full sweep | holders found | sweep findings |");
+    println!("|---|---|---|---|---|---|");
+    for s in &r {
+        println!(
+            "| {} | {} | {:.0} ms | {:.0} ms | {} | {} |",
+            s.procs,
+            s.total_procs,
+            s.epilog_scan_s * 1e3,
+            s.sweep_s * 1e3,
+            s.holders,
+            s.sweep_findings
+        );
+    }
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|s| serde_json::json!({"procs": s.procs, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "holders": s.holders, "sweep_findings": s.sweep_findings}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
 }

@@ -2,12 +2,17 @@
 //! closing a device node in a loop, under
 //!
 //! - no device program (the floor);
+//! - an empty device program (`return 1`): the kernel's cost of running any
+//!   device program, which no program can go below;
 //! - a Slurm-style program: a straight-line allow-list of 8 or 64 devices,
 //!   default allow (the shape of Slurm's `src/plugins/cgroup/v2/ebpf.c`,
 //!   `add_device_ebpf_prog`: per device `if type != c goto next; if major !=
 //!   M goto next; if minor != m goto next; return verdict;`), the devices
 //!   looked up placed last (its worst case);
-//! - the gpufence fence with 1, 1,000 and 100,000 grants in the map;
+//! - the gpufence fence with 1, 1,000 and 100,000 grants in the map (8
+//!   devices per job cgroup, the job cgroups at level 3 like Slurm's
+//!   `system.slice/slurmstepd.scope/job_<id>`, one exempt cgroup at level 2
+//!   like `system.slice/slurmd.service`);
 //!
 //! for three devices (`/dev/null`, unprotected; a protected node the task is
 //! granted, ENXIO; one it is not, EPERM) and tasks at cgroup depth 3, 8, 16.
@@ -30,6 +35,9 @@ use gpufence_model::procdevices::ProtectedMajors;
 pub enum Config {
     /// Nothing.
     Floor,
+    /// A device program that allows everything at once (`return 1`): what
+    /// running any device program costs, the kernel's part.
+    Empty,
     /// Slurm-style allow-list of N devices.
     Slurm(usize),
     /// gpufence with N grants.
@@ -40,6 +48,7 @@ impl std::fmt::Display for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Config::Floor => write!(f, "no program (floor)"),
+            Config::Empty => write!(f, "empty program (return 1)"),
             Config::Slurm(n) => write!(f, "Slurm-style, {n} devices"),
             Config::Fence(n) => write!(f, "gpufence, {n} grants"),
         }
@@ -112,6 +121,8 @@ impl World {
         }
         cg.create(chain.last().unwrap())
             .expect("create cgroup chain");
+        cg.create(&format!("{root}/exempt"))
+            .expect("create exempt cgroup");
         let tmp = tempfile::tempdir().expect("tempdir");
         let mk = |name: &str, minor: u32| {
             let p = tmp.path().join(name);
@@ -149,9 +160,17 @@ impl World {
     fn setup(&self, c: Config) -> Option<OwnedFd> {
         match c {
             Config::Floor => None,
-            Config::Slurm(n) => {
-                let prog = sys::prog_load_cgroup_device(&slurm_program(n), "slurm_style")
-                    .expect("load slurm-style");
+            Config::Empty | Config::Slurm(_) => {
+                let insns = match c {
+                    Config::Slurm(n) => slurm_program(n),
+                    _ => {
+                        let mut a = Asm::new();
+                        a.mov64_imm(Reg::R0, 1).exit();
+                        a.assemble().expect("empty program").insns
+                    }
+                };
+                let prog =
+                    sys::prog_load_cgroup_device(&insns, "bench_compare").expect("load program");
                 let dir = std::fs::File::open(self.cg.path(&self.root)).unwrap();
                 sys::prog_attach_cgroup_device(prog.as_fd(), dir.as_fd(), sys::F_ALLOW_MULTI)
                     .expect("attach");
@@ -162,7 +181,7 @@ impl World {
                     cgroup_root: self.root.clone(),
                     bpffs_dir: self.bpffs.clone(),
                     protected: ProtectedMajors::from_table(&[("nvidia".to_string(), 195)].into()),
-                    exempt: vec![],
+                    exempt: vec![format!("{}/exempt", self.root)],
                     max_grants: (n as u32 + 16).max(1024),
                     max_denials: 4096,
                     audit: false,
@@ -178,9 +197,9 @@ impl World {
                         &[(DevNum::new(195, 0), Access::RW)],
                     )
                     .expect("grant");
-                // Filler grants of other (absent) cgroups.
+                // Filler grants of other (absent) job cgroups at level 3.
                 fence
-                    .fill_grants_for_bench(n.saturating_sub(1))
+                    .fill_grants_for_bench(n.saturating_sub(1), 3)
                     .expect("fill grants");
                 None
             }
@@ -190,7 +209,7 @@ impl World {
     fn teardown(&self, c: Config, keep: Option<OwnedFd>) {
         match c {
             Config::Floor => {}
-            Config::Slurm(_) => {
+            Config::Empty | Config::Slurm(_) => {
                 if let Some(prog) = keep {
                     let dir = std::fs::File::open(self.cg.path(&self.root)).unwrap();
                     sys::prog_detach_cgroup_device(prog.as_fd(), dir.as_fd()).expect("detach");

@@ -176,7 +176,7 @@ impl Scanner {
     /// [`Scanner::holder`] reading the process directory `base` (a
     /// `/proc/<pid>`, or a fixture tree of the same shape in tests).
     pub fn holder_at(&mut self, base: &Path, pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
-        self.walk(base, pid, &|d| devs.contains(&d), None, false)
+        self.walk(base, pid, &|d| devs.contains(&d), None)
     }
 
     /// Every process (other than this one) holding a device `want` selects
@@ -206,7 +206,7 @@ impl Scanner {
     pub fn process_fds(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
         let mut sockets = BTreeSet::new();
         let base = PathBuf::from(format!("/proc/{pid}"));
-        let holder = self.walk(&base, pid, want, Some(&mut sockets), true);
+        let holder = self.walk(&base, pid, want, Some(&mut sockets));
         ProcessFds { holder, sockets }
     }
 
@@ -216,7 +216,6 @@ impl Scanner {
         pid: i32,
         want: DevicePredicate<'_>,
         mut sockets: Option<&mut BTreeSet<u64>>,
-        skip_shared_tables: bool,
     ) -> Option<Holder> {
         let base = base.to_path_buf();
         let mut fds = Vec::new();
@@ -242,8 +241,7 @@ impl Scanner {
                 if tid == pid {
                     continue;
                 }
-                if skip_shared_tables && walked.iter().any(|w| same_fd_table(*w, tid) == Some(true))
-                {
+                if walked.iter().any(|w| same_fd_table(*w, tid) == Some(true)) {
                     continue;
                 }
                 fd_table(
@@ -259,14 +257,8 @@ impl Scanner {
             }
         }
         self.mappings(&base, want, &mut fds);
-        // Only anonymous inodes can be rings: the sweep's walk readlinks
-        // just those; the epilog's keeps reading every entry.
-        io_uring_files(
-            &base,
-            want,
-            &mut fds,
-            skip_shared_tables.then_some(&anon[..]),
-        );
+        // Only anonymous inodes can be rings: just those are readlinked.
+        io_uring_files(&base, want, &mut fds, &anon);
         // The same hold seen through the main table and a thread sharing it.
         let mut seen = BTreeSet::new();
         fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
@@ -366,26 +358,10 @@ fn io_uring_files(
     base: &Path,
     want: DevicePredicate<'_>,
     out: &mut Vec<HeldFd>,
-    only: Option<&[i32]>,
+    candidates: &[i32],
 ) {
-    let entries: Vec<(i32, PathBuf)> = match only {
-        Some(fds) => fds
-            .iter()
-            .map(|fd| (*fd, base.join("fd").join(fd.to_string())))
-            .collect(),
-        None => {
-            let Ok(rd) = std::fs::read_dir(base.join("fd")) else {
-                return;
-            };
-            rd.flatten()
-                .filter_map(|e| {
-                    let fd = e.file_name().to_str()?.parse::<i32>().ok()?;
-                    Some((fd, e.path()))
-                })
-                .collect()
-        }
-    };
-    for (fd, link) in entries {
+    for &fd in candidates {
+        let link = base.join("fd").join(fd.to_string());
         let Ok(target) = std::fs::read_link(&link) else {
             continue;
         };
