@@ -220,24 +220,87 @@ pub enum ConfigError {
         /// Why.
         source: std::io::Error,
     },
-    /// TOML syntax error (the message carries line and column).
-    #[error("config {path}: {msg}")]
+    /// TOML syntax error, at a line and column of the file.
+    #[error("config {}:{line}:{col}: {msg}", path.display())]
     Syntax {
         /// The file.
         path: PathBuf,
-        /// toml's message.
+        /// 1-based line.
+        line: usize,
+        /// 1-based column (in characters).
+        col: usize,
+        /// toml's message, on one line.
         msg: String,
     },
     /// A key that does not exist or has the wrong type or value.
-    #[error("config {path}: key `{key}`: {msg}")]
+    #[error("config {}: key `{key}`: {msg}", at_line(path, *line))]
     Key {
         /// The file.
         path: PathBuf,
+        /// The 1-based line that sets the key, when the file sets it (a
+        /// default that fails validation has none).
+        line: Option<usize>,
         /// Dotted key path (`majors.nvidia`); `.` for the top level.
         key: String,
         /// What is wrong.
         msg: String,
     },
+}
+
+fn at_line(path: &Path, line: Option<usize>) -> String {
+    match line {
+        Some(l) => format!("{}:{l}", path.display()),
+        None => path.display().to_string(),
+    }
+}
+
+/// Joins the lines of a message into one (toml's messages span several).
+fn one_line(msg: &str) -> String {
+    msg.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The 1-based line of `text` that sets `key` (`a`, `a.b`, `a[3]`): the
+/// `a = ...` line at the top level, or the `b = ...` line in table `[a]`,
+/// or the `[a]` header itself.
+fn key_line(text: &str, key: &str) -> Option<usize> {
+    let mut parts = key.split('.');
+    let first = parts.next()?;
+    let first = first.split('[').next().unwrap_or(first).trim();
+    let sub = parts
+        .next()
+        .map(|s| s.split('[').next().unwrap_or(s).trim());
+    if first.is_empty() {
+        return None;
+    }
+    let sets = |line: &str, k: &str| {
+        let l = line.trim_start();
+        let l = l
+            .strip_prefix(k)
+            .or_else(|| l.strip_prefix(&format!("\"{k}\"")));
+        l.is_some_and(|rest| rest.trim_start().starts_with('='))
+    };
+    let mut table: Option<&str> = None;
+    let mut header_line = None;
+    for (i, raw) in text.lines().enumerate() {
+        let l = raw.trim();
+        if let Some(h) = l.strip_prefix('[').and_then(|h| h.split(']').next()) {
+            table = Some(h.trim_start_matches('[').trim());
+            if table == Some(first) {
+                header_line = Some(i + 1);
+            }
+            continue;
+        }
+        match (table, sub) {
+            (None, _) if sets(l, first) => return Some(i + 1),
+            (Some(t), Some(s)) if t == first && sets(l, s) => return Some(i + 1),
+            _ => {}
+        }
+    }
+    header_line
 }
 
 /// Which file a config came from, for messages.
@@ -303,25 +366,42 @@ impl Config {
     /// # Errors
     /// [`ConfigError`] naming `path` and, for bad keys, the key.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
-            path: path.to_path_buf(),
-            msg: e.to_string().trim_end().to_string(),
+        let table: toml::Table = toml::from_str(text).map_err(|e| {
+            let at = e.span().map_or(0, |s| s.start).min(text.len());
+            let before = text.get(..at).unwrap_or(text);
+            ConfigError::Syntax {
+                path: path.to_path_buf(),
+                line: before.matches('\n').count() + 1,
+                col: before.rsplit('\n').next().unwrap_or("").chars().count() + 1,
+                msg: one_line(e.message()),
+            }
         })?;
         let mut cfg: Config =
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let key = e.path().to_string();
                 ConfigError::Key {
                     path: path.to_path_buf(),
-                    key: e.path().to_string(),
-                    msg: e.into_inner().to_string(),
+                    line: key_line(text, &key),
+                    key,
+                    msg: one_line(&e.into_inner().to_string()),
                 }
             })?;
-        cfg.validate(path)?;
+        cfg.validate(path).map_err(|e| match e {
+            ConfigError::Key { path, key, msg, .. } => ConfigError::Key {
+                line: key_line(text, &key),
+                path,
+                key,
+                msg,
+            },
+            other => other,
+        })?;
         Ok(cfg)
     }
 
     fn validate(&mut self, path: &Path) -> Result<(), ConfigError> {
         let key_err = |key: &str, msg: String| ConfigError::Key {
             path: path.to_path_buf(),
+            line: None,
             key: key.to_string(),
             msg,
         };
@@ -516,7 +596,7 @@ mod tests {
     fn unknown_key_names_key_and_file() {
         let e = parse("cgroup_rot = \"/\"").unwrap_err().to_string();
         assert!(
-            e.starts_with("config /etc/slurm/gpufence.toml: key `cgroup_rot`: unknown field"),
+            e.starts_with("config /etc/slurm/gpufence.toml:1: key `cgroup_rot`: unknown field"),
             "{e}"
         );
         assert!(e.contains("cgroup_rot"), "{e}");
@@ -562,7 +642,107 @@ mod tests {
     #[test]
     fn syntax_errors_name_the_file() {
         let e = parse("cgroup_root = ").unwrap_err().to_string();
-        assert!(e.starts_with("config /etc/slurm/gpufence.toml: "), "{e}");
+        assert!(e.starts_with("config /etc/slurm/gpufence.toml:1:"), "{e}");
+        let e = parse("mode = \"audit\"\n\ncgroup_root = [\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("config /etc/slurm/gpufence.toml:3:"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+    }
+
+    #[test]
+    fn key_errors_name_the_line() {
+        for (text, want) in [
+            (
+                "mode = \"audit\"\ncgroup_rot = \"/\"",
+                ":2: key `cgroup_rot`",
+            ),
+            (
+                "state_dir = \"/x\"\n[majors]\nnvidia = \"195\"",
+                ":3: key `majors.nvidia`",
+            ),
+            (
+                "state_dir = \"/x\"\n\n[majors]\nnvidia = 0",
+                ":4: key `majors.nvidia`",
+            ),
+            ("\n\n[majors]\n", ":3: key `majors`"),
+            (
+                "# c\nexempt_cgroups = [\"a\", \"/\"]",
+                ":2: key `exempt_cgroups[1]`",
+            ),
+            ("\n\nmax_grants = 0", ":3: key `max_grants`"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("config /etc/slurm/gpufence.toml{want}")),
+                "{text:?}: {e}"
+            );
+            assert!(!e.contains('\n'), "one line: {e}");
+        }
+        // A key the file does not set has no line to name.
+        let e = parse("cgroup_root = \"a\"\nexec_cgroup = \"/\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(":2: key `exec_cgroup`"), "{e}");
+    }
+
+    fn check_error(
+        e: &ConfigError,
+        lines: usize,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let s = e.to_string();
+        proptest::prop_assert!(s.starts_with("config /f"), "{}", s);
+        proptest::prop_assert!(!s.contains('\n'), "one line: {}", s);
+        match e {
+            ConfigError::Syntax { line, col, .. } => {
+                proptest::prop_assert!(*line >= 1 && *line <= lines + 1, "{}", s);
+                proptest::prop_assert!(*col >= 1, "{}", s);
+            }
+            ConfigError::Key { line: Some(l), .. } => {
+                proptest::prop_assert!(*l >= 1 && *l <= lines, "{}", s)
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_text_gives_a_config_or_one_line_naming_the_file(s in "\\PC{0,200}") {
+            if let Err(e) = Config::parse(&s, Path::new("/f")) {
+                check_error(&e, s.lines().count())?;
+            }
+        }
+
+        #[test]
+        fn near_misses_name_the_line(
+            lines in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec![
+                        "mode", "cgroup_root", "layout", "bpffs_dir", "state_dir", "audit_log",
+                        "exempt_cgroups", "max_grants", "max_denials", "kill_wait_ms", "nvml",
+                        "exec_cgroup", "sweep_fail_severity", "nvidia", "nvidia-uvm", "[majors]",
+                        "[other]", "unknown_key", "", "#",
+                    ]),
+                    proptest::sample::select(vec![
+                        " = ", "=", " ", " == ",
+                    ]),
+                    proptest::sample::select(vec![
+                        "\"audit\"", "\"enforce\"", "\"own\"", "\"/a/b\"", "\"a/../b\"",
+                        "\"rel\"", "0", "1", "-1", "4096", "195", "true", "[\"/\"]",
+                        "[\"x\", \"y\"]", "[", "\"", "{}", "\"\\u0000\"", "99999999999999999999",
+                    ]),
+                ),
+                0..10,
+            )
+        ) {
+            let text: String = lines.iter().map(|(k, sep, v)| {
+                if k.starts_with('[') || k.is_empty() || *k == "#" { format!("{k}\n") } else { format!("{k}{sep}{v}\n") }
+            }).collect();
+            if let Err(e) = Config::parse(&text, Path::new("/f")) {
+                check_error(&e, lines.len())?;
+            }
+        }
     }
 
     #[test]

@@ -372,9 +372,47 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn parsers_never_panic(s in "\\PC*") {
-            let _ = parse_slurmd_g(&s, Path::new("fuzz"));
-            let _ = parse_index_list(&s, "V");
+            if let Err(e) = parse_slurmd_g(&s, Path::new("fuzz")) {
+                proptest::prop_assert_eq!(e.source_name.as_path(), Path::new("fuzz"));
+                proptest::prop_assert!(e.line >= 1 && e.line <= s.lines().count(), "{}", e);
+            }
+            if let Err(e) = parse_index_list(&s, "V") {
+                proptest::prop_assert!(e.to_string().starts_with("V:0: "), "{}", e);
+            }
             let _ = expand_file_list(&s);
+        }
+
+        /// Records of `slurmd -G` with faults: parsed, or an error naming
+        /// the file and the line of the faulty gpu record.
+        #[test]
+        fn faulty_records_name_their_line(
+            recs in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec!["gpu", "mps", "shard"]),
+                    proptest::sample::select(vec!["1", "2", "0", "x", "-1", "99999999999999999999"]),
+                    proptest::sample::select(vec![
+                        "/dev/nvidia0", "/dev/nvidia[0-1]", "/dev/nvidia[1-0]", "(null)",
+                        "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia[0-",
+                        "/dev/nvidia[0-99999]", "",
+                    ]),
+                ),
+                0..8,
+            )
+        ) {
+            let text: String = recs
+                .iter()
+                .map(|(n, c, f)| format!("slurmd: Gres Name={n} Type=(null) Count={c} Index=0 ID=1 File={f} (null)\n"))
+                .collect();
+            match parse_slurmd_g(&text, Path::new("/run/gpufence/slurmd-G.txt")) {
+                Ok(devs) => proptest::prop_assert!(devs.iter().enumerate().all(|(i, d)| d.index as usize == i)),
+                Err(e) => {
+                    proptest::prop_assert!(e.to_string().starts_with("/run/gpufence/slurmd-G.txt:"), "{}", e);
+                    // A gpu record, or any record whose Count= is not a
+                    // number (refused too: slurmd never prints one).
+                    let (name, count, _) = recs[e.line - 1];
+                    proptest::prop_assert!(name == "gpu" || count.parse::<u64>().is_err(), "{}", e);
+                }
+            }
         }
 
         #[test]

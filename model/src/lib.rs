@@ -19,6 +19,7 @@ pub mod nvproc;
 pub mod options;
 pub mod policy;
 pub mod procdevices;
+pub mod procnet;
 pub mod record;
 pub mod visible;
 

@@ -149,6 +149,42 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Any option values (huge, binary, `..`, other jobs' paths): parsed
+        /// strictly or refused with one line, never a panic; an accepted
+        /// report path is one printable line of at most MAX_PATH bytes.
+        #[test]
+        fn any_option_value_is_checked(
+            excl in proptest::option::of("\\PC{0,40}"),
+            report in proptest::option::of(proptest::prop_oneof![
+                "\\PC{0,64}",
+                "(\\.\\./){1,8}etc/[a-z]{1,8}",
+                proptest::strategy::Strategy::prop_map(
+                    proptest::collection::vec(proptest::prelude::any::<char>(), 0..2000),
+                    |v| v.into_iter().collect::<String>(),
+                ),
+            ]),
+        ) {
+            let mut vars = Vec::new();
+            if let Some(v) = &excl {
+                vars.push(("SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive", v.as_str()));
+            }
+            if let Some(v) = &report {
+                vars.push(("SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report", v.as_str()));
+            }
+            match JobOptions::from_env(&env(&vars)) {
+                Ok(o) => {
+                    if let Some(Some(p)) = &o.report {
+                        let s = p.to_str().unwrap();
+                        proptest::prop_assert!(s.len() <= MAX_PATH && !s.chars().any(char::is_control));
+                    }
+                    proptest::prop_assert_eq!(o.gpu_exclusive, excl.is_some());
+                }
+                Err(m) => proptest::prop_assert!(!m.contains('\n') && m.starts_with("--"), "{}", m),
+            }
+        }
+    }
+
     #[test]
     fn hostile_values_are_refused() {
         for (k, v) in [

@@ -279,7 +279,38 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn parser_never_panics(s in "\\PC*") {
-            let _ = parse_proc_devices(&s, Path::new("fuzz"));
+            if let Err(e) = parse_proc_devices(&s, Path::new("fuzz")) {
+                proptest::prop_assert_eq!(e.source_name.as_path(), Path::new("fuzz"));
+                proptest::prop_assert!(e.line >= 1 && e.line <= s.lines().count(), "{}", e);
+            }
+        }
+
+        /// Lines shaped like the real file, some of them wrong: parsed, or
+        /// an error naming the file and the offending line.
+        #[test]
+        fn near_misses_name_the_line(
+            lines in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::strategy::Just("Character devices:".to_string()),
+                    proptest::strategy::Just("Block devices:".to_string()),
+                    proptest::strategy::Strategy::prop_map(
+                        (0u32..5000, "[a-z][a-z0-9_-]{0,12}"),
+                        |(m, n)| format!("{m:>3} {n}"),
+                    ),
+                    "[ -~]{0,16}",
+                ],
+                0..12,
+            )
+        ) {
+            let text = lines.join("\n");
+            match parse_proc_devices(&text, Path::new("/proc/devices")) {
+                Ok(p) => proptest::prop_assert!(p.char_devices.iter().all(|(m, _)| *m <= MAX_MAJOR)),
+                Err(e) => {
+                    proptest::prop_assert!(e.to_string().starts_with("/proc/devices:"), "{}", e);
+                    let bad = lines[e.line - 1].trim();
+                    proptest::prop_assert!(!bad.is_empty() && !bad.ends_with("devices:"), "{}", e);
+                }
+            }
         }
     }
 }

@@ -209,6 +209,15 @@ impl StateDir {
                 msg: format!("holds job {} instead of {job_id}", rec.job_id),
             });
         }
+        if rec.version != RECORD_VERSION {
+            return Err(StateError::Corrupt {
+                path: p,
+                msg: format!(
+                    "record format version {} (this gpufence reads {RECORD_VERSION})",
+                    rec.version
+                ),
+            });
+        }
         Ok(Some(rec))
     }
 
@@ -361,6 +370,76 @@ mod tests {
         assert!(matches!(s.read_record(9), Err(StateError::Corrupt { .. })));
         std::fs::write(s.record_path(10), b"{\"version\":1,").unwrap();
         assert!(matches!(s.read_record(10), Err(StateError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn other_record_versions_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let s = StateDir::new(d.path());
+        let mut r = rec(12);
+        r.version = 2;
+        s.write_record(&r).unwrap();
+        let e = s.read_record(12).unwrap_err().to_string();
+        assert!(e.contains("12.json") && e.contains("version 2"), "{e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// Any bytes in a record file: a record, or an error naming the
+        /// file (and, for malformed JSON, the line); never a panic.
+        #[test]
+        fn any_record_file_is_read_or_named(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            let d = tempfile::tempdir().unwrap();
+            let s = StateDir::new(d.path());
+            std::fs::create_dir_all(d.path().join("jobs")).unwrap();
+            std::fs::write(s.record_path(3), &bytes).unwrap();
+            if let Err(e) = s.read_record(3) {
+                let m = e.to_string();
+                proptest::prop_assert!(m.contains("jobs/3.json"), "{}", m);
+                proptest::prop_assert!(!m.contains('\n'), "{}", m);
+            }
+        }
+
+        /// A real record cut or with one byte changed: whole, or an error
+        /// naming the file and the line of the fault.
+        #[test]
+        fn damaged_records_name_file_and_line(cut in 0usize..2000, at in 0usize..2000, b in proptest::prelude::any::<u8>()) {
+            let d = tempfile::tempdir().unwrap();
+            let s = StateDir::new(d.path());
+            s.write_record(&rec(4)).unwrap();
+            let mut bytes = std::fs::read(s.record_path(4)).unwrap();
+            let n = bytes.len();
+            bytes[at % n] = b;
+            bytes.truncate(cut % (n + 1));
+            std::fs::write(s.record_path(4), &bytes).unwrap();
+            match s.read_record(4) {
+                Ok(_) => {}
+                Err(StateError::Corrupt { path, msg }) => {
+                    proptest::prop_assert_eq!(path, s.record_path(4));
+                    proptest::prop_assert!(
+                        msg.contains(" line ") || msg.contains("holds job") || msg.contains("version"),
+                        "{}", msg
+                    );
+                }
+                Err(e) => proptest::prop_assert!(false, "{}", e),
+            }
+        }
+
+        /// Applied-grant notes with any content: the good ones listed, the
+        /// bad ones as errors naming their file; never a panic.
+        #[test]
+        fn any_applied_note_is_listed_or_named(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            let d = tempfile::tempdir().unwrap();
+            let s = StateDir::new(d.path());
+            std::fs::create_dir_all(d.path().join("applied")).unwrap();
+            std::fs::write(d.path().join("applied/5-9.json"), &bytes).unwrap();
+            let (good, bad) = s.applied(None);
+            proptest::prop_assert_eq!(good.len() + bad.len(), 1);
+            for e in bad {
+                proptest::prop_assert!(e.to_string().contains("5-9.json"), "{}", e);
+            }
+        }
     }
 
     #[test]

@@ -68,6 +68,7 @@ use gpufence_cgroup::fence::{DenialEntry, Fence, GrantEntry};
 use gpufence_model::audit::AuditEvent;
 use gpufence_model::device::DevNum;
 use gpufence_model::fsutil::{create_dir_all_mode, write_atomic};
+use gpufence_model::procnet::{TCP_ESTABLISHED, TCP_LISTEN, TCP_SYN_SENT};
 use gpufence_model::record::now_rfc3339;
 
 use crate::denials;
@@ -1497,17 +1498,28 @@ impl Sweep<'_> {
         let ports: BTreeSet<u16> = node.cfg.mining_ports.iter().copied().collect();
         let max = node.cfg.protected_uid_max;
         for (ns, rep) in &walk.netns {
-            let Ok(p) = procfs::process::Process::new(*rep) else {
-                continue;
-            };
-            for (proto, table) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
-                let Ok(table) = table else { continue };
+            for proto in ["tcp", "tcp6"] {
+                // Gone since the walk, or no IPv6: nothing to read.
+                let path = PathBuf::from(format!("/proc/{rep}/net/{proto}"));
+                let Ok(text) = std::fs::read_to_string(&path) else {
+                    continue;
+                };
+                // A table that does not parse is reported, never skipped.
+                let table = match gpufence_model::procnet::parse_tcp(&text, &path) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        self.findings
+                            .push(check_failed("TCP sockets", e.to_string()));
+                        continue;
+                    }
+                };
                 for e in table {
                     let Some(owners) = walk.sockets.get(&e.inode) else {
                         continue;
                     };
-                    let listen = e.state == procfs::net::TcpState::Listen;
-                    if listen && e.local_address.ip().is_unspecified() {
+                    let (local_address, remote_address) = (e.local, e.remote);
+                    let listen = e.state == TCP_LISTEN;
+                    if listen && local_address.ip().is_unspecified() {
                         let m = self.procs.meta(owners[0]);
                         if e.uid <= max && m.uid.is_none_or(|u| u <= max) {
                             continue;
@@ -1517,14 +1529,14 @@ impl Sweep<'_> {
                             off.extend(auth_disabled(&self.procs.meta(*pid).cmdline));
                         }
                         let ev = json!({
-                            "proto": proto, "local": e.local_address.to_string(),
+                            "proto": proto, "local": local_address.to_string(),
                             "socket_uid": e.uid, "inode": e.inode, "netns": ns,
                             "pids": owners, "cmdline": m.cmdline, "auth_disabled": off,
                         });
                         let f = if off.is_empty() {
                             Finding::new(
                                 Kind::WildcardListener,
-                                format!("listens on {} ({proto}, every address)", e.local_address),
+                                format!("listens on {} ({proto}, every address)", local_address),
                                 ev,
                             )
                         } else {
@@ -1532,17 +1544,15 @@ impl Sweep<'_> {
                                 Kind::UnauthenticatedNotebook,
                                 format!(
                                     "listens on {} ({proto}, every address) with authentication disabled: {}",
-                                    e.local_address,
+                                    local_address,
                                     off.join(" ")
                                 ),
                                 ev,
                             )
                         };
                         self.findings.push(f.who(&m));
-                    } else if matches!(
-                        e.state,
-                        procfs::net::TcpState::Established | procfs::net::TcpState::SynSent
-                    ) && ports.contains(&e.remote_address.port())
+                    } else if matches!(e.state, TCP_ESTABLISHED | TCP_SYN_SENT)
+                        && ports.contains(&remote_address.port())
                     {
                         let m = self.procs.meta(owners[0]);
                         self.findings.push(
@@ -1550,12 +1560,13 @@ impl Sweep<'_> {
                                 Kind::MiningConnection,
                                 format!(
                                     "TCP connection to {} (a mining-pool port) from {}",
-                                    e.remote_address, e.local_address
+                                    remote_address, local_address
                                 ),
                                 json!({
-                                    "proto": proto, "local": e.local_address.to_string(),
-                                    "remote": e.remote_address.to_string(),
-                                    "state": format!("{:?}", e.state), "inode": e.inode,
+                                    "proto": proto, "local": local_address.to_string(),
+                                    "remote": remote_address.to_string(),
+                                    "state": if e.state == TCP_SYN_SENT { "SynSent" } else { "Established" },
+                                    "inode": e.inode,
                                     "netns": ns, "pids": owners, "cmdline": m.cmdline,
                                 }),
                             )
