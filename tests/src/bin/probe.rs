@@ -18,6 +18,10 @@
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
+//! gpufence-probe objget PATH...          BPF_OBJ_GET each pinned object: "PATH ok|EACCES|EPERM|errno N";
+//!                                        for a map it got, also try to write an all-zero entry:
+//!                                        "PATH update ok|EPERM|..." (a job must get neither)
+//! gpufence-probe write PATH...           open PATH for appending (creating it): "PATH ok|EACCES|..."
 //! gpufence-probe apply CONFIG JOB UID PID apply job JOB's record for a slurmstepd stand-in PID,
 //!                                        as the SPANK plugin does (for contrib/gpu-check.sh)
 //! gpufence-probe listen ADDR PORT [ARG...]  bind ADDR:PORT (TCP), listen, print "listening",
@@ -233,6 +237,36 @@ fn main() -> ExitCode {
             };
             for p in paths {
                 say(&format!("{p} {}", word(open(p, ro).map(|_| ()))));
+            }
+        }
+        ["objget", paths @ ..] => {
+            use gpufence_cgroup::sys;
+            use std::os::fd::AsFd;
+            for p in paths {
+                match sys::obj_get(std::path::Path::new(p)) {
+                    Err(e) => say(&format!("{p} {}", word(Err(e.raw_os_error().unwrap_or(0))))),
+                    Ok(fd) => {
+                        say(&format!("{p} ok"));
+                        if let Ok(info) = sys::map_info(fd.as_fd()) {
+                            let k = vec![0u8; info.key_size as usize];
+                            let v = vec![0u8; info.value_size as usize];
+                            let r = sys::map_update(fd.as_fd(), &k, &v)
+                                .map_err(|e| e.raw_os_error().unwrap_or(0));
+                            say(&format!("{p} update {}", word(r)));
+                        }
+                    }
+                }
+            }
+        }
+        ["write", paths @ ..] => {
+            for p in paths {
+                let r = std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(p)
+                    .map(|_| ())
+                    .map_err(|e| e.raw_os_error().unwrap_or(0));
+                say(&format!("{p} {}", word(r)));
             }
         }
         ["mknod", path, major, minor] => {
