@@ -608,3 +608,103 @@ fn delegated_cgroups_stay_inside_the_grant() {
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].cgroup_id, env.cg.id(&job).unwrap());
 }
+
+/// A job hands its GPU descriptor to a process of *another* job (which
+/// has a grant, for another device): the kernel cannot stop it (the check
+/// runs at open), the receiver cannot open the device itself, and the
+/// first job's epilog finds the holder in the other job's cgroup by
+/// `st_rdev` and kills it — a grant covers only its own devices — while
+/// the other job's own processes go on.
+#[test]
+fn a_descriptor_handed_to_another_job_is_caught_at_job_end() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("handjob");
+    let held = gpufence_tests::HoldableDevice::claim();
+    let (ma, mi) = (held.major, held.minor);
+    let cfg = env.config(&format!(
+        "[majors]\nnvidia = 195\nfake-gpu = {ma}\nnvidia-uvm = 241\n"
+    ));
+    let node = gpufence_node::Node::new(
+        gpufence_model::config::Config::load(&cfg).unwrap(),
+        gpufence_model::config::ConfigOrigin::File(cfg.clone()),
+    )
+    .unwrap();
+    fence_ops::install(&node).expect("install");
+    let x = env.mknod("nvidia-x", ma, mi);
+    let job_a = env.cgroup("job_21");
+    let job_b = env.cgroup("job_22");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    for (j, cg, dev) in [
+        (21, &job_a, DevNum::new(ma, mi)),
+        (22, &job_b, DevNum::new(195, 0)),
+    ] {
+        fence
+            .grant(env.cg.id(cg).unwrap(), cg, j, &[(dev, Access::RW)])
+            .unwrap();
+    }
+    node.state
+        .write_record(&gpufence_model::record::JobRecord {
+            version: gpufence_model::record::RECORD_VERSION,
+            job_id: 21,
+            uid: test_uid(),
+            gres_indices: vec![0],
+            devices: vec![gpufence_model::device::DeviceGrant {
+                path: x.clone(),
+                dev: DevNum::new(ma, mi),
+                access: Access::RW,
+                role: gpufence_model::device::DeviceRole::Gres,
+                gres_index: Some(0),
+            }],
+            created: gpufence_model::record::now_rfc3339(),
+            notes: vec![],
+            gpu_idle: vec![],
+            mig: vec![],
+            cuda_visible_devices: vec![],
+            saved_compute_modes: vec![],
+        })
+        .unwrap();
+    let sock_dir = env.path("sockets");
+    std::fs::create_dir_all(&sock_dir).unwrap();
+    std::fs::set_permissions(
+        &sock_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .unwrap();
+    let sock = sock_dir.join("hand.sock").display().to_string();
+    let receiver = env.spawn_user_probe(&job_b, &["recvfd", &sock], "listening");
+    let bystander = env.spawn_user_sleeper(&job_b);
+    assert_eq!(
+        env.open_from(&job_b, &x),
+        "EPERM",
+        "job 22 cannot open job 21's device itself"
+    );
+    let lines = env.probe_in(&job_a, &["sendfd", &sock, x.to_str().unwrap()]);
+    assert_eq!(lines, vec!["sent"], "the kernel lets the descriptor pass");
+    let want: std::collections::BTreeSet<DevNum> = [DevNum::new(ma, mi)].into();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(5), || gpufence_node::scan::holder(
+            receiver, &want
+        )
+        .is_some()),
+        "the receiver holds it"
+    );
+    let out = gpufence_node::epilog::run(&node, 21, None);
+    assert!(out.clean(), "{:?} {:?}", out.errors, out.survivors);
+    assert_eq!(
+        out.lingering
+            .iter()
+            .map(|l| (l.pid, l.gone()))
+            .collect::<Vec<_>>(),
+        vec![(receiver, true)],
+        "the holder in job 22 is caught and killed"
+    );
+    assert!(gpufence_tests::gone(receiver));
+    assert!(
+        !gpufence_tests::gone(bystander),
+        "job 22's own process goes on"
+    );
+    let left = Fence::open(&env.bpffs).unwrap().entries().unwrap();
+    assert_eq!(left.iter().map(|g| g.job_id).collect::<Vec<_>>(), vec![22]);
+}
