@@ -27,10 +27,11 @@ if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
     rpm=$(ls target/packages/x86_64/gpufence-*.rpm)
     rlist=$(rpm -qlp "$rpm" 2>/dev/null)
     for f in /usr/sbin/gpufence /usr/sbin/gpufence-prolog /usr/sbin/gpufence-epilog /usr/lib64/slurm/gpufence.so \
-        /usr/lib/systemd/system/gpufence.service /etc/slurm/gpufence.toml /usr/share/man/man1/gpufence.1; do
+        /usr/lib/systemd/system/gpufence.service /usr/lib/systemd/system/gpufence-sweep.timer /etc/slurm/gpufence.toml /usr/share/man/man1/gpufence.1; do
         grep -qxF "$f" <<<"$rlist" || { echo "missing in $rpm: $f" >&2; fail=1; }
     done
     rpm -qcp "$rpm" 2>/dev/null | grep -qx /etc/slurm/gpufence.toml || { echo "config is not %config in $rpm" >&2; fail=1; }
 fi
 ((fail == 0)) && echo "packages: ok ($(basename "$deb")${rpm:+, $(basename "$rpm")})"
 exit $fail
+

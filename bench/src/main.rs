@@ -4,12 +4,14 @@
 //! time; `--smoke` runs each briefly so CI keeps them working.
 //!
 //! ```text
-//! gpufence-bench open [--rounds N] [--iters N] [--smoke]
-//! gpufence-bench scan [--procs N,...] [--smoke]
-//! gpufence-bench job [--runs N] [--smoke]
-//! gpufence-bench memory
+//! gpufence-bench open [--rounds N] [--iters N] [--smoke]   open() in the kernel's device check
+//! gpufence-bench scan [--procs N,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
+//! gpufence-bench job [--runs N] [--smoke]                 srun/sbatch/Prolog/Epilog, slurmstepd RSS, map memory
 //! ```
+//!
+//! See BENCHMARKS.md for the commands and the last results.
 
+mod job;
 mod open;
 mod scan;
 
@@ -53,6 +55,24 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// Job path on two real one-node Slurm clusters, with and without gpufence; memory.
+    Job {
+        /// Alternating runs per measurement (median).
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// One run each (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
+    /// Run a command and append its wall time in ns to FILE (the job benchmark's Prolog/Epilog wrapper).
+    #[command(hide = true)]
+    TimeExec {
+        /// Where to append.
+        file: std::path::PathBuf,
+        /// The command, after `--`.
+        #[arg(last = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -62,7 +82,12 @@ fn main() -> ExitCode {
         eprintln!("gpufence-bench: run as root (it attaches BPF programs to its own cgroups)");
         return ExitCode::from(2);
     }
+    if let Cmd::TimeExec { file, cmd } = &cli.cmd {
+        return ExitCode::from(job::time_exec(file, cmd));
+    }
     match cli.cmd {
+        Cmd::TimeExec { .. } => {}
+        Cmd::Job { runs, smoke } => print_job(if smoke { 1 } else { runs }, cli.json),
         Cmd::Scan { procs, runs, smoke } => print_scan(procs, runs, smoke, cli.json),
         Cmd::Open {
             rounds,
@@ -153,5 +178,68 @@ fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::pat
             .map(|s| serde_json::json!({"procs": s.procs, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "holders": s.holders, "sweep_findings": s.sweep_findings}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
+}
+
+fn print_job(runs: usize, json: Option<std::path::PathBuf>) {
+    let r = job::run(runs);
+    let ms = |s: f64| s * 1e3;
+    println!("Job path, two one-node Slurm 22.05 clusters side by side, median of {} alternating runs:\n", r.runs);
+    println!("| measurement | with gpufence | without | added | ratio |");
+    println!("|---|---|---|---|---|");
+    for (what, (w, wo)) in [
+        ("`srun --gres=gpu:1 true`", r.srun_s),
+        (
+            "`sbatch --gres=gpu:1 --wrap true`, submit to gone (Epilog included)",
+            r.sbatch_s,
+        ),
+    ] {
+        println!(
+            "| {what} | {:.1} ms | {:.1} ms | {:+.1} ms | {:.3}x |",
+            ms(w),
+            ms(wo),
+            ms(w - wo),
+            w / wo
+        );
+    }
+    println!(
+        "| Prolog alone (`gpufence-prolog`) | {:.1} ms | | | |",
+        ms(r.prolog_s)
+    );
+    println!(
+        "| Epilog alone (`gpufence-epilog`) | {:.1} ms | | | |",
+        ms(r.epilog_s)
+    );
+    println!(
+        "| Prolog + Epilog | {:.1} ms | | | {:.1}% of `srun true` without |",
+        ms(r.prolog_s + r.epilog_s),
+        100.0 * (r.prolog_s + r.epilog_s) / r.srun_s.1
+    );
+    println!(
+        "| step slurmstepd VmRSS | {} KiB | {} KiB | {:+} KiB | |",
+        r.stepd_rss_kib.0,
+        r.stepd_rss_kib.1,
+        r.stepd_rss_kib.0 as i64 - r.stepd_rss_kib.1 as i64
+    );
+    println!("\nPinned maps at their configured bounds (fdinfo `memlock:`):\n");
+    println!("| map | max_entries | memlock |");
+    println!("|---|---|---|");
+    let mut total = 0;
+    for (name, max, mem) in &r.maps {
+        total += mem;
+        println!("| {name} | {max} | {:.1} KiB |", *mem as f64 / 1024.0);
+    }
+    println!("| all | | {:.1} MiB |", total as f64 / 1048576.0);
+    if let Some(p) = json {
+        let v = serde_json::json!({
+            "runs": r.runs,
+            "srun_s": [r.srun_s.0, r.srun_s.1],
+            "sbatch_s": [r.sbatch_s.0, r.sbatch_s.1],
+            "prolog_s": r.prolog_s,
+            "epilog_s": r.epilog_s,
+            "stepd_rss_kib": [r.stepd_rss_kib.0, r.stepd_rss_kib.1],
+            "maps": r.maps.iter().map(|(n, m, b)| serde_json::json!({"map": n, "max_entries": m, "memlock": b})).collect::<Vec<_>>(),
+        });
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&v).unwrap_or_default());
     }
 }
