@@ -110,6 +110,15 @@ impl Side {
                 install(&here(b), &bin.join(b));
             }
             install(&here("libgpufence.so"), &bin.join("gpufence.so"));
+            // state_dir is /run/gpufence on a node, a tmpfs: so it is here.
+            let state = env.path("state");
+            std::fs::create_dir_all(&state).unwrap();
+            let mounted = Command::new("mount")
+                .args(["-t", "tmpfs", "-o", "size=16m,mode=0700", "gpufence-bench"])
+                .arg(&state)
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(mounted, "mount a tmpfs on {}", state.display());
             let config = env.config("layout = \"own\"\nnvml = false\n[majors]\nnvidia = 195\n");
             for (script, b, times) in [
                 ("prolog.sh", "gpufence-prolog", &prolog_times),
@@ -293,6 +302,10 @@ impl Drop for Side {
             .arg("stop")
             .arg(&self.dir)
             .output();
+        let state = self.env.path("state");
+        if state.is_dir() {
+            let _ = Command::new("umount").arg(&state).status();
+        }
     }
 }
 
