@@ -7,6 +7,11 @@
 //! device no process on the machine holds, claimed like the tests do, on a
 //! major the bench's fence protects).
 //!
+//! Each run measures both ways of scanning, alternating: the default (BPF
+//! iterators, [`gpufence_node::scan::Source::Iterators`]) and the `/proc`
+//! walk it falls back to ([`gpufence_node::scan::set_proc_only`]), and
+//! checks that both found the same holders.
+//!
 //! The extra processes are forked from this one, die with it
 //! (`PR_SET_PDEATHSIG`) and are killed at the end. Everything else lives in
 //! a [`TestEnv`]: its own cgroup subtree, bpffs directory and temp dir.
@@ -29,14 +34,25 @@ pub struct ScanResult {
     pub procs: usize,
     /// Processes on the machine during the measurement.
     pub total_procs: usize,
-    /// Median wall time of the epilog's descriptor scan, seconds.
+    /// Median wall time of the epilog's descriptor scan, seconds (default
+    /// scanner: the iterators).
     pub epilog_scan_s: f64,
-    /// Median wall time of a full sweep, seconds.
+    /// Median wall time of a full sweep, seconds (default scanner).
     pub sweep_s: f64,
+    /// Median wall time of the epilog scan walking `/proc`, same runs.
+    pub epilog_scan_proc_s: f64,
+    /// Median wall time of a full sweep walking `/proc`, same runs.
+    pub sweep_proc_s: f64,
+    /// What the default scanner read (`iterators`, or `proc: <why>`).
+    pub source: String,
+    /// Whether every run's two epilog scans found the same holders.
+    pub same_holders: bool,
     /// Holders the epilog scan found (5 expected).
     pub holders: usize,
     /// Findings of the last sweep.
     pub sweep_findings: usize,
+    /// Findings of the last `/proc` sweep.
+    pub sweep_findings_proc: usize,
 }
 
 /// Forks `n` processes holding 20 descriptors each; the first `holding`
@@ -137,18 +153,47 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
     for &n in counts {
         let pids = spawn_crowd(n, 5.min(n), &env.path("."), &node_path);
         let total_procs = scan::pids().len();
-        let mut scans = Vec::new();
-        let mut sweeps = Vec::new();
+        let (mut scans, mut scans_proc) = (Vec::new(), Vec::new());
+        let (mut sweeps, mut sweeps_proc) = (Vec::new(), Vec::new());
         let mut holders = 0;
-        let mut findings = 0;
-        for _ in 0..runs {
-            let t = Instant::now();
-            holders = scan::holders(&devs).len();
-            scans.push(t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            let o = sweep::execute(&node, &SweepRequest::default());
-            sweeps.push(t.elapsed().as_secs_f64());
-            findings = o.report.findings.len();
+        let (mut findings, mut findings_proc) = (0, 0);
+        let mut source = String::new();
+        let mut same = true;
+        for run in 0..runs {
+            // Alternate which goes first, so neither always finds the
+            // other's dentries warm.
+            let mut found = [Vec::new(), Vec::new()];
+            for proc_walk in [run % 2 == 1, run % 2 == 0] {
+                scan::set_proc_only(proc_walk);
+                let mut s = scan::Scanner::new();
+                let t = Instant::now();
+                let h = s.holders(&devs);
+                let dt = t.elapsed().as_secs_f64();
+                if proc_walk {
+                    scans_proc.push(dt);
+                } else {
+                    scans.push(dt);
+                    holders = h.len();
+                    source = match s.source() {
+                        Some(scan::Source::Iterators) => "iterators".into(),
+                        Some(scan::Source::Proc(why)) => format!("proc: {why:?}"),
+                        None => "none".into(),
+                    };
+                }
+                found[usize::from(proc_walk)] = h;
+                let t = Instant::now();
+                let o = sweep::execute(&node, &SweepRequest::default());
+                let dt = t.elapsed().as_secs_f64();
+                if proc_walk {
+                    sweeps_proc.push(dt);
+                    findings_proc = o.report.findings.len();
+                } else {
+                    sweeps.push(dt);
+                    findings = o.report.findings.len();
+                }
+            }
+            scan::set_proc_only(false);
+            same &= found[0] == found[1];
         }
         kill_crowd(&pids);
         eprintln!("{n} extra processes done");
@@ -157,10 +202,42 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
             total_procs,
             epilog_scan_s: median(scans),
             sweep_s: median(sweeps),
+            epilog_scan_proc_s: median(scans_proc),
+            sweep_proc_s: median(sweeps_proc),
+            source,
+            same_holders: same,
             holders,
             sweep_findings: findings,
+            sweep_findings_proc: findings_proc,
         });
     }
     drop(env);
+    print_side_by_side(&out, runs);
     out
+}
+
+/// The two scanners side by side, as ratios (printed by [`run`], before
+/// the caller's summary table).
+pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
+    println!("Iterators (default) against the /proc walk, same runs, median of {runs}:\n");
+    println!("| extra processes | epilog scan: iterators | /proc walk | ratio | full sweep: iterators | /proc walk | ratio | same holders | source |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for s in r {
+        println!(
+            "| {} | {:.0} ms | {:.0} ms | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {} ({} holders; sweep findings {} / {}) | {} |",
+            s.procs,
+            s.epilog_scan_s * 1e3,
+            s.epilog_scan_proc_s * 1e3,
+            s.epilog_scan_s / s.epilog_scan_proc_s,
+            s.sweep_s * 1e3,
+            s.sweep_proc_s * 1e3,
+            s.sweep_s / s.sweep_proc_s,
+            if s.same_holders { "yes" } else { "NO" },
+            s.holders,
+            s.sweep_findings,
+            s.sweep_findings_proc,
+            s.source
+        );
+    }
+    println!();
 }

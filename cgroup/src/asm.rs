@@ -592,6 +592,23 @@ impl Asm {
     }
 }
 
+impl Asm {
+    /// `r0 = helper(r1, ..., r5)` by number, for helpers outside [`Helper`]
+    /// (which lists those the fence and the interpreter know): e.g.
+    /// `bpf_seq_write` (127) in an iterator program. `name` is for the
+    /// listing. Clobbers r1-r5.
+    pub fn call_id(&mut self, id: i32, name: &str) -> &mut Self {
+        self.push(
+            CLASS_JMP | JMP_CALL,
+            Reg::R0,
+            Reg::R0,
+            0,
+            id,
+            format!("call {name}"),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,9 @@
 //! - [`interp`]: an interpreter for the instructions [`program`] emits, so the
 //!   program can be checked against [`gpufence_model::policy`] without a kernel.
 //! - [`sys`]: the `bpf(2)` calls, as owned file descriptors.
+//! - [`btf`]: type ids and struct member offsets from the kernel's BTF.
+//! - [`iter`]: BPF iterators over every task's open files and mappings,
+//!   for the scans that look for device holders.
 //! - [`maps`]: the layouts of the pinned maps.
 //! - [`fence`]: install, open, status, remove; grant and revoke.
 //!
@@ -16,10 +19,12 @@
 //! attach lower down.
 
 pub mod asm;
+pub mod btf;
 pub mod error;
 pub mod fence;
 pub mod hierarchy;
 pub mod interp;
+pub mod iter;
 pub mod maps;
 pub mod program;
 pub mod sys;

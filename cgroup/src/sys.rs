@@ -609,3 +609,141 @@ pub fn prog_query_cgroup_device_flags(
     ids.truncate(a.prog_cnt as usize);
     Ok((a.attach_flags, ids))
 }
+
+// ---------------------------------------------------------------------------
+// BPF iterators (`kernel/bpf/bpf_iter.c`): a tracing program attached to an
+// iterator target, a link, and a file whose read() runs the program once per
+// object.
+
+const BPF_ITER_CREATE: i32 = 33;
+/// `BPF_PROG_TYPE_TRACING`.
+pub const PROG_TYPE_TRACING: u32 = 26;
+/// `BPF_TRACE_ITER` (`enum bpf_attach_type`).
+pub const ATTACH_TRACE_ITER: u32 = 28;
+
+/// `union bpf_attr` for `BPF_PROG_LOAD` up to `attach_btf_obj_fd`.
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoadBtfAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+    prog_btf_fd: u32,
+    func_info_rec_size: u32,
+    func_info: u64,
+    func_info_cnt: u32,
+    line_info_rec_size: u32,
+    line_info: u64,
+    line_info_cnt: u32,
+    attach_btf_id: u32,
+    attach_btf_obj_fd: u32,
+    _pad: u32,
+}
+
+/// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_TRACING` program with
+/// `expected_attach_type` `BPF_TRACE_ITER`, attached to the vmlinux BTF
+/// function `attach_btf_id` (a `bpf_iter_<target>` from
+/// `DEFINE_BPF_ITER_FUNC`). License "GPL": `bpf_seq_write` is GPL-only
+/// (`kernel/trace/bpf_trace.c`) and gpufence is GPL-2.0-or-later. On
+/// failure, loads again with the verifier log on.
+///
+/// # Errors
+/// [`LoadError`] (`EPERM` without CAP_BPF and CAP_PERFMON, `ESRCH`/`EINVAL`
+/// for an id that is not an iterator target, `EACCES` from the verifier).
+pub fn prog_load_iter(
+    insns: &[RawInsn],
+    name: &str,
+    attach_btf_id: u32,
+) -> Result<OwnedFd, LoadError> {
+    let license = c"GPL";
+    let attempt = |log: Option<&mut Vec<u8>>| {
+        let mut a = ProgLoadBtfAttr {
+            prog_type: PROG_TYPE_TRACING,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            prog_name: name16(name),
+            expected_attach_type: ATTACH_TRACE_ITER,
+            attach_btf_id,
+            ..Default::default()
+        };
+        if let Some(buf) = log {
+            a.log_level = 1;
+            a.log_size = buf.len() as u32;
+            a.log_buf = buf.as_mut_ptr() as u64;
+        }
+        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+    };
+    match attempt(None) {
+        Ok(fd) => Ok(fd),
+        Err(errno) => {
+            let mut buf = vec![0u8; 1 << 20];
+            let second = attempt(Some(&mut buf));
+            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
+            match second {
+                Ok(fd) => Ok(fd),
+                Err(_) => Err(LoadError { errno, log }),
+            }
+        }
+    }
+}
+
+#[repr(C)]
+struct LinkCreateIterAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    iter_info: u64,
+    iter_info_len: u32,
+    _pad: u32,
+}
+
+/// `BPF_LINK_CREATE` of an iterator program with no `bpf_iter_link_info`:
+/// for the task iterators, every task of the caller's pid namespace
+/// (`bpf_iter_attach_task`, `kernel/bpf/task_iter.c`). Nothing is attached
+/// anywhere: the link only names the program for [`iter_create`].
+///
+/// # Errors
+/// errno.
+pub fn link_create_iter(prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let mut a = LinkCreateIterAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: 0,
+        attach_type: ATTACH_TRACE_ITER,
+        flags: 0,
+        iter_info: 0,
+        iter_info_len: 0,
+        _pad: 0,
+    };
+    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+}
+
+#[repr(C)]
+struct IterCreateAttr {
+    link_fd: u32,
+    flags: u32,
+}
+
+/// `BPF_ITER_CREATE`: a new read-only file whose read() runs the link's
+/// program over the target's objects (`bpf_iter_new_fd`).
+///
+/// # Errors
+/// errno.
+pub fn iter_create(link: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let mut a = IterCreateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        flags: 0,
+    };
+    bpf(BPF_ITER_CREATE, &mut a).map(fd_result)
+}

@@ -19,11 +19,27 @@
 //! What no walk can see: a descriptor in flight in a unix socket's queue
 //! (sent, not yet received). It is found once a process receives it (the
 //! next prolog's clean start, the sweep); see SECURITY.md.
+//!
+//! Whole-machine scans ([`Scanner::holders`], [`Scanner::holders_where`],
+//! [`Scanner::process_fds`]) read every descriptor table and every mapping
+//! in two reads of BPF iterators ([`gpufence_cgroup::iter`]: `task_file`,
+//! `task_vma`), which report only character devices, anonymous inodes and
+//! sockets; `/proc` is then read only for the processes they name (the
+//! descriptor's path, `maps` for a device mapping, `fdinfo` of an
+//! anonymous inode that is an io_uring). The results are the holds the
+//! `/proc` walk finds: the same processes, descriptors and [`Via`] kinds.
+//! Where the iterators cannot run (no BTF, no BPF iterator support, a
+//! verifier refusal, no CAP_BPF, not in the initial pid namespace), or
+//! fail midway, the scan walks `/proc` instead: never "no holders" for an
+//! error. [`Scanner::source`] tells which it used.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
+use gpufence_cgroup::iter::{self, Iterators, Layout, Object};
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
@@ -74,10 +90,119 @@ impl Holder {
 }
 
 /// A scan: remembers which mapped files are character devices, so that a
-/// library mapped by every process is examined once.
-#[derive(Debug, Default)]
+/// library mapped by every process is examined once, and (for
+/// [`Scanner::process_fds`]) the iterators' snapshot of the machine.
+#[derive(Debug)]
 pub struct Scanner {
     mapped: HashMap<(String, u64), Option<DevNum>>,
+    /// Where the BTF for the iterators is read from.
+    btf: PathBuf,
+    /// Walk `/proc` without trying the iterators.
+    proc_only: bool,
+    /// The snapshot [`Scanner::process_fds`] answers from, taken at its
+    /// first call (`Err`: the iterators failed; walk `/proc`).
+    snapshot: Option<Result<Snapshot, String>>,
+    source: Option<Source>,
+}
+
+impl Default for Scanner {
+    fn default() -> Self {
+        Scanner {
+            mapped: HashMap::new(),
+            btf: PathBuf::from(VMLINUX_BTF),
+            proc_only: PROC_ONLY.load(Ordering::Relaxed),
+            snapshot: None,
+            source: None,
+        }
+    }
+}
+
+/// What a whole-machine scan read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The BPF iterators, then `/proc` for the processes they named.
+    Iterators,
+    /// The `/proc` walk: asked for ([`Scanner::proc_walk`],
+    /// [`set_proc_only`]), or the iterators failed (the reason).
+    Proc(Option<String>),
+}
+
+static PROC_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Makes every [`Scanner`] created after this call walk `/proc` (`true`) or
+/// try the iterators first (`false`, the default): for benchmarks comparing
+/// the two through code that makes its own scanner (`gpufence sweep`).
+pub fn set_proc_only(on: bool) {
+    PROC_ONLY.store(on, Ordering::Relaxed);
+}
+
+/// What the iterators said about one process (`task->tgid`).
+#[derive(Clone, Debug, Default)]
+struct ProcRecords {
+    /// Character devices in descriptor tables: (thread, fd, device); the
+    /// thread is the process itself for its own (the leader's) table.
+    chars: Vec<(i32, i32, DevNum)>,
+    /// Anonymous inodes in the leader's table (io_uring candidates: the
+    /// `/proc` walk looks for rings there only).
+    anon: Vec<i32>,
+    /// Socket inodes in any of its tables.
+    sockets: BTreeSet<u64>,
+    /// Character devices it maps.
+    maps: BTreeSet<DevNum>,
+}
+
+/// One read of the machine by the iterators.
+#[derive(Debug)]
+struct Snapshot {
+    /// The pids `/proc` listed just before the iterators ran: a pid not
+    /// among them started later and is walked in `/proc` instead.
+    listed: BTreeSet<i32>,
+    procs: HashMap<i32, ProcRecords>,
+}
+
+/// Runs both iterators. Any failure is the reason to walk `/proc`.
+fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot, String> {
+    if !iter::in_initial_pid_ns() {
+        return Err("not in the initial pid namespace (task ids are global ids)".into());
+    }
+    let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
+    let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
+    drop(btf);
+    let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
+    let listed: BTreeSet<i32> = if list {
+        pids().into_iter().collect()
+    } else {
+        BTreeSet::new()
+    };
+    // The two walks are independent: one each on two CPUs.
+    let (files, maps) = std::thread::scope(|s| {
+        let maps = s.spawn(|| it.maps());
+        let files = it.files();
+        (files, maps.join())
+    });
+    let files = files.map_err(|e| e.to_string())?;
+    let maps = maps
+        .map_err(|_| "the task_vma reader panicked".to_string())?
+        .map_err(|e| e.to_string())?;
+    let mut procs: HashMap<i32, ProcRecords> = HashMap::new();
+    for r in files.into_iter().chain(maps) {
+        let p = procs.entry(r.tgid).or_default();
+        match r.object {
+            Object::CharFd(ma, mi) => p.chars.push((r.tid, r.fd, DevNum::new(ma, mi))),
+            Object::Socket(ino) => {
+                p.sockets.insert(ino);
+            }
+            Object::AnonInode(_) => {
+                if r.tid == r.tgid {
+                    p.anon.push(r.fd);
+                }
+            }
+            Object::CharMap(ma, mi) => {
+                p.maps.insert(DevNum::new(ma, mi));
+            }
+        }
+    }
+    Ok(Snapshot { listed, procs })
 }
 
 fn char_rdev(p: &Path) -> Option<DevNum> {
@@ -143,29 +268,108 @@ fn same_fd_table(a: i32, b: i32) -> Option<bool> {
 }
 
 impl Scanner {
-    /// A fresh scan.
+    /// A fresh scan: the iterators first, `/proc` if they fail (unless
+    /// [`set_proc_only`]).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A scan that walks `/proc` only.
+    pub fn proc_walk() -> Self {
+        Scanner {
+            proc_only: true,
+            ..Self::default()
+        }
+    }
+
+    /// A scan whose iterators read the kernel's BTF from `path` instead of
+    /// `/sys/kernel/btf/vmlinux` (tests: a path that is not BTF of this
+    /// kernel forces the fallback).
+    pub fn with_btf(path: &Path) -> Self {
+        Scanner {
+            btf: path.to_path_buf(),
+            ..Self::default()
+        }
+    }
+
+    /// What the last whole-machine scan read (`None` before one).
+    pub fn source(&self) -> Option<&Source> {
+        self.source.as_ref()
     }
 
     /// Every process (other than this one) holding a device in `devs`.
     /// Processes that vanish during the walk are skipped.
     pub fn holders(&mut self, devs: &BTreeSet<DevNum>) -> Vec<Holder> {
-        let mut out = Vec::new();
         if devs.is_empty() {
-            return out;
+            return Vec::new();
         }
+        self.holders_where(&|d| devs.contains(&d))
+    }
+
+    /// The whole machine through the iterators, or `Err(why)`.
+    fn holders_fast(&mut self, want: DevicePredicate<'_>) -> Result<Vec<Holder>, String> {
+        if self.proc_only {
+            return Err(String::new());
+        }
+        let snap = take_snapshot(&self.btf, false, false)?;
         let me = std::process::id() as i32;
-        for pid in pids() {
-            if pid == me {
-                continue;
-            }
-            if let Some(h) = self.holder(pid, devs) {
+        let mut out: Vec<Holder> = Vec::new();
+        let mut pids: Vec<&i32> = snap.procs.keys().filter(|p| **p != me).collect();
+        pids.sort();
+        for pid in pids {
+            if let Some(h) = self.holder_from_records(*pid, &snap.procs[pid], want) {
                 out.push(h);
             }
         }
-        out.sort_by_key(|h| h.pid);
-        out
+        Ok(out)
+    }
+
+    /// A process's holds from its records: `/proc` is read for the paths
+    /// and, where the records show a device mapping or an anonymous inode,
+    /// for `maps` and io_uring `fdinfo`, as the walk reads them.
+    fn holder_from_records(
+        &mut self,
+        pid: i32,
+        r: &ProcRecords,
+        want: DevicePredicate<'_>,
+    ) -> Option<Holder> {
+        let hit_fd = r.chars.iter().any(|(_, _, d)| want(*d));
+        let hit_map = r.maps.iter().any(|d| want(*d));
+        if !hit_fd && !hit_map && r.anon.is_empty() {
+            return None;
+        }
+        let base = PathBuf::from(format!("/proc/{pid}"));
+        let mut fds = Vec::new();
+        let mut chars: Vec<&(i32, i32, DevNum)> =
+            r.chars.iter().filter(|(_, _, d)| want(*d)).collect();
+        // The leader's table first, then threads by id, as the walk does.
+        chars.sort_by_key(|(tid, fd, _)| (*tid != pid, *tid, *fd));
+        for &&(tid, fd, dev) in &chars {
+            let (path, via, t) = if tid == pid {
+                (base.join("fd").join(fd.to_string()), Via::Fd, None)
+            } else {
+                (
+                    base.join("task")
+                        .join(tid.to_string())
+                        .join("fd")
+                        .join(fd.to_string()),
+                    Via::ThreadFd,
+                    Some(tid),
+                )
+            };
+            fds.push(HeldFd {
+                fd,
+                path: std::fs::read_link(&path).unwrap_or_default(),
+                dev,
+                via,
+                tid: t,
+            });
+        }
+        if hit_map {
+            self.mappings(&base, want, &mut fds);
+        }
+        io_uring_files(&base, want, &mut fds, &r.anon);
+        finish(pid, fds)
     }
 
     /// The holds of `pid` on devices in `devs`, if any.
@@ -182,6 +386,19 @@ impl Scanner {
     /// Every process (other than this one) holding a device `want` selects
     /// (e.g. any device whose major is protected), in pid order.
     pub fn holders_where(&mut self, want: DevicePredicate<'_>) -> Vec<Holder> {
+        match self.holders_fast(want) {
+            Ok(h) => {
+                self.source = Some(Source::Iterators);
+                h
+            }
+            Err(why) => {
+                self.source = Some(Source::Proc((!why.is_empty()).then_some(why)));
+                self.holders_proc(want)
+            }
+        }
+    }
+
+    fn holders_proc(&mut self, want: DevicePredicate<'_>) -> Vec<Holder> {
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = pids()
             .into_iter()
@@ -192,18 +409,56 @@ impl Scanner {
         out
     }
 
-    /// The holds of `pid` on devices `want` selects, if any.
+    /// The holds of `pid` on devices `want` selects, if any (a walk of its
+    /// `/proc` directory).
     pub fn holder_where(&mut self, pid: i32, want: DevicePredicate<'_>) -> Option<Holder> {
-        self.process_fds(pid, want).holder
+        self.walk(&PathBuf::from(format!("/proc/{pid}")), pid, want, None)
     }
 
-    /// One walk of `/proc/<pid>`: its holds of devices `want` selects
-    /// (descriptor tables of the process and its threads, mappings, io_uring
-    /// files, as [`Scanner::holder`]) and the inodes of its sockets. Threads
-    /// whose descriptor table is one already walked (`kcmp(2)`
-    /// `KCMP_FILES`) are skipped, so a process of a thousand threads costs
-    /// one table, not a thousand; the holds found are the same.
+    /// `pid`'s holds of devices `want` selects (descriptor tables of the
+    /// process and its threads, mappings, io_uring files, as
+    /// [`Scanner::holder`]) and the inodes of its sockets, for a pass over
+    /// every process (the sweep).
+    ///
+    /// The first call takes one snapshot of the machine with the iterators;
+    /// this and later calls answer from it, reading `/proc` only for
+    /// processes it shows holding something `want` selects. A pid `/proc`
+    /// did not list before the snapshot, or every pid when the iterators
+    /// fail, is walked in `/proc` ([`Scanner::walk_process`]). Make a new
+    /// scanner for a new pass.
     pub fn process_fds(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
+        if self.snapshot.is_none() {
+            let s = if self.proc_only {
+                Err(String::new())
+            } else {
+                take_snapshot(&self.btf, true, true)
+            };
+            self.source = Some(match &s {
+                Ok(_) => Source::Iterators,
+                Err(why) => Source::Proc((!why.is_empty()).then(|| why.clone())),
+            });
+            self.snapshot = Some(s);
+        }
+        let snap = self.snapshot.take();
+        let out = match &snap {
+            Some(Ok(s)) if s.listed.contains(&pid) => match s.procs.get(&pid) {
+                Some(r) => ProcessFds {
+                    holder: self.holder_from_records(pid, r, want),
+                    sockets: r.sockets.clone(),
+                },
+                None => ProcessFds::default(),
+            },
+            _ => self.walk_process(pid, want),
+        };
+        self.snapshot = snap;
+        out
+    }
+
+    /// One walk of `/proc/<pid>`: [`Scanner::process_fds`] without the
+    /// iterators. Threads whose descriptor table is one already walked
+    /// (`kcmp(2)` `KCMP_FILES`) are skipped, so a process of a thousand
+    /// threads costs one table, not a thousand; the holds found are the same.
+    pub fn walk_process(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
         let mut sockets = BTreeSet::new();
         let base = PathBuf::from(format!("/proc/{pid}"));
         let holder = self.walk(&base, pid, want, Some(&mut sockets));
@@ -259,13 +514,7 @@ impl Scanner {
         self.mappings(&base, want, &mut fds);
         // Only anonymous inodes can be rings: just those are readlinked.
         io_uring_files(&base, want, &mut fds, &anon);
-        // The same hold seen through the main table and a thread sharing it.
-        let mut seen = BTreeSet::new();
-        fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
-        (!fds.is_empty()).then(|| {
-            fds.sort_by_key(|f| (f.via, f.fd));
-            Holder { pid, fds }
-        })
+        finish(pid, fds)
     }
 
     fn mappings(&mut self, base: &Path, want: DevicePredicate<'_>, out: &mut Vec<HeldFd>) {
@@ -309,6 +558,17 @@ impl Scanner {
             }
         }
     }
+}
+
+/// Drops the same hold seen through the main table and a thread sharing
+/// it (or two threads sharing one table), then orders the holds.
+fn finish(pid: i32, mut fds: Vec<HeldFd>) -> Option<Holder> {
+    let mut seen = BTreeSet::new();
+    fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
+    (!fds.is_empty()).then(|| {
+        fds.sort_by_key(|f| (f.via, f.fd));
+        Holder { pid, fds }
+    })
 }
 
 fn fd_table(

@@ -11,7 +11,7 @@ use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::scan::{Scanner, Via};
+use gpufence_node::scan::{Holder, Scanner, Source, Via};
 use gpufence_node::{epilog, fence_ops, Node};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 
@@ -113,6 +113,178 @@ fn hidden_holds_are_found() {
                 && gone(p),
             "pid {p} survived the cgroup kill"
         );
+    }
+}
+
+/// A child of this process that maps `/dev/zero` privately (a character
+/// device mapping with no descriptor left: what a GPU's mapping looks like
+/// after `close()`; test hosts have no mappable GPU) and pauses. Dies with
+/// this process.
+fn map_dev_zero() -> i32 {
+    let path = std::ffi::CString::new("/dev/zero").unwrap();
+    let mut ready = [0i32; 2];
+    // SAFETY: pipe(2) into a local array.
+    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+    // SAFETY: the child makes only async-signal-safe calls and never returns.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let fd = libc::open(path.as_ptr(), libc::O_RDONLY);
+            let m = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            let ok: u8 = if m == libc::MAP_FAILED { b'n' } else { b'y' };
+            libc::write(ready[1], (&ok as *const u8).cast(), 1);
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    let mut b = 0u8;
+    // SAFETY: reads one byte from our pipe; closes our ends.
+    unsafe {
+        libc::close(ready[1]);
+        libc::read(ready[0], (&mut b as *mut u8).cast(), 1);
+        libc::close(ready[0]);
+    }
+    assert_eq!(b, b'y', "mapping /dev/zero failed");
+    pid
+}
+
+fn ours(h: Vec<Holder>, pids: &[i32]) -> Vec<Holder> {
+    h.into_iter().filter(|h| pids.contains(&h.pid)).collect()
+}
+
+/// The iterators (the default scan) find exactly what the /proc walk
+/// finds, for every way the probe can hold a device (a plain descriptor, a
+/// thread's own table, a process whose leader exited, an io_uring
+/// registered file; its `mmap` needs a mappable device, so a private
+/// /dev/zero mapping stands in), through `holders`, `holders_where` and the
+/// sweep's `process_fds` (holds and sockets).
+#[test]
+fn iterators_find_what_the_proc_walk_finds() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("iterparity");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let zero = DevNum::new(1, 5);
+    let node_path = env.mknod("held", real.major, real.minor);
+    let mut pids = Vec::new();
+    let mut leader_exit = None;
+    let mut expect = vec![(Via::Mmap, zero)];
+    for (via, kind) in [
+        ("fd", Via::Fd),
+        ("thread", Via::ThreadFd),
+        ("leader-exit", Via::ThreadFd),
+        ("mmap", Via::Mmap),
+        ("io_uring", Via::IoUring),
+    ] {
+        match hold_via(&mut env, &node_path, via) {
+            Some(pid) => {
+                pids.push(pid);
+                expect.push((kind, dev));
+                if via == "leader-exit" {
+                    leader_exit = Some(pid);
+                }
+            }
+            None => eprintln!("{via}: cannot hold that way here"),
+        }
+    }
+    let mapper = map_dev_zero();
+    pids.push(mapper);
+    // The leader-exit holder's main thread leaves right after "held".
+    let t0 = std::time::Instant::now();
+    while leader_exit
+        .is_some_and(|p| std::fs::read_dir(format!("/proc/{p}/fd")).is_ok_and(|d| d.count() > 0))
+        && t0.elapsed().as_secs() < 5
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let want: BTreeSet<DevNum> = [dev, zero].into();
+    let mut fast = Scanner::new();
+    let got = ours(fast.holders(&want), &pids);
+    assert_eq!(
+        fast.source(),
+        Some(&Source::Iterators),
+        "{:?}",
+        fast.source()
+    );
+    let mut slow = Scanner::proc_walk();
+    let walked = ours(slow.holders(&want), &pids);
+    assert_eq!(slow.source(), Some(&Source::Proc(None)));
+    assert_eq!(got, walked);
+    for (via, d) in &expect {
+        assert!(
+            got.iter()
+                .any(|h| h.fds.iter().any(|f| f.via == *via && f.dev == *d)),
+            "{via:?} {d}: {got:#?}"
+        );
+    }
+    let sel = |d: DevNum| d == dev || d == zero;
+    assert_eq!(
+        ours(Scanner::new().holders_where(&sel), &pids),
+        ours(Scanner::proc_walk().holders_where(&sel), &pids)
+    );
+    let mut sweep_fast = Scanner::new();
+    let mut sweep_slow = Scanner::proc_walk();
+    for p in &pids {
+        assert_eq!(
+            sweep_fast.process_fds(*p, &sel),
+            sweep_slow.process_fds(*p, &sel),
+            "pid {p}"
+        );
+    }
+    assert_eq!(sweep_fast.source(), Some(&Source::Iterators));
+    // SAFETY: kills and reaps our own child.
+    unsafe {
+        libc::kill(mapper, libc::SIGKILL);
+        libc::waitpid(mapper, std::ptr::null_mut(), 0);
+    }
+}
+
+/// When the iterators cannot run (here: the kernel's BTF is unreadable,
+/// not BTF, or cut short), the scan walks /proc and finds the same holders,
+/// saying why; it never answers "no holders" for an error.
+#[test]
+fn a_failing_fast_path_falls_back_to_the_same_answer() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("iterfallback");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node_path = env.mknod("held", real.major, real.minor);
+    let pid = hold_via(&mut env, &node_path, "thread").expect("thread hold");
+    let want: BTreeSet<DevNum> = [dev].into();
+    let walked = ours(Scanner::proc_walk().holders(&want), &[pid]);
+    assert_eq!(walked.len(), 1);
+    let garbage = env.path("not-btf");
+    std::fs::write(&garbage, b"\x9f\xeb\x01\x00 this is not BTF").unwrap();
+    let truncated = env.path("truncated-btf");
+    let vmlinux = std::fs::read(gpufence_cgroup::btf::VMLINUX_BTF).unwrap_or_default();
+    std::fs::write(&truncated, &vmlinux[..vmlinux.len() / 2]).unwrap();
+    for bad in [garbage, truncated, env.path("absent")] {
+        let mut s = Scanner::with_btf(&bad);
+        assert_eq!(ours(s.holders(&want), &[pid]), walked, "{}", bad.display());
+        match s.source() {
+            Some(Source::Proc(Some(why))) => assert!(why.contains("BTF"), "{why}"),
+            other => panic!("{}: {other:?}", bad.display()),
+        }
+        let mut s = Scanner::with_btf(&bad);
+        let f = s.process_fds(pid, &|d| d == dev);
+        assert_eq!(f, Scanner::proc_walk().walk_process(pid, &|d| d == dev));
+        assert!(f.holder.is_some());
+        assert!(matches!(s.source(), Some(Source::Proc(Some(_)))));
     }
 }
 

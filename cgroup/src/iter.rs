@@ -1,0 +1,584 @@
+//! Every open file and every device mapping on the machine in one read:
+//! two BPF iterator programs (`kernel/bpf/task_iter.c`), for the scans that
+//! look for processes holding a device (`gpufence_node::scan`).
+//!
+//! - `task_file` runs once per (task, descriptor). It skips threads that
+//!   share their group leader's descriptor table (`task_seq_get_next` with
+//!   `skip_if_dup_files`), so a process is its leader's table plus the
+//!   tables of threads that `unshare(CLONE_FILES)`d, or, once the leader
+//!   has exited (its `files` is NULL), each remaining thread's.
+//! - `task_vma` (Linux 5.12) runs once per (task, vma), with the same
+//!   skipping.
+//!
+//! Each program reads, through BTF-typed pointers, `file->f_inode->i_mode`
+//! and `i_rdev` (character devices), `i_ino` (sockets, for the sweep) and
+//! `i_sb->s_magic` (anonymous inodes: io_uring rings are among them), and
+//! writes a fixed 24-byte [`Record`] with `bpf_seq_write` for those files
+//! only. Member offsets come from the running kernel's BTF ([`Layout`]);
+//! nothing is attached to any cgroup or hook: the link only names the
+//! program, and the iterator is a global read.
+//!
+//! Task numbers are global (`task->tgid`, `task->pid`): callers must be in
+//! the initial pid namespace ([`in_initial_pid_ns`]) to compare them with
+//! `/proc`.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
+use crate::btf::{Btf, BtfError, Field};
+use crate::sys;
+
+/// `ANON_INODE_FS_MAGIC` (`include/uapi/linux/magic.h`): the superblock of
+/// anonymous inodes. io_uring's rings are made with
+/// `anon_inode_create_getfile` on `anon_inode_mnt` (`io_uring/io_uring.c`,
+/// `fs/anon_inodes.c`), so every ring is on it.
+pub const ANON_INODE_FS_MAGIC: u64 = 0x0904_1934;
+/// `S_IFMT` (`include/uapi/linux/stat.h`).
+const S_IFMT: i32 = 0o170000;
+/// `S_IFCHR`.
+const S_IFCHR: i32 = 0o020000;
+/// `S_IFSOCK`.
+const S_IFSOCK: i32 = 0o140000;
+/// `BPF_FUNC_seq_write` (`include/uapi/linux/bpf.h`):
+/// `long bpf_seq_write(struct seq_file *m, const void *data, u32 len)`.
+const FUNC_SEQ_WRITE: i32 = 127;
+/// `PROC_PID_INIT_INO` (`include/linux/proc_ns.h`): the inode of the
+/// initial pid namespace in `/proc/<pid>/ns/pid`.
+const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
+/// `MINORBITS` (`include/linux/kdev_t.h`): a kernel `dev_t` is
+/// `major << 20 | minor`.
+const MINORBITS: u32 = 20;
+
+/// The size of one [`Record`] as the programs write it.
+pub const RECORD_LEN: usize = 24;
+
+/// What a record describes. Values are the `kind` word of the record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Object {
+    /// A character device open in a descriptor table: `(major, minor)`.
+    CharFd(u32, u32),
+    /// A socket open in a descriptor table: its inode number (what
+    /// `stat(/proc/<pid>/fd/N).st_ino` and `socket:[N]` say).
+    Socket(u64),
+    /// A file on the anonymous-inode filesystem (eventfd, epoll, io_uring,
+    /// ...): its inode number.
+    AnonInode(u64),
+    /// A mapping of a character device: `(major, minor)`.
+    CharMap(u32, u32),
+}
+
+const KIND_CHAR: i32 = 1;
+const KIND_SOCK: i32 = 2;
+const KIND_ANON: i32 = 3;
+const KIND_MAP: i32 = 4;
+
+/// One object the iterators report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Record {
+    /// `task->tgid`: the process.
+    pub tgid: i32,
+    /// `task->pid`: the thread whose table (or, for mappings, whose walk)
+    /// showed it; equal to `tgid` for the leader.
+    pub tid: i32,
+    /// The descriptor number (0 for mappings).
+    pub fd: i32,
+    /// What it is.
+    pub object: Object,
+}
+
+impl Record {
+    /// Decodes one record: `{ u32 tgid; u32 tid; u32 fd; u32 kind; u64 value; }`
+    /// in native byte order, as [`file_program`] and [`vma_program`] write it.
+    pub fn decode(b: &[u8; RECORD_LEN]) -> Option<Record> {
+        let w = |i: usize| i32::from_ne_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let value = u64::from_ne_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]);
+        let dev = || {
+            (
+                (value as u32) >> MINORBITS,
+                (value as u32) & ((1 << MINORBITS) - 1),
+            )
+        };
+        let object = match w(12) {
+            KIND_CHAR => {
+                let (ma, mi) = dev();
+                Object::CharFd(ma, mi)
+            }
+            KIND_SOCK => Object::Socket(value),
+            KIND_ANON => Object::AnonInode(value),
+            KIND_MAP => {
+                let (ma, mi) = dev();
+                Object::CharMap(ma, mi)
+            }
+            _ => return None,
+        };
+        Some(Record {
+            tgid: w(0),
+            tid: w(4),
+            fd: w(8),
+            object,
+        })
+    }
+}
+
+/// Where the programs find what they read, from the running kernel's BTF.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// BTF id of `bpf_iter_task_file` (the `attach_btf_id`).
+    pub task_file: u32,
+    /// BTF id of `bpf_iter_task_vma`.
+    pub task_vma: u32,
+    ctx_file_task: Field,
+    ctx_file_fd: Field,
+    ctx_file_file: Field,
+    ctx_vma_task: Field,
+    ctx_vma_vma: Field,
+    meta_seq: Field,
+    tgid: Field,
+    pid: Field,
+    f_inode: Field,
+    i_mode: Field,
+    i_rdev: Field,
+    i_ino: Field,
+    i_sb: Field,
+    s_magic: Field,
+    vm_file: Field,
+}
+
+fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
+    let f = btf.field(s, m)?;
+    if f.size != size || f.is_ptr != ptr {
+        return Err(BtfError::Unexpected {
+            name: format!("{s}.{m}"),
+            why: format!(
+                "{} bytes{}, expected {size}{}",
+                f.size,
+                if f.is_ptr { " (pointer)" } else { "" },
+                if ptr { " (pointer)" } else { "" }
+            ),
+        });
+    }
+    if f.offset > i16::MAX as u32 {
+        return Err(BtfError::Unexpected {
+            name: format!("{s}.{m}"),
+            why: format!("offset {} past a load's reach", f.offset),
+        });
+    }
+    Ok(f)
+}
+
+impl Layout {
+    /// Reads the layout from parsed BTF. The iterator contexts are
+    /// `struct bpf_iter__task_file { meta; task; u32 fd; file; }` and
+    /// `struct bpf_iter__task_vma { meta; task; vma; }`
+    /// (`kernel/bpf/task_iter.c`), which vmlinux BTF carries too.
+    ///
+    /// # Errors
+    /// [`BtfError`] when a type or member is missing or not of the width read.
+    pub fn from_btf(btf: &Btf) -> Result<Layout, BtfError> {
+        Ok(Layout {
+            task_file: btf.func_id("bpf_iter_task_file")?,
+            task_vma: btf.func_id("bpf_iter_task_vma")?,
+            ctx_file_task: sized(btf, "bpf_iter__task_file", "task", 8, true)?,
+            ctx_file_fd: sized(btf, "bpf_iter__task_file", "fd", 4, false)?,
+            ctx_file_file: sized(btf, "bpf_iter__task_file", "file", 8, true)?,
+            ctx_vma_task: sized(btf, "bpf_iter__task_vma", "task", 8, true)?,
+            ctx_vma_vma: sized(btf, "bpf_iter__task_vma", "vma", 8, true)?,
+            meta_seq: sized(btf, "bpf_iter_meta", "seq", 8, true)?,
+            tgid: sized(btf, "task_struct", "tgid", 4, false)?,
+            pid: sized(btf, "task_struct", "pid", 4, false)?,
+            f_inode: sized(btf, "file", "f_inode", 8, true)?,
+            i_mode: sized(btf, "inode", "i_mode", 2, false)?,
+            i_rdev: sized(btf, "inode", "i_rdev", 4, false)?,
+            i_ino: sized(btf, "inode", "i_ino", 8, false)?,
+            i_sb: sized(btf, "inode", "i_sb", 8, true)?,
+            s_magic: sized(btf, "super_block", "s_magic", 8, false)?,
+            vm_file: sized(btf, "vm_area_struct", "vm_file", 8, true)?,
+        })
+    }
+
+    /// [`Layout::from_btf`] of the running kernel's BTF.
+    ///
+    /// # Errors
+    /// [`BtfError`].
+    pub fn vmlinux() -> Result<Layout, BtfError> {
+        Self::from_btf(&Btf::vmlinux()?)
+    }
+
+    /// The byte offset of the ctx's `meta` (first member of both contexts).
+    const CTX_META: i16 = 0;
+}
+
+fn off(f: &Field) -> i16 {
+    // sized() checked the range.
+    f.offset as i16
+}
+
+fn size(f: &Field) -> Size {
+    match f.size {
+        1 => Size::B,
+        2 => Size::H,
+        4 => Size::W,
+        _ => Size::DW,
+    }
+}
+
+/// The common tail: the record at `fp-24` from task `r7` (tgid, pid), fd in
+/// `r4`, kind in `r2`, value in `r3`, written with `bpf_seq_write(meta->seq)`
+/// from ctx `r6`.
+fn emit(a: &mut Asm, l: &Layout) {
+    a.label("emit")
+        .comment("struct { u32 tgid, tid, fd, kind; u64 value; } rec (fp-24)")
+        .store(Size::W, Reg::R10, -12, Reg::R2)
+        .store(Size::DW, Reg::R10, -8, Reg::R3)
+        .store(Size::W, Reg::R10, -16, Reg::R4)
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .store(Size::W, Reg::R10, -24, Reg::R2)
+        .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
+        .store(Size::W, Reg::R10, -20, Reg::R2)
+        .comment("bpf_seq_write(ctx->meta->seq, &rec, 24)")
+        .load(Size::DW, Reg::R1, Reg::R6, Layout::CTX_META)
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+        .mov64_imm(Reg::R3, RECORD_LEN as i32)
+        .call_id(FUNC_SEQ_WRITE, "seq_write")
+        .label("out")
+        .mov64_imm(Reg::R0, 0)
+        .exit();
+}
+
+/// The `task_file` program: a record for each character device, each
+/// anonymous inode and (with `sockets`) each socket in a descriptor table.
+///
+/// # Errors
+/// [`AsmError`] (a bug here).
+pub fn file_program(l: &Layout, sockets: bool) -> Result<Program, AsmError> {
+    let mut a = Asm::new();
+    a.comment("task_file: ctx = { meta, task, fd, file }")
+        .mov64_reg(Reg::R6, Reg::R1)
+        .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_file_task))
+        .comment("task and file are NULL in the call that ends the walk")
+        .jmp_imm(JmpOp::Eq, Reg::R7, 0, "out")
+        .load(Size::DW, Reg::R8, Reg::R6, off(&l.ctx_file_file))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
+        .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
+        .load(size(&l.ctx_file_fd), Reg::R4, Reg::R6, off(&l.ctx_file_fd))
+        .comment("mode = file->f_inode->i_mode & S_IFMT")
+        .load(size(&l.i_mode), Reg::R2, Reg::R9, off(&l.i_mode))
+        .alu64_imm(AluOp::And, Reg::R2, S_IFMT)
+        .jmp_imm(JmpOp::Eq, Reg::R2, S_IFCHR, "chr");
+    if sockets {
+        a.jmp_imm(JmpOp::Eq, Reg::R2, S_IFSOCK, "sock");
+    }
+    a.comment("anonymous inode: file->f_inode->i_sb->s_magic == ANON_INODE_FS_MAGIC")
+        .load(Size::DW, Reg::R3, Reg::R9, off(&l.i_sb))
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, "out")
+        .load(size(&l.s_magic), Reg::R3, Reg::R3, off(&l.s_magic))
+        .jmp_imm(JmpOp::Ne, Reg::R3, ANON_INODE_FS_MAGIC as i32, "out")
+        .mov64_imm(Reg::R2, KIND_ANON)
+        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
+        .ja("emit");
+    if sockets {
+        a.label("sock")
+            .mov64_imm(Reg::R2, KIND_SOCK)
+            .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
+            .ja("emit");
+    }
+    a.label("chr")
+        .mov64_imm(Reg::R2, KIND_CHAR)
+        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
+        .ja("emit");
+    emit(&mut a, l);
+    a.assemble()
+}
+
+/// The `task_vma` program: a record for each mapping of a character device
+/// (`vma->vm_file->f_inode`), fd 0.
+///
+/// # Errors
+/// [`AsmError`] (a bug here).
+pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
+    let mut a = Asm::new();
+    a.comment("task_vma: ctx = { meta, task, vma }")
+        .mov64_reg(Reg::R6, Reg::R1)
+        .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_vma_task))
+        .jmp_imm(JmpOp::Eq, Reg::R7, 0, "out")
+        .load(Size::DW, Reg::R8, Reg::R6, off(&l.ctx_vma_vma))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
+        .comment("inode = vma->vm_file->f_inode (anonymous memory has no file)")
+        .load(Size::DW, Reg::R8, Reg::R8, off(&l.vm_file))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
+        .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
+        .load(size(&l.i_mode), Reg::R2, Reg::R9, off(&l.i_mode))
+        .alu64_imm(AluOp::And, Reg::R2, S_IFMT)
+        .jmp_imm(JmpOp::Ne, Reg::R2, S_IFCHR, "out")
+        .mov64_imm(Reg::R2, KIND_MAP)
+        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
+        .mov64_imm(Reg::R4, 0)
+        .ja("emit");
+    emit(&mut a, l);
+    a.assemble()
+}
+
+/// Why the iterators could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum IterError {
+    /// The kernel's BTF lacks something (or there is none).
+    #[error(transparent)]
+    Btf(#[from] BtfError),
+    /// A program did not assemble (a bug).
+    #[error(transparent)]
+    Asm(#[from] AsmError),
+    /// The verifier or the kernel refused a program.
+    #[error("loading the {target} iterator: {errno}\n{log}")]
+    Load {
+        /// `task_file` or `task_vma`.
+        target: &'static str,
+        /// errno.
+        errno: io::Error,
+        /// The verifier's log.
+        log: String,
+    },
+    /// A `bpf(2)` call or a read failed.
+    #[error("{what}: {err}")]
+    Sys {
+        /// Which step.
+        what: &'static str,
+        /// errno.
+        err: io::Error,
+    },
+    /// Output that is not a whole number of records, or an unknown kind.
+    #[error("iterator output malformed: {0}")]
+    Malformed(String),
+}
+
+/// One loaded iterator: its program and link.
+#[derive(Debug)]
+struct Loaded {
+    _prog: OwnedFd,
+    link: OwnedFd,
+}
+
+fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterError> {
+    let prog =
+        sys::prog_load_iter(&p.insns, &format!("gpufence_{target}"), btf_id).map_err(|e| {
+            IterError::Load {
+                target,
+                errno: e.errno,
+                log: e.log,
+            }
+        })?;
+    let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
+        what: "BPF_LINK_CREATE (iterator)",
+        err,
+    })?;
+    Ok(Loaded { _prog: prog, link })
+}
+
+/// Reads an iterator to its end. `EAGAIN` means the kernel visited a
+/// million objects without output in one read (`MAX_ITER_OBJECTS`,
+/// `bpf_seq_read` in `kernel/bpf/bpf_iter.c`) and kept its place: read on.
+fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
+    let file = sys::iter_create(link.as_fd()).map_err(|err| IterError::Sys {
+        what: "BPF_ITER_CREATE",
+        err,
+    })?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let mut again = 0u32;
+    loop {
+        // SAFETY: read(2) into a buffer we own, of its length.
+        let n = unsafe { libc::read(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n == 0 {
+            break;
+        }
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EAGAIN) if again < 10_000 => {
+                    again += 1;
+                    continue;
+                }
+                _ => {
+                    return Err(IterError::Sys {
+                        what: "reading the iterator",
+                        err,
+                    })
+                }
+            }
+        }
+        out.extend_from_slice(&buf[..n as usize]);
+    }
+    if out.len() % RECORD_LEN != 0 {
+        return Err(IterError::Malformed(format!(
+            "{} bytes is not a whole number of {RECORD_LEN}-byte records",
+            out.len()
+        )));
+    }
+    out.chunks_exact(RECORD_LEN)
+        .map(|c| {
+            let b: &[u8; RECORD_LEN] = c.try_into().expect("chunks_exact");
+            Record::decode(b).ok_or_else(|| IterError::Malformed(format!("record {b:?}")))
+        })
+        .collect()
+}
+
+/// The two iterators, loaded and linked; each [`Iterators::files`] or
+/// [`Iterators::maps`] call is a fresh walk of every task.
+#[derive(Debug)]
+pub struct Iterators {
+    files: Loaded,
+    maps: Loaded,
+}
+
+impl Iterators {
+    /// Loads both programs for `layout` (through the real verifier) and
+    /// links them. `sockets`: also report sockets.
+    ///
+    /// # Errors
+    /// [`IterError`]: no permission (CAP_BPF, CAP_PERFMON), no iterator
+    /// support, a verifier refusal.
+    pub fn load(layout: &Layout, sockets: bool) -> Result<Iterators, IterError> {
+        Ok(Iterators {
+            files: load(
+                "task_file",
+                &file_program(layout, sockets)?,
+                layout.task_file,
+            )?,
+            maps: load("task_vma", &vma_program(layout)?, layout.task_vma)?,
+        })
+    }
+
+    /// Every character device, anonymous inode (and socket, if loaded so)
+    /// open in a descriptor table, in iteration order: by task id, then by
+    /// descriptor.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn files(&self) -> Result<Vec<Record>, IterError> {
+        read_all(&self.files.link)
+    }
+
+    /// Every mapping of a character device, one record per vma.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn maps(&self) -> Result<Vec<Record>, IterError> {
+        read_all(&self.maps.link)
+    }
+}
+
+/// Whether this process is in the initial pid namespace, where
+/// `task->tgid` is the number `/proc` shows. `false` when it cannot tell.
+pub fn in_initial_pid_ns() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").is_ok_and(|m| m.ino() == PROC_PID_INIT_INO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_decode() {
+        let mut b = [0u8; RECORD_LEN];
+        b[0..4].copy_from_slice(&42i32.to_ne_bytes());
+        b[4..8].copy_from_slice(&43i32.to_ne_bytes());
+        b[8..12].copy_from_slice(&7i32.to_ne_bytes());
+        b[12..16].copy_from_slice(&KIND_CHAR.to_ne_bytes());
+        b[16..24].copy_from_slice(&((195u64 << 20) | 255).to_ne_bytes());
+        assert_eq!(
+            Record::decode(&b),
+            Some(Record {
+                tgid: 42,
+                tid: 43,
+                fd: 7,
+                object: Object::CharFd(195, 255)
+            })
+        );
+        b[12..16].copy_from_slice(&KIND_SOCK.to_ne_bytes());
+        b[16..24].copy_from_slice(&12345u64.to_ne_bytes());
+        assert_eq!(Record::decode(&b).unwrap().object, Object::Socket(12345));
+        b[12..16].copy_from_slice(&9i32.to_ne_bytes());
+        assert_eq!(Record::decode(&b), None);
+    }
+}
+
+#[cfg(test)]
+mod live {
+    use super::*;
+
+    /// Through the real verifier: both programs load, and a walk shows this
+    /// process's /dev/null descriptor (1:3), a socket's inode and an eventfd
+    /// (an anonymous inode). Skipped without root or BTF.
+    #[test]
+    fn iterators_see_this_process() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+            eprintln!("SKIPPED: needs root in the initial pid namespace");
+            return;
+        }
+        let layout = match Layout::vmlinux() {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let it = Iterators::load(&layout, true).unwrap_or_else(|e| panic!("{e}"));
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        // SAFETY: eventfd(2) returns a descriptor we then own.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(efd >= 0);
+        use std::os::unix::fs::MetadataExt;
+        let sock_ino = std::fs::metadata(format!("/proc/self/fd/{}", sock.as_raw_fd()))
+            .unwrap()
+            .ino();
+        let me = std::process::id() as i32;
+        let recs = it.files().unwrap();
+        let mine: Vec<&Record> = recs.iter().filter(|r| r.tgid == me).collect();
+        assert!(
+            mine.iter()
+                .any(|r| r.fd == null.as_raw_fd() && r.object == Object::CharFd(1, 3)),
+            "{mine:?}"
+        );
+        assert!(mine
+            .iter()
+            .any(|r| r.fd == sock.as_raw_fd() && r.object == Object::Socket(sock_ino)));
+        assert!(mine
+            .iter()
+            .any(|r| r.fd == efd && matches!(r.object, Object::AnonInode(_))));
+        assert!(mine.iter().all(|r| r.tid == me), "threads share the table");
+        // SAFETY: a private read mapping of /dev/zero, a character device
+        // whose private mappings keep the device file as vm_file.
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                zero.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(m, libc::MAP_FAILED);
+        let maps = it.maps().unwrap();
+        assert!(
+            maps.iter()
+                .any(|r| r.tgid == me && r.object == Object::CharMap(1, 5)),
+            "{:?}",
+            maps.iter().filter(|r| r.tgid == me).collect::<Vec<_>>()
+        );
+        // SAFETY: unmaps and closes what this test made.
+        unsafe {
+            libc::munmap(m, 4096);
+            libc::close(efd);
+        }
+    }
+}
