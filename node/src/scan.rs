@@ -303,7 +303,17 @@ impl Scanner {
         if devs.is_empty() {
             return Vec::new();
         }
-        self.holders_where(&|d| devs.contains(&d))
+        let want = |d: DevNum| devs.contains(&d);
+        match self.holders_fast(&want) {
+            Ok(h) => {
+                self.source = Some(Source::Iterators);
+                h
+            }
+            Err(why) => {
+                self.source = Some(Source::Proc((!why.is_empty()).then_some(why)));
+                self.holders_proc_parallel(&want)
+            }
+        }
     }
 
     /// The whole machine through the iterators, or `Err(why)`.
@@ -398,6 +408,7 @@ impl Scanner {
         }
     }
 
+    /// The `/proc` walk of every process.
     fn holders_proc(&mut self, want: DevicePredicate<'_>) -> Vec<Holder> {
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = pids()
@@ -405,6 +416,36 @@ impl Scanner {
             .filter(|p| *p != me)
             .filter_map(|pid| self.holder_where(pid, want))
             .collect();
+        out.sort_by_key(|h| h.pid);
+        out
+    }
+
+    /// [`Scanner::holders_proc`] split between two threads (the walk is
+    /// system calls, and nodes have more than one CPU), for a predicate
+    /// that can be shared.
+    fn holders_proc_parallel(&mut self, want: &(dyn Fn(DevNum) -> bool + Sync)) -> Vec<Holder> {
+        let me = std::process::id() as i32;
+        let all: Vec<i32> = pids().into_iter().filter(|p| *p != me).collect();
+        let (a, b) = all.split_at(all.len() / 2);
+        let mut out: Vec<Holder> = std::thread::scope(|s| {
+            let other = s.spawn(|| {
+                let mut sc = Scanner::proc_walk();
+                b.iter()
+                    .filter_map(|pid| sc.holder_where(*pid, want))
+                    .collect::<Vec<_>>()
+            });
+            let mut mine: Vec<Holder> = a
+                .iter()
+                .filter_map(|pid| self.holder_where(*pid, want))
+                .collect();
+            // A panic in the other half is a bug; walking that half again
+            // here keeps the answer whole.
+            match other.join() {
+                Ok(h) => mine.extend(h),
+                Err(_) => mine.extend(b.iter().filter_map(|pid| self.holder_where(*pid, want))),
+            }
+            mine
+        });
         out.sort_by_key(|h| h.pid);
         out
     }

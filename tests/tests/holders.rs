@@ -268,6 +268,14 @@ fn a_failing_fast_path_falls_back_to_the_same_answer() {
     let want: BTreeSet<DevNum> = [dev].into();
     let walked = ours(Scanner::proc_walk().holders(&want), &[pid]);
     assert_eq!(walked.len(), 1);
+    // The epilog's walk is split between two threads; holders_where's is not.
+    assert_eq!(
+        ours(
+            Scanner::proc_walk().holders_where(&|d| want.contains(&d)),
+            &[pid]
+        ),
+        walked
+    );
     let garbage = env.path("not-btf");
     std::fs::write(&garbage, b"\x9f\xeb\x01\x00 this is not BTF").unwrap();
     let truncated = env.path("truncated-btf");
