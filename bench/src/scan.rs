@@ -43,6 +43,9 @@ pub struct ScanResult {
     pub epilog_scan_proc_s: f64,
     /// Median wall time of a full sweep walking `/proc`, same runs.
     pub sweep_proc_s: f64,
+    /// Median wall time of the epilog scan as it was before the iterators:
+    /// the `/proc` walk on one thread, same runs.
+    pub epilog_scan_serial_s: f64,
     /// What the default scanner read (`iterators`, or `proc: <why>`).
     pub source: String,
     /// Whether every run's two epilog scans found the same holders.
@@ -154,6 +157,7 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
         let pids = spawn_crowd(n, 5.min(n), &env.path("."), &node_path);
         let total_procs = scan::pids().len();
         let (mut scans, mut scans_proc) = (Vec::new(), Vec::new());
+        let mut scans_serial = Vec::new();
         let (mut sweeps, mut sweeps_proc) = (Vec::new(), Vec::new());
         let mut holders = 0;
         let (mut findings, mut findings_proc) = (0, 0);
@@ -193,7 +197,10 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
                 }
             }
             scan::set_proc_only(false);
-            same &= found[0] == found[1];
+            let t = Instant::now();
+            let serial = scan::Scanner::proc_walk().holders_where(&|d| devs.contains(&d));
+            scans_serial.push(t.elapsed().as_secs_f64());
+            same &= found[0] == found[1] && found[0] == serial;
         }
         kill_crowd(&pids);
         eprintln!("{n} extra processes done");
@@ -204,6 +211,7 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
             sweep_s: median(sweeps),
             epilog_scan_proc_s: median(scans_proc),
             sweep_proc_s: median(sweeps_proc),
+            epilog_scan_serial_s: median(scans_serial),
             source,
             same_holders: same,
             holders,
@@ -220,15 +228,18 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
 /// the caller's summary table).
 pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
     println!("Iterators (default) against the /proc walk, same runs, median of {runs}:\n");
-    println!("| extra processes | epilog scan: iterators | /proc walk | ratio | full sweep: iterators | /proc walk | ratio | same holders | source |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("(/proc walk: the fallback, two threads for the epilog scan; one thread: the epilog scan before the iterators.)\n");
+    println!("| extra processes | epilog scan: iterators | /proc walk | one thread | ratio to /proc / one thread | full sweep: iterators | /proc walk | ratio | same holders | source |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for s in r {
         println!(
-            "| {} | {:.0} ms | {:.0} ms | {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {} ({} holders; sweep findings {} / {}) | {} |",
+            "| {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2}x / {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {} ({} holders; sweep findings {} / {}) | {} |",
             s.procs,
             s.epilog_scan_s * 1e3,
             s.epilog_scan_proc_s * 1e3,
+            s.epilog_scan_serial_s * 1e3,
             s.epilog_scan_s / s.epilog_scan_proc_s,
+            s.epilog_scan_s / s.epilog_scan_serial_s,
             s.sweep_s * 1e3,
             s.sweep_proc_s * 1e3,
             s.sweep_s / s.sweep_proc_s,
