@@ -158,7 +158,8 @@ fn main() -> ExitCode {
 fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::path::PathBuf>) {
     let (procs, runs) = if smoke { (vec![50], 1) } else { (procs, runs) };
     let r = scan::run(&procs, runs);
-    println!("Epilog descriptor scan and full sweep, median of {runs} runs, release build:\n");
+    scan::print_side_by_side(&r, runs);
+    println!("Epilog descriptor scan and full sweep (iterators), median of {runs} runs:\n");
     println!("| extra processes (20 fds each) | processes on the node | epilog scan | full sweep | holders found | sweep findings |");
     println!("|---|---|---|---|---|---|");
     for s in &r {
@@ -175,7 +176,7 @@ fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::pat
     if let Some(p) = json {
         let rows: Vec<serde_json::Value> = r
             .iter()
-            .map(|s| serde_json::json!({"procs": s.procs, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "holders": s.holders, "sweep_findings": s.sweep_findings}))
+            .map(|s| serde_json::json!({"procs": s.procs, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "epilog_scan_proc_s": s.epilog_scan_proc_s, "sweep_proc_s": s.sweep_proc_s, "epilog_scan_serial_s": s.epilog_scan_serial_s, "source": s.source, "same_holders": s.same_holders, "holders": s.holders, "sweep_findings": s.sweep_findings, "sweep_findings_proc": s.sweep_findings_proc}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
     }

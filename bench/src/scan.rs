@@ -220,12 +220,10 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
         });
     }
     drop(env);
-    print_side_by_side(&out, runs);
     out
 }
 
-/// The two scanners side by side, as ratios (printed by [`run`], before
-/// the caller's summary table).
+/// The two scanners side by side, as ratios.
 pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
     println!("Iterators (default) against the /proc walk, same runs, median of {runs}:\n");
     println!("(/proc walk: the fallback, two threads for the epilog scan; one thread: the epilog scan before the iterators.)\n");
