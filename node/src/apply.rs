@@ -11,7 +11,7 @@ use gpufence_model::config::Layout;
 use gpufence_model::record::{now_rfc3339, AppliedGrant};
 
 use crate::fence_ops::open_installed;
-use crate::{is_under, join_cgroup, Node, NodeError};
+use crate::{crashpoint, is_under, join_cgroup, Node, NodeError};
 
 /// Slurm's special step ids (`slurm.h`: `SLURM_EXTERN_CONT`, `SLURM_BATCH_SCRIPT`,
 /// `SLURM_INTERACTIVE_STEP`).
@@ -113,6 +113,7 @@ pub struct Placement {
 pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
     let fence = open_installed(node)?;
     let job_cgroup = job_cgroup(node, req)?;
+    crashpoint::reached(crashpoint::GRANT_PLACED);
     Ok(Placement { fence, job_cgroup })
 }
 
@@ -156,6 +157,7 @@ pub fn grant(
             .field("cgroup_id", cgroup_id)
             .field("step", step.clone()),
     )?;
+    crashpoint::reached(crashpoint::GRANT_AUDITED);
     node.state.write_applied(&AppliedGrant {
         job_id: req.job_id,
         step,
@@ -163,7 +165,9 @@ pub fn grant(
         cgroup_path: job.clone(),
         applied: now_rfc3339(),
     })?;
+    crashpoint::reached(crashpoint::GRANT_NOTED);
     placement.fence.grant(cgroup_id, job, req.job_id, &devs)?;
+    crashpoint::reached(crashpoint::GRANT_GRANTED);
     Ok(ApplyOutcome::Granted {
         cgroup_path: job.clone(),
         cgroup_id,

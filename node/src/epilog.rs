@@ -22,7 +22,7 @@ use gpufence_model::record::JobRecord;
 
 use crate::gpus::Gpus;
 use crate::respond::{self, Lingering};
-use crate::{drain, Node};
+use crate::{crashpoint, drain, Node};
 
 /// What the epilog did.
 #[derive(Clone, Debug, Default)]
@@ -177,6 +177,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             None
         }
     };
+    crashpoint::reached(crashpoint::EPILOG_STARTED);
     // 1. Revoke.
     if let Some(f) = &fence {
         match f.revoke_job(job_id) {
@@ -186,6 +187,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                 .push(format!("revoking job {job_id}'s grant: {e}")),
         }
     }
+    crashpoint::reached(crashpoint::EPILOG_REVOKED);
     let mut devs: BTreeSet<DevNum> = rec
         .iter()
         .flat_map(|r| r.devices.iter().map(|d| d.dev))
@@ -225,6 +227,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             out.errors.push(e.to_string());
         }
     }
+    crashpoint::reached(crashpoint::EPILOG_REVOKE_AUDITED);
 
     // 2. Who holds the job's devices, by descriptor and per the driver.
     let info = match gpus.query(&minors) {
@@ -339,6 +342,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+
+    crashpoint::reached(crashpoint::EPILOG_RESPONDED);
 
     // 5. Own layout: the job's cgroup goes with the job.
     if node.cfg.layout == Layout::Own {
@@ -455,6 +460,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         }
     }
 
+    crashpoint::reached(crashpoint::EPILOG_CGROUP_REMOVED);
+
     // 6. Forget the job, unless its grant is still in the fence.
     if out.errors.iter().all(|e| !e.starts_with("revoking")) {
         if let Err(e) = node
@@ -465,6 +472,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             out.errors.push(e.to_string());
         }
     }
+    crashpoint::reached(crashpoint::EPILOG_FORGOTTEN);
 
     // 7. Drain with a reason when the node is not clean.
     if !out.clean() {

@@ -9,8 +9,11 @@
 //! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
 //! - [`scan`] and [`evidence`]: who holds a device, and what we keep about them.
 //! - [`grants`]: the live grants, for admins.
+//! - [`crashpoint`]: the named step boundaries tests crash the prolog, the
+//!   grant step and the epilog at (`GPUFENCE_TEST_CRASH_AT`).
 
 pub mod apply;
+pub mod crashpoint;
 pub mod denials;
 pub mod doctor;
 pub mod drain;
@@ -123,8 +126,17 @@ impl Node {
         let marker = self.state.root().join("nvml-unavailable.txt");
         match &g.unavailable {
             Some(why) => {
+                let _ = gpufence_model::fsutil::create_dir_all_mode(self.state.root(), 0o700);
+                // Compare and write under an exclusive lock on state_dir:
+                // fifty prologs starting at once otherwise each find no
+                // note and each write the line (issue 8, concurrency test).
+                let dir = std::fs::File::open(self.state.root()).ok();
+                if let Some(d) = &dir {
+                    // SAFETY: flock on a descriptor we own; released when
+                    // `dir` closes at the end of this arm.
+                    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(d), libc::LOCK_EX) };
+                }
                 if std::fs::read_to_string(&marker).ok().as_deref() != Some(why.as_str()) {
-                    let _ = gpufence_model::fsutil::create_dir_all_mode(self.state.root(), 0o700);
                     let _ = gpufence_model::fsutil::write_atomic(&marker, why.as_bytes(), 0o600);
                     let _ = self.audit(
                         AuditEvent::new("nvml_unavailable")

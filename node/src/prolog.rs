@@ -19,7 +19,7 @@ use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, MigSlice, RECORD_V
 use crate::epilog::gpu_minors;
 use crate::fence_ops::open_installed;
 use crate::gpus::Gpus;
-use crate::{evidence, gresmap, respond};
+use crate::{crashpoint, evidence, gresmap, respond};
 use crate::{Node, NodeError};
 
 /// The Prolog's view of its environment (from slurmd).
@@ -514,15 +514,19 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
 pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
     // A job must not start on a node whose GPUs nobody guards.
     let fence = open_installed(node)?;
+    crashpoint::reached(crashpoint::PROLOG_FENCE_CHECKED);
     let stale = clear_stale(node, &fence, env.job_id)?;
+    crashpoint::reached(crashpoint::PROLOG_STALE_CLEARED);
     let mut rec = build_record(node, env)?;
     rec.notes.extend(stale);
     clean_start(node, &fence, &mut rec)?;
     if env.options.gpu_exclusive {
         set_exclusive(node, &mut rec);
     }
+    crashpoint::reached(crashpoint::PROLOG_CLEAN_STARTED);
     let rec = rec;
     node.state.write_record(&rec)?;
+    crashpoint::reached(crashpoint::PROLOG_RECORD_WRITTEN);
     if !rec.devices.is_empty() {
         let mut ev = AuditEvent::new(events::GRANT_RECORDED)
             .job(rec.job_id)
@@ -538,6 +542,7 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
             return Err(e);
         }
     }
+    crashpoint::reached(crashpoint::PROLOG_AUDITED);
     Ok(rec)
 }
 

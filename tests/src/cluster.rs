@@ -23,6 +23,8 @@ pub struct Cluster {
     pub bin: PathBuf,
     /// The gpufence config the cluster uses.
     pub config: PathBuf,
+    /// The cgroup directory slurmd runs in.
+    pub slurmd_cgroup: PathBuf,
 }
 
 fn script() -> PathBuf {
@@ -51,6 +53,22 @@ pub fn test_uid() -> u32 {
         .expect("uid")
 }
 
+/// What [`Cluster::start_with`] builds.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterSpec {
+    /// The gres.conf body.
+    pub gres_conf: String,
+    /// The node's `Gres=` value.
+    pub node_gres: String,
+    /// TOML appended to the test env's gpufence config.
+    pub gpufence_extra: String,
+    /// slurmctld's port; slurmd uses the next one.
+    pub port_base: u16,
+    /// CPUs declared for the node (slurmd takes them as configured,
+    /// `SlurmdParameters=config_overrides`); `None`: this machine's count.
+    pub cpus: Option<u32>,
+}
+
 impl Cluster {
     /// Starts a cluster for `env`: `gres_conf` is the gres.conf body,
     /// `node_gres` the node's `Gres=` value, `gpufence_toml` the config
@@ -62,6 +80,26 @@ impl Cluster {
         gpufence_extra: &str,
         port_base: u16,
     ) -> Cluster {
+        Cluster::start_with(
+            env,
+            &ClusterSpec {
+                gres_conf: gres_conf.into(),
+                node_gres: node_gres.into(),
+                gpufence_extra: gpufence_extra.into(),
+                port_base,
+                cpus: None,
+            },
+        )
+    }
+
+    /// Starts a cluster for `env` as `spec` says (see [`Cluster::start`]).
+    pub fn start_with(env: &TestEnv, spec: &ClusterSpec) -> Cluster {
+        let (gres_conf, node_gres, gpufence_extra, port_base) = (
+            spec.gres_conf.as_str(),
+            spec.node_gres.as_str(),
+            spec.gpufence_extra.as_str(),
+            spec.port_base,
+        );
         let dir = env.path("cluster");
         let bin = env.path("bin");
         for d in [&dir, &bin] {
@@ -115,7 +153,9 @@ impl Cluster {
             format!(
                 "NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 Gres={node_gres} State=UNKNOWN\n\
                  PlugStackConfig={plug}\nProlog={prolog}\nEpilog={epilog}\n",
-                cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+                cpus = spec.cpus.unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+                }),
                 plug = dir.join("plugstack.conf").display(),
                 prolog = bin.join("prolog.sh").display(),
                 epilog = bin.join("epilog.sh").display(),
@@ -136,6 +176,7 @@ impl Cluster {
             dir,
             bin,
             config,
+            slurmd_cgroup: env.cg.path(&slurmd_cg),
         };
         assert!(
             out.status.success(),
@@ -191,6 +232,108 @@ impl Cluster {
             .unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// slurmd's pid, as `cluster.sh` (or [`Cluster::start_slurmd`]) recorded
+    /// it, when that process is alive.
+    pub fn slurmd_pid(&self) -> Option<i32> {
+        let text = std::fs::read_to_string(self.dir.join("run/slurmd.pid")).ok()?;
+        let pid: i32 = text.trim().parse().ok()?;
+        (!crate::gone(pid)).then_some(pid)
+    }
+
+    /// Stops slurmd with `signal` (`SIGTERM`: a clean shutdown; `SIGKILL`:
+    /// a crash) and waits until it is gone. Running jobs' slurmstepds stay.
+    pub fn stop_slurmd(&self, signal: i32) {
+        let pid = self.slurmd_pid().expect("slurmd is running");
+        // SAFETY: kill(2) on the pid this cluster recorded for its slurmd.
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill slurmd {pid}");
+        assert!(
+            Cluster::wait_for(Duration::from_secs(30), || crate::gone(pid)),
+            "slurmd {pid} did not exit on signal {signal}"
+        );
+    }
+
+    /// Starts slurmd again the way `cluster.sh start` does (same cgroup,
+    /// same marked environment so `cluster.sh stop` finds it, own session,
+    /// log appended, no inherited descriptors), records its pid, and waits
+    /// until it accepts connections on its port (its SPANK plugin's slurmd
+    /// init, which reinstalls the fence, runs before that).
+    pub fn start_slurmd(&self) {
+        self.start_slurmd_with_env(&[]);
+    }
+
+    /// [`Cluster::start_slurmd`] with `vars` added to slurmd's environment,
+    /// which its slurmstepds inherit (e.g. `GPUFENCE_TEST_CRASH_AT`).
+    pub fn start_slurmd_with_env(&self, vars: &[(&str, &str)]) {
+        use std::os::unix::process::CommandExt;
+        let dir = std::fs::canonicalize(&self.dir).expect("cluster dir");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("log/slurmd.stderr"))
+            .expect("slurmd.stderr");
+        let procs = std::ffi::CString::new(
+            self.slurmd_cgroup
+                .join("cgroup.procs")
+                .to_str()
+                .expect("utf-8 path"),
+        )
+        .unwrap();
+        let mut cmd = Command::new("slurmd");
+        cmd.args(["-D", "-f"])
+            .arg(&self.slurm_conf)
+            .args(["-N", &hostname()])
+            .env("GPUFENCE_CLUSTER_DIR", &dir)
+            .env("SLURM_CONF", &self.slurm_conf)
+            .envs(vars.iter().copied())
+            .current_dir("/")
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        // SAFETY: only async-signal-safe calls (setsid, open, write, close)
+        // between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::setsid();
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if r != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("spawn slurmd");
+        let pid = child.id();
+        std::fs::write(dir.join("run/slurmd.pid"), format!("{pid}\n")).unwrap();
+        // Reap it whenever it exits (cluster.sh stop kills it).
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        let port = self.slurmd_port();
+        let up = Cluster::wait_for(Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(
+            up,
+            "slurmd did not come back on port {port}:\n{}",
+            self.log_tail("slurmd.log")
+        );
+    }
+
+    /// slurmd's port, from slurm.conf.
+    pub fn slurmd_port(&self) -> u16 {
+        std::fs::read_to_string(&self.slurm_conf)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("SlurmdPort="))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("SlurmdPort in slurm.conf")
     }
 
     /// Waits until `pred` holds, up to `timeout`.
