@@ -111,10 +111,19 @@ enum FenceOp {
         json: bool,
     },
     /// Detach the fence and remove every pin: GPUs are then open to every process.
-    Remove,
+    /// Refused while jobs hold grants, unless --force.
+    Remove {
+        /// Remove even though running jobs hold grants (they lose GPU isolation).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 fn main() -> ExitCode {
+    // `gpufence grants | head`: die quietly on a closed pipe, as CLIs do,
+    // instead of panicking in println!.
+    // SAFETY: resetting a signal disposition before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
@@ -148,6 +157,14 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
     } = &cli.cmd
     {
         return Ok(mig_check(gpu, profiles));
+    }
+    // Everything below reads pinned maps, /proc of other users or the
+    // state dir: without root the answers would be wrong, not just short.
+    let needs_root = !matches!(cli.cmd, Cmd::Devices { .. });
+    // SAFETY: geteuid has no preconditions.
+    if needs_root && unsafe { libc::geteuid() } != 0 {
+        eprintln!("gpufence: this command needs root (it reads the fence's pinned maps and every process's descriptors): run it with sudo");
+        return Ok(ExitCode::from(2));
     }
     let node = Node::load(cli.config.as_deref())?;
     match cli.cmd {
@@ -240,13 +257,16 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         Cmd::Fence {
             op: FenceOp::Status { json },
         } => {
-            let st = fence_ops::status(&node);
+            let (st, mode) = fence_ops::status_with_mode(&node);
             // Each configured exemption: its id now, and whether the fence has it.
             let exempt: Vec<serde_json::Value> = node
                 .cfg
                 .exempt_cgroups
                 .iter()
+                .cloned()
+                .chain(std::iter::once(node.exec_cgroup()))
                 .map(|p| {
+                    let p = &p;
                     let id = node.cg.id(p).ok();
                     json!({
                         "cgroup": format!("/{p}"),
@@ -261,6 +281,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             if json {
                 let v = json!({
                     "installed": st.installed,
+                    "mode": mode,
                     "cgroup_root": format!("/{}", st.cgroup_root),
                     "cgroup_root_id": st.root_cgroup_id,
                     "bpffs_dir": node.cfg.bpffs_dir,
@@ -276,7 +297,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             } else {
                 println!(
-                    "fence: {}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
+                    "fence: {}\nmode: {mode}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
                     if st.installed { "installed" } else { "NOT INSTALLED" },
                     st.cgroup_root,
                     st.protected_majors,
@@ -307,8 +328,19 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             })
         }
         Cmd::Fence {
-            op: FenceOp::Remove,
+            op: FenceOp::Remove { force },
         } => {
+            let jobs: std::collections::BTreeSet<u32> = grants::list(&node)
+                .map(|g| g.into_iter().map(|c| c.job_id).collect())
+                .unwrap_or_default();
+            if !jobs.is_empty() && !force {
+                eprintln!(
+                    "gpufence: {} running job(s) hold grants (job {}); removing the fence ends their isolation. Drain the node first, or pass --force",
+                    jobs.len(),
+                    jobs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                );
+                return Ok(ExitCode::from(2));
+            }
             let found = fence_ops::remove(&node)?;
             println!(
                 "{}",
@@ -453,13 +485,22 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
         None => println!("cgroup /{}", d.cgroup),
     }
     println!(
-        "fence: {}{}; mode {}; {}",
-        if d.fence_attached { "attached" } else { "NOT attached" },
-        d.fence_problem.as_ref().map(|p| format!(" ({p})")).unwrap_or_default(),
+        "fence: {}{}; running mode {} (config: {}); {}",
+        if d.fence_attached {
+            "attached"
+        } else {
+            "NOT attached"
+        },
+        d.fence_problem
+            .as_ref()
+            .map(|p| format!(" ({p})"))
+            .unwrap_or_default(),
+        d.running_mode,
         d.mode,
         match d.fence_current {
-            Some(true) => "the program is current",
-            Some(false) => "the program is NOT the one this version would install: run `gpufence fence install`",
+            Some(true) => "the program is the one the config asks for",
+            Some(false) =>
+                "the program is NOT the one the config asks for: run `gpufence fence install`",
             None => "currency unknown",
         }
     );

@@ -75,6 +75,8 @@ pub struct Doctor {
     pub fence_current: Option<bool>,
     /// The configured mode.
     pub mode: String,
+    /// The mode of the program actually attached.
+    pub running_mode: crate::fence_ops::RunningMode,
     /// Whether the target is under the fenced subtree at all.
     pub under_fence: bool,
     /// Programs attached from the cgroup2 root down to the target's cgroup.
@@ -288,6 +290,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         fence_attached: attached.is_ok(),
         fence_problem: attached.err(),
         fence_current,
+        running_mode: crate::fence_ops::running_mode(node),
         mode: if audit {
             "audit".into()
         } else {

@@ -60,11 +60,83 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
     Ok(report)
 }
 
-/// Status of this node's fence. Besides what the kernel objects say, an
-/// NVIDIA major registered since the install (a driver loaded later) and not
-/// protected is a problem: the fence is then not installed as configured.
+/// What the attached fence program does, found by comparing its tag with
+/// the tags of the two programs this version builds (`bpf_prog_calc_tag`:
+/// the instructions with map references zeroed, so the same program over
+/// the same maps has the same tag).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunningMode {
+    /// This version's enforcing program: it denies.
+    Enforce,
+    /// This version's audit program: it records and allows everything.
+    Audit,
+    /// Another program (an older or newer gpufence).
+    Other,
+    /// No program attached, or it could not be read.
+    Unknown,
+}
+
+impl std::fmt::Display for RunningMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RunningMode::Enforce => "enforce",
+            RunningMode::Audit => "audit",
+            RunningMode::Other => "other (not this version's program)",
+            RunningMode::Unknown => "unknown",
+        })
+    }
+}
+
+/// The mode of the program attached through the pinned link (see
+/// [`RunningMode`]). Loads the two candidate programs (never attached) to
+/// learn their tags.
+pub fn running_mode(node: &Node) -> RunningMode {
+    let Some(id) = Fence::linked_prog_id(&node.cfg.bpffs_dir) else {
+        return RunningMode::Unknown;
+    };
+    let Ok(fence) = Fence::open(&node.cfg.bpffs_dir) else {
+        return RunningMode::Unknown;
+    };
+    let Ok(info) = gpufence_cgroup::sys::prog_fd_by_id(id)
+        .and_then(|fd| gpufence_cgroup::sys::prog_info(std::os::fd::AsFd::as_fd(&fd)))
+    else {
+        return RunningMode::Unknown;
+    };
+    if fence.fresh_program_tag(false).is_ok_and(|t| t == info.tag) {
+        RunningMode::Enforce
+    } else if fence.fresh_program_tag(true).is_ok_and(|t| t == info.tag) {
+        RunningMode::Audit
+    } else {
+        RunningMode::Other
+    }
+}
+
+/// [`status_with_mode`] without the mode.
 pub fn status(node: &Node) -> FenceStatus {
+    status_with_mode(node).0
+}
+
+/// Status of this node's fence, and the running program's mode. Besides
+/// what the kernel objects say, an NVIDIA major registered since the
+/// install (a driver loaded later) and not protected is a problem: the fence
+/// is then not installed as configured. So is a running program in another
+/// mode than the config's, or not this version's.
+pub fn status_with_mode(node: &Node) -> (FenceStatus, RunningMode) {
     let mut st = Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+    let mode = running_mode(node);
+    let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
+        RunningMode::Audit
+    } else {
+        RunningMode::Enforce
+    };
+    if st.prog_id.is_some() && mode != want {
+        st.problems.push(match mode {
+            RunningMode::Audit => "the fence runs in AUDIT mode: it records and allows every open; the config says enforce: run `gpufence fence install`".to_string(),
+            RunningMode::Enforce => "the fence runs in enforce mode; the config says audit: run `gpufence fence install` to switch".to_string(),
+            _ => "the attached program is not the one this version builds (another gpufence version): run `gpufence fence install`".to_string(),
+        });
+    }
     if st.prog_id.is_some() {
         if let Ok(want) = node.protected_majors() {
             for m in want.majors().filter(|m| !st.protected_majors.contains(m)) {
@@ -76,7 +148,7 @@ pub fn status(node: &Node) -> FenceStatus {
             }
         }
     }
-    st
+    (st, mode)
 }
 
 /// Opens the fence's maps, refusing when the fence is not attached at

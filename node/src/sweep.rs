@@ -11,6 +11,7 @@
 //! | --- | --- | --- |
 //! | `unfenced_gpu_holder` | critical | a process holding an NVIDIA device (descriptor, mapping, io_uring file, or per NVML) that no grant or exemption covers |
 //! | `fence_not_attached` | critical | the fence's link is missing, detached or attached elsewhere |
+//! | `fence_not_enforcing` | high | the attached program is in audit mode (allows everything) while the config says enforce, or is another version's |
 //! | `unprotected_major` | critical | an NVIDIA major the node has (`/proc/devices` or `[majors]`) that the fence's majors map lacks (driver reloaded) |
 //! | `mining_cmdline` | critical | a `stratum+tcp://` / `stratum+ssl://` (`+tls`, `stratum2+tcp`) argument in a command line |
 //! | `mining_connection` | high | a TCP connection to a `mining_ports` port |
@@ -138,6 +139,9 @@ pub enum Kind {
     FenceNotAttached,
     /// An NVIDIA major the node has is not in the fence's map.
     UnprotectedMajor,
+    /// The attached program is not the one the config asks for: audit mode
+    /// (it allows everything) on an enforcing node, or another version's.
+    FenceNotEnforcing,
     /// A stratum URL in a command line.
     MiningCmdline,
     /// A TCP connection to a mining-pool port.
@@ -165,10 +169,11 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 15] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
+        Kind::FenceNotEnforcing,
         Kind::MiningCmdline,
         Kind::MiningConnection,
         Kind::GpuBusyWithoutGrant,
@@ -188,6 +193,7 @@ impl Kind {
             Kind::UnfencedGpuHolder => "unfenced_gpu_holder",
             Kind::FenceNotAttached => "fence_not_attached",
             Kind::UnprotectedMajor => "unprotected_major",
+            Kind::FenceNotEnforcing => "fence_not_enforcing",
             Kind::MiningCmdline => "mining_cmdline",
             Kind::MiningConnection => "mining_connection",
             Kind::GpuBusyWithoutGrant => "gpu_busy_without_grant",
@@ -209,9 +215,10 @@ impl Kind {
             | Kind::FenceNotAttached
             | Kind::UnprotectedMajor
             | Kind::MiningCmdline => Severity::Critical,
-            Kind::MiningConnection | Kind::GpuBusyWithoutGrant | Kind::UnauthenticatedNotebook => {
-                Severity::High
-            }
+            Kind::MiningConnection
+            | Kind::GpuBusyWithoutGrant
+            | Kind::UnauthenticatedNotebook
+            | Kind::FenceNotEnforcing => Severity::High,
             Kind::PersistenceCron | Kind::PersistenceSystemd | Kind::CheckFailed => {
                 Severity::Medium
             }
@@ -1103,6 +1110,24 @@ impl Sweep<'_> {
                     "bpffs_dir": node.cfg.bpffs_dir, "detail": detail,
                 }),
             ));
+        }
+        if attached.is_ok() {
+            let mode = crate::fence_ops::running_mode(node);
+            let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
+                crate::fence_ops::RunningMode::Audit
+            } else {
+                crate::fence_ops::RunningMode::Enforce
+            };
+            if mode != want {
+                self.findings.push(Finding::new(
+                    Kind::FenceNotEnforcing,
+                    format!(
+                        "the attached fence program runs in mode {mode}, the config asks for {}: run `gpufence fence install`",
+                        if want == crate::fence_ops::RunningMode::Audit { "audit" } else { "enforce" }
+                    ),
+                    json!({"running_mode": mode, "config_mode": format!("{:?}", node.cfg.mode).to_lowercase()}),
+                ));
+            }
         }
         self.fence = match Fence::open(&node.cfg.bpffs_dir) {
             Ok(f) => Some(f),

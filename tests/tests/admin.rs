@@ -201,3 +201,84 @@ fn exec_runs_admin_commands_exempt_and_audited() {
         .unwrap();
     assert!(!o.status.success());
 }
+
+/// Without root, commands that read the maps say so (exit 2) instead of
+/// reporting a missing fence; a closed pipe ends the CLI quietly (SIGPIPE),
+/// not with a panic.
+#[test]
+fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("cli-root");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    for args in [
+        &["fence", "status"][..],
+        &["grants"],
+        &["denials"],
+        &["sweep"],
+    ] {
+        let o = Command::new("setpriv")
+            .args([
+                "--reuid",
+                gpufence_tests::cluster::TEST_USER,
+                "--regid",
+                gpufence_tests::cluster::TEST_USER,
+                "--init-groups",
+                "--",
+            ])
+            .arg(workspace_bin("gpufence"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("needs root"), "{args:?}: {err}");
+        assert!(o.stdout.is_empty(), "{args:?}: nothing on stdout");
+    }
+    // The reader goes away before the CLI writes.
+    let (r, w) = std::io::pipe().unwrap();
+    drop(r);
+    let o = Command::new(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["fence", "status"])
+        .stdout(w)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&o.status),
+        Some(libc::SIGPIPE),
+        "{o:?}"
+    );
+    assert!(o.stderr.is_empty(), "no panic message: {o:?}");
+    // With grants, `fence remove` wants --force.
+    let job = env.cgroup("job_3");
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            3,
+            &[(DevNum::new(195, 0), Access::RW)],
+        )
+        .unwrap();
+    let o = gpufence(&cfg, &["fence", "remove"]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("(job 3)"),
+        "{o:?}"
+    );
+    assert!(
+        Fence::linked_prog_id(&env.bpffs).is_some(),
+        "still attached"
+    );
+    assert!(gpufence(&cfg, &["fence", "remove", "--force"])
+        .status
+        .success());
+    assert!(Fence::linked_prog_id(&env.bpffs).is_none());
+}

@@ -841,7 +841,11 @@ fn real_slurm_cluster_end_to_end() {
         "first step did not run: {}",
         std::fs::read_to_string(&out_file).unwrap_or_default()
     );
+    // A running job holds a grant: removing the fence is refused unless forced.
     let o = cluster.gpufence(&["fence", "remove"]);
+    assert_eq!(o.status.code(), Some(2), "{}", both(&o));
+    assert!(both(&o).contains("--force"), "{}", both(&o));
+    let o = cluster.gpufence(&["fence", "remove", "--force"]);
     assert!(o.status.success(), "{}", both(&o));
     std::fs::write(&flag, "").unwrap();
     assert!(

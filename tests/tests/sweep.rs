@@ -690,6 +690,51 @@ fn drift_is_reported() {
         (s[0].evidence["major"].clone(), s[0].severity),
         (json!(511), Severity::Low)
     );
+    // An audit-mode program left running on an enforcing node denies
+    // nothing: the sweep says so, and so does `fence status`.
+    fence_ops::install(&shrunk).unwrap();
+    let audit = config(&w.env, "mode = \"audit\"", "", None);
+    fence_ops::install(&audit).unwrap();
+    assert_eq!(
+        fence_ops::running_mode(&shrunk),
+        fence_ops::RunningMode::Audit
+    );
+    let o = sweep::execute(
+        &shrunk,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    let a = of_kind(&o, Kind::FenceNotEnforcing);
+    assert_eq!(a.len(), 1, "{o:#?}");
+    assert_eq!(
+        (a[0].severity, a[0].evidence["running_mode"].clone()),
+        (Severity::High, json!("audit"))
+    );
+    assert_eq!(o.exit, 1);
+    let (st, mode) = fence_ops::status_with_mode(&shrunk);
+    assert_eq!(mode, fence_ops::RunningMode::Audit);
+    assert!(
+        st.problems.iter().any(|p| p.contains("AUDIT mode")),
+        "{:?}",
+        st.problems
+    );
+    // Where audit is what the config asks, it is no finding.
+    let o = sweep::execute(
+        &audit,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    assert!(of_kind(&o, Kind::FenceNotEnforcing).is_empty(), "{o:#?}");
+    fence_ops::install(&shrunk).unwrap();
+    assert_eq!(
+        fence_ops::running_mode(&shrunk),
+        fence_ops::RunningMode::Enforce
+    );
+    assert!(fence_ops::status(&shrunk).problems.is_empty());
 }
 
 /// The textfile: written atomically, HELP/TYPE lines, one series per kind;
