@@ -67,6 +67,38 @@ pub fn check_report_path(p: &str) -> Result<PathBuf, String> {
     Ok(PathBuf::from(p))
 }
 
+/// Expands the filename patterns users know from sbatch's `--output` in a
+/// report path: `%j` the job id, `%N` the node name, `%%` a `%`. Other
+/// `%` sequences are kept as they are. Pure text: the path is still opened
+/// as the job's user only.
+pub fn expand_report_path(p: &std::path::Path, job_id: u32, node: &str) -> PathBuf {
+    let s = p.to_string_lossy();
+    let mut out = String::with_capacity(s.len());
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.peek() {
+            Some('j') => {
+                it.next();
+                out.push_str(&job_id.to_string());
+            }
+            Some('N') => {
+                it.next();
+                out.push_str(node);
+            }
+            Some('%') => {
+                it.next();
+                out.push('%');
+            }
+            _ => out.push('%'),
+        }
+    }
+    PathBuf::from(out)
+}
+
 impl JobOptions {
     /// Reads the options from a Prolog/Epilog environment (`get`).
     ///
@@ -105,6 +137,18 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn report_paths_expand_job_and_node() {
+        let e = |p: &str| expand_report_path(std::path::Path::new(p), 42, "gpu01");
+        assert_eq!(e("rep-%j.txt"), PathBuf::from("rep-42.txt"));
+        assert_eq!(
+            e("/scratch/%N/%j-%j"),
+            PathBuf::from("/scratch/gpu01/42-42")
+        );
+        assert_eq!(e("100%%-%x-%"), PathBuf::from("100%-%x-%"));
+        assert_eq!(e("plain"), PathBuf::from("plain"));
     }
 
     #[test]

@@ -156,6 +156,11 @@ unsafe extern "C" fn option_cb(val: c_int, optarg: *const c_char, _remote: c_int
             let s = unsafe { std::ffi::CStr::from_ptr(optarg) }
                 .to_string_lossy()
                 .into_owned();
+            // A bare `--gpufence-report` reaches slurmstepd as an empty
+            // value: the default path, not an error.
+            if s.is_empty() || s == "(null)" {
+                return 0;
+            }
             if let Err(e) = gpufence_model::options::check_report_path(&s) {
                 log(LogLevel::Error, &e);
                 return -1;
