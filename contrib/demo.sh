@@ -120,7 +120,7 @@ Prolog=$DEMO/bin/prolog.sh
 Epilog=$DEMO/bin/epilog.sh
 CONF
 
-step "3. Start slurmctld + slurmd + munged on loopback; the plugin installs the fence at slurmd start"
+step "3. Start slurmctld + slurmd + munged (the node addressed as 127.0.0.1); the plugin installs the fence at slurmd start"
 GPUFENCE_CLUSTER_PORT_BASE=$PORT_BASE GPUFENCE_SLURMD_CGROUP="$CGROOT/$NAME/slurmd" \
     bash contrib/cluster.sh start "$DEMO/cluster"
 export SLURM_CONF=$DEMO/cluster/slurm.conf
@@ -169,6 +169,8 @@ if [[ ${1:-} == --keep ]]; then
     step "Left running. To use it:"
     echo "  export SLURM_CONF=$SLURM_CONF GPUFENCE_CONFIG=$DEMO/gpufence.toml PATH=$DEMO/bin:\$PATH"
     echo "  (GPUFENCE_CONFIG matters: without it gpufence reads /etc/slurm/gpufence.toml, a whole-node fence)"
+    echo "  jobs as the demo's user, from its job directory (reports are written there):"
+    echo "  cd $DEMO/jobs && setpriv --reuid=$USER_ --regid=$USER_ --init-groups -- env SLURM_CONF=$SLURM_CONF srun --gres=gpu:1 --gpufence-report $PROBE open $DEMO/dev/nvidia0"
     echo "  stop with: GPUFENCE_DEMO_DIR=$DEMO bash contrib/demo.sh --stop"
 else
     step "10. Stop the cluster, remove the fence and the demo's cgroups"
