@@ -67,9 +67,9 @@ fn accounting_fields(
     rec: &JobRecord,
     minors: &BTreeSet<u32>,
     ev: AuditEvent,
+    now: chrono::DateTime<chrono::Utc>,
 ) -> AuditEvent {
     let start = chrono::DateTime::parse_from_rfc3339(&rec.created).ok();
-    let now = chrono::Utc::now();
     let Some(start) = start else { return ev };
     let wall = (now.timestamp_micros() - start.timestamp_micros()).max(0) as f64 / 1e6;
     let ev = ev
@@ -163,6 +163,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let node_name = env.node_name.as_deref();
     let mut out = EpilogOutcome::default();
+    // The job's end, for the audit line's and the report's wall time alike.
+    let ended = chrono::Utc::now();
     let rec = match node.state.read_record(job_id) {
         Ok(r) => r,
         Err(e) => {
@@ -221,7 +223,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             .field("cgroup_ids", cgroups.into_iter().collect::<Vec<_>>())
             .field("entries", out.revoked.len());
         if let Some(r) = &rec {
-            ev = accounting_fields(node, &gpus, r, &minors, ev.uid(r.uid));
+            ev = accounting_fields(node, &gpus, r, &minors, ev.uid(r.uid), ended);
         }
         if let Err(e) = node.audit(ev) {
             out.errors.push(e.to_string());
@@ -407,10 +409,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                 let start = rec
                     .as_ref()
                     .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
-                let wall = start.map(|s| {
-                    (chrono::Utc::now() - s.with_timezone(&chrono::Utc)).num_milliseconds() as f64
-                        / 1000.0
-                });
+                let wall = start
+                    .map(|s| (ended.timestamp_micros() - s.timestamp_micros()).max(0) as f64 / 1e6);
                 let denials = crate::denials::list(node)
                     .unwrap_or_default()
                     .into_iter()
@@ -445,14 +445,30 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                     accounting,
                     exclusive: out.exclusive.clone(),
                 });
-                let target = path
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt")));
-                match crate::report::write_as_user(&text, &target, wd, uid, gid) {
-                    Ok(p) => out.notes.push(format!("report written to {}", p.display())),
-                    // The user's path, the user's problem: noted, never a drain.
-                    Err(e) => out.notes.push(format!("report not written: {e}")),
-                }
+                let target = gpufence_model::options::expand_report_path(
+                    &path
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt"))),
+                    job_id,
+                    node_name.unwrap_or("node"),
+                );
+                // The user's path, the user's problem: audited (the admin
+                // can tell the user why), never a drain.
+                let (event, note) = match crate::report::write_as_user(&text, &target, wd, uid, gid)
+                {
+                    Ok(p) => (
+                        AuditEvent::new("report_written").field("path", p.display().to_string()),
+                        format!("report written to {}", p.display()),
+                    ),
+                    Err(e) => (
+                        AuditEvent::new("report_failed")
+                            .field("path", target.display().to_string())
+                            .field("error", e.to_string()),
+                        format!("report not written: {e}"),
+                    ),
+                };
+                let _ = node.audit(event.job(job_id).uid(uid));
+                out.notes.push(note);
             }
             _ => out.notes.push(
                 "report not written: the job's uid, gid or working directory is unknown".into(),

@@ -780,32 +780,52 @@ fn real_slurm_cluster_end_to_end() {
         test_uid(),
         "written as the user"
     );
-    let mine = env.path("jobs/my-report.txt");
+    assert!(
+        !cluster.log_tail("slurmd.log").contains("empty path"),
+        "a bare --gpufence-report is no error: {}",
+        cluster.log_tail("slurmd.log")
+    );
+    // %j in the path is the job id, as in sbatch --output.
+    let pattern = env.path("jobs/my-report-%j.txt");
     let o = cluster.as_user(
         "srun",
         &[
-            &format!("--gpufence-report={}", mine.display()),
+            &format!("--gpufence-report={}", pattern.display()),
             "--gres=gpu:sim:1",
-            "true",
+            "sh",
+            "-c",
+            "echo JOB=$SLURM_JOB_ID",
         ],
     );
     assert!(o.status.success(), "{}", both(&o));
+    let job_p: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
+    let mine = env.path(&format!("jobs/my-report-{job_p}.txt"));
     assert!(
         Cluster::wait_for(Duration::from_secs(20), || mine.exists()),
-        "no report at {}",
-        mine.display()
+        "no report at {}: {:?}",
+        mine.display(),
+        events_for(&env, job_p)
     );
+    assert!(events_for(&env, job_p).contains(&"report_written".to_string()));
     // A path the user may not write is not written (as root it would be).
     let o = cluster.as_user(
         "srun",
         &[
             "--gpufence-report=/etc/gpufence-pwned",
             "--gres=gpu:sim:1",
-            "true",
+            "sh",
+            "-c",
+            "echo JOB=$SLURM_JOB_ID",
         ],
     );
     assert!(o.status.success(), "{}", both(&o));
-    std::thread::sleep(Duration::from_secs(2));
+    let job_f: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&env, job_f)
+            .contains(&"report_failed".to_string())),
+        "the failure is audited: {:?}",
+        events_for(&env, job_f)
+    );
     assert!(
         !std::path::Path::new("/etc/gpufence-pwned").exists(),
         "the report was written as root"
