@@ -48,6 +48,9 @@ pub enum ApplyOutcome {
         cgroup_id: u64,
         /// How many devices.
         devices: usize,
+        /// What the Prolog noted for the user (a `--gpu-exclusive` that
+        /// could not be set): the plugin prints these in the job's output.
+        user_notes: Vec<String>,
     },
     /// The job has a record without GPUs: nothing to grant.
     NoGpus,
@@ -172,6 +175,12 @@ pub fn grant(
         cgroup_path: job.clone(),
         cgroup_id,
         devices: devs.len(),
+        user_notes: rec
+            .notes
+            .iter()
+            .filter(|n| n.starts_with(crate::prolog::USER_NOTE_PREFIX))
+            .cloned()
+            .collect(),
     })
 }
 

@@ -483,6 +483,10 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
     Ok(notes)
 }
 
+/// How notes meant for the job's user start (the plugin prints them in the
+/// job's output, with `gpufence: ` in front).
+pub const USER_NOTE_PREFIX: &str = "--gpu-exclusive: ";
+
 /// `--gpu-exclusive`: exclusive-process compute mode on the job's GPUs,
 /// remembering each GPU's mode for the epilog to restore. A GPU that cannot
 /// be switched is noted (the job still runs: the mode is the user's wish,
@@ -499,9 +503,21 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
     for m in minors {
         match gpus.swap_compute_mode(m, crate::gpus::EXCLUSIVE_PROCESS) {
             Ok(old) => rec.saved_compute_modes.push((m, old)),
-            Err(e) => rec
-                .notes
-                .push(format!("--gpu-exclusive: /dev/nvidia{m}: {e}")),
+            Err(e) => {
+                // The file the job was given (the demo's and the tests'
+                // stand-ins are not in /dev).
+                let path = rec
+                    .devices
+                    .iter()
+                    .find(|d| d.role == DeviceRole::Gres && d.dev.minor == m)
+                    .map_or_else(
+                        || format!("/dev/nvidia{m}"),
+                        |d| d.path.display().to_string(),
+                    );
+                rec.notes.push(format!(
+                    "{USER_NOTE_PREFIX}{path}: not set ({e}); the GPU stays in its current compute mode"
+                ));
+            }
         }
     }
 }

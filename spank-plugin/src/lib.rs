@@ -221,6 +221,9 @@ impl Error for Refused {}
 #[derive(Default)]
 pub struct GpuFence {
     verdict: Option<StepVerdict>,
+    /// Lines for the job's output (task 0's stderr), from the Prolog's
+    /// notes: a `--gpu-exclusive` that could not be set.
+    user_notes: Vec<String>,
 }
 
 fn log(level: LogLevel, msg: &str) {
@@ -315,9 +318,14 @@ impl GpuFence {
         if let Some(Ok(apply::ApplyOutcome::Granted {
             cgroup_path,
             devices,
+            user_notes,
             ..
         })) = &granted
         {
+            self.user_notes = user_notes
+                .iter()
+                .map(|n| format!("gpufence: job {}: {n}", req.job_id))
+                .collect();
             log(
                 LogLevel::Verbose,
                 &format!(
@@ -379,6 +387,11 @@ unsafe impl Plugin for GpuFence {
     }
 
     fn task_init(&mut self, spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
+        if spank.task_global_id().unwrap_or(0) == 0 {
+            for n in &self.user_notes {
+                let _ = writeln!(std::io::stderr(), "{n}");
+            }
+        }
         if let (Some(StepVerdict::RunWithoutGpus(_)), Some(line)) =
             (&self.verdict, self.user_line())
         {

@@ -720,6 +720,11 @@ fn real_slurm_cluster_end_to_end() {
     );
     let out = stdout(&o);
     assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        !both(&o).contains("--gpu-exclusive: "),
+        "set, so nothing to say: {}",
+        both(&o)
+    );
     let idx: usize = field(&out, "GPUS").unwrap().parse().unwrap();
     let minor = [3, 1][idx];
     let mode_of = |text: &str| -> Option<u64> {
@@ -744,6 +749,21 @@ fn real_slurm_cluster_end_to_end() {
             .is_ok_and(|s| mode_of(&s) == Some(0))),
         "mode restored after the job: {}",
         std::fs::read_to_string(&state).unwrap_or_default()
+    );
+    // A GPU NVML does not know (the MIG parent here): the job runs, and the
+    // user reads one line saying the mode was not set, naming the file.
+    let o = cluster.as_user("srun", &["--gpu-exclusive", "--gres=gpu:mig:1", "true"]);
+    assert!(o.status.success(), "{}", both(&o));
+    let lines: Vec<String> = both(&o)
+        .lines()
+        .filter(|l| l.contains("--gpu-exclusive: "))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", both(&o));
+    assert!(
+        lines[0].starts_with("gpufence: job ")
+            && lines[0].contains(&format!("{}: not set", n5.display())),
+        "{lines:?}"
     );
     // The report, to the default place (the job's working directory) and to a path.
     let o = cluster.as_user(
