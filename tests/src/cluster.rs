@@ -121,22 +121,8 @@ impl Cluster {
         let config = env.config(gpufence_extra);
         // slurmd builds the Prolog's environment from scratch: the config
         // path travels in a wrapper, as it would in /etc/slurm on a node.
-        for (name, b) in [
-            ("prolog.sh", "gpufence-prolog"),
-            ("epilog.sh", "gpufence-epilog"),
-        ] {
-            let p = bin.join(name);
-            std::fs::write(
-                &p,
-                format!(
-                    "#!/bin/sh\nexec {} --config {}\n",
-                    bin.join(b).display(),
-                    config.display()
-                ),
-            )
-            .unwrap();
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        write_wrapper(&bin, &config, "prolog", &[]);
+        write_wrapper(&bin, &config, "epilog", &[]);
         std::fs::write(
             dir.join("plugstack.conf"),
             format!(
@@ -326,6 +312,24 @@ impl Cluster {
         );
     }
 
+    /// Sets the environment slurmd's Prolog (`which` = `"prolog"`) or
+    /// Epilog (`"epilog"`) runs gpufence with, e.g. `GPUFENCE_TEST_CRASH_AT`
+    /// (slurmd gives them a fresh environment, so it goes in the wrapper
+    /// script, which only root writes); `&[]` clears it.
+    pub fn set_script_env(&self, which: &str, vars: &[(&str, &str)]) {
+        write_wrapper(&self.bin, &self.config, which, vars);
+    }
+
+    /// Runs `program args` as root with the cluster's `SLURM_CONF`
+    /// (scontrol, scancel: what an admin does).
+    pub fn admin(&self, program: &str, args: &[&str]) -> Output {
+        Command::new(program)
+            .env("SLURM_CONF", &self.slurm_conf)
+            .args(args)
+            .output()
+            .expect("run admin command")
+    }
+
     /// slurmd's port, from slurm.conf.
     pub fn slurmd_port(&self) -> u16 {
         std::fs::read_to_string(&self.slurm_conf)
@@ -357,6 +361,31 @@ impl Drop for Cluster {
             .arg(&self.dir)
             .output();
     }
+}
+
+/// Writes `<bin>/<which>.sh` (`which`: `prolog` or `epilog`), the script
+/// slurm.conf names, running `gpufence-<which> --config CONFIG` with `vars`
+/// in its environment; atomically, since slurmd may start it any moment.
+fn write_wrapper(bin: &Path, config: &Path, which: &str, vars: &[(&str, &str)]) {
+    let env: String = vars.iter().map(|(k, v)| format!("{k}='{v}' ")).collect();
+    let p = bin.join(format!("{which}.sh"));
+    let tmp = bin.join(format!(".{which}.sh.tmp"));
+    std::fs::write(
+        &tmp,
+        format!(
+            "#!/bin/sh\n{}exec {} --config {}\n",
+            if env.is_empty() {
+                String::new()
+            } else {
+                format!("export {env}\n")
+            },
+            bin.join(format!("gpufence-{which}")).display(),
+            config.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
 }
 
 /// This machine's short hostname (Slurm's NodeName).

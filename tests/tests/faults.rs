@@ -20,6 +20,12 @@
 //!   layout, once Slurm removed the job cgroup, `gpufence sweep` (the CLI)
 //!   removes whatever grant a crashed grant step or epilog left.
 //!
+//! Crashes on a real cluster (Debian's Slurm 22.05):
+//! [`real_slurmstepd_killed_in_its_grant_step`] (the switch in slurmd's
+//! environment, inherited by slurmstepd) and
+//! [`real_prolog_and_epilog_killed_at_every_boundary`] (the switch in the
+//! Prolog/Epilog wrapper scripts).
+//!
 //! Restarts, on a real cluster: [`slurmd_restart_keeps_fence_and_grant`].
 //!
 //! Devices are `mknod` nodes: ENXIO = allowed by the device cgroup, EPERM =
@@ -856,5 +862,232 @@ fn real_slurmstepd_killed_in_its_grant_step() {
                 "{when}: outsider after"
             );
         }
+    }
+}
+
+/// The job's id from a `JOB=` line.
+fn job_of(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("JOB="))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// slurmd's Prolog and Epilog killed at each of their boundaries on a real
+/// cluster (the switch travels in the wrapper scripts slurm.conf names,
+/// which only root writes).
+///
+/// - Prolog: Slurm drains the node and requeues the job held; no grant
+///   exists meanwhile and outsiders open nothing. With the switch gone, the
+///   admin resumes the node and releases the job: the job's next prolog
+///   repairs what the killed one left, the job runs with its GPU (and not
+///   the other), and its epilog leaves nothing.
+/// - Epilog: Slurm drains the node (fail loud); outsiders open nothing, and
+///   a grant the epilog did not revoke yet sits on the job's empty cgroup.
+///   The repair is the admin's: run the Epilog again for the job (as the
+///   drain reason asks), then resume; nothing of the job is left.
+#[test]
+fn real_prolog_and_epilog_killed_at_every_boundary() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("script-crash");
+    let (cluster, gpu) = two_gpu_cluster(&env, 20);
+    let probe = cluster.bin.join("gpufence-probe");
+    let outside = env.cgroup("outside");
+    let jobs = env.path("jobs");
+    let open = format!(
+        "{} open {} {}",
+        probe.display(),
+        gpu[0].display(),
+        gpu[1].display()
+    );
+    let host = gpufence_tests::cluster::hostname();
+    let resume = || {
+        let o = cluster.admin(
+            "scontrol",
+            &["update", &format!("nodename={host}"), "state=resume"],
+        );
+        assert!(o.status.success(), "resume: {}", both(&o));
+    };
+    let closed = |when: &str| {
+        for g in &gpu {
+            assert_eq!(env.open_from(&outside, g), "EPERM", "{when}: outsider");
+            assert_eq!(env.open_from(&env.root, g), "EPERM", "{when}: subtree root");
+        }
+    };
+    let events = |job: u64| -> Vec<String> {
+        cluster_audit(&env)
+            .iter()
+            .filter(|e| e["job_id"] == job)
+            .map(|e| e["event"].as_str().unwrap_or("?").to_string())
+            .collect()
+    };
+    // Clean: revoked after the last grant, no grant, no state file, no job
+    // cgroup, node idle.
+    let gone = |job: u64, when: &str| {
+        let mut state = String::new();
+        assert!(
+            Cluster::wait_for(Duration::from_secs(60), || {
+                state = node_state(&cluster);
+                let ev = events(job);
+                let last = |n: &str| ev.iter().rposition(|e| e == n);
+                // (No grant_applied at all: the step ran without a grant.)
+                (last("grant_revoked") > last("grant_applied") || last("grant_applied").is_none())
+                    && live_grant_jobs(&cluster).is_empty()
+                    && state_files(&env.path("state")).is_empty()
+                    && state == "idle"
+            }),
+            "{when}: job {job}: {:?} grants {:?} files {:?} node {state}\n{}",
+            events(job),
+            live_grant_jobs(&cluster),
+            state_files(&env.path("state")),
+            cluster.log_tail("slurmd.log")
+        );
+        assert!(
+            !env.cg.path(&format!("{}/job_{job}", env.root)).exists(),
+            "{when}: job cgroup left"
+        );
+        closed(when);
+    };
+    let drained = |when: &str| {
+        let mut st = String::new();
+        assert!(
+            Cluster::wait_for(Duration::from_secs(60), || {
+                st = node_state(&cluster);
+                st.starts_with("drain")
+            }),
+            "{when}: Slurm drains the node: {st}\n{}",
+            cluster.log_tail("slurmd.log")
+        );
+    };
+    for p in crashpoint::ALL
+        .iter()
+        .copied()
+        .filter(|p| p.component == Component::Prolog)
+    {
+        let when = format!("prolog killed at {p}");
+        cluster.set_script_env("prolog", &[(crashpoint::ENV, &p.to_string())]);
+        let out = jobs.join(format!("prolog-{}.out", p.step));
+        let o = cluster.as_user(
+            "sbatch",
+            &[
+                "--parsable",
+                "--gres=gpu:1",
+                "-o",
+                out.to_str().unwrap(),
+                "--wrap",
+                &format!("echo JOB=$SLURM_JOB_ID; echo GPUS=$SLURM_JOB_GPUS; {open}"),
+            ],
+        );
+        assert!(o.status.success(), "{when}: {}", both(&o));
+        let job: u64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
+        drained(&when);
+        // Requeued and held: pending, never ran.
+        assert!(
+            Cluster::wait_for(Duration::from_secs(30), || {
+                let s = both(&cluster.admin("squeue", &["-h", "-j", &job.to_string(), "-o", "%T"]));
+                s.trim() == "PENDING"
+            }),
+            "{when}: job {job} requeued: {}",
+            both(&cluster.admin("squeue", &["-h", "-o", "%i %T %r"]))
+        );
+        assert!(live_grant_jobs(&cluster).is_empty(), "{when}: no grant");
+        closed(&when);
+        check_state_whole(&env.path("state"), &when);
+        cluster.set_script_env("prolog", &[]);
+        resume();
+        let o = cluster.admin("scontrol", &["release", &job.to_string()]);
+        assert!(o.status.success(), "{when}: release: {}", both(&o));
+        // A requeued job waits for a begin time Slurm sets in the future.
+        let o = cluster.admin(
+            "scontrol",
+            &["update", &format!("jobid={job}"), "starttime=now"],
+        );
+        assert!(o.status.success(), "{when}: starttime: {}", both(&o));
+        let mut text = String::new();
+        assert!(
+            Cluster::wait_for(Duration::from_secs(60), || {
+                text = std::fs::read_to_string(&out).unwrap_or_default();
+                text.lines().filter(|l| l.contains(" E")).count() == 2
+            }),
+            "{when}: the requeued job did not run: {text}\n{}",
+            both(&cluster.admin("squeue", &["-h", "-o", "%i %T %r"]))
+        );
+        assert_eq!(job_of(&text), Some(job), "{when}: {text}");
+        let mine: usize = text
+            .lines()
+            .find_map(|l| l.strip_prefix("GPUS="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{when}: {text}"));
+        let v = |g: &PathBuf| {
+            let pre = format!("{} ", g.display());
+            text.lines()
+                .find_map(|l| l.strip_prefix(&pre))
+                .unwrap_or("missing")
+                .to_string()
+        };
+        // Slurm 22.05 sometimes relaunches a job requeued after a prolog
+        // failure without running the Prolog again (seen here when the
+        // relaunch follows the failed attempt quickly: "reissued job
+        // credential", then "Launching batch job" with no Prolog). The
+        // job then has no record: it runs without GPUs, and says so.
+        let prolog_skipped = events(job).contains(&"grant_refused".to_string());
+        if prolog_skipped {
+            assert!(
+                text.contains(&format!("gpufence: job {job} has no GPU grant")),
+                "{when}: the user is told:\n{text}"
+            );
+            assert_eq!(v(&gpu[mine]), "EPERM", "{when}: no record, no GPU:\n{text}");
+        } else {
+            assert_eq!(
+                v(&gpu[mine]),
+                "ENXIO",
+                "{when}: its GPU:\n{text}\n{:?}\n{}",
+                events(job),
+                cluster.log_tail("slurmd.log")
+            );
+        }
+        assert_eq!(v(&gpu[1 - mine]), "EPERM", "{when}: not the other:\n{text}");
+        gone(job, &format!("after the repair of a {when}"));
+    }
+    for p in crashpoint::ALL
+        .iter()
+        .copied()
+        .filter(|p| p.component == Component::Epilog)
+    {
+        let when = format!("epilog killed at {p}");
+        cluster.set_script_env("epilog", &[(crashpoint::ENV, &p.to_string())]);
+        let o = cluster.as_user(
+            "srun",
+            &[
+                "--gres=gpu:1",
+                "sh",
+                "-c",
+                &format!("echo JOB=$SLURM_JOB_ID; {open}"),
+            ],
+        );
+        let text = both(&o);
+        assert!(o.status.success(), "{when}: {text}");
+        assert_eq!(text.matches("ENXIO").count(), 1, "{when}: {text}");
+        let job = job_of(&text).unwrap();
+        drained(&when);
+        closed(&when);
+        check_state_whole(&env.path("state"), &when);
+        let live = live_grant_jobs(&cluster);
+        if grant_may_live(p) {
+            assert_eq!(live, vec![job], "{when}: the grant is not revoked yet");
+        } else {
+            assert!(live.is_empty(), "{when}: revoked: {live:?}");
+        }
+        // The admin's repair: the Epilog again for the job, then resume.
+        cluster.set_script_env("epilog", &[]);
+        let o = Command::new(cluster.bin.join("epilog.sh"))
+            .env_clear()
+            .env("SLURM_JOB_ID", job.to_string())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{when}: epilog again: {}", both(&o));
+        resume();
+        gone(job, &format!("after the repair of an {when}"));
     }
 }
