@@ -222,15 +222,30 @@ fn real_slurm_cluster_end_to_end() {
     );
 
     // 3. A job that names every GPU in its own environment still gets one.
-    let o = cluster
-        .user_cmd("srun")
-        .env("CUDA_VISIBLE_DEVICES", "0,1")
-        .env("SLURM_JOB_GPUS", "0,1")
-        .args(["--export=ALL", "--gres=gpu:sim:1", "sh", "-c", &script])
-        .output()
-        .unwrap();
+    //    (user_cmd resets the environment: the variables travel as `env`
+    //    arguments, and a marker shows they reached the job.)
+    let o = cluster.as_user(
+        "env",
+        &[
+            "CUDA_VISIBLE_DEVICES=0,1",
+            "SLURM_JOB_GPUS=0,1",
+            "SLURM_STEP_GPUS=0,1",
+            "GPUFENCE_SPOOF_MARK=reached",
+            "srun",
+            "--export=ALL",
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!("echo MARK=$GPUFENCE_SPOOF_MARK; {script}"),
+        ],
+    );
     let out = stdout(&o);
     assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(
+        field(&out, "MARK").as_deref(),
+        Some("reached"),
+        "the spoofed environment reached the job:\n{out}"
+    );
     let opened: Vec<_> = [&n3, &n1]
         .into_iter()
         .filter(|d| verdict(&out, d) == "ENXIO")
