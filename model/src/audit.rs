@@ -150,6 +150,7 @@ impl AuditLog {
             create_dir_all_mode(dir, 0o750).map_err(with_path)?;
         }
         let mut f = OpenOptions::new()
+            .read(true)
             .append(true)
             .create(true)
             .mode(0o640)
@@ -160,13 +161,52 @@ impl AuditLog {
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(with_path(io::Error::last_os_error()));
         }
-        f.write_all(&ev.to_line()).map_err(with_path)
+        // A writer killed in the middle of its write(2) leaves a line
+        // without its newline: start on a fresh line, so only that line is
+        // lost, not this one too.
+        let mut line = ev.to_line();
+        if !ends_with_newline(&f) {
+            line.insert(0, b'\n');
+        }
+        f.write_all(&line).map_err(with_path)
     }
+}
+
+/// Whether the file is empty or its last byte is a newline (read with
+/// `pread`, which an `O_APPEND` descriptor allows).
+fn ends_with_newline(f: &std::fs::File) -> bool {
+    use std::os::unix::fs::FileExt;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if len == 0 {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    // An unreadable tail: assume the worst, an empty line costs nothing.
+    f.read_exact_at(&mut b, len - 1).is_ok() && b[0] == b'\n'
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_torn_last_line_does_not_swallow_the_next() {
+        let d = tempfile::tempdir().unwrap();
+        let log = AuditLog::new(d.path().join("audit.jsonl"));
+        log.append(&AuditEvent::new("first")).unwrap();
+        // A writer killed mid-line.
+        let mut f = OpenOptions::new().append(true).open(log.path()).unwrap();
+        f.write_all(b"{\"ts\":\"2026-").unwrap();
+        drop(f);
+        log.append(&AuditEvent::new("second")).unwrap();
+        let text = std::fs::read_to_string(log.path()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[1], "{\"ts\":\"2026-");
+        let second: serde_json::Value = serde_json::from_str(lines[2]).unwrap();
+        assert_eq!(second["event"], "second");
+        assert!(text.ends_with('\n'));
+    }
 
     #[test]
     fn lines_carry_ts_event_and_fields() {
