@@ -40,10 +40,11 @@ struct Side {
 /// What the job benchmark measured; times in seconds.
 #[derive(Debug, Default, Clone)]
 pub struct JobResult {
-    /// `srun --gres=gpu:1 true`, median: (with, without).
-    pub srun_s: (f64, f64),
-    /// sbatch submit to gone, median: (with, without).
-    pub sbatch_s: (f64, f64),
+    /// `srun --gres=gpu:1 true`, median: (with gpufence, without, with
+    /// empty Prolog/Epilog scripts and no plugin).
+    pub srun_s: (f64, f64, f64),
+    /// sbatch submit to gone, median: (with, without, empty scripts).
+    pub sbatch_s: (f64, f64, f64),
     /// Prolog wall time, median.
     pub prolog_s: f64,
     /// Epilog wall time, median.
@@ -77,7 +78,10 @@ fn cluster_sh() -> PathBuf {
 }
 
 impl Side {
-    fn start(name: &'static str, with: bool, port_base: u16) -> Side {
+    /// `with`: gpufence's plugin, Prolog and Epilog; `scripts`: without
+    /// gpufence, but a Prolog and an Epilog that do nothing (`exit 0`), as
+    /// most sites already run some: Slurm's own cost of running them.
+    fn start(name: &'static str, with: bool, scripts: bool, port_base: u16) -> Side {
         let env = TestEnv::new(&format!("bench-job-{name}"));
         let gpu = env.mknod("nvidia0", 195, 0);
         let dir = env.path("cluster");
@@ -154,6 +158,12 @@ impl Side {
                 bin.join("epilog.sh").display()
             ));
         }
+        if scripts {
+            let p = bin.join("noop.sh");
+            std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            extra.push_str(&format!("Prolog={}\nEpilog={}\n", p.display(), p.display()));
+        }
         std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
         let slurmd_cg = env.cgroup("slurmd");
         let out = Command::new("bash")
@@ -202,6 +212,7 @@ impl Side {
     }
 
     fn srun(&self) -> f64 {
+        self.wait_idle();
         let t = Instant::now();
         let o = self.user("srun", &["--gres=gpu:1", "true"]);
         let s = t.elapsed().as_secs_f64();
@@ -210,6 +221,10 @@ impl Side {
     }
 
     fn sbatch(&self) -> f64 {
+        // Start from an idle node: a node still finishing the previous job
+        // (its completing flag lags the job's end) makes slurmctld wait for
+        // its next scheduling pass, which would measure Slurm, not us.
+        self.wait_idle();
         let t = Instant::now();
         let o = self.user(
             "sbatch",
@@ -237,6 +252,22 @@ impl Side {
             std::thread::sleep(Duration::from_millis(5));
         }
         t.elapsed().as_secs_f64()
+    }
+
+    fn wait_idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let o = self.user("sinfo", &["-h", "-N", "-o", "%T"]);
+            if String::from_utf8_lossy(&o.stdout).trim() == "idle" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node of {} never idle",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Starts `srun sleep 2`, reads the step's slurmstepd VmRSS after 1 s.
@@ -343,50 +374,49 @@ fn map_memory(bpffs: &Path) -> Vec<(String, u32, u64)> {
 
 /// Runs the job benchmark: `runs` alternating runs of each measurement.
 pub fn run(runs: usize) -> JobResult {
-    let with = Side::start("with", true, 18817);
-    let without = Side::start("without", false, 18917);
+    let with = Side::start("with", true, false, 18817);
+    let without = Side::start("without", false, false, 18917);
+    let scripts = Side::start("scripts", false, true, 19017);
     // cluster.sh's own check job already ran once on each; the timing
     // files start now.
     let _ = std::fs::remove_file(&with.prolog_times);
     let _ = std::fs::remove_file(&with.epilog_times);
-    let mut srun = (Vec::new(), Vec::new());
-    let mut sbatch = (Vec::new(), Vec::new());
-    let mut rss = (Vec::new(), Vec::new());
+    let sides = [&with, &without, &scripts];
+    let mut srun: [Vec<f64>; 3] = Default::default();
+    let mut sbatch: [Vec<f64>; 3] = Default::default();
+    let mut rss: [Vec<f64>; 2] = Default::default();
+    // Each round runs the three in a rotated order.
     for r in 0..runs {
-        let first_with = r % 2 == 0;
-        for k in 0..2 {
-            if (k == 0) == first_with {
-                srun.0.push(with.srun());
-            } else {
-                srun.1.push(without.srun());
-            }
+        for k in 0..3 {
+            let i = (k + r) % 3;
+            srun[i].push(sides[i].srun());
         }
     }
     for r in 0..runs {
-        let first_with = r % 2 == 0;
-        for k in 0..2 {
-            if (k == 0) == first_with {
-                sbatch.0.push(with.sbatch());
-            } else {
-                sbatch.1.push(without.sbatch());
-            }
+        for k in 0..3 {
+            let i = (k + r) % 3;
+            sbatch[i].push(sides[i].sbatch());
         }
     }
     for _ in 0..runs.clamp(1, 3) {
-        rss.0.push(with.stepd_rss() as f64);
-        rss.1.push(without.stepd_rss() as f64);
+        rss[0].push(with.stepd_rss() as f64);
+        rss[1].push(without.stepd_rss() as f64);
     }
-    // The last epilog may still be running: squeue no longer lists a job
-    // once its epilog completed, so the times are all in.
+    // squeue no longer lists a job once its epilog completed, so the
+    // Epilog's times are all in.
+    let [s0, s1, s2] = srun;
+    let [b0, b1, b2] = sbatch;
+    let [r0, r1] = rss;
     let result = JobResult {
-        srun_s: (median(srun.0), median(srun.1)),
-        sbatch_s: (median(sbatch.0), median(sbatch.1)),
+        srun_s: (median(s0), median(s1), median(s2)),
+        sbatch_s: (median(b0), median(b1), median(b2)),
         prolog_s: median(Side::times(&with.prolog_times)),
         epilog_s: median(Side::times(&with.epilog_times)),
-        stepd_rss_kib: (median(rss.0) as u64, median(rss.1) as u64),
+        stepd_rss_kib: (median(r0) as u64, median(r1) as u64),
         maps: map_memory(&with.env.bpffs),
         runs,
     };
+    drop(scripts);
     drop(without);
     drop(with);
     result

@@ -185,10 +185,10 @@ fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::pat
 fn print_job(runs: usize, json: Option<std::path::PathBuf>) {
     let r = job::run(runs);
     let ms = |s: f64| s * 1e3;
-    println!("Job path, two one-node Slurm 22.05 clusters side by side, median of {} alternating runs:\n", r.runs);
-    println!("| measurement | with gpufence | without | added | ratio |");
-    println!("|---|---|---|---|---|");
-    for (what, (w, wo)) in [
+    println!("Job path, three one-node Slurm 22.05 clusters side by side (gpufence; nothing; empty Prolog and Epilog scripts without the plugin), each run from an idle node, median of {} rotated runs:\n", r.runs);
+    println!("| measurement | with gpufence | without | empty scripts | added vs without | added vs empty scripts |");
+    println!("|---|---|---|---|---|---|");
+    for (what, (w, wo, sc)) in [
         ("`srun --gres=gpu:1 true`", r.srun_s),
         (
             "`sbatch --gres=gpu:1 --wrap true`, submit to gone (Epilog included)",
@@ -196,28 +196,31 @@ fn print_job(runs: usize, json: Option<std::path::PathBuf>) {
         ),
     ] {
         println!(
-            "| {what} | {:.1} ms | {:.1} ms | {:+.1} ms | {:.3}x |",
+            "| {what} | {:.1} ms | {:.1} ms | {:.1} ms | {:+.1} ms ({:.3}x) | {:+.1} ms ({:.3}x) |",
             ms(w),
             ms(wo),
+            ms(sc),
             ms(w - wo),
-            w / wo
+            w / wo,
+            ms(w - sc),
+            w / sc
         );
     }
     println!(
-        "| Prolog alone (`gpufence-prolog`) | {:.1} ms | | | |",
+        "| Prolog alone (`gpufence-prolog`) | {:.1} ms | | | | |",
         ms(r.prolog_s)
     );
     println!(
-        "| Epilog alone (`gpufence-epilog`) | {:.1} ms | | | |",
+        "| Epilog alone (`gpufence-epilog`) | {:.1} ms | | | | |",
         ms(r.epilog_s)
     );
     println!(
-        "| Prolog + Epilog | {:.1} ms | | | {:.1}% of `srun true` without |",
+        "| Prolog + Epilog | {:.1} ms | | | {:.1}% of `srun true` without | |",
         ms(r.prolog_s + r.epilog_s),
         100.0 * (r.prolog_s + r.epilog_s) / r.srun_s.1
     );
     println!(
-        "| step slurmstepd VmRSS | {} KiB | {} KiB | {:+} KiB | |",
+        "| step slurmstepd VmRSS | {} KiB | {} KiB | | {:+} KiB | |",
         r.stepd_rss_kib.0,
         r.stepd_rss_kib.1,
         r.stepd_rss_kib.0 as i64 - r.stepd_rss_kib.1 as i64
@@ -234,8 +237,8 @@ fn print_job(runs: usize, json: Option<std::path::PathBuf>) {
     if let Some(p) = json {
         let v = serde_json::json!({
             "runs": r.runs,
-            "srun_s": [r.srun_s.0, r.srun_s.1],
-            "sbatch_s": [r.sbatch_s.0, r.sbatch_s.1],
+            "srun_s": {"gpufence": r.srun_s.0, "without": r.srun_s.1, "empty_scripts": r.srun_s.2},
+            "sbatch_s": {"gpufence": r.sbatch_s.0, "without": r.sbatch_s.1, "empty_scripts": r.sbatch_s.2},
             "prolog_s": r.prolog_s,
             "epilog_s": r.epilog_s,
             "stepd_rss_kib": [r.stepd_rss_kib.0, r.stepd_rss_kib.1],
