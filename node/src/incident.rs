@@ -29,7 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,7 @@ use gpufence_model::fsutil::{create_dir_all_mode, write_new};
 use gpufence_model::record::now_rfc3339;
 
 use crate::evidence::{self, GpuMemory};
+use crate::respond::{exited, pidfd_open, set_frozen, signal};
 use crate::scan::Scanner;
 use crate::sweep::{
     persistence_of_uid, read_cmdline, read_stat, read_uid, Passwd, PersistenceEntry, PF_KTHREAD,
@@ -175,54 +176,8 @@ impl IncidentOutcome {
     }
 }
 
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open(2) returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn signal(pidfd: &OwnedFd, sig: i32) -> bool {
-    // SAFETY: pidfd_send_signal(2) on a pidfd we own.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            sig,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        ) == 0
-    }
-}
-
-fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: poll of one valid pollfd, no wait. Readable once it exited.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
-}
-
-fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
-    let p = node.cg.path(cgroup);
-    if std::fs::write(p.join("cgroup.freeze"), if on { "1" } else { "0" }).is_err() {
-        return false;
-    }
-    if !on {
-        return true;
-    }
-    let deadline = Instant::now() + Duration::from_millis(1000);
-    while Instant::now() < deadline {
-        if std::fs::read_to_string(p.join("cgroup.events"))
-            .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
-        {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    true
-}
+/// How long `respond` waits for a tree to report frozen.
+const FREEZE_WAIT: Duration = Duration::from_millis(1000);
 
 fn state_of(pid: i32) -> Option<char> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -452,7 +407,7 @@ pub fn respond_pid(
             let inside = node.cg.procs_recursive(cg);
             if !inside.is_empty()
                 && inside.iter().all(|q| members.contains(q))
-                && set_frozen(node, cg, true)
+                && set_frozen(node, cg, true, FREEZE_WAIT)
             {
                 frozen_cgroups.insert(cg.to_string());
                 return "cgroup-freeze".into();
@@ -621,7 +576,7 @@ pub fn respond_pid(
         signal(fd, libc::SIGKILL);
     }
     for cg in &frozen_cgroups {
-        set_frozen(node, cg, false);
+        set_frozen(node, cg, false, FREEZE_WAIT);
     }
     let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms.max(100));
     while Instant::now() < deadline && !pinned.values().all(exited) {

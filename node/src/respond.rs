@@ -166,13 +166,16 @@ pub fn uncovered(
         .collect()
 }
 
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+/// `pidfd_open(2)`: a descriptor that names `pid` until it is closed, so a
+/// recycled pid is never signalled. `None` when the process is gone.
+pub(crate) fn pidfd_open(pid: i32) -> Option<OwnedFd> {
     // SAFETY: pidfd_open(2) returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-fn signal(pidfd: &OwnedFd, sig: i32) {
+/// `pidfd_send_signal(2)`; whether the signal was sent.
+pub(crate) fn signal(pidfd: &OwnedFd, sig: i32) -> bool {
     // SAFETY: pidfd_send_signal(2) on a pidfd we own.
     unsafe {
         libc::syscall(
@@ -181,11 +184,12 @@ fn signal(pidfd: &OwnedFd, sig: i32) {
             sig,
             std::ptr::null::<libc::siginfo_t>(),
             0,
-        )
-    };
+        ) == 0
+    }
 }
 
-fn exited(pidfd: &OwnedFd) -> bool {
+/// Whether the pidfd's process has exited (zombie or reaped).
+pub(crate) fn exited(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
@@ -196,6 +200,9 @@ fn exited(pidfd: &OwnedFd) -> bool {
     unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }
 
+/// How long the epilog waits for a job tree to report frozen.
+const FREEZE_WAIT: Duration = Duration::from_millis(500);
+
 /// Waits until every pidfd in `fds` has exited or `wait` passes.
 fn wait_all(fds: &[&OwnedFd], wait: Duration) {
     let deadline = Instant::now() + wait;
@@ -204,7 +211,11 @@ fn wait_all(fds: &[&OwnedFd], wait: Duration) {
     }
 }
 
-fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
+/// Freezes (`on`) or thaws `cgroup` through `cgroup.freeze`; when
+/// freezing, waits up to `wait` for `cgroup.events` to say `frozen 1`.
+/// Returns whether the write worked (a tree still freezing after `wait` is
+/// treated as frozen: the signals that follow act on it either way).
+pub(crate) fn set_frozen(node: &Node, cgroup: &str, on: bool, wait: Duration) -> bool {
     let p = node.cg.path(cgroup);
     if std::fs::write(p.join("cgroup.freeze"), if on { "1" } else { "0" }).is_err() {
         return false;
@@ -212,7 +223,7 @@ fn set_frozen(node: &Node, cgroup: &str, on: bool) -> bool {
     if !on {
         return true;
     }
-    let deadline = Instant::now() + Duration::from_millis(500);
+    let deadline = Instant::now() + wait;
     while Instant::now() < deadline {
         if std::fs::read_to_string(p.join("cgroup.events"))
             .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
@@ -307,7 +318,7 @@ pub fn respond(
                 && node.cg.procs_recursive(cg).iter().all(|p| pids.contains(p))
         });
         if let Some(cg) = own_cgroup {
-            if set_frozen(node, cg, true) {
+            if set_frozen(node, cg, true, FREEZE_WAIT) {
                 frozen_cgroups.insert(cg.to_string());
             }
         }
@@ -317,7 +328,7 @@ pub fn respond(
         {
             how.insert(c.pid, "cgroup-freeze".into());
         } else {
-            signal(fd, libc::SIGSTOP);
+            let _ = signal(fd, libc::SIGSTOP);
             how.insert(c.pid, "SIGSTOP".into());
         }
     }
@@ -363,13 +374,13 @@ pub fn respond(
 
     // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
     for (c, fd) in &pinned {
-        signal(fd, libc::SIGTERM);
+        let _ = signal(fd, libc::SIGTERM);
         if how.get(&c.pid).map(String::as_str) == Some("SIGSTOP") {
-            signal(fd, libc::SIGCONT);
+            let _ = signal(fd, libc::SIGCONT);
         }
     }
     for cg in &frozen_cgroups {
-        set_frozen(node, cg, false);
+        set_frozen(node, cg, false, FREEZE_WAIT);
     }
     let fds: Vec<&OwnedFd> = pinned.iter().map(|(_, f)| f).collect();
     wait_all(&fds, Duration::from_millis(node.cfg.term_grace_ms));
@@ -378,7 +389,7 @@ pub fn respond(
         if exited(fd) {
             ended.insert(c.pid, "SIGTERM");
         } else {
-            signal(fd, libc::SIGKILL);
+            let _ = signal(fd, libc::SIGKILL);
         }
     }
     wait_all(&fds, Duration::from_millis(node.cfg.kill_wait_ms));
