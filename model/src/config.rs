@@ -126,6 +126,14 @@ pub struct Config {
     pub grant_mig_monitor: bool,
     /// Remote TCP ports of mining pools: a connection to one is a finding.
     pub mining_ports: Vec<u16>,
+    /// Slurm's own executables (as `/proc/<pid>/exe` names them): their
+    /// wildcard listeners (srun's I/O and PMI ports, slurmstepd's) are part
+    /// of running jobs, not a user's exposure, and are not `wildcard_listener`
+    /// findings. The executable is the kernel's record of what runs, which a
+    /// user cannot rename; a replaced or deleted binary (`... (deleted)`) no
+    /// longer matches. A command line that disables a notebook's token is
+    /// reported whatever the executable.
+    pub slurm_listeners: Vec<PathBuf>,
     /// Where crontabs of users live (Debian: `/var/spool/cron/crontabs`,
     /// RHEL: `/var/spool/cron`).
     pub cron_spool_dir: PathBuf,
@@ -200,6 +208,11 @@ impl Default for Config {
             proc_dir: "/proc".into(),
             grant_mig_monitor: false,
             mining_ports: vec![3333, 4444, 5555, 7777, 9999, 14444, 45700],
+            slurm_listeners: vec![
+                "/usr/bin/srun".into(),
+                "/usr/bin/salloc".into(),
+                "/usr/sbin/slurmstepd".into(),
+            ],
             cron_spool_dir: "/var/spool/cron/crontabs".into(),
             systemd_system_dir: "/etc/systemd/system".into(),
             passwd_file: "/etc/passwd".into(),

@@ -311,6 +311,7 @@ pub fn respond_pid(
         let _ = node.audit(
             AuditEvent::new("respond_refused")
                 .pid(pid)
+                .field("by", crate::exec::who())
                 .field("reason", r.to_string()),
         );
         Err(r)
@@ -331,8 +332,10 @@ pub fn respond_pid(
         pid,
         ..Default::default()
     };
+    // Who asked: every line and the incident file name them.
+    let by = crate::exec::who();
     let audit = |out: &mut IncidentOutcome, ev: AuditEvent| {
-        if let Err(e) = node.audit(ev) {
+        if let Err(e) = node.audit(ev.field("by", by.clone())) {
             out.errors.push(e.to_string());
         }
     };
@@ -538,6 +541,7 @@ pub fn respond_pid(
     let incident = json!({
         "collected": now_rfc3339(),
         "reason": REASON,
+        "by": by,
         "pid": pid,
         "uid": out.uid,
         "user": out.user,

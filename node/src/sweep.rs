@@ -21,7 +21,7 @@
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
 //! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
-//! | `wildcard_listener` | low | a TCP listener on 0.0.0.0 or :: owned by a user above `protected_uid_max` |
+//! | `wildcard_listener` | low | a TCP listener on 0.0.0.0 or :: owned by a user above `protected_uid_max`, unless every owner runs one of `slurm_listeners` |
 //! | `stale_grant` | low | a grant whose cgroup no longer exists: revoked by the sweep (high when the revocation failed) |
 //! | `stale_major` | low | a major the fence protects that the node no longer has |
 //!
@@ -750,6 +750,13 @@ struct ProcMeta {
     user: Option<String>,
     cgroup: Option<String>,
     cmdline: Vec<String>,
+}
+
+/// Whether `pid` runs one of `slurm_listeners` (by `/proc/<pid>/exe`: a
+/// deleted or replaced binary reads `... (deleted)` and does not match).
+fn slurm_exe(node: &Node, pid: i32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .is_ok_and(|exe| node.cfg.slurm_listeners.iter().any(|s| *s == exe))
 }
 
 /// `PF_KTHREAD` (`include/linux/sched.h`).
@@ -1552,6 +1559,9 @@ impl Sweep<'_> {
                         let mut off = Vec::new();
                         for pid in owners {
                             off.extend(auth_disabled(&self.procs.meta(*pid).cmdline));
+                        }
+                        if off.is_empty() && owners.iter().all(|p| slurm_exe(node, *p)) {
+                            continue;
                         }
                         let ev = json!({
                             "proto": proto, "local": local_address.to_string(),

@@ -235,6 +235,49 @@ fn wildcard_listeners_and_open_notebooks() {
     );
 }
 
+/// A listener whose owner runs one of `slurm_listeners` (srun's own ports)
+/// is not a finding, matched on the executable, not on the command name;
+/// the same executable with a notebook's token disabled still is.
+#[test]
+fn slurm_listeners_are_not_findings_but_open_notebooks_are() {
+    if !privileged() {
+        return;
+    }
+    // As /proc/<pid>/exe names it.
+    let probe = std::fs::canonicalize(gpufence_tests::probe_bin()).unwrap();
+    let extra = format!("slurm_listeners = [{:?}]\n", probe.display().to_string());
+    let mut w = world("slurmlisten", &extra, "", true);
+    let cg = w.env.cgroup("steps");
+    let srun_like = w
+        .env
+        .spawn_user_probe(&cg, &["listen", "0.0.0.0", "0", "srun"], "listening");
+    let notebook = w.env.spawn_user_probe(
+        &cg,
+        &[
+            "listen",
+            "0.0.0.0",
+            "0",
+            "jupyter-lab",
+            "--ServerApp.token=",
+        ],
+        "listening",
+    );
+    let o = w.sweep();
+    assert!(of_kind(&o, Kind::WildcardListener).is_empty(), "{o:#?}");
+    assert!(
+        o.report.findings.iter().all(|f| f.pid != Some(srun_like)),
+        "{o:#?}"
+    );
+    let nb = of_kind(&o, Kind::UnauthenticatedNotebook);
+    assert_eq!(nb.len(), 1, "{o:#?}");
+    assert_eq!(nb[0].pid, Some(notebook));
+    // The defaults name Slurm's binaries, not the probe: the first test
+    // sees the same listener reported.
+    let d = gpufence_model::config::Config::default();
+    assert!(d.slurm_listeners.contains(&"/usr/bin/srun".into()));
+    assert!(!d.slurm_listeners.contains(&probe));
+}
+
 /// A TCP connection to a mining-pool port (3333, on loopback) is high.
 #[test]
 fn a_connection_to_a_mining_port_is_found() {
@@ -944,6 +987,10 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     let v: Value = serde_json::from_slice(&std::fs::read(inc).unwrap()).unwrap();
     assert_eq!(v["tree"].as_array().unwrap().len(), 3);
     assert_eq!(v["evidence"].as_array().unwrap().len(), 3);
+    // Who asked, as `gpufence exec` names it.
+    let who = gpufence_node::exec::who();
+    assert!(who.ends_with("(uid 0)"), "{who}");
+    assert_eq!(v["by"], who.as_str());
     let kinds: BTreeSet<&str> = v["persistence"]
         .as_array()
         .unwrap()
@@ -993,6 +1040,19 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
         .unwrap();
     assert_eq!(a["deleted"], false);
     assert_eq!(a["uid"], test_uid());
+    let respond_lines: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| {
+            e["event"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("respond_"))
+        })
+        .collect();
+    assert!(respond_lines.len() >= 5);
+    for l in &respond_lines {
+        assert_eq!(l["by"], who.as_str(), "{l}");
+    }
 }
 
 /// When the cgroup holds other processes, the tree is stopped with SIGSTOP
