@@ -262,9 +262,34 @@ pub fn collect(
 ///
 /// # Errors
 /// [`NodeError::Io`] when the directory or file cannot be created.
+/// Files are `job<J>-pid<P>-<UTC stamp>.json`, or `pid<P>-<UTC stamp>.json`
+/// for a process outside every job (`gpufence respond`, job id 0).
+///
+/// # Errors
+/// [`NodeError::Io`] when the directory or file cannot be created.
 pub fn write(dir: &Path, ev: &Evidence) -> Result<PathBuf, NodeError> {
+    let prefix = if ev.job_id == 0 {
+        format!("pid{}", ev.pid)
+    } else {
+        format!("job{}-pid{}", ev.job_id, ev.pid)
+    };
+    write_file(
+        dir,
+        &prefix,
+        &serde_json::to_vec_pretty(ev).unwrap_or_default(),
+    )
+}
+
+/// Writes `bytes` as a new root-only (0600) file
+/// `<dir>/<prefix>-<UTC stamp, microseconds>[-n].json`, never replacing
+/// one (`O_EXCL`; a clash takes the next `-n`), and returns its path.
+/// `dir` is made 0700 when missing. Evidence and incident files use it.
+///
+/// # Errors
+/// [`NodeError::Io`] when the directory or file cannot be created, or 100
+/// files of one name exist.
+pub fn write_file(dir: &Path, prefix: &str, bytes: &[u8]) -> Result<PathBuf, NodeError> {
     create_dir_all_mode(dir, 0o700).map_err(|e| NodeError::io("mkdir", dir, e))?;
-    let bytes = serde_json::to_vec_pretty(ev).unwrap_or_default();
     let stamp = chrono::Utc::now().format("%Y%m%dT%H%M%S%.6fZ");
     for n in 0..100 {
         let suffix = if n == 0 {
@@ -272,11 +297,8 @@ pub fn write(dir: &Path, ev: &Evidence) -> Result<PathBuf, NodeError> {
         } else {
             format!("-{n}")
         };
-        let p = dir.join(format!(
-            "job{}-pid{}-{stamp}{suffix}.json",
-            ev.job_id, ev.pid
-        ));
-        match write_new(&p, &bytes, 0o600) {
+        let p = dir.join(format!("{prefix}-{stamp}{suffix}.json"));
+        match write_new(&p, bytes, 0o600) {
             Ok(()) => return Ok(p),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(NodeError::io("create", &p, e)),

@@ -39,7 +39,6 @@ use serde_json::json;
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::AuditEvent;
 use gpufence_model::device::DevNum;
-use gpufence_model::fsutil::{create_dir_all_mode, write_new};
 use gpufence_model::record::now_rfc3339;
 
 use crate::evidence::{self, GpuMemory};
@@ -665,27 +664,12 @@ fn with_uid(ev: AuditEvent, uid: Option<u32>) -> AuditEvent {
 }
 
 fn write_incident(node: &Node, pid: i32, v: &serde_json::Value) -> Result<PathBuf, String> {
-    let dir = &node.cfg.evidence_dir;
-    create_dir_all_mode(dir, 0o700).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
-    let stamp = chrono::Utc::now().format("%Y%m%dT%H%M%S%.6fZ");
-    for n in 0..100 {
-        let suffix = if n == 0 {
-            String::new()
-        } else {
-            format!("-{n}")
-        };
-        let p = dir.join(format!("incident-pid{pid}-{stamp}{suffix}.json"));
-        match write_new(&p, &bytes, 0o600) {
-            Ok(()) => return Ok(p),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(format!("{}: {e}", p.display())),
-        }
-    }
-    Err(format!(
-        "{}: 100 incident files with one name",
-        dir.display()
-    ))
+    evidence::write_file(
+        &node.cfg.evidence_dir,
+        &format!("incident-pid{pid}"),
+        &serde_json::to_vec_pretty(v).unwrap_or_default(),
+    )
+    .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

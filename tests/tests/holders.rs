@@ -411,7 +411,9 @@ fn system_accounts_are_spared_and_the_node_flagged() {
             .starts_with("system account (uid 0"),
         "{o:?}"
     );
-    assert!(o.lingering[0].evidence.is_some());
+    let ev = o.lingering[0].evidence.as_ref().unwrap();
+    let name = ev.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with(&format!("job42-pid{daemon}-")), "{name}");
     let r = o.drain_reason.unwrap();
     assert!(
         r.contains(&format!("pid {daemon}")) && r.contains("spared"),

@@ -981,8 +981,19 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
         let v: Value = serde_json::from_slice(&std::fs::read(e).unwrap()).unwrap();
         assert!(got.contains(&(v["pid"].as_i64().unwrap() as i32)));
         assert_eq!(v["frozen"], "cgroup-freeze");
+        // Outside every job: named by the pid alone.
+        let name = e.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            name.starts_with(&format!("pid{}-", v["pid"])) && name.ends_with(".json"),
+            "{name}"
+        );
     }
     let inc = o.incident_file.as_ref().unwrap();
+    let name = inc.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with(&format!("incident-pid{}-", tree[0])),
+        "{name}"
+    );
     assert_eq!(mode(inc), 0o600);
     let v: Value = serde_json::from_slice(&std::fs::read(inc).unwrap()).unwrap();
     assert_eq!(v["tree"].as_array().unwrap().len(), 3);
