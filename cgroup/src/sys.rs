@@ -230,6 +230,29 @@ pub struct LoadError {
     pub log: String,
 }
 
+/// Runs `attempt` (one `BPF_PROG_LOAD`, with the verifier log buffer when
+/// given one); on failure, runs it again with a 1 MiB log so the error
+/// carries the verifier's reason. The first errno is the one returned.
+fn load_with_log(
+    attempt: impl Fn(Option<&mut Vec<u8>>) -> io::Result<OwnedFd>,
+) -> Result<OwnedFd, LoadError> {
+    match attempt(None) {
+        Ok(fd) => Ok(fd),
+        Err(errno) => {
+            let mut buf = vec![0u8; 1 << 20];
+            let second = attempt(Some(&mut buf));
+            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
+            match second {
+                // Loading with a log succeeded where the first did not:
+                // transient; use it.
+                Ok(fd) => Ok(fd),
+                Err(_) => Err(LoadError { errno, log }),
+            }
+        }
+    }
+}
+
 /// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_CGROUP_DEVICE` program. On failure,
 /// loads again with the verifier log on, so the error carries the reason.
 ///
@@ -254,21 +277,7 @@ pub fn prog_load_cgroup_device(insns: &[RawInsn], name: &str) -> Result<OwnedFd,
         }
         bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
     };
-    match attempt(None) {
-        Ok(fd) => Ok(fd),
-        Err(errno) => {
-            let mut buf = vec![0u8; 1 << 20];
-            let second = attempt(Some(&mut buf));
-            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
-            match second {
-                // Loading with a log succeeded where the first did not:
-                // transient; use it.
-                Ok(fd) => Ok(fd),
-                Err(_) => Err(LoadError { errno, log }),
-            }
-        }
-    }
+    load_with_log(attempt)
 }
 
 #[repr(C)]
@@ -683,19 +692,7 @@ pub fn prog_load_iter(
         }
         bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
     };
-    match attempt(None) {
-        Ok(fd) => Ok(fd),
-        Err(errno) => {
-            let mut buf = vec![0u8; 1 << 20];
-            let second = attempt(Some(&mut buf));
-            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
-            match second {
-                Ok(fd) => Ok(fd),
-                Err(_) => Err(LoadError { errno, log }),
-            }
-        }
-    }
+    load_with_log(attempt)
 }
 
 #[repr(C)]

@@ -760,3 +760,24 @@ fn audit_mode_then_enforce_without_a_gap() {
         "the loop ran on both sides of the switch ({before} before, {after} after)"
     );
 }
+
+/// A program the verifier refuses comes back with its errno and the
+/// verifier's own reason (the load is retried with the log on), which the
+/// fence puts into the admin's error.
+#[test]
+fn a_refused_program_carries_the_verifier_log() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_cgroup::asm::{Asm, Reg};
+    use gpufence_cgroup::sys;
+    let mut ok = Asm::new();
+    ok.mov64_imm(Reg::R0, 1).exit();
+    assert!(sys::prog_load_cgroup_device(&ok.assemble().unwrap().insns, "ok").is_ok());
+    // R0 never written: "R0 !read_ok" (kernel/bpf/verifier.c).
+    let mut bad = Asm::new();
+    bad.exit();
+    let e = sys::prog_load_cgroup_device(&bad.assemble().unwrap().insns, "bad").unwrap_err();
+    assert_eq!(e.errno.raw_os_error(), Some(libc::EACCES), "{e:?}");
+    assert!(e.log.contains("R0 !read_ok"), "{}", e.log);
+}
