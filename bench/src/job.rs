@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use gpufence_tests::cluster::TEST_USER;
+use gpufence_tests::cluster::{user_command, TEST_USER};
 use gpufence_tests::TestEnv;
 
 /// One cluster of the comparison.
@@ -192,21 +192,8 @@ impl Side {
     }
 
     fn user(&self, program: &str, args: &[&str]) -> Output {
-        Command::new("setpriv")
-            .args([
-                "--reuid",
-                TEST_USER,
-                "--regid",
-                TEST_USER,
-                "--init-groups",
-                "--reset-env",
-                "--",
-                "env",
-            ])
-            .arg(format!("SLURM_CONF={}", self.slurm_conf.display()))
-            .arg(program)
+        user_command(&self.slurm_conf, &self.env.path("jobs"), program)
             .args(args)
-            .current_dir(self.env.path("jobs"))
             .output()
             .expect("run as the test user")
     }

@@ -176,21 +176,11 @@ impl Cluster {
     /// A command run as [`TEST_USER`] (via setpriv: no PAM, no session
     /// cgroup moves) with `SLURM_CONF` set, in the jobs directory.
     pub fn user_cmd(&self, program: &str) -> Command {
-        let mut c = Command::new("setpriv");
-        c.args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--reset-env",
-            "--",
-            "env",
-        ])
-        .arg(format!("SLURM_CONF={}", self.slurm_conf.display()))
-        .arg(program)
-        .current_dir(self.dir.parent().unwrap().join("jobs"));
-        c
+        user_command(
+            &self.slurm_conf,
+            &self.dir.parent().unwrap().join("jobs"),
+            program,
+        )
     }
 
     /// Runs `program args` as the test user; returns the output.
@@ -395,4 +385,25 @@ pub fn hostname() -> String {
         .output()
         .expect("hostname");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// `program` run as [`TEST_USER`] through setpriv (no PAM, no session
+/// cgroup moves, an empty environment) with only `SLURM_CONF=slurm_conf`
+/// set, in `dir`. The cluster tests and the job benchmark use it.
+pub fn user_command(slurm_conf: &Path, dir: &Path, program: &str) -> Command {
+    let mut c = Command::new("setpriv");
+    c.args([
+        "--reuid",
+        TEST_USER,
+        "--regid",
+        TEST_USER,
+        "--init-groups",
+        "--reset-env",
+        "--",
+        "env",
+    ])
+    .arg(format!("SLURM_CONF={}", slurm_conf.display()))
+    .arg(program)
+    .current_dir(dir);
+    c
 }
