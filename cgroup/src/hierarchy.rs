@@ -143,6 +143,39 @@ impl Cgroup2 {
             .map_err(cg_err("write", &p))
     }
 
+    /// Makes the child that `cmd` spawns join cgroup `rel` between fork and
+    /// exec (it writes `0` to `cgroup.procs`: open, write and close only,
+    /// which are async-signal-safe), so the command runs there from its
+    /// first instruction. Spawning fails with the errno when it cannot
+    /// join.
+    ///
+    /// # Errors
+    /// [`Error::Cgroup`] (`EINVAL`) when the path holds a NUL byte.
+    pub fn join_at_exec(&self, rel: &str, cmd: &mut std::process::Command) -> Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::CommandExt;
+        let p = self.path(rel).join("cgroup.procs");
+        let procs = std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| cg_err("join", &p)(io::Error::from_raw_os_error(libc::EINVAL)))?;
+        // SAFETY: only open, write and close run between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+                let err = io::Error::last_os_error();
+                libc::close(fd);
+                if r != 1 {
+                    return Err(err);
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
     /// The processes in `rel` and every cgroup below it.
     pub fn procs_recursive(&self, rel: &str) -> Vec<i32> {
         let mut out = Vec::new();
@@ -257,6 +290,29 @@ pub fn level_of(rel: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child that cannot join its cgroup never runs: spawning fails with
+    /// the errno of the join (here a directory with no `cgroup.procs`).
+    /// That it runs inside the cgroup when it can is the kernel tests'
+    /// EPERM/ENXIO observable (`TestEnv::command_in`, `gpufence exec`).
+    #[test]
+    fn a_child_that_cannot_join_does_not_run() {
+        let d = tempfile::tempdir().unwrap();
+        let marker = d.path().join("ran");
+        let mut cmd = std::process::Command::new("sh");
+        cmd.arg("-c").arg(format!("touch {}", marker.display()));
+        Cgroup2::at(d.path())
+            .join_at_exec("missing", &mut cmd)
+            .unwrap();
+        let e = cmd.status().unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}");
+        assert!(!marker.exists());
+        // A path with a NUL byte is refused before anything is spawned.
+        let mut cmd = std::process::Command::new("true");
+        assert!(Cgroup2::at(d.path())
+            .join_at_exec("a\0b", &mut cmd)
+            .is_err());
+    }
 
     #[test]
     fn proc_cgroup_lines() {

@@ -3,8 +3,7 @@
 //! what and how it ended. The cgroup is `<cgroup_root>/<exec_cgroup>/<pid>`;
 //! `exec_cgroup` is always in the fence's exemptions.
 
-use std::ffi::{CString, OsString};
-use std::os::unix::process::CommandExt;
+use std::ffi::OsString;
 use std::process::Command;
 
 use gpufence_model::audit::AuditEvent;
@@ -48,14 +47,6 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
     fence.add_exempt(node.cg.id(&base)?, &base)?;
     let mine = join_cgroup(&base, &std::process::id().to_string());
     node.cg.create(&mine)?;
-    let procs = CString::new(
-        node.cg
-            .path(&mine)
-            .join("cgroup.procs")
-            .to_string_lossy()
-            .into_owned(),
-    )
-    .map_err(|_| NodeError::JobCgroup("cgroup path with NUL".into()))?;
     let who = who();
     let cmdline: Vec<String> = argv
         .iter()
@@ -69,21 +60,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
     )?;
     let mut cmd = Command::new(prog);
     cmd.args(args);
-    // SAFETY: only open/write/close between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-            libc::close(fd);
-            if r != 1 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    node.cg.join_at_exec(&mine, &mut cmd)?;
     let status = cmd.status();
     let code = match &status {
         Ok(s) => s

@@ -249,13 +249,6 @@ impl Cluster {
             .append(true)
             .open(dir.join("log/slurmd.stderr"))
             .expect("slurmd.stderr");
-        let procs = std::ffi::CString::new(
-            self.slurmd_cgroup
-                .join("cgroup.procs")
-                .to_str()
-                .expect("utf-8 path"),
-        )
-        .unwrap();
         let mut cmd = Command::new("slurmd");
         cmd.args(["-D", "-f"])
             .arg(&self.slurm_conf)
@@ -267,23 +260,16 @@ impl Cluster {
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
-        // SAFETY: only async-signal-safe calls (setsid, open, write, close)
-        // between fork and exec.
+        // SAFETY: setsid is async-signal-safe.
         unsafe {
-            cmd.pre_exec(move || {
+            cmd.pre_exec(|| {
                 libc::setsid();
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if r != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
                 Ok(())
             });
         }
+        gpufence_cgroup::hierarchy::Cgroup2::at(&self.slurmd_cgroup)
+            .join_at_exec("", &mut cmd)
+            .expect("slurmd cgroup path");
         let mut child = cmd.spawn().expect("spawn slurmd");
         let pid = child.id();
         std::fs::write(dir.join("run/slurmd.pid"), format!("{pid}\n")).unwrap();

@@ -8,7 +8,6 @@
 use std::ffi::CString;
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -137,23 +136,8 @@ impl TestEnv {
     /// A command that moves itself into cgroup `rel` (relative to the mount)
     /// between fork and exec, so it runs there from its first instruction.
     pub fn command_in(&self, rel: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let procs = CString::new(self.cg.path(rel).join("cgroup.procs").to_str().unwrap()).unwrap();
         let mut cmd = Command::new(program);
-        // SAFETY: only async-signal-safe calls (open, write, close) after fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if r != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        self.cg.join_at_exec(rel, &mut cmd).expect("cgroup path");
         cmd
     }
 
