@@ -104,7 +104,10 @@ pub fn render(d: &ReportData<'_>) -> String {
 
 /// Writes `text` to `path` (relative to `work_dir`) as `uid:gid`, with the
 /// user's own permissions: a child process drops root (groups, gid, uid)
-/// before it opens the file. Returns the path written.
+/// before it opens anything. The report is written to a new temporary file
+/// beside `path` (`mktemp`, 0600) and renamed onto it (`mv -fT`: never into
+/// a directory of that name), so a reader sees no report or a whole one.
+/// Returns the path written.
 ///
 /// # Errors
 /// A message when the child cannot run or the user cannot write there.
@@ -117,7 +120,10 @@ pub fn write_as_user(
 ) -> Result<PathBuf, String> {
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
-        .arg("umask 077; cat > \"$1\"")
+        .arg(
+            "umask 077; t=$(mktemp -- \"$1.XXXXXX\") || exit 1; \
+             if cat > \"$t\" && mv -fT -- \"$t\" \"$1\"; then exit 0; fi; rm -f -- \"$t\"; exit 1",
+        )
         .arg("gpufence-report")
         .arg(path)
         .current_dir(work_dir)

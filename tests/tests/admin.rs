@@ -1,5 +1,6 @@
 //! Admin tools on the real kernel: `gpufence doctor` with a foreign program
-//! attached below the fence, and `gpufence exec` in the exempt cgroup.
+//! attached below the fence, `gpufence exec` in the exempt cgroup, and the
+//! job report's writer (as the user, whole or not at all).
 
 use std::os::fd::AsFd;
 use std::process::Command;
@@ -281,4 +282,83 @@ fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
         .status
         .success());
     assert!(Fence::linked_prog_id(&env.bpffs).is_none());
+}
+
+/// The `--gpufence-report` writer runs as the job's user: the report
+/// appears whole (a temporary file beside it, renamed), owned by the user,
+/// 0600; it replaces an old report, never writes into a directory of that
+/// name, cannot write where the user may not, and leaves no temporary file.
+#[test]
+fn reports_are_written_whole_and_as_the_user() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_tests::cluster::{test_uid, TEST_USER};
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let uid = test_uid();
+    let out = Command::new("id").args(["-g", TEST_USER]).output().unwrap();
+    let gid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let mine = d.path().join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::os::unix::fs::chown(&mine, Some(uid), Some(gid)).unwrap();
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let names = |dir: &std::path::Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let write = |text: &str, path: &str, dir: &std::path::Path| {
+        gpufence_node::report::write_as_user(text, std::path::Path::new(path), dir, uid, gid)
+    };
+
+    let p = write("first report\n", "r.txt", &mine).unwrap();
+    assert_eq!(p, mine.join("r.txt"));
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), "first report\n");
+    let md = std::fs::metadata(&p).unwrap();
+    assert_eq!((md.uid(), md.gid(), md.mode() & 0o777), (uid, gid, 0o600));
+    // Replaced whole; no temporary file left. A reader polling meanwhile
+    // sees the old report or the new one, never a part (4 MiB take many
+    // pipe writes: `cat > r.txt` would show an empty or partial file).
+    let big = "0123456789abcdef".repeat(256 * 1024);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let torn = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let mut torn = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(t) = std::fs::read_to_string(&p) {
+                    if t != "first report\n" && t != big {
+                        torn.push(t.len());
+                    }
+                }
+            }
+            torn
+        });
+        write(&big, "r.txt", &mine).unwrap();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        reader.join().unwrap()
+    });
+    assert!(
+        torn.is_empty(),
+        "{} reads of a partial report (lengths {:?}...)",
+        torn.len(),
+        &torn[..torn.len().min(5)]
+    );
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), big);
+    write("second\n", "r.txt", &mine).unwrap();
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), "second\n");
+    assert_eq!(names(&mine), ["r.txt"]);
+    // A directory of that name is not written into.
+    std::fs::create_dir(mine.join("adir")).unwrap();
+    std::os::unix::fs::chown(mine.join("adir"), Some(uid), Some(gid)).unwrap();
+    assert!(write("x\n", "adir", &mine).is_err());
+    assert!(names(&mine.join("adir")).is_empty());
+    assert_eq!(names(&mine), ["adir", "r.txt"]);
+    // Where the user may not write (root's 0755 directory): nothing.
+    let e = write("x\n", "pwned", d.path()).unwrap_err();
+    assert!(e.contains(&format!("uid {uid} cannot write")), "{e}");
+    assert_eq!(names(d.path()), ["mine"]);
 }

@@ -794,8 +794,11 @@ fn real_slurm_cluster_end_to_end() {
     assert!(o.status.success(), "{}", both(&o));
     let job_r: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
     let default_report = env.path(&format!("jobs/gpufence-{job_r}.txt"));
+    // The report appears whole (written beside and renamed), then the
+    // epilog audits it.
     assert!(
-        Cluster::wait_for(Duration::from_secs(20), || default_report.exists()),
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&env, job_r)
+            .contains(&"report_written".to_string())),
         "no report at {}: {:?}",
         default_report.display(),
         events_for(&env, job_r)
@@ -836,12 +839,13 @@ fn real_slurm_cluster_end_to_end() {
     let job_p: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
     let mine = env.path(&format!("jobs/my-report-{job_p}.txt"));
     assert!(
-        Cluster::wait_for(Duration::from_secs(20), || mine.exists()),
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&env, job_p)
+            .contains(&"report_written".to_string())),
         "no report at {}: {:?}",
         mine.display(),
         events_for(&env, job_p)
     );
-    assert!(events_for(&env, job_p).contains(&"report_written".to_string()));
+    assert!(mine.exists());
     // A path the user may not write is not written (as root it would be).
     let o = cluster.as_user(
         "srun",
