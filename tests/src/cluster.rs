@@ -242,6 +242,21 @@ impl Cluster {
     /// [`Cluster::start_slurmd`] with `vars` added to slurmd's environment,
     /// which its slurmstepds inherit (e.g. `GPUFENCE_TEST_CRASH_AT`).
     pub fn start_slurmd_with_env(&self, vars: &[(&str, &str)]) {
+        self.spawn_slurmd(vars);
+        let port = self.slurmd_port();
+        let up = Cluster::wait_for(Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(
+            up,
+            "slurmd did not come back on port {port}:\n{}",
+            self.log_tail("slurmd.log")
+        );
+    }
+
+    /// Spawns slurmd as [`Cluster::start_slurmd_with_env`] does, without
+    /// waiting for it, and returns its pid (reaped when it exits).
+    pub fn spawn_slurmd(&self, vars: &[(&str, &str)]) -> i32 {
         use std::os::unix::process::CommandExt;
         let dir = std::fs::canonicalize(&self.dir).expect("cluster dir");
         let log = std::fs::OpenOptions::new()
@@ -277,15 +292,7 @@ impl Cluster {
         std::thread::spawn(move || {
             let _ = child.wait();
         });
-        let port = self.slurmd_port();
-        let up = Cluster::wait_for(Duration::from_secs(30), || {
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-        });
-        assert!(
-            up,
-            "slurmd did not come back on port {port}:\n{}",
-            self.log_tail("slurmd.log")
-        );
+        pid as i32
     }
 
     /// Sets the environment slurmd's Prolog (`which` = `"prolog"`) or

@@ -36,13 +36,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output};
 use std::time::Duration;
 
-use gpufence_cgroup::fence::Fence;
+use gpufence_cgroup::fence::{Fence, FORCE_NO_HELPER_ENV};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::record::{AppliedGrant, JobRecord};
 use gpufence_node::crashpoint::{self, Component, CrashPoint};
 use gpufence_node::{fence_ops, Node};
 use gpufence_tests::cluster::Cluster;
-use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
+use gpufence_tests::{gone, privileged, probe_bin, workspace_bin, TestEnv};
 use serde_json::Value;
 
 const MAJORS: &str = "[majors]\nnvidia = 195\nnvidia-uvm = 241\n";
@@ -573,6 +573,8 @@ fn node_state(c: &Cluster) -> String {
 /// job's grant stays, the job opens its GPU (and not the other) while
 /// slurmd is down and after it is back, outsiders open neither, and the
 /// epilog the new slurmd runs still revokes the grant and forgets the job.
+/// In between, a slurmd started on a "kernel without the ancestor helper"
+/// (the test switch) refuses to start, and the job keeps its GPU.
 #[test]
 fn slurmd_restart_keeps_fence_and_grant() {
     if !privileged() {
@@ -686,6 +688,28 @@ fn slurmd_restart_keeps_fence_and_grant() {
         assert_eq!(last["replaced_program"], true, "{last}");
         check(&format!("after slurmd came back ({how})"));
     }
+    // A slurmd whose plugin cannot install the fence (the kernel lacks the
+    // ancestor helper, forced by the test switch in slurmd's environment)
+    // does not start: the required plugin's init fails, slurmd exits and
+    // says why in its log. The fence it found stays attached with the
+    // job's grant; the job keeps its GPU, outsiders stay out.
+    cluster.stop_slurmd(libc::SIGTERM);
+    let n = installs(&env).len();
+    let refused = cluster.spawn_slurmd(&[(FORCE_NO_HELPER_ENV, "1")]);
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || gone(refused)),
+        "slurmd started without the helper:\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    let log = cluster.log_tail("slurmd.log");
+    assert!(
+        log.contains("bpf_get_current_ancestor_cgroup_id") && log.contains("Linux 6.1"),
+        "slurmd's log names the reason:\n{log}"
+    );
+    assert_eq!(installs(&env).len(), n, "nothing installed");
+    check("after a slurmd refused to start (no helper)");
+    cluster.start_slurmd();
+    check("after slurmd came back (helper present)");
     // The job ends; the new slurmd's epilog cleans up.
     std::fs::write(jobs.join("end"), "").unwrap();
     let revoked = |env: &TestEnv| {
