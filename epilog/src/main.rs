@@ -21,7 +21,7 @@ struct Args {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
-    /// Write the man page into DIR and exit (packaging).
+    /// Write the man page into DIR (made if missing) and exit (packaging).
     #[arg(long, value_name = "DIR", hide = true)]
     generate_man: Option<PathBuf>,
 }
@@ -30,7 +30,8 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(dir) = &args.generate_man {
         let cmd = <Args as clap::CommandFactory>::command();
-        return match clap_mangen::generate_to(cmd, dir) {
+        return match std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(cmd, dir))
+        {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("gpufence-epilog: {e}");

@@ -24,7 +24,9 @@ pub fn who() -> String {
 }
 
 /// Runs `argv` in the exempt cgroup and returns its exit code (128+signal
-/// when killed).
+/// when killed; 127 when the command is not found and 126 when it cannot
+/// run, as a shell says it, after one line on stderr). The `exec_end`
+/// audit line has the same code.
 ///
 /// # Errors
 /// [`NodeError`] when not root, the fence is missing, the cgroup cannot be
@@ -62,19 +64,28 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
     cmd.args(args);
     node.cg.join_at_exec(&mine, &mut cmd)?;
     let status = cmd.status();
+    // As a shell says it: 127 not found, 126 found but not runnable.
     let code = match &status {
         Ok(s) => s
             .code()
             .unwrap_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(s).unwrap_or(0)),
-        Err(_) => 127,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 127,
+        Err(_) => 126,
     };
-    let _ = node.audit(
-        AuditEvent::new("exec_end")
-            .field("who", who)
-            .field("argv", cmdline)
-            .field("exit_code", code),
-    );
+    let mut end = AuditEvent::new("exec_end")
+        .field("who", who)
+        .field("argv", cmdline)
+        .field("exit_code", code);
+    if let Err(e) = &status {
+        end = end.field("error", e.to_string());
+    }
+    let _ = node.audit(end);
     let _ = node.cg.remove_tree(&mine);
-    status.map_err(|e| NodeError::io("exec", std::path::Path::new(prog), e))?;
+    if let Err(e) = status {
+        eprintln!(
+            "gpufence: exec: cannot run {}: {e}",
+            std::path::Path::new(prog).display()
+        );
+    }
     Ok(code)
 }

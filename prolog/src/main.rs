@@ -18,7 +18,7 @@ struct Args {
     /// Config file (default: $GPUFENCE_CONFIG, else /etc/slurm/gpufence.toml).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
-    /// Write the man page into DIR and exit (packaging).
+    /// Write the man page into DIR (made if missing) and exit (packaging).
     #[arg(long, value_name = "DIR", hide = true)]
     generate_man: Option<PathBuf>,
 }
@@ -27,7 +27,8 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(dir) = &args.generate_man {
         let cmd = <Args as clap::CommandFactory>::command();
-        return match clap_mangen::generate_to(cmd, dir) {
+        return match std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(cmd, dir))
+        {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("gpufence-prolog: {e}");
@@ -58,12 +59,15 @@ fn main() -> ExitCode {
             } else {
                 eprintln!("gpufence-prolog: job {job}: {e}");
             }
-            let _ = node.audit(
-                AuditEvent::new(events::ERROR)
-                    .field("component", "prolog")
-                    .field("slurm_job_id", job)
-                    .field("error", e.to_string()),
-            );
+            // `job_id` as every other line has it (a number) when slurmd's
+            // value is one; the raw value is kept as given.
+            let mut ev = AuditEvent::new(events::ERROR)
+                .field("component", "prolog")
+                .field("error", e.to_string());
+            if let Ok(id) = job.parse::<u32>() {
+                ev = ev.job(id);
+            }
+            let _ = node.audit(ev.field("slurm_job_id", job));
             ExitCode::FAILURE
         }
     }

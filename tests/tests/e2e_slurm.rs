@@ -971,6 +971,13 @@ fn real_slurm_cluster_end_to_end() {
             .contains("gpufence fence install")),
         "{errors:?}"
     );
+    // Found by job id like every other line of the job.
+    let last = errors.last().unwrap();
+    assert!(last["job_id"].is_u64(), "{last}");
+    assert_eq!(
+        last["job_id"].to_string(),
+        last["slurm_job_id"].as_str().unwrap()
+    );
     let o = cluster.gpufence(&["fence", "install"]);
     assert!(o.status.success(), "{}", both(&o));
     let _ = admin(&["scancel", "-n", "noprolog"]);
