@@ -41,6 +41,11 @@ pub struct SweepArgs {
     /// mount); the node-wide checks still run.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<String>,
+    /// Report denied opens new since this consumer's previous sweep (its
+    /// own record, e.g. `--cursor health` for the health check) instead of
+    /// since any sweep's.
+    #[arg(long, value_name = "NAME")]
+    pub cursor: Option<String>,
 }
 
 /// `gpufence respond`.
@@ -71,6 +76,7 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
         fail_on,
         drain_node: args.drain.then(sweep::node_name),
         prometheus: args.prometheus.clone(),
+        cursor: args.cursor.clone(),
     };
     let o = sweep::execute(node, &req);
     for f in &o.report.findings {

@@ -1010,6 +1010,20 @@ pub struct Options {
     /// Limit the process-based checks to this cgroup subtree (relative to
     /// the cgroup2 mount); `None`: every process.
     pub cgroup: Option<String>,
+    /// Whose record of reported denials to use: `None` the node's shared
+    /// one (`sweep/denials.json`: each denial is reported by the first sweep
+    /// that sees it), `Some(name)` a consumer's own
+    /// (`sweep/denials-<name>.json`), so a timer and a health check each
+    /// report every denial once. Names are 1 to 64 of `[A-Za-z0-9_-]`.
+    pub cursor: Option<String>,
+}
+
+/// Whether `name` may name a denial cursor (it becomes part of a file name).
+fn valid_cursor(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// What a sweep found, and the numbers it exports.
@@ -1086,6 +1100,8 @@ struct Sweep<'a> {
     users: &'a Passwd,
     procs: Procs<'a>,
     scope: Option<String>,
+    /// The file of what earlier sweeps reported of the denial records.
+    denial_state: PathBuf,
     fence: Option<Fence>,
     report: SweepReport,
     findings: Vec<Finding>,
@@ -1292,7 +1308,7 @@ impl Sweep<'_> {
                 return;
             }
         };
-        let state_path = sweep_dir(node).join("denials.json");
+        let state_path = self.denial_state.clone();
         let prev = match read_json::<DenialState>(&state_path) {
             Ok(p) => p.unwrap_or_default(),
             Err(e) => {
@@ -1707,7 +1723,8 @@ impl Sweep<'_> {
 /// [`SweepReport::errors`].
 ///
 /// # Errors
-/// Only when there is nothing to sweep: `opts.cgroup` names no cgroup.
+/// Only when there is nothing to sweep: `opts.cgroup` names no cgroup, or
+/// `opts.cursor` is not a valid name.
 pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     let t0 = Instant::now();
     let scope = opts
@@ -1715,6 +1732,15 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
         .as_deref()
         .map(|s| s.trim_matches('/').to_string());
     let mut report = SweepReport::default();
+    let denial_state = match opts.cursor.as_deref() {
+        None => sweep_dir(node).join("denials.json"),
+        Some(c) if valid_cursor(c) => sweep_dir(node).join(format!("denials-{c}.json")),
+        Some(c) => {
+            return Err(format!(
+                "--cursor {c:?}: 1 to 64 letters, digits, '_' or '-'"
+            ))
+        }
+    };
     if let Some(s) = &scope {
         if !node.cg.path(s).is_dir() {
             return Err(format!(
@@ -1734,6 +1760,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
             cache: BTreeMap::new(),
         },
         scope,
+        denial_state,
         fence: None,
         report,
         findings: Vec::new(),
@@ -1875,6 +1902,8 @@ pub struct SweepRequest {
     pub drain_node: Option<String>,
     /// Write the node_exporter textfile here.
     pub prometheus: Option<PathBuf>,
+    /// See [`Options::cursor`].
+    pub cursor: Option<String>,
 }
 
 /// What `gpufence sweep` did.
@@ -1914,6 +1943,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
         node,
         &Options {
             cgroup: req.cgroup.clone(),
+            cursor: req.cursor.clone(),
         },
     ) {
         Ok(r) => r,

@@ -492,6 +492,29 @@ fn denied_opens_are_reported_once() {
         (json!(2), json!(3))
     );
     assert_eq!(o.report.denials_total, 3);
+
+    // A consumer with its own cursor (the health check beside the timer)
+    // sees every denial once, whatever the shared cursor reported.
+    let health = |w: &World| w.sweep_with(|r| r.cursor = Some("health".into()));
+    let o = health(&w);
+    let d = of_kind(&o, Kind::DeniedOpen);
+    assert_eq!(d.len(), 1, "{o:#?}");
+    assert_eq!(d[0].evidence["new"], 3);
+    assert!(of_kind(&health(&w), Kind::DeniedOpen).is_empty());
+    assert!(of_kind(&w.sweep(), Kind::DeniedOpen).is_empty());
+    assert_eq!(w.env.open_from(&out, &gpu), "EPERM");
+    assert_eq!(of_kind(&w.sweep(), Kind::DeniedOpen).len(), 1);
+    assert_eq!(of_kind(&health(&w), Kind::DeniedOpen).len(), 1);
+    // A cursor name is a file name part: anything else is refused.
+    for bad in ["", "../x", "a/b", "x y", &"a".repeat(65)] {
+        let o = w.sweep_with(|r| r.cursor = Some(bad.to_string()));
+        assert_eq!(o.exit, 2, "{bad:?}: {o:#?}");
+        assert!(
+            o.errors.iter().any(|e| e.contains("--cursor")),
+            "{bad:?}: {:?}",
+            o.errors
+        );
+    }
 }
 
 /// A grant whose cgroup was removed is revoked by the sweep and reported
