@@ -21,7 +21,8 @@ for f in "${want_deb[@]}"; do
     g=${f/.\/lib\/systemd/.\/usr\/lib\/systemd}
     grep -qxF "$f" <<<"$list" || grep -qxF "$g" <<<"$list" || { echo "missing in $deb: $f" >&2; fail=1; }
 done
-dpkg-deb -f "$deb" Depends | grep -q slurmd || { echo "$deb does not depend on slurmd" >&2; fail=1; }
+dpkg-deb -f "$deb" Depends | grep -q 'slurmd (>= 22.05) | slurm-client (>= 22.05)' \
+    || { echo "$deb does not depend on slurmd or slurm-client" >&2; fail=1; }
 grep -qx '/etc/slurm/gpufence.toml' <(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles) || { echo "config is not a conffile" >&2; fail=1; }
 if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
     rpm=$(ls target/packages/x86_64/gpufence-*.rpm)
@@ -31,6 +32,9 @@ if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
         grep -qxF "$f" <<<"$rlist" || { echo "missing in $rpm: $f" >&2; fail=1; }
     done
     rpm -qcp "$rpm" 2>/dev/null | grep -qx /etc/slurm/gpufence.toml || { echo "config is not %config in $rpm" >&2; fail=1; }
+    # Installable on login nodes too: the base slurm package, not slurmd.
+    rpm -qRp "$rpm" 2>/dev/null | grep -qx 'slurm >= 22.05' || { echo "$rpm does not require slurm >= 22.05" >&2; fail=1; }
+    ! rpm -qRp "$rpm" 2>/dev/null | grep -q slurmd || { echo "$rpm requires slurmd (login nodes have none)" >&2; fail=1; }
 fi
 ((fail == 0)) && echo "packages: ok ($(basename "$deb")${rpm:+, $(basename "$rpm")})"
 exit $fail
