@@ -89,7 +89,8 @@ mkdir -p "$CGROOT/$NAME/slurmd" "$CGROOT/$NAME/outside"
 cat >"$DEMO/gpufence.toml" <<TOML
 # The demo fences its own cgroup subtree; a real node uses cgroup_root = "/".
 cgroup_root = "$NAME"
-# This host's Slurm uses cgroup v1, so gpufence makes the job cgroups in cgroup2.
+# The demo's Slurm puts no job in a cgroup2 cgroup (proctrack/linuxproc,
+# task/none), so gpufence makes the job cgroups there itself.
 layout = "own"
 bpffs_dir = "$BPFFS"
 state_dir = "$DEMO/state"
@@ -161,7 +162,11 @@ as_user srun --gres=gpu:held:1 sh -c "echo \"job \$SLURM_JOB_ID: \$($PROBE sendf
 for _ in $(seq 100); do grep -q process_killed "$DEMO/audit.jsonl" && break; sleep 0.1; done
 grep -E '"event":"(lingering_process|process_killed)"' "$DEMO/audit.jsonl"
 ev=$(ls "$DEMO"/evidence/*.json 2>/dev/null | head -1)
-[[ -n $ev ]] && { echo "evidence file $ev (mode $(stat -c %a "$ev")):"; head -c 600 "$ev"; echo " ..."; }
+[[ -n $ev ]] && {
+    echo "evidence file $ev (mode $(stat -c %a "$ev")), its first lines:"
+    head -n 16 "$ev"
+    echo "  ... ($(($(wc -l <"$ev") - 16)) more lines)"
+}
 wait 2>/dev/null || true
 
 cd "$REPO"

@@ -75,8 +75,9 @@ enum Cmd {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Write the man page of gpufence into DIR (packaging).
-    #[command(hide = true)]
+    /// Write the man pages of gpufence and its subcommands into DIR
+    /// (made if missing; gpufence-prolog and gpufence-epilog write theirs
+    /// with --generate-man DIR).
     Man {
         /// Output directory.
         dir: PathBuf,
@@ -146,6 +147,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         }
         Cmd::Man { dir } => {
             let cmd = <Cli as clap::CommandFactory>::command();
+            std::fs::create_dir_all(dir).map_err(|e| NodeError::io("create", dir, e))?;
             clap_mangen::generate_to(cmd, dir)
                 .map_err(|e| NodeError::io("write man pages", dir, e))?;
             return Ok(ExitCode::SUCCESS);
@@ -163,7 +165,12 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
     let needs_root = !matches!(cli.cmd, Cmd::Devices { .. });
     // SAFETY: geteuid has no preconditions.
     if needs_root && unsafe { libc::geteuid() } != 0 {
-        eprintln!("gpufence: this command needs root (it reads the fence's pinned maps and every process's descriptors): run it with sudo");
+        let why = match cli.cmd {
+            Cmd::Exec { .. } => "it runs the command in the fence's exempt cgroup",
+            Cmd::Respond(_) => "it freezes and kills processes and keeps evidence",
+            _ => "it reads the fence's pinned maps and every process's descriptors",
+        };
+        eprintln!("gpufence: this command needs root ({why}): run it with sudo");
         return Ok(ExitCode::from(2));
     }
     let node = Node::load(cli.config.as_deref())?;
@@ -191,24 +198,22 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             } else if d.is_empty() {
                 println!("no denied opens recorded");
             } else {
-                println!(
-                    "{:<8} {:<12} {:<10} {:<8} {:<16} {:<25} cgroup",
-                    "count", "user", "device", "pid", "comm", "last"
-                );
+                let mut rows = vec!["count\tuser\tdevice\tpid\tcomm\tlast\tcgroup".to_string()];
                 for x in d {
-                    println!(
-                        "{:<8} {:<12} {:<10} {:<8} {:<16} {:<25} {}",
+                    rows.push(format!(
+                        "{}\t{}\t{}\t{}\t{}\t{}\t{}",
                         x.count,
                         x.user.unwrap_or_else(|| x.uid.to_string()),
                         x.device,
                         x.last_pid,
-                        x.last_comm,
+                        cell(&x.last_comm),
                         x.last_time,
                         x.cgroup
-                            .map(|c| format!("/{c}"))
+                            .map(|c| cell(&format!("/{c}")))
                             .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
-                    );
+                    ));
                 }
+                print_table(&rows);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -359,30 +364,51 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             } else if g.is_empty() {
                 println!("no live grants");
             } else {
-                println!(
-                    "{:<10} {:<12} {:<6} {:<40} devices",
-                    "job", "cgroup_id", "alive", "cgroup"
-                );
+                let mut rows = vec!["job\tcgroup_id\talive\tcgroup\tdevices".to_string()];
                 for c in g {
                     let devs: Vec<String> = c
                         .devices
                         .iter()
                         .map(|d| format!("{} {}", d.dev, d.access))
                         .collect();
-                    println!(
-                        "{:<10} {:<12} {:<6} {:<40} {}",
+                    rows.push(format!(
+                        "{}\t{}\t{}\t{}\t{}",
                         c.job_id,
                         c.cgroup_id,
                         c.cgroup_alive,
                         c.cgroup_path
-                            .map(|p| format!("/{p}"))
+                            .map(|p| cell(&format!("/{p}")))
                             .unwrap_or_else(|| "?".into()),
                         devs.join(", ")
-                    );
+                    ));
                 }
+                print_table(&rows);
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// A value for a table cell: control characters (a tab, a newline in a
+/// process name a user chose, or a cgroup name) become `?`, so a cell
+/// cannot split a column or forge a line.
+fn cell(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
+/// Prints tab-separated `rows` (the first is the header) as aligned
+/// columns, each as wide as its widest cell (cells pass through [`cell`]
+/// where a user chooses them).
+fn print_table(rows: &[String]) {
+    use std::io::Write;
+    let mut tw = tabwriter::TabWriter::new(Vec::new()).padding(2);
+    for r in rows {
+        let _ = writeln!(tw, "{r}");
+    }
+    if let Ok(bytes) = tw.into_inner() {
+        let _ = std::io::stdout().write_all(&bytes);
     }
 }
 
@@ -508,6 +534,9 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
         println!("this cgroup is outside the fenced subtree: gpufence does not apply to it");
     }
     println!("device programs from the root down:");
+    if d.levels.is_empty() {
+        println!("  (none attached from the root down to this cgroup)");
+    }
     for l in &d.levels {
         println!("  /{} (attach flags: {})", l.cgroup, l.attach_flags);
         for p in &l.programs {

@@ -15,7 +15,8 @@ use crate::{Node, NodeError};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Denial {
     /// The denied task's cgroup path (relative to the cgroup2 mount), when
-    /// the cgroup still exists.
+    /// the cgroup still exists. JSON: absolute (`/a/b`).
+    #[serde(serialize_with = "crate::cgpath::option::serialize")]
     pub cgroup: Option<String>,
     /// The cgroup id.
     pub cgroup_id: u64,

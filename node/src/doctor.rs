@@ -38,7 +38,8 @@ pub struct AttachedProgram {
 /// The device programs attached at one cgroup on the path.
 #[derive(Clone, Debug, Serialize)]
 pub struct Level {
-    /// The cgroup, relative to the mount (`""` = root).
+    /// The cgroup, relative to the mount (`""` = root). JSON: absolute.
+    #[serde(serialize_with = "crate::cgpath::serialize")]
     pub cgroup: String,
     /// `multi`, `override` or `none` (`BPF_F_ALLOW_*` of the attachment).
     pub attach_flags: String,
@@ -64,7 +65,8 @@ pub struct DeviceVerdict {
 pub struct Doctor {
     /// The process, when a pid was asked about.
     pub pid: Option<i32>,
-    /// Its cgroup (relative to the mount).
+    /// Its cgroup (relative to the mount). JSON: absolute.
+    #[serde(serialize_with = "crate::cgpath::serialize")]
     pub cgroup: String,
     /// Whether the fence is attached at `cgroup_root`.
     pub fence_attached: bool,

@@ -44,7 +44,8 @@ pub struct Evidence {
     pub exe_hashed_bytes: Option<u64>,
     /// The executable's size in bytes.
     pub exe_size: Option<u64>,
-    /// cgroup2 path.
+    /// cgroup2 path. JSON: absolute (`/a/b`).
+    #[serde(serialize_with = "crate::cgpath::option::serialize")]
     pub cgroup: Option<String>,
     /// Start time (RFC 3339), from `/proc/<pid>/stat` and the boot time.
     pub start_time: Option<String>,

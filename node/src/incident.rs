@@ -122,7 +122,8 @@ pub struct TreeProcess {
     pub comm: String,
     /// Command line.
     pub cmdline: Vec<String>,
-    /// cgroup2 path.
+    /// cgroup2 path. JSON: absolute (`/a/b`).
+    #[serde(serialize_with = "crate::cgpath::option::serialize")]
     pub cgroup: Option<String>,
 }
 

@@ -13,6 +13,7 @@
 //!   grant step and the epilog at (`GPUFENCE_TEST_CRASH_AT`).
 
 pub mod apply;
+pub mod cgpath;
 pub mod crashpoint;
 pub mod denials;
 pub mod doctor;

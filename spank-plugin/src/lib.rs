@@ -66,7 +66,7 @@ fn register_options(spank: slurm_spank::spank_sys::spank_t) -> c_int {
         spank_option {
             name: c"gpufence-report".as_ptr(),
             arginfo: c"PATH".as_ptr(),
-            usage: c"at job end, write a report of the job's GPU use (devices, denied opens, lingering processes, GPU-seconds) to PATH (default: gpufence-<jobid>.txt in the job's working directory)".as_ptr(),
+            usage: c"at job end, write a report of the job's GPU use (devices, denied opens, lingering processes, GPU-seconds); =PATH is optional (%j job id, %N node), without it: gpufence-<jobid>.txt in the job's working directory".as_ptr(),
             has_arg: 2,
             val: 2,
             cb: Some(option_cb),

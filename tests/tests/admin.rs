@@ -55,7 +55,8 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     let o = gpufence(&cfg, &["doctor", &pid.to_string(), "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let d: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(d["cgroup"], task.as_str());
+    // JSON cgroup paths are absolute, as sweep and the audit log write them.
+    assert_eq!(d["cgroup"], format!("/{task}"));
     assert_eq!(
         (d["fence_attached"].clone(), d["fence_current"].clone()),
         (Value::from(true), Value::from(true))
@@ -64,7 +65,7 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     let at = |c: &str| {
         levels
             .iter()
-            .find(|l| l["cgroup"] == c)
+            .find(|l| l["cgroup"] == format!("/{c}"))
             .unwrap_or_else(|| panic!("no level /{c}: {d}"))
     };
     let ours = at(&env.root);
@@ -184,6 +185,49 @@ fn exec_runs_admin_commands_exempt_and_audited() {
         .filter(|e| e.file_type().unwrap().is_dir())
         .collect();
     assert!(left.is_empty(), "{left:?}");
+    // A command that is not there: 127 as a shell says it, one line, and
+    // the audit line has the same code.
+    let o = gpufence(&cfg, &["exec", "--", "/nonexistent/nvidia-smi"]);
+    assert_eq!(o.status.code(), Some(127), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("gpufence: exec: cannot run /nonexistent/nvidia-smi:")
+            && err.lines().count() == 1,
+        "{err}"
+    );
+    let audit = std::fs::read_to_string(env.path("log/audit.jsonl")).unwrap();
+    let end: Value = audit
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["event"] == "exec_end")
+        .last()
+        .unwrap();
+    assert_eq!(end["exit_code"], 127, "{end}");
+    assert!(
+        end["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{end}"
+    );
+    // Man pages: the directory is made; one page per subcommand.
+    let man = env.path("man/man1");
+    let o = Command::new(workspace_bin("gpufence"))
+        .arg("man")
+        .arg(&man)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    for page in ["gpufence.1", "gpufence-sweep.1", "gpufence-exec.1"] {
+        assert!(man.join(page).exists(), "{page}");
+    }
+    for b in ["gpufence-prolog", "gpufence-epilog"] {
+        let d = env.path(&format!("man-{b}/man1"));
+        let o = Command::new(workspace_bin(b))
+            .arg("--generate-man")
+            .arg(&d)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{b}: {o:?}");
+        assert!(d.join(format!("{b}.1")).exists(), "{b}");
+    }
     // Not for users.
     let o = Command::new("setpriv")
         .args([
@@ -219,6 +263,8 @@ fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
         &["grants"],
         &["denials"],
         &["sweep"],
+        &["exec", "--", "id"],
+        &["respond", "1"],
     ] {
         let o = Command::new("setpriv")
             .args([
@@ -239,6 +285,12 @@ fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("needs root"), "{args:?}: {err}");
         assert!(o.stdout.is_empty(), "{args:?}: nothing on stdout");
+        let why = match args[0] {
+            "exec" => "runs the command in the fence's exempt cgroup",
+            "respond" => "freezes and kills processes",
+            _ => "reads the fence's pinned maps",
+        };
+        assert!(err.contains(why), "{args:?}: {err}");
     }
     // The reader goes away before the CLI writes.
     let (r, w) = std::io::pipe().unwrap();
@@ -361,4 +413,86 @@ fn reports_are_written_whole_and_as_the_user() {
     let e = write("x\n", "pwned", d.path()).unwrap_err();
     assert!(e.contains(&format!("uid {uid} cannot write")), "{e}");
     assert_eq!(names(d.path()), ["mine"]);
+}
+
+/// `gpufence denials` and `gpufence grants` print columns that line up
+/// whatever the widths (a 13-character user name, long cgroup paths), one
+/// line per record.
+#[test]
+fn tables_line_up() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("tables");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let out = env.cgroup("outside-with-a-rather-long-name");
+    assert_eq!(env.open_from(&out, &n0), "EPERM");
+    let o = env
+        .command_in(&out, "setpriv")
+        .args([
+            "--reuid",
+            gpufence_tests::cluster::TEST_USER,
+            "--regid",
+            gpufence_tests::cluster::TEST_USER,
+            "--init-groups",
+            "--",
+        ])
+        .arg(probe_bin())
+        .arg("open")
+        .arg(&n0)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("EPERM"),
+        "{o:?}"
+    );
+    let job = env.cgroup("job_7");
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            7,
+            &[(DevNum::new(195, 0), Access::RW)],
+        )
+        .unwrap();
+    for (args, header, col) in [
+        (&["denials"][..], "count", "device"),
+        (&["grants"][..], "job", "alive"),
+    ] {
+        let o = gpufence(&cfg, args);
+        assert!(o.status.success(), "{o:?}");
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with(header), "{text}");
+        let at = lines[0].find(col).unwrap();
+        let rows = &lines[1..];
+        assert!(!rows.is_empty(), "{text}");
+        if args[0] == "denials" {
+            assert_eq!(
+                rows.len(),
+                2,
+                "root and {}: {text}",
+                gpufence_tests::cluster::TEST_USER
+            );
+        }
+        for r in rows {
+            // The column starts where its header does, after two spaces.
+            assert_eq!(&r[at - 2..at], "  ", "{args:?}:\n{text}");
+            assert_ne!(&r[at..at + 1], " ", "{args:?}:\n{text}");
+        }
+    }
+    // In JSON, cgroup paths are absolute, as in sweep's and the audit log.
+    let json =
+        |args: &[&str]| -> Value { serde_json::from_slice(&gpufence(&cfg, args).stdout).unwrap() };
+    let d = json(&["denials", "--json"]);
+    assert!(
+        d.as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x["cgroup"] == format!("/{out}")),
+        "{d}"
+    );
 }

@@ -598,7 +598,7 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     assert_eq!(ev["pid"], receiver);
     assert_eq!(ev["job_id"], 11);
     assert_eq!(ev["fds"][0]["dev"]["minor"], mi);
-    assert_eq!(ev["cgroup"], outside.as_str());
+    assert_eq!(ev["cgroup"], format!("/{outside}"));
     assert_eq!(ev["cmdline"][1], "recvfd");
     assert_eq!(ev["exe_sha256"].as_str().unwrap().len(), 64);
     assert!(ev["start_time"].is_string() && ev["ppid"].is_number());
