@@ -454,8 +454,9 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                 );
                 // The user's path, the user's problem: audited (the admin
                 // can tell the user why), never a drain.
-                let (event, note) = match crate::report::write_as_user(&text, &target, wd, uid, gid)
-                {
+                let (event, note) = match crate::report::write_as_user(
+                    node, job_id, &text, &target, wd, uid, gid,
+                ) {
                     Ok(p) => (
                         AuditEvent::new("report_written").field("path", p.display().to_string()),
                         format!("report written to {}", p.display()),

@@ -1,19 +1,26 @@
 //! The job's GPU report (`--gpufence-report[=PATH]`): what the job was
 //! granted, what it was denied, what was killed at its end, its GPU-seconds
 //! and, with NVML accounting, its memory and utilisation. Written as the
-//! job's user (never as root: the path is the user's choice), to PATH or to
+//! job's user (never as root: the path is the user's choice; from a fenced
+//! cgroup of its own, see [`write_as_user`]), to PATH or to
 //! `gpufence-<jobid>.txt` in the job's working directory.
 
+use std::ffi::CString;
 use std::fmt::Write as _;
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use gpufence_model::record::JobRecord;
 
 use crate::denials::Denial;
 use crate::respond::Lingering;
+use crate::{join_cgroup, Node};
 
 /// Everything the report says.
 #[derive(Clone, Debug, Default)]
@@ -102,64 +109,165 @@ pub fn render(d: &ReportData<'_>) -> String {
     s
 }
 
+/// How long the report writer may take before it is killed: it runs as
+/// the user, who can stop it (SIGSTOP, ptrace, a FIFO for a file), and the
+/// Epilog must not wait on the user.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The shell the writer runs: a new temporary file beside `$1` (`mktemp`,
+/// 0600), the report from stdin into it, then a rename onto `$1` (`mv -fT`:
+/// never into a directory of that name), so a reader sees no report or a
+/// whole one.
+const WRITER: &str = "umask 077; t=$(mktemp -- \"$1.XXXXXX\") || exit 1; \
+     if cat > \"$t\" && mv -fT -- \"$t\" \"$1\"; then exit 0; fi; rm -f -- \"$t\"; exit 1";
+
 /// Writes `text` to `path` (relative to `work_dir`) as `uid:gid`, with the
-/// user's own permissions: a child process drops root (groups, gid, uid)
-/// before it opens anything. The report is written to a new temporary file
-/// beside `path` (`mktemp`, 0600) and renamed onto it (`mv -fT`: never into
-/// a directory of that name), so a reader sees no report or a whole one.
-/// Returns the path written.
+/// user's own permissions, and returns the path written.
+///
+/// The writer is a child that, between fork and exec: joins its own cgroup
+/// `<cgroup_root>/gpufence-report/job_<id>` (fenced, never exempt, never
+/// granted: the user can ptrace a process of theirs, and the Epilog's own
+/// cgroup, slurmd's, is exempt), drops root (groups, gid, uid), and only
+/// then enters `work_dir` (a directory the user cannot reach stays out of
+/// reach). It gets [`WRITE_TIMEOUT`]; then, and in any case, everything in
+/// its cgroup is killed and the cgroup removed.
 ///
 /// # Errors
-/// A message when the child cannot run or the user cannot write there.
+/// A message when the cgroup cannot be made, the writer cannot start (the
+/// user cannot enter `work_dir`), the user cannot write there, or the
+/// writer timed out.
 pub fn write_as_user(
+    node: &Node,
+    job_id: u32,
     text: &str,
     path: &Path,
     work_dir: &Path,
     uid: u32,
     gid: u32,
 ) -> Result<PathBuf, String> {
+    let cg = join_cgroup(
+        &join_cgroup(&node.cfg.cgroup_root, REPORT_CGROUP),
+        &format!("job_{job_id}"),
+    );
+    // A writer of an earlier, killed epilog of this job: gone first.
+    let _ = node.cg.kill(&cg);
+    node.cg
+        .create(&cg)
+        .map_err(|e| format!("cannot make the report writer's cgroup: {e}"))?;
+    let r = run_writer(node, &cg, text, path, work_dir, uid, gid);
+    // Whatever the writer left (a process it forked) goes with its cgroup.
+    let _ = node.cg.kill(&cg);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while node.cg.remove_tree(&cg).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    r.map(|()| {
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            work_dir.join(path)
+        }
+    })
+}
+
+/// The subtree of `cgroup_root` the report writers run in.
+pub const REPORT_CGROUP: &str = "gpufence-report";
+
+fn run_writer(
+    node: &Node,
+    cg: &str,
+    text: &str,
+    path: &Path,
+    work_dir: &Path,
+    uid: u32,
+    gid: u32,
+) -> Result<(), String> {
+    let wd = CString::new(work_dir.as_os_str().as_bytes())
+        .map_err(|_| format!("working directory {} holds a NUL byte", work_dir.display()))?;
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
-        .arg(
-            "umask 077; t=$(mktemp -- \"$1.XXXXXX\") || exit 1; \
-             if cat > \"$t\" && mv -fT -- \"$t\" \"$1\"; then exit 0; fi; rm -f -- \"$t\"; exit 1",
-        )
+        .arg(WRITER)
         .arg("gpufence-report")
         .arg(path)
-        .current_dir(work_dir)
         .env_clear()
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    // First, as root: into the writer's cgroup.
+    node.cg
+        .join_at_exec(cg, &mut cmd)
+        .map_err(|e| format!("report writer's cgroup: {e}"))?;
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setgroups(0, std::ptr::null()) != 0
                 || libc::setgid(gid) != 0
                 || libc::setuid(uid) != 0
+                || libc::chdir(wd.as_ptr()) != 0
             {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot start the report writer: {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(text.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    if !out.status.success() {
+    // The user can stop the writer from the moment it has their uid, even
+    // before it execs (while `spawn` waits for the exec): a watchdog kills
+    // its cgroup at the deadline, which ends every wait below.
+    let timed_out = AtomicBool::new(false);
+    let (done, finished) = mpsc::channel::<()>();
+    let (started, status, err) = std::thread::scope(|s| {
+        let flag = &timed_out;
+        s.spawn(move || {
+            if let Err(RecvTimeoutError::Timeout) = finished.recv_timeout(WRITE_TIMEOUT) {
+                flag.store(true, Ordering::SeqCst);
+                let _ = node.cg.kill(cg);
+            }
+        });
+        let mut run = || -> Result<(std::process::ExitStatus, String), std::io::Error> {
+            let mut child = cmd.spawn()?;
+            // Fed from a thread: a writer that stops reading must not
+            // block us past the deadline.
+            let feeder = child.stdin.take().map(|mut stdin| {
+                let bytes = text.as_bytes().to_vec();
+                std::thread::spawn(move || {
+                    let _ = stdin.write_all(&bytes);
+                })
+            });
+            let status = child.wait();
+            // Nothing the writer started outlives it; then its pipes close.
+            let _ = node.cg.kill(cg);
+            if let Some(f) = feeder {
+                let _ = f.join();
+            }
+            let mut err = String::new();
+            if let Some(e) = child.stderr.take() {
+                let _ = e.take(4096).read_to_string(&mut err);
+            }
+            Ok((status?, err))
+        };
+        let r = run();
+        drop(done);
+        match r {
+            Ok((st, err)) => (true, Some(st), err),
+            Err(e) => (false, None, e.to_string()),
+        }
+    });
+    if timed_out.load(Ordering::SeqCst) {
         return Err(format!(
-            "uid {uid} cannot write {}: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
+            "the report writer (uid {uid}) did not finish in {} s: killed",
+            WRITE_TIMEOUT.as_secs()
         ));
     }
-    Ok(if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        work_dir.join(path)
-    })
+    match status {
+        _ if !started => Err(format!(
+            "cannot start the report writer as uid {uid} in {}: {err}",
+            work_dir.display()
+        )),
+        Some(s) if s.success() => Ok(()),
+        _ => Err(format!(
+            "uid {uid} cannot write {}: {}",
+            path.display(),
+            err.trim()
+        )),
+    }
 }

@@ -340,13 +340,25 @@ fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
 /// appears whole (a temporary file beside it, renamed), owned by the user,
 /// 0600; it replaces an old report, never writes into a directory of that
 /// name, cannot write where the user may not, and leaves no temporary file.
+/// It runs in a fenced cgroup of its own (the Epilog's, slurmd's, is exempt,
+/// and the user may ptrace their own process), enters the working
+/// directory only after dropping root, and a writer the user stops is
+/// killed after `WRITE_TIMEOUT` rather than holding the Epilog.
 #[test]
 fn reports_are_written_whole_and_as_the_user() {
     if !privileged() {
         return;
     }
+    use gpufence_model::config::{Config, ConfigOrigin};
+    use gpufence_node::report::{write_as_user, REPORT_CGROUP, WRITE_TIMEOUT};
     use gpufence_tests::cluster::{test_uid, TEST_USER};
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let env = TestEnv::new("report");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let node =
+        gpufence_node::Node::new(Config::load(&cfg).unwrap(), ConfigOrigin::File(cfg.clone()))
+            .unwrap();
     let uid = test_uid();
     let out = Command::new("id").args(["-g", TEST_USER]).output().unwrap();
     let gid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
@@ -364,8 +376,9 @@ fn reports_are_written_whole_and_as_the_user() {
         v
     };
     let write = |text: &str, path: &str, dir: &std::path::Path| {
-        gpufence_node::report::write_as_user(text, std::path::Path::new(path), dir, uid, gid)
+        write_as_user(&node, 9, text, std::path::Path::new(path), dir, uid, gid)
     };
+    let writer_cg = format!("{}/{REPORT_CGROUP}/job_9", env.root);
 
     let p = write("first report\n", "r.txt", &mine).unwrap();
     assert_eq!(p, mine.join("r.txt"));
@@ -413,6 +426,65 @@ fn reports_are_written_whole_and_as_the_user() {
     let e = write("x\n", "pwned", d.path()).unwrap_err();
     assert!(e.contains(&format!("uid {uid} cannot write")), "{e}");
     assert_eq!(names(d.path()), ["mine"]);
+    // A working directory behind one the user cannot search (root's 0700)
+    // is entered as the user, so not at all.
+    let hidden = d.path().join("hidden");
+    std::fs::create_dir(&hidden).unwrap();
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::create_dir(hidden.join("open")).unwrap();
+    std::fs::set_permissions(hidden.join("open"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = write("x\n", "r.txt", &hidden.join("open")).unwrap_err();
+    assert!(e.contains("cannot start the report writer"), "{e}");
+    assert!(names(&hidden.join("open")).is_empty());
+    assert!(
+        !env.cg.path(&writer_cg).exists(),
+        "the writer's cgroup is removed"
+    );
+
+    // The user stops the writer: it is found in its own cgroup, where the
+    // fence denies GPUs, and killed after WRITE_TIMEOUT; the call returns.
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let t0 = std::time::Instant::now();
+    let (r, seen) = std::thread::scope(|s| {
+        let w = s.spawn(|| write("x\n", "stopped.txt", &mine));
+        let mut seen = None;
+        while seen.is_none() && t0.elapsed() < std::time::Duration::from_secs(5) {
+            let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                .unwrap_or_default();
+            let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
+                continue;
+            };
+            let real_uid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok());
+            // The user may stop it from the moment it has their uid, even
+            // before it has exec'd (the parent then still waits in spawn).
+            if real_uid != Some(uid) {
+                continue;
+            }
+            // SAFETY: kill(2) on the writer the test just found.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            // Its cgroup is fenced: a process of the user there is denied.
+            let opened = env.open_from(&writer_cg, &n0);
+            seen = Some((pid, cg, opened));
+        }
+        (w.join().unwrap(), seen)
+    });
+    let (pid, cg, opened) = seen.expect("the writer was never seen in its cgroup as the user");
+    assert!(cg.trim_end().ends_with(&format!("/{writer_cg}")), "{cg}");
+    assert_eq!(
+        opened, "EPERM",
+        "the writer's cgroup is fenced and not exempt"
+    );
+    let e = r.unwrap_err();
+    assert!(e.contains("did not finish"), "{e}");
+    assert!(t0.elapsed() >= WRITE_TIMEOUT, "{:?}", t0.elapsed());
+    assert!(gpufence_tests::gone(pid), "the stopped writer was killed");
+    assert!(!env.cg.path(&writer_cg).exists(), "and its cgroup removed");
+    assert!(!mine.join("stopped.txt").exists());
 }
 
 /// `gpufence denials` and `gpufence grants` print columns that line up
