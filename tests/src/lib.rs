@@ -389,3 +389,45 @@ pub fn gone(pid: i32) -> bool {
             .is_some_and(|r| r.trim_start().starts_with('Z')),
     }
 }
+
+/// The audit log's lines as JSON, read while writers may still append.
+/// Appends are one `write(2)` each under `flock`, but a reader takes no
+/// lock and a write becomes visible page by page, so the last line may be
+/// a write in progress: without its newline, it is left out. Every whole
+/// line must be JSON (panics naming it). A missing log is empty.
+pub fn audit_log(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let whole = match text.rfind('\n') {
+        Some(i) => &text[..=i],
+        None => "",
+    };
+    parse_audit(path, whole)
+}
+
+/// [`audit_log`] once no writer runs: a last line without its newline is
+/// then a torn line, and panics.
+pub fn audit_log_settled(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    assert!(
+        text.is_empty() || text.ends_with('\n'),
+        "{}: the audit log ends in a torn line: {:?}",
+        path.display(),
+        text.lines().last()
+    );
+    parse_audit(path, &text)
+}
+
+fn parse_audit(path: &Path, text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .enumerate()
+        .map(|(n, l)| {
+            serde_json::from_str(l).unwrap_or_else(|e| {
+                panic!(
+                    "{}: audit line {} is not whole JSON ({e}): {l:?}",
+                    path.display(),
+                    n + 1
+                )
+            })
+        })
+        .collect()
+}

@@ -546,8 +546,9 @@ fn two_gpu_cluster(env: &TestEnv, offset: u16) -> (Cluster, [PathBuf; 2]) {
     (c, gpu)
 }
 
+/// The cluster's audit log while its Prologs and Epilogs may still write.
 fn cluster_audit(env: &TestEnv) -> Vec<Value> {
-    audit_lines(&env.path("log/audit.jsonl"), "cluster audit")
+    gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
 }
 
 fn live_grant_jobs(c: &Cluster) -> Vec<u64> {

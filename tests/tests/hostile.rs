@@ -50,11 +50,7 @@ fn verdict(out: &str, subject: &str) -> String {
 }
 
 fn audit(env: &TestEnv) -> Vec<Value> {
-    std::fs::read_to_string(env.path("log/audit.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
-        .collect()
+    gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
 }
 
 fn events_for(env: &TestEnv, job: u32) -> Vec<String> {

@@ -79,11 +79,7 @@ impl World {
             .unwrap();
     }
     fn audit(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.node.cfg.audit_log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        gpufence_tests::audit_log_settled(&self.node.cfg.audit_log)
     }
     fn events(&self, job: u32) -> Vec<String> {
         self.audit()

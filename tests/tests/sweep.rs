@@ -112,11 +112,7 @@ impl World {
         self.sweep_with(|_| {})
     }
     fn audit(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.node.cfg.audit_log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        gpufence_tests::audit_log_settled(&self.node.cfg.audit_log)
     }
     fn events(&self) -> Vec<String> {
         self.audit()
