@@ -439,6 +439,15 @@ impl Config {
                     format!("/{n} contains the fenced subtree /{root}: exempting it would open every GPU to every process"),
                 ));
             }
+            // The report writers run the user's own process there: an
+            // exemption would hand it every GPU.
+            let reports = join_rel(root, REPORT_CGROUP);
+            if n == reports || n.starts_with(&format!("{reports}/")) {
+                return Err(key_err(
+                    &format!("exempt_cgroups[{i}]"),
+                    format!("/{n} is where job reports are written as the job's user: it is never exempt"),
+                ));
+            }
             *p = n;
         }
         if let Some(m) = &self.majors {
@@ -507,6 +516,19 @@ impl Config {
     }
 }
 
+/// The subtree of `cgroup_root` where `--gpufence-report` writers run, as
+/// the job's user: fenced, never granted, never exempt.
+pub const REPORT_CGROUP: &str = "gpufence-report";
+
+/// `a` joined with `b`, both relative cgroup paths (`""` is the root).
+fn join_rel(a: &str, b: &str) -> String {
+    if a.is_empty() {
+        b.to_string()
+    } else {
+        format!("{a}/{b}")
+    }
+}
+
 /// Normalises a cgroup path relative to the cgroup2 mount: strips leading and
 /// trailing `/`, collapses `//` and `.`; `..` is refused (it could name a
 /// cgroup outside the intended subtree).
@@ -536,6 +558,27 @@ mod tests {
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::parse(s, Path::new("/etc/slurm/gpufence.toml"))
+    }
+
+    #[test]
+    fn the_report_writers_cgroup_is_never_exempt() {
+        for (root, exempt) in [
+            ("", "gpufence-report"),
+            ("", "gpufence-report/job_4"),
+            ("fenced", "fenced/gpufence-report"),
+        ] {
+            let e = parse(&format!(
+                "cgroup_root = \"{root}\"\nexempt_cgroups = [\"{exempt}\"]\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("never exempt"), "{root} {exempt}: {e}");
+        }
+        // A sibling of that name elsewhere is fine.
+        assert!(
+            parse("cgroup_root = \"fenced\"\nexempt_cgroups = [\"other/gpufence-report\"]\n")
+                .is_ok()
+        );
     }
 
     #[test]

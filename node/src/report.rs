@@ -170,8 +170,9 @@ pub fn write_as_user(
     })
 }
 
-/// The subtree of `cgroup_root` the report writers run in.
-pub const REPORT_CGROUP: &str = "gpufence-report";
+/// The subtree of `cgroup_root` the report writers run in (never exempt:
+/// the config refuses it).
+pub use gpufence_model::config::REPORT_CGROUP;
 
 fn run_writer(
     node: &Node,
