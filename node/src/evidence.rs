@@ -238,10 +238,8 @@ pub fn collect(
         ppid: stat.as_ref().map(|s| s.ppid),
         uid: status.as_ref().map(|s| s.ruid),
         comm: stat.as_ref().map(|s| s.comm.clone()),
-        cmdline: proc
-            .as_ref()
-            .and_then(|p| p.cmdline().ok())
-            .unwrap_or_default(),
+        // Bytes that are not UTF-8 are replaced, never the whole list lost.
+        cmdline: crate::sweep::read_cmdline(pid),
         exe: proc
             .as_ref()
             .and_then(|p| p.exe().ok())
@@ -315,6 +313,30 @@ pub fn write_file(dir: &Path, prefix: &str, bytes: &[u8]) -> Result<PathBuf, Nod
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command line with bytes that are not UTF-8 is kept, the bytes
+    /// replaced (it was dropped whole).
+    #[test]
+    fn cmdlines_that_are_not_utf8_are_kept() {
+        use std::os::unix::ffi::OsStrExt;
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30; :"])
+            .arg(std::ffi::OsStr::from_bytes(b"x\xff"))
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let mut ev = collect(pid, 1, "test", Vec::new(), None, Vec::new(), None, 0);
+        for _ in 0..100 {
+            if ev.cmdline.len() == 4 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            ev = collect(pid, 1, "test", Vec::new(), None, Vec::new(), None, 0);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(ev.cmdline, ["sh", "-c", "sleep 30; :", "x\u{fffd}"]);
+    }
 
     #[test]
     fn containers_from_cgroup_paths() {

@@ -7,13 +7,12 @@
 
 use std::ffi::CString;
 use std::fmt::Write as _;
-use std::io::{Read as _, Write as _};
+use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use gpufence_model::record::JobRecord;
@@ -191,9 +190,7 @@ fn run_writer(
         .arg("gpufence-report")
         .arg(path)
         .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+        .stdout(Stdio::null());
     // First, as root: into the writer's cgroup.
     node.cg
         .join_at_exec(cg, &mut cmd)
@@ -211,64 +208,74 @@ fn run_writer(
             Ok(())
         });
     }
-    // The user can stop the writer from the moment it has their uid, even
-    // before it execs (while `spawn` waits for the exec): a watchdog kills
-    // its cgroup at the deadline, which ends every wait below.
-    let timed_out = AtomicBool::new(false);
-    let (done, finished) = mpsc::channel::<()>();
-    let (started, status, err) = std::thread::scope(|s| {
-        let flag = &timed_out;
-        s.spawn(move || {
-            if let Err(RecvTimeoutError::Timeout) = finished.recv_timeout(WRITE_TIMEOUT) {
-                flag.store(true, Ordering::SeqCst);
-                let _ = node.cg.kill(cg);
-            }
-        });
-        let mut run = || -> Result<(std::process::ExitStatus, String), std::io::Error> {
-            let mut child = cmd.spawn()?;
-            // Fed from a thread: a writer that stops reading must not
-            // block us past the deadline.
-            let feeder = child.stdin.take().map(|mut stdin| {
-                let bytes = text.as_bytes().to_vec();
-                std::thread::spawn(move || {
-                    let _ = stdin.write_all(&bytes);
-                })
-            });
-            let status = child.wait();
-            // Nothing the writer started outlives it; then its pipes close.
-            let _ = node.cg.kill(cg);
-            if let Some(f) = feeder {
-                let _ = f.join();
-            }
-            let mut err = String::new();
-            if let Some(e) = child.stderr.take() {
-                let _ = e.take(4096).read_to_string(&mut err);
-            }
-            Ok((status?, err))
-        };
-        let r = run();
-        drop(done);
-        match r {
-            Ok((st, err)) => (true, Some(st), err),
-            Err(e) => (false, None, e.to_string()),
-        }
+    // The report comes from a memfd and stderr goes to one: no pipe whose
+    // other end the user could hold (pidfd_getfd on a traced writer) to
+    // keep us reading or writing.
+    let input = memfd("gpufence-report-in")
+        .and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            f.seek(SeekFrom::Start(0))?;
+            Ok(f)
+        })
+        .map_err(|e| format!("report buffer: {e}"))?;
+    let mut errors = memfd("gpufence-report-err").map_err(|e| format!("report buffer: {e}"))?;
+    let errors_for_child = errors
+        .try_clone()
+        .map_err(|e| format!("report buffer: {e}"))?;
+    cmd.stdin(Stdio::from(input))
+        .stderr(Stdio::from(errors_for_child));
+    // The user can stop or trace the writer from the moment it has their
+    // uid, even before it execs (`spawn` then waits for the exec) or after
+    // it exits (a tracer that never reaps it keeps `wait` waiting). So the
+    // writer is started and waited for on a thread of its own; we wait for
+    // that thread's answer until the deadline, kill the writer's cgroup,
+    // give it a moment, and otherwise leave the thread behind (the Epilog
+    // exits soon after; nothing it holds matters then).
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let r = cmd.spawn().and_then(|mut child| child.wait());
+        let _ = tx.send(r);
     });
-    if timed_out.load(Ordering::SeqCst) {
-        return Err(format!(
+    let answer = match rx.recv_timeout(WRITE_TIMEOUT) {
+        Ok(r) => Some(r),
+        Err(_) => {
+            let _ = node.cg.kill(cg);
+            let _ = rx.recv_timeout(Duration::from_secs(1));
+            None
+        }
+    };
+    let mut err = String::new();
+    if errors.seek(SeekFrom::Start(0)).is_ok() {
+        let _ = (&mut errors).take(4096).read_to_string(&mut err);
+    }
+    match answer {
+        None => Err(format!(
             "the report writer (uid {uid}) did not finish in {} s: killed",
             WRITE_TIMEOUT.as_secs()
-        ));
-    }
-    match status {
-        _ if !started => Err(format!(
-            "cannot start the report writer as uid {uid} in {}: {err}",
+        )),
+        Some(Err(e)) => Err(format!(
+            "cannot start the report writer as uid {uid} in {}: {e}",
             work_dir.display()
         )),
-        Some(s) if s.success() => Ok(()),
-        _ => Err(format!(
+        Some(Ok(s)) if s.success() => Ok(()),
+        Some(Ok(_)) => Err(format!(
             "uid {uid} cannot write {}: {}",
             path.display(),
             err.trim()
         )),
     }
+}
+
+/// An anonymous file (`memfd_create`, close-on-exec): the writer gets it
+/// as stdin or stderr by `dup2`, and nobody can hold a pipe end of it.
+fn memfd(name: &str) -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let name = CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is ours.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor nobody else owns.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }

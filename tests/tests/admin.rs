@@ -485,6 +485,50 @@ fn reports_are_written_whole_and_as_the_user() {
     assert!(gpufence_tests::gone(pid), "the stopped writer was killed");
     assert!(!env.cg.path(&writer_cg).exists(), "and its cgroup removed");
     assert!(!mine.join("stopped.txt").exists());
+
+    // A tracer that never reaps the writer (its exit then waits for the
+    // tracer, and so would a parent's wait): the call still returns at the
+    // deadline.
+    let t0 = std::time::Instant::now();
+    let mut tracer = None;
+    let r = std::thread::scope(|s| {
+        let w = s.spawn(|| write("y\n", "traced.txt", &mine));
+        while tracer.is_none() && t0.elapsed() < std::time::Duration::from_secs(5) {
+            let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                .unwrap_or_default();
+            let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
+                continue;
+            };
+            // SAFETY: kill(2) on the writer the test just found.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            let mut t = Command::new(probe_bin())
+                .args(["trace", &pid.to_string()])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(t.stdout.take().unwrap()),
+                &mut line,
+            )
+            .unwrap();
+            assert_eq!(line.trim(), "traced");
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            tracer = Some(t);
+        }
+        w.join().unwrap()
+    });
+    let mut tracer = tracer.expect("the writer was never seen");
+    let took = t0.elapsed();
+    let _ = tracer.kill();
+    let _ = tracer.wait();
+    let e = r.unwrap_err();
+    assert!(e.contains("did not finish"), "{e}");
+    assert!(
+        took < WRITE_TIMEOUT + std::time::Duration::from_secs(4),
+        "{took:?}"
+    );
 }
 
 /// `gpufence denials` and `gpufence grants` print columns that line up

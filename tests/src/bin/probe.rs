@@ -16,6 +16,7 @@
 //!                                        setsid, print "held PID" from the grandchild, which
 //!                                        keeps the device; the command returns), sleep until killed
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
+//! gpufence-probe trace PID               PTRACE_SEIZE PID, print "traced", sleep, never wait for it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
 //! gpufence-probe objget PATH...          BPF_OBJ_GET each pinned object: "PATH ok|EACCES|EPERM|errno N";
@@ -353,6 +354,21 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
+        }
+        ["trace", pid] => {
+            // A tracer that never waits: the tracee's exit is reported to
+            // it, so its parent's wait(2) waits as long as this lives.
+            let Ok(pid) = pid.parse::<i32>() else {
+                return ExitCode::FAILURE;
+            };
+            // SAFETY: PTRACE_SEIZE of a pid; no memory is passed.
+            let r = unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, 0) };
+            if r != 0 {
+                say(&format!("trace {}", std::io::Error::last_os_error()));
+                return ExitCode::FAILURE;
+            }
+            say("traced");
+            sleep_forever();
         }
         ["recvfd", sock] => {
             let _ = std::fs::remove_file(sock);
