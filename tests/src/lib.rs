@@ -202,39 +202,29 @@ impl TestEnv {
         pid
     }
 
+    /// `program` in cgroup `rel` from its first instruction, as the
+    /// unprivileged test user ([`as_test_user`]).
+    pub fn user_command_in(&self, rel: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = self.command_in(rel, "setpriv");
+        test_user_args(&mut cmd, program);
+        cmd
+    }
+
     /// Like [`TestEnv::spawn_probe`], as the unprivileged test user (via
     /// setpriv: no PAM, no cgroup move). Root and system accounts' processes
     /// are never killed by gpufence, so lingering processes in tests that
     /// must be killed run as this user.
     pub fn spawn_user_probe(&mut self, rel: &str, args: &[&str], ready: &str) -> i32 {
-        let mut cmd = self.command_in(rel, "setpriv");
-        cmd.args([
-            "--reuid",
-            cluster::TEST_USER,
-            "--regid",
-            cluster::TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(probe_bin())
-        .args(args);
+        let mut cmd = self.user_command_in(rel, probe_bin());
+        cmd.args(args);
         self.spawn_ready(cmd, ready)
     }
 
     /// `sleep 1000` in cgroup `rel` as the unprivileged test user.
     pub fn spawn_user_sleeper(&mut self, rel: &str) -> i32 {
         let child = self
-            .command_in(rel, "setpriv")
-            .args([
-                "--reuid",
-                cluster::TEST_USER,
-                "--regid",
-                cluster::TEST_USER,
-                "--init-groups",
-                "--",
-                "sleep",
-                "1000",
-            ])
+            .user_command_in(rel, "sleep")
+            .arg("1000")
             .spawn()
             .expect("setpriv sleep");
         let pid = child.id() as i32;
@@ -430,4 +420,25 @@ fn parse_audit(path: &Path, text: &str) -> Vec<serde_json::Value> {
             })
         })
         .collect()
+}
+
+/// `program` run as the unprivileged test user ([`cluster::TEST_USER`])
+/// through setpriv: no PAM, no session, no cgroup move (it stays in its
+/// parent's cgroup), the environment kept.
+pub fn as_test_user(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new("setpriv");
+    test_user_args(&mut cmd, program);
+    cmd
+}
+
+fn test_user_args(cmd: &mut Command, program: impl AsRef<std::ffi::OsStr>) {
+    cmd.args([
+        "--reuid",
+        cluster::TEST_USER,
+        "--regid",
+        cluster::TEST_USER,
+        "--init-groups",
+        "--",
+    ])
+    .arg(program);
 }

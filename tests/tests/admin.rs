@@ -229,16 +229,7 @@ fn exec_runs_admin_commands_exempt_and_audited() {
         assert!(d.join(format!("{b}.1")).exists(), "{b}");
     }
     // Not for users.
-    let o = Command::new("setpriv")
-        .args([
-            "--reuid",
-            gpufence_tests::cluster::TEST_USER,
-            "--regid",
-            gpufence_tests::cluster::TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(workspace_bin("gpufence"))
+    let o = gpufence_tests::as_test_user(workspace_bin("gpufence"))
         .arg("--config")
         .arg(&cfg)
         .args(["exec", "--", "true"])
@@ -266,16 +257,7 @@ fn the_cli_asks_for_root_and_survives_a_closed_pipe() {
         &["exec", "--", "id"],
         &["respond", "1"],
     ] {
-        let o = Command::new("setpriv")
-            .args([
-                "--reuid",
-                gpufence_tests::cluster::TEST_USER,
-                "--regid",
-                gpufence_tests::cluster::TEST_USER,
-                "--init-groups",
-                "--",
-            ])
-            .arg(workspace_bin("gpufence"))
+        let o = gpufence_tests::as_test_user(workspace_bin("gpufence"))
             .arg("--config")
             .arg(&cfg)
             .args(args)
@@ -546,16 +528,7 @@ fn tables_line_up() {
     let out = env.cgroup("outside-with-a-rather-long-name");
     assert_eq!(env.open_from(&out, &n0), "EPERM");
     let o = env
-        .command_in(&out, "setpriv")
-        .args([
-            "--reuid",
-            gpufence_tests::cluster::TEST_USER,
-            "--regid",
-            gpufence_tests::cluster::TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(probe_bin())
+        .user_command_in(&out, probe_bin())
         .arg("open")
         .arg(&n0)
         .output()

@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpufence_tests::cluster::{test_uid, Cluster, TEST_USER};
+use gpufence_tests::cluster::{test_uid, Cluster};
 use gpufence_tests::{gone, privileged, probe_bin, TestEnv};
 use serde_json::Value;
 
@@ -188,16 +188,7 @@ fn real_slurm_cluster_end_to_end() {
     // 2. The same user outside any job opens neither (and root neither).
     let outside = env.cgroup("outside");
     let o = env
-        .command_in(&outside, "setpriv")
-        .args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(&probe)
+        .user_command_in(&outside, &probe)
         .arg("open")
         .args(devs)
         .output()
@@ -338,18 +329,8 @@ fn real_slurm_cluster_end_to_end() {
     //    over a unix socket, then ends: the epilog finds the holder by
     //    st_rdev, writes evidence and audit lines, and kills it.
     let sock = env.path("jobs/handoff.sock");
-    let mut recv = env.command_in(&outside, "setpriv");
-    recv.args([
-        "--reuid",
-        TEST_USER,
-        "--regid",
-        TEST_USER,
-        "--init-groups",
-        "--",
-    ])
-    .arg(&probe)
-    .arg("recvfd")
-    .arg(&sock);
+    let mut recv = env.user_command_in(&outside, &probe);
+    recv.arg("recvfd").arg(&sock);
     let receiver = env.spawn_ready(recv, "listening");
     let o = cluster.as_user(
         "srun",
@@ -517,19 +498,8 @@ fn real_slurm_cluster_end_to_end() {
     //     (policy kill) deals with it and the job gets its GPU.
     // The user's process outside the fenced subtree (where the fence does
     // not apply) opens the device node first.
-    let mut stray_cmd = std::process::Command::new("setpriv");
-    stray_cmd
-        .args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(&probe)
-        .arg("hold")
-        .arg(&held);
+    let mut stray_cmd = gpufence_tests::as_test_user(&probe);
+    stray_cmd.arg("hold").arg(&held);
     let stray = env.spawn_ready(stray_cmd, "held");
     let o = cluster.as_user(
         "srun",
@@ -565,19 +535,8 @@ fn real_slurm_cluster_end_to_end() {
     std::fs::create_dir_all(&freezer)
         .expect("cgroup v1 freezer (this test simulates an unkillable process with it)");
     let sock2 = env.path("jobs/handoff2.sock");
-    let mut recv2 = env.command_in(&outside, "setpriv");
-    recv2
-        .args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--",
-        ])
-        .arg(&probe)
-        .arg("recvfd")
-        .arg(&sock2);
+    let mut recv2 = env.user_command_in(&outside, &probe);
+    recv2.arg("recvfd").arg(&sock2);
     let stuck = env.spawn_ready(recv2, "listening");
     std::fs::write(freezer.join("cgroup.procs"), stuck.to_string()).unwrap();
     let go = env.path("jobs/frozen");

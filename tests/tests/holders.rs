@@ -351,17 +351,8 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     .unwrap();
     let accomplice = env.spawn_user_probe(&out, &["recvfd", &s], "listening");
     // The first holder opens from outside the fenced subtree (where it may).
-    let mut cmd = std::process::Command::new("setpriv");
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
     cmd.args([
-        "--reuid",
-        gpufence_tests::cluster::TEST_USER,
-        "--regid",
-        gpufence_tests::cluster::TEST_USER,
-        "--init-groups",
-        "--",
-    ])
-    .arg(gpufence_tests::probe_bin())
-    .args([
         "hold",
         &format!("--pass-on-term={s}"),
         gpu.to_str().unwrap(),

@@ -525,18 +525,8 @@ fn delegated_cgroups_stay_inside_the_grant() {
         n1 = n1.display(),
     );
     let out = env
-        .command_in(&inside, "setpriv")
-        .args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ])
+        .user_command_in(&inside, "sh")
+        .args(["-c", &script])
         .output()
         .unwrap();
     let text = stdout(&out);
@@ -579,16 +569,7 @@ fn delegated_cgroups_stay_inside_the_grant() {
     .expect("root moves the user's sleeper (the test's own)");
     for (dev, name) in [(&n0, "n0"), (&n1, "n1")] {
         let o = env
-            .command_in(&lookalike, "setpriv")
-            .args([
-                "--reuid",
-                TEST_USER,
-                "--regid",
-                TEST_USER,
-                "--init-groups",
-                "--",
-            ])
-            .arg(probe_bin())
+            .user_command_in(&lookalike, probe_bin())
             .arg("open")
             .arg(dev)
             .output()

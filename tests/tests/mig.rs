@@ -265,17 +265,8 @@ fn the_epilog_kills_only_its_own_slice_holders() {
         .env
         .spawn_user_probe(&jb, &["hold", cap_b.to_str().unwrap()], "held");
     // A's leftover: holds A's cap from outside any job (opened where the fence does not apply).
-    let mut cmd = std::process::Command::new("setpriv");
-    cmd.args([
-        "--reuid",
-        gpufence_tests::cluster::TEST_USER,
-        "--regid",
-        gpufence_tests::cluster::TEST_USER,
-        "--init-groups",
-        "--",
-    ])
-    .arg(gpufence_tests::probe_bin())
-    .args(["hold", cap_a.to_str().unwrap()]);
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["hold", cap_a.to_str().unwrap()]);
     let leftover = m.env.spawn_ready(cmd, "held");
     let o = epilog::run(&m.node, 67, None);
     assert!(o.clean(), "{o:?}");

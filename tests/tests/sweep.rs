@@ -916,18 +916,8 @@ fn drain_names_the_finding() {
 #[allow(clippy::zombie_processes)]
 fn spawn_tree(env: &TestEnv, cg: &str) -> (Child, Vec<i32>) {
     let child = env
-        .command_in(cg, "setpriv")
-        .args([
-            "--reuid",
-            TEST_USER,
-            "--regid",
-            TEST_USER,
-            "--init-groups",
-            "--",
-            "sh",
-            "-c",
-            "sleep 1000 & sleep 1000 & wait",
-        ])
+        .user_command_in(cg, "sh")
+        .args(["-c", "sleep 1000 & sleep 1000 & wait"])
         .spawn()
         .unwrap();
     let sh = child.id() as i32;
