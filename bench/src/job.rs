@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use gpufence_tests::cluster::{user_command, TEST_USER};
+use gpufence_tests::cluster::{cluster_sh_start, cluster_sh_stop, user_command, TEST_USER};
 use gpufence_tests::TestEnv;
 
 /// One cluster of the comparison.
@@ -71,10 +71,6 @@ fn here(name: &str) -> PathBuf {
 fn install(from: &Path, to: &Path) {
     std::fs::copy(from, to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
     std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-fn cluster_sh() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/cluster.sh")
 }
 
 impl Side {
@@ -165,15 +161,7 @@ impl Side {
             extra.push_str(&format!("Prolog={}\nEpilog={}\n", p.display(), p.display()));
         }
         std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
-        let slurmd_cg = env.cgroup("slurmd");
-        let out = Command::new("bash")
-            .arg(cluster_sh())
-            .arg("start")
-            .arg(&dir)
-            .env("GPUFENCE_CLUSTER_PORT_BASE", port_base.to_string())
-            .env("GPUFENCE_SLURMD_CGROUP", env.cg.path(&slurmd_cg))
-            .output()
-            .expect("cluster.sh");
+        let (out, _) = cluster_sh_start(&env, &dir, port_base);
         let side = Side {
             name,
             slurm_conf: dir.join("slurm.conf"),
@@ -315,11 +303,7 @@ impl Side {
 
 impl Drop for Side {
     fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(cluster_sh())
-            .arg("stop")
-            .arg(&self.dir)
-            .output();
+        cluster_sh_stop(&self.dir);
         let state = self.env.path("state");
         if state.is_dir() {
             let _ = Command::new("umount").arg(&state).status();

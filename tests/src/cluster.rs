@@ -31,6 +31,32 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/cluster.sh")
 }
 
+/// `contrib/cluster.sh start DIR` with slurmctld on `port_base` (slurmd on
+/// the next port) and slurmd in a new cgroup `slurmd` of `env`. Returns
+/// cluster.sh's output (the caller asserts on it) and slurmd's cgroup
+/// directory.
+pub fn cluster_sh_start(env: &TestEnv, dir: &Path, port_base: u16) -> (Output, PathBuf) {
+    let slurmd_cg = env.cg.path(&env.cgroup("slurmd"));
+    let out = Command::new("bash")
+        .arg(script())
+        .arg("start")
+        .arg(dir)
+        .env("GPUFENCE_CLUSTER_PORT_BASE", port_base.to_string())
+        .env("GPUFENCE_SLURMD_CGROUP", &slurmd_cg)
+        .output()
+        .expect("run cluster.sh");
+    (out, slurmd_cg)
+}
+
+/// `contrib/cluster.sh stop DIR`; what fails is ignored (cleanup).
+pub fn cluster_sh_stop(dir: &Path) {
+    let _ = Command::new("bash")
+        .arg(script())
+        .arg("stop")
+        .arg(dir)
+        .output();
+}
+
 fn copy_exec(from: &Path, to: &Path) {
     std::fs::copy(from, to)
         .unwrap_or_else(|e| panic!("copy {} -> {}: {e}", from.display(), to.display()));
@@ -148,21 +174,13 @@ impl Cluster {
             ),
         )
         .unwrap();
-        let slurmd_cg = env.cgroup("slurmd");
-        let out = Command::new("bash")
-            .arg(script())
-            .arg("start")
-            .arg(&dir)
-            .env("GPUFENCE_CLUSTER_PORT_BASE", port_base.to_string())
-            .env("GPUFENCE_SLURMD_CGROUP", env.cg.path(&slurmd_cg))
-            .output()
-            .expect("run cluster.sh");
+        let (out, slurmd_cgroup) = cluster_sh_start(env, &dir, port_base);
         let c = Cluster {
             slurm_conf: dir.join("slurm.conf"),
             dir,
             bin,
             config,
-            slurmd_cgroup: env.cg.path(&slurmd_cg),
+            slurmd_cgroup,
         };
         assert!(
             out.status.success(),
@@ -338,11 +356,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(script())
-            .arg("stop")
-            .arg(&self.dir)
-            .output();
+        cluster_sh_stop(&self.dir);
     }
 }
 
