@@ -209,7 +209,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                         cell(&x.last_comm),
                         x.last_time,
                         x.cgroup
-                            .map(|c| cell(&format!("/{c}")))
+                            .map(|c| cell(&gpufence_node::cgpath::abs(&c)))
                             .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
                     ));
                 }
@@ -274,7 +274,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     let p = &p;
                     let id = node.cg.id(p).ok();
                     json!({
-                        "cgroup": format!("/{p}"),
+                        "cgroup": gpufence_node::cgpath::abs(p),
                         "id": id,
                         "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
                     })
@@ -377,7 +377,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                         c.cgroup_id,
                         c.cgroup_alive,
                         c.cgroup_path
-                            .map(|p| cell(&format!("/{p}")))
+                            .map(|p| cell(&gpufence_node::cgpath::abs(&p)))
                             .unwrap_or_else(|| "?".into()),
                         devs.join(", ")
                     ));

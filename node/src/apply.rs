@@ -156,7 +156,7 @@ pub fn grant(
             .uid(req.uid)
             .pid(req.stepd_pid)
             .devices(&rec.devices)
-            .field("cgroup", format!("/{job}"))
+            .field("cgroup", crate::cgpath::abs(job))
             .field("cgroup_id", cgroup_id)
             .field("step", step.clone()),
     )?;

@@ -58,7 +58,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         AuditEvent::new("exec_start")
             .field("who", who.clone())
             .field("argv", cmdline.clone())
-            .field("cgroup", format!("/{mine}")),
+            .field("cgroup", crate::cgpath::abs(&mine)),
     )?;
     let mut cmd = Command::new(prog);
     cmd.args(args);

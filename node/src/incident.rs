@@ -225,7 +225,7 @@ fn tree_of(parents: &BTreeMap<i32, i32>, root: i32) -> Vec<i32> {
 /// or under, or an ancestor the fence holds exempt.
 fn exemption(node: &Node, fence: Option<&Fence>, cg: &str) -> Option<String> {
     if let Some(e) = node.cfg.exempt_cgroups.iter().find(|e| is_under(cg, e)) {
-        return Some(format!("/{e}"));
+        return Some(crate::cgpath::abs(e));
     }
     let f = fence?;
     node.cg
@@ -474,7 +474,7 @@ pub fn respond_pid(
             "frozen_cgroups",
             frozen_cgroups
                 .iter()
-                .map(|c| format!("/{c}"))
+                .map(|c| crate::cgpath::abs(c))
                 .collect::<Vec<_>>(),
         )
         .field(

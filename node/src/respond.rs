@@ -424,7 +424,7 @@ fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u
             "cgroup",
             l.cgroup
                 .as_deref()
-                .map(|c| format!("/{c}"))
+                .map(crate::cgpath::abs)
                 .unwrap_or_default(),
         )
         .field("comm", l.comm.clone().unwrap_or_default());

@@ -286,7 +286,7 @@ impl Finding {
         self.pid = Some(p.pid);
         self.uid = p.uid;
         self.user = p.user.clone();
-        self.cgroup = p.cgroup.as_deref().map(|c| format!("/{c}"));
+        self.cgroup = p.cgroup.as_deref().map(crate::cgpath::abs);
         self.comm = p.comm.clone();
         self
     }
@@ -756,7 +756,7 @@ struct ProcMeta {
 /// deleted or replaced binary reads `... (deleted)` and does not match).
 fn slurm_exe(node: &Node, pid: i32) -> bool {
     std::fs::read_link(format!("/proc/{pid}/exe"))
-        .is_ok_and(|exe| node.cfg.slurm_listeners.iter().any(|s| *s == exe))
+        .is_ok_and(|exe| node.cfg.slurm_listeners.contains(&exe))
 }
 
 /// `PF_KTHREAD` (`include/linux/sched.h`).
@@ -1247,7 +1247,7 @@ impl Sweep<'_> {
             }
             let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
             let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
-            let path = noted.get(&id).map(|p| format!("/{p}"));
+            let path = noted.get(&id).map(|p| crate::cgpath::abs(p));
             let mut fnd = Finding::new(
                 Kind::StaleGrant,
                 format!(
@@ -1340,7 +1340,7 @@ impl Sweep<'_> {
             fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
             fnd.uid = Some(d.uid);
             fnd.user = d.user;
-            fnd.cgroup = d.cgroup.map(|c| format!("/{c}"));
+            fnd.cgroup = d.cgroup.map(|c| crate::cgpath::abs(&c));
             fnd.comm = Some(d.last_comm);
             self.findings.push(fnd);
         }
