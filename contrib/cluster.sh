@@ -30,6 +30,12 @@
 #   GPUFENCE_SLURMD_CGROUP      existing cgroup2 directory to start slurmd in,
 #                               so that slurmd, its prologs and its slurmstepds
 #                               are all below it.
+#   GPUFENCE_CLUSTER_V2NODE=1   run slurmd as on a systemd-managed pure
+#                               cgroup v2 node (v2node/enter.sh: INVOCATION_ID,
+#                               and on a hybrid host a private mount namespace
+#                               with cgroup2 at /sys/fs/cgroup); the caller
+#                               writes cgroup.conf and the cgroup keys of
+#                               slurm-extra.conf.
 #
 # Needs root: Slurm daemons run as root (SlurmUser=root) and the test user is
 # created with useradd.  `start` makes DIR mode 0755 (the test user reads
@@ -40,6 +46,8 @@
 set -euo pipefail
 
 readonly TEST_USER=gpufence-test
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+readonly HERE
 # Every wait is bounded so that a broken cluster fails a test instead of
 # hanging it.
 readonly WAIT_S=30
@@ -401,7 +409,15 @@ cmd_start() {
     local name
     name=$(node_name)
     [[ -n $name ]] && nflag=(-N "$name")
-    spawn slurmd "$cg" slurmd -D -f "$CONF" "${nflag[@]}"
+    local -a wrap=()
+    if [[ ${GPUFENCE_CLUSTER_V2NODE:-} == 1 ]]; then
+        # A real cgroup/v2 node, even on a hybrid host: see v2node/enter.sh.
+        local shim="$DIR/run/proc-cgroup-v2only.so"
+        cc -shared -fPIC -O2 -o "$shim" "$HERE/v2node/proc-cgroup-v2only.c" -ldl ||
+            fail "cannot build $shim (is a C compiler installed?)"
+        wrap=(bash "$HERE/v2node/enter.sh" "$shim")
+    fi
+    spawn slurmd "$cg" "${wrap[@]}" slurmd -D -f "$CONF" "${nflag[@]}"
     wait_for "$WAIT_S" "the node to be idle" node_idle || fail "the node did not become idle: $(sinfo -h -N -o '%N %T %E' 2>&1)"
 
     # A job as the unprivileged user exercises munge (client side as that

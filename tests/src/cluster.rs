@@ -37,15 +37,24 @@ fn script() -> PathBuf {
 /// directory.
 pub fn cluster_sh_start(env: &TestEnv, dir: &Path, port_base: u16) -> (Output, PathBuf) {
     let slurmd_cg = env.cg.path(&env.cgroup("slurmd"));
-    let out = Command::new("bash")
-        .arg(script())
+    let out = cluster_sh_start_in(dir, port_base, &slurmd_cg, false);
+    (out, slurmd_cg)
+}
+
+/// `contrib/cluster.sh start DIR` with slurmd in the cgroup directory
+/// `slurmd_cg`; `v2node`: as on a pure cgroup v2 node
+/// (`GPUFENCE_CLUSTER_V2NODE=1`).
+pub fn cluster_sh_start_in(dir: &Path, port_base: u16, slurmd_cg: &Path, v2node: bool) -> Output {
+    let mut c = Command::new("bash");
+    c.arg(script())
         .arg("start")
         .arg(dir)
         .env("GPUFENCE_CLUSTER_PORT_BASE", port_base.to_string())
-        .env("GPUFENCE_SLURMD_CGROUP", &slurmd_cg)
-        .output()
-        .expect("run cluster.sh");
-    (out, slurmd_cg)
+        .env("GPUFENCE_SLURMD_CGROUP", slurmd_cg);
+    if v2node {
+        c.env("GPUFENCE_CLUSTER_V2NODE", "1");
+    }
+    c.output().expect("run cluster.sh")
 }
 
 /// `contrib/cluster.sh stop DIR`; what fails is ignored (cleanup).
@@ -93,6 +102,27 @@ pub struct ClusterSpec {
     /// CPUs declared for the node (slurmd takes them as configured,
     /// `SlurmdParameters=config_overrides`); `None`: this machine's count.
     pub cpus: Option<u32>,
+    /// A real cgroup/v2 node ([`crate::v2node`]): slurmd runs through
+    /// `contrib/v2node/enter.sh` in this cgroup directory (absolute), with
+    /// these slurm.conf lines and this cgroup.conf; the gpufence config's
+    /// `cgroup_root` is `fence_root`. `None`: the env's own subtree, Slurm
+    /// without cgroups.
+    pub v2node: Option<V2NodeSpec>,
+    /// Slurm alone: no gpufence Prolog, Epilog or plugin (the baseline).
+    pub slurm_only: bool,
+}
+
+/// The cgroup/v2 part of a [`ClusterSpec`].
+#[derive(Clone, Debug, Default)]
+pub struct V2NodeSpec {
+    /// slurmd's cgroup directory (`<mount>/system.slice/slurmd.service`).
+    pub slurmd_cgroup: PathBuf,
+    /// The fence's `cgroup_root`, relative to the mount (`system.slice`).
+    pub fence_root: String,
+    /// Lines for slurm.conf (ProctrackType, TaskPlugin, PrologFlags).
+    pub slurm_conf: String,
+    /// cgroup.conf.
+    pub cgroup_conf: String,
 }
 
 impl Cluster {
@@ -113,7 +143,7 @@ impl Cluster {
                 node_gres: node_gres.into(),
                 gpufence_extra: gpufence_extra.into(),
                 port_base,
-                cpus: None,
+                ..ClusterSpec::default()
             },
         )
     }
@@ -144,37 +174,59 @@ impl Cluster {
             copy_exec(&workspace_bin(b), &bin.join(b));
         }
         copy_exec(&workspace_bin("libgpufence.so"), &bin.join("gpufence.so"));
-        let config = env.config(gpufence_extra);
+        let config = match &spec.v2node {
+            Some(v2) => env.config_rooted(&v2.fence_root, gpufence_extra),
+            None => env.config(gpufence_extra),
+        };
         // slurmd builds the Prolog's environment from scratch: the config
         // path travels in a wrapper, as it would in /etc/slurm on a node.
         write_wrapper(&bin, &config, "prolog", &[]);
         write_wrapper(&bin, &config, "epilog", &[]);
+        // Written empty for Slurm alone: slurmd reads plugstack.conf next to
+        // slurm.conf when PlugStackConfig is unset (`default_plugstack`,
+        // src/common/read_config.c).
         std::fs::write(
             dir.join("plugstack.conf"),
-            format!(
-                "required {} config={}\n",
-                bin.join("gpufence.so").display(),
-                config.display()
-            ),
+            if spec.slurm_only {
+                String::new()
+            } else {
+                format!(
+                    "required {} config={}\n",
+                    bin.join("gpufence.so").display(),
+                    config.display()
+                )
+            },
         )
         .unwrap();
         std::fs::write(dir.join("gres.conf"), gres_conf).unwrap();
         let host = hostname();
-        std::fs::write(
-            dir.join("slurm-extra.conf"),
-            format!(
-                "NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 Gres={node_gres} State=UNKNOWN\n\
-                 PlugStackConfig={plug}\nProlog={prolog}\nEpilog={epilog}\n",
-                cpus = spec.cpus.unwrap_or_else(|| {
-                    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
-                }),
+        let mut extra = format!(
+            "NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 Gres={node_gres} State=UNKNOWN\n",
+            cpus = spec.cpus.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+            }),
+        );
+        if !spec.slurm_only {
+            extra += &format!(
+                "PlugStackConfig={plug}\nProlog={prolog}\nEpilog={epilog}\n",
                 plug = dir.join("plugstack.conf").display(),
                 prolog = bin.join("prolog.sh").display(),
                 epilog = bin.join("epilog.sh").display(),
+            );
+        }
+        let _ = std::fs::remove_file(dir.join("cgroup.conf"));
+        if let Some(v2) = &spec.v2node {
+            extra += &v2.slurm_conf;
+            std::fs::write(dir.join("cgroup.conf"), &v2.cgroup_conf).unwrap();
+        }
+        std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
+        let (out, slurmd_cgroup) = match &spec.v2node {
+            Some(v2) => (
+                cluster_sh_start_in(&dir, port_base, &v2.slurmd_cgroup, true),
+                v2.slurmd_cgroup.clone(),
             ),
-        )
-        .unwrap();
-        let (out, slurmd_cgroup) = cluster_sh_start(env, &dir, port_base);
+            None => cluster_sh_start(env, &dir, port_base),
+        };
         let c = Cluster {
             slurm_conf: dir.join("slurm.conf"),
             dir,

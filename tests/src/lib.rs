@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod v2node;
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_cgroup::Cgroup2;
@@ -95,10 +96,17 @@ impl TestEnv {
 
     /// Writes a config for this env with `extra` TOML appended, returns its path.
     pub fn config(&self, extra: &str) -> PathBuf {
+        self.config_rooted(&self.root, extra)
+    }
+
+    /// [`TestEnv::config`] with the fence at `cgroup_root` (relative to the
+    /// mount) instead of this test's subtree: the real cgroup/v2 node's
+    /// `system.slice`, which the test made and removes.
+    pub fn config_rooted(&self, cgroup_root: &str, extra: &str) -> PathBuf {
         let p = self.path("gpufence.toml");
         let text = format!(
             "cgroup_root = \"{}\"\nbpffs_dir = \"{}\"\nstate_dir = \"{}\"\naudit_log = \"{}\"\nevidence_dir = \"{}\"\ndev_dir = \"{}\"\nkill_wait_ms = 3000\n{extra}\n",
-            self.root,
+            cgroup_root,
             self.bpffs.display(),
             self.path("state").display(),
             self.path("log/audit.jsonl").display(),

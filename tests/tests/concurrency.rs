@@ -571,6 +571,7 @@ fn fifty_jobs_at_once_on_a_real_cluster() {
                 .unwrap_or(17117),
             // One CPU per job, declared (config_overrides: slurmd takes it).
             cpus: Some(JOBS + 2),
+            ..Default::default()
         },
     );
     let state = env.path("state");

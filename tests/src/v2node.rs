@@ -1,0 +1,143 @@
+//! A real cgroup/v2 Slurm node on this machine: Slurm's own cgroup/v2
+//! plugin, `ProctrackType=proctrack/cgroup`, `TaskPlugin=task/cgroup`,
+//! `ConstrainDevices=yes`, slurmd started as systemd starts it (in
+//! `system.slice/slurmd.service`, with `INVOCATION_ID`), and gpufence with
+//! its default `layout = "slurm"`.
+//!
+//! On a hybrid-cgroup host (this project's CI machine: v1 controllers under
+//! `/sys/fs/cgroup/<ctrl>`, cgroup2 at `/sys/fs/cgroup/unified`) slurmd runs
+//! through `contrib/v2node/enter.sh`: a private mount namespace with
+//! cgroup2 at `/sys/fs/cgroup` and an `LD_PRELOAD` library that hides the v1
+//! lines of `/proc/<pid>/cgroup`, on which Slurm's cgroup/v2 plugin dies
+//! (`src/plugins/cgroup/v2/cgroup_v2.c`, "Hybrid mode is not supported").
+//! The host's mounts stay as they are.
+//!
+//! Slurm then builds its tree at the cgroup2 root (`system.slice/<NodeName>_slurmstepd.scope`:
+//! Debian builds Slurm with `MULTIPLE_SLURMD`), so only one such node runs
+//! on a machine at a time ([`V2Slice`] holds a lock), and the fence under
+//! test is attached to `system.slice`: never to the machine's root cgroup.
+//! `system.slice` is made by the test only where none exists, and removed
+//! with all it holds afterwards.
+//!
+//! While such a node runs, `system.slice/slurmd.service` exists at the
+//! cgroup2 root, and every fence installed with the default
+//! `exempt_cgroups` exempts it. The tests that use this module therefore
+//! live in test binaries of their own (`tests/e2e_v2node.rs`): `cargo test`
+//! runs one test binary at a time, so no other test's fence sees them.
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpufence_cgroup::Cgroup2;
+
+use crate::cluster::V2NodeSpec;
+
+/// The slice Slurm's cgroup/v2 plugin puts slurmd and its scope in, and the
+/// fence's `cgroup_root` on the test node.
+pub const SLICE: &str = "system.slice";
+
+/// Where slurmd runs, relative to the cgroup2 mount (systemd's unit cgroup).
+pub const SLURMD_SERVICE: &str = "system.slice/slurmd.service";
+
+/// Serialises the real cgroup/v2 nodes of concurrent tests (and test
+/// runs): Slurm's tree is at the cgroup2 root, there is room for one.
+const LOCK: &str = "/run/lock/gpufence-v2node.lock";
+
+/// cgroup.conf of a stock cgroup/v2 node, as far as this host allows:
+/// no v2 controllers are available in this host's cgroup2 tree, so the
+/// resource constraints are off (Slurm logs `Controller cpuset is not
+/// enabled!` and goes on); devices need no controller in cgroup v2 (a BPF
+/// program). `IgnoreSystemd=yes`: Slurm makes its scope with `mkdir`
+/// instead of asking systemd over D-Bus (there is no systemd here).
+pub const CGROUP_CONF: &str = "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\nCgroupAutomount=no\n\
+     ConstrainDevices=yes\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainSwapSpace=no\n";
+
+/// `system.slice` claimed for one test: made here (when absent), with
+/// `slurmd.service` below it; on drop everything left in it is killed and
+/// the slice removed.
+pub struct V2Slice {
+    cg: Cgroup2,
+    _lock: std::fs::File,
+}
+
+impl V2Slice {
+    /// Takes the machine's one real cgroup/v2 node slot (waits for another
+    /// test's to end) and makes `system.slice/slurmd.service`.
+    ///
+    /// Panics when a `system.slice` with processes exists (a systemd host:
+    /// its real services are there, and the test must not touch them).
+    pub fn claim() -> V2Slice {
+        let cg = Cgroup2::discover().expect("cgroup2");
+        let _ = std::fs::create_dir_all("/run/lock");
+        let lock = std::fs::File::create(LOCK).expect("v2node lock");
+        // SAFETY: flock on a descriptor we own.
+        assert_eq!(
+            unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) },
+            0,
+            "flock {LOCK}"
+        );
+        if cg.path(SLICE).exists() {
+            let procs = cg.procs_recursive(SLICE);
+            assert!(
+                procs.is_empty(),
+                "{} exists with processes {procs:?}: this machine's own services live there; \
+                 the real cgroup/v2 node tests need a machine whose cgroup2 root has no system.slice",
+                cg.path(SLICE).display()
+            );
+            // An empty one is what a killed earlier run of this test left.
+            cg.remove_tree(SLICE)
+                .expect("remove a stale, empty system.slice");
+        }
+        cg.create(SLURMD_SERVICE)
+            .expect("create system.slice/slurmd.service");
+        V2Slice { cg, _lock: lock }
+    }
+
+    /// slurmd's cgroup directory (absolute, on this process's mount).
+    pub fn slurmd_cgroup(&self) -> PathBuf {
+        self.cg.path(SLURMD_SERVICE)
+    }
+
+    /// A [`V2NodeSpec`] for a stock node: `PrologFlags=<prolog_flags>`
+    /// (`Alloc,Contain` as most GPU sites set; `RunInJob` from 24.05).
+    pub fn spec(&self, prolog_flags: &str) -> V2NodeSpec {
+        V2NodeSpec {
+            slurmd_cgroup: self.slurmd_cgroup(),
+            fence_root: SLICE.into(),
+            slurm_conf: format!(
+                "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup\nPrologFlags={prolog_flags}\n"
+            ),
+            cgroup_conf: CGROUP_CONF.into(),
+        }
+    }
+
+    /// Slurm's scope for node `node_name` (`MULTIPLE_SLURMD` builds:
+    /// `<NodeName>_slurmstepd.scope`), relative to the mount.
+    pub fn scope(node_name: &str) -> String {
+        format!("{SLICE}/{node_name}_slurmstepd.scope")
+    }
+
+    /// The job cgroups under Slurm's scope (names: `job_<id>`, or the
+    /// SLUID on 26.05), i.e. every directory there but Slurm's own `system`.
+    pub fn job_cgroups(&self, node_name: &str) -> Vec<String> {
+        let Ok(rd) = std::fs::read_dir(self.cg.path(&V2Slice::scope(node_name))) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "system")
+            .collect()
+    }
+}
+
+impl Drop for V2Slice {
+    fn drop(&mut self) {
+        let _ = self.cg.kill(SLICE);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.cg.remove_tree(SLICE).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! End to end on a real cgroup/v2 Slurm node with gpufence's **default**
+//! configuration (`layout = "slurm"`): Slurm's cgroup/v2 plugin,
+//! `ProctrackType=proctrack/cgroup`, `TaskPlugin=task/cgroup`,
+//! `ConstrainDevices=yes`, `PrologFlags=Alloc,Contain`, slurmd in
+//! `system.slice/slurmd.service` as systemd starts it
+//! (`gpufence_tests::v2node` says how this runs on a hybrid host).
+//!
+//! Slurm here is the host's (Debian 12: 22.05). GPUs are `mknod` stand-ins
+//! whose names, minors and GRES order disagree:
+//!
+//! ```text
+//! GRES index 0: nvidia3      c 195:3    Type=sim
+//! GRES index 1: nvidia1      c 195:1    Type=sim
+//! GRES index 2: nvidia-held  c 10:M     Type=held  (a real misc device: it opens, so a
+//!                                                  job can hold it and hand it out)
+//! nvidiactl                  c 195:255  (not in gres.conf: Slurm never restricts it)
+//! ```
+//!
+//! First the same node runs Slurm alone (its ConstrainDevices only), then
+//! with gpufence; the test prints what an outsider and the jobs open in
+//! each, side by side.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpufence_tests::cluster::{hostname, test_uid, Cluster, ClusterSpec};
+use gpufence_tests::v2node::{V2Slice, SLICE};
+use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
+use serde_json::Value;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn both(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `KEY=value` from a job's output.
+fn field(out: &str, key: &str) -> Option<String> {
+    out.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .map(str::to_string)
+}
+
+/// The verdict the probe printed for `path`.
+fn verdict(out: &str, path: &Path) -> String {
+    let p = path.display().to_string();
+    out.lines()
+        .find_map(|l| l.strip_prefix(&format!("{p} ")))
+        .unwrap_or("missing")
+        .to_string()
+}
+
+fn events_for(audit: &Path, job: u32) -> Vec<String> {
+    gpufence_tests::audit_log(audit)
+        .into_iter()
+        .filter(|e| e["job_id"] == job)
+        .map(|e| e["event"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// The node's stand-in devices.
+struct Devices {
+    n3: PathBuf,
+    n1: PathBuf,
+    held: PathBuf,
+    ctl: PathBuf,
+    real: HoldableDevice,
+}
+
+impl Devices {
+    fn make(env: &TestEnv) -> Devices {
+        let real = HoldableDevice::claim();
+        Devices {
+            n3: env.mknod("nvidia3", 195, 3),
+            n1: env.mknod("nvidia1", 195, 1),
+            held: env.mknod("nvidia-held", real.major, real.minor),
+            ctl: env.mknod("nvidiactl", 195, 255),
+            real,
+        }
+    }
+
+    fn gres_conf(&self) -> String {
+        format!(
+            "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
+            self.n3.display(),
+            self.n1.display(),
+            self.held.display()
+        )
+    }
+
+    fn all(&self) -> [&PathBuf; 4] {
+        [&self.n3, &self.n1, &self.held, &self.ctl]
+    }
+
+    fn args(&self) -> String {
+        self.all()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// What one party opened: nvidia3, nvidia1, nvidia-held, nvidiactl.
+fn row(out: &str, d: &Devices) -> [String; 4] {
+    d.all().map(|p| verdict(out, p))
+}
+
+fn spec(slice: &V2Slice, d: &Devices, gpufence_extra: &str, slurm_only: bool) -> ClusterSpec {
+    ClusterSpec {
+        gres_conf: d.gres_conf(),
+        node_gres: "gpu:sim:2,gpu:held:1".into(),
+        gpufence_extra: gpufence_extra.into(),
+        port_base: std::env::var("GPUFENCE_V2NODE_PORT_BASE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(17417),
+        v2node: Some(slice.spec("Alloc,Contain")),
+        slurm_only,
+        ..ClusterSpec::default()
+    }
+}
+
+/// A cgroup of the test's own under the fenced slice, where a user's
+/// process outside every job runs (an ssh session pam_systemd moved out of
+/// the job, a container started through dockerd).
+const OUTSIDE: &str = "system.slice/gpufence-test-outside.service";
+
+#[test]
+fn real_cgroup_v2_node_default_layout() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("v2node");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    env.cg.create(OUTSIDE).unwrap();
+    let host = hostname();
+    let probe_of = |c: &Cluster| c.bin.join("gpufence-probe").display().to_string();
+    let open_script = |probe: &str| {
+        format!(
+            "echo JOB=$SLURM_JOB_ID; echo CG=$(grep ^0:: /proc/self/cgroup); {probe} open {}",
+            d.args()
+        )
+    };
+
+    // --- Slurm alone: its ConstrainDevices, no gpufence --------------------
+    let (alone_job, alone_cpu, alone_out) = {
+        let cluster = Cluster::start_with(&env, &spec(&slice, &d, "", true));
+        let probe = probe_of(&cluster);
+        let o = cluster.as_user(
+            "srun",
+            &["--gres=gpu:sim:1", "sh", "-c", &open_script(&probe)],
+        );
+        assert!(
+            o.status.success(),
+            "{}\n{}",
+            both(&o),
+            cluster.log_tail("slurmd.log")
+        );
+        let job = row(&stdout(&o), &d);
+        assert!(
+            field(&stdout(&o), "CG")
+                .is_some_and(|c| c.contains(&format!("/{host}_slurmstepd.scope/job_"))),
+            "Slurm's cgroup/v2 plugin placed the job:\n{}",
+            stdout(&o)
+        );
+        let o = cluster.as_user("srun", &["sh", "-c", &open_script(&probe)]);
+        assert!(o.status.success(), "{}", both(&o));
+        let cpu = row(&stdout(&o), &d);
+        let o = env
+            .user_command_in(OUTSIDE, &probe)
+            .arg("open")
+            .args(d.all())
+            .output()
+            .unwrap();
+        (job, cpu, row(&stdout(&o), &d))
+    };
+    // What Slurm alone lets through (seen on 22.05, 24.11, 26.05): the job
+    // its own GPU, every job nvidiactl, the outsider everything.
+    assert_eq!(
+        alone_out[..2],
+        ["ENXIO", "ENXIO"],
+        "Slurm alone: outsider opens GPUs"
+    );
+    assert_eq!(
+        alone_cpu[3], "ENXIO",
+        "Slurm alone: a CPU-only job opens nvidiactl"
+    );
+    assert_eq!(
+        alone_job[..2].iter().filter(|v| *v == "ENXIO").count(),
+        1,
+        "Slurm alone: the job opens one GPU: {alone_job:?}"
+    );
+
+    // --- The same node with gpufence, default layout ------------------------
+    let extra = format!(
+        "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let cluster = Cluster::start_with(&env, &spec(&slice, &d, &extra, false));
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe");
+    let probe_s = probe_of(&cluster);
+    let st = cluster.gpufence(&["fence", "status", "--json"]);
+    let st: Value = serde_json::from_slice(&st.stdout).expect("status JSON");
+    assert_eq!(
+        st["installed"],
+        true,
+        "{st}\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    assert_eq!(st["cgroup_root"], format!("/{SLICE}"));
+
+    // 1. A --gres=gpu:sim:1 job opens its GPU, not the other; the GRES
+    //    index maps through slurmd -G's order (nvidia3 first), not minors.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo GPUS=${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}}; {}",
+                open_script(&probe_s)
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    let job1: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    let fenced_job = row(&out, &d);
+    let applied: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| e["job_id"] == job1 && e["event"] == "grant_applied")
+        .collect();
+    assert!(!applied.is_empty(), "{:?}", events_for(&audit, job1));
+    // Which GPU the job was given is Slurm's choice; the grant must follow
+    // slurmd -G's order (GRES index 0 = nvidia3, listed first), not minors.
+    let granted = applied[0]["devices"].to_string();
+    let (mine, other) = if granted.contains("\"195:3 ") {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert!(
+        granted.contains(["\"195:3 ", "\"195:1 "][mine])
+            && !granted.contains(["\"195:3 ", "\"195:1 "][other]),
+        "one sim GPU granted: {granted}"
+    );
+    assert_eq!(
+        (fenced_job[mine].as_str(), fenced_job[other].as_str(), fenced_job[2].as_str(), fenced_job[3].as_str()),
+        ("ENXIO", "EPERM", "EPERM", "ENXIO"),
+        "own GPU opens, the other and the unallocated one do not, nvidiactl comes with a GPU:\n{out}"
+    );
+    let index: usize = field(&out, "GPUS")
+        .and_then(|g| g.parse().ok())
+        .unwrap_or(mine);
+    assert_eq!(
+        index,
+        mine,
+        "GRES index {index} is {:?} in slurmd -G order:\n{out}",
+        d.all()[index]
+    );
+    let scope = V2Slice::scope(&host);
+    for a in &applied {
+        assert_eq!(a["cgroup"], format!("/{scope}/job_{job1}"), "{a}");
+    }
+
+    // 2. The same user outside any job opens nothing; a CPU-only job runs
+    //    and opens nothing either.
+    let o = env
+        .user_command_in(OUTSIDE, &probe)
+        .arg("open")
+        .args(d.all())
+        .output()
+        .unwrap();
+    let fenced_out = row(&stdout(&o), &d);
+    assert_eq!(
+        fenced_out,
+        ["EPERM"; 4].map(String::from),
+        "outsider:\n{}",
+        stdout(&o)
+    );
+    let o = cluster.as_user("srun", &["sh", "-c", &open_script(&probe_s)]);
+    assert!(o.status.success(), "a CPU-only job runs: {}", both(&o));
+    let fenced_cpu = row(&stdout(&o), &d);
+    assert_eq!(
+        fenced_cpu,
+        ["EPERM"; 4].map(String::from),
+        "CPU-only job:\n{}",
+        stdout(&o)
+    );
+    assert!(
+        !both(&o).contains("gpufence:"),
+        "no message for a CPU-only job: {}",
+        both(&o)
+    );
+
+    // 3. A job's own environment widens nothing (user_cmd resets the
+    //    environment: the variables travel as `env` arguments; a marker
+    //    proves they reached the job).
+    let o = cluster.as_user(
+        "env",
+        &[
+            "CUDA_VISIBLE_DEVICES=0,1,2",
+            "SLURM_JOB_GPUS=0,1,2",
+            "SLURM_STEP_GPUS=0,1,2",
+            "SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive=1",
+            "GPUFENCE_SPOOF_MARK=reached",
+            "srun",
+            "--export=ALL",
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!("echo MARK=$GPUFENCE_SPOOF_MARK; {}", open_script(&probe_s)),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(field(&out, "MARK").as_deref(), Some("reached"), "{out}");
+    let spoof = row(&out, &d);
+    assert_eq!(
+        spoof[..3].iter().filter(|v| *v == "ENXIO").count(),
+        1,
+        "exactly one GPU despite the spoofed environment: {spoof:?}"
+    );
+
+    // 4. A batch job gets its (real, holdable) GPU in the batch step.
+    let out_file = env.path("jobs/batch.out");
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--wait",
+            "--gres=gpu:held:1",
+            "-o",
+            out_file.to_str().unwrap(),
+            "--wrap",
+            &format!("{probe_s} open {}", d.held.display()),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let out = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_eq!(
+        verdict(&out, &d.held),
+        "ok",
+        "batch step opens its GPU:\n{out}"
+    );
+
+    // 5. A descriptor handed to a process outside the job is found at job
+    //    end (by st_rdev), with evidence, and the process ended.
+    let sock = env.path("jobs/handoff.sock");
+    let mut recv = env.user_command_in(OUTSIDE, &probe);
+    recv.arg("recvfd").arg(&sock);
+    let receiver = env.spawn_ready(recv, "listening");
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; {probe_s} sendfd {} {}",
+                sock.display(),
+                d.held.display()
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success() && out.contains("sent"), "{}", both(&o));
+    let job5: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || gone(receiver)
+            && events_for(&audit, job5).contains(&"process_killed".to_string())),
+        "the epilog did not end pid {receiver}: {:?}\n{}",
+        events_for(&audit, job5),
+        cluster.log_tail("slurmd.log")
+    );
+    let killed: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| e["job_id"] == job5 && e["event"] == "process_killed")
+        .collect();
+    assert_eq!(killed.len(), 1, "{:?}", events_for(&audit, job5));
+    assert_eq!(
+        (killed[0]["pid"].clone(), killed[0]["uid"].clone()),
+        (Value::from(receiver), Value::from(test_uid()))
+    );
+    let evidence: Vec<_> = std::fs::read_dir(env.path("evidence"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("job{job5}-pid{receiver}-"))
+        })
+        .collect();
+    assert_eq!(evidence.len(), 1, "one evidence file");
+    let e: Value = serde_json::from_slice(&std::fs::read(evidence[0].path()).unwrap()).unwrap();
+    assert_eq!(e["exe"], probe.display().to_string());
+
+    // 6. After the jobs: no grant, no job cgroup, the node not drained, and
+    //    each job's grant recorded, applied, revoked in that order.
+    let mut state = String::new();
+    let idle = Cluster::wait_for(Duration::from_secs(20), || {
+        state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+            .trim()
+            .to_string();
+        state == "idle"
+    });
+    assert!(
+        idle,
+        "node not idle after the jobs: {state}\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    for job in [job1, job5] {
+        let ev = events_for(&audit, job);
+        let pos = |n: &str| {
+            ev.iter()
+                .position(|e| e == n)
+                .unwrap_or_else(|| panic!("{n} missing in {ev:?}"))
+        };
+        assert!(
+            pos("grant_recorded") < pos("grant_applied")
+                && pos("grant_applied") < pos("grant_revoked"),
+            "{ev:?}"
+        );
+    }
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&g.stdout).unwrap(),
+        serde_json::json!([]),
+        "no grant is left"
+    );
+    let left = slice.job_cgroups(&host);
+    assert!(left.is_empty(), "job cgroups left under /{scope}: {left:?}");
+
+    let table = [
+        (
+            "",
+            [
+                "Slurm ConstrainDevices alone".to_string(),
+                "Slurm + gpufence".to_string(),
+            ],
+        ),
+        (
+            "the user outside any job",
+            [alone_out.join(" "), fenced_out.join(" ")],
+        ),
+        (
+            "a --gres=gpu:sim:1 job",
+            [alone_job.join(" "), fenced_job.join(" ")],
+        ),
+        (
+            "a CPU-only job",
+            [alone_cpu.join(" "), fenced_cpu.join(" ")],
+        ),
+    ];
+    println!(
+        "\nOn a real cgroup/v2 {} node, what each opens of nvidia3 nvidia1 nvidia-held nvidiactl\n\
+         (ENXIO or ok: allowed, EPERM: denied):",
+        slurm_version()
+    );
+    for (who, [a, b]) in table {
+        println!("  {who:<26} {a:<30} {b}");
+    }
+    drop(cluster);
+}
+
+fn slurm_version() -> String {
+    std::process::Command::new("slurmd")
+        .arg("-V")
+        .output()
+        .map(|o| stdout(&o).trim().to_string())
+        .unwrap_or_default()
+}
