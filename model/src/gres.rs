@@ -1,14 +1,37 @@
 //! `slurmd -G` output and GRES index lists (`SLURM_JOB_GPUS`).
 //!
 //! The GRES index of a GPU is its position among the `Name=gpu` lines that
-//! `slurmd -G` prints, counting from 0 (`../shared/domain/slurm.md`). The
-//! `Index=` field on those lines is *not* that index: `_log_gres_slurmd_conf`
-//! (`src/common/gres.c` 22.05, `src/interfaces/gres.c` 24.11) prints the
-//! number at the end of the `File=` string, so it is ignored here.
+//! `slurmd -G` prints, counting from 0: slurmd numbers the devices of its
+//! final GRES list in order (`src/common/gres.c` 22.05,
+//! `src/interfaces/gres.c` 24.11+), and a job given `SLURM_JOB_GPUS=0` by
+//! Slurm's own ConstrainDevices opens the first listed file (seen on 22.05
+//! with a gres.conf listing `nvidia3` before `nvidia1`). The `Index=` field
+//! on those lines is *not* that index: `_log_gres_slurmd_conf` (same files)
+//! prints the number at the end of the `File=` string, so it is ignored here.
 //!
-//! Line shapes, by version:
-//! - 22.05: `slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=7696487 File=/dev/nvidia0 (null)`
-//! - 24.11+: `... File=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21 Links=(null) Flags=HAS_FILE,...`
+//! Records, by version (`_log_gres_slurmd_conf`):
+//! - 22.05: `Gres Name=gpu Type=(null) Count=1 Index=0 ID=7696487 File=/dev/nvidia0 (null)`
+//! - 24.11+: `Gres Name=gpu ... File=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21 Links=(null) Flags=HAS_FILE,...`
+//!   (and `Cores=... CoreCnt=...` before `Links=` when gres.conf sets cores)
+//!
+//! Each record is one `info()` line of Slurm's logger (`_log_msg`,
+//! `src/common/log.c`), and its prefix on stderr changed across releases:
+//! - 22.05-24.11 by default: `slurmd: Gres Name=...` (`argv0: `)
+//! - 24.11 with `LogTimeFormat=...,format_stderr`, and every daemon from
+//!   25.05 on: `[2026-12-01T22:02:21.693] Gres Name=...` (`[%M] `, the time
+//!   in the `LogTimeFormat` chosen: iso8601(_ms), rfc5424(_ms)
+//!   `2026-12-01T22:02:21.693+00:00`, rfc3339, clock `123456`, short
+//!   `Dec 01 22:02:21`, thread_id)
+//! - 22.05-24.11 with `LogTimeFormat=thread_id`: the id block of
+//!   `_set_idbuf`, `Dec  1 22:02:21.693123  1234 slurmd       0x7f3a2b4c5d60: Gres Name=...`
+//!
+//! So a record is found as the `Gres Name=` token anywhere in the line, but
+//! only when what precedes it is a log prefix (see [`record_start`]), never
+//! inside an `error: ...` message that quotes one. A line that names
+//! `Name=gpu` and is neither a record nor one of Slurm's diagnostics is an
+//! error: a `slurmd -G` whose shape this parser does not know must not read
+//! as "no GPU" (25.05 changed the prefix, and a parser that wanted
+//! `slurmd: ` found none, without an error).
 //!
 //! `File=` may be a comma list (MIG: parent GPU, GI cap, CI cap; or
 //! `MultipleFiles=` in gres.conf) and may hold hostlist brackets
@@ -37,24 +60,37 @@ pub struct GresDevice {
 }
 
 /// Parses `slurmd -G` output read from `source` into the node's GPUs in
-/// GRES-index order. Lines that are not `Gres Name=...` records (log noise)
-/// and records of other GRES names (`mps`, `shard`, `nic`) are skipped.
+/// GRES-index order. Records are found with [`record_start`] (every prefix
+/// shape Slurm 22.05-26.05 prints); records of other GRES names (`mps`,
+/// `shard`, `nic`) and other lines (log noise) are skipped.
 ///
 /// # Errors
 /// A [`ParseError`] naming `source` and the line when a `gpu` record has no
 /// `File=`, a malformed `Count=` or bracket expression, or a count that does
-/// not match its files.
+/// not match its files; and when a line names `Name=gpu` but is neither a
+/// record nor one of Slurm's diagnostics (`error: `, `warning: `, ...,
+/// see [`is_diagnostic_prefix`]): an output shape this parser does not know,
+/// which must not be read as fewer GPUs.
 pub fn parse_slurmd_g(text: &str, source: &Path) -> Result<Vec<GresDevice>, ParseError> {
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
-        let line = line
-            .strip_prefix("slurmd:")
-            .map(str::trim_start)
-            .unwrap_or(line);
-        let Some(rest) = line.strip_prefix("Gres ") else {
+        let Some(start) = record_start(line) else {
+            if let Some(at) = find_name_gpu(line) {
+                if !is_diagnostic_prefix(&line[..at]) {
+                    return Err(ParseError::new(
+                        source,
+                        i + 1,
+                        format!(
+                            "{line:?} names Name=gpu but is not a `Gres Name=` record in a shape slurmd -G prints \
+                             (`slurmd: Gres ...`, `[<time>] Gres ...`): unknown output, the node's GPUs cannot be read from it"
+                        ),
+                    ));
+                }
+            }
             continue;
         };
+        let rest = &line[start + "Gres ".len()..];
         let err = |msg: String| ParseError::new(source, i + 1, msg);
         let mut name = None;
         let mut gres_type = None;
@@ -110,6 +146,115 @@ pub fn parse_slurmd_g(text: &str, source: &Path) -> Result<Vec<GresDevice>, Pars
         }
     }
     Ok(out)
+}
+
+/// The token that starts a record of `_log_gres_slurmd_conf`.
+pub const RECORD_TOKEN: &str = "Gres Name=";
+
+/// Where the record starts in one line of `slurmd -G` output: the byte
+/// offset of its [`RECORD_TOKEN`], or `None` when the line is no record.
+/// The first `Gres Name=` of the line counts, and only when all that
+/// precedes it is a log prefix of Slurm's logger (`_log_msg`,
+/// `src/common/log.c`), in any combination and order:
+/// - one leading `[...]` group: the `[%M]` time of `format_stderr` and of
+///   every 25.05+ daemon, whatever `LogTimeFormat` fills it with;
+/// - `slurmd:` (Slurm prints `argv0: `; any name starting with `slurmd`,
+///   for a renamed binary);
+/// - time stamps and numbers: tokens that start with a digit and hold only
+///   letters, digits and `:.+-` (`2026-12-01T22:02:21.693+00:00`,
+///   `22:02:21.693`, `01`, `123456`, a thread id `12345:`), and month
+///   names (`Dec`);
+/// - the thread id block of `LogTimeFormat=thread_id` (22.05-24.11,
+///   `_set_idbuf`: `Dec  1 22:02:21.693123  1234 slurmd       0x7f3a2b4c5d60:`):
+///   one thread name right before a `0x<hex>` thread pointer.
+///
+/// Anything else before it (a level prefix such as `error: `, a message)
+/// makes the line no record: Slurm prints records with `info()`, which has
+/// no level prefix.
+pub fn record_start(line: &str) -> Option<usize> {
+    let at = line.find(RECORD_TOKEN)?;
+    is_log_prefix(&line[..at]).then_some(at)
+}
+
+fn is_log_prefix(pre: &str) -> bool {
+    let mut s = pre.trim();
+    if let Some(rest) = s.strip_prefix('[') {
+        let Some(close) = rest.find(']') else {
+            return false;
+        };
+        s = &rest[close + 1..];
+    }
+    let toks: Vec<&str> = s.split_whitespace().collect();
+    let mut i = 0;
+    while i < toks.len() {
+        let t = toks[i];
+        if is_argv0(t) || is_month(t) || is_stamp(t) {
+            i += 1;
+        } else if !t.ends_with(':') && toks.get(i + 1).is_some_and(|n| is_pointer(n)) {
+            // a thread name, then its pointer
+            i += 2;
+        } else {
+            return false;
+        }
+    }
+    true
+}
+
+fn is_argv0(t: &str) -> bool {
+    t.strip_suffix(':').is_some_and(|stem| {
+        stem.starts_with("slurmd")
+            && stem
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+    })
+}
+
+fn is_month(t: &str) -> bool {
+    [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ]
+    .contains(&t)
+}
+
+fn is_stamp(t: &str) -> bool {
+    t.as_bytes().first().is_some_and(u8::is_ascii_digit)
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b":.+-".contains(&b))
+}
+
+fn is_pointer(t: &str) -> bool {
+    let t = t.strip_suffix(':').unwrap_or(t);
+    t.strip_prefix("0x")
+        .is_some_and(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Whether `pre`, the text of a line before what it quotes, holds one of
+/// the level prefixes of Slurm's logger (`_log_msg`, `src/common/log.c`):
+/// `fatal:`, `error:`, `warning:`, `debug:` ... `debug5:`, `sched:` (and
+/// `internal error:`). Such a line is Slurm's diagnostic (e.g. `error:
+/// gres.conf: Ignoring invalid Links=... for Name=gpu`), never a record.
+pub fn is_diagnostic_prefix(pre: &str) -> bool {
+    pre.split_whitespace().any(|t| {
+        [
+            "fatal:", "error:", "warning:", "debug:", "debug2:", "debug3:", "debug4:", "debug5:",
+            "sched:",
+        ]
+        .contains(&t)
+    })
+}
+
+/// The byte offset of a `Name=gpu` token in `line` (ASCII case ignored, as
+/// gres.conf keys are; not part of a longer word such as `NodeName=gpu01`).
+fn find_name_gpu(line: &str) -> Option<usize> {
+    const PAT: &str = "name=gpu";
+    let lower = line.to_ascii_lowercase();
+    let b = lower.as_bytes();
+    lower.match_indices(PAT).map(|(at, _)| at).find(|&at| {
+        let before = at.checked_sub(1).map(|j| b[j]);
+        let after = b.get(at + PAT.len()).copied();
+        !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_')
+            && !after.is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_')
+    })
 }
 
 /// Expands a `File=` value: a comma list whose items may hold one hostlist
@@ -308,6 +453,127 @@ mod tests {
         assert_eq!(g[0].files, paths(&["/dev/nvidia3"]));
         assert_eq!(g[1].files, paths(&["/dev/nvidia1"]));
         assert_eq!(g.len(), 2, "mps records are not GPUs");
+    }
+
+    /// The real outputs of 22.05.8, 24.11.5 (plain and `format_stderr`) and
+    /// 26.05.5 for one gres.conf (`testdata/slurmd-G/README.md`): the same
+    /// two GPUs, in gres.conf's order (nvidia3 first), from every shape.
+    #[test]
+    fn every_release_shape_gives_the_same_gpus_in_order() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/slurmd-G");
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 4, "{names:?}");
+        for p in names {
+            let text = std::fs::read_to_string(&p).unwrap();
+            let g = parse_slurmd_g(&text, &p).unwrap_or_else(|e| panic!("{e}"));
+            let got: Vec<_> = g.iter().map(|d| (d.index, d.files.clone())).collect();
+            assert_eq!(
+                got,
+                vec![(0, paths(&["/dev/nvidia3"])), (1, paths(&["/dev/nvidia1"]))],
+                "{}",
+                p.display()
+            );
+            assert!(g.iter().all(|d| d.gres_type.is_none()));
+        }
+    }
+
+    /// Prefixes of other `LogTimeFormat`s and of `thread_id`
+    /// (`src/common/log.c`: `_log_msg`, `_set_idbuf`, `xlogfmtcat`).
+    #[test]
+    fn other_log_prefixes_are_read() {
+        let rec = "Gres Name=gpu Type=(null) Count=1 Index=3 ID=7696487 File=/dev/nvidia3 Links=(null) Flags=HAS_FILE";
+        for pre in [
+            "",
+            "slurmd: ",
+            "slurmd.real: ",
+            "[2026-12-01T22:02:21.693] ",
+            "[2026-12-01T22:02:21] ",
+            "[2026-12-01T22:02:21.693+00:00] ",
+            "[2026-12-01T22:02:21Z] ",
+            "[123456] ",
+            "[Dec 01 22:02:21] ",
+            "2026-12-01T22:02:21.693+00:00 ",
+            "Dec 01 22:02:21.693 ",
+            "slurmd: 12345: ",
+            "12345: ",
+            "[2026-12-01T22:02:21.693] 12345: ",
+            "[2026-12-01T22:02:21.693] slurmd: 12345: ",
+            // 22.05-24.11 LogTimeFormat=thread_id on stderr, and 25.05+ in [%M]
+            "Dec  1 22:02:21.693123  1234 slurmd       0x7f3a2b4c5d60: ",
+            "[Dec  1 22:02:21.693123  1234 slurmd       0x7f3a2b4c5d60] ",
+            "Dec  1 22:02:21.693123  1234 0x7f3a2b4c5d60: ",
+        ] {
+            let line = format!("{pre}{rec}");
+            assert_eq!(record_start(&line), Some(pre.len()), "{line:?}");
+            let g = parse_slurmd_g(&format!("  {line}\n"), Path::new("G")).unwrap();
+            assert_eq!(g.len(), 1, "{line:?}");
+            assert_eq!(g[0].files, paths(&["/dev/nvidia3"]), "{line:?}");
+        }
+    }
+
+    /// A `Gres Name=` quoted in a message, or behind anything that is not
+    /// a log prefix, is no record.
+    #[test]
+    fn quoted_records_are_not_records() {
+        let rec = "Gres Name=gpu Count=1 File=/dev/nvidia0";
+        for pre in [
+            "slurmd: error: ",
+            "[2026-12-01T22:02:21.693] error: ",
+            "slurmd: warning: bad ",
+            "[2026-12-01T22:02:21.693] debug:  ",
+            "slurmd: error: gres.conf: saw ",
+            "error: ",
+        ] {
+            let line = format!("{pre}{rec}");
+            assert_eq!(record_start(&line), None, "{line:?}");
+            // Slurm's own diagnostics: skipped, not an error
+            assert_eq!(
+                parse_slurmd_g(&line, Path::new("G")).unwrap(),
+                vec![],
+                "{line:?}"
+            );
+        }
+        for pre in ["gpu list: ", "[x] note ", "slurmd - ", "[2026-12-01 "] {
+            let line = format!("{pre}{rec}");
+            assert_eq!(record_start(&line), None, "{line:?}");
+        }
+    }
+
+    /// A line that names `Name=gpu` in no shape this parser knows is an
+    /// error naming its line, not "no GPU" (25.05 changed the prefix and
+    /// a parser expecting `slurmd: ` read nothing, silently).
+    #[test]
+    fn unknown_gpu_lines_are_errors() {
+        for (text, line) in [
+            ("gpu list: Gres Name=gpu Count=1 File=/dev/nvidia0", 1),
+            (
+                "slurmd: ok\n<6>slurmd Gres Name=gpu Count=1 File=/dev/nvidia0",
+                2,
+            ),
+            ("slurmd: GRES: Name=gpu Count=1 File=/dev/nvidia0", 1),
+            ("slurmd: Gres: name=GPU Count=1 File=/dev/nvidia0", 1),
+        ] {
+            let e = parse_slurmd_g(text, Path::new("slurmd -G")).unwrap_err();
+            assert_eq!(e.line, line, "{e}");
+            assert!(e.msg.contains("names Name=gpu"), "{e}");
+        }
+        // Slurm's diagnostics that quote a GPU's gres.conf line are not
+        // records and not errors; other words ending in name=gpu are no
+        // Name=gpu token.
+        for ok in [
+            "slurmd: error: gres.conf: Ignoring invalid Links=-1 for Name=gpu",
+            "[2026-12-01T22:02:21.693] warning: something about Name=gpu",
+            "slurmd: NodeName=gpu01 CPUs=4",
+            "slurmd: Name=gpux",
+            "slurmd: Gres Name=mps Type=(null) Count=100 Index=0 ID=1 File=/dev/nvidia0 (null)",
+        ] {
+            assert_eq!(parse_slurmd_g(ok, Path::new("G")).unwrap(), vec![], "{ok}");
+        }
     }
 
     #[test]

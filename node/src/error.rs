@@ -76,6 +76,20 @@ pub enum NodeError {
         /// Status and stderr.
         msg: String,
     },
+    /// slurmd's GRES list has no GPU while gres.conf gives this node some:
+    /// `slurmd -G` printed them in a way gpufence did not read, or slurmd
+    /// dropped them; "0 GPUs" would be wrong either way.
+    #[error("{source_name} lists no GPU, but {gres_conf}:{line} gives this node GPUs ({text}); gpufence cannot map GRES indices to device files: check `slurmd -G` by hand and report its output if it lists the GPUs")]
+    NoGpusListed {
+        /// The command or file the empty list came from.
+        source_name: String,
+        /// The gres.conf that names GPUs.
+        gres_conf: PathBuf,
+        /// Its 1-based line.
+        line: usize,
+        /// The line, comment removed.
+        text: String,
+    },
     /// slurm.conf or gres.conf changed since slurmd read them.
     #[error("slurm.conf or gres.conf changed since slurmd started ({cached} -> {now}); the running slurmd numbers GPUs by the old files, so GRES indices cannot be mapped safely: restart slurmd")]
     GresChanged {

@@ -276,16 +276,28 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
         );
     }
     // Warm the slurmd -G cache; the prolog recomputes it if this fails.
+    // An empty list is only "0 GPUs" when gres.conf gives this node none:
+    // otherwise refresh fails (NoGpusListed, or a line naming Name=gpu in
+    // an unknown shape) and the error is what the log says.
     if node.cfg.slurmd_gres.is_none() && std::env::var_os(gresmap::IN_SLURMD_G_ENV).is_none() {
         let conf = std::env::var_os("SLURM_CONF")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF));
         match gresmap::refresh(&node, &conf) {
+            Ok(m) if m.devices.is_empty() => log(
+                LogLevel::Info,
+                "slurmd -G lists no GPU and gres.conf gives this node none: no GPU, cached",
+            ),
             Ok(m) => log(
                 LogLevel::Info,
                 &format!("{} GPU(s) in slurmd -G, cached", m.devices.len()),
             ),
-            Err(e) => log(LogLevel::Error, &format!("GRES cache not warmed: {e}")),
+            Err(e) => log(
+                LogLevel::Error,
+                &format!(
+                    "GRES cache not warmed (the Prolog of each GPU job runs slurmd -G again): {e}"
+                ),
+            ),
         }
     }
     Ok(())
