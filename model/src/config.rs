@@ -24,9 +24,12 @@ pub const CONFIG_ENV: &str = "GPUFENCE_CONFIG";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Layout {
-    /// Slurm's cgroup/v2 plugin made the job cgroup: it is the ancestor
-    /// named `job_<id>` of slurmstepd's own cgroup
-    /// (`system.slice/slurmstepd.scope/job_<id>/step_<n>/slurm`).
+    /// Slurm's cgroup/v2 plugin made the job cgroup: it is the job dir of
+    /// slurmstepd's own cgroup, `<scope>/<job dir>/step_<n>/slurm`, where
+    /// the job dir is `job_<id>` (22.05-25.11) or the job's SLUID (26.05;
+    /// `CgroupJobIdPaths=yes` restores `job_<id>`). Needs
+    /// `ProctrackType=proctrack/cgroup`: with another proctrack Slurm
+    /// makes the job cgroup only after the plugin ran.
     Slurm,
     /// Slurm's cgroups are v1 or absent (hybrid hosts): the plugin creates
     /// `<cgroup_root>/job_<id>/step_<step>` in cgroup2 and moves slurmstepd

@@ -59,41 +59,83 @@ pub enum ApplyOutcome {
     NoRecord,
 }
 
+/// A step's job cgroup, as [`locate`] found or made it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobCgroup {
+    /// The job cgroup, relative to the cgroup2 mount.
+    pub path: String,
+    /// Its name, for logs: `job_<id>`, or in the `slurm` layout on Slurm
+    /// 26.05 the job's SLUID (`s7C5M8ST6RSJ00`).
+    pub dir: String,
+}
+
 /// Finds (slurm layout) or makes and enters (own layout) the job cgroup.
+/// The path only; [`locate`] also gives its name.
 ///
 /// # Errors
-/// [`NodeError::JobCgroup`] when there is no job cgroup, or it lies outside
-/// the fenced subtree, or slurmstepd cannot be moved.
+/// As [`locate`].
 pub fn job_cgroup(node: &Node, req: &StepRequest) -> Result<String, NodeError> {
+    locate(node, req).map(|j| j.path)
+}
+
+/// Finds (slurm layout) or makes and enters (own layout) the job cgroup.
+///
+/// - `own`: `<cgroup_root>/job_<id>`, with slurmstepd moved into its
+///   `step_<step>`.
+/// - `slurm`: from slurmstepd's own cgroup (`/proc/<pid>/cgroup`, where
+///   Slurm put it), [`find_job_cgroup`]: `<scope>/<job_<id> or SLUID>/step_<step>/slurm`
+///   (Slurm's cgroup/v2 plugin, `src/plugins/cgroup/v2/cgroup_v2.c`); the
+///   job cgroup must lie under `cgroup_root`.
+///
+/// # Errors
+/// [`NodeError::JobCgroup`] when there is no job cgroup (the message says
+/// which cgroup slurmstepd is in and the two reasons: Slurm's cgroup/v2
+/// plugin without proctrack/cgroup, or a cgroup v1/hybrid host that wants
+/// `layout = "own"`), when it lies outside the fenced subtree, or when
+/// slurmstepd cannot be moved; [`NodeError::Kernel`] when slurmstepd's
+/// cgroup cannot be read or the own layout's cgroup cannot be made.
+pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
     let root = &node.cfg.cgroup_root;
+    let step = step_name(req.step_id);
     match node.cfg.layout {
         Layout::Own => {
+            let dir = format!("job_{}", req.job_id);
             let job = node.own_job_cgroup(req.job_id);
-            let step = join_cgroup(&job, &format!("step_{}", step_name(req.step_id)));
-            node.cg.create(&step)?;
-            node.cg.move_pid(&step, req.stepd_pid).map_err(|e| {
+            let step_cg = join_cgroup(&job, &format!("step_{step}"));
+            node.cg.create(&step_cg)?;
+            node.cg.move_pid(&step_cg, req.stepd_pid).map_err(|e| {
                 NodeError::JobCgroup(format!(
-                    "cannot move slurmstepd (pid {}) into {step}: {e}",
+                    "cannot move slurmstepd (pid {}) into {step_cg}: {e}",
                     req.stepd_pid
                 ))
             })?;
-            Ok(job)
+            Ok(JobCgroup { path: job, dir })
         }
         Layout::Slurm => {
             let own = node.cg.cgroup_of(req.stepd_pid)?;
-            let job = find_job_cgroup(&own, req.job_id).ok_or_else(|| {
+            let job = find_job_cgroup(&own, req.job_id, &step).ok_or_else(|| {
                 NodeError::JobCgroup(format!(
-                    "slurmstepd of job {} is in cgroup /{own}, which has no job_{} ancestor: Slurm's cgroup/v2 plugin \
-                     is not placing jobs; on cgroup v1 or hybrid hosts set layout = \"own\"",
-                    req.job_id, req.job_id
+                    "slurmstepd of job {job} step {step} (pid {pid}) is in cgroup {own_abs}, not in Slurm's \
+                     <job_{job} or SLUID>/step_{step}/slurm (layout = \"slurm\"): either Slurm's cgroup/v2 plugin \
+                     runs without proctrack/cgroup (set ProctrackType=proctrack/cgroup in slurm.conf and \
+                     CgroupPlugin=cgroup/v2 in cgroup.conf), or this is a cgroup v1/hybrid host, where Slurm \
+                     makes no cgroup2 job cgroups (set layout = \"own\" in gpufence.toml)",
+                    job = req.job_id,
+                    pid = req.stepd_pid,
+                    own_abs = crate::cgpath::abs(&own),
                 ))
             })?;
-            if !is_under(&job, root) {
+            if !is_under(&job.path, root) {
                 return Err(NodeError::JobCgroup(format!(
-                    "job cgroup /{job} is outside the fenced subtree /{root}"
+                    "job cgroup {} is outside the fenced subtree {}",
+                    crate::cgpath::abs(&job.path),
+                    crate::cgpath::abs(root)
                 )));
             }
-            Ok(job)
+            Ok(JobCgroup {
+                path: job.path,
+                dir: job.dir,
+            })
         }
     }
 }
@@ -105,6 +147,9 @@ pub struct Placement {
     fence: gpufence_cgroup::Fence,
     /// The job cgroup, relative to the cgroup2 mount.
     pub job_cgroup: String,
+    /// Its name, for logs: `job_<id>` or (slurm layout, Slurm 26.05) the
+    /// job's SLUID.
+    pub job_dir: String,
 }
 
 /// First half of [`apply`]: checks the fence and places the step.
@@ -115,9 +160,13 @@ pub struct Placement {
 /// (no fence) or could land in slurmd's (possibly exempt) cgroup.
 pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
     let fence = open_installed(node)?;
-    let job_cgroup = job_cgroup(node, req)?;
+    let job = locate(node, req)?;
     crashpoint::reached(crashpoint::GRANT_PLACED);
-    Ok(Placement { fence, job_cgroup })
+    Ok(Placement {
+        fence,
+        job_cgroup: job.path,
+        job_dir: job.dir,
+    })
 }
 
 /// Second half of [`apply`]: grants the job's record to the placed step.
@@ -253,6 +302,46 @@ mod tests {
         assert_eq!(step_name(0xffff_fffb), "batch");
         assert_eq!(step_name(0xffff_fffa), "interactive");
         assert_eq!(step_name(3), "3");
+    }
+
+    /// A slurmstepd outside Slurm's job cgroups (here: this test process,
+    /// wherever it runs): the error says where it is and both ways out.
+    #[test]
+    fn no_job_cgroup_says_what_was_found_and_both_fixes() {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let d = tempfile::tempdir().unwrap();
+        let text = format!(
+            "layout = \"slurm\"\naudit_log = \"{}/a.jsonl\"\n",
+            d.path().display()
+        );
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let me = std::process::id() as i32;
+        let own = node.cg.cgroup_of(me).unwrap();
+        let req = StepRequest {
+            job_id: 7,
+            step_id: 0xffff_fffc,
+            uid: 1000,
+            stepd_pid: me,
+        };
+        let e = locate(&node, &req).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, NodeError::JobCgroup(_)), "{msg}");
+        for want in [
+            format!(
+                "job 7 step extern (pid {me}) is in cgroup {}",
+                crate::cgpath::abs(&own)
+            ),
+            "<job_7 or SLUID>/step_extern/slurm".to_string(),
+            "ProctrackType=proctrack/cgroup".to_string(),
+            "CgroupPlugin=cgroup/v2".to_string(),
+            "set layout = \"own\"".to_string(),
+        ] {
+            assert!(msg.contains(&want), "{want:?} not in {msg}");
+        }
     }
 
     #[test]

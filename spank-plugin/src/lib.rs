@@ -327,12 +327,15 @@ impl GpuFence {
         };
         let placed = apply::place(&node, &req);
         let granted = placed.as_ref().ok().map(|p| apply::grant(&node, &req, p));
-        if let Some(Ok(apply::ApplyOutcome::Granted {
-            cgroup_path,
-            devices,
-            user_notes,
-            ..
-        })) = &granted
+        if let (
+            Ok(p),
+            Some(Ok(apply::ApplyOutcome::Granted {
+                cgroup_path,
+                devices,
+                user_notes,
+                ..
+            })),
+        ) = (&placed, &granted)
         {
             self.user_notes = user_notes
                 .iter()
@@ -341,8 +344,10 @@ impl GpuFence {
             log(
                 LogLevel::Verbose,
                 &format!(
-                    "job {} step {}: {devices} device(s) granted to /{cgroup_path}",
-                    req.job_id, req.step_id
+                    "job {} step {}: {devices} device(s) granted to /{cgroup_path} (job cgroup {})",
+                    req.job_id,
+                    apply::step_name(req.step_id),
+                    p.job_dir
                 ),
             );
         }
