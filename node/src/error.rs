@@ -90,6 +90,21 @@ pub enum NodeError {
         /// The line, comment removed.
         text: String,
     },
+    /// `layout = "slurm"` while Slurm will not put slurmstepd in a cgroup2
+    /// job cgroup before SPANK runs: every step would be refused.
+    #[error("layout = \"slurm\" needs slurmstepd in Slurm's cgroup2 job cgroups, but {file} has {setting} ({why}): set {fix} in {file}, or on cgroup v1/hybrid hosts set layout = \"own\" in {gpufence_toml}")]
+    SlurmLayout {
+        /// slurm.conf or cgroup.conf.
+        file: PathBuf,
+        /// What it sets (`ProctrackType=proctrack/linuxproc`).
+        setting: String,
+        /// Why that cannot work.
+        why: String,
+        /// What to set instead (`ProctrackType=proctrack/cgroup`).
+        fix: String,
+        /// The gpufence config that sets the layout.
+        gpufence_toml: String,
+    },
     /// slurm.conf or gres.conf changed since slurmd read them.
     #[error("slurm.conf or gres.conf changed since slurmd started ({cached} -> {now}); the running slurmd numbers GPUs by the old files, so GRES indices cannot be mapped safely: restart slurmd")]
     GresChanged {

@@ -4,6 +4,8 @@
 //! - [`Node`]: the loaded config and the handles every operation needs.
 //! - [`fence_ops`]: install / status / remove with audit lines.
 //! - [`gresmap`]: GRES index → device files, from `slurmd -G`.
+//! - [`slurmconf`]: the slurm.conf / cgroup.conf keys the layout needs,
+//!   checked at slurmd start.
 //! - [`prolog`]: record what Slurm allocated to a job.
 //! - [`apply`]: put a job's record into the fence for its cgroup (the plugin).
 //! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
@@ -32,6 +34,7 @@ pub mod prolog;
 pub mod report;
 pub mod respond;
 pub mod scan;
+pub mod slurmconf;
 pub mod slurmctld;
 pub mod sweep;
 

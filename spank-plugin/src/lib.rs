@@ -2,8 +2,11 @@
 //! [`StepRequest`] and calls `gpufence-node`; the logic and its tests live
 //! there.
 //!
-//! - slurmd context (slurmd start, root): install (or refresh) the fence and
-//!   warm the `slurmd -G` cache. A failure stops slurmd (fail closed, loud).
+//! - slurmd context (slurmd start, root): check that Slurm's settings fit
+//!   the layout (`layout = "slurm"` needs `ProctrackType=proctrack/cgroup`
+//!   and no `CgroupPlugin=cgroup/v1`), install (or refresh) the fence and
+//!   warm the `slurmd -G` cache. A failure of the first two stops slurmd
+//!   (fail closed, loud: one line saying what to set).
 //! - remote context (slurmstepd, root), `slurm_spank_init`: place the step
 //!   (fence present, job cgroup found or made) and apply the job's record.
 //! - `task_init_privileged` / `task_init` (in each task, before exec, stderr
@@ -24,7 +27,7 @@ use std::path::PathBuf;
 use slurm_spank::{spank_log, Context, LogLevel, Plugin, SpankHandle};
 
 use gpufence_node::apply::{self, StepRequest, StepVerdict};
-use gpufence_node::{fence_ops, gresmap, Node};
+use gpufence_node::{fence_ops, gresmap, slurmconf, Node};
 
 include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
 
@@ -254,6 +257,14 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
     if let Some(m) = args.mode {
         node.cfg.mode = m;
     }
+    // slurmd sets SLURM_CONF for its plugins (also with -f and configless).
+    let conf = std::env::var_os("SLURM_CONF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF));
+    // layout = "slurm" without proctrack/cgroup (or with cgroup/v1) would
+    // refuse every step: refuse slurmd instead, with the one line that says
+    // what to set.
+    slurmconf::check_node_layout(&node, &conf)?;
     let r = fence_ops::install(&node)?;
     log(
         LogLevel::Info,
@@ -280,9 +291,6 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
     // otherwise refresh fails (NoGpusListed, or a line naming Name=gpu in
     // an unknown shape) and the error is what the log says.
     if node.cfg.slurmd_gres.is_none() && std::env::var_os(gresmap::IN_SLURMD_G_ENV).is_none() {
-        let conf = std::env::var_os("SLURM_CONF")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF));
         match gresmap::refresh(&node, &conf) {
             Ok(m) if m.devices.is_empty() => log(
                 LogLevel::Info,

@@ -1,0 +1,411 @@
+//! The few keys of slurm.conf and cgroup.conf gpufence checks its layout
+//! against, and that check ([`check_layout`]).
+//!
+//! `layout = "slurm"` finds the job cgroup from slurmstepd's own cgroup
+//! when the plugin's `slurm_spank_init` runs. Slurm puts slurmstepd there
+//! only with `ProctrackType=proctrack/cgroup`: slurmstepd calls
+//! `proctrack_g_create` (which makes the step cgroup through the cgroup
+//! plugin, `src/plugins/proctrack/cgroup/proctrack_cgroup.c`) before
+//! `spank_init`, and `task_g_pre_setuid` (task/cgroup's cgroups) after it
+//! (`job_manager`, `src/slurmd/slurmstepd/mgr.c`, 22.05-26.05). And only the
+//! cgroup/v2 plugin makes cgroup2 job cgroups. Without them every step is
+//! refused; slurmd start ([`check_node_layout`]) says so once, instead.
+//!
+//! The reader is tolerant, not Slurm's parser (`src/common/parse_config.c`):
+//! one or more `Key=Value` pairs per line, `Key = Value` too; keys match
+//! ignoring ASCII case (`xstrcasecmp`); a value is one word or `"quoted"`;
+//! `#` starts a comment unless an odd number of `\` precede it
+//! (`_strip_comments`); the last of several values counts, as in Slurm
+//! ("specified more than once, latest value used"). `Include` lines are
+//! not followed: a key set only in an included file reads as unset here,
+//! which for `ProctrackType` means Slurm's default ([`DEFAULT_PROCTRACK_TYPE`]),
+//! so an include can hide a wrong value from this check but never make it
+//! refuse a right one.
+
+use std::path::{Path, PathBuf};
+
+use gpufence_model::config::{ConfigOrigin, Layout, DEFAULT_CONFIG_PATH};
+
+use crate::{Node, NodeError};
+
+/// Slurm's `ProctrackType` when slurm.conf sets none: `DEFAULT_PROCTRACK_TYPE`
+/// in `src/common/read_config.h` (22.05-26.05) is `proctrack/cgroup` when
+/// Slurm is built `WITH_CGROUP` (every Linux build; `proctrack/pgid`
+/// otherwise), applied in `src/common/read_config.c` when the key is absent.
+pub const DEFAULT_PROCTRACK_TYPE: &str = "proctrack/cgroup";
+
+/// The `ProctrackType` that puts slurmstepd in the job cgroup before SPANK.
+pub const PROCTRACK_CGROUP: &str = "proctrack/cgroup";
+
+/// The `CgroupPlugin` value of cgroup v1 (cgroup.conf; the others are
+/// `autodetect`, the default, `cgroup/v2` and `disabled`,
+/// `src/interfaces/cgroup.c` 24.11+, `src/common/cgroup.c` 22.05).
+pub const CGROUP_V1: &str = "cgroup/v1";
+
+/// The last value of `key` (ASCII case ignored) in a slurm.conf-style
+/// `text`, surrounding quotes removed; `None` when it is not set. See the
+/// module for what is read and what is not.
+pub fn conf_value(text: &str, key: &str) -> Option<String> {
+    let mut found = None;
+    for raw in text.lines() {
+        let line = strip_comment(raw);
+        let mut rest = line.trim_start();
+        while !rest.is_empty() {
+            let Some((k, v, tail)) = next_pair(rest) else {
+                // Not a pair here (an `Include` line, a stray word): skip a word.
+                rest = rest
+                    .split_once(char::is_whitespace)
+                    .map_or("", |(_, t)| t)
+                    .trim_start();
+                continue;
+            };
+            if k.eq_ignore_ascii_case(key) {
+                found = Some(v.to_string());
+            }
+            rest = tail.trim_start();
+        }
+    }
+    found
+}
+
+/// The line before an unescaped `#`.
+fn strip_comment(line: &str) -> &str {
+    let mut backslashes = 0usize;
+    for (i, c) in line.char_indices() {
+        match c {
+            '#' if backslashes.is_multiple_of(2) => return &line[..i],
+            '\\' => backslashes += 1,
+            _ => backslashes = 0,
+        }
+    }
+    line
+}
+
+/// `key [op]= value` at the start of `s` (after leading blanks): the key
+/// (letters, digits, `_`, `.`), the value (quoted, or up to a blank) and
+/// the rest.
+fn next_pair(s: &str) -> Option<(&str, &str, &str)> {
+    let key_end = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '.'))
+        .unwrap_or(s.len());
+    if key_end == 0 {
+        return None;
+    }
+    let key = &s[..key_end];
+    let after = s[key_end..].trim_start();
+    let after = after
+        .strip_prefix(['-', '*', '+', '/'])
+        .unwrap_or(after)
+        .strip_prefix('=')?
+        .trim_start();
+    if let Some(q) = after.strip_prefix('"') {
+        let end = q.find('"')?;
+        return Some((key, &q[..end], &q[end + 1..]));
+    }
+    let end = after.find(char::is_whitespace).unwrap_or(after.len());
+    (end > 0).then(|| (key, &after[..end], &after[end..]))
+}
+
+/// The slurm.conf keys gpufence reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlurmConf {
+    /// `ProctrackType`, as written; `None` when unset.
+    pub proctrack_type: Option<String>,
+    /// `TaskPlugin` (a comma list), as written; `None` when unset.
+    pub task_plugin: Option<String>,
+}
+
+impl SlurmConf {
+    /// Reads the keys from slurm.conf `text` ([`conf_value`]).
+    pub fn parse(text: &str) -> Self {
+        SlurmConf {
+            proctrack_type: conf_value(text, "ProctrackType"),
+            task_plugin: conf_value(text, "TaskPlugin"),
+        }
+    }
+
+    /// The `ProctrackType` Slurm uses: the one set, else
+    /// [`DEFAULT_PROCTRACK_TYPE`].
+    pub fn proctrack(&self) -> &str {
+        self.proctrack_type
+            .as_deref()
+            .unwrap_or(DEFAULT_PROCTRACK_TYPE)
+    }
+
+    /// Whether `TaskPlugin` lists `task/cgroup`.
+    pub fn task_cgroup(&self) -> bool {
+        self.task_plugin
+            .as_deref()
+            .is_some_and(|t| t.split(',').any(|p| p.trim() == "task/cgroup"))
+    }
+}
+
+/// The cgroup.conf key gpufence reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupConf {
+    /// `CgroupPlugin`, as written; `None` when unset (Slurm: `autodetect`).
+    pub cgroup_plugin: Option<String>,
+}
+
+impl CgroupConf {
+    /// Reads the key from cgroup.conf `text` ([`conf_value`]).
+    pub fn parse(text: &str) -> Self {
+        CgroupConf {
+            cgroup_plugin: conf_value(text, "CgroupPlugin"),
+        }
+    }
+}
+
+/// Whether `layout` can work with these Slurm settings. Only `slurm` needs
+/// anything: `ProctrackType=proctrack/cgroup` (set, or unset: Slurm's
+/// default) and no `CgroupPlugin=cgroup/v1`. `slurm_conf` and
+/// `cgroup_conf` name the files for the message; `cgroup` is `None` when
+/// there is no cgroup.conf; `gpufence_toml` is where the layout was set.
+///
+/// # Errors
+/// [`NodeError::SlurmLayout`], one line: what is set where, what to set,
+/// or `layout = "own"` for cgroup v1/hybrid hosts.
+pub fn check_layout(
+    layout: Layout,
+    slurm: &SlurmConf,
+    slurm_conf: &Path,
+    cgroup: Option<&CgroupConf>,
+    cgroup_conf: &Path,
+    gpufence_toml: &str,
+) -> Result<(), NodeError> {
+    if layout != Layout::Slurm {
+        return Ok(());
+    }
+    let proctrack = slurm.proctrack();
+    if proctrack != PROCTRACK_CGROUP {
+        let why = if slurm.task_cgroup() {
+            "with it, task/cgroup makes the job cgroup only after slurm_spank_init"
+        } else {
+            "with it, Slurm makes no job cgroup for slurmstepd"
+        };
+        return Err(NodeError::SlurmLayout {
+            file: slurm_conf.to_path_buf(),
+            setting: format!("ProctrackType={proctrack}"),
+            why: why.into(),
+            fix: format!("ProctrackType={PROCTRACK_CGROUP}"),
+            gpufence_toml: gpufence_toml.into(),
+        });
+    }
+    if let Some(v) = cgroup.and_then(|c| c.cgroup_plugin.as_deref()) {
+        if v == CGROUP_V1 {
+            return Err(NodeError::SlurmLayout {
+                file: cgroup_conf.to_path_buf(),
+                setting: format!("CgroupPlugin={v}"),
+                why: "cgroup v1 job cgroups are not in cgroup2, where the fence is".into(),
+                fix: "CgroupPlugin=cgroup/v2".into(),
+                gpufence_toml: gpufence_toml.into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// [`check_layout`] for this node: its layout, slurm.conf at `slurm_conf`
+/// (`$SLURM_CONF`, which slurmd sets for its plugins, else
+/// [`crate::gresmap::DEFAULT_SLURM_CONF`]) and the cgroup.conf next to it
+/// (where Slurm reads it). What slurmd start runs.
+///
+/// # Errors
+/// [`NodeError::SlurmLayout`]; [`NodeError::Io`] when the layout is `slurm`
+/// and slurm.conf cannot be read (slurmd has just read it: fail closed).
+/// A missing cgroup.conf is Slurm's defaults, not an error.
+pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError> {
+    if node.cfg.layout != Layout::Slurm {
+        return Ok(());
+    }
+    let text =
+        std::fs::read_to_string(slurm_conf).map_err(|e| NodeError::io("read", slurm_conf, e))?;
+    let cgroup_conf: PathBuf = slurm_conf.with_file_name("cgroup.conf");
+    let cgroup = match std::fs::read_to_string(&cgroup_conf) {
+        Ok(t) => Some(CgroupConf::parse(&t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(NodeError::io("read", &cgroup_conf, e)),
+    };
+    let toml = match &node.origin {
+        ConfigOrigin::File(p) => p.display().to_string(),
+        ConfigOrigin::Defaults => DEFAULT_CONFIG_PATH.to_string(),
+    };
+    check_layout(
+        node.cfg.layout,
+        &SlurmConf::parse(&text),
+        slurm_conf,
+        cgroup.as_ref(),
+        &cgroup_conf,
+        &toml,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_keys_as_slurm_does() {
+        let text = "\
+# ProctrackType=proctrack/pgid
+ClusterName=c1
+proctracktype = proctrack/linuxproc   # the old one
+PROCTRACKTYPE=proctrack/cgroup
+TaskPlugin=task/affinity,task/cgroup SwitchType=switch/none
+Include /etc/slurm/extra.conf
+NodeName=n[1-4] CPUs=4 Gres=gpu:2 State=UNKNOWN
+";
+        let c = SlurmConf::parse(text);
+        assert_eq!(
+            c.proctrack_type.as_deref(),
+            Some("proctrack/cgroup"),
+            "the last one"
+        );
+        assert_eq!(c.task_plugin.as_deref(), Some("task/affinity,task/cgroup"));
+        assert!(c.task_cgroup());
+        assert_eq!(
+            conf_value(text, "switchtype").as_deref(),
+            Some("switch/none")
+        );
+        assert_eq!(conf_value(text, "Include"), None);
+        assert_eq!(conf_value(text, "CPUs").as_deref(), Some("4"));
+        assert_eq!(
+            conf_value("ProctrackType=\"proctrack/pgid\"", "ProctrackType").as_deref(),
+            Some("proctrack/pgid")
+        );
+        assert_eq!(
+            conf_value("X=a\\#b # c", "X").as_deref(),
+            Some("a\\#b"),
+            "an escaped # is no comment"
+        );
+        assert_eq!(
+            conf_value("  #ProctrackType=proctrack/pgid", "ProctrackType"),
+            None
+        );
+        assert_eq!(conf_value("ProctrackType=", "ProctrackType"), None);
+        assert_eq!(conf_value("ProctrackTypeX=a", "ProctrackType"), None);
+        let none = SlurmConf::parse("ClusterName=c1\n");
+        assert_eq!(none.proctrack_type, None);
+        assert_eq!(none.proctrack(), "proctrack/cgroup", "Slurm's default");
+        assert!(!none.task_cgroup());
+        assert_eq!(
+            CgroupConf::parse("cgroupplugin=cgroup/v1\nIgnoreSystemd=yes\n")
+                .cgroup_plugin
+                .as_deref(),
+            Some("cgroup/v1")
+        );
+    }
+
+    fn check(layout: Layout, slurm: &str, cgroup: Option<&str>) -> Result<(), NodeError> {
+        check_layout(
+            layout,
+            &SlurmConf::parse(slurm),
+            Path::new("/etc/slurm/slurm.conf"),
+            cgroup.map(CgroupConf::parse).as_ref(),
+            Path::new("/etc/slurm/cgroup.conf"),
+            "/etc/slurm/gpufence.toml",
+        )
+    }
+
+    #[test]
+    fn layout_slurm_needs_proctrack_cgroup_and_no_cgroup_v1() {
+        for ok in [
+            (
+                "ProctrackType=proctrack/cgroup\n",
+                Some("CgroupPlugin=cgroup/v2\n"),
+            ),
+            ("ProctrackType=proctrack/cgroup\n", None),
+            ("ClusterName=c\n", Some("CgroupPlugin=autodetect\n")),
+            ("ClusterName=c\n", Some("IgnoreSystemd=yes\n")),
+        ] {
+            check(Layout::Slurm, ok.0, ok.1).unwrap();
+        }
+        let e = check(
+            Layout::Slurm,
+            "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n",
+            None,
+        )
+        .unwrap_err();
+        assert!(matches!(e, NodeError::SlurmLayout { .. }), "{e}");
+        let msg = e.to_string();
+        for want in [
+            "layout = \"slurm\"",
+            "/etc/slurm/slurm.conf has ProctrackType=proctrack/linuxproc",
+            "set ProctrackType=proctrack/cgroup in /etc/slurm/slurm.conf",
+            "layout = \"own\" in /etc/slurm/gpufence.toml",
+            "cgroup v1/hybrid",
+        ] {
+            assert!(msg.contains(want), "{want:?} not in {msg}");
+        }
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        let e = check(
+            Layout::Slurm,
+            "ProctrackType=proctrack/pgid\nTaskPlugin=task/cgroup,task/affinity\n",
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("task/cgroup makes the job cgroup only after"),
+            "{e}"
+        );
+        let e = check(
+            Layout::Slurm,
+            "ProctrackType=proctrack/cgroup\n",
+            Some("CgroupPlugin=cgroup/v1\n"),
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/etc/slurm/cgroup.conf has CgroupPlugin=cgroup/v1")
+                && msg.contains("set CgroupPlugin=cgroup/v2 in /etc/slurm/cgroup.conf")
+                && msg.contains("layout = \"own\""),
+            "{msg}"
+        );
+        // The own layout makes its own cgroups: any Slurm will do.
+        check(
+            Layout::Own,
+            "ProctrackType=proctrack/linuxproc\n",
+            Some("CgroupPlugin=cgroup/v1\n"),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn check_node_layout_reads_the_files() {
+        use gpufence_model::config::Config;
+        let d = tempfile::tempdir().unwrap();
+        let node = |layout: &str| {
+            let text = format!(
+                "layout = \"{layout}\"\naudit_log = \"{}/a.jsonl\"\n",
+                d.path().display()
+            );
+            let toml = d.path().join("gpufence.toml");
+            Node::new(
+                Config::parse(&text, &toml).unwrap(),
+                ConfigOrigin::File(toml),
+            )
+            .unwrap()
+        };
+        let conf = d.path().join("slurm.conf");
+        let e = check_node_layout(&node("slurm"), &conf).unwrap_err();
+        assert!(
+            matches!(e, NodeError::Io { .. }),
+            "slurm.conf unreadable: {e}"
+        );
+        check_node_layout(&node("own"), &conf).unwrap();
+        std::fs::write(&conf, "ProctrackType=proctrack/cgroup\n").unwrap();
+        check_node_layout(&node("slurm"), &conf).unwrap();
+        std::fs::write(d.path().join("cgroup.conf"), "CgroupPlugin=cgroup/v1\n").unwrap();
+        let e = check_node_layout(&node("slurm"), &conf).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("in {}", d.path().join("gpufence.toml").display())),
+            "{e}"
+        );
+        std::fs::write(&conf, "ProctrackType=proctrack/linuxproc\n").unwrap();
+        std::fs::remove_file(d.path().join("cgroup.conf")).unwrap();
+        let e = check_node_layout(&node("slurm"), &conf).unwrap_err();
+        assert!(matches!(e, NodeError::SlurmLayout { .. }), "{e}");
+    }
+}
