@@ -30,6 +30,10 @@
 #   GPUFENCE_SLURMD_CGROUP      existing cgroup2 directory to start slurmd in,
 #                               so that slurmd, its prologs and its slurmstepds
 #                               are all below it.
+#   GPUFENCE_CLUSTER_ROOT=ROOT  run the cluster (daemons, start's check job,
+#                               stop's scancel) chrooted in ROOT, a Debian root
+#                               of another Slurm release (v2node/make-root.sh);
+#                               DIR must be under /tmp, which ROOT shares.
 #   GPUFENCE_CLUSTER_V2NODE=1   run slurmd as on a systemd-managed pure
 #                               cgroup v2 node (v2node/enter.sh: INVOCATION_ID,
 #                               and on a hybrid host a private mount namespace
@@ -324,6 +328,63 @@ node_name() {
     return 0
 }
 
+# build_shim: v2node/proc-cgroup-v2only.c built into DIR (kept across
+# starts; a root made by make-root.sh has no compiler, so it is built on the
+# host before entering one); prints its path.
+build_shim() {
+    local shim="$DIR/proc-cgroup-v2only.so" src="$HERE/v2node/proc-cgroup-v2only.c"
+    if [[ ! -f $shim || $src -nt $shim ]]; then
+        cc -shared -fPIC -O2 -o "$shim.tmp" "$src" -ldl >&2 && mv "$shim.tmp" "$shim" || return 1
+    fi
+    printf '%s\n' "$shim"
+}
+
+# in_root CMD ARGS: with GPUFENCE_CLUSTER_ROOT set (a Debian root of another
+# Slurm release, v2node/make-root.sh), run this script's CMD chrooted there
+# (v2node/chroot.sh) with the same DIR, after giving the root the test user
+# with this host's uid and gid (the fence and the epilog compare uids
+# across the two) and translating GPUFENCE_SLURMD_CGROUP to the root's
+# cgroup2 mount. Returns only when there is no root to enter.
+in_root() {
+    [[ ${GPUFENCE_CLUSTER_IN_ROOT:-} != 1 ]] || return 0
+    local root=${GPUFENCE_CLUSTER_ROOT:-}
+    # stop finds the root that start used.
+    if [[ $1 == start ]]; then
+        if [[ -n $root ]]; then echo "$root" >"$DIR/.cluster-root"; else rm -f "$DIR/.cluster-root"; fi
+    elif [[ -z $root && -f $DIR/.cluster-root ]]; then
+        root=$(cat "$DIR/.cluster-root")
+    fi
+    [[ -n $root ]] || return 0
+    [[ -f $root/.gpufence-root ]] || die "GPUFENCE_CLUSTER_ROOT=$root is not a root made by v2node/make-root.sh"
+    [[ $DIR == /tmp/* ]] || die "with GPUFENCE_CLUSTER_ROOT, DIR must be under /tmp (shared with the root): $DIR"
+    if [[ $1 == start ]]; then
+        local uid gid
+        uid=$(id -u "$TEST_USER" 2>/dev/null) || { useradd --no-create-home --home-dir / --shell /bin/sh --user-group "$TEST_USER"; uid=$(id -u "$TEST_USER"); }
+        gid=$(id -g "$TEST_USER")
+        if [[ $(chroot "$root" id -u "$TEST_USER" 2>/dev/null) != "$uid" ]]; then
+            chroot "$root" userdel "$TEST_USER" >/dev/null 2>&1 || true
+            chroot "$root" groupdel "$TEST_USER" >/dev/null 2>&1 || true
+            chroot "$root" groupadd -g "$gid" "$TEST_USER"
+            chroot "$root" useradd -M -d / -s /bin/sh -u "$uid" -g "$gid" "$TEST_USER"
+        fi
+        build_shim >/dev/null || die "cannot build the v2node library (is a C compiler installed?)"
+    fi
+    local inner="$DIR/.cluster-sh"
+    rm -rf "$inner"
+    mkdir -p "$inner/v2node"
+    cp -p "$HERE/cluster.sh" "$inner/"
+    cp -p "$HERE/v2node/enter.sh" "$HERE/v2node/proc-cgroup-v2only.c" "$inner/v2node/"
+    local cg=${GPUFENCE_SLURMD_CGROUP:-} mnt
+    if [[ -n $cg ]]; then
+        mnt=$(awk '$9 == "cgroup2" { print $5; exit }' /proc/self/mountinfo)
+        cg=$(cd "$cg" && pwd -P)
+        [[ $cg == "$mnt"/* ]] || die "GPUFENCE_SLURMD_CGROUP=$cg is not below the cgroup2 mount $mnt"
+        cg="/sys/fs/cgroup/${cg#"$mnt"/}"
+    fi
+    exec env GPUFENCE_CLUSTER_IN_ROOT=1 GPUFENCE_SLURMD_CGROUP="$cg" \
+        bash "$HERE/v2node/chroot.sh" "$root" bash "$inner/cluster.sh" "$1" "$DIR"
+}
+
 # --- commands ------------------------------------------------------------------
 
 start_munged() {
@@ -412,9 +473,8 @@ cmd_start() {
     local -a wrap=()
     if [[ ${GPUFENCE_CLUSTER_V2NODE:-} == 1 ]]; then
         # A real cgroup/v2 node, even on a hybrid host: see v2node/enter.sh.
-        local shim="$DIR/run/proc-cgroup-v2only.so"
-        cc -shared -fPIC -O2 -o "$shim" "$HERE/v2node/proc-cgroup-v2only.c" -ldl ||
-            fail "cannot build $shim (is a C compiler installed?)"
+        local shim
+        shim=$(build_shim) || fail "cannot build the v2node library (is a C compiler installed?)"
         wrap=(bash "$HERE/v2node/enter.sh" "$shim")
     fi
     spawn slurmd "$cg" "${wrap[@]}" slurmd -D -f "$CONF" "${nflag[@]}"
@@ -525,6 +585,8 @@ DIR=$(cd "$2" && pwd -P)
 [[ $DIR != *[[:space:],]* ]] || die "DIR must not contain spaces or commas: $DIR"
 CONF="$DIR/slurm.conf"
 export SLURM_CONF="$CONF"
+
+[[ $1 == env ]] || in_root "$1"
 
 case $1 in
 start) cmd_start ;;

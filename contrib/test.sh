@@ -8,6 +8,16 @@ cd "$(dirname "$0")/.."
 bash contrib/setup.sh
 export CI="${CI:-true}"
 cargo build --workspace --all-targets --locked
+# Real cgroup/v2 nodes of the Slurm releases GPU sites run besides the
+# host's 22.05 (tests/tests/e2e_v2node.rs): Debian 13 (24.11) and sid
+# (26.05) roots, made once per machine (about half a minute each) and kept
+# under GPUFENCE_SLURM_ROOTS, and the plugin built against each release's
+# own headers (slurmd loads only a plugin of its own series).
+roots=${GPUFENCE_SLURM_ROOTS:-/var/cache/gpufence/roots}
+for suite in trixie sid; do
+    bash contrib/v2node/make-root.sh "$suite" "$roots/$suite"
+    bash contrib/v2node/build-plugin.sh "$roots/$suite" "target/v2node/$suite.gpufence.so"
+done
 cargo test --workspace --locked -- --test-threads="${GPUFENCE_TEST_THREADS:-2}"
 # Benchmarks in smoke mode: they keep compiling and working; no time is
 # asserted (BENCHMARKS.md has the real runs).

@@ -30,7 +30,16 @@ fstype() { stat -f -c %T "$1" 2>/dev/null; }
 
 invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 
+# The kernel lists v1 hierarchies in /proc/<pid>/cgroup whatever the mount
+# namespace: a hybrid host shows them even where cgroup2 is mounted at
+# /sys/fs/cgroup (v2node/chroot.sh does that for another release's root).
+v1_lines() { grep -qv '^0::' /proc/self/cgroup; }
+
 if [[ $(fstype /sys/fs/cgroup) == cgroup2fs ]]; then
+    if v1_lines; then
+        [[ -r $shim ]] || { echo "enter.sh: $shim is missing" >&2; exit 1; }
+        exec env INVOCATION_ID="$invocation" LD_PRELOAD="$shim" "$@"
+    fi
     exec env INVOCATION_ID="$invocation" "$@"
 fi
 

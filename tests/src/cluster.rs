@@ -25,6 +25,8 @@ pub struct Cluster {
     pub config: PathBuf,
     /// The cgroup directory slurmd runs in.
     pub slurmd_cgroup: PathBuf,
+    /// The Debian root of another Slurm release the cluster runs in.
+    pub root: Option<PathBuf>,
 }
 
 fn script() -> PathBuf {
@@ -37,14 +39,21 @@ fn script() -> PathBuf {
 /// directory.
 pub fn cluster_sh_start(env: &TestEnv, dir: &Path, port_base: u16) -> (Output, PathBuf) {
     let slurmd_cg = env.cg.path(&env.cgroup("slurmd"));
-    let out = cluster_sh_start_in(dir, port_base, &slurmd_cg, false);
+    let out = cluster_sh_start_in(dir, port_base, &slurmd_cg, false, None);
     (out, slurmd_cg)
 }
 
 /// `contrib/cluster.sh start DIR` with slurmd in the cgroup directory
 /// `slurmd_cg`; `v2node`: as on a pure cgroup v2 node
-/// (`GPUFENCE_CLUSTER_V2NODE=1`).
-pub fn cluster_sh_start_in(dir: &Path, port_base: u16, slurmd_cg: &Path, v2node: bool) -> Output {
+/// (`GPUFENCE_CLUSTER_V2NODE=1`); `root`: chrooted in that Debian root of
+/// another Slurm release (`GPUFENCE_CLUSTER_ROOT`).
+pub fn cluster_sh_start_in(
+    dir: &Path,
+    port_base: u16,
+    slurmd_cg: &Path,
+    v2node: bool,
+    root: Option<&Path>,
+) -> Output {
     let mut c = Command::new("bash");
     c.arg(script())
         .arg("start")
@@ -54,7 +63,29 @@ pub fn cluster_sh_start_in(dir: &Path, port_base: u16, slurmd_cg: &Path, v2node:
     if v2node {
         c.env("GPUFENCE_CLUSTER_V2NODE", "1");
     }
+    if let Some(r) = root {
+        c.env("GPUFENCE_CLUSTER_ROOT", r);
+    }
     c.output().expect("run cluster.sh")
+}
+
+/// `inner` run chrooted in `root` (`contrib/v2node/chroot.sh`), in the
+/// same working directory (the root shares this host's `/tmp`).
+pub fn in_root(root: &Path, inner: &Command) -> Command {
+    let mut c = Command::new("bash");
+    c.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib/v2node/chroot.sh"))
+        .arg(root)
+        .arg("env");
+    if let Some(d) = inner.get_current_dir() {
+        c.arg("-C").arg(d);
+    }
+    for (k, v) in inner.get_envs() {
+        if let Some(v) = v {
+            c.arg(format!("{}={}", k.to_string_lossy(), v.to_string_lossy()));
+        }
+    }
+    c.arg(inner.get_program()).args(inner.get_args());
+    c
 }
 
 /// `contrib/cluster.sh stop DIR`; what fails is ignored (cleanup).
@@ -110,6 +141,13 @@ pub struct ClusterSpec {
     pub v2node: Option<V2NodeSpec>,
     /// Slurm alone: no gpufence Prolog, Epilog or plugin (the baseline).
     pub slurm_only: bool,
+    /// Another Slurm release: a Debian root made by
+    /// `contrib/v2node/make-root.sh`, whose daemons and clients run
+    /// chrooted (`contrib/v2node/chroot.sh`); `None`: this host's Slurm.
+    pub root: Option<PathBuf>,
+    /// The plugin built for that release's series
+    /// (`contrib/v2node/build-plugin.sh`); `None`: the workspace's build.
+    pub plugin: Option<PathBuf>,
 }
 
 /// The cgroup/v2 part of a [`ClusterSpec`].
@@ -173,7 +211,13 @@ impl Cluster {
         ] {
             copy_exec(&workspace_bin(b), &bin.join(b));
         }
-        copy_exec(&workspace_bin("libgpufence.so"), &bin.join("gpufence.so"));
+        copy_exec(
+            &spec
+                .plugin
+                .clone()
+                .unwrap_or_else(|| workspace_bin("libgpufence.so")),
+            &bin.join("gpufence.so"),
+        );
         let config = match &spec.v2node {
             Some(v2) => env.config_rooted(&v2.fence_root, gpufence_extra),
             None => env.config(gpufence_extra),
@@ -222,7 +266,13 @@ impl Cluster {
         std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
         let (out, slurmd_cgroup) = match &spec.v2node {
             Some(v2) => (
-                cluster_sh_start_in(&dir, port_base, &v2.slurmd_cgroup, true),
+                cluster_sh_start_in(
+                    &dir,
+                    port_base,
+                    &v2.slurmd_cgroup,
+                    true,
+                    spec.root.as_deref(),
+                ),
                 v2.slurmd_cgroup.clone(),
             ),
             None => cluster_sh_start(env, &dir, port_base),
@@ -233,6 +283,7 @@ impl Cluster {
             bin,
             config,
             slurmd_cgroup,
+            root: spec.root.clone(),
         };
         assert!(
             out.status.success(),
@@ -246,11 +297,15 @@ impl Cluster {
     /// A command run as [`TEST_USER`] (via setpriv: no PAM, no session
     /// cgroup moves) with `SLURM_CONF` set, in the jobs directory.
     pub fn user_cmd(&self, program: &str) -> Command {
-        user_command(
+        let c = user_command(
             &self.slurm_conf,
             &self.dir.parent().unwrap().join("jobs"),
             program,
-        )
+        );
+        match &self.root {
+            Some(r) => in_root(r, &c),
+            None => c,
+        }
     }
 
     /// Runs `program args` as the test user; returns the output.
@@ -376,11 +431,14 @@ impl Cluster {
     /// Runs `program args` as root with the cluster's `SLURM_CONF`
     /// (scontrol, scancel: what an admin does).
     pub fn admin(&self, program: &str, args: &[&str]) -> Output {
-        Command::new(program)
-            .env("SLURM_CONF", &self.slurm_conf)
-            .args(args)
-            .output()
-            .expect("run admin command")
+        let mut c = Command::new(program);
+        c.env("SLURM_CONF", &self.slurm_conf).args(args);
+        match &self.root {
+            Some(r) => in_root(r, &c),
+            None => c,
+        }
+        .output()
+        .expect("run admin command")
     }
 
     /// slurmd's port, from slurm.conf.

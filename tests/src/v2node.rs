@@ -50,7 +50,7 @@ const LOCK: &str = "/run/lock/gpufence-v2node.lock";
 /// enabled!` and goes on); devices need no controller in cgroup v2 (a BPF
 /// program). `IgnoreSystemd=yes`: Slurm makes its scope with `mkdir`
 /// instead of asking systemd over D-Bus (there is no systemd here).
-pub const CGROUP_CONF: &str = "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\nCgroupAutomount=no\n\
+pub const CGROUP_CONF: &str = "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n\
      ConstrainDevices=yes\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainSwapSpace=no\n";
 
 /// `system.slice` claimed for one test: made here (when absent), with

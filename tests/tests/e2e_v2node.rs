@@ -112,8 +112,16 @@ fn row(out: &str, d: &Devices) -> [String; 4] {
     d.all().map(|p| verdict(out, p))
 }
 
-fn spec(slice: &V2Slice, d: &Devices, gpufence_extra: &str, slurm_only: bool) -> ClusterSpec {
+fn spec(
+    release: &Release,
+    slice: &V2Slice,
+    d: &Devices,
+    gpufence_extra: &str,
+    slurm_only: bool,
+) -> ClusterSpec {
     ClusterSpec {
+        root: release.root.clone(),
+        plugin: release.plugin.clone(),
         gres_conf: d.gres_conf(),
         node_gres: "gpu:sim:2,gpu:held:1".into(),
         gpufence_extra: gpufence_extra.into(),
@@ -132,11 +140,97 @@ fn spec(slice: &V2Slice, d: &Devices, gpufence_extra: &str, slurm_only: bool) ->
 /// the job, a container started through dockerd).
 const OUTSIDE: &str = "system.slice/gpufence-test-outside.service";
 
-#[test]
-fn real_cgroup_v2_node_default_layout() {
-    if !privileged() {
-        return;
+/// A Slurm release to run the node with.
+struct Release {
+    /// A Debian root of that release (`contrib/v2node/make-root.sh`);
+    /// `None`: this host's Slurm.
+    root: Option<PathBuf>,
+    /// The plugin built against its headers.
+    plugin: Option<PathBuf>,
+}
+
+impl Release {
+    /// The release in the Debian root of `suite` under
+    /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`), with
+    /// its plugin at `target/v2node/<suite>.gpufence.so`; `contrib/test.sh`
+    /// makes both. Missing: a failure in CI, a skip elsewhere.
+    fn debian(suite: &str) -> Option<Release> {
+        let roots = std::env::var_os("GPUFENCE_SLURM_ROOTS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
+        let root = roots.join(suite);
+        let exe = std::env::current_exe().unwrap();
+        let target = exe
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .unwrap();
+        let plugin = target.join(format!("v2node/{suite}.gpufence.so"));
+        let why = if !root.join(".gpufence-root").exists() {
+            format!("no Debian {suite} root at {}", root.display())
+        } else if !plugin.exists() {
+            format!("no plugin built for it at {}", plugin.display())
+        } else {
+            return Some(Release {
+                root: Some(root),
+                plugin: Some(plugin),
+            });
+        };
+        let fix = format!(
+            "contrib/v2node/make-root.sh {suite} {}; contrib/v2node/build-plugin.sh {} {} (contrib/test.sh does both)",
+            root.display(),
+            root.display(),
+            plugin.display()
+        );
+        if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+            panic!("{why}: {fix}");
+        }
+        eprintln!("SKIPPED (outside CI): {why}: {fix}");
+        None
     }
+
+    fn slurm_version(&self) -> String {
+        let mut c = match &self.root {
+            Some(r) => {
+                let mut c = std::process::Command::new("chroot");
+                c.arg(r).arg("slurmd");
+                c
+            }
+            None => std::process::Command::new("slurmd"),
+        };
+        c.arg("-V")
+            .output()
+            .map(|o| stdout(&o).trim().to_string())
+            .unwrap_or_default()
+    }
+}
+
+#[test]
+fn real_cgroup_v2_node_slurm_22_05_host() {
+    if privileged() {
+        real_cgroup_v2_node(&Release {
+            root: None,
+            plugin: None,
+        });
+    }
+}
+
+#[test]
+fn real_cgroup_v2_node_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        real_cgroup_v2_node(&r);
+    }
+}
+
+#[test]
+fn real_cgroup_v2_node_slurm_26_05_debian_sid() {
+    if let Some(r) = privileged().then(|| Release::debian("sid")).flatten() {
+        real_cgroup_v2_node(&r);
+    }
+}
+
+/// Every scenario on one node of `release`, with the default layout.
+fn real_cgroup_v2_node(release: &Release) {
     let mut env = TestEnv::new("v2node");
     let d = Devices::make(&env);
     let slice = V2Slice::claim();
@@ -152,7 +246,7 @@ fn real_cgroup_v2_node_default_layout() {
 
     // --- Slurm alone: its ConstrainDevices, no gpufence --------------------
     let (alone_job, alone_cpu, alone_out) = {
-        let cluster = Cluster::start_with(&env, &spec(&slice, &d, "", true));
+        let cluster = Cluster::start_with(&env, &spec(release, &slice, &d, "", true));
         let probe = probe_of(&cluster);
         let o = cluster.as_user(
             "srun",
@@ -167,7 +261,8 @@ fn real_cgroup_v2_node_default_layout() {
         let job = row(&stdout(&o), &d);
         assert!(
             field(&stdout(&o), "CG")
-                .is_some_and(|c| c.contains(&format!("/{host}_slurmstepd.scope/job_"))),
+                .is_some_and(|c| c.contains(&format!("/{host}_slurmstepd.scope/"))
+                    && c.contains("/step_0/user/task_0")),
             "Slurm's cgroup/v2 plugin placed the job:\n{}",
             stdout(&o)
         );
@@ -204,7 +299,7 @@ fn real_cgroup_v2_node_default_layout() {
         "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
         d.real.major
     );
-    let cluster = Cluster::start_with(&env, &spec(&slice, &d, &extra, false));
+    let cluster = Cluster::start_with(&env, &spec(release, &slice, &d, &extra, false));
     let audit = env.path("log/audit.jsonl");
     let probe = cluster.bin.join("gpufence-probe");
     let probe_s = probe_of(&cluster);
@@ -273,9 +368,19 @@ fn real_cgroup_v2_node_default_layout() {
         "GRES index {index} is {:?} in slurmd -G order:\n{out}",
         d.all()[index]
     );
+    // The grant went to the job cgroup Slurm made (job_<id>; the SLUID on
+    // 26.05), an ancestor of the task's cgroup.
     let scope = V2Slice::scope(&host);
+    let task_cg = field(&out, "CG").unwrap_or_default();
     for a in &applied {
-        assert_eq!(a["cgroup"], format!("/{scope}/job_{job1}"), "{a}");
+        let cg = a["cgroup"].as_str().unwrap_or("");
+        let job_dir = cg.strip_prefix(&format!("/{scope}/")).unwrap_or("");
+        assert!(
+            !job_dir.is_empty()
+                && !job_dir.contains('/')
+                && task_cg.starts_with(&format!("0::{cg}/step_")),
+            "grant at {cg}, task in {task_cg}: {a}"
+        );
     }
 
     // 2. The same user outside any job opens nothing; a CPU-only job runs
@@ -469,18 +574,10 @@ fn real_cgroup_v2_node_default_layout() {
     println!(
         "\nOn a real cgroup/v2 {} node, what each opens of nvidia3 nvidia1 nvidia-held nvidiactl\n\
          (ENXIO or ok: allowed, EPERM: denied):",
-        slurm_version()
+        release.slurm_version()
     );
     for (who, [a, b]) in table {
         println!("  {who:<26} {a:<30} {b}");
     }
     drop(cluster);
-}
-
-fn slurm_version() -> String {
-    std::process::Command::new("slurmd")
-        .arg("-V")
-        .output()
-        .map(|o| stdout(&o).trim().to_string())
-        .unwrap_or_default()
 }

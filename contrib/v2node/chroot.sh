@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# chroot.sh ROOT CMD...: run CMD chrooted in ROOT (a Debian root made by
+# make-root.sh, holding another Slurm release), in a private mount
+# namespace with what a node needs mounted into ROOT: proc, /dev (rbind), a
+# fresh sysfs with cgroup2 at sys/fs/cgroup, the host's bpffs at
+# sys/fs/bpf (the fence's pins are shared with the host), a tmpfs on run,
+# and the host's /tmp (rbind), so that the cluster directory, the test's
+# device nodes, binaries and logs have the same paths inside and out. The
+# host's mounts stay as they are. Needs root.
+set -euo pipefail
+
+root=${1:?usage: chroot.sh ROOT CMD...}
+shift
+(($#)) || { echo "usage: chroot.sh ROOT CMD..." >&2; exit 2; }
+[[ -f $root/.gpufence-root ]] || { echo "chroot.sh: $root is not a root made by make-root.sh" >&2; exit 1; }
+
+if [[ ${GPUFENCE_CHROOT_INSIDE:-} != 1 ]]; then
+    exec env GPUFENCE_CHROOT_INSIDE=1 unshare --mount --propagation private -- "$0" "$root" "$@"
+fi
+unset GPUFENCE_CHROOT_INSIDE
+
+mount -t proc proc "$root/proc"
+mount --rbind /dev "$root/dev"
+mount -t sysfs sysfs "$root/sys"
+mount -t cgroup2 cgroup2 "$root/sys/fs/cgroup"
+if grep -q ' /sys/fs/bpf bpf ' /proc/self/mounts; then
+    mount --bind /sys/fs/bpf "$root/sys/fs/bpf"
+fi
+mount -t tmpfs -o mode=0755 tmpfs "$root/run"
+mkdir -p "$root/run/lock"
+mount --rbind /tmp "$root/tmp"
+[[ -e $root/etc/hosts ]] || : >"$root/etc/hosts"
+mount --bind /etc/hosts "$root/etc/hosts"
+exec chroot "$root" "$@"
