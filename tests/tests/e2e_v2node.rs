@@ -118,6 +118,7 @@ fn spec(
     d: &Devices,
     gpufence_extra: &str,
     slurm_only: bool,
+    prolog_flags: &str,
 ) -> ClusterSpec {
     ClusterSpec {
         root: release.root.clone(),
@@ -129,7 +130,7 @@ fn spec(
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(17417),
-        v2node: Some(slice.spec("Alloc,Contain")),
+        v2node: Some(slice.spec(prolog_flags)),
         slurm_only,
         ..ClusterSpec::default()
     }
@@ -246,7 +247,8 @@ fn real_cgroup_v2_node(release: &Release) {
 
     // --- Slurm alone: its ConstrainDevices, no gpufence --------------------
     let (alone_job, alone_cpu, alone_out) = {
-        let cluster = Cluster::start_with(&env, &spec(release, &slice, &d, "", true));
+        let cluster =
+            Cluster::start_with(&env, &spec(release, &slice, &d, "", true, "Alloc,Contain"));
         let probe = probe_of(&cluster);
         let o = cluster.as_user(
             "srun",
@@ -299,7 +301,10 @@ fn real_cgroup_v2_node(release: &Release) {
         "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
         d.real.major
     );
-    let cluster = Cluster::start_with(&env, &spec(release, &slice, &d, &extra, false));
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(release, &slice, &d, &extra, false, "Alloc,Contain"),
+    );
     let audit = env.path("log/audit.jsonl");
     let probe = cluster.bin.join("gpufence-probe");
     let probe_s = probe_of(&cluster);
@@ -579,5 +584,163 @@ fn real_cgroup_v2_node(release: &Release) {
     for (who, [a, b]) in table {
         println!("  {who:<26} {a:<30} {b}");
     }
+    drop(cluster);
+}
+
+#[test]
+fn run_in_job_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        run_in_job(&r);
+    }
+}
+
+#[test]
+fn run_in_job_slurm_26_05_debian_sid() {
+    if let Some(r) = privileged().then(|| Release::debian("sid")).flatten() {
+        run_in_job(&r);
+    }
+}
+
+/// `PrologFlags=RunInJob` (24.05+): the extern step starts before the
+/// Prolog, which then runs inside it. A process placed in the extern
+/// step's cgroup, as pam_slurm_adopt places an ssh session
+/// (`step_extern/user/task_special`), opens the job's GPU before any srun
+/// step runs; srun and batch steps do too; no step is refused.
+fn run_in_job(release: &Release) {
+    let mut env = TestEnv::new("runinjob");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let host = hostname();
+    let extra = format!(
+        "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(release, &slice, &d, &extra, false, "Alloc,Contain,RunInJob"),
+    );
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe");
+    let probe_s = probe.display().to_string();
+
+    // An allocation without a shell: only its extern step runs.
+    let o = cluster.as_user("salloc", &["--gres=gpu:held:1", "--no-shell", "--time=5"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    let job: u32 = err
+        .split_whitespace()
+        .last()
+        .and_then(|w| w.parse().ok())
+        .or_else(|| {
+            err.lines()
+                .find_map(|l| l.strip_prefix("salloc: Granted job allocation "))
+                .and_then(|w| w.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("job id in {err:?}"));
+    // The extern step's cgroup (the job dir is job_<id>, or the SLUID).
+    let mut extern_cg = None;
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || {
+            extern_cg = slice
+                .job_cgroups(&host)
+                .into_iter()
+                .map(|j| format!("{}/{j}/step_extern", V2Slice::scope(&host)))
+                .find(|c| env.cg.path(c).exists());
+            extern_cg.is_some() && events_for(&audit, job).iter().any(|e| e == "grant_applied")
+        }),
+        "job {job}: extern step {extern_cg:?}, events {:?}\n{}",
+        events_for(&audit, job),
+        cluster.log_tail("slurmd.log")
+    );
+    let adopted = format!("{}/user/task_special", extern_cg.unwrap());
+    env.cg.create(&adopted).unwrap();
+    let o = env
+        .user_command_in(&adopted, &probe)
+        .arg("open")
+        .args(d.all())
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert_eq!(
+        row(&out, &d),
+        ["EPERM", "EPERM", "ok", "ENXIO"].map(String::from),
+        "an adopted ssh session in /{adopted} opens the job's GPU before any srun step:\n{out}"
+    );
+    // An srun step in the allocation.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            &format!("--jobid={job}"),
+            "--gres=gpu:held:1",
+            &probe_s,
+            "open",
+            &d.held.display().to_string(),
+        ],
+    );
+    assert_eq!(
+        verdict(&stdout(&o), &d.held),
+        "ok",
+        "srun step: {}",
+        both(&o)
+    );
+    let o = cluster.admin("scancel", &[&job.to_string()]);
+    assert!(o.status.success(), "{}", both(&o));
+    // A batch job.
+    let out_file = env.path("jobs/runinjob-batch.out");
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--wait",
+            "--gres=gpu:held:1",
+            "-o",
+            out_file.to_str().unwrap(),
+            "--wrap",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; {probe_s} open {}",
+                d.held.display()
+            ),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let out = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_eq!(verdict(&out, &d.held), "ok", "batch step:\n{out}");
+    let batch: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    // No step was refused, every grant was revoked, nothing is left.
+    let mut state = String::new();
+    let idle = Cluster::wait_for(Duration::from_secs(30), || {
+        state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+            .trim()
+            .to_string();
+        state == "idle"
+            && [job, batch]
+                .iter()
+                .all(|j| events_for(&audit, *j).contains(&"grant_revoked".to_string()))
+    });
+    assert!(
+        idle,
+        "node {state}, events {:?} {:?}\n{}",
+        events_for(&audit, job),
+        events_for(&audit, batch),
+        cluster.log_tail("slurmd.log")
+    );
+    for j in [job, batch] {
+        let ev = events_for(&audit, j);
+        assert!(
+            !ev.contains(&"grant_refused".to_string()),
+            "job {j}: {ev:?}"
+        );
+    }
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&g.stdout).unwrap(),
+        serde_json::json!([])
+    );
+    let left = slice.job_cgroups(&host);
+    assert!(left.is_empty(), "job cgroups left: {left:?}");
     drop(cluster);
 }
