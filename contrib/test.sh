@@ -24,6 +24,11 @@ cargo test --workspace --locked -- --test-threads="${GPUFENCE_TEST_THREADS:-2}"
 target/debug/gpufence-bench open --smoke >/dev/null
 target/debug/gpufence-bench scan --smoke >/dev/null
 target/debug/gpufence-bench job --smoke >/dev/null
-# Packages: build the .deb and .rpm from this tree and check their contents.
-PROFILE=dev bash contrib/package.sh >/dev/null
-bash contrib/check-packages.sh
+# Packages, one per tested Slurm series (the host's 22.05, then each root's):
+# build the .deb and .rpm from this tree and check their contents and their
+# dependency on that series only.
+for r in / "$roots/trixie" "$roots/sid"; do
+    SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null 2>&1 ||
+        { SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null; exit 1; }
+    SLURM_ROOT=$r bash contrib/check-packages.sh
+done
