@@ -10,14 +10,21 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
 use gpufence_model::record::{now_rfc3339, AppliedGrant};
 
+use gpufence_cgroup::Fence;
+
 use crate::fence_ops::open_installed;
 use crate::{crashpoint, is_under, join_cgroup, Node, NodeError};
+
+/// The extern step's id (`SLURM_EXTERN_CONT`, `slurm.h`): the step
+/// pam_slurm_adopt puts ssh sessions in, and where the Prolog and Epilog
+/// run under `PrologFlags=RunInJob`.
+pub const EXTERN_STEP_ID: u32 = 0xffff_fffc;
 
 /// Slurm's special step ids (`slurm.h`: `SLURM_EXTERN_CONT`, `SLURM_BATCH_SCRIPT`,
 /// `SLURM_INTERACTIVE_STEP`).
 pub fn step_name(step_id: u32) -> String {
     match step_id {
-        0xffff_fffc => "extern".into(),
+        EXTERN_STEP_ID => "extern".into(),
         0xffff_fffb => "batch".into(),
         0xffff_fffa => "interactive".into(),
         n => n.to_string(),
@@ -95,7 +102,6 @@ pub fn job_cgroup(node: &Node, req: &StepRequest) -> Result<String, NodeError> {
 /// slurmstepd cannot be moved; [`NodeError::Kernel`] when slurmstepd's
 /// cgroup cannot be read or the own layout's cgroup cannot be made.
 pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
-    let root = &node.cfg.cgroup_root;
     let step = step_name(req.step_id);
     match node.cfg.layout {
         Layout::Own => {
@@ -125,13 +131,7 @@ pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
                     own_abs = crate::cgpath::abs(&own),
                 ))
             })?;
-            if !is_under(&job.path, root) {
-                return Err(NodeError::JobCgroup(format!(
-                    "job cgroup {} is outside the fenced subtree {}",
-                    crate::cgpath::abs(&job.path),
-                    crate::cgpath::abs(root)
-                )));
-            }
+            fenced(node, &job.path)?;
             Ok(JobCgroup {
                 path: job.path,
                 dir: job.dir,
@@ -140,11 +140,28 @@ pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
     }
 }
 
+/// Whether job cgroup `job` lies in the fenced subtree (`cgroup_root`).
+///
+/// # Errors
+/// [`NodeError::JobCgroup`] when it does not: a grant there would guard
+/// nothing, and the job's tasks would not be under the fence.
+pub(crate) fn fenced(node: &Node, job: &str) -> Result<(), NodeError> {
+    let root = &node.cfg.cgroup_root;
+    if is_under(job, root) {
+        return Ok(());
+    }
+    Err(NodeError::JobCgroup(format!(
+        "job cgroup {} is outside the fenced subtree {}",
+        crate::cgpath::abs(job),
+        crate::cgpath::abs(root)
+    )))
+}
+
 /// Where a step's grant goes: the fence is installed and the job cgroup is
 /// known (and, in the `own` layout, slurmstepd is in it).
 #[derive(Debug)]
 pub struct Placement {
-    fence: gpufence_cgroup::Fence,
+    fence: Fence,
     /// The job cgroup, relative to the cgroup2 mount.
     pub job_cgroup: String,
     /// Its name, for logs: `job_<id>` or (slurm layout, Slurm 26.05) the
@@ -171,6 +188,14 @@ pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
 
 /// Second half of [`apply`]: grants the job's record to the placed step.
 ///
+/// Granting a job cgroup that already holds the job's grant (the Prolog
+/// applied it under `PrologFlags=RunInJob`, [`grant_in_prolog`], or an
+/// earlier step did) is harmless: the same `grant_applied` line again,
+/// this step's note replaces the earlier one for that cgroup
+/// (`applied/<job>-<cgroup id>.json`), and [`Fence::grant`] writes the
+/// same map values again (`BPF_ANY` updates of existing keys, the
+/// cgroup's flags ORed with GRANTED at the same level).
+///
 /// # Errors
 /// [`NodeError`] for a corrupt or foreign record, an unwritable audit log,
 /// or a full map. The step is fenced without a grant: it may run, with no
@@ -180,7 +205,33 @@ pub fn grant(
     req: &StepRequest,
     placement: &Placement,
 ) -> Result<ApplyOutcome, NodeError> {
-    let job = &placement.job_cgroup;
+    grant_at(node, req, &placement.fence, &placement.job_cgroup, None)
+}
+
+/// [`grant`] by the Prolog under `PrologFlags=RunInJob` ([`crate::injob`]):
+/// the record just written goes to `job_cgroup` (the job cgroup the
+/// Prolog's own cgroup is in, [`crate::injob::locate_script`]), as the
+/// extern step's. The `grant_applied` line is the one [`grant`] writes
+/// (`step` is `req`'s, `pid` the Prolog's), with `"phase": "prolog"`.
+///
+/// # Errors
+/// As [`grant`].
+pub fn grant_in_prolog(
+    node: &Node,
+    req: &StepRequest,
+    fence: &Fence,
+    job_cgroup: &str,
+) -> Result<ApplyOutcome, NodeError> {
+    grant_at(node, req, fence, job_cgroup, Some("prolog"))
+}
+
+fn grant_at(
+    node: &Node,
+    req: &StepRequest,
+    fence: &Fence,
+    job: &str,
+    phase: Option<&'static str>,
+) -> Result<ApplyOutcome, NodeError> {
     let Some(rec) = node.state.read_record(req.job_id)? else {
         return Ok(ApplyOutcome::NoRecord);
     };
@@ -198,30 +249,32 @@ pub fn grant(
     let cgroup_id = node.cg.id(job)?;
     let devs: Vec<_> = rec.devices.iter().map(|d| (d.dev, d.access)).collect();
     let step = step_name(req.step_id);
+    let mut ev = AuditEvent::new(events::GRANT_APPLIED)
+        .job(req.job_id)
+        .uid(req.uid)
+        .pid(req.stepd_pid)
+        .devices(&rec.devices)
+        .field("cgroup", crate::cgpath::abs(job))
+        .field("cgroup_id", cgroup_id)
+        .field("step", step.clone());
+    if let Some(phase) = phase {
+        ev = ev.field("phase", phase);
+    }
     // Recorded before it takes effect: no grant without its audit line.
-    node.audit(
-        AuditEvent::new(events::GRANT_APPLIED)
-            .job(req.job_id)
-            .uid(req.uid)
-            .pid(req.stepd_pid)
-            .devices(&rec.devices)
-            .field("cgroup", crate::cgpath::abs(job))
-            .field("cgroup_id", cgroup_id)
-            .field("step", step.clone()),
-    )?;
+    node.audit(ev)?;
     crashpoint::reached(crashpoint::GRANT_AUDITED);
     node.state.write_applied(&AppliedGrant {
         job_id: req.job_id,
         step,
         cgroup_id,
-        cgroup_path: job.clone(),
+        cgroup_path: job.to_string(),
         applied: now_rfc3339(),
     })?;
     crashpoint::reached(crashpoint::GRANT_NOTED);
-    placement.fence.grant(cgroup_id, job, req.job_id, &devs)?;
+    fence.grant(cgroup_id, job, req.job_id, &devs)?;
     crashpoint::reached(crashpoint::GRANT_GRANTED);
     Ok(ApplyOutcome::Granted {
-        cgroup_path: job.clone(),
+        cgroup_path: job.to_string(),
         cgroup_id,
         devices: devs.len(),
         user_notes: rec

@@ -9,6 +9,8 @@
 //! - [`prolog`]: record what Slurm allocated to a job.
 //! - [`apply`]: put a job's record into the fence for its cgroup (the plugin).
 //! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
+//! - [`injob`]: `PrologFlags=RunInJob`, where the Prolog and Epilog run
+//!   inside the job cgroup: the Prolog grants it.
 //! - [`scan`] and [`evidence`]: who holds a device, and what we keep about them.
 //! - [`grants`]: the live grants, for admins.
 //! - [`crashpoint`]: the named step boundaries tests crash the prolog, the
@@ -29,6 +31,7 @@ pub mod gpus;
 pub mod grants;
 pub mod gresmap;
 pub mod incident;
+pub mod injob;
 pub mod inventory;
 pub mod prolog;
 pub mod report;

@@ -1,8 +1,11 @@
 //! The Prolog: record what Slurm allocated to a job.
 //!
-//! Runs as slurmd's Prolog, before the job cgroup exists
-//! (`../shared/domain/slurm.md`). Its only inputs are the variables slurmd
-//! sets (trusted) and slurmd's GRES list; nothing the job's user controls.
+//! Runs as slurmd's Prolog, before the job cgroup exists; or, with
+//! `PrologFlags=RunInJob` (24.05+), from the job's extern slurmstepd inside
+//! the job cgroup, which it then grants itself ([`run_with_sluid`],
+//! [`crate::injob`]). Its only inputs are the variables slurmd or
+//! slurmstepd sets (trusted), slurmd's GRES list and its own cgroup (the
+//! kernel's); nothing the job's user controls.
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::FileTypeExt;
@@ -523,14 +526,50 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
 }
 
 /// Runs the Prolog: checks the fence, builds the record, makes sure the
-/// job's GPUs are free, writes the record, audits.
+/// job's GPUs are free, writes the record, audits. `SLURM_JOB_SLUID` is
+/// read from the process environment ([`run_with_sluid`]).
 ///
 /// # Errors
 /// [`NodeError`]: Slurm then drains the node and requeues the job.
 pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
+    let sluid = std::env::var(crate::injob::SLUID_ENV).ok();
+    run_with_sluid(node, env, sluid.as_deref())
+}
+
+/// [`run`] with the job's SLUID as slurmd or slurmstepd set it
+/// (`SLURM_JOB_SLUID`, 25.11+; `None` before).
+///
+/// Where the Prolog runs decides one thing more. In slurmd's cgroup (the
+/// usual Prolog) nothing else happens: the steps' `slurm_spank_init`
+/// grant the record. Under `PrologFlags=RunInJob` with `layout = "slurm"`
+/// the Prolog runs in the job's `step_extern/slurm` ([`crate::injob`]),
+/// after the extern step's `slurm_spank_init` found no record; then, in
+/// this order:
+/// 1. the job cgroup is taken from the Prolog's own cgroup
+///    ([`crate::injob::locate_script`]; with `sluid` it must be this job's
+///    SLUID);
+/// 2. the record is written and `grant_recorded` audited, as always;
+/// 3. the record is granted to the job cgroup
+///    ([`crate::apply::grant_in_prolog`]: `grant_applied` with step
+///    `extern` and `phase` `prolog`, the applied note, the fence), so the
+///    extern step (and the ssh sessions pam_slurm_adopt puts there) and
+///    every later step hold it when the Prolog returns; Slurm starts no
+///    user process in the job before. It comes last so that no failure
+///    leaves a grant behind: if it fails, what it did is undone, the
+///    record removed, and the Prolog fails;
+///
+/// # Errors
+/// As [`run`]; also [`NodeError::JobCgroup`] when the Prolog runs in
+/// another job's extern step.
+pub fn run_with_sluid(
+    node: &Node,
+    env: &PrologEnv,
+    sluid: Option<&str>,
+) -> Result<JobRecord, NodeError> {
     // A job must not start on a node whose GPUs nobody guards.
     let fence = open_installed(node)?;
     crashpoint::reached(crashpoint::PROLOG_FENCE_CHECKED);
+    let in_job = crate::injob::locate_script(node, env.job_id, sluid)?;
     let stale = clear_stale(node, &fence, env.job_id)?;
     crashpoint::reached(crashpoint::PROLOG_STALE_CLEARED);
     let mut rec = build_record(node, env)?;
@@ -559,7 +598,41 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
         }
     }
     crashpoint::reached(crashpoint::PROLOG_AUDITED);
+    if let Some(job) = &in_job {
+        grant_job_cgroup(node, &fence, &rec, &job.path)?;
+    }
     Ok(rec)
+}
+
+/// Step 3 of [`run_with_sluid`]: the extern step's grant, by the Prolog.
+fn grant_job_cgroup(
+    node: &Node,
+    fence: &Fence,
+    rec: &JobRecord,
+    job_cgroup: &str,
+) -> Result<(), NodeError> {
+    let req = crate::apply::StepRequest {
+        job_id: rec.job_id,
+        step_id: crate::apply::EXTERN_STEP_ID,
+        uid: rec.uid,
+        stepd_pid: std::process::id() as i32,
+    };
+    let err = match crate::apply::grant_in_prolog(node, &req, fence, job_cgroup) {
+        Ok(crate::apply::ApplyOutcome::Granted { .. } | crate::apply::ApplyOutcome::NoGpus) => {
+            return Ok(())
+        }
+        Ok(crate::apply::ApplyOutcome::NoRecord) => NodeError::JobCgroup(format!(
+            "job {}: the record written a moment ago is gone from {}",
+            rec.job_id,
+            node.state.record_path(rec.job_id).display()
+        )),
+        Err(e) => e,
+    };
+    // The job is requeued: neither its grant nor its record may stay.
+    let _ = fence.revoke_job(rec.job_id);
+    let _ = node.state.remove_applied(rec.job_id);
+    let _ = node.state.remove_record(rec.job_id);
+    Err(err)
 }
 
 #[cfg(test)]

@@ -1,0 +1,223 @@
+//! `PrologFlags=RunInJob` (Slurm 24.05+) with `layout = "slurm"`: the
+//! Prolog and the Epilog run from the job's extern slurmstepd, inside
+//! `<scope>/<job dir>/step_extern/slurm` (`_run_prolog_epilog`,
+//! `src/slurmd/slurmstepd/mgr.c`, 24.05-26.05), and the extern step's
+//! `slurm_spank_init` runs before the Prolog, when there is no record yet.
+//!
+//! What gpufence does then:
+//!
+//! - The Prolog finds its job cgroup from its own cgroup
+//!   ([`locate_script`]: the kernel's `/proc/self/cgroup`, where Slurm put
+//!   the extern slurmstepd; never the job's environment) and, after writing
+//!   and auditing the record, grants it itself
+//!   ([`crate::apply::grant_in_prolog`], step `extern`): the extern step,
+//!   ssh sessions pam_slurm_adopt puts in `step_extern/user/task_special`,
+//!   and every later step hold the grant from the moment the Prolog
+//!   returns. Later steps' `slurm_spank_init` grant the same again, which
+//!   is harmless ([`crate::apply::grant`]).
+//!
+//! With `layout = "own"`, or a Prolog or Epilog that is not in a job cgroup
+//! (slurmd's Prolog), nothing of this happens. (`layout = "own"` under
+//! RunInJob is not handled: the scripts then run in gpufence's own
+//! `job_<id>/step_extern`, which the plugin moved the extern slurmstepd
+//! into, under the fence without a grant, and the own layout's Epilog
+//! clean-up of `job_<id>` would reach the Epilog and that slurmstepd.)
+
+use gpufence_cgroup::hierarchy::{find_job_cgroup, is_sluid, SlurmJobCgroup};
+use gpufence_model::config::Layout;
+
+use crate::apply::{self, JobCgroup};
+use crate::{Node, NodeError};
+
+/// The Prolog's and Epilog's variable with the job's SLUID (25.11+,
+/// `_build_env`, `src/plugins/prep/script/prep_script_slurmd.c`).
+pub const SLUID_ENV: &str = "SLURM_JOB_SLUID";
+
+/// The job cgroup a Prolog or Epilog of job `job_id` runs in, from its
+/// own cgroup `own_cgroup` (relative to the cgroup2 mount, as
+/// `/proc/self/cgroup` gives it): `Some` when `own_cgroup` is
+/// `<job dir>/step_extern/slurm` of this job ([`find_job_cgroup`]: the job
+/// dir is `job_<job_id>` or a SLUID, nothing job-like above it), `None`
+/// when it is not in a job's extern step (slurmd's Prolog, in
+/// `system.slice/slurmd.service`). `sluid` is `SLURM_JOB_SLUID` from the
+/// script's environment (slurmd's or slurmstepd's, 25.11+): when set, a
+/// SLUID job dir must be it.
+///
+/// # Errors
+/// A message when `own_cgroup` is the extern step of another job (a
+/// `job_<n>` of another id, or a SLUID other than `sluid`): Slurm ran the
+/// script of one job in another's cgroup, and granting there would give
+/// this job's GPUs to the other.
+pub fn script_job_cgroup(
+    own_cgroup: &str,
+    job_id: u32,
+    sluid: Option<&str>,
+) -> Result<Option<SlurmJobCgroup>, String> {
+    let sluid = sluid.map(str::trim).filter(|s| !s.is_empty());
+    let other = |dir: &str| {
+        format!(
+            "the Prolog/Epilog of job {job_id}{} runs in cgroup {}, the extern step of another job ({dir}): \
+             Slurm ran it in the wrong job, whose cgroup gets nothing of this job's",
+            sluid.map_or_else(String::new, |s| format!(" ({SLUID_ENV}={s})")),
+            crate::cgpath::abs(own_cgroup)
+        )
+    };
+    if let Some(j) = find_job_cgroup(own_cgroup, job_id, "extern") {
+        if is_sluid(&j.dir) && sluid.is_some_and(|s| s != j.dir) {
+            return Err(other(&j.dir));
+        }
+        return Ok(Some(j));
+    }
+    // Another job's extern step, by job id?
+    let parts: Vec<&str> = own_cgroup.split('/').filter(|s| !s.is_empty()).collect();
+    if let [.., dir, _, _] = parts.as_slice() {
+        let id = dir.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok());
+        if let Some(id) = id.filter(|id| *id != job_id) {
+            if find_job_cgroup(own_cgroup, id, "extern").is_some() {
+                return Err(other(dir));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// [`script_job_cgroup`] for this process, with `layout = "slurm"`; `None`
+/// with `layout = "own"`.
+///
+/// # Errors
+/// [`NodeError::JobCgroup`] when this process is in another job's extern
+/// step, or the job cgroup is outside the fenced subtree;
+/// [`NodeError::Kernel`] when `/proc/self/cgroup` cannot be read.
+pub fn locate_script(
+    node: &Node,
+    job_id: u32,
+    sluid: Option<&str>,
+) -> Result<Option<JobCgroup>, NodeError> {
+    if node.cfg.layout != Layout::Slurm {
+        return Ok(None);
+    }
+    let own = node.cg.cgroup_of(std::process::id() as i32)?;
+    let Some(job) = script_job_cgroup(&own, job_id, sluid).map_err(NodeError::JobCgroup)? else {
+        return Ok(None);
+    };
+    apply::fenced(node, &job.path)?;
+    Ok(Some(JobCgroup {
+        path: job.path,
+        dir: job.dir,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SCOPE: &str = "system.slice/node1_slurmstepd.scope";
+
+    fn found(own: &str, job: u32, sluid: Option<&str>) -> Result<Option<(String, String)>, String> {
+        script_job_cgroup(own, job, sluid).map(|o| o.map(|j| (j.path, j.dir)))
+    }
+
+    /// 24.11 (and 26.05 with `CgroupJobIdPaths=yes`): `job_<id>`, with or
+    /// without a SLUID in the environment.
+    #[test]
+    fn job_id_dir() {
+        let own = format!("{SCOPE}/job_7/step_extern/slurm");
+        let want = Ok(Some((format!("{SCOPE}/job_7"), "job_7".to_string())));
+        assert_eq!(found(&own, 7, None), want);
+        assert_eq!(found(&own, 7, Some("s7C5M8ST6RSJ00")), want);
+        assert_eq!(found(&format!("/{own}"), 7, None), want, "leading /");
+    }
+
+    /// 26.05: the job dir is the SLUID, which must be `SLURM_JOB_SLUID`
+    /// when that is set.
+    #[test]
+    fn sluid_dir() {
+        let own = format!("{SCOPE}/s7C5M8ST6RSJ00/step_extern/slurm");
+        let want = Ok(Some((
+            format!("{SCOPE}/s7C5M8ST6RSJ00"),
+            "s7C5M8ST6RSJ00".to_string(),
+        )));
+        assert_eq!(found(&own, 9, Some("s7C5M8ST6RSJ00")), want);
+        assert_eq!(found(&own, 9, Some(" s7C5M8ST6RSJ00\n")), want);
+        assert_eq!(found(&own, 9, None), want, "no SLURM_JOB_SLUID");
+        assert_eq!(found(&own, 9, Some("")), want, "empty is unset");
+        let e = found(&own, 9, Some("s7C5M8ST6RSJ01")).unwrap_err();
+        for want in [
+            "job 9 (SLURM_JOB_SLUID=s7C5M8ST6RSJ01)",
+            &format!("/{SCOPE}/s7C5M8ST6RSJ00/step_extern/slurm"),
+            "another job (s7C5M8ST6RSJ00)",
+        ] {
+            assert!(e.contains(want), "{want:?} not in {e}");
+        }
+    }
+
+    #[test]
+    fn another_jobs_extern_step_is_an_error() {
+        let own = format!("{SCOPE}/job_8/step_extern/slurm");
+        let e = found(&own, 7, None).unwrap_err();
+        assert!(
+            e.contains("job 7") && e.contains("another job (job_8)"),
+            "{e}"
+        );
+        // A lookalike inside job 8's task cgroup is no job cgroup at all.
+        let own = format!("{SCOPE}/job_8/step_0/user/task_0/job_9/step_extern/slurm");
+        assert_eq!(found(&own, 7, None), Ok(None));
+        assert_eq!(found(&own, 9, None), Ok(None));
+    }
+
+    /// slurmd's Prolog, and anything that is not a job's extern step.
+    #[test]
+    fn not_in_a_job() {
+        for own in [
+            "system.slice/slurmd.service",
+            "system.slice/slurmd.service/slurmd",
+            "",
+            SCOPE,
+            &format!("{SCOPE}/job_7"),
+            &format!("{SCOPE}/job_7/step_extern"),
+            &format!("{SCOPE}/job_7/step_extern/user/task_special"),
+            &format!("{SCOPE}/job_7/step_0/slurm"),
+            &format!("{SCOPE}/job_7/step_batch/slurm"),
+            &format!("{SCOPE}/job_8/step_0/slurm"),
+            "gpufence-exec/prolog-123",
+        ] {
+            assert_eq!(found(own, 7, Some("s7C5M8ST6RSJ00")), Ok(None), "{own}");
+        }
+    }
+
+    /// The first line of `/proc/self/cgroup` as the kernel writes it, through
+    /// the parser `Cgroup2::cgroup_of` uses.
+    #[test]
+    fn from_proc_self_cgroup() {
+        use gpufence_cgroup::hierarchy::parse_proc_cgroup;
+        let line = |p: &str| parse_proc_cgroup(&format!("0::/{p}\n")).unwrap_or_default();
+        assert_eq!(
+            found(&line(&format!("{SCOPE}/job_7/step_extern/slurm")), 7, None),
+            Ok(Some((format!("{SCOPE}/job_7"), "job_7".into())))
+        );
+        assert_eq!(
+            found(&line("system.slice/slurmd.service"), 7, None),
+            Ok(None)
+        );
+    }
+
+    /// This test process is in no job cgroup: nothing to grant, in either
+    /// layout.
+    #[test]
+    fn locate_script_outside_a_job() {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let d = tempfile::tempdir().unwrap();
+        for layout in ["slurm", "own"] {
+            let text = format!(
+                "layout = \"{layout}\"\naudit_log = \"{}/a.jsonl\"\n",
+                d.path().display()
+            );
+            let node = Node::new(
+                Config::parse(&text, std::path::Path::new("t")).unwrap(),
+                ConfigOrigin::Defaults,
+            )
+            .unwrap();
+            assert_eq!(locate_script(&node, 7, None).unwrap(), None, "{layout}");
+        }
+    }
+}
