@@ -9,6 +9,11 @@
 //! job's cgroup and remove it → forget the record. Clean (exit 0) when
 //! nothing survived and every step worked; otherwise exit non-zero and, when
 //! configured, drain the node with a reason naming the job and the pid.
+//!
+//! Under `PrologFlags=RunInJob` (24.05+) the Epilog runs from the job's
+//! extern slurmstepd inside the job cgroup: it first steps out into an
+//! exempt cgroup ([`crate::injob::step_out`]), so that every check above
+//! works as it does from slurmd's cgroup, and steps back before it exits.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -128,6 +133,9 @@ pub struct EpilogEnv {
     pub uid: Option<u32>,
     /// See `uid`.
     pub gid: Option<u32>,
+    /// `SLURM_JOB_SLUID` (25.11+): under `PrologFlags=RunInJob`, the SLUID
+    /// the job cgroup the Epilog runs in must have ([`crate::injob`]).
+    pub job_sluid: Option<String>,
 }
 
 impl EpilogEnv {
@@ -142,6 +150,33 @@ impl EpilogEnv {
                 .map(PathBuf::from),
             uid: get("SLURM_JOB_UID").and_then(|v| v.parse().ok()),
             gid: get("SLURM_JOB_GID").and_then(|v| v.parse().ok()),
+            job_sluid: get(crate::injob::SLUID_ENV).filter(|s| !s.is_empty()),
+        }
+    }
+}
+
+/// Step 0 of [`run_with`]: out of the job cgroup, when the Epilog runs in
+/// one. A failure is an error of the Epilog (the node is not shown clean).
+fn step_out_of_job<'a>(
+    node: &'a Node,
+    fence: &Fence,
+    env: &EpilogEnv,
+    out: &mut EpilogOutcome,
+) -> Option<crate::injob::SteppedOut<'a>> {
+    let stepped = match crate::injob::locate_script(node, env.job_id, env.job_sluid.as_deref()) {
+        Ok(None) => return None,
+        Ok(Some(_)) => crate::injob::step_out(node, fence, "epilog").map_err(|e| {
+            format!(
+                "{e}; NVML cannot check the job's GPUs from inside the job cgroup once its grant is revoked"
+            )
+        }),
+        Err(e) => Err(e.to_string()),
+    };
+    match stepped {
+        Ok(s) => Some(s),
+        Err(e) => {
+            out.errors.push(e);
+            None
         }
     }
 }
@@ -179,6 +214,15 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             None
         }
     };
+    // 0. Under PrologFlags=RunInJob the Epilog runs in the job's
+    //    step_extern/slurm: once the grant is revoked the job cgroup may
+    //    open none of the job's GPUs, and NVML (which opens every GPU)
+    //    could not prove them clean. It steps out into an exempt cgroup,
+    //    as slurmd's Epilog runs in slurmd's exempt cgroup, until it
+    //    returns ([`crate::injob`]).
+    let _stepped_out = fence
+        .as_ref()
+        .and_then(|f| step_out_of_job(node, f, env, &mut out));
     crashpoint::reached(crashpoint::EPILOG_STARTED);
     // 1. Revoke.
     if let Some(f) = &fence {

@@ -6,6 +6,7 @@
 use std::ffi::OsString;
 use std::process::Command;
 
+use gpufence_cgroup::Fence;
 use gpufence_model::audit::AuditEvent;
 
 use crate::fence_ops::open_installed;
@@ -21,6 +22,24 @@ pub fn who() -> String {
         .or_else(|_| std::env::var("USER"))
         .unwrap_or_else(|_| "unknown".into());
     format!("{name} (uid {uid})")
+}
+
+/// Makes `<cgroup_root>/<exec_cgroup>/<leaf>` and returns its path
+/// (relative to the mount): the exec cgroup is made too when missing and
+/// (again) flagged exempt in `fence`, since a cgroup made anew after the
+/// install has a new id. What `gpufence exec` runs commands in, and where
+/// the Prolog and Epilog step out of the job cgroup under
+/// `PrologFlags=RunInJob` ([`crate::injob::step_out`]).
+///
+/// # Errors
+/// [`NodeError`] when a cgroup cannot be made or the fence refuses.
+pub fn exempt_leaf(node: &Node, fence: &Fence, leaf: &str) -> Result<String, NodeError> {
+    let base = node.exec_cgroup();
+    node.cg.create(&base)?;
+    fence.add_exempt(node.cg.id(&base)?, &base)?;
+    let mine = join_cgroup(&base, leaf);
+    node.cg.create(&mine)?;
+    Ok(mine)
 }
 
 /// Runs `argv` in the exempt cgroup and returns its exit code (128+signal
@@ -44,11 +63,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         ));
     };
     let fence = open_installed(node)?;
-    let base = node.exec_cgroup();
-    node.cg.create(&base)?;
-    fence.add_exempt(node.cg.id(&base)?, &base)?;
-    let mine = join_cgroup(&base, &std::process::id().to_string());
-    node.cg.create(&mine)?;
+    let mine = exempt_leaf(node, &fence, &std::process::id().to_string())?;
     let who = who();
     let cmdline: Vec<String> = argv
         .iter()

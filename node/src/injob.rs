@@ -15,6 +15,20 @@
 //!   and every later step hold the grant from the moment the Prolog
 //!   returns. Later steps' `slurm_spank_init` grant the same again, which
 //!   is harmless ([`crate::apply::grant`]).
+//! - The Prolog and the Epilog step out of the job cgroup into an exempt
+//!   leaf of the exec cgroup for their work ([`step_out`]) and back in
+//!   before they exit. Inside the job cgroup NVML cannot do its part:
+//!   the Epilog revokes the job's grant before its NVML checks (so nothing
+//!   new can open the GPUs), after which the job cgroup may open none of
+//!   them; and even with the job's grant in place NVML enumerates every
+//!   GPU of the node, `nvmlDeviceGetHandleByIndex` answers
+//!   `NVML_ERROR_NO_PERMISSION` for the others (NVML's documentation of
+//!   `nvmlDeviceGetCount_v2`), which fails the query, and each such open
+//!   would be a denial in the fence's record. Outside, they run as the
+//!   Prolog and Epilog of slurmd (in `slurmd.service`, exempt by default)
+//!   do: the idle-memory baseline, the memory-return proof and
+//!   `--gpu-exclusive` work unchanged, and so do `slurmd -G`, `scontrol`
+//!   and the drain they may run.
 //!
 //! With `layout = "own"`, or a Prolog or Epilog that is not in a job cgroup
 //! (slurmd's Prolog), nothing of this happens. (`layout = "own"` under
@@ -23,7 +37,10 @@
 //! into, under the fence without a grant, and the own layout's Epilog
 //! clean-up of `job_<id>` would reach the Epilog and that slurmstepd.)
 
+use std::path::Path;
+
 use gpufence_cgroup::hierarchy::{find_job_cgroup, is_sluid, SlurmJobCgroup};
+use gpufence_cgroup::Fence;
 use gpufence_model::config::Layout;
 
 use crate::apply::{self, JobCgroup};
@@ -105,6 +122,78 @@ pub fn locate_script(
         path: job.path,
         dir: job.dir,
     }))
+}
+
+/// This process, moved into an exempt cgroup by [`step_out`]; dropping it
+/// moves the process back where it came from and removes the exempt leaf.
+#[derive(Debug)]
+pub struct SteppedOut<'a> {
+    node: &'a Node,
+    /// Where the process was (the job's `step_extern/slurm`).
+    pub back: String,
+    /// Where it is: `<cgroup_root>/<exec_cgroup>/<tag>-<pid>`.
+    pub here: String,
+}
+
+/// Moves this process (all its threads) from the job cgroup into
+/// `<cgroup_root>/<exec_cgroup>/<tag>-<pid>`, exempt in the fence
+/// ([`crate::exec::exempt_leaf`]), until the returned guard is dropped.
+/// Leaves of scripts killed while stepped out are removed first.
+/// Child processes started meanwhile start there too. Slurm waits for the
+/// script by its pid (and kills its process group on a timeout), not by
+/// its cgroup.
+///
+/// # Errors
+/// [`NodeError`] when the exempt leaf cannot be made or the process
+/// cannot be moved (the leaf is removed again).
+pub fn step_out<'a>(node: &'a Node, fence: &Fence, tag: &str) -> Result<SteppedOut<'a>, NodeError> {
+    let me = std::process::id() as i32;
+    let back = node.cg.cgroup_of(me)?;
+    remove_dead_leaves(node);
+    let here = crate::exec::exempt_leaf(node, fence, &format!("{tag}-{me}"))?;
+    if let Err(e) = node.cg.move_pid(&here, me) {
+        let _ = node.cg.remove_tree(&here);
+        return Err(NodeError::JobCgroup(format!(
+            "cannot move the {tag} (pid {me}) from {} into the exempt cgroup {}: {e}",
+            crate::cgpath::abs(&back),
+            crate::cgpath::abs(&here)
+        )));
+    }
+    Ok(SteppedOut { node, back, here })
+}
+
+/// The leaves a Prolog or Epilog killed while stepped out left behind
+/// (`prolog-<pid>`, `epilog-<pid>` whose pid is gone): removed. A leaf of a
+/// live pid is left alone, even if empty: its script may be about to move
+/// in.
+fn remove_dead_leaves(node: &Node) {
+    let base = node.exec_cgroup();
+    let Ok(rd) = std::fs::read_dir(node.cg.path(&base)) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = ["prolog-", "epilog-"]
+            .iter()
+            .find_map(|p| name.strip_prefix(p))
+            .and_then(|n| n.parse::<i32>().ok());
+        let Some(pid) = pid else { continue };
+        if pid > 0 && !Path::new(&format!("/proc/{pid}")).exists() {
+            // rmdir refuses a cgroup that holds processes.
+            let _ = node.cg.remove_tree(&crate::join_cgroup(&base, &name));
+        }
+    }
+}
+
+impl Drop for SteppedOut<'_> {
+    fn drop(&mut self) {
+        // Best effort: if the job cgroup is gone the process stays in the
+        // (exempt, empty once it exits) leaf.
+        let me = std::process::id() as i32;
+        if self.node.cg.move_pid(&self.back, me).is_ok() {
+            let _ = self.node.cg.remove_tree(&self.here);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! - [`apply`]: put a job's record into the fence for its cgroup (the plugin).
 //! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
 //! - [`injob`]: `PrologFlags=RunInJob`, where the Prolog and Epilog run
-//!   inside the job cgroup: the Prolog grants it.
+//!   inside the job cgroup: the Prolog grants it, both step out of it.
 //! - [`scan`] and [`evidence`]: who holds a device, and what we keep about them.
 //! - [`grants`]: the live grants, for admins.
 //! - [`crashpoint`]: the named step boundaries tests crash the prolog, the

@@ -548,8 +548,14 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 /// 1. the job cgroup is taken from the Prolog's own cgroup
 ///    ([`crate::injob::locate_script`]; with `sluid` it must be this job's
 ///    SLUID);
-/// 2. the record is written and `grant_recorded` audited, as always;
-/// 3. the record is granted to the job cgroup
+/// 2. the Prolog steps out into an exempt leaf of the exec cgroup
+///    ([`crate::injob::step_out`]), so that the stale-state clean-up, the
+///    record (`slurmd -G`, `scontrol`) and the NVML checks (clean start,
+///    idle-memory baseline, `--gpu-exclusive`) run as they do from
+///    slurmd's exempt cgroup; the job's grant alone would not do for NVML,
+///    which opens every GPU of the node;
+/// 3. the record is written and `grant_recorded` audited, as always;
+/// 4. the record is granted to the job cgroup
 ///    ([`crate::apply::grant_in_prolog`]: `grant_applied` with step
 ///    `extern` and `phase` `prolog`, the applied note, the fence), so the
 ///    extern step (and the ssh sessions pam_slurm_adopt puts there) and
@@ -557,10 +563,11 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 ///    user process in the job before. It comes last so that no failure
 ///    leaves a grant behind: if it fails, what it did is undone, the
 ///    record removed, and the Prolog fails;
+/// 5. the Prolog steps back into the job cgroup and exits.
 ///
 /// # Errors
 /// As [`run`]; also [`NodeError::JobCgroup`] when the Prolog runs in
-/// another job's extern step.
+/// another job's extern step or cannot step out.
 pub fn run_with_sluid(
     node: &Node,
     env: &PrologEnv,
@@ -570,6 +577,10 @@ pub fn run_with_sluid(
     let fence = open_installed(node)?;
     crashpoint::reached(crashpoint::PROLOG_FENCE_CHECKED);
     let in_job = crate::injob::locate_script(node, env.job_id, sluid)?;
+    let _stepped_out = match &in_job {
+        Some(_) => Some(crate::injob::step_out(node, &fence, "prolog")?),
+        None => None,
+    };
     let stale = clear_stale(node, &fence, env.job_id)?;
     crashpoint::reached(crashpoint::PROLOG_STALE_CLEARED);
     let mut rec = build_record(node, env)?;
@@ -604,7 +615,7 @@ pub fn run_with_sluid(
     Ok(rec)
 }
 
-/// Step 3 of [`run_with_sluid`]: the extern step's grant, by the Prolog.
+/// Step 4 of [`run_with_sluid`]: the extern step's grant, by the Prolog.
 fn grant_job_cgroup(
     node: &Node,
     fence: &Fence,
