@@ -308,7 +308,7 @@ pub enum StepVerdict {
 
 /// Decides the step's fate from the two halves' results, and writes a
 /// `grant_refused` audit line when it is not a plain run. `node_name` is
-/// for the user's message.
+/// for the user's message. As [`verdict_with`] without `RunInJob`.
 pub fn verdict(
     node: &Node,
     req: &StepRequest,
@@ -316,21 +316,70 @@ pub fn verdict(
     placed: &Result<Placement, NodeError>,
     granted: Option<&Result<ApplyOutcome, NodeError>>,
 ) -> StepVerdict {
+    verdict_with(node, req, node_name, placed, granted, false)
+}
+
+/// Whether a step that found no record is expected to: the extern step
+/// when slurm.conf has `PrologFlags=RunInJob` (`run_in_job`,
+/// [`crate::slurmconf::SlurmConf::run_in_job`]). The extern slurmstepd
+/// then calls `spank_init` and only afterwards runs the Prolog
+/// (`_spawn_job_container` → `_run_prolog_epilog`,
+/// `src/slurmd/slurmstepd/mgr.c`, 24.05-26.05), which grants the job
+/// cgroup itself ([`grant_in_prolog`]). No user process runs in the job
+/// before the Prolog succeeded.
+pub fn no_record_expected(req: &StepRequest, run_in_job: bool) -> bool {
+    run_in_job && req.step_id == EXTERN_STEP_ID
+}
+
+/// The step's fate, without the audit line: [`verdict_with`]'s decision.
+fn decide(
+    req: &StepRequest,
+    node_name: &str,
+    placed: Option<&NodeError>,
+    granted: Option<Result<&ApplyOutcome, &NodeError>>,
+    run_in_job: bool,
+) -> StepVerdict {
     let job = req.job_id;
-    let v = match (placed, granted) {
-        (Err(e), _) => StepVerdict::Refuse(format!(
+    match (placed, granted) {
+        (Some(e), _) => StepVerdict::Refuse(format!(
             "gpufence: job {job} step {} refused on {node_name}: {e}",
             step_name(req.step_id)
         )),
-        (Ok(_), Some(Ok(ApplyOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
+        (None, Some(Ok(ApplyOutcome::NoRecord))) if no_record_expected(req, run_in_job) => {
+            StepVerdict::Run
+        }
+        (None, Some(Ok(ApplyOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
             "gpufence: job {job} has no GPU grant on {node_name} (the gpufence prolog left no record for it); \
              this step runs without GPU access. Admin: check Prolog= in slurm.conf"
         )),
-        (Ok(_), Some(Err(e))) => StepVerdict::RunWithoutGpus(format!(
+        (None, Some(Err(e))) => StepVerdict::RunWithoutGpus(format!(
             "gpufence: job {job} could not be granted its GPUs on {node_name}: {e}; this step runs without GPU access"
         )),
-        (Ok(_), _) => StepVerdict::Run,
-    };
+        (None, _) => StepVerdict::Run,
+    }
+}
+
+/// [`verdict`], knowing whether slurm.conf has `PrologFlags=RunInJob`:
+/// then the extern step without a record ([`no_record_expected`]) runs
+/// with neither a line for the user nor a `grant_refused` line. Every
+/// other step without a record, and any step under other flags, runs
+/// without GPUs and says why.
+pub fn verdict_with(
+    node: &Node,
+    req: &StepRequest,
+    node_name: &str,
+    placed: &Result<Placement, NodeError>,
+    granted: Option<&Result<ApplyOutcome, NodeError>>,
+    run_in_job: bool,
+) -> StepVerdict {
+    let v = decide(
+        req,
+        node_name,
+        placed.as_ref().err(),
+        granted.map(Result::as_ref),
+        run_in_job,
+    );
+    let job = req.job_id;
     if let StepVerdict::Refuse(line) | StepVerdict::RunWithoutGpus(line) = &v {
         let _ = node.audit(
             AuditEvent::new(events::GRANT_REFUSED)
@@ -423,6 +472,92 @@ mod tests {
             audit.contains("\"event\":\"grant_refused\"")
                 && audit.contains("\"refused_step\":true"),
             "{audit}"
+        );
+    }
+
+    /// `PrologFlags=RunInJob`: the extern step without a record runs
+    /// quietly (no line for the user, no `grant_refused`); any other step
+    /// without a record, or the extern step without RunInJob, says why.
+    #[test]
+    fn extern_step_without_record_under_run_in_job() {
+        let req = |step_id| StepRequest {
+            job_id: 4,
+            step_id,
+            uid: 1000,
+            stepd_pid: 1,
+        };
+        let no_record = Ok(&ApplyOutcome::NoRecord);
+        assert!(no_record_expected(&req(EXTERN_STEP_ID), true));
+        assert_eq!(
+            decide(&req(EXTERN_STEP_ID), "n1", None, Some(no_record), true),
+            StepVerdict::Run
+        );
+        for (step, run_in_job) in [(0, true), (0xffff_fffb, true), (EXTERN_STEP_ID, false)] {
+            assert!(!no_record_expected(&req(step), run_in_job));
+            let v = decide(&req(step), "n1", None, Some(no_record), run_in_job);
+            assert!(
+                matches!(&v, StepVerdict::RunWithoutGpus(l) if l.starts_with("gpufence: job 4 has no GPU grant on n1")),
+                "{step} {run_in_job}: {v:?}"
+            );
+        }
+        // Only a missing record is expected: a refused placement or a
+        // failed grant of the extern step still says so.
+        let e = NodeError::JobCgroup("x".into());
+        assert!(matches!(
+            decide(&req(EXTERN_STEP_ID), "n1", Some(&e), Some(no_record), true),
+            StepVerdict::Refuse(_)
+        ));
+        assert!(matches!(
+            decide(&req(EXTERN_STEP_ID), "n1", None, Some(Err(&e)), true),
+            StepVerdict::RunWithoutGpus(_)
+        ));
+        assert_eq!(
+            decide(
+                &req(EXTERN_STEP_ID),
+                "n1",
+                None,
+                Some(Ok(&ApplyOutcome::NoGpus)),
+                true
+            ),
+            StepVerdict::Run
+        );
+    }
+
+    /// Only [`StepVerdict::Refuse`] and [`StepVerdict::RunWithoutGpus`]
+    /// are audited (so the quiet extern step has no `grant_refused`): a
+    /// refused extern step still is, RunInJob or not.
+    #[test]
+    fn refused_extern_step_is_audited_under_run_in_job() {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let d = tempfile::tempdir().unwrap();
+        let audit = d.path().join("a.jsonl");
+        let text = format!("audit_log = \"{}\"\n", audit.display());
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let req = StepRequest {
+            job_id: 4,
+            step_id: EXTERN_STEP_ID,
+            uid: 1000,
+            stepd_pid: 1,
+        };
+        let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
+        let v = verdict_with(
+            &node,
+            &req,
+            "n1",
+            &placed,
+            Some(&Ok(ApplyOutcome::NoRecord)),
+            true,
+        );
+        assert!(matches!(v, StepVerdict::Refuse(_)));
+        let text = std::fs::read_to_string(&audit).unwrap();
+        assert_eq!(
+            text.matches("\"event\":\"grant_refused\"").count(),
+            1,
+            "{text}"
         );
     }
 }

@@ -15,6 +15,8 @@
 //!   and every later step hold the grant from the moment the Prolog
 //!   returns. Later steps' `slurm_spank_init` grant the same again, which
 //!   is harmless ([`crate::apply::grant`]).
+//! - The extern step's `slurm_spank_init` without a record is expected
+//!   ([`crate::apply::no_record_expected`]).
 //! - The Prolog and the Epilog step out of the job cgroup into an exempt
 //!   leaf of the exec cgroup for their work ([`step_out`]) and back in
 //!   before they exit. Inside the job cgroup NVML cannot do its part:

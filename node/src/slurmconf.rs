@@ -1,5 +1,7 @@
 //! The few keys of slurm.conf and cgroup.conf gpufence checks its layout
-//! against, and that check ([`check_layout`]).
+//! against, and that check ([`check_layout`]); and `PrologFlags`, whose
+//! `RunInJob` tells the plugin that the extern step starts before the
+//! Prolog ([`SlurmConf::run_in_job`]).
 //!
 //! `layout = "slurm"` finds the job cgroup from slurmstepd's own cgroup
 //! when the plugin's `slurm_spank_init` runs. Slurm puts slurmstepd there
@@ -36,6 +38,10 @@ pub const DEFAULT_PROCTRACK_TYPE: &str = "proctrack/cgroup";
 
 /// The `ProctrackType` that puts slurmstepd in the job cgroup before SPANK.
 pub const PROCTRACK_CGROUP: &str = "proctrack/cgroup";
+
+/// The `PrologFlags` flag that runs the Prolog and Epilog inside the job
+/// (24.05+).
+pub const PROLOG_FLAG_RUN_IN_JOB: &str = "RunInJob";
 
 /// The `CgroupPlugin` value of cgroup v1 (cgroup.conf; the others are
 /// `autodetect`, the default, `cgroup/v2` and `disabled`,
@@ -113,6 +119,8 @@ pub struct SlurmConf {
     pub proctrack_type: Option<String>,
     /// `TaskPlugin` (a comma list), as written; `None` when unset.
     pub task_plugin: Option<String>,
+    /// `PrologFlags` (a comma list), as written; `None` when unset.
+    pub prolog_flags: Option<String>,
 }
 
 impl SlurmConf {
@@ -121,7 +129,32 @@ impl SlurmConf {
         SlurmConf {
             proctrack_type: conf_value(text, "ProctrackType"),
             task_plugin: conf_value(text, "TaskPlugin"),
+            prolog_flags: conf_value(text, "PrologFlags"),
         }
+    }
+
+    /// Reads slurm.conf at `path` ([`SlurmConf::parse`]).
+    ///
+    /// # Errors
+    /// [`NodeError::Io`] when it cannot be read.
+    pub fn load(path: &Path) -> Result<Self, NodeError> {
+        std::fs::read_to_string(path)
+            .map(|t| SlurmConf::parse(&t))
+            .map_err(|e| NodeError::io("read", path, e))
+    }
+
+    /// Whether `PrologFlags` lists `RunInJob` (Slurm 24.05+): the Prolog and
+    /// the Epilog then run from the job's extern slurmstepd, inside the job
+    /// cgroup, and the extern step's `slurm_spank_init` runs before the
+    /// Prolog ([`crate::injob`]). Slurm splits the list at `,` and compares
+    /// each flag ignoring ASCII case (`prolog_str2flags`,
+    /// `src/common/read_config.c`, 24.05-26.05); blanks around a flag are
+    /// tolerated here.
+    pub fn run_in_job(&self) -> bool {
+        self.prolog_flags.as_deref().is_some_and(|f| {
+            f.split(',')
+                .any(|flag| flag.trim().eq_ignore_ascii_case(PROLOG_FLAG_RUN_IN_JOB))
+        })
     }
 
     /// The `ProctrackType` Slurm uses: the one set, else
@@ -218,8 +251,7 @@ pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError
     if node.cfg.layout != Layout::Slurm {
         return Ok(());
     }
-    let text =
-        std::fs::read_to_string(slurm_conf).map_err(|e| NodeError::io("read", slurm_conf, e))?;
+    let slurm = SlurmConf::load(slurm_conf)?;
     let cgroup_conf: PathBuf = slurm_conf.with_file_name("cgroup.conf");
     let cgroup = match std::fs::read_to_string(&cgroup_conf) {
         Ok(t) => Some(CgroupConf::parse(&t)),
@@ -232,7 +264,7 @@ pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError
     };
     check_layout(
         node.cfg.layout,
-        &SlurmConf::parse(&text),
+        &slurm,
         slurm_conf,
         cgroup.as_ref(),
         &cgroup_conf,
@@ -294,6 +326,41 @@ NodeName=n[1-4] CPUs=4 Gres=gpu:2 State=UNKNOWN
                 .as_deref(),
             Some("cgroup/v1")
         );
+    }
+
+    #[test]
+    fn prolog_flags_run_in_job() {
+        for (text, want) in [
+            ("PrologFlags=Alloc,Contain,RunInJob\n", true),
+            ("prologflags=runinjob\n", true),
+            ("PrologFlags=RUNINJOB,X11\n", true),
+            ("PrologFlags=\"Alloc, RunInJob\"\n", true),
+            (
+                "PrologFlags=Contain\nPrologFlags=Alloc,RunInJob # last wins\n",
+                true,
+            ),
+            ("PrologFlags=Alloc,RunInJob\nPrologFlags=Contain\n", false),
+            ("PrologFlags=Alloc,Contain\n", false),
+            ("PrologFlags=RunInJobs\n", false),
+            ("#PrologFlags=RunInJob\n", false),
+            ("ClusterName=c1\n", false),
+            ("", false),
+        ] {
+            let c = SlurmConf::parse(text);
+            assert_eq!(c.run_in_job(), want, "{text:?}");
+        }
+        assert_eq!(
+            SlurmConf::parse("PrologFlags=Alloc,Contain,RunInJob\n")
+                .prolog_flags
+                .as_deref(),
+            Some("Alloc,Contain,RunInJob")
+        );
+        assert_eq!(SlurmConf::parse("ClusterName=c1\n").prolog_flags, None);
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("slurm.conf");
+        assert!(matches!(SlurmConf::load(&p), Err(NodeError::Io { .. })));
+        std::fs::write(&p, "PrologFlags=Contain,RunInJob\n").unwrap();
+        assert!(SlurmConf::load(&p).unwrap().run_in_job());
     }
 
     fn check(layout: Layout, slurm: &str, cgroup: Option<&str>) -> Result<(), NodeError> {

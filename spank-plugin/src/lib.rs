@@ -9,6 +9,10 @@
 //!   (fail closed, loud: one line saying what to set).
 //! - remote context (slurmstepd, root), `slurm_spank_init`: place the step
 //!   (fence present, job cgroup found or made) and apply the job's record.
+//!   With `PrologFlags=RunInJob` in slurm.conf the extern step starts
+//!   before the Prolog: finding no record there is expected (a verbose log
+//!   line, nothing for the user, no `grant_refused`); the Prolog then
+//!   grants the job cgroup itself (`gpufence_node::injob`).
 //! - `task_init_privileged` / `task_init` (in each task, before exec, stderr
 //!   connected to the job's): print the one line the user must see, and
 //!   stop the task when the step was refused.
@@ -252,15 +256,29 @@ fn nix_hostname() -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
+/// slurm.conf: `$SLURM_CONF`, which slurmd sets for its plugins (also with
+/// `-f` and configless) and slurmstepd inherits, else the default path.
+fn slurm_conf_path() -> PathBuf {
+    std::env::var_os("SLURM_CONF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF))
+}
+
+/// Whether the step finding no record is expected: the extern step under
+/// `PrologFlags=RunInJob`, which starts before the Prolog. slurm.conf is
+/// read only for that step; when it cannot be read, the answer is no (the
+/// step says it has no grant, as any other).
+fn no_record_expected(req: &StepRequest) -> bool {
+    req.step_id == apply::EXTERN_STEP_ID
+        && slurmconf::SlurmConf::load(&slurm_conf_path()).is_ok_and(|c| c.run_in_job())
+}
+
 fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
     let mut node = Node::load(args.config.as_deref())?;
     if let Some(m) = args.mode {
         node.cfg.mode = m;
     }
-    // slurmd sets SLURM_CONF for its plugins (also with -f and configless).
-    let conf = std::env::var_os("SLURM_CONF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF));
+    let conf = slurm_conf_path();
     // layout = "slurm" without proctrack/cgroup (or with cgroup/v1) would
     // refuse every step: refuse slurmd instead, with the one line that says
     // what to set.
@@ -359,9 +377,27 @@ impl GpuFence {
                 ),
             );
         }
-        let v = apply::verdict(&node, &req, &node_name(), &placed, granted.as_ref());
-        if let StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) = &v {
-            log(LogLevel::Error, l);
+        let run_in_job =
+            matches!(granted, Some(Ok(apply::ApplyOutcome::NoRecord))) && no_record_expected(&req);
+        let v = apply::verdict_with(
+            &node,
+            &req,
+            &node_name(),
+            &placed,
+            granted.as_ref(),
+            run_in_job,
+        );
+        match &v {
+            StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) => log(LogLevel::Error, l),
+            StepVerdict::Run if run_in_job => log(
+                LogLevel::Verbose,
+                &format!(
+                    "job {} step extern: no record yet (PrologFlags=RunInJob: the Prolog runs after this \
+                     step started and grants the job cgroup itself)",
+                    req.job_id
+                ),
+            ),
+            StepVerdict::Run => {}
         }
         self.verdict = Some(v);
         Ok(())
