@@ -552,8 +552,14 @@ fn real_cgroup_v2_node(release: &Release) {
         serde_json::json!([]),
         "no grant is left"
     );
-    let left = slice.job_cgroups(&host);
-    assert!(left.is_empty(), "job cgroups left under /{scope}: {left:?}");
+    // slurmstepd removes the job cgroup as it exits, which may be just
+    // after the node reads idle.
+    let mut left = Vec::new();
+    let gone = Cluster::wait_for(Duration::from_secs(10), || {
+        left = slice.job_cgroups(&host);
+        left.is_empty()
+    });
+    assert!(gone, "job cgroups left under /{scope}: {left:?}");
 
     let table = [
         (
@@ -607,7 +613,7 @@ fn run_in_job_slurm_26_05_debian_sid() {
 /// (`step_extern/user/task_special`), opens the job's GPU before any srun
 /// step runs; srun and batch steps do too; no step is refused.
 fn run_in_job(release: &Release) {
-    let mut env = TestEnv::new("runinjob");
+    let env = TestEnv::new("runinjob");
     let d = Devices::make(&env);
     let slice = V2Slice::claim();
     let host = hostname();
@@ -658,6 +664,9 @@ fn run_in_job(release: &Release) {
         cluster.log_tail("slurmd.log")
     );
     let adopted = format!("{}/user/task_special", extern_cg.unwrap());
+    // 24.11 has made it already (its extern step's holder runs there);
+    // 26.05 makes it only when pam_slurm_adopt asks.
+    let made = !env.cg.path(&adopted).exists();
     env.cg.create(&adopted).unwrap();
     let o = env
         .user_command_in(&adopted, &probe)
@@ -670,6 +679,18 @@ fn run_in_job(release: &Release) {
         row(&out, &d),
         ["EPERM", "EPERM", "ok", "ENXIO"].map(String::from),
         "an adopted ssh session in /{adopted} opens the job's GPU before any srun step:\n{out}"
+    );
+    // A task_special the test made (pam_slurm_adopt has slurmstepd make
+    // it) is the test's to remove: Slurm leaves a job cgroup holding a
+    // directory it did not make. (An exited task leaves its cgroup a
+    // moment after wait() returns.)
+    let adopted_dir = env.cg.path(&adopted);
+    let removed = || std::fs::remove_dir(&adopted_dir).is_ok() || !adopted_dir.exists();
+    assert!(
+        !made || Cluster::wait_for(Duration::from_secs(5), removed),
+        "{} stays busy: {:?}",
+        adopted_dir.display(),
+        std::fs::read_to_string(adopted_dir.join("cgroup.procs"))
     );
     // An srun step in the allocation.
     let o = cluster.as_user(
@@ -740,7 +761,11 @@ fn run_in_job(release: &Release) {
         serde_json::from_slice::<Value>(&g.stdout).unwrap(),
         serde_json::json!([])
     );
-    let left = slice.job_cgroups(&host);
-    assert!(left.is_empty(), "job cgroups left: {left:?}");
+    let mut left = Vec::new();
+    let gone = Cluster::wait_for(Duration::from_secs(10), || {
+        left = slice.job_cgroups(&host);
+        left.is_empty()
+    });
+    assert!(gone, "job cgroups left: {left:?}");
     drop(cluster);
 }
