@@ -1184,6 +1184,16 @@ impl Fence {
         self.revoke_where(|e| e.job_id == job_id)
     }
 
+    /// Removes every grant of `job_id` keyed by a cgroup other than `keep`:
+    /// the job's earlier job cgroups, gone (Slurm makes one job cgroup per
+    /// job at a time). Returns what was removed.
+    ///
+    /// # Errors
+    /// As [`Fence::revoke_job`].
+    pub fn revoke_job_except(&self, job_id: u32, keep: u64) -> Result<Vec<GrantEntry>> {
+        self.revoke_where(|e| e.job_id == job_id && e.cgroup_id != keep)
+    }
+
     /// Removes every grant keyed by `cgroup_id` (a cgroup that is gone).
     ///
     /// # Errors

@@ -273,6 +273,7 @@ fn grant_at(
     crashpoint::reached(crashpoint::GRANT_NOTED);
     fence.grant(cgroup_id, job, req.job_id, &devs)?;
     crashpoint::reached(crashpoint::GRANT_GRANTED);
+    drop_predecessors(node, req, fence, cgroup_id);
     Ok(ApplyOutcome::Granted {
         cgroup_path: job.to_string(),
         cgroup_id,
@@ -284,6 +285,54 @@ fn grant_at(
             .cloned()
             .collect(),
     })
+}
+
+/// Removes the grants of `req`'s job keyed by its earlier job cgroups.
+///
+/// Slurm removes a job cgroup with the job's last step
+/// (`cgroup_p_step_destroy`, `src/plugins/cgroup/v2/cgroup_v2.c`, all
+/// releases) and makes a new one, with a new cgroup id, for the next step
+/// of a job that has no extern or batch step holding it. A job has one job
+/// cgroup at a time (its directory is named by the job id or SLUID), so the
+/// job's grants keyed by any other id belong to predecessors that are gone:
+/// they are removed (a `grant_revoked` line with `reason`), so that no
+/// later cgroup given a recycled id could ever inherit them. A failure to
+/// remove them is an `error` line; the step keeps its own grant (the stale
+/// entries name no live cgroup, and the Epilog revokes every grant of the
+/// job).
+fn drop_predecessors(node: &Node, req: &StepRequest, fence: &Fence, keep: u64) {
+    match fence.revoke_job_except(req.job_id, keep) {
+        Ok(gone) if gone.is_empty() => {}
+        Ok(gone) => {
+            let ids: std::collections::BTreeSet<u64> = gone.iter().map(|e| e.cgroup_id).collect();
+            let _ = node.audit(
+                AuditEvent::new(events::GRANT_REVOKED)
+                    .job(req.job_id)
+                    .uid(req.uid)
+                    .pid(req.stepd_pid)
+                    .field("cgroup_ids", ids.into_iter().collect::<Vec<_>>())
+                    .field("entries", gone.len())
+                    .field("kept_cgroup_id", keep)
+                    .field("step", step_name(req.step_id))
+                    .field(
+                        "reason",
+                        "Slurm made a new job cgroup for this step: the grants of the job's earlier, removed job cgroups",
+                    ),
+            );
+        }
+        Err(e) => {
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .job(req.job_id)
+                    .pid(req.stepd_pid)
+                    .field("step", step_name(req.step_id))
+                    .field(
+                        "reason",
+                        format!("cannot remove the grants of the job's earlier job cgroups: {e}"),
+                    ),
+            );
+        }
+    }
 }
 
 /// Applies the job's record for one step: [`place`] then [`grant`].

@@ -769,3 +769,104 @@ fn run_in_job(release: &Release) {
     assert!(gone, "job cgroups left: {left:?}");
     drop(cluster);
 }
+
+/// A job with no extern or batch step (`PrologFlags=Alloc`, no `Contain`):
+/// Slurm removes the job cgroup with each step and makes a new one, with a
+/// new cgroup id, for the next (`cgroup_p_step_destroy`). Each step opens
+/// its GPU, and the grants of the earlier, removed job cgroups are gone
+/// from the fence once the next step is granted.
+#[test]
+fn recreated_job_cgroup_slurm_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let release = Release {
+        root: None,
+        plugin: None,
+    };
+    let env = TestEnv::new("recreated");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let extra = "nvml = false\n[majors]\nnvidia = 195\n";
+    let cluster = Cluster::start_with(&env, &spec(&release, &slice, &d, extra, false, "Alloc"));
+    let audit = env.path("log/audit.jsonl");
+    let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
+    let o = cluster.as_user("salloc", &["--gres=gpu:sim:1", "--no-shell", "--time=5"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{}", both(&o));
+    let job: u32 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("salloc: Granted job allocation "))
+        .and_then(|w| w.trim().parse().ok())
+        .unwrap_or_else(|| panic!("job id in {err:?}"));
+    let grants_of_job = || -> Vec<u64> {
+        let g = cluster.gpufence(&["grants", "--json"]);
+        let g: Value = serde_json::from_slice(&g.stdout).expect("grants JSON");
+        g.as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["job_id"] == job)
+            .map(|c| c["cgroup_id"].as_u64().unwrap())
+            .collect()
+    };
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let o = cluster.as_user(
+            "srun",
+            &[
+                &format!("--jobid={job}"),
+                "sh",
+                "-c",
+                &format!(
+                    "grep ^0:: /proc/self/cgroup; {probe_s} open {} {}",
+                    d.n3.display(),
+                    d.n1.display()
+                ),
+            ],
+        );
+        let out = stdout(&o);
+        assert!(o.status.success(), "{}", both(&o));
+        assert_eq!(
+            [verdict(&out, &d.n3), verdict(&out, &d.n1)]
+                .iter()
+                .filter(|v| *v == "ENXIO")
+                .count(),
+            1,
+            "each step opens its one GPU:\n{out}"
+        );
+        let applied: Vec<u64> = gpufence_tests::audit_log(&audit)
+            .into_iter()
+            .filter(|e| e["job_id"] == job && e["event"] == "grant_applied")
+            .map(|e| e["cgroup_id"].as_u64().unwrap())
+            .collect();
+        ids.push(*applied.last().expect("a grant_applied line"));
+        assert_eq!(
+            grants_of_job(),
+            vec![*ids.last().unwrap()],
+            "the fence holds the job's grant for its latest job cgroup only"
+        );
+    }
+    assert_ne!(
+        ids[0], ids[1],
+        "Slurm made a new job cgroup for the second step: {ids:?}"
+    );
+    let dropped: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| {
+            e["job_id"] == job && e["event"] == "grant_revoked" && e["kept_cgroup_id"] == ids[1]
+        })
+        .collect();
+    assert_eq!(dropped.len(), 1, "{:?}", events_for(&audit, job));
+    assert_eq!(dropped[0]["cgroup_ids"], serde_json::json!([ids[0]]));
+    let o = cluster.admin("scancel", &[&job.to_string()]);
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&audit, job)
+            .last()
+            .is_some_and(|e| e == "grant_revoked")
+            && grants_of_job().is_empty()),
+        "{:?}",
+        events_for(&audit, job)
+    );
+    drop(cluster);
+}
