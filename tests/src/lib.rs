@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod out;
 pub mod v2node;
 
 use gpufence_cgroup::fence::Fence;

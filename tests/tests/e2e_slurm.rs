@@ -21,36 +21,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use gpufence_tests::cluster::{test_uid, Cluster};
+use gpufence_tests::out::{both, field, stdout, verdict};
 use gpufence_tests::{gone, privileged, probe_bin, TestEnv};
 use serde_json::Value;
-
-fn stdout(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn both(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `KEY=value` from a job's output.
-fn field(out: &str, key: &str) -> Option<String> {
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .map(str::to_string)
-}
-
-/// The verdict the probe printed for `path`.
-fn verdict(out: &str, path: &std::path::Path) -> String {
-    let p = path.display().to_string();
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{p} ")))
-        .unwrap_or("missing")
-        .to_string()
-}
 
 fn audit(env: &TestEnv) -> Vec<Value> {
     gpufence_tests::audit_log(&env.path("log/audit.jsonl"))

@@ -24,37 +24,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpufence_tests::cluster::{hostname, test_uid, Cluster, ClusterSpec};
+use gpufence_tests::out::{both, field, stdout, verdict};
 use gpufence_tests::v2node::{V2Slice, SLICE};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 use serde_json::Value;
-
-fn stdout(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn both(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `KEY=value` from a job's output.
-fn field(out: &str, key: &str) -> Option<String> {
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .map(str::to_string)
-}
-
-/// The verdict the probe printed for `path`.
-fn verdict(out: &str, path: &Path) -> String {
-    let p = path.display().to_string();
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{p} ")))
-        .unwrap_or("missing")
-        .to_string()
-}
 
 fn events_for(audit: &Path, job: u32) -> Vec<String> {
     gpufence_tests::audit_log(audit)

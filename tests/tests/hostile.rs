@@ -19,35 +19,9 @@ use gpufence_cgroup::fence::Fence;
 use gpufence_model::device::{Access, DevNum};
 use gpufence_node::fence_ops;
 use gpufence_tests::cluster::{test_uid, Cluster, TEST_USER};
+use gpufence_tests::out::{both, field, stdout, verdict};
 use gpufence_tests::{privileged, probe_bin, TestEnv};
 use serde_json::Value;
-
-fn stdout(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn both(o: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `KEY=value` from a job's output.
-fn field(out: &str, key: &str) -> Option<String> {
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .map(str::to_string)
-}
-
-/// What the probe (or the job's shell) printed after `subject `.
-fn verdict(out: &str, subject: &str) -> String {
-    out.lines()
-        .find_map(|l| l.strip_prefix(&format!("{subject} ")))
-        .unwrap_or("missing")
-        .to_string()
-}
 
 fn audit(env: &TestEnv) -> Vec<Value> {
     gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
