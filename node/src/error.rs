@@ -76,6 +76,22 @@ pub enum NodeError {
         /// Status and stderr.
         msg: String,
     },
+    /// `slurmd -G` cannot be given a cgroup of its own: gpufence does not
+    /// run it anywhere else (it would move itself, or reset the limits of
+    /// the cgroup it runs in, see [`crate::gresmap`]).
+    #[error("cannot {op} {cgroup}, the cgroup of gpufence's own that `slurmd -G` runs in: {msg}; `slurmd -G` sets up Slurm's cgroup plugin where it runs (it moves itself, and resets the cpuset and memory limits of its cgroup), so gpufence runs it nowhere else: run gpufence as root with the cgroup2 hierarchy at {mount} writable, or set slurmd_gres in {config} to a file holding `slurmd -G`'s output")]
+    SlurmdGCgroup {
+        /// What failed: `make`, `join`.
+        op: &'static str,
+        /// The cgroup, absolute (`/gpufence-exec/slurmd-G-1234`).
+        cgroup: String,
+        /// Why.
+        msg: String,
+        /// The cgroup2 mount.
+        mount: PathBuf,
+        /// The gpufence config file.
+        config: String,
+    },
     /// slurmd's GRES list has no GPU while gres.conf gives this node some:
     /// `slurmd -G` printed them in a way gpufence did not read, or slurmd
     /// dropped them; "0 GPUs" would be wrong either way.

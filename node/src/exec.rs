@@ -34,9 +34,23 @@ pub fn who() -> String {
 /// # Errors
 /// [`NodeError`] when a cgroup cannot be made or the fence refuses.
 pub fn exempt_leaf(node: &Node, fence: &Fence, leaf: &str) -> Result<String, NodeError> {
+    exec_leaf(node, Some(fence), leaf)
+}
+
+/// [`exempt_leaf`], the exemption only when there is a `fence`: makes
+/// `<cgroup_root>/<exec_cgroup>/<leaf>` (and the exec cgroup when missing)
+/// and returns its path. With no fence installed (yet) nothing needs an
+/// exemption, and the cgroup is still a place of gpufence's own: what
+/// `slurmd -G` runs in ([`crate::gresmap`]), fence or not.
+///
+/// # Errors
+/// [`NodeError::Kernel`] when a cgroup cannot be made or the fence refuses.
+pub fn exec_leaf(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<String, NodeError> {
     let base = node.exec_cgroup();
     node.cg.create(&base)?;
-    fence.add_exempt(node.cg.id(&base)?, &base)?;
+    if let Some(fence) = fence {
+        fence.add_exempt(node.cg.id(&base)?, &base)?;
+    }
     let mine = join_cgroup(&base, leaf);
     node.cg.create(&mine)?;
     Ok(mine)

@@ -14,15 +14,58 @@
 //! node, an empty list is [`NodeError::NoGpusListed`], never "0 GPUs" (25.05
 //! changed the line prefix of `slurmd -G`, and a parser that wanted
 //! `slurmd: ` read no GPU without an error).
+//!
+//! `slurmd -G` is no pure query: before it prints, it sets up Slurm's
+//! cgroup plugin as slurmd does (`_slurmd_init`,
+//! `src/slurmd/slurmd/slurmd.c`: `cgroup_g_init`, `src/interfaces/cgroup.c`,
+//! calls `cgroup_p_setup_scope`, `src/plugins/cgroup/v2/cgroup_v2.c`), and
+//! takes the cgroup it runs in for slurmd's:
+//!
+//! - without `INVOCATION_ID` in its environment (systemd's mark of a
+//!   service it started; a Prolog's environment has none) it takes itself
+//!   for a slurmd started by hand and moves into `<stepd scope>/slurmd`
+//!   (`_migrate_to_stepd_scope`, 22.05 to 25.11.2;
+//!   `_reparent_into_cgroup(stepd_scope_path, "slurmd")` from 25.11.3), a
+//!   cgroup the fence does not exempt, so NVML's opens of its GPU
+//!   autodetection (`AutoDetect=nvml`) would be denied by gpufence itself;
+//! - with `INVOCATION_ID` it stays in the cgroup it was started in, and
+//!   from 25.11.3 makes `<that cgroup>/slurmd` and moves into it, unless
+//!   that cgroup is named `slurmd` already (`_reparent_into_cgroup`);
+//! - then (24.11.4+, 25.05+) it resets `cpuset.cpus`, `cpuset.mems` and
+//!   `memory.max` of the cgroup it ended up in (`_unset_cpu_mem_limits`):
+//!   started from slurmd's own cgroup (the plugin at slurmd start, which
+//!   inherits slurmd's `INVOCATION_ID`), that is slurmd's cgroup, with the
+//!   limits slurmd set there (`CoreSpecCount`, `MemSpecLimit`).
+//!
+//! So gpufence runs it in a cgroup of its own, never in slurmd's or its
+//! caller's: `<cgroup_root>/<exec_cgroup>/slurmd-G-<pid>`
+//! ([`slurmd_g_cgroup`], `<pid>` the gpufence process running it), made
+//! with [`crate::exec::exec_leaf`] (exempt in the fence when one is
+//! installed, made all the same when none is), and joined between fork and
+//! exec ([`gpufence_cgroup::Cgroup2::join_at_exec`]: the child never runs
+//! anywhere else), with a fresh `INVOCATION_ID` (Slurm only tests that it
+//! is set: `invoc_id = getenv("INVOCATION_ID")`, `cgroup_p_setup_scope`).
+//! Slurm's moves and resets then stay inside that cgroup, and NVML opens
+//! the GPUs from an exempt one. When the child has ended (or timed out),
+//! whatever is still in the cgroup is killed (`slurmd -G` may fork) and the
+//! tree (with Slurm's `slurmd` below it) is removed; the cgroups of runs
+//! killed before they could do that are removed by the next run
+//! ([`is_stale_leaf`]). If the cgroup cannot be made or joined, the refresh
+//! fails ([`NodeError::SlurmdGCgroup`]).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::sync::{Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use gpufence_cgroup::Fence;
+use gpufence_model::audit::AuditEvent;
+use gpufence_model::config::{ConfigOrigin, DEFAULT_CONFIG_PATH};
 use gpufence_model::gres::{expand_file_list, parse_slurmd_g, GresDevice};
 
-use crate::{Node, NodeError};
+use crate::{join_cgroup, Node, NodeError};
 
 /// Default slurm.conf when `SLURM_CONF` is unset (Debian's and Slurm's default).
 pub const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
@@ -31,6 +74,18 @@ pub const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
 pub const IN_SLURMD_G_ENV: &str = "GPUFENCE_IN_SLURMD_G";
 /// How long `slurmd -G` may take (NVML initialisation with AutoDetect is slow).
 pub const SLURMD_G_TIMEOUT: Duration = Duration::from_secs(60);
+/// Set, fresh for each run, in the environment of the `slurmd -G` child:
+/// with it Slurm stays in the cgroup it was started in (see the module).
+/// systemd's own is a random 128-bit id in 32 hex digits
+/// (`systemd.exec(5)`); any value does for Slurm.
+pub const INVOCATION_ID_ENV: &str = "INVOCATION_ID";
+/// The cgroups `slurmd -G` runs in are `<exec cgroup>/slurmd-G-<pid>`.
+pub const SLURMD_G_LEAF_PREFIX: &str = "slurmd-G-";
+/// How long killed processes of a `slurmd -G` cgroup may take to leave it
+/// (and to close its output pipes).
+const CLEANUP_WAIT: Duration = Duration::from_secs(5);
+/// One `slurmd -G` at a time in a process: its cgroup is named by the pid.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const CACHE_HEADER: &str = "# gpufence slurmd -G cache key: ";
 
@@ -68,6 +123,14 @@ fn cache_key(slurm_conf: &Path) -> String {
 /// the list is empty while gres.conf names GPUs for this node
 /// ([`gres_conf_gpu_line`]); [`NodeError::GresChanged`] (see the module).
 pub fn load(node: &Node, slurm_conf: Option<&Path>) -> Result<GresMap, NodeError> {
+    load_with(node, slurm_conf, run_slurmd_g)
+}
+
+/// How `slurmd -G` is run: [`run_slurmd_g`]; the unit tests, which have no
+/// cgroup2 to write, run a stand-in without a cgroup of its own.
+type Runner = fn(&Node, &Path) -> Result<String, NodeError>;
+
+fn load_with(node: &Node, slurm_conf: Option<&Path>, run: Runner) -> Result<GresMap, NodeError> {
     let conf = slurm_conf
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from(DEFAULT_SLURM_CONF));
@@ -105,21 +168,27 @@ pub fn load(node: &Node, slurm_conf: Option<&Path>) -> Result<GresMap, NodeError
             });
         }
     }
-    refresh(node, &conf)
+    refresh_with(node, &conf, run)
 }
 
-/// Runs `slurmd -G` for `slurm_conf` and rewrites the cache. Nothing is
-/// cached when it fails.
+/// Runs `slurmd -G` for `slurm_conf`, in a cgroup of gpufence's own (see
+/// the module), and rewrites the cache. Nothing is cached when it fails.
 ///
 /// # Errors
-/// [`NodeError::SlurmdG`] when it cannot run, times out or exits non-zero;
+/// [`NodeError::SlurmdGCgroup`] when its cgroup cannot be made or joined
+/// (it does not run then); [`NodeError::SlurmdG`] when it cannot run,
+/// times out or exits non-zero, or the fence cannot exempt its cgroup;
 /// [`NodeError::Parse`] when its output is malformed or has a line naming
 /// `Name=gpu` in no shape the parser knows ([`parse_slurmd_g`]);
 /// [`NodeError::NoGpusListed`] when it lists no GPU while gres.conf names
 /// GPUs for this node ([`gres_conf_gpu_line`]).
 pub fn refresh(node: &Node, slurm_conf: &Path) -> Result<GresMap, NodeError> {
+    refresh_with(node, slurm_conf, run_slurmd_g)
+}
+
+fn refresh_with(node: &Node, slurm_conf: &Path, run: Runner) -> Result<GresMap, NodeError> {
     let key = cache_key(slurm_conf);
-    let text = run_slurmd_g(&node.cfg.slurmd_bin, slurm_conf)?;
+    let text = run(node, slurm_conf)?;
     let cmd = format!("{} -G", node.cfg.slurmd_bin.display());
     let map = checked(parse_slurmd_g(&text, Path::new(&cmd))?, cmd, slurm_conf)?;
     node.state
@@ -191,25 +260,237 @@ pub fn gres_conf_gpu_line(text: &str, node_name: &str) -> Option<(usize, String)
     })
 }
 
-fn run_slurmd_g(slurmd: &Path, slurm_conf: &Path) -> Result<String, NodeError> {
-    let cmd = format!(
+/// The name of the cgroup the `slurmd -G` of process `pid` runs in, below
+/// the exec cgroup: `slurmd-G-<pid>`.
+pub fn slurmd_g_leaf(pid: u32) -> String {
+    format!("{SLURMD_G_LEAF_PREFIX}{pid}")
+}
+
+/// The cgroup (relative to the mount) the `slurmd -G` of process `pid`
+/// runs in: `<cgroup_root>/<exec_cgroup>/slurmd-G-<pid>`.
+pub fn slurmd_g_cgroup(node: &Node, pid: u32) -> String {
+    join_cgroup(&node.exec_cgroup(), &slurmd_g_leaf(pid))
+}
+
+/// The pid in the name of a `slurmd -G` cgroup: `Some` for
+/// `slurmd-G-<pid>` as [`slurmd_g_leaf`] writes it (decimal, no sign, no
+/// leading zero, not 0), `None` for any other name.
+pub fn slurmd_g_leaf_pid(name: &str) -> Option<u32> {
+    let n = name.strip_prefix(SLURMD_G_LEAF_PREFIX)?;
+    if n.is_empty() || n.starts_with('0') || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    n.parse().ok()
+}
+
+/// Whether `name`, a cgroup in the exec cgroup, was left by an earlier
+/// `slurmd -G` and is to be removed (what is in it killed first): a
+/// `slurmd-G-<pid>` whose process is gone (`alive` says no: it was killed,
+/// by a Prolog's timeout say, before it removed its cgroup), or whose pid
+/// is `me`, this process (one run at a time in a process, so a cgroup of
+/// its own is what an earlier run could not remove, or a dead process's
+/// whose pid it now has). The cgroup of another live process is its run
+/// in progress, left alone; so is anything not named `slurmd-G-<pid>`
+/// (`gpufence exec`'s, the Prolog's and Epilog's).
+pub fn is_stale_leaf(name: &str, me: u32, alive: impl Fn(u32) -> bool) -> bool {
+    slurmd_g_leaf_pid(name).is_some_and(|pid| pid == me || !alive(pid))
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// A fresh `INVOCATION_ID`: 128 random bits in 32 lowercase hex digits, as
+/// systemd writes its own.
+fn fresh_invocation_id() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if usize::try_from(n).ok() != Some(b.len()) {
+        // Slurm only tests that the variable is set; the clock and the pid
+        // make it differ from run to run all the same.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b = (t ^ (u128::from(std::process::id()) << 96)).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The `slurmd -G` command line, for messages.
+fn cmd_line(slurmd: &Path, slurm_conf: &Path) -> String {
+    format!(
         "SLURM_CONF={} {} -G",
         slurm_conf.display(),
         slurmd.display()
-    );
-    let fail = |msg: String| NodeError::SlurmdG {
-        cmd: cmd.clone(),
-        msg,
-    };
-    let mut child = Command::new(slurmd)
-        .arg("-G")
+    )
+}
+
+/// `slurmd -G` with `SLURM_CONF`, the recursion guard and piped output;
+/// where it runs is the caller's to say.
+fn slurmd_g_command(slurmd: &Path, slurm_conf: &Path) -> Command {
+    let mut cmd = Command::new(slurmd);
+    cmd.arg("-G")
         .env("SLURM_CONF", slurm_conf)
         .env(IN_SLURMD_G_ENV, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// [`NodeError::SlurmdGCgroup`] for cgroup `rel`.
+fn cgroup_error(node: &Node, op: &'static str, rel: &str, msg: String) -> NodeError {
+    NodeError::SlurmdGCgroup {
+        op,
+        cgroup: crate::cgpath::abs(rel),
+        msg,
+        mount: node.cg.mount().to_path_buf(),
+        config: match &node.origin {
+            ConfigOrigin::File(p) => p.display().to_string(),
+            ConfigOrigin::Defaults => DEFAULT_CONFIG_PATH.to_string(),
+        },
+    }
+}
+
+/// Kills whatever is in cgroup `rel` and below ([`gpufence_cgroup::Cgroup2::kill`])
+/// and removes the tree, killing again while killed processes are still
+/// leaving, for up to [`CLEANUP_WAIT`].
+fn kill_and_remove(node: &Node, rel: &str) -> Result<(), NodeError> {
+    let deadline = Instant::now() + CLEANUP_WAIT;
+    loop {
+        node.cg.kill(rel)?;
+        match node.cg.remove_tree(rel) {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => return Err(e.into()),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Removes the cgroups earlier runs left in the exec cgroup
+/// ([`is_stale_leaf`]), killing what is in them. Best effort: one that
+/// cannot be removed now is tried again by the next run.
+fn remove_stale_leaves(node: &Node, me: u32) {
+    let base = node.exec_cgroup();
+    let Ok(rd) = std::fs::read_dir(node.cg.path(&base)) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.file_type().is_ok_and(|t| t.is_dir()) && is_stale_leaf(&name, me, pid_alive) {
+            let _ = kill_and_remove(node, &join_cgroup(&base, &name));
+        }
+    }
+}
+
+/// Makes the cgroup the `slurmd -G` of process `me` runs in
+/// ([`slurmd_g_cgroup`]), exempt in the fence when one is installed, and
+/// checks that it can be joined.
+fn make_cgroup(node: &Node, me: u32, cmd: &str) -> Result<String, NodeError> {
+    let rel = slurmd_g_cgroup(node, me);
+    let fence = match Fence::open(&node.cfg.bpffs_dir) {
+        Ok(f) => Some(f),
+        // No fence (yet): nothing to exempt; the cgroup is still its own.
+        Err(gpufence_cgroup::Error::NotInstalled { .. }) => None,
+        Err(e) => {
+            return Err(NodeError::SlurmdG {
+                cmd: cmd.to_string(),
+                msg: format!(
+                    "cannot open the fence to exempt its cgroup {}: {e}",
+                    crate::cgpath::abs(&node.exec_cgroup())
+                ),
+            })
+        }
+    };
+    crate::exec::exec_leaf(node, fence.as_ref(), &slurmd_g_leaf(me)).map_err(|e| match e {
+        NodeError::Kernel(gpufence_cgroup::Error::Cgroup { .. }) => {
+            cgroup_error(node, "make", &rel, e.to_string())
+        }
+        e => NodeError::SlurmdG {
+            cmd: cmd.to_string(),
+            msg: format!(
+                "cannot exempt its cgroup {} in the fence: {e}",
+                crate::cgpath::abs(&node.exec_cgroup())
+            ),
+        },
+    })?;
+    // The child joins it by writing its cgroup.procs between fork and
+    // exec; a cgroup that cannot be joined is an error of its own here,
+    // not an exec failure.
+    let procs = node.cg.path(&rel).join("cgroup.procs");
+    if let Err(e) = std::fs::OpenOptions::new().write(true).open(&procs) {
+        let _ = node.cg.remove_tree(&rel);
+        return Err(cgroup_error(
+            node,
+            "join",
+            &rel,
+            format!("open {}: {e}", procs.display()),
+        ));
+    }
+    Ok(rel)
+}
+
+/// Runs `slurmd -G` for `slurm_conf` in its own cgroup (see the module)
+/// and returns its output (stdout, then stderr, where slurmd logs).
+fn run_slurmd_g(node: &Node, slurm_conf: &Path) -> Result<String, NodeError> {
+    run_contained(node, slurm_conf, SLURMD_G_TIMEOUT)
+}
+
+fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<String, NodeError> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let cmdline = cmd_line(&node.cfg.slurmd_bin, slurm_conf);
+    let me = std::process::id();
+    remove_stale_leaves(node, me);
+    let rel = make_cgroup(node, me, &cmdline)?;
+    let mut cmd = slurmd_g_command(&node.cfg.slurmd_bin, slurm_conf);
+    cmd.env(INVOCATION_ID_ENV, fresh_invocation_id());
+    if let Err(e) = node.cg.join_at_exec(&rel, &mut cmd) {
+        let _ = node.cg.remove_tree(&rel);
+        return Err(cgroup_error(node, "join", &rel, e.to_string()));
+    }
+    let start_note = format!(
+        " (in its cgroup {}, which the child joins before exec: it ran nowhere else)",
+        crate::cgpath::abs(&rel)
+    );
+    let out = spawn_and_collect(cmd, &cmdline, timeout, &start_note, &|| {
+        let _ = node.cg.kill(&rel);
+    });
+    if let Err(e) = kill_and_remove(node, &rel) {
+        let _ = node.audit(
+            AuditEvent::new("slurmd_g_cgroup_left")
+                .field("cgroup", crate::cgpath::abs(&rel))
+                .field("error", e.to_string())
+                .field(
+                    "why",
+                    "processes of slurmd -G outlived SIGKILL; the next slurmd -G removes it",
+                ),
+        );
+    }
+    out
+}
+
+/// Spawns `cmd` (stdout and stderr piped) and returns stdout then stderr,
+/// or [`NodeError::SlurmdG`] naming `cmdline` when it cannot start (the
+/// message ends with `start_note`), gives
+/// no answer within `timeout` (it is killed) or exits non-zero (with the
+/// last lines of stderr). `ended` runs once the child has exited or been
+/// found late, before its output is read to the end: it kills what the
+/// child left running, which may hold the pipes open.
+fn spawn_and_collect(
+    mut cmd: Command,
+    cmdline: &str,
+    timeout: Duration,
+    start_note: &str,
+    ended: &dyn Fn(),
+) -> Result<String, NodeError> {
+    let fail = |msg: String| NodeError::SlurmdG {
+        cmd: cmdline.to_string(),
+        msg,
+    };
+    let mut child = cmd
         .spawn()
-        .map_err(|e| fail(e.to_string()))?;
+        .map_err(|e| fail(format!("cannot start: {e}{start_note}")))?;
     // slurmd -G logs to stderr; read both pipes on threads so neither fills.
     let mut out = child.stdout.take();
     let mut err = child.stderr.take();
@@ -227,26 +508,33 @@ fn run_slurmd_g(slurmd: &Path, slurm_conf: &Path) -> Result<String, NodeError> {
         }
         s
     });
-    let deadline = std::time::Instant::now() + SLURMD_G_TIMEOUT;
+    let deadline = Instant::now() + timeout;
     let status = loop {
         match child.try_wait() {
             Ok(Some(s)) => break s,
-            Ok(None) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5))
-            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             Ok(None) => {
+                ended();
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(fail(format!(
-                    "no answer within {}s",
-                    SLURMD_G_TIMEOUT.as_secs()
-                )));
+                return Err(fail(format!("no answer within {}s", timeout.as_secs())));
             }
-            Err(e) => return Err(fail(e.to_string())),
+            Err(e) => {
+                ended();
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(fail(e.to_string()));
+            }
         }
     };
-    let stdout = t_out.join().unwrap_or_default();
-    let stderr = t_err.join().unwrap_or_default();
+    ended();
+    let held = Instant::now() + CLEANUP_WAIT;
+    let (Some(stdout), Some(stderr)) = (collect(t_out, held), collect(t_err, held)) else {
+        return Err(fail(format!(
+            "{status}, but its output stayed open {}s after it ended (a process it started outlived SIGKILL)",
+            CLEANUP_WAIT.as_secs()
+        )));
+    };
     if !status.success() {
         let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
         return Err(fail(format!(
@@ -255,6 +543,18 @@ fn run_slurmd_g(slurmd: &Path, slurm_conf: &Path) -> Result<String, NodeError> {
         )));
     }
     Ok(format!("{stdout}{stderr}"))
+}
+
+/// What a pipe reader read, once it is done; `None` when it is not done by
+/// `deadline` (it is left to finish on its own).
+fn collect(h: JoinHandle<String>, deadline: Instant) -> Option<String> {
+    while !h.is_finished() {
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Some(h.join().unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -280,9 +580,29 @@ mod tests {
         p
     }
 
+    /// `slurmd -G` run as [`run_slurmd_g`] runs it, but without a cgroup
+    /// of its own: these tests of the output, the cache and the errors have
+    /// no cgroup2 to write. The placement's tests are below.
+    fn uncontained(node: &Node, conf: &Path) -> Result<String, NodeError> {
+        let cmd = slurmd_g_command(&node.cfg.slurmd_bin, conf);
+        let line = cmd_line(&node.cfg.slurmd_bin, conf);
+        spawn_and_collect(cmd, &line, SLURMD_G_TIMEOUT, "", &|| {})
+    }
+
+    fn load_here(node: &Node, conf: Option<&Path>) -> Result<GresMap, NodeError> {
+        load_with(node, conf, uncontained)
+    }
+
+    fn refresh_here(node: &Node, conf: &Path) -> Result<GresMap, NodeError> {
+        refresh_with(node, conf, uncontained)
+    }
+
+    /// A node whose state and audit log are in `dir`, and whose fence
+    /// would be pinned there (so none is found: a test never exempts
+    /// anything in a fence this machine may have).
     fn node(dir: &Path, slurmd: &Path) -> Node {
         let text = format!(
-            "state_dir = \"{d}/state\"\naudit_log = \"{d}/a.jsonl\"\nslurmd_bin = \"{s}\"\n",
+            "state_dir = \"{d}/state\"\naudit_log = \"{d}/a.jsonl\"\nslurmd_bin = \"{s}\"\nbpffs_dir = \"{d}/bpf\"\n",
             d = dir.display(),
             s = slurmd.display()
         );
@@ -311,10 +631,10 @@ mod tests {
         let n = node(d.path(), &s);
         let conf = d.path().join("slurm.conf");
         std::fs::write(&conf, "ClusterName=x\n").unwrap();
-        let m = load(&n, Some(&conf)).unwrap();
+        let m = load_here(&n, Some(&conf)).unwrap();
         assert_eq!(m.devices[1].files, vec![PathBuf::from("/dev/nvidia1")]);
         assert_eq!(runs(d.path()), 1);
-        let m = load(&n, Some(&conf)).unwrap();
+        let m = load_here(&n, Some(&conf)).unwrap();
         assert_eq!(
             (m.devices.len(), runs(d.path())),
             (2, 1),
@@ -322,7 +642,7 @@ mod tests {
         );
         assert!(m.source.ends_with("slurmd-G.txt"));
         std::fs::write(d.path().join("gres.conf"), "Name=gpu File=/dev/nvidia1\n").unwrap();
-        let e = load(&n, Some(&conf)).unwrap_err();
+        let e = load_here(&n, Some(&conf)).unwrap_err();
         assert!(matches!(e, NodeError::GresChanged { .. }), "{e}");
         assert!(e.to_string().contains("restart slurmd"), "{e}");
         assert_eq!(
@@ -332,10 +652,10 @@ mod tests {
         );
         let other = d.path().join("other.conf");
         std::fs::write(&other, "").unwrap();
-        load(&n, Some(&other)).unwrap();
+        load_here(&n, Some(&other)).unwrap();
         assert_eq!(runs(d.path()), 2, "another SLURM_CONF: slurmd -G for it");
-        refresh(&n, &conf).unwrap();
-        load(&n, Some(&conf)).unwrap();
+        refresh_here(&n, &conf).unwrap();
+        load_here(&n, Some(&conf)).unwrap();
         assert_eq!(
             runs(d.path()),
             3,
@@ -369,7 +689,7 @@ mod tests {
                 vec![PathBuf::from("/dev/nvidia3")],
                 vec![PathBuf::from("/dev/nvidia1")],
             ];
-            let m = refresh(&n, &conf).unwrap();
+            let m = refresh_here(&n, &conf).unwrap();
             assert_eq!(
                 m.devices
                     .iter()
@@ -378,7 +698,7 @@ mod tests {
                 want,
                 "{name}"
             );
-            let m = load(&n, Some(&conf)).unwrap();
+            let m = load_here(&n, Some(&conf)).unwrap();
             assert!(m.source.ends_with("slurmd-G.txt"), "{name}: cached");
             assert_eq!(
                 m.devices
@@ -411,7 +731,7 @@ mod tests {
             "NodeName=no-such-node-x Name=gpu File=/dev/nvidia0\nName=gpu Type=a100 File=/dev/nvidia1\n",
         ] {
             std::fs::write(&gres, text).unwrap();
-            let e = refresh(&n, &conf).unwrap_err();
+            let e = refresh_here(&n, &conf).unwrap_err();
             assert!(
                 matches!(&e, NodeError::NoGpusListed { source_name, gres_conf, .. }
                     if source_name.ends_with("slurmd -G") && *gres_conf == gres),
@@ -419,7 +739,7 @@ mod tests {
             );
             assert!(e.to_string().contains("lists no GPU"), "{e}");
             assert!(!n.state.gres_cache_path().exists(), "nothing cached");
-            let e = load(&n, Some(&conf)).unwrap_err();
+            let e = load_here(&n, Some(&conf)).unwrap_err();
             assert!(matches!(e, NodeError::NoGpusListed { .. }), "{e}");
         }
         // A node whose gres.conf gives it no GPU: an empty list is right.
@@ -432,11 +752,14 @@ mod tests {
             "Name=mps Count=100 File=/dev/nvidia0\n",
         ] {
             std::fs::write(&gres, text).unwrap();
-            assert!(refresh(&n, &conf).unwrap().devices.is_empty(), "{text:?}");
+            assert!(
+                refresh_here(&n, &conf).unwrap().devices.is_empty(),
+                "{text:?}"
+            );
         }
         std::fs::remove_file(&gres).unwrap();
         assert!(
-            refresh(&n, &conf).unwrap().devices.is_empty(),
+            refresh_here(&n, &conf).unwrap().devices.is_empty(),
             "no gres.conf"
         );
 
@@ -454,7 +777,7 @@ mod tests {
             ConfigOrigin::Defaults,
         )
         .unwrap();
-        let e = load(&n2, Some(&conf)).unwrap_err();
+        let e = load_here(&n2, Some(&conf)).unwrap_err();
         assert!(
             matches!(&e, NodeError::NoGpusListed { source_name, line: 1, .. } if *source_name == file.display().to_string()),
             "{e}"
@@ -472,7 +795,7 @@ mod tests {
         );
         let n = node(d.path(), &s);
         let conf = d.path().join("slurm.conf");
-        let e = refresh(&n, &conf).unwrap_err();
+        let e = refresh_here(&n, &conf).unwrap_err();
         assert!(
             matches!(&e, NodeError::Parse(p) if p.line == 1 && p.msg.contains("names Name=gpu")),
             "{e}"
@@ -522,11 +845,218 @@ mod tests {
             "echo 'slurmd: fatal: Unable to open gres.conf' >&2; exit 1",
         );
         let n = node(d.path(), &s);
-        let e = load(&n, Some(&d.path().join("slurm.conf"))).unwrap_err();
+        let e = load_here(&n, Some(&d.path().join("slurm.conf"))).unwrap_err();
         assert!(
             matches!(&e, NodeError::SlurmdG { msg, .. } if msg.contains("Unable to open gres.conf")),
             "{e}"
         );
         assert!(!n.state.gres_cache_path().exists(), "nothing cached");
+    }
+
+    #[test]
+    fn the_cgroup_of_slurmd_g_is_named_by_the_pid() {
+        assert_eq!(slurmd_g_leaf(4242), "slurmd-G-4242");
+        assert_eq!(slurmd_g_leaf_pid("slurmd-G-4242"), Some(4242));
+        assert_eq!(slurmd_g_leaf_pid(&slurmd_g_leaf(1)), Some(1));
+        for name in [
+            "slurmd-G-",
+            "slurmd-G-0",
+            "slurmd-G-042",
+            "slurmd-G-+42",
+            "slurmd-G--1",
+            "slurmd-G-42x",
+            "slurmd-G-42/slurmd",
+            "slurmd-G-99999999999",
+            "slurmd-g-42",
+            "prolog-42",
+            "epilog-42",
+            "4242",
+            "slurmd",
+        ] {
+            assert_eq!(slurmd_g_leaf_pid(name), None, "{name}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), Path::new("/usr/sbin/slurmd"));
+        assert_eq!(slurmd_g_cgroup(&n, 7), "gpufence-exec/slurmd-G-7");
+        let mut n = n;
+        n.cfg.cgroup_root = "fenced".into();
+        n.cfg.exec_cgroup = "admin".into();
+        assert_eq!(slurmd_g_cgroup(&n, 7), "fenced/admin/slurmd-G-7");
+    }
+
+    /// A `slurmd-G-<pid>` whose pid is gone, or is this process's, was left
+    /// by an earlier run; another live process's is a run in progress;
+    /// nothing else is `slurmd -G`'s.
+    #[test]
+    fn which_cgroups_earlier_runs_left() {
+        let alive = |p: u32| p == 10 || p == 11;
+        assert!(is_stale_leaf("slurmd-G-12", 11, alive), "pid gone");
+        assert!(is_stale_leaf("slurmd-G-11", 11, alive), "this process's");
+        assert!(!is_stale_leaf("slurmd-G-10", 11, alive), "a live run");
+        for name in ["prolog-12", "epilog-12", "12", "slurmd", "slurmd-G-012"] {
+            assert!(!is_stale_leaf(name, 11, alive), "{name}");
+        }
+        assert!(pid_alive(std::process::id()));
+        assert!(pid_alive(1));
+        assert!(!pid_alive(u32::MAX), "above any pid_max");
+    }
+
+    #[test]
+    fn invocation_ids_are_fresh_and_shaped_as_systemds() {
+        let a = fresh_invocation_id();
+        let b = fresh_invocation_id();
+        for id in [&a, &b] {
+            assert_eq!(id.len(), 32, "{id}");
+            assert!(
+                id.bytes()
+                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)),
+                "{id}"
+            );
+        }
+        assert_ne!(a, b);
+    }
+
+    /// No cgroup of its own to run in: the refresh fails with the typed
+    /// error naming the cgroup and the fix, `slurmd -G` does not run (in
+    /// the caller's cgroup or anywhere), nothing is cached.
+    #[test]
+    fn without_a_cgroup_of_its_own_slurmd_g_does_not_run() {
+        let d = tempfile::tempdir().unwrap();
+        let s = fake_slurmd(
+            d.path(),
+            "echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=1 File=/dev/nvidia0 (null)\" >&2",
+        );
+        let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "ClusterName=x\n").unwrap();
+        let mut n = node(d.path(), &s);
+        let leaf = format!("/gpufence-exec/slurmd-G-{}", std::process::id());
+
+        // The hierarchy cannot be written (here: its "mount" is a file).
+        let file = d.path().join("not-a-hierarchy");
+        std::fs::write(&file, "").unwrap();
+        n.cg = gpufence_cgroup::Cgroup2::at(&file);
+        let e = refresh(&n, &conf).unwrap_err();
+        assert!(
+            matches!(&e, NodeError::SlurmdGCgroup { op: "make", cgroup, mount, .. }
+                if *cgroup == leaf && *mount == file),
+            "{e}"
+        );
+        let msg = e.to_string();
+        for want in [
+            leaf.as_str(),
+            "resets the cpuset and memory limits",
+            "as root with the cgroup2 hierarchy at",
+            "set slurmd_gres in /etc/slurm/gpufence.toml",
+        ] {
+            assert!(msg.contains(want), "{want:?} not in {msg}");
+        }
+
+        // Made, but it cannot be joined (a directory that is no cgroup).
+        let fake = d.path().join("fake");
+        std::fs::create_dir(&fake).unwrap();
+        n.cg = gpufence_cgroup::Cgroup2::at(&fake);
+        let e = load(&n, Some(&conf)).unwrap_err();
+        assert!(
+            matches!(&e, NodeError::SlurmdGCgroup { op: "join", cgroup, msg, .. }
+                if *cgroup == leaf && msg.contains("cgroup.procs")),
+            "{e}"
+        );
+        assert!(
+            !fake.join(leaf.trim_start_matches('/')).exists(),
+            "the cgroup it made is removed again"
+        );
+        assert!(fake.join("gpufence-exec").is_dir(), "the exec cgroup stays");
+
+        assert_eq!(runs(d.path()), 0, "slurmd -G never ran");
+        assert!(!n.state.gres_cache_path().exists(), "nothing cached");
+    }
+
+    /// Removes a cgroup tree of a test, what is in it killed, when dropped.
+    struct Removed(Node, String);
+
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = kill_and_remove(&self.0, &self.1);
+        }
+    }
+
+    /// The placement itself, on this machine's cgroup2: needs root and a
+    /// writable hierarchy (`cargo test -p gpufence-node --lib -- --ignored
+    /// own_cgroup`). Everything is made below `gpufence-unit-<pid>` and
+    /// removed; no fence is involved (its pins would be in the temporary
+    /// directory).
+    #[test]
+    #[ignore = "needs root and a writable cgroup2 hierarchy"]
+    fn slurmd_g_runs_in_an_own_cgroup_that_is_removed_after() {
+        let d = tempfile::tempdir().unwrap();
+        let dp = d.path().display().to_string();
+        let me = std::process::id();
+        let mount = gpufence_cgroup::Cgroup2::discover().unwrap();
+        let m = mount.mount().display().to_string();
+        // As 25.11.3+ with INVOCATION_ID: makes <its cgroup>/slurmd and
+        // moves there; forks a process that holds its output open.
+        let s = fake_slurmd(
+            d.path(),
+            &format!(
+                "grep ^0:: /proc/self/cgroup > {dp}/cgroup\n\
+                 echo \"$INVOCATION_ID\" >> {dp}/invocation\n\
+                 sleep 1000 &\n\
+                 echo $! > {dp}/forked\n\
+                 cg=$(sed -n 's/^0:://p' /proc/self/cgroup)\n\
+                 mkdir {m}$cg/slurmd && echo $$ > {m}$cg/slurmd/cgroup.procs\n\
+                 grep ^0:: /proc/self/cgroup > {dp}/cgroup-after\n\
+                 echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=1 File=/dev/nvidia0 (null)\" >&2"
+            ),
+        );
+        let mut n = node(d.path(), &s);
+        n.cfg.cgroup_root = format!("gpufence-unit-{me}");
+        let _gone = Removed(n.clone(), n.cfg.cgroup_root.clone());
+        let base = n.exec_cgroup();
+        // Left by earlier runs: a dead pid's (with Slurm's slurmd below),
+        // this process's; a live process's run in progress.
+        let dead = join_cgroup(&base, &slurmd_g_leaf(u32::MAX - 1));
+        n.cg.create(&join_cgroup(&dead, "slurmd")).unwrap();
+        let live = join_cgroup(&base, &slurmd_g_leaf(1));
+        n.cg.create(&live).unwrap();
+        let own = slurmd_g_cgroup(&n, me);
+        n.cg.create(&join_cgroup(&own, "slurmd")).unwrap();
+        let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "ClusterName=x\n").unwrap();
+
+        for round in 0..2 {
+            let map = refresh(&n, &conf).unwrap();
+            assert_eq!(map.devices.len(), 1);
+            let read = |f: &str| std::fs::read_to_string(d.path().join(f)).unwrap();
+            assert_eq!(
+                read("cgroup").trim(),
+                format!("0::/{own}"),
+                "it started there"
+            );
+            assert_eq!(read("cgroup-after").trim(), format!("0::/{own}/slurmd"));
+            let ids: Vec<String> = read("invocation").lines().map(str::to_string).collect();
+            assert_eq!(ids.len(), round + 1);
+            assert!(ids.iter().all(|i| i.len() == 32), "{ids:?}");
+            if round == 1 {
+                assert_ne!(ids[0], ids[1], "fresh per run");
+            }
+            let forked: u32 = read("forked").trim().parse().unwrap();
+            let stat = std::fs::read_to_string(format!("/proc/{forked}/stat")).unwrap_or_default();
+            assert!(
+                stat.is_empty() || stat.contains(") Z "),
+                "what it forked is killed: {stat}"
+            );
+            assert!(!n.cg.path(&own).exists(), "its cgroup is removed");
+            assert!(!n.cg.path(&dead).exists(), "a dead run's is removed");
+            assert!(n.cg.path(&live).exists(), "a live run's stays");
+        }
+
+        // No answer in time: killed with everything it started, removed.
+        let s = fake_slurmd(d.path(), "sleep 1000 & sleep 1000");
+        n.cfg.slurmd_bin = s;
+        let t = Instant::now();
+        let e = run_contained(&n, &conf, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("no answer within 1s"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert!(!n.cg.path(&own).exists(), "removed after the timeout");
     }
 }
