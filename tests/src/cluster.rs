@@ -219,7 +219,32 @@ impl Cluster {
             &bin.join("gpufence.so"),
         );
         let config = match &spec.v2node {
-            Some(v2) => env.config_rooted(&v2.fence_root, gpufence_extra),
+            Some(v2) => {
+                // The Prolog runs `slurmd -G` with the environment slurmd
+                // gives it, which holds no LD_PRELOAD: on a hybrid host
+                // that slurmd -G would die on the v1 lines of
+                // /proc/self/cgroup. A wrapper adds the library there
+                // (a harness matter: on a pure v2 node it just execs).
+                let wrapper = bin.join("slurmd-v2node");
+                std::fs::write(
+                    &wrapper,
+                    format!(
+                        "#!/bin/sh
+if grep -qv '^0::' /proc/self/cgroup; then
+                             LD_PRELOAD={}/proc-cgroup-v2only.so exec /usr/sbin/slurmd \"$@\"
+fi
+                         exec /usr/sbin/slurmd \"$@\"
+",
+                        dir.display()
+                    ),
+                )
+                .unwrap();
+                std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+                env.config_rooted(
+                    &v2.fence_root,
+                    &format!("slurmd_bin = \"{}\"\n{gpufence_extra}", wrapper.display()),
+                )
+            }
             None => env.config(gpufence_extra),
         };
         // slurmd builds the Prolog's environment from scratch: the config

@@ -843,3 +843,119 @@ fn recreated_job_cgroup_slurm_22_05_host() {
     );
     drop(cluster);
 }
+
+#[test]
+fn slurmd_g_leaves_slurmd_alone_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        slurmd_g_leaves_slurmd_alone(&r);
+    }
+}
+
+#[test]
+fn slurmd_g_leaves_slurmd_alone_slurm_26_05_debian_sid() {
+    if let Some(r) = privileged().then(|| Release::debian("sid")).flatten() {
+        slurmd_g_leaves_slurmd_alone(&r);
+    }
+}
+
+/// `slurmd -G` initialises Slurm's cgroup plugin as slurmd does
+/// (`_slurmd_init`): without `INVOCATION_ID` it moves itself to
+/// `<scope>/slurmd` (24.11), from another cgroup 26.05 makes
+/// `<cgroup>/slurmd` and moves there, and 24.11+ resets the cpuset and
+/// memory limits of the cgroup it runs in. gpufence runs it, at slurmd start
+/// (the plugin) and on a Prolog's cache miss, in a cgroup of its own: after
+/// both, slurmd's cgroup holds slurmd alone, no `slurmd` cgroup appeared
+/// anywhere, and nothing of gpufence's is left. (This host has no v2
+/// controllers, so the limit reset itself cannot show here.)
+fn slurmd_g_leaves_slurmd_alone(release: &Release) {
+    let env = TestEnv::new("slurmdg");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(
+            release,
+            &slice,
+            &d,
+            "nvml = false\n[majors]\nnvidia = 195\n",
+            false,
+            "Alloc,Contain",
+        ),
+    );
+    let slurmd = cluster.slurmd_pid().expect("slurmd runs");
+    let cgroup_of = |pid: i32| {
+        gpufence_cgroup::hierarchy::parse_proc_cgroup(
+            &std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default(),
+        )
+        .unwrap_or_default()
+    };
+    // Where slurmd put itself: systemd's unit cgroup, or below it
+    // `slurmd.service/slurmd` (26.05 moves there itself: Slurm's own
+    // placement, which gpufence must keep as it is).
+    let own = cgroup_of(slurmd);
+    assert!(
+        own.starts_with(gpufence_tests::v2node::SLURMD_SERVICE),
+        "slurmd in /{own}"
+    );
+    let placement = |when: &str| {
+        assert_eq!(cgroup_of(slurmd), own, "{when}: slurmd stays in its cgroup");
+        let procs =
+            std::fs::read_to_string(env.cg.path(&own).join("cgroup.procs")).unwrap_or_default();
+        assert_eq!(
+            procs.trim(),
+            slurmd.to_string(),
+            "{when}: slurmd's cgroup holds slurmd alone"
+        );
+        let mut stray = Vec::new();
+        let mut stack = vec![env.cg.path(SLICE)];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if e.path().is_dir() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if (name == "slurmd" || name.starts_with("slurmd-G"))
+                        && e.path() != env.cg.path(&own)
+                    {
+                        stray.push(e.path());
+                    }
+                    stack.push(e.path());
+                }
+            }
+        }
+        assert!(stray.is_empty(), "{when}: cgroups {stray:?}");
+    };
+    placement("after slurmd start (the plugin warmed the slurmd -G cache)");
+    // A Prolog that finds no cache runs slurmd -G itself (from slurmd's
+    // cgroup, with the Prolog's environment: no INVOCATION_ID).
+    let cache = env.path("state/slurmd-G.txt");
+    assert!(cache.exists(), "the plugin's cache at {}", cache.display());
+    std::fs::remove_file(&cache).unwrap();
+    let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            &probe_s,
+            "open",
+            &d.n3.display().to_string(),
+            &d.n1.display().to_string(),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    assert_eq!(
+        [verdict(&out, &d.n3), verdict(&out, &d.n1)]
+            .iter()
+            .filter(|v| *v == "ENXIO")
+            .count(),
+        1,
+        "the job opens its GPU after the Prolog's slurmd -G:\n{out}"
+    );
+    assert!(cache.exists(), "the Prolog rewrote the cache");
+    placement("after a Prolog ran slurmd -G");
+    drop(cluster);
+}
