@@ -188,6 +188,20 @@ impl Cluster {
 
     /// Starts a cluster for `env` as `spec` says (see [`Cluster::start`]).
     pub fn start_with(env: &TestEnv, spec: &ClusterSpec) -> Cluster {
+        let (c, out) = Cluster::launch(env, spec);
+        assert!(
+            out.status.success(),
+            "cluster.sh start failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        c
+    }
+
+    /// [`Cluster::start_with`] that returns `cluster.sh start`'s output
+    /// instead of asserting that it succeeded (a node that must refuse to
+    /// start). The cluster is stopped on drop either way.
+    pub fn launch(env: &TestEnv, spec: &ClusterSpec) -> (Cluster, Output) {
         let (gres_conf, node_gres, gpufence_extra, port_base) = (
             spec.gres_conf.as_str(),
             spec.node_gres.as_str(),
@@ -310,13 +324,7 @@ fi
             slurmd_cgroup,
             root: spec.root.clone(),
         };
-        assert!(
-            out.status.success(),
-            "cluster.sh start failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        c
+        (c, out)
     }
 
     /// A command run as [`TEST_USER`] (via setpriv: no PAM, no session

@@ -959,3 +959,53 @@ fn slurmd_g_leaves_slurmd_alone(release: &Release) {
     placement("after a Prolog ran slurmd -G");
     drop(cluster);
 }
+
+/// `layout = "slurm"` (the default) needs Slurm's job cgroups, which only
+/// `ProctrackType=proctrack/cgroup` makes for slurmstepd: a node set to
+/// another proctrack is caught at slurmd start, which fails, with one line
+/// saying what to set.
+#[test]
+fn default_layout_without_proctrack_cgroup_stops_slurmd_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let release = Release {
+        root: None,
+        plugin: None,
+    };
+    let env = TestEnv::new("proctrack");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let mut s = spec(
+        &release,
+        &slice,
+        &d,
+        "nvml = false\n",
+        false,
+        "Alloc,Contain",
+    );
+    if let Some(v2) = s.v2node.as_mut() {
+        v2.slurm_conf = v2.slurm_conf.replace(
+            "ProctrackType=proctrack/cgroup",
+            "ProctrackType=proctrack/linuxproc",
+        );
+    }
+    let (cluster, out) = Cluster::launch(&env, &s);
+    assert!(!out.status.success(), "slurmd started: {}", both(&out));
+    let log = std::fs::read_to_string(cluster.dir.join("log/slurmd.log")).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("gpufence:")).collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("ProctrackType=proctrack/linuxproc")
+                && l.contains("set ProctrackType=proctrack/cgroup")
+                && l.contains("layout = \"own\"")),
+        "one line naming what is set and what to set:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        log.contains("slurmd initialization failed") || log.contains("fatal"),
+        "slurmd did not start:\n{log}"
+    );
+    drop(cluster);
+}
