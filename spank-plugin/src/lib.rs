@@ -104,6 +104,9 @@ fn hook(
     argv: *const *const c_char,
     which: Callback,
 ) -> c_int {
+    // SAFETY: Slurm passes argc and argv of the plugstack.conf line.
+    let args = unsafe { raw_plugin_args(ac, argv) };
+    ARGS.with(|a| *a.borrow_mut() = args);
     slurm_spank::spank_callback_with_globals::<GpuFence, _>(move |plugin, options, need_setup| {
         let mut h = slurm_spank::init_spank_handle(spank, ac, argv, options);
         if need_setup {
@@ -111,6 +114,53 @@ fn hook(
         }
         which(plugin, &mut h).inspect_err(|e| plugin.report_error(e.as_ref()))
     })
+}
+
+thread_local! {
+    /// The plugstack.conf arguments of the callback running on this thread,
+    /// read by [`hook`] ([`raw_plugin_args`]).
+    static ARGS: std::cell::RefCell<Result<PluginArgs, String>> =
+        std::cell::RefCell::new(Ok(PluginArgs::default()));
+}
+
+/// The plugstack.conf arguments of the running callback.
+///
+/// # Errors
+/// The message of [`PluginArgs::parse`], or for an argument that is not
+/// UTF-8.
+fn plugin_args() -> Result<PluginArgs, String> {
+    ARGS.with(|a| a.borrow().clone())
+}
+
+/// Reads the arguments Slurm passes to a callback. A plugstack.conf line
+/// with no arguments comes as `argc == 0` and `argv` NULL (`_spank_plugin_create`,
+/// `src/common/plugstack.c`): slurm-spank 0.2.4's `plugin_argv` then makes a
+/// slice from a NULL pointer, which is undefined behaviour (debug builds
+/// abort, taking slurmd down), so the plugin reads them itself.
+///
+/// # Safety
+/// `argv` is NULL or points to `ac` pointers, each NULL or to a
+/// NUL-terminated string, valid for the call.
+unsafe fn raw_plugin_args(ac: c_int, argv: *const *const c_char) -> Result<PluginArgs, String> {
+    if ac <= 0 || argv.is_null() {
+        return Ok(PluginArgs::default());
+    }
+    let mut words = Vec::new();
+    for i in 0..ac as usize {
+        // SAFETY: i < ac, as the caller promises.
+        let p = unsafe { *argv.add(i) };
+        if p.is_null() {
+            continue;
+        }
+        // SAFETY: a NUL-terminated string, as the caller promises.
+        let w = unsafe { std::ffi::CStr::from_ptr(p) };
+        words.push(
+            w.to_str()
+                .map_err(|_| format!("plugstack.conf argument {w:?} is not UTF-8"))?
+                .to_string(),
+        );
+    }
+    PluginArgs::parse(words.iter().map(String::as_str))
 }
 
 /// `slurm_spank_init`: options first (every context where users type them
@@ -278,6 +328,13 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
     if let Some(m) = args.mode {
         node.cfg.mode = m;
     }
+    // slurmd's own command line (this process): its -N, if any.
+    let cmdline: Vec<String> = std::fs::read("/proc/self/cmdline")
+        .unwrap_or_default()
+        .split(|b| *b == 0)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    node.slurm_node = gpufence_node::slurmd_node_arg(&cmdline);
     let conf = slurm_conf_path();
     // layout = "slurm" without proctrack/cgroup (or with cgroup/v1) would
     // refuse every step: refuse slurmd instead, with the one line that says
@@ -331,7 +388,7 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
 
 impl GpuFence {
     fn remote_init(&mut self, spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
-        let args = PluginArgs::parse(spank.plugin_argv()?)?;
+        let args = plugin_args()?;
         let req = StepRequest {
             job_id: spank.job_id()?,
             step_id: spank.job_stepid()?,
@@ -428,7 +485,7 @@ unsafe impl Plugin for GpuFence {
     fn init(&mut self, spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
         match spank.context()? {
             Context::Slurmd => {
-                let args = PluginArgs::parse(spank.plugin_argv()?)?;
+                let args = plugin_args()?;
                 slurmd_start(&args)
             }
             Context::Remote => self.remote_init(spank),
@@ -482,5 +539,26 @@ mod tests {
         for bad in ["config=", "cfg=/x", "config", "mode=watch", "mode="] {
             assert!(PluginArgs::parse([bad]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn raw_args_without_any() {
+        // A plugstack.conf line with no arguments: argc 0, argv NULL.
+        // SAFETY: NULL argv with argc 0 is what the function handles.
+        let a = unsafe { raw_plugin_args(0, std::ptr::null()) };
+        assert_eq!(a, Ok(PluginArgs::default()));
+        let words = [c"config=/etc/x.toml".as_ptr(), c"mode=audit".as_ptr()];
+        // SAFETY: two valid C strings.
+        let a = unsafe { raw_plugin_args(2, words.as_ptr()) }.unwrap();
+        assert_eq!(
+            (a.config, a.mode),
+            (
+                Some(PathBuf::from("/etc/x.toml")),
+                Some(gpufence_model::config::Mode::Audit)
+            )
+        );
+        let bad = [c"cfg=/x".as_ptr()];
+        // SAFETY: one valid C string.
+        assert!(unsafe { raw_plugin_args(1, bad.as_ptr()) }.is_err());
     }
 }
