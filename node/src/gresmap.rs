@@ -328,10 +328,14 @@ fn cmd_line(slurmd: &Path, slurm_conf: &Path) -> String {
 
 /// `slurmd -G` with `SLURM_CONF`, the recursion guard and piped output;
 /// where it runs is the caller's to say.
-fn slurmd_g_command(slurmd: &Path, slurm_conf: &Path) -> Command {
+fn slurmd_g_command(slurmd: &Path, slurm_conf: &Path, slurm_node: Option<&str>) -> Command {
     let mut cmd = Command::new(slurmd);
-    cmd.arg("-G")
-        .env("SLURM_CONF", slurm_conf)
+    cmd.arg("-G");
+    if let Some(n) = slurm_node {
+        // Several slurmd on one host (MULTIPLE_SLURMD): this node's list.
+        cmd.args(["-N", n]);
+    }
+    cmd.env("SLURM_CONF", slurm_conf)
         .env(IN_SLURMD_G_ENV, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -443,7 +447,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     let me = std::process::id();
     remove_stale_leaves(node, me);
     let rel = make_cgroup(node, me, &cmdline)?;
-    let mut cmd = slurmd_g_command(&node.cfg.slurmd_bin, slurm_conf);
+    let mut cmd = slurmd_g_command(&node.cfg.slurmd_bin, slurm_conf, node.slurm_node.as_deref());
     cmd.env(INVOCATION_ID_ENV, fresh_invocation_id());
     if let Err(e) = node.cg.join_at_exec(&rel, &mut cmd) {
         let _ = node.cg.remove_tree(&rel);
@@ -584,7 +588,7 @@ mod tests {
     /// of its own: these tests of the output, the cache and the errors have
     /// no cgroup2 to write. The placement's tests are below.
     fn uncontained(node: &Node, conf: &Path) -> Result<String, NodeError> {
-        let cmd = slurmd_g_command(&node.cfg.slurmd_bin, conf);
+        let cmd = slurmd_g_command(&node.cfg.slurmd_bin, conf, node.slurm_node.as_deref());
         let line = cmd_line(&node.cfg.slurmd_bin, conf);
         spawn_and_collect(cmd, &line, SLURMD_G_TIMEOUT, "", &|| {})
     }

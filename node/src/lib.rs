@@ -62,6 +62,12 @@ pub struct Node {
     pub state: StateDir,
     /// `audit_log`.
     pub audit: AuditLog,
+    /// The Slurm node this process acts for, when slurmd names it (`slurmd
+    /// -N NAME`; the Prolog's `SLURMD_NODENAME`): `slurmd -G` gets it as `-N`,
+    /// so that on a host running several slurmd (`MULTIPLE_SLURMD`) it lists
+    /// this node's GPUs, not those of the first node whose `NodeHostname` is
+    /// the host's. `None`: slurmd picks the node by hostname.
+    pub slurm_node: Option<String>,
 }
 
 impl Node {
@@ -77,7 +83,16 @@ impl Node {
             cfg,
             origin,
             cg,
+            slurm_node: None,
         })
+    }
+
+    /// This node acting for Slurm node `name` ([`Node::slurm_node`]).
+    pub fn for_slurm_node(&self, name: Option<&str>) -> Node {
+        Node {
+            slurm_node: name.map(str::to_string),
+            ..self.clone()
+        }
     }
 
     /// Loads the config (`explicit`, else `$GPUFENCE_CONFIG`, else the
@@ -183,4 +198,49 @@ pub fn join_cgroup(a: &str, b: &str) -> String {
 /// Whether cgroup `path` is `root` or below it.
 pub fn is_under(path: &str, root: &str) -> bool {
     root.is_empty() || path == root || path.starts_with(&format!("{root}/"))
+}
+
+/// The node name slurmd was started with: the value of `-N NAME` (or
+/// `-NNAME`) in its command line (`args`, without `argv[0]` or with it:
+/// `slurmd` takes `-N` through getopt, `src/slurmd/slurmd/slurmd.c`
+/// `_process_cmdline`). `None` when it has none (slurmd then finds its node
+/// by hostname).
+pub fn slurmd_node_arg(args: &[String]) -> Option<String> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--" {
+            break;
+        }
+        if a == "-N" {
+            return it.next().filter(|v| !v.is_empty()).cloned();
+        }
+        if let Some(v) = a.strip_prefix("-N").filter(|v| !v.is_empty()) {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod slurmd_node_tests {
+    use super::slurmd_node_arg;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn node_name_from_slurmd_command_line() {
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-D", "-f", "/x.conf", "-N", "gfn2"])),
+            Some("gfn2".into())
+        );
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-Ngfn1"])),
+            Some("gfn1".into())
+        );
+        assert_eq!(slurmd_node_arg(&args(&["slurmd", "-D"])), None);
+        assert_eq!(slurmd_node_arg(&args(&["slurmd", "-N"])), None);
+        assert_eq!(slurmd_node_arg(&args(&["slurmd", "--", "-N", "x"])), None);
+    }
 }

@@ -211,7 +211,10 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         return Ok(rec);
     }
     let protected = node.protected_majors()?;
-    let map = gresmap::load(node, env.slurm_conf.as_deref())?;
+    let map = gresmap::load(
+        &node.for_slurm_node(env.node_name.as_deref()),
+        env.slurm_conf.as_deref(),
+    )?;
     let indices = complete_indices(node, env, &map, &mut rec.notes)?;
     rec.gres_indices = indices.clone();
     let mut seen = BTreeSet::new();
