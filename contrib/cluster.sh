@@ -34,6 +34,14 @@
 #                               stop's scancel) chrooted in ROOT, a Debian root
 #                               of another Slurm release (v2node/make-root.sh);
 #                               DIR must be under /tmp, which ROOT shares.
+#   GPUFENCE_CLUSTER_NODES="a b"  several nodes on this host (MULTIPLE_SLURMD):
+#                               one slurmd per name (-N name), pid recorded as
+#                               slurmd-<name>, in GPUFENCE_SLURMD_CGROUP with
+#                               %n replaced by the name, with the KEY=VALUE
+#                               lines of DIR/node-<name>.env added to its
+#                               environment. The caller writes the NodeName
+#                               lines (with Port=) and the %n paths of
+#                               SlurmdSpoolDir/SlurmdLogFile/SlurmdPidFile.
 #   GPUFENCE_CLUSTER_V2NODE=1   run slurmd as on a systemd-managed pure
 #                               cgroup v2 node (v2node/enter.sh: INVOCATION_ID,
 #                               and on a hybrid host a private mount namespace
@@ -437,10 +445,17 @@ cmd_start() {
         die "a cluster is already running in $DIR; run stop first"
 
     local cg=${GPUFENCE_SLURMD_CGROUP:-}
-    if [[ -n $cg ]]; then
+    if [[ -n $cg && $cg != *%n* ]]; then
         [[ -f $cg/cgroup.procs ]] || die "GPUFENCE_SLURMD_CGROUP=$cg is not a cgroup directory"
         # Absolute, because the daemon wrapper changes to / first.
         cg=$(cd "$cg" && pwd -P)
+    elif [[ -n $cg ]]; then
+        [[ ${GPUFENCE_CLUSTER_NODES:-} ]] || die "GPUFENCE_SLURMD_CGROUP=$cg names %n without GPUFENCE_CLUSTER_NODES"
+        [[ $cg == /* ]] || die "GPUFENCE_SLURMD_CGROUP=$cg must be absolute"
+        local n
+        for n in $GPUFENCE_CLUSTER_NODES; do
+            [[ -f ${cg//%n/$n}/cgroup.procs ]] || die "${cg//%n/$n} is not a cgroup directory"
+        done
     fi
 
     # Start state: a fresh controller state (drained nodes and job ids of a
@@ -477,7 +492,22 @@ cmd_start() {
         shim=$(build_shim) || fail "cannot build the v2node library (is a C compiler installed?)"
         wrap=(bash "$HERE/v2node/enter.sh" "$shim")
     fi
-    spawn slurmd "$cg" "${wrap[@]}" slurmd -D -f "$CONF" "${nflag[@]}"
+    if [[ -n ${GPUFENCE_CLUSTER_NODES:-} ]]; then
+        # Several nodes on this host (Slurm built with MULTIPLE_SLURMD, as
+        # Debian's is): one slurmd per name, each claiming its node (-N).
+        local n ncg
+        local -a nenv
+        for n in $GPUFENCE_CLUSTER_NODES; do
+            ncg=${cg//%n/$n}
+            # SlurmdSpoolDir=.../spool/%n: slurmd does not make it.
+            mkdir -p "$DIR/spool/$n"
+            nenv=()
+            [[ -f $DIR/node-$n.env ]] && mapfile -t nenv <"$DIR/node-$n.env"
+            spawn "slurmd-$n" "$ncg" "${wrap[@]}" env "${nenv[@]}" slurmd -D -f "$CONF" -N "$n"
+        done
+    else
+        spawn slurmd "$cg" "${wrap[@]}" slurmd -D -f "$CONF" "${nflag[@]}"
+    fi
     wait_for "$WAIT_S" "the node to be idle" node_idle || fail "the node did not become idle: $(sinfo -h -N -o '%N %T %E' 2>&1)"
 
     # A job as the unprivileged user exercises munge (client side as that
@@ -497,7 +527,7 @@ cmd_start() {
 # any_alive: pids of this DIR's daemons and step daemons still running.
 any_alive() {
     local n
-    for n in slurmctld slurmd munged; do
+    for n in slurmctld munged $(slurmd_names); do
         pid_of "$n" || true
     done
     marked_stepds
@@ -511,11 +541,26 @@ kill_all() {
     kill "-$sig" "$@" 2>/dev/null || true
 }
 
+# slurmd_names: the names the slurmd pids were recorded under (slurmd, or
+# slurmd-<node> for each node of GPUFENCE_CLUSTER_NODES).
+slurmd_names() {
+    local f
+    for f in "$DIR"/run/slurmd.pid "$DIR"/run/slurmd-*.pid; do
+        [[ -f $f ]] || continue
+        f=${f##*/}
+        printf '%s\n' "${f%.pid}"
+    done
+}
+
 cmd_stop() {
     [[ -d $DIR/run ]] || return 0
-    local ctld slurmd munged
+    local ctld slurmd munged n p
     ctld=$(pid_of slurmctld || true)
-    slurmd=$(pid_of slurmd || true)
+    slurmd=
+    for n in $(slurmd_names); do
+        p=$(pid_of "$n" || true)
+        [[ -n $p ]] && slurmd+="${slurmd:+ }$p"
+    done
     munged=$(pid_of munged || true)
 
     # Cancel jobs first while the daemons are up, so that their epilogs run
@@ -538,7 +583,8 @@ cmd_stop() {
     local -a stepds workers=() ctld_tree=() late=()
     mapfile -t stepds < <(marked_stepds)
     if [[ -n $slurmd || ${#stepds[@]} -gt 0 ]]; then
-        mapfile -t workers < <(descendants ${slurmd:+"$slurmd"} "${stepds[@]}")
+        # shellcheck disable=SC2086 # one pid per word
+        mapfile -t workers < <(descendants $slurmd "${stepds[@]}")
     fi
     workers+=("${stepds[@]}")
     [[ -n $ctld ]] && mapfile -t ctld_tree < <(descendants "$ctld")
@@ -546,8 +592,10 @@ cmd_stop() {
     # slurmd first, while slurmctld still answers: its shutdown waits for
     # threads that may be reporting a killed prolog to the controller.
     if [[ -n $slurmd ]]; then
-        kill_all TERM "$slurmd"
-        wait_gone "$slurmd" || kill_all KILL "$slurmd"
+        # shellcheck disable=SC2086
+        kill_all TERM $slurmd
+        # shellcheck disable=SC2086
+        wait_gone $slurmd || kill_all KILL $slurmd
     fi
     if [[ -n $ctld ]]; then
         kill_all TERM "$ctld"
@@ -562,7 +610,8 @@ cmd_stop() {
         wait_gone "$munged" || kill_all KILL "$munged"
     fi
     local -a all=("${workers[@]}" "${ctld_tree[@]}" "${late[@]}")
-    [[ -n $slurmd ]] && all+=("$slurmd")
+    # shellcheck disable=SC2206
+    [[ -n $slurmd ]] && all+=($slurmd)
     [[ -n $ctld ]] && all+=("$ctld")
     ((${#all[@]} == 0)) || wait_gone "${all[@]}" ||
         echo "cluster.sh: some processes of $DIR did not exit" >&2

@@ -69,6 +69,29 @@ pub fn cluster_sh_start_in(
     c.output().expect("run cluster.sh")
 }
 
+/// `contrib/cluster.sh start DIR` for several nodes on this host
+/// (`GPUFENCE_CLUSTER_NODES`): one slurmd per name, each in
+/// `slurmd_cg` with `%n` replaced by its name, as on a real cgroup/v2
+/// node. The caller writes slurm-extra.conf (the NodeName lines with
+/// `Port=`, the `%n` paths) and `DIR/node-<name>.env`.
+pub fn cluster_sh_start_nodes(
+    dir: &Path,
+    port_base: u16,
+    slurmd_cg: &str,
+    nodes: &[&str],
+) -> Output {
+    Command::new("bash")
+        .arg(script())
+        .arg("start")
+        .arg(dir)
+        .env("GPUFENCE_CLUSTER_PORT_BASE", port_base.to_string())
+        .env("GPUFENCE_SLURMD_CGROUP", slurmd_cg)
+        .env("GPUFENCE_CLUSTER_NODES", nodes.join(" "))
+        .env("GPUFENCE_CLUSTER_V2NODE", "1")
+        .output()
+        .expect("run cluster.sh")
+}
+
 /// `inner` run chrooted in `root` (`contrib/v2node/chroot.sh`), in the
 /// same working directory (the root shares this host's `/tmp`).
 pub fn in_root(root: &Path, inner: &Command) -> Command {
@@ -97,7 +120,8 @@ pub fn cluster_sh_stop(dir: &Path) {
         .output();
 }
 
-fn copy_exec(from: &Path, to: &Path) {
+/// Copies an executable to `to`, mode 0755 (readable by the test user).
+pub fn copy_exec(from: &Path, to: &Path) {
     std::fs::copy(from, to)
         .unwrap_or_else(|e| panic!("copy {} -> {}: {e}", from.display(), to.display()));
     std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();

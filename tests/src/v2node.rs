@@ -118,8 +118,8 @@ impl V2Slice {
         format!("{SLICE}/{node_name}_slurmstepd.scope")
     }
 
-    /// The job cgroups under Slurm's scope (names: `job_<id>`, or the
-    /// SLUID on 26.05), i.e. every directory there but Slurm's own `system`.
+    /// The job cgroups under Slurm's scope: directories named `job_<id>`,
+    /// or a SLUID (26.05).
     pub fn job_cgroups(&self, node_name: &str) -> Vec<String> {
         let Ok(rd) = std::fs::read_dir(self.cg.path(&V2Slice::scope(node_name))) else {
             return Vec::new();
@@ -127,7 +127,7 @@ impl V2Slice {
         rd.flatten()
             .filter(|e| e.path().is_dir())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n != "system")
+            .filter(|n| n.starts_with("job_") || gpufence_cgroup::hierarchy::is_sluid(n))
             .collect()
     }
 }

@@ -1009,3 +1009,293 @@ fn default_layout_without_proctrack_cgroup_stops_slurmd_22_05_host() {
     );
     drop(cluster);
 }
+
+/// Two nodes on this host (Debian builds Slurm with `MULTIPLE_SLURMD`: two
+/// slurmd with their own node names and ports), each a cgroup/v2 node with
+/// its own gpufence (config, maps, state, audit log) fencing its own
+/// `system.slice/<node>_slurmstepd.scope`, as two machines would. `n1` has
+/// two GPUs of one type, `n2` GPUs of two types (its Prolog also asks
+/// slurmctld for the allocation, since Slurm's Prolog environment holds
+/// only the last type's indices). A job spanning both nodes gets, on each,
+/// exactly that node's share.
+#[test]
+fn two_nodes_each_grant_their_own_share_22_05_host() {
+    use gpufence_tests::cluster::{cluster_sh_start_nodes, copy_exec};
+    use std::os::unix::fs::PermissionsExt;
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("twonodes");
+    let real = HoldableDevice::claim();
+    let a3 = env.mknod("nvidia3", 195, 3);
+    let a1 = env.mknod("nvidia1", 195, 1);
+    let b5 = env.mknod("nvidia5", 195, 5);
+    let held = env.mknod("nvidia-held", real.major, real.minor);
+    let slice = V2Slice::claim();
+    let nodes = ["gfn1", "gfn2"];
+    for n in nodes {
+        env.cg
+            .create(&format!("{SLICE}/slurmd-{n}.service"))
+            .unwrap();
+        env.cg.create(&V2Slice::scope(n)).unwrap();
+    }
+    let port: u16 = std::env::var("GPUFENCE_V2NODE_PORT_BASE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(17417);
+    let dir = env.path("cluster");
+    let bin = env.path("bin");
+    for d in [&dir, &bin, &env.path("jobs")] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    for b in [
+        "gpufence-prolog",
+        "gpufence-epilog",
+        "gpufence",
+        "gpufence-probe",
+    ] {
+        copy_exec(&gpufence_tests::workspace_bin(b), &bin.join(b));
+    }
+    copy_exec(
+        &gpufence_tests::workspace_bin("libgpufence.so"),
+        &bin.join("gpufence.so"),
+    );
+    // One gpufence per node: its own config, maps, state and audit log.
+    let config = |n: &str| bin.join(format!("gpufence-{n}.toml"));
+    for n in nodes {
+        std::fs::write(
+            config(n),
+            format!(
+                "cgroup_root = \"{scope}\"\nbpffs_dir = \"{bpffs}-{n}\"\nstate_dir = \"{tmp}/state-{n}\"\n\
+                 audit_log = \"{tmp}/log/audit-{n}.jsonl\"\nevidence_dir = \"{tmp}/evidence-{n}\"\n\
+                 dev_dir = \"{tmp}/dev\"\nnvml = false\nslurmd_bin = \"{bin}/slurmd-v2node\"\n\
+                 [majors]\nnvidia = 195\nfake-held = {major}\n",
+                scope = V2Slice::scope(n),
+                bpffs = env.bpffs.display(),
+                tmp = env.tmp.path().display(),
+                bin = bin.display(),
+                major = real.major,
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(format!("node-{n}.env")),
+            format!("GPUFENCE_CONFIG={}\n", config(n).display()),
+        )
+        .unwrap();
+    }
+    for which in ["prolog", "epilog"] {
+        let p = bin.join(format!("{which}.sh"));
+        std::fs::write(
+            &p,
+            format!(
+                "#!/bin/sh\nexec {}/gpufence-{which} --config {}/gpufence-$SLURMD_NODENAME.toml\n",
+                bin.display(),
+                bin.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::write(
+        bin.join("slurmd-v2node"),
+        format!(
+            "#!/bin/sh\nif grep -qv '^0::' /proc/self/cgroup; then\n    LD_PRELOAD={}/proc-cgroup-v2only.so exec /usr/sbin/slurmd \"$@\"\nfi\nexec /usr/sbin/slurmd \"$@\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        bin.join("slurmd-v2node"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    // The plugin reads its config from GPUFENCE_CONFIG (per slurmd).
+    std::fs::write(
+        dir.join("plugstack.conf"),
+        format!("required {}/gpufence.so\n", bin.display()),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("gres.conf"),
+        format!(
+            "NodeName=gfn1 Name=gpu Type=sim File={}\nNodeName=gfn1 Name=gpu Type=sim File={}\n\
+             NodeName=gfn2 Name=gpu Type=sim File={}\nNodeName=gfn2 Name=gpu Type=held File={}\n",
+            a3.display(),
+            a1.display(),
+            b5.display(),
+            held.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.join("cgroup.conf"), gpufence_tests::v2node::CGROUP_CONF).unwrap();
+    std::fs::write(
+        dir.join("slurm-extra.conf"),
+        format!(
+            "NodeName=gfn1 NodeHostname={host} NodeAddr=127.0.0.1 Port={p1} CPUs=2 RealMemory=2000 Gres=gpu:sim:2 State=UNKNOWN\n\
+             NodeName=gfn2 NodeHostname={host} NodeAddr=127.0.0.1 Port={p2} CPUs=2 RealMemory=2000 Gres=gpu:sim:1,gpu:held:1 State=UNKNOWN\n\
+             SlurmdSpoolDir={d}/spool/%n\nSlurmdLogFile={d}/log/slurmd-%n.log\nSlurmdPidFile={d}/run/slurmd-%n.slurm-pid\n\
+             ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup\nPrologFlags=Alloc,Contain\n\
+             PlugStackConfig={d}/plugstack.conf\nProlog={b}/prolog.sh\nEpilog={b}/epilog.sh\n",
+            host = hostname(),
+            p1 = port + 2,
+            p2 = port + 3,
+            d = dir.display(),
+            b = bin.display(),
+        ),
+    )
+    .unwrap();
+    let cg = format!("{}/slurmd-%n.service", env.cg.path(SLICE).display());
+    let pins: Vec<PathBuf> = nodes
+        .iter()
+        .map(|n| PathBuf::from(format!("{}-{n}", env.bpffs.display())))
+        .collect();
+    struct Unpin(Vec<PathBuf>);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = gpufence_cgroup::fence::Fence::remove(p);
+            }
+        }
+    }
+    let _unpin = Unpin(pins);
+    let out = cluster_sh_start_nodes(&dir, port, &cg, &nodes);
+    let cluster = Cluster {
+        slurm_conf: dir.join("slurm.conf"),
+        dir: dir.clone(),
+        bin: bin.clone(),
+        config: config("gfn1"),
+        slurmd_cgroup: env.cg.path(SLICE),
+        root: None,
+    };
+    let log = |n: &str| {
+        std::fs::read_to_string(dir.join(format!("log/slurmd-{n}.log"))).unwrap_or_default()
+    };
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{}",
+        both(&out),
+        log("gfn1"),
+        log("gfn2")
+    );
+
+    let probe_s = bin.join("gpufence-probe").display().to_string();
+    let all = [&a3, &a1, &b5, &held]
+        .map(|p| p.display().to_string())
+        .join(" ");
+    let script = format!("{probe_s} open {all} | sed \"s/^/$SLURMD_NODENAME /\"");
+    // A job on both nodes, one sim GPU on each.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "-N2",
+            "--ntasks-per-node=1",
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{}\n{}\n{}",
+        both(&o),
+        log("gfn1"),
+        log("gfn2")
+    );
+    let on =
+        |out: &str, node: &str, dev: &PathBuf| verdict(out, format!("{node} {}", dev.display()));
+    assert_eq!(
+        [on(&out, "gfn1", &a3), on(&out, "gfn1", &a1)]
+            .iter()
+            .filter(|v| *v == "ENXIO")
+            .count(),
+        1,
+        "gfn1: one of its own GPUs:\n{out}"
+    );
+    assert_eq!(
+        (on(&out, "gfn1", &b5), on(&out, "gfn1", &held)),
+        ("EPERM".to_string(), "EPERM".to_string()),
+        "gfn1: nothing of gfn2's:\n{out}"
+    );
+    assert_eq!(
+        (
+            on(&out, "gfn2", &b5),
+            on(&out, "gfn2", &a3),
+            on(&out, "gfn2", &a1),
+            on(&out, "gfn2", &held)
+        ),
+        (
+            "ENXIO".to_string(),
+            "EPERM".to_string(),
+            "EPERM".to_string(),
+            "EPERM".to_string()
+        ),
+        "gfn2: its sim GPU only:\n{out}"
+    );
+    // Both types on gfn2 (Slurm's Prolog environment lists only the last
+    // type's index: the Prolog asks slurmctld and grants both).
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "-w",
+            "gfn2",
+            "--gres=gpu:sim:1,gpu:held:1",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}\n{}", both(&o), log("gfn2"));
+    assert_eq!(
+        (
+            on(&out, "gfn2", &b5),
+            on(&out, "gfn2", &held),
+            on(&out, "gfn2", &a3)
+        ),
+        ("ENXIO".to_string(), "ok".to_string(), "EPERM".to_string()),
+        "gfn2: both types:\n{out}"
+    );
+    // Each node's audit log holds its own grants only, and no grant is left.
+    for n in nodes {
+        let lines = gpufence_tests::audit_log(&env.path(&format!("log/audit-{n}.jsonl")));
+        let applied: Vec<&Value> = lines
+            .iter()
+            .filter(|e| e["event"] == "grant_applied")
+            .collect();
+        assert!(!applied.is_empty(), "{n}: {lines:?}");
+        for a in applied {
+            assert!(
+                a["cgroup"]
+                    .as_str()
+                    .unwrap_or("")
+                    .starts_with(&format!("/{}/", V2Slice::scope(n))),
+                "{n} granted outside its scope: {a}"
+            );
+        }
+    }
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || nodes.iter().all(|n| {
+            let o = std::process::Command::new(bin.join("gpufence"))
+                .arg("--config")
+                .arg(config(n))
+                .args(["grants", "--json"])
+                .output()
+                .unwrap();
+            serde_json::from_slice::<Value>(&o.stdout).ok() == Some(serde_json::json!([]))
+        })),
+        "grants left"
+    );
+    for n in nodes {
+        let mut left = Vec::new();
+        let gone = Cluster::wait_for(Duration::from_secs(10), || {
+            left = slice.job_cgroups(n);
+            left.is_empty()
+        });
+        assert!(gone, "{n}: job cgroups left: {left:?}");
+    }
+    drop(cluster);
+}
