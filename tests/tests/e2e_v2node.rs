@@ -250,7 +250,20 @@ fn real_cgroup_v2_node(release: &Release) {
             .args(d.all())
             .output()
             .unwrap();
-        (job, cpu, row(&stdout(&o), &d))
+        let outsider = row(&stdout(&o), &d);
+        // Let Slurm remove its job cgroups before the cluster is stopped
+        // (stop kills step daemons that may still be at it); what is left
+        // of Slurm alone is removed, so that only gpufence's node is judged.
+        Cluster::wait_for(Duration::from_secs(10), || {
+            slice.job_cgroups(&host).is_empty()
+        });
+        drop(cluster);
+        for j in slice.job_cgroups(&host) {
+            let _ = env
+                .cg
+                .remove_tree(&format!("{}/{j}", V2Slice::scope(&host)));
+        }
+        (job, cpu, outsider)
     };
     // What Slurm alone lets through (seen on 22.05, 24.11, 26.05): the job
     // its own GPU, every job nvidiactl, the outsider everything.
