@@ -5,6 +5,8 @@
 //! <state_dir>/jobs/<job_id>.json            JobRecord, written by the prolog
 //! <state_dir>/applied/<job_id>-<cgid>.json  AppliedGrant, written by the plugin
 //! <state_dir>/slurmd-G.txt                  cached `slurmd -G` output
+//! <state_dir>/slurmd-G-<node>.txt           the same for one Slurm node,
+//!                                           when slurmd names its node (-N)
 //! ```
 //!
 //! Every write is atomic (temporary file + rename): a reader sees a whole
@@ -164,13 +166,45 @@ impl StateDir {
         self.root.join("slurmd-G.txt")
     }
 
+    /// Path of the cached `slurmd -G -N <node>` output of Slurm node
+    /// `node` (a host running several slurmd lists each node's GPUs
+    /// apart); `None`: [`StateDir::gres_cache_path`]. Characters outside
+    /// `[A-Za-z0-9._-]` in the name become `_`.
+    pub fn gres_cache_path_for(&self, node: Option<&str>) -> PathBuf {
+        match node {
+            None => self.gres_cache_path(),
+            Some(n) => {
+                let safe: String = n
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
+                self.root.join(format!("slurmd-G-{safe}.txt"))
+            }
+        }
+    }
+
     /// Writes `text` as the `slurmd -G` cache, atomically.
     ///
     /// # Errors
     /// [`StateError::Io`].
     pub fn write_gres_cache(&self, text: &str) -> Result<(), StateError> {
+        self.write_gres_cache_for(None, text)
+    }
+
+    /// Writes `text` as the `slurmd -G` cache of `node`
+    /// ([`StateDir::gres_cache_path_for`]), atomically.
+    ///
+    /// # Errors
+    /// [`StateError::Io`].
+    pub fn write_gres_cache_for(&self, node: Option<&str>, text: &str) -> Result<(), StateError> {
         create_dir_all_mode(&self.root, 0o700).map_err(io_err(&self.root))?;
-        let p = self.gres_cache_path();
+        let p = self.gres_cache_path_for(node);
         write_atomic(&p, text.as_bytes(), 0o600).map_err(io_err(&p))
     }
 

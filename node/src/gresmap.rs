@@ -143,7 +143,15 @@ fn load_with(node: &Node, slurm_conf: Option<&Path>, run: Runner) -> Result<Gres
         );
     }
     let key = cache_key(&conf);
-    let cache = node.state.gres_cache_path();
+    // This node's own cache (slurmd named its node: a host may run several
+    // slurmd, each listing its own GPUs), else the one a slurmd started
+    // without -N wrote (one slurmd on the host, found by hostname).
+    let own = node.state.gres_cache_path_for(node.slurm_node.as_deref());
+    let cache = if node.slurm_node.is_some() && !own.exists() {
+        node.state.gres_cache_path()
+    } else {
+        own
+    };
     if let Ok(text) = std::fs::read_to_string(&cache) {
         let cached_key = text
             .lines()
@@ -191,8 +199,10 @@ fn refresh_with(node: &Node, slurm_conf: &Path, run: Runner) -> Result<GresMap, 
     let text = run(node, slurm_conf)?;
     let cmd = format!("{} -G", node.cfg.slurmd_bin.display());
     let map = checked(parse_slurmd_g(&text, Path::new(&cmd))?, cmd, slurm_conf)?;
-    node.state
-        .write_gres_cache(&format!("{CACHE_HEADER}{key}\n{text}"))?;
+    node.state.write_gres_cache_for(
+        node.slurm_node.as_deref(),
+        &format!("{CACHE_HEADER}{key}\n{text}"),
+    )?;
     Ok(map)
 }
 
@@ -622,6 +632,40 @@ mod tests {
             .unwrap_or_default()
             .lines()
             .count()
+    }
+
+    #[test]
+    fn each_slurm_node_of_a_host_has_its_own_list_and_cache() {
+        // Two slurmd on one host (MULTIPLE_SLURMD), one gpufence config:
+        // `slurmd -G -N na` and `-N nb` list different GPUs, and neither
+        // node's Prolog may map indices through the other's list.
+        let d = tempfile::tempdir().unwrap();
+        let s = fake_slurmd(
+            d.path(),
+            "case \"$3\" in\n\
+             na) echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=1 File=/dev/nvidia0 (null)\" >&2 ;;\n\
+             nb) echo \"slurmd: Gres Name=gpu Type=(null) Count=1 Index=1 ID=1 File=/dev/nvidia1 (null)\" >&2 ;;\n\
+             *) exit 7 ;;\n\
+             esac",
+        );
+        let n = node(d.path(), &s);
+        let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "ClusterName=x\n").unwrap();
+        let (na, nb) = (n.for_slurm_node(Some("na")), n.for_slurm_node(Some("nb")));
+        refresh_here(&na, &conf).unwrap();
+        refresh_here(&nb, &conf).unwrap();
+        let files = |m: GresMap| m.devices[0].files.clone();
+        assert_eq!(
+            files(load_here(&na, Some(&conf)).unwrap()),
+            vec![PathBuf::from("/dev/nvidia0")]
+        );
+        assert_eq!(
+            files(load_here(&nb, Some(&conf)).unwrap()),
+            vec![PathBuf::from("/dev/nvidia1")]
+        );
+        assert_eq!(runs(d.path()), 2, "both served from their own cache");
+        assert!(n.state.gres_cache_path_for(Some("na")).exists());
+        assert!(!n.state.gres_cache_path().exists());
     }
 
     #[test]
