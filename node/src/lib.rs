@@ -200,25 +200,73 @@ pub fn is_under(path: &str, root: &str) -> bool {
     root.is_empty() || path == root || path.starts_with(&format!("{root}/"))
 }
 
-/// The node name slurmd was started with: the value of `-N NAME` (or
-/// `-NNAME`) in its command line (`args`, without `argv[0]` or with it:
-/// `slurmd` takes `-N` through getopt, `src/slurmd/slurmd/slurmd.c`
-/// `_process_cmdline`). `None` when it has none (slurmd then finds its node
+/// slurmd's short options (`opt_string` in `_process_cmdline`,
+/// `src/slurmd/slurmd/slurmd.c`, the same from 22.05 to master): a letter
+/// followed by `:` takes an argument, by `::` an optional one (only when
+/// attached).
+const SLURMD_OPTS: &str = "bcCd:Df:F::GhL:Mn:N:svVZ";
+
+/// slurmd's long options that take an argument (`long_options`, same file;
+/// 22.05 has the first two, master all).
+const SLURMD_LONG_WITH_ARG: [&str; 8] = [
+    "conf",
+    "conf-server",
+    "authinfo",
+    "ca-cert-file",
+    "extra",
+    "instance-id",
+    "instance-type",
+    "parameters",
+];
+
+/// The node name slurmd was started with: the argument of `-N`, read from
+/// its command line (`args`, `argv[0]` first) as getopt does: short options
+/// may be clustered (`-DN name`, `-DNname`), the arguments of other options
+/// (`-L FILE`, `--conf-server HOST`) are skipped, `--` ends the options, and
+/// the last `-N` wins. `None` when there is none (slurmd then finds its node
 /// by hostname).
 pub fn slurmd_node_arg(args: &[String]) -> Option<String> {
-    let mut it = args.iter();
+    let takes_arg = |c: char| -> Option<bool> {
+        // Some(true): required argument; Some(false): none or optional.
+        let i = SLURMD_OPTS.find(c)?;
+        let rest = &SLURMD_OPTS[i + 1..];
+        Some(rest.starts_with(':') && !rest.starts_with("::"))
+    };
+    let mut node = None;
+    let mut it = args.iter().skip(1);
     while let Some(a) = it.next() {
         if a == "--" {
             break;
         }
-        if a == "-N" {
-            return it.next().filter(|v| !v.is_empty()).cloned();
+        if let Some(long) = a.strip_prefix("--") {
+            if !long.contains('=') && SLURMD_LONG_WITH_ARG.contains(&long) {
+                it.next();
+            }
+            continue;
         }
-        if let Some(v) = a.strip_prefix("-N").filter(|v| !v.is_empty()) {
-            return Some(v.to_string());
+        let Some(cluster) = a.strip_prefix('-').filter(|c| !c.is_empty()) else {
+            continue; // an operand: getopt permutes past it
+        };
+        for (pos, c) in cluster.char_indices() {
+            match takes_arg(c) {
+                Some(true) => {
+                    let attached = &cluster[pos + c.len_utf8()..];
+                    let value = if attached.is_empty() {
+                        it.next().cloned()
+                    } else {
+                        Some(attached.to_string())
+                    };
+                    if c == 'N' {
+                        node = value.filter(|v| !v.is_empty());
+                    }
+                    break;
+                }
+                Some(false) if c == 'F' => break, // F:: takes the rest, if any
+                _ => {}
+            }
         }
     }
-    None
+    node
 }
 
 #[cfg(test)]
@@ -239,8 +287,30 @@ mod slurmd_node_tests {
             slurmd_node_arg(&args(&["slurmd", "-Ngfn1"])),
             Some("gfn1".into())
         );
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-DN", "na"])),
+            Some("na".into())
+        );
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-DNna"])),
+            Some("na".into())
+        );
+        // -L takes an argument: "-Nx.log" is the log file, not a node.
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-L", "-Nx.log", "-N", "na"])),
+            Some("na".into())
+        );
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "--conf-server", "-N", "-N", "nb"])),
+            Some("nb".into())
+        );
         assert_eq!(slurmd_node_arg(&args(&["slurmd", "-D"])), None);
         assert_eq!(slurmd_node_arg(&args(&["slurmd", "-N"])), None);
         assert_eq!(slurmd_node_arg(&args(&["slurmd", "--", "-N", "x"])), None);
+        assert_eq!(slurmd_node_arg(&args(&["-N", "argv0-is-skipped"])), None);
+        assert_eq!(
+            slurmd_node_arg(&args(&["slurmd", "-Fx", "-N", "n"])),
+            Some("n".into())
+        );
     }
 }
