@@ -121,6 +121,19 @@ pub enum NodeError {
         /// The gpufence config that sets the layout.
         gpufence_toml: String,
     },
+    /// `layout = "own"` with `PrologFlags=RunInJob`: the plugin moves the
+    /// extern slurmstepd into gpufence's own job cgroup, where Slurm then
+    /// forks the Prolog and Epilog, and the own layout's clean-up of that
+    /// cgroup kills them and the extern step: every job would fail.
+    #[error("layout = \"own\" cannot run with PrologFlags=RunInJob ({file} has PrologFlags={flags}): Slurm runs the Prolog and Epilog inside the job's extern step, which the own layout moves into a job cgroup of gpufence's that its clean-up kills; use layout = \"slurm\" (Slurm's cgroup/v2 plugin with ProctrackType=proctrack/cgroup) in {gpufence_toml}, or remove RunInJob from PrologFlags")]
+    OwnLayoutRunInJob {
+        /// slurm.conf.
+        file: PathBuf,
+        /// Its PrologFlags.
+        flags: String,
+        /// The gpufence config that sets the layout.
+        gpufence_toml: String,
+    },
     /// slurm.conf or gres.conf changed since slurmd read them.
     #[error("slurm.conf or gres.conf changed since slurmd started ({cached} -> {now}); the running slurmd numbers GPUs by the old files, so GRES indices cannot be mapped safely: restart slurmd")]
     GresChanged {

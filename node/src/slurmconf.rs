@@ -248,7 +248,22 @@ pub fn check_layout(
 /// and slurm.conf cannot be read (slurmd has just read it: fail closed).
 /// A missing cgroup.conf is Slurm's defaults, not an error.
 pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError> {
+    let toml = || match &node.origin {
+        ConfigOrigin::File(p) => p.display().to_string(),
+        ConfigOrigin::Defaults => DEFAULT_CONFIG_PATH.to_string(),
+    };
     if node.cfg.layout != Layout::Slurm {
+        // The own layout reads nothing of Slurm's, save this one refusal
+        // (an unreadable slurm.conf is left to slurmd, as before).
+        if let Ok(slurm) = SlurmConf::load(slurm_conf) {
+            if slurm.run_in_job() {
+                return Err(NodeError::OwnLayoutRunInJob {
+                    file: slurm_conf.to_path_buf(),
+                    flags: slurm.prolog_flags.clone().unwrap_or_default(),
+                    gpufence_toml: toml(),
+                });
+            }
+        }
         return Ok(());
     }
     let slurm = SlurmConf::load(slurm_conf)?;
@@ -258,17 +273,13 @@ pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(NodeError::io("read", &cgroup_conf, e)),
     };
-    let toml = match &node.origin {
-        ConfigOrigin::File(p) => p.display().to_string(),
-        ConfigOrigin::Defaults => DEFAULT_CONFIG_PATH.to_string(),
-    };
     check_layout(
         node.cfg.layout,
         &slurm,
         slurm_conf,
         cgroup.as_ref(),
         &cgroup_conf,
-        &toml,
+        &toml(),
     )
 }
 
@@ -474,5 +485,16 @@ NodeName=n[1-4] CPUs=4 Gres=gpu:2 State=UNKNOWN
         std::fs::remove_file(d.path().join("cgroup.conf")).unwrap();
         let e = check_node_layout(&node("slurm"), &conf).unwrap_err();
         assert!(matches!(e, NodeError::SlurmLayout { .. }), "{e}");
+        // The own layout cannot run with RunInJob; without it, it runs
+        // whatever Slurm's proctrack.
+        check_node_layout(&node("own"), &conf).unwrap();
+        std::fs::write(&conf, "PrologFlags=Alloc,Contain,RunInJob\n").unwrap();
+        let e = check_node_layout(&node("own"), &conf).unwrap_err();
+        assert!(
+            matches!(e, NodeError::OwnLayoutRunInJob { .. })
+                && e.to_string().contains("PrologFlags=Alloc,Contain,RunInJob"),
+            "{e}"
+        );
+        check_node_layout(&node("slurm"), &conf).unwrap();
     }
 }
