@@ -93,8 +93,30 @@ pub enum Error {
         /// errno.
         source: io::Error,
     },
+    /// The cgroup2 mount does not show the whole hierarchy (a cgroup
+    /// namespace: a container, `unshare --cgroup`), so paths under it do
+    /// not count levels from the kernel's root, and the kernel could not
+    /// say where the mount's root sits.
+    #[error(
+        "the cgroup2 mount {mount} shows cgroup id {root_id} at its root, not the hierarchy's root          (id 1): this process is in a cgroup namespace (a container, unshare --cgroup), where paths          count levels from the namespace's root while the fence program counts them from the          kernel's. gpufence reads the kernel's level with a BPF cgroup iterator (bpf_iter__cgroup,          kernel/bpf/cgroup_iter.c: Linux 6.1 or later, vmlinux BTF from CONFIG_DEBUG_INFO_BTF,          CAP_BPF and CAP_PERFMON), which failed: {detail}. Nothing is granted or exempted at a          guessed level: run gpufence where that works, or outside the cgroup namespace."
+    )]
+    KernelLevelUnknown {
+        /// The mount point.
+        mount: PathBuf,
+        /// The cgroup id of the mount's root directory.
+        root_id: u64,
+        /// Why the kernel could not be asked.
+        detail: String,
+    },
+    /// A cgroup path that leaves the mount: a process outside this cgroup
+    /// namespace's root (`/proc/<pid>/cgroup` shows `/../..` for it).
+    #[error("cgroup path /{path} is outside this cgroup namespace's root (or has . or .. components): its level cannot be counted from here")]
+    OutsideMount {
+        /// The path as given.
+        path: String,
+    },
     /// A cgroup cannot be granted: it is deeper than the fence walks.
-    #[error("cgroup {path} is at level {level}, deeper than the {max} levels the fence walks; grants there would never match")]
+    #[error("cgroup {path} is at kernel level {level}, deeper than the {max} levels the fence walks; grants there would never match")]
     TooDeep {
         /// The cgroup.
         path: String,
@@ -103,6 +125,9 @@ pub enum Error {
         /// The fence's limit.
         max: usize,
     },
+    /// The fence program did not run in the interpreter (a bug).
+    #[error("running the fence program in the interpreter: {0}")]
+    Interp(#[from] crate::interp::InterpError),
     /// Assembling the program failed (a bug in the builder).
     #[error("fence program assembly: {0}")]
     Asm(#[from] crate::asm::AsmError),

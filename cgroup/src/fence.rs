@@ -20,7 +20,7 @@ use gpufence_model::device::{Access, DevNum};
 use gpufence_model::procdevices::ProtectedMajors;
 
 use crate::error::{Error, Result};
-use crate::hierarchy::{level_of, Cgroup2};
+use crate::hierarchy::Cgroup2;
 use crate::maps::{
     map_specs, DenialKey, DenialValue, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT,
     CGROUP_GRANTED, CGROUP_VALUE_SIZE, MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS,
@@ -28,6 +28,7 @@ use crate::maps::{
 };
 use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
+use crate::verdict::{self, Evaluation, MapRole, MapView};
 
 /// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -78,6 +79,14 @@ pub struct InstallReport {
     pub mounted_bpffs: bool,
     /// Notes for the admin (e.g. a map kept with another capacity).
     pub notes: Vec<String>,
+    /// The kernel level of the cgroup2 mount's root: 0, or in a cgroup
+    /// namespace how far below the hierarchy's root this process's paths
+    /// start.
+    pub mount_root_level: usize,
+    /// Entries kept from an earlier install whose recorded level was not
+    /// the kernel's level of their cgroup, now corrected:
+    /// `(cgroup path, id, recorded, kernel level)`.
+    pub relevelled: Vec<(String, u64, u32, usize)>,
 }
 
 /// What `status` found.
@@ -103,6 +112,11 @@ pub struct FenceStatus {
     pub exempt_cgroup_ids: Vec<u64>,
     /// Why it is not installed, or what looks wrong.
     pub problems: Vec<String>,
+    /// The kernel level of the cgroup2 mount's root (`Some(0)` outside a
+    /// cgroup namespace; more inside one: paths here start that many
+    /// levels below the hierarchy's root); `None` when it cannot be told
+    /// (then a problem says why).
+    pub mount_root_level: Option<usize>,
 }
 
 /// One entry of the grants map.
@@ -156,6 +170,24 @@ pub struct DenialEntry {
 fn bpf_err(op: &'static str, what: impl Into<String>) -> impl FnOnce(io::Error) -> Error {
     let what = what.into();
     move |source| Error::Bpf { op, what, source }
+}
+
+/// The kernel level of cgroup `path` (relative to `cg`'s mount), checking
+/// first that `path` is cgroup `cgroup_id` (a cgroup removed and made again
+/// under the same name has another id).
+fn located_level(cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<usize> {
+    let found = cg.id(path)?;
+    if found != cgroup_id {
+        return Err(Error::Cgroup {
+            op: "stat",
+            path: cg.path(path),
+            source: io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("is cgroup id {found}, not {cgroup_id} (removed and made again?)"),
+            ),
+        });
+    }
+    cg.kernel_level(path)
 }
 
 fn statfs_magic(p: &Path) -> io::Result<i64> {
@@ -431,6 +463,10 @@ impl Fence {
             source: e,
         })?;
         report.root_cgroup_id = cg.id(&spec.cgroup_root)?;
+        // Every level the fence records is the kernel's: where that cannot
+        // be told (a cgroup namespace on a kernel without the cgroup
+        // iterator), no fence whose grants would all be refused.
+        report.mount_root_level = cg.root_level()?;
 
         let [majors_spec, cgroups_spec, grants_spec, denials_spec, levels_spec] =
             map_specs(spec.max_grants, spec.max_denials);
@@ -458,6 +494,7 @@ impl Fence {
         // This call holds the directory lock already: the unlocked variant,
         // then the mask the program reads to skip empty levels.
         let (applied, missing) = fence.set_exempt_unlocked(cg, &spec.exempt)?;
+        report.relevelled = fence.relevel_unlocked(cg)?;
         fence.refresh_levels()?;
         report.exempt_applied = applied;
         report.exempt_missing = missing;
@@ -683,6 +720,13 @@ impl Fence {
                 .problems
                 .push(format!("pinned link {}: {e}", link_pin.display())),
         }
+        // Grants and exemptions are recorded at kernel levels: in a cgroup
+        // namespace where the level of the mount's root cannot be read,
+        // every grant is refused.
+        match cg.root_level() {
+            Ok(level) => st.mount_root_level = Some(level),
+            Err(e) => st.problems.push(e.to_string()),
+        }
         match Fence::open(bpffs_dir) {
             Ok(f) => {
                 match f.protected_majors() {
@@ -702,6 +746,12 @@ impl Fence {
                             .collect()
                     }
                     Err(e) => st.problems.push(e.to_string()),
+                }
+                if st.mount_root_level.is_some() {
+                    match f.level_problems(cg) {
+                        Ok(p) => st.problems.extend(p),
+                        Err(e) => st.problems.push(format!("checking the levels: {e}")),
+                    }
                 }
             }
             Err(e) => st.problems.push(e.to_string()),
@@ -997,14 +1047,27 @@ impl Fence {
         Ok(out)
     }
 
-    /// Makes cgroup `cgroup_id` (at `path`) exempt now, without a reinstall.
+    /// [`Fence::add_exempt_in`] with `path` relative to the cgroup2 mount
+    /// this process finds ([`Cgroup2::discover`]).
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// As [`Fence::add_exempt_in`], and [`Error::NoCgroup2`].
     pub fn add_exempt(&self, cgroup_id: u64, path: &str) -> Result<()> {
+        self.add_exempt_in(&Cgroup2::discover()?, cgroup_id, path)
+    }
+
+    /// Makes cgroup `cgroup_id` (at `path`, relative to `cg`'s mount)
+    /// exempt now, without a reinstall, at its kernel level
+    /// ([`Cgroup2::kernel_level`]).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`]; [`Error::KernelLevelUnknown`] (nothing is written);
+    /// [`Error::Cgroup`] when `path` is not cgroup `cgroup_id`.
+    pub fn add_exempt_in(&self, cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<()> {
+        let level = located_level(cg, cgroup_id, path)?;
         self.locked(|| {
             let f = self.flags_of(cgroup_id)?;
-            self.write_flags(cgroup_id, f | CGROUP_EXEMPT, Some(level_of(path) as u32))
+            self.write_flags(cgroup_id, f | CGROUP_EXEMPT, Some(level as u32))
         })
     }
 
@@ -1036,9 +1099,13 @@ impl Fence {
             }
         }
         let want: BTreeSet<u64> = applied.iter().map(|(_, id)| *id).collect();
-        for (p, id) in &applied {
+        let levels = applied
+            .iter()
+            .map(|(p, _)| cg.kernel_level(p))
+            .collect::<Result<Vec<_>>>()?;
+        for ((_, id), level) in applied.iter().zip(levels) {
             let f = self.flags_of(*id)?;
-            self.write_flags(*id, f | CGROUP_EXEMPT, Some(level_of(p) as u32))?;
+            self.write_flags(*id, f | CGROUP_EXEMPT, Some(level as u32))?;
         }
         for (id, f) in self.cgroup_flags()? {
             if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {
@@ -1048,13 +1115,11 @@ impl Fence {
         Ok((applied, missing))
     }
 
-    /// Grants `devices` to cgroup `cgroup_id` (at `cgroup_path`, checked
-    /// against the walk depth) for `job_id`. Grant entries are written before
-    /// the cgroup's GRANTED flag, so the program never sees a half grant as
-    /// more than it is. On failure, what this call added is removed again.
+    /// [`Fence::grant_in`] with `cgroup_path` relative to the cgroup2 mount
+    /// this process finds ([`Cgroup2::discover`]).
     ///
     /// # Errors
-    /// [`Error::TooDeep`]; [`Error::Bpf`] (`E2BIG`: the map is full).
+    /// As [`Fence::grant_in`], and [`Error::NoCgroup2`].
     pub fn grant(
         &self,
         cgroup_id: u64,
@@ -1062,7 +1127,38 @@ impl Fence {
         job_id: u32,
         devices: &[(DevNum, Access)],
     ) -> Result<()> {
-        let level = level_of(cgroup_path);
+        self.grant_in(
+            &Cgroup2::discover()?,
+            cgroup_id,
+            cgroup_path,
+            job_id,
+            devices,
+        )
+    }
+
+    /// Grants `devices` to cgroup `cgroup_id` (at `cgroup_path`, relative
+    /// to `cg`'s mount) for `job_id`, recorded at the cgroup's kernel level
+    /// ([`Cgroup2::kernel_level`]: in a cgroup namespace, the namespace
+    /// root's level plus the path's depth), the level at which the program
+    /// finds it. Grant entries are written before the cgroup's GRANTED
+    /// flag, so the program never sees a half grant as more than it is. On
+    /// failure, what this call added is removed again.
+    ///
+    /// # Errors
+    /// [`Error::TooDeep`] (past the walk, or the root);
+    /// [`Error::KernelLevelUnknown`] (nothing is granted at a guessed
+    /// level); [`Error::Cgroup`] when `cgroup_path` is not cgroup
+    /// `cgroup_id` (gone, or replaced by another); [`Error::Bpf`] (`E2BIG`:
+    /// the map is full).
+    pub fn grant_in(
+        &self,
+        cg: &Cgroup2,
+        cgroup_id: u64,
+        cgroup_path: &str,
+        job_id: u32,
+        devices: &[(DevNum, Access)],
+    ) -> Result<()> {
+        let level = located_level(cg, cgroup_id, cgroup_path)?;
         if level == 0 || level > MAX_LEVEL {
             return Err(Error::TooDeep {
                 path: cgroup_path.to_string(),
@@ -1228,6 +1324,108 @@ impl Fence {
             ))?;
         }
         Ok(gone)
+    }
+}
+
+impl MapView for Fence {
+    fn lookup(&self, map: MapRole, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let (fd, size, name) = match map {
+            MapRole::Majors => (&self.majors, 4, "majors"),
+            MapRole::Cgroups => (&self.cgroups, CGROUP_VALUE_SIZE as usize, "cgroups"),
+            MapRole::Grants => (&self.grants, GrantValue::SIZE, "grants"),
+            MapRole::Levels => (&self.levels, 4, "levels"),
+        };
+        let mut v = vec![0u8; size];
+        let found = sys::map_lookup(fd.as_fd(), key, &mut v)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", name))?;
+        Ok(found.then_some(v))
+    }
+}
+
+impl Fence {
+    /// What the enforcing fence program answers, over these maps as they
+    /// are now, for a task whose ancestors by kernel level are `ancestry`
+    /// ([`Cgroup2::kernel_ancestry`]'s ids) opening `dev` for `access`
+    /// ([`verdict::evaluate`]).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`] when a map cannot be read.
+    pub fn evaluate(&self, ancestry: &[u64], dev: DevNum, access: Access) -> Result<Evaluation> {
+        verdict::evaluate(self, ancestry, dev, access)
+    }
+
+    /// Rewrites the level of every entry whose recorded level is not the
+    /// kernel's level of its cgroup (entries an earlier version recorded
+    /// at a cgroup namespace's depth). Cgroups this mount does not show
+    /// (gone, or outside the namespace) are left alone. Callers hold the
+    /// lock and refresh the mask after.
+    fn relevel_unlocked(&self, cg: &Cgroup2) -> Result<Vec<(String, u64, u32, usize)>> {
+        let entries = self.cgroup_entries()?;
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let levels = cg.kernel_levels()?;
+        let mut out = Vec::new();
+        for (id, (flags, recorded)) in entries {
+            let Some((path, level)) = levels.get(&id) else {
+                continue;
+            };
+            if *level as u32 != recorded && flags != 0 {
+                self.write_flags(id, flags, Some(*level as u32))?;
+                out.push((path.clone(), id, recorded, *level));
+            }
+        }
+        Ok(out)
+    }
+
+    /// What `status` says about levels: entries recorded at another level
+    /// than the kernel has their cgroup at, and grants or exemptions the
+    /// program, run over the maps for a task in their cgroup, does not
+    /// honour. Only cgroups this mount shows are checked.
+    fn level_problems(&self, cg: &Cgroup2) -> Result<Vec<String>> {
+        let entries = self.cgroup_entries()?;
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let levels = cg.kernel_levels()?;
+        let grants = self.entries()?;
+        let some_protected = self.protected_majors()?.first().map(|m| DevNum::new(*m, 0));
+        let mut out = Vec::new();
+        for (id, (flags, recorded)) in &entries {
+            let Some((path, level)) = levels.get(id) else {
+                continue;
+            };
+            if *level as u32 != *recorded {
+                out.push(format!(
+                    "cgroup /{path} (id {id}) is recorded at level {recorded}, but the kernel has it at level {level}: \
+                     the fence program looks for it at level {recorded}, where its tasks have another ancestor; \
+                     `gpufence fence install` records the kernel's levels"
+                ));
+            }
+            let ancestry: Vec<u64> = cg.kernel_ancestry(path)?.iter().map(|a| a.id).collect();
+            // A denial is said only of an entry still there after the
+            // evaluation (a revoke in between is no problem).
+            if flags & CGROUP_EXEMPT != 0 {
+                if let Some(dev) = some_protected {
+                    if !self.evaluate(&ancestry, dev, Access::RW)?.allowed && self.is_exempt(*id)? {
+                        out.push(format!(
+                            "exempt cgroup /{path} (id {id}) is not exempt for the fence program: it denies {dev} to its tasks"
+                        ));
+                    }
+                }
+            }
+            for g in grants.iter().filter(|g| g.cgroup_id == *id) {
+                if !self.evaluate(&ancestry, g.dev, g.access)?.allowed
+                    && self.lookup(g.cgroup_id, g.dev)?.is_some()
+                {
+                    out.push(format!(
+                        "job {}'s grant of {} on /{path} (id {id}) has no effect: the fence program denies it to the tasks there",
+                        g.job_id, g.dev
+                    ));
+                }
+            }
+        }
+        Ok(out)
     }
 }
 

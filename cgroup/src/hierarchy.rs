@@ -8,12 +8,53 @@
 //! task's cgroup2 cgroup, even on hybrid hosts where that hierarchy has no
 //! controllers (`../shared/domain/bpf.md`).
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+
+/// The id of the root cgroup of the cgroup2 hierarchy: kernfs numbers the
+/// nodes of a root from 1 and the root's own directory comes first
+/// (`kernfs_create_root`, `__kernfs_new_node`: `idr_alloc_cyclic(.., 1, ..)`,
+/// `fs/kernfs/dir.c`), so `stat` of the hierarchy's root says inode 1 and
+/// `bpf_get_current_ancestor_cgroup_id(0)` returns 1. Every other cgroup,
+/// a cgroup namespace's root included, has another id.
+pub const ROOT_CGROUP_ID: u64 = 1;
+
+/// `CGROUP2_SUPER_MAGIC` (`include/uapi/linux/magic.h`).
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// **Test-only switch.** When this variable is `1` in the environment, the
+/// cgroup iterator that reads a cgroup namespace root's level answers as a
+/// kernel without it does, so tests can check that gpufence then refuses
+/// (fails closed) inside a cgroup namespace. It can only make gpufence
+/// refuse, never grant at another level; outside a namespace the level is
+/// known without the iterator.
+pub const FORCE_NO_CGROUP_ITER_ENV: &str = "GPUFENCE_TEST_FORCE_NO_CGROUP_ITER";
+
+/// The ids by level (index 0 the root) of the cgroups from the root of the
+/// hierarchy down to a mount's root cgroup, by that cgroup's id: a cgroup
+/// never changes parent (`cgroup_rename` refuses another parent, `rmdir`
+/// ends the id, and ids are not reused on 64-bit kernels), so an entry
+/// stays true for as long as the process runs.
+static ROOT_CHAINS: Mutex<BTreeMap<u64, Arc<[u64]>>> = Mutex::new(BTreeMap::new());
+
+/// One cgroup on the way from the root of the hierarchy to a cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ancestor {
+    /// Its level as the kernel counts it (root = 0).
+    pub level: usize,
+    /// Its id.
+    pub id: u64,
+    /// Its path relative to the mount; `None` above the mount's root (the
+    /// part of the hierarchy a cgroup namespace hides).
+    pub path: Option<String>,
+}
 
 /// The cgroup2 mount.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,6 +159,147 @@ impl Cgroup2 {
             }
         }
         out
+    }
+
+    /// The ids of the cgroups from the root of the hierarchy (index 0) down
+    /// to the cgroup this mount shows at its root (the last): one id when
+    /// the mount shows the whole hierarchy, more in a cgroup namespace.
+    ///
+    /// The mount's root is the hierarchy's root exactly when its inode is
+    /// [`ROOT_CGROUP_ID`] (on a cgroup2 filesystem): then nothing is asked
+    /// of BPF. Otherwise the kernel is asked with a cgroup iterator
+    /// ([`crate::level::ancestors_up`]) and the answer is kept for the
+    /// process's life (a cgroup's place in the hierarchy never changes).
+    ///
+    /// # Errors
+    /// [`Error::Cgroup`] when the mount cannot be opened or is not cgroup2;
+    /// [`Error::KernelLevelUnknown`] when the mount's root is not the
+    /// hierarchy's root and the kernel cannot say where it is (no cgroup
+    /// iterator, no vmlinux BTF, no CAP_BPF/CAP_PERFMON, or the test-only
+    /// [`FORCE_NO_CGROUP_ITER_ENV`]).
+    pub fn root_chain(&self) -> Result<Arc<[u64]>> {
+        let dir = File::open(&self.mount).map_err(cg_err("open", &self.mount))?;
+        let id = dir.metadata().map_err(cg_err("stat", &self.mount))?.ino();
+        // SAFETY: fstatfs into a zeroed struct we own, on a descriptor we own.
+        let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatfs(dir.as_raw_fd(), &mut sfs) } != 0 {
+            return Err(cg_err("statfs", &self.mount)(io::Error::last_os_error()));
+        }
+        if sfs.f_type as i64 != CGROUP2_SUPER_MAGIC {
+            return Err(cg_err("statfs", &self.mount)(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a cgroup2 filesystem",
+            )));
+        }
+        if id == ROOT_CGROUP_ID {
+            return Ok(Arc::from([ROOT_CGROUP_ID]));
+        }
+        let unknown = |detail: String| Error::KernelLevelUnknown {
+            mount: self.mount.clone(),
+            root_id: id,
+            detail,
+        };
+        if std::env::var_os(FORCE_NO_CGROUP_ITER_ENV).is_some_and(|v| v == "1") {
+            return Err(unknown(format!(
+                "forced by {FORCE_NO_CGROUP_ITER_ENV}=1 (a test switch)"
+            )));
+        }
+        if let Some(c) = ROOT_CHAINS.lock().ok().and_then(|m| m.get(&id).cloned()) {
+            return Ok(c);
+        }
+        let walk = crate::level::ancestors_up(dir.as_fd()).map_err(|e| unknown(e.to_string()))?;
+        let chain: Arc<[u64]> = crate::level::chain_by_level(&walk, id)
+            .map_err(unknown)?
+            .into();
+        if let Ok(mut m) = ROOT_CHAINS.lock() {
+            m.insert(id, chain.clone());
+        }
+        Ok(chain)
+    }
+
+    /// The kernel's level of the cgroup this mount shows at its root: 0
+    /// unless in a cgroup namespace. See [`Cgroup2::root_chain`].
+    ///
+    /// # Errors
+    /// As [`Cgroup2::root_chain`].
+    pub fn root_level(&self) -> Result<usize> {
+        Ok(self.root_chain()?.len() - 1)
+    }
+
+    /// The level of cgroup `rel` (relative to the mount) as the kernel
+    /// counts it, which is what the fence program's walk
+    /// (`bpf_get_current_ancestor_cgroup_id(level)`) and the levels mask
+    /// use: the mount root's level plus `rel`'s depth below it.
+    ///
+    /// # Errors
+    /// [`Error::OutsideMount`] for a path with `.` or `..` components (a
+    /// process outside this cgroup namespace shows as `/../..` in
+    /// `/proc/<pid>/cgroup`); as [`Cgroup2::root_chain`].
+    pub fn kernel_level(&self, rel: &str) -> Result<usize> {
+        check_inside(rel)?;
+        Ok(self.root_level()? + level_of(rel))
+    }
+
+    /// The kernel's ancestry of cgroup `rel`: every cgroup from the root
+    /// of the hierarchy (level 0) down to `rel` itself, each at its index,
+    /// with ids as `bpf_get_current_ancestor_cgroup_id(level)` returns them
+    /// for a task in `rel`. Above the mount's root they have no path. Stops
+    /// at the first one that no longer exists.
+    ///
+    /// # Errors
+    /// As [`Cgroup2::kernel_level`].
+    pub fn kernel_ancestry(&self, rel: &str) -> Result<Vec<Ancestor>> {
+        check_inside(rel)?;
+        let chain = self.root_chain()?;
+        let top = chain.len() - 1;
+        let mut out: Vec<Ancestor> = chain
+            .iter()
+            .enumerate()
+            .map(|(level, id)| Ancestor {
+                level,
+                id: *id,
+                path: (level == top).then(String::new),
+            })
+            .collect();
+        for (path, id) in self.ancestry(rel) {
+            out.push(Ancestor {
+                level: top + level_of(&path),
+                id,
+                path: Some(path),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every cgroup this mount shows, by id: its path and its kernel level.
+    /// A walk of the whole tree (for `fence status` and install, not for
+    /// a job's hot path).
+    ///
+    /// # Errors
+    /// As [`Cgroup2::root_chain`].
+    pub fn kernel_levels(&self) -> Result<BTreeMap<u64, (String, usize)>> {
+        let top = self.root_level()?;
+        let mut out = BTreeMap::new();
+        let mut stack = vec![String::new()];
+        while let Some(rel) = stack.pop() {
+            let dir = self.path(&rel);
+            let Ok(m) = fs::metadata(&dir) else { continue };
+            out.insert(m.ino(), (rel.clone(), top + level_of(&rel)));
+            if let Ok(rd) = fs::read_dir(&dir) {
+                for e in rd.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        if let Some(name) = e.file_name().to_str() {
+                            stack.push(if rel.is_empty() {
+                                name.to_string()
+                            } else {
+                                format!("{rel}/{name}")
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Creates cgroup `rel` and its missing parents.
@@ -370,9 +552,22 @@ pub fn is_sluid(name: &str) -> bool {
         && b.iter().any(|c| *c != b'0')
 }
 
-/// The level of cgroup `rel` (root = 0).
+/// The depth of cgroup `rel` below the mount's root (the mount's root =
+/// 0). This is the kernel's level only when the mount shows the whole
+/// hierarchy; [`Cgroup2::kernel_level`] is the kernel's level everywhere.
 pub fn level_of(rel: &str) -> usize {
     rel.split('/').filter(|s| !s.is_empty()).count()
+}
+
+/// Refuses a path that leaves the mount (`..`) or that a depth count would
+/// miscount (`.`).
+fn check_inside(rel: &str) -> Result<()> {
+    if rel.split('/').any(|p| p == ".." || p == ".") {
+        return Err(Error::OutsideMount {
+            path: rel.to_string(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ const S_IFCHR: i32 = 0o020000;
 const S_IFSOCK: i32 = 0o140000;
 /// `BPF_FUNC_seq_write` (`include/uapi/linux/bpf.h`):
 /// `long bpf_seq_write(struct seq_file *m, const void *data, u32 len)`.
-const FUNC_SEQ_WRITE: i32 = 127;
+pub(crate) const FUNC_SEQ_WRITE: i32 = 127;
 /// `PROC_PID_INIT_INO` (`include/linux/proc_ns.h`): the inode of the
 /// initial pid namespace in `/proc/<pid>/ns/pid`.
 const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
@@ -145,7 +145,7 @@ pub struct Layout {
     vm_file: Field,
 }
 
-fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
+pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
     let f = btf.field(s, m)?;
     if f.size != size || f.is_ptr != ptr {
         return Err(BtfError::Unexpected {
@@ -209,12 +209,12 @@ impl Layout {
     const CTX_META: i16 = 0;
 }
 
-fn off(f: &Field) -> i16 {
+pub(crate) fn off(f: &Field) -> i16 {
     // sized() checked the range.
     f.offset as i16
 }
 
-fn size(f: &Field) -> Size {
+pub(crate) fn size(f: &Field) -> Size {
     match f.size {
         1 => Size::B,
         2 => Size::H,
@@ -382,6 +382,25 @@ fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterEr
 /// million objects without output in one read (`MAX_ITER_OBJECTS`,
 /// `bpf_seq_read` in `kernel/bpf/bpf_iter.c`) and kept its place: read on.
 fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
+    let out = read_raw(link)?;
+    if out.len() % RECORD_LEN != 0 {
+        return Err(IterError::Malformed(format!(
+            "{} bytes is not a whole number of {RECORD_LEN}-byte records",
+            out.len()
+        )));
+    }
+    out.chunks_exact(RECORD_LEN)
+        .map(|c| {
+            <&[u8; RECORD_LEN]>::try_from(c)
+                .ok()
+                .and_then(Record::decode)
+                .ok_or_else(|| IterError::Malformed(format!("record {c:?}")))
+        })
+        .collect()
+}
+
+/// The bytes a fresh walk of iterator `link` writes, to its end.
+pub(crate) fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
     let file = sys::iter_create(link.as_fd()).map_err(|err| IterError::Sys {
         what: "BPF_ITER_CREATE",
         err,
@@ -413,18 +432,7 @@ fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
         }
         out.extend_from_slice(&buf[..n as usize]);
     }
-    if out.len() % RECORD_LEN != 0 {
-        return Err(IterError::Malformed(format!(
-            "{} bytes is not a whole number of {RECORD_LEN}-byte records",
-            out.len()
-        )));
-    }
-    out.chunks_exact(RECORD_LEN)
-        .map(|c| {
-            let b: &[u8; RECORD_LEN] = c.try_into().expect("chunks_exact");
-            Record::decode(b).ok_or_else(|| IterError::Malformed(format!("record {b:?}")))
-        })
-        .collect()
+    Ok(out)
 }
 
 /// The two iterators, loaded and linked; each [`Iterators::files`] or

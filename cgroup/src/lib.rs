@@ -9,8 +9,12 @@
 //! - [`btf`]: type ids and struct member offsets from the kernel's BTF.
 //! - [`iter`]: BPF iterators over every task's open files and mappings,
 //!   for the scans that look for device holders.
+//! - [`level`]: a cgroup's level as the kernel counts it (a BPF cgroup
+//!   iterator), for cgroup namespaces, where paths count from elsewhere.
 //! - [`maps`]: the layouts of the pinned maps.
 //! - [`fence`]: install, open, status, remove; grant and revoke.
+//! - [`verdict`]: the fence program's answer for a task, computed by
+//!   running the program over the live maps (for `doctor` and `status`).
 //!
 //! Facts this rests on are in `../shared/domain/bpf.md` (kernel
 //! `kernel/bpf/cgroup.c`): a `BPF_F_ALLOW_MULTI` program (or a cgroup
@@ -25,9 +29,11 @@ pub mod fence;
 pub mod hierarchy;
 pub mod interp;
 pub mod iter;
+pub mod level;
 pub mod maps;
 pub mod program;
 pub mod sys;
+pub mod verdict;
 
 pub use error::Error;
 pub use fence::{Fence, FenceSpec, FenceStatus};

@@ -36,7 +36,9 @@ pub const PIN_DENIALS: &str = "denials";
 pub const PIN_LEVELS: &str = "levels";
 
 /// Size of a `cgroups` map value: `struct { u32 flags; u32 level; }` (the
-/// level, root = 0, lets the fence recompute the populated-levels mask).
+/// level, the kernel's `cgroup->level` with the hierarchy's root = 0, also
+/// in a cgroup namespace, lets the fence recompute the populated-levels
+/// mask).
 pub const CGROUP_VALUE_SIZE: u32 = 8;
 
 /// Entries of the majors array: every major the kernel can represent.

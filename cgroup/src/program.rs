@@ -42,7 +42,10 @@ use crate::maps::{DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, C
 
 /// How many cgroup levels below the root the program walks. Slurm's job
 /// cgroup sits at level 3 (`system.slice/slurmstepd.scope/job_<id>`); tasks
-/// at level 6. Grants on cgroups deeper than this are refused at grant time.
+/// at level 6. Levels are the kernel's (`cgroup->level`, from the root of
+/// the whole hierarchy), which in a cgroup namespace are more than a path's
+/// depth ([`crate::hierarchy::Cgroup2::kernel_level`]). Grants on cgroups
+/// deeper than this are refused at grant time.
 pub const MAX_LEVEL: usize = 16;
 
 /// `struct bpf_cgroup_dev_ctx` (`include/uapi/linux/bpf.h`).

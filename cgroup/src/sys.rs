@@ -726,6 +726,55 @@ pub fn link_create_iter(prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
 }
 
+/// `BPF_CGROUP_ITER_SELF_ONLY` (`enum bpf_cgroup_iter_order`,
+/// `include/uapi/linux/bpf.h`): the program runs for the start cgroup only.
+pub const CGROUP_ITER_SELF_ONLY: u32 = 1;
+/// `BPF_CGROUP_ITER_ANCESTORS_UP`: the start cgroup, then each parent up to
+/// the root of the hierarchy (`cgroup_iter_seq_next`: `curr->parent`,
+/// whatever cgroup namespace the reader is in).
+pub const CGROUP_ITER_ANCESTORS_UP: u32 = 4;
+
+/// The `cgroup` member of `union bpf_iter_link_info`
+/// (`include/uapi/linux/bpf.h`, Linux 6.1): the order, and the start
+/// cgroup as an fd or an id (at most one non-zero).
+#[repr(C)]
+struct CgroupIterInfo {
+    order: u32,
+    cgroup_fd: u32,
+    cgroup_id: u64,
+}
+
+/// `BPF_LINK_CREATE` of a cgroup iterator program (`bpf_iter_attach_cgroup`,
+/// `kernel/bpf/cgroup_iter.c`) starting at the cgroup whose directory
+/// `cgroup` is open, walking in `order` ([`CGROUP_ITER_SELF_ONLY`],
+/// [`CGROUP_ITER_ANCESTORS_UP`]). Nothing is attached to the cgroup: the
+/// link holds a reference to it for [`iter_create`].
+///
+/// # Errors
+/// errno (`EINVAL` for an order the kernel does not know, `EBADF` for an fd
+/// that is not a cgroup directory).
+pub fn link_create_iter_cgroup(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    order: u32,
+) -> io::Result<OwnedFd> {
+    let info = CgroupIterInfo {
+        order,
+        cgroup_fd: cgroup.as_raw_fd() as u32,
+        cgroup_id: 0,
+    };
+    let mut a = LinkCreateIterAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: 0,
+        attach_type: ATTACH_TRACE_ITER,
+        flags: 0,
+        iter_info: &info as *const CgroupIterInfo as u64,
+        iter_info_len: size_of::<CgroupIterInfo>() as u32,
+        _pad: 0,
+    };
+    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+}
+
 #[repr(C)]
 struct IterCreateAttr {
     link_fd: u32,
