@@ -254,6 +254,17 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     "exempt cgroup /{p} does not exist yet: not exempt until the next install"
                 );
             }
+            if r.mount_root_level > 0 {
+                println!(
+                    "cgroup namespace: paths here start {} level(s) below the hierarchy's root; grants are recorded at kernel levels",
+                    r.mount_root_level
+                );
+            }
+            for (p, id, from, to) in &r.relevelled {
+                println!(
+                    "corrected: /{p} (cgroup id {id}) was recorded at level {from}, the kernel has it at level {to}"
+                );
+            }
             for n in &r.notes {
                 println!("note: {n}");
             }
@@ -295,6 +306,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     "protected_majors": st.protected_majors,
                     "grants": st.grants,
                     "grant_jobs": jobs.len(),
+                    "mount_root_level": st.mount_root_level,
                     "exempt": exempt,
                     "problems": st.problems,
                     "config": node.origin.to_string(),
@@ -310,6 +322,13 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     jobs.len(),
                     node.origin
                 );
+                if let Some(n) = st.mount_root_level.filter(|n| *n > 0) {
+                    println!(
+                        "cgroup namespace: paths here start {n} level(s) below the hierarchy's root (cgroup_root /{} is at kernel level {})",
+                        st.cgroup_root,
+                        n + gpufence_cgroup::hierarchy::level_of(&st.cgroup_root)
+                    );
+                }
                 for e in &exempt {
                     println!(
                         "exempt: {} {}",
@@ -532,6 +551,13 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
     );
     if !d.under_fence {
         println!("this cgroup is outside the fenced subtree: gpufence does not apply to it");
+    }
+    match (d.mount_root_level, d.kernel_level) {
+        (Some(n), Some(k)) if n > 0 => println!(
+            "cgroup namespace: paths here start {n} level(s) below the hierarchy's root; this cgroup is at kernel level {k}"
+        ),
+        (None, _) => println!("kernel level: unknown (see the verdicts)"),
+        _ => {}
     }
     println!("device programs from the root down:");
     if d.levels.is_empty() {

@@ -247,6 +247,10 @@ fn grant_at(
         return Ok(ApplyOutcome::NoGpus);
     }
     let cgroup_id = node.cg.id(job)?;
+    // The level the fence records the grant at, the kernel's (in a cgroup
+    // namespace, the namespace root's level plus the path's depth): known
+    // before the audit line says the grant is applied, or no grant at all.
+    let level = node.cg.kernel_level(job)?;
     let devs: Vec<_> = rec.devices.iter().map(|d| (d.dev, d.access)).collect();
     let step = step_name(req.step_id);
     let mut ev = AuditEvent::new(events::GRANT_APPLIED)
@@ -256,6 +260,7 @@ fn grant_at(
         .devices(&rec.devices)
         .field("cgroup", crate::cgpath::abs(job))
         .field("cgroup_id", cgroup_id)
+        .field("cgroup_level", level)
         .field("step", step.clone());
     if let Some(phase) = phase {
         ev = ev.field("phase", phase);
@@ -271,7 +276,10 @@ fn grant_at(
         applied: now_rfc3339(),
     })?;
     crashpoint::reached(crashpoint::GRANT_NOTED);
-    fence.grant(cgroup_id, job, req.job_id, &devs)?;
+    // At the job cgroup's kernel level: in a cgroup namespace (slurmd in
+    // a container) its path counts from the namespace's root, the fence
+    // program's walk from the hierarchy's.
+    fence.grant_in(&node.cg, cgroup_id, job, req.job_id, &devs)?;
     crashpoint::reached(crashpoint::GRANT_GRANTED);
     drop_predecessors(node, req, fence, cgroup_id);
     Ok(ApplyOutcome::Granted {

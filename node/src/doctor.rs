@@ -3,6 +3,14 @@
 //! runtimes'), with attach flags and owners as far as they can be told;
 //! whether the fence is attached and current; and, for each NVIDIA device,
 //! which grant or exemption lets it open it, or why it would be denied.
+//!
+//! The verdict is the fence program's own: the program this version
+//! installs, run over the live maps ([`Fence::evaluate`]) for a task whose
+//! ancestors are the target's at their kernel levels
+//! ([`gpufence_cgroup::Cgroup2::kernel_ancestry`]). In a cgroup namespace
+//! those levels are not the path's depth; an entry recorded at another
+//! level than its cgroup's is one the program does not find, and doctor
+//! says so rather than matching cgroup ids.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -11,7 +19,9 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use gpufence_cgroup::fence::Fence;
+use gpufence_cgroup::hierarchy::Ancestor;
 use gpufence_cgroup::sys;
+use gpufence_cgroup::verdict::{Evaluation, Reason};
 use gpufence_model::config::Mode;
 use gpufence_model::device::{Access, DevNum};
 
@@ -54,7 +64,8 @@ pub struct DeviceVerdict {
     pub path: String,
     /// `major:minor`.
     pub device: String,
-    /// `allowed` or `denied` (by gpufence; other programs may still deny).
+    /// `allowed` or `denied` (by gpufence; other programs may still deny),
+    /// or `unknown` when the target's kernel levels cannot be told.
     pub verdict: String,
     /// Why: the grant (job, cgroup) or exemption, or what is missing.
     pub why: String,
@@ -81,6 +92,13 @@ pub struct Doctor {
     pub running_mode: crate::fence_ops::RunningMode,
     /// Whether the target is under the fenced subtree at all.
     pub under_fence: bool,
+    /// The target cgroup's level as the kernel counts it (what the fence
+    /// program walks by), when it can be told.
+    pub kernel_level: Option<usize>,
+    /// The kernel level of the cgroup2 mount's root: 0, or in a cgroup
+    /// namespace how many levels above the paths shown here the
+    /// hierarchy's root is.
+    pub mount_root_level: Option<usize>,
     /// Programs attached from the cgroup2 root down to the target's cgroup.
     pub levels: Vec<Level>,
     /// Per NVIDIA device.
@@ -222,11 +240,20 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         devs.entry(d)
             .or_insert_with(|| vec![node.cfg.dev_dir.join(name)]);
     }
-    let ancestry = node.cg.ancestry(&cg);
+    let kernel = node.cg.kernel_ancestry(&cg);
+    let ids: Vec<u64> = kernel
+        .as_ref()
+        .map(|a| a.iter().map(|x| x.id).collect())
+        .unwrap_or_default();
     let entries = fence
         .as_ref()
         .and_then(|f| f.entries().ok())
         .unwrap_or_default();
+    let audit_note = if audit {
+        " (audit mode: recorded, allowed)"
+    } else {
+        ""
+    };
     let mut devices = Vec::new();
     for (d, paths) in devs {
         let path = paths
@@ -244,40 +271,18 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             )
         } else if attached.is_err() {
             ("allowed", "the fence is not attached".to_string())
-        } else if let Some((p, _)) = ancestry.iter().find(|(_, id)| {
-            fence
-                .as_ref()
-                .is_some_and(|f| f.is_exempt(*id).unwrap_or(false))
-        }) {
-            ("allowed", format!("exempt: /{p}"))
-        } else if let Some((p, e)) = ancestry.iter().find_map(|(p, id)| {
-            entries
-                .iter()
-                .find(|e| e.cgroup_id == *id && e.dev == d && e.access.contains(Access::RW))
-                .map(|e| (p.clone(), e))
-        }) {
-            ("allowed", format!("grant of job {} on /{p}", e.job_id))
         } else {
-            let other_jobs: Vec<u32> = entries
-                .iter()
-                .filter(|e| e.dev == d)
-                .map(|e| e.job_id)
-                .collect();
-            (
-                if audit { "allowed" } else { "denied" },
-                if other_jobs.is_empty() {
-                    format!(
-                        "no grant on /{cg} or its ancestors, not exempt{}",
-                        if audit {
-                            " (audit mode: recorded, allowed)"
-                        } else {
-                            ""
-                        }
-                    )
-                } else {
-                    format!("granted to job(s) {other_jobs:?} elsewhere, not to /{cg} or its ancestors{}", if audit { " (audit mode: recorded, allowed)" } else { "" })
+            match (&kernel, &fence) {
+                (Err(e), _) => (
+                    "unknown",
+                    format!("the kernel levels of /{cg} cannot be told: {e}"),
+                ),
+                (Ok(_), None) => ("unknown", "the fence's maps cannot be opened".to_string()),
+                (Ok(anc), Some(f)) => match f.evaluate(&ids, d, Access::RW) {
+                    Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
+                    Ok(ev) => explain(&ev, anc, &cg, d, &entries, audit, audit_note),
                 },
-            )
+            }
         };
         devices.push(DeviceVerdict {
             path,
@@ -299,7 +304,81 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             "enforce".into()
         },
         under_fence,
+        kernel_level: kernel.as_ref().ok().and_then(|a| a.last()).map(|a| a.level),
+        mount_root_level: node.cg.root_level().ok(),
         levels,
         devices,
     })
+}
+
+/// A cgroup of the target's ancestry in words: its path, or its id and
+/// level where this cgroup namespace does not show it.
+fn name_of(anc: &[Ancestor], level: usize, id: u64) -> String {
+    match anc.get(level).and_then(|a| a.path.as_deref()) {
+        Some(p) => format!("/{p}"),
+        None => format!("cgroup id {id} (level {level}, above this cgroup namespace's root)"),
+    }
+}
+
+/// The verdict and its reason in words, from the program's evaluation.
+fn explain(
+    ev: &Evaluation,
+    anc: &[Ancestor],
+    cg: &str,
+    d: DevNum,
+    entries: &[gpufence_cgroup::fence::GrantEntry],
+    audit: bool,
+    audit_note: &str,
+) -> (&'static str, String) {
+    let misrecorded: Vec<String> = ev
+        .misrecorded
+        .iter()
+        .map(|m| {
+            format!(
+                "{} is at kernel level {} but its entry says level {}: the fence program does not find it",
+                name_of(anc, m.level, m.cgroup_id),
+                m.level,
+                m.recorded
+            )
+        })
+        .collect();
+    let tail = if misrecorded.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", misrecorded.join("; "))
+    };
+    if ev.allowed {
+        let why = match &ev.reason {
+            Reason::NotProtected => "not a protected major".to_string(),
+            Reason::Exempt { level, cgroup_id } => {
+                format!("exempt: {}", name_of(anc, *level, *cgroup_id))
+            }
+            Reason::Granted {
+                level,
+                cgroup_id,
+                job_id,
+            } => format!(
+                "grant of job {job_id} on {}",
+                name_of(anc, *level, *cgroup_id)
+            ),
+            _ => "allowed by the fence program (the maps changed while read)".to_string(),
+        };
+        return ("allowed", format!("{why}{tail}"));
+    }
+    let verdict = if audit { "allowed" } else { "denied" };
+    let on_path: Vec<u64> = anc.iter().map(|a| a.id).collect();
+    let other_jobs: Vec<u32> = entries
+        .iter()
+        .filter(|e| e.dev == d && !on_path.contains(&e.cgroup_id))
+        .map(|e| e.job_id)
+        .collect();
+    let why = match &ev.reason {
+        Reason::NoLevels => "the fence's levels mask is missing: the program denies".to_string(),
+        Reason::Changed => "denied by the fence program (the maps changed while read)".to_string(),
+        _ if other_jobs.is_empty() => {
+            format!("no grant on /{cg} or its ancestors that the fence program finds, not exempt")
+        }
+        _ => format!("granted to job(s) {other_jobs:?} elsewhere, not to /{cg} or its ancestors"),
+    };
+    (verdict, format!("{why}{tail}{audit_note}"))
 }

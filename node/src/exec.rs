@@ -49,7 +49,7 @@ pub fn exec_leaf(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<Strin
     let base = node.exec_cgroup();
     node.cg.create(&base)?;
     if let Some(fence) = fence {
-        fence.add_exempt(node.cg.id(&base)?, &base)?;
+        fence.add_exempt_in(&node.cg, node.cg.id(&base)?, &base)?;
     }
     let mine = join_cgroup(&base, leaf);
     node.cg.create(&mine)?;

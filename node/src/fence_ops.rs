@@ -39,24 +39,42 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
     }
     let spec = spec(node)?;
     let (_fence, report) = Fence::install(&node.cg, &spec)?;
-    node.audit(
-        AuditEvent::new(events::FENCE_INSTALLED)
-            .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
-            .field("protected_majors", report.majors.clone())
-            .field("prog_id", report.prog_id)
-            .field("link_id", report.link_id)
-            .field("replaced_program", report.replaced_program)
-            .field("mode", format!("{:?}", node.cfg.mode).to_lowercase())
-            .field(
-                "exempt",
-                report
-                    .exempt_applied
-                    .iter()
-                    .map(|(p, _)| p.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .field("exempt_missing", report.exempt_missing.clone()),
-    )?;
+    let mut ev = AuditEvent::new(events::FENCE_INSTALLED)
+        .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+        .field("protected_majors", report.majors.clone())
+        .field("prog_id", report.prog_id)
+        .field("link_id", report.link_id)
+        .field("replaced_program", report.replaced_program)
+        .field("mode", format!("{:?}", node.cfg.mode).to_lowercase())
+        .field(
+            "exempt",
+            report
+                .exempt_applied
+                .iter()
+                .map(|(p, _)| p.clone())
+                .collect::<Vec<_>>(),
+        )
+        .field("exempt_missing", report.exempt_missing.clone())
+        .field("mount_root_level", report.mount_root_level);
+    if !report.relevelled.is_empty() {
+        // Entries an earlier version recorded at a cgroup namespace's depth.
+        ev = ev.field(
+            "relevelled",
+            report
+                .relevelled
+                .iter()
+                .map(|(p, id, from, to)| {
+                    serde_json::json!({
+                        "cgroup": crate::cgpath::abs(p),
+                        "cgroup_id": id,
+                        "recorded_level": from,
+                        "kernel_level": to,
+                    })
+                })
+                .collect::<Vec<_>>(),
+        );
+    }
+    node.audit(ev)?;
     Ok(report)
 }
 
