@@ -144,9 +144,15 @@ impl Cgroup2 {
     }
 
     /// The ids of `rel`'s ancestors from level 1 down to `rel` itself, with
-    /// their paths. Stops at the first one that no longer exists.
+    /// their paths. Stops at the first one that no longer exists. Empty for
+    /// a path with `.` or `..` components (a process outside this cgroup
+    /// namespace's root: `mount/..` is no cgroup, and its inode number is
+    /// no cgroup id).
     pub fn ancestry(&self, rel: &str) -> Vec<(String, u64)> {
         let mut out = Vec::new();
+        if check_inside(rel).is_err() {
+            return out;
+        }
         let mut cur = String::new();
         for part in rel.split('/').filter(|s| !s.is_empty()) {
             if !cur.is_empty() {
@@ -739,6 +745,25 @@ mod tests {
         ] {
             assert_eq!(found(own, 7, "0"), None, "{own}");
         }
+    }
+
+    /// A process outside a cgroup namespace's root shows as `/../x`: no
+    /// ancestry (the mount's parent directory is no cgroup) and no level.
+    #[test]
+    fn paths_leaving_the_mount_have_no_ancestry() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("a/x")).unwrap();
+        let cg = Cgroup2::at(d.path().join("a"));
+        assert_eq!(cg.ancestry("x").len(), 1);
+        for rel in ["../a/x", "./x", "x/..", "x/../x"] {
+            assert!(cg.ancestry(rel).is_empty(), "{rel}");
+            assert!(matches!(
+                cg.kernel_level(rel),
+                Err(Error::OutsideMount { .. })
+            ));
+        }
+        // Not cgroup2: no level at all.
+        assert!(matches!(cg.root_level(), Err(Error::Cgroup { .. })));
     }
 
     #[test]
