@@ -28,6 +28,33 @@ shift
 
 fstype() { stat -f -c %T "$1" 2>/dev/null; }
 
+# GPUFENCE_V2NODE_CGROUPNS=1: slurmd in a container (Kubernetes-hosted
+# Slurm, any `unshare --cgroup`): the cgroup the caller placed this
+# process in becomes the root of a new cgroup namespace, cgroup2 is mounted
+# at /sys/fs/cgroup inside it (paths there are relative to that root, while
+# the kernel counts cgroup levels from the true root), and slurmd runs in
+# system.slice/slurmd.service below it, as systemd would run it in the
+# container.
+if [[ ${GPUFENCE_V2NODE_CGROUPNS:-} == 1 ]]; then
+    if [[ ${GPUFENCE_V2NODE_INSIDE:-} != 1 ]]; then
+        exec env GPUFENCE_V2NODE_INSIDE=1 unshare --mount --cgroup --propagation private -- "$0" "$shim" "$@"
+    fi
+    unset GPUFENCE_V2NODE_INSIDE GPUFENCE_V2NODE_CGROUPNS
+    mapfile -t mounts < <(awk '$5 == "/sys/fs/cgroup" || index($5, "/sys/fs/cgroup/") == 1 { print $5 }' /proc/self/mountinfo | sort -r -u)
+    for m in "${mounts[@]}"; do
+        umount -l "$m"
+    done
+    mount -t cgroup2 cgroup2 /sys/fs/cgroup
+    mkdir -p /sys/fs/cgroup/system.slice/slurmd.service
+    echo $$ >/sys/fs/cgroup/system.slice/slurmd.service/cgroup.procs
+    invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    if grep -qv '^0::' /proc/self/cgroup; then
+        [[ -r $shim ]] || { echo "enter.sh: $shim is missing" >&2; exit 1; }
+        exec env INVOCATION_ID="$invocation" LD_PRELOAD="$shim" "$@"
+    fi
+    exec env INVOCATION_ID="$invocation" "$@"
+fi
+
 invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 
 # The kernel lists v1 hierarchies in /proc/<pid>/cgroup whatever the mount

@@ -54,7 +54,20 @@ pub fn cluster_sh_start_in(
     v2node: bool,
     root: Option<&Path>,
 ) -> Output {
+    cluster_sh_start_env(dir, port_base, slurmd_cg, v2node, root, &[])
+}
+
+/// [`cluster_sh_start_in`] with `vars` added to cluster.sh's environment.
+pub fn cluster_sh_start_env(
+    dir: &Path,
+    port_base: u16,
+    slurmd_cg: &Path,
+    v2node: bool,
+    root: Option<&Path>,
+    vars: &[(&str, &str)],
+) -> Output {
     let mut c = Command::new("bash");
+    c.envs(vars.iter().copied());
     c.arg(script())
         .arg("start")
         .arg(dir)
@@ -185,6 +198,11 @@ pub struct V2NodeSpec {
     pub slurm_conf: String,
     /// cgroup.conf.
     pub cgroup_conf: String,
+    /// slurmd in a container: `slurmd_cgroup` becomes the root of a cgroup
+    /// namespace, and slurmd runs in `system.slice/slurmd.service` below it
+    /// (`GPUFENCE_V2NODE_CGROUPNS`, `contrib/v2node/enter.sh`);
+    /// `fence_root` is then relative to that namespace.
+    pub cgroupns: bool,
 }
 
 impl Cluster {
@@ -329,12 +347,18 @@ fi
         std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
         let (out, slurmd_cgroup) = match &spec.v2node {
             Some(v2) => (
-                cluster_sh_start_in(
+                cluster_sh_start_env(
                     &dir,
                     port_base,
                     &v2.slurmd_cgroup,
                     true,
                     spec.root.as_deref(),
+                    // Travels in cluster.sh's environment to v2node/enter.sh.
+                    if v2.cgroupns {
+                        &[("GPUFENCE_V2NODE_CGROUPNS", "1")]
+                    } else {
+                        &[]
+                    },
                 ),
                 v2.slurmd_cgroup.clone(),
             ),

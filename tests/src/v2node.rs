@@ -53,12 +53,28 @@ const LOCK: &str = "/run/lock/gpufence-v2node.lock";
 pub const CGROUP_CONF: &str = "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n\
      ConstrainDevices=yes\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainSwapSpace=no\n";
 
+/// Takes the machine's one real cgroup/v2 node slot (its ports, Slurm's
+/// tree), waiting for another test's to end; held until dropped. For a
+/// node that needs no `system.slice` at the root (slurmd in a container).
+pub fn lock_node() -> std::fs::File {
+    let _ = std::fs::create_dir_all("/run/lock");
+    let lock = std::fs::File::create(LOCK).expect("v2node lock");
+    // SAFETY: flock on a descriptor we own.
+    assert_eq!(
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) },
+        0,
+        "flock {LOCK}"
+    );
+    lock
+}
+
 /// `system.slice` claimed for one test: made here (when absent), with
 /// `slurmd.service` below it; on drop everything left in it is killed and
 /// the slice removed.
 pub struct V2Slice {
     cg: Cgroup2,
-    _lock: std::fs::File,
+    _lock: Option<std::fs::File>,
+    made: bool,
 }
 
 impl V2Slice {
@@ -69,14 +85,7 @@ impl V2Slice {
     /// its real services are there, and the test must not touch them).
     pub fn claim() -> V2Slice {
         let cg = Cgroup2::discover().expect("cgroup2");
-        let _ = std::fs::create_dir_all("/run/lock");
-        let lock = std::fs::File::create(LOCK).expect("v2node lock");
-        // SAFETY: flock on a descriptor we own.
-        assert_eq!(
-            unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) },
-            0,
-            "flock {LOCK}"
-        );
+        let lock = lock_node();
         if cg.path(SLICE).exists() {
             let procs = cg.procs_recursive(SLICE);
             assert!(
@@ -91,7 +100,21 @@ impl V2Slice {
         }
         cg.create(SLURMD_SERVICE)
             .expect("create system.slice/slurmd.service");
-        V2Slice { cg, _lock: lock }
+        V2Slice {
+            cg,
+            _lock: Some(lock),
+            made: true,
+        }
+    }
+
+    /// A value for [`V2Slice::spec`] alone, with no slice made or locked
+    /// (a node whose tree lives elsewhere, e.g. in a container's cgroup).
+    pub fn unclaimed() -> V2Slice {
+        V2Slice {
+            cg: Cgroup2::discover().expect("cgroup2"),
+            _lock: None,
+            made: false,
+        }
     }
 
     /// slurmd's cgroup directory (absolute, on this process's mount).
@@ -109,6 +132,7 @@ impl V2Slice {
                 "ProctrackType=proctrack/cgroup\nTaskPlugin=task/cgroup\nPrologFlags={prolog_flags}\n"
             ),
             cgroup_conf: CGROUP_CONF.into(),
+            cgroupns: false,
         }
     }
 
@@ -134,6 +158,9 @@ impl V2Slice {
 
 impl Drop for V2Slice {
     fn drop(&mut self) {
+        if !self.made {
+            return;
+        }
         let _ = self.cg.kill(SLICE);
         let deadline = Instant::now() + Duration::from_secs(10);
         while self.cg.remove_tree(SLICE).is_err() && Instant::now() < deadline {

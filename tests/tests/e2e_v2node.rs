@@ -1312,3 +1312,192 @@ fn two_nodes_each_grant_their_own_share_22_05_host() {
     }
     drop(cluster);
 }
+
+/// slurmd in a container (Kubernetes-hosted Slurm such as Slinky or
+/// soperator, any `unshare --cgroup`): a cgroup namespace rooted at a cgroup
+/// of the test's own, cgroup2 mounted inside it, slurmd in the container's
+/// `system.slice/slurmd.service`, gpufence's default layout with
+/// `cgroup_root = "system.slice"` as the container sees it. Cgroup paths
+/// there are relative to the namespace's root while the kernel counts
+/// levels from the true root: jobs must open exactly their GPUs, and
+/// `gpufence doctor`, run inside the container, must say what the kernel
+/// does.
+#[test]
+fn slurmd_in_a_cgroup_namespace_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let _node = gpufence_tests::v2node::lock_node();
+    let env = TestEnv::new("cgroupns");
+    let d = Devices::make(&env);
+    let container = env.cgroup("container");
+    let host = hostname();
+    let mut spec = spec(
+        &Release {
+            root: None,
+            plugin: None,
+        },
+        // (only its spec() is used: the node lives in the container)
+        &V2Slice::unclaimed(),
+        &d,
+        &format!(
+            "nvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+            d.real.major
+        ),
+        false,
+        "Alloc,Contain",
+    );
+    if let Some(v2) = spec.v2node.as_mut() {
+        v2.slurmd_cgroup = env.cg.path(&container);
+        v2.cgroupns = true;
+    }
+    let cluster = Cluster::start_with(&env, &spec);
+    let slurmd = cluster.slurmd_pid().expect("slurmd");
+    // What an admin runs in the container (kubectl exec): the CLI in
+    // slurmd's cgroup and mount namespaces.
+    let in_container = |args: &[&str]| {
+        std::process::Command::new("nsenter")
+            .args(["-t", &slurmd.to_string(), "-m", "-C", "--"])
+            .arg(cluster.bin.join("gpufence"))
+            .arg("--config")
+            .arg(&cluster.config)
+            .args(args)
+            .output()
+            .expect("nsenter")
+    };
+    let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!("grep ^0:: /proc/self/cgroup; {probe_s} open {}", d.args()),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    assert!(
+        out.starts_with("0::/system.slice/"),
+        "the job sees namespace-relative paths:\n{out}"
+    );
+    let job = row(&out, &d);
+    assert_eq!(
+        job[..2].iter().filter(|v| *v == "ENXIO").count(),
+        1,
+        "the job opens its own GPU in the container:\n{out}"
+    );
+    assert_eq!(
+        (job[2].as_str(), job[3].as_str()),
+        ("EPERM", "ENXIO"),
+        "{out}"
+    );
+    // The grant was recorded at the kernel's level of the job cgroup: the
+    // container's own depth from the true root, plus the job's depth in
+    // the container (system.slice/<node>_slurmstepd.scope/job_<id>).
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    let applied = audit
+        .iter()
+        .find(|e| e["event"] == "grant_applied")
+        .unwrap_or_else(|| panic!("no grant_applied: {audit:?}"));
+    assert_eq!(
+        applied["cgroup_level"].as_u64(),
+        Some((container.split('/').count() + 3) as u64),
+        "{applied}"
+    );
+    // A user's process in the container outside every job.
+    let outside = format!("{container}/system.slice/outside.service");
+    env.cg.create(&outside).unwrap();
+    let o = env
+        .user_command_in(&outside, cluster.bin.join("gpufence-probe"))
+        .arg("open")
+        .args(d.all())
+        .output()
+        .unwrap();
+    assert_eq!(
+        row(&stdout(&o), &d),
+        ["EPERM"; 4].map(String::from),
+        "outsider in the container:\n{}",
+        stdout(&o)
+    );
+    // doctor, for a running job's task, agrees with what the kernel did.
+    let flag = env.path("jobs/opened");
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--gres=gpu:sim:1",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            &format!(
+                "{probe_s} open {} > {f}.tmp; mv {f}.tmp {f}; sleep 60",
+                d.args(),
+                f = flag.display()
+            ),
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let batch: u32 = stdout(&o)
+        .split_whitespace()
+        .last()
+        .and_then(|w| w.parse().ok())
+        .expect("batch job id");
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || flag.exists()),
+        "batch job {batch} did not run:\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    let opened = std::fs::read_to_string(&flag).unwrap();
+    let task_cg = format!(
+        "{container}/system.slice/{host}_slurmstepd.scope/job_{batch}/step_batch/user/task_0"
+    );
+    let task: i32 = std::fs::read_to_string(env.cg.path(&task_cg).join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no task in /{task_cg}"));
+    let o = in_container(&["doctor", "--json", &task.to_string()]);
+    let doc: Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("doctor JSON: {e}: {}", both(&o)));
+    for p in d.all() {
+        let kernel = verdict(&opened, p);
+        let said = doc["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| {
+                v["path"]
+                    .as_str()
+                    .is_some_and(|s| s.contains(&*p.display().to_string()))
+            })
+            .map(|v| v["verdict"].as_str().unwrap_or("").to_string())
+            .unwrap_or_else(|| format!("missing in {doc}"));
+        let want = if kernel == "EPERM" {
+            "denied"
+        } else {
+            "allowed"
+        };
+        assert_eq!(
+            said,
+            want,
+            "{}: the kernel said {kernel}; doctor: {doc}",
+            p.display()
+        );
+    }
+    let o = cluster.admin("scancel", &[&batch.to_string()]);
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || {
+            let g = in_container(&["grants", "--json"]);
+            serde_json::from_slice::<Value>(&g.stdout).ok() == Some(serde_json::json!([]))
+        }),
+        "grants left"
+    );
+    drop(cluster);
+}
