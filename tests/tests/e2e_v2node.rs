@@ -939,7 +939,8 @@ fn slurmd_g_leaves_slurmd_alone(release: &Release) {
     placement("after slurmd start (the plugin warmed the slurmd -G cache)");
     // A Prolog that finds no cache runs slurmd -G itself (from slurmd's
     // cgroup, with the Prolog's environment: no INVOCATION_ID).
-    let cache = env.path("state/slurmd-G.txt");
+    // (slurmd runs with -N <node>: its cache is the node's own.)
+    let cache = env.path(&format!("state/slurmd-G-{}.txt", hostname()));
     assert!(cache.exists(), "the plugin's cache at {}", cache.display());
     std::fs::remove_file(&cache).unwrap();
     let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
