@@ -178,12 +178,41 @@ pub struct Placement {
 pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
     let fence = open_installed(node)?;
     let job = locate(node, req)?;
+    refuse_exempt_ancestor(node, &fence, &job.path)?;
     crashpoint::reached(crashpoint::GRANT_PLACED);
     Ok(Placement {
         fence,
         job_cgroup: job.path,
         job_dir: job.dir,
     })
+}
+
+/// An exempt cgroup that is the job cgroup or one of its ancestors lets
+/// every process of the job open every NVIDIA device, whatever Slurm
+/// allocated (a misconfigured `exempt_cgroups` naming `system.slice`, or
+/// Slurm's scope): the step is refused, with the line that says which
+/// exemption to remove.
+///
+/// # Errors
+/// [`NodeError::JobCgroup`] naming the exempt cgroup; [`NodeError::Kernel`]
+/// when the fence's flags cannot be read.
+fn refuse_exempt_ancestor(node: &Node, fence: &Fence, job: &str) -> Result<(), NodeError> {
+    for (path, id) in node.cg.ancestry(job) {
+        if fence.is_exempt(id)? {
+            return Err(NodeError::JobCgroup(format!(
+                "the job cgroup {} is below the exempt cgroup {}, so every process of every job could open every GPU: \
+                 remove {path} from exempt_cgroups in {} (exemptions are for system services outside Slurm's job tree)",
+                crate::cgpath::abs(job),
+                crate::cgpath::abs(&path),
+                match &node.origin {
+                    gpufence_model::config::ConfigOrigin::File(p) => p.display().to_string(),
+                    gpufence_model::config::ConfigOrigin::Defaults =>
+                        gpufence_model::config::DEFAULT_CONFIG_PATH.to_string(),
+                }
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Second half of [`apply`]: grants the job's record to the placed step.

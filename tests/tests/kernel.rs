@@ -450,6 +450,47 @@ fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
 }
 
 #[test]
+fn an_exempt_ancestor_of_a_job_cgroup_refuses_the_step() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("exemptup");
+    let base = "system.slice/slurmstepd.scope";
+    let stepd_cg = env.cgroup(&format!("{base}/job_7/step_0/slurm"));
+    let scope = format!("{}/{base}", env.root);
+    // Slurm's scope named as exempt: every job below it would be exempt.
+    let exempting = node(
+        &env,
+        &format!("layout = \"slurm\"\nexempt_cgroups = [\"{scope}\"]\n{MAJORS}"),
+    );
+    fence_ops::install(&exempting).unwrap();
+    exempting
+        .state
+        .write_record(&record(7, 1000, &[(195, 0)]))
+        .unwrap();
+    let stepd = env.spawn_sleeper(&stepd_cg);
+    let req = StepRequest {
+        job_id: 7,
+        step_id: 0,
+        uid: 1000,
+        stepd_pid: stepd,
+    };
+    let e = apply::place(&exempting, &req).unwrap_err();
+    assert!(
+        matches!(&e, NodeError::JobCgroup(m) if m.contains(&format!("below the exempt cgroup /{scope}"))
+            && m.contains("remove")),
+        "{e}"
+    );
+    // Without that exemption the same step is placed.
+    let plain = node(
+        &env,
+        &format!("layout = \"slurm\"\nexempt_cgroups = []\n{MAJORS}"),
+    );
+    fence_ops::install(&plain).unwrap();
+    apply::place(&plain, &req).unwrap();
+}
+
+#[test]
 fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
     if !privileged() {
         return;
