@@ -211,3 +211,83 @@ pub fn remove(node: &Node) -> Result<bool, NodeError> {
     }
     Ok(found)
 }
+
+/// The line for the admin when slurmd runs in a fenced cgroup that no
+/// `exempt_cgroups` entry covers (found at slurmd start from slurmd's own
+/// cgroup, `slurmd_cgroup`, relative to the mount): slurmd's own NVML
+/// autodetection and everything slurmd runs there (the Prolog and Epilog
+/// outside `PrologFlags=RunInJob`) are then fenced like any user process,
+/// so the Prolog's NVML checks and `AutoDetect=nvml` fail. `None` when it
+/// is exempt or outside the fenced subtree. Exemptions stay what the
+/// config says: this names the cgroup, it never adds one.
+pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String> {
+    let root = &node.cfg.cgroup_root;
+    if !crate::is_under(slurmd_cgroup, root) {
+        return None;
+    }
+    if node
+        .cfg
+        .exempt_cgroups
+        .iter()
+        .any(|e| crate::is_under(slurmd_cgroup, e.trim_matches('/')))
+    {
+        return None;
+    }
+    Some(format!(
+        "slurmd runs in {}, which no exempt_cgroups entry covers: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
+         add \"{}\" to exempt_cgroups in {}",
+        crate::cgpath::abs(slurmd_cgroup),
+        slurmd_cgroup,
+        match &node.origin {
+            gpufence_model::config::ConfigOrigin::File(p) => p.display().to_string(),
+            gpufence_model::config::ConfigOrigin::Defaults =>
+                gpufence_model::config::DEFAULT_CONFIG_PATH.to_string(),
+        }
+    ))
+}
+
+#[cfg(test)]
+mod slurmd_exemption_tests {
+    use super::*;
+    use gpufence_model::config::{Config, ConfigOrigin};
+
+    #[test]
+    fn slurmd_outside_every_exemption_is_named() {
+        let d = tempfile::tempdir().unwrap();
+        let node = |extra: &str| {
+            let text = format!("audit_log = \"{}/a.jsonl\"\n{extra}", d.path().display());
+            Node::new(
+                Config::parse(&text, std::path::Path::new("t")).unwrap(),
+                ConfigOrigin::Defaults,
+            )
+            .unwrap()
+        };
+        let n = node("");
+        // systemd's unit, and 26.05's own move below it, are covered.
+        assert_eq!(
+            slurmd_exemption_note(&n, "system.slice/slurmd.service"),
+            None
+        );
+        assert_eq!(
+            slurmd_exemption_note(&n, "system.slice/slurmd.service/slurmd"),
+            None
+        );
+        let l = slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service").unwrap();
+        assert!(
+            l.contains("/system.slice/slurmd@gpu1.service")
+                && l.contains("add \"system.slice/slurmd@gpu1.service\" to exempt_cgroups"),
+            "{l}"
+        );
+        // Outside the fenced subtree nothing is fenced.
+        let n = node("cgroup_root = \"system.slice/x_slurmstepd.scope\"\n");
+        assert_eq!(
+            slurmd_exemption_note(&n, "system.slice/slurmd-x.service"),
+            None
+        );
+        let n = node("exempt_cgroups = [\"/system.slice/slurmd@gpu1.service/\"]\n");
+        assert_eq!(
+            slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service"),
+            None
+        );
+    }
+}

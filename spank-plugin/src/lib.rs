@@ -361,6 +361,12 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
             &format!("exempt cgroup /{p} does not exist: not exempt"),
         );
     }
+    // Where slurmd actually runs (this process), against the exemptions.
+    if let Ok(own) = node.cg.cgroup_of(std::process::id() as i32) {
+        if let Some(line) = fence_ops::slurmd_exemption_note(&node, &own) {
+            log(LogLevel::Error, &line);
+        }
+    }
     // Warm the slurmd -G cache; the prolog recomputes it if this fails.
     // An empty list is only "0 GPUs" when gres.conf gives this node none:
     // otherwise refresh fails (NoGpusListed, or a line naming Name=gpu in

@@ -303,6 +303,14 @@ fn real_cgroup_v2_node(release: &Release) {
         cluster.log_tail("slurmd.log")
     );
     assert_eq!(st["cgroup_root"], format!("/{SLICE}"));
+    // slurmd runs where the default exemption covers it (systemd's unit;
+    // 26.05 moves itself below it): no line about its cgroup.
+    let log = std::fs::read_to_string(cluster.dir.join("log/slurmd.log")).unwrap_or_default();
+    assert!(
+        !log.contains("no exempt_cgroups entry covers"),
+        "{}",
+        cluster.log_tail("slurmd.log")
+    );
 
     // 1. A --gres=gpu:sim:1 job opens its GPU, not the other; the GRES
     //    index maps through slurmd -G's order (nvidia3 first), not minors.
@@ -1499,6 +1507,49 @@ fn slurmd_in_a_cgroup_namespace_22_05_host() {
             serde_json::from_slice::<Value>(&g.stdout).ok() == Some(serde_json::json!([]))
         }),
         "grants left"
+    );
+    drop(cluster);
+}
+
+/// slurmd running in a fenced cgroup that no exemption covers (an admin
+/// who runs it as `slurmd-other.service`): slurmd start names the cgroup
+/// and the line to add, once; jobs still run.
+#[test]
+fn slurmd_outside_its_exemption_is_named_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("unexempt");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let other = format!("{SLICE}/slurmd-other.service");
+    env.cg.create(&other).unwrap();
+    let mut s = spec(
+        &Release {
+            root: None,
+            plugin: None,
+        },
+        &slice,
+        &d,
+        "nvml = false\n[majors]\nnvidia = 195\n",
+        false,
+        "Alloc,Contain",
+    );
+    if let Some(v2) = s.v2node.as_mut() {
+        v2.slurmd_cgroup = env.cg.path(&other);
+    }
+    let cluster = Cluster::start_with(&env, &s);
+    let log = std::fs::read_to_string(cluster.dir.join("log/slurmd.log")).unwrap_or_default();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("no exempt_cgroups entry covers"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains(&format!("slurmd runs in /{other}"))
+            && lines[0].contains(&format!("add \"{other}\" to exempt_cgroups")),
+        "{}",
+        lines[0]
     );
     drop(cluster);
 }
