@@ -156,6 +156,27 @@ impl V2Slice {
     }
 }
 
+impl V2Slice {
+    /// Waits up to 10 s for the job cgroups under `node_name`'s scope to go
+    /// (slurmstepd removes a job cgroup as it exits, which may be just after
+    /// the node reads idle), and panics naming those left.
+    pub fn assert_no_job_cgroups(&self, node_name: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let left = loop {
+            let left = self.job_cgroups(node_name);
+            if left.is_empty() || Instant::now() > deadline {
+                break left;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(
+            left.is_empty(),
+            "job cgroups left under /{}: {left:?}",
+            V2Slice::scope(node_name)
+        );
+    }
+}
+
 impl Drop for V2Slice {
     fn drop(&mut self) {
         if !self.made {

@@ -109,6 +109,23 @@ fn spec(
     }
 }
 
+/// `salloc --no-shell --time=5 GRES` as the test user: an allocation with
+/// no shell (only its extern step, when there is one); its job id.
+fn salloc_no_shell(cluster: &Cluster, gres: &str) -> u32 {
+    let o = cluster.as_user("salloc", &[gres, "--no-shell", "--time=5"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    err.lines()
+        .find_map(|l| l.strip_prefix("salloc: Granted job allocation "))
+        .and_then(|w| w.trim().parse().ok())
+        .unwrap_or_else(|| panic!("job id in {err:?}"))
+}
+
 /// A cgroup of the test's own under the fenced slice, where a user's
 /// process outside every job runs (an ssh session pam_systemd moved out of
 /// the job, a container started through dockerd).
@@ -546,14 +563,7 @@ fn real_cgroup_v2_node(release: &Release) {
         serde_json::json!([]),
         "no grant is left"
     );
-    // slurmstepd removes the job cgroup as it exits, which may be just
-    // after the node reads idle.
-    let mut left = Vec::new();
-    let gone = Cluster::wait_for(Duration::from_secs(10), || {
-        left = slice.job_cgroups(&host);
-        left.is_empty()
-    });
-    assert!(gone, "job cgroups left under /{scope}: {left:?}");
+    slice.assert_no_job_cgroups(&host);
 
     let table = [
         (
@@ -624,24 +634,7 @@ fn run_in_job(release: &Release) {
     let probe_s = probe.display().to_string();
 
     // An allocation without a shell: only its extern step runs.
-    let o = cluster.as_user("salloc", &["--gres=gpu:held:1", "--no-shell", "--time=5"]);
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(
-        o.status.success(),
-        "{}\n{}",
-        both(&o),
-        cluster.log_tail("slurmd.log")
-    );
-    let job: u32 = err
-        .split_whitespace()
-        .last()
-        .and_then(|w| w.parse().ok())
-        .or_else(|| {
-            err.lines()
-                .find_map(|l| l.strip_prefix("salloc: Granted job allocation "))
-                .and_then(|w| w.trim().parse().ok())
-        })
-        .unwrap_or_else(|| panic!("job id in {err:?}"));
+    let job = salloc_no_shell(&cluster, "--gres=gpu:held:1");
     // The extern step's cgroup (the job dir is job_<id>, or the SLUID).
     let mut extern_cg = None;
     assert!(
@@ -755,12 +748,7 @@ fn run_in_job(release: &Release) {
         serde_json::from_slice::<Value>(&g.stdout).unwrap(),
         serde_json::json!([])
     );
-    let mut left = Vec::new();
-    let gone = Cluster::wait_for(Duration::from_secs(10), || {
-        left = slice.job_cgroups(&host);
-        left.is_empty()
-    });
-    assert!(gone, "job cgroups left: {left:?}");
+    slice.assert_no_job_cgroups(&host);
     drop(cluster);
 }
 
@@ -785,14 +773,7 @@ fn recreated_job_cgroup_slurm_22_05_host() {
     let cluster = Cluster::start_with(&env, &spec(&release, &slice, &d, extra, false, "Alloc"));
     let audit = env.path("log/audit.jsonl");
     let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
-    let o = cluster.as_user("salloc", &["--gres=gpu:sim:1", "--no-shell", "--time=5"]);
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "{}", both(&o));
-    let job: u32 = err
-        .lines()
-        .find_map(|l| l.strip_prefix("salloc: Granted job allocation "))
-        .and_then(|w| w.trim().parse().ok())
-        .unwrap_or_else(|| panic!("job id in {err:?}"));
+    let job = salloc_no_shell(&cluster, "--gres=gpu:sim:1");
     let grants_of_job = || -> Vec<u64> {
         let g = cluster.gpufence(&["grants", "--json"]);
         let g: Value = serde_json::from_slice(&g.stdout).expect("grants JSON");
@@ -1312,12 +1293,7 @@ fn two_nodes_each_grant_their_own_share_22_05_host() {
         "grants left"
     );
     for n in nodes {
-        let mut left = Vec::new();
-        let gone = Cluster::wait_for(Duration::from_secs(10), || {
-            left = slice.job_cgroups(n);
-            left.is_empty()
-        });
-        assert!(gone, "{n}: job cgroups left: {left:?}");
+        slice.assert_no_job_cgroups(n);
     }
     drop(cluster);
 }
