@@ -40,10 +40,43 @@ pub const F_ALLOW_MULTI: u32 = 1 << 1;
 /// `BPF_F_ALLOW_OVERRIDE`.
 pub const F_ALLOW_OVERRIDE: u32 = 1 << 0;
 
-fn bpf<T>(cmd: i32, attr: &mut T) -> io::Result<i64> {
-    // SAFETY: `attr` is a repr(C) prefix of `union bpf_attr` for `cmd`,
-    // valid for reads and writes of size_of::<T>() bytes.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>()) };
+/// How many bytes of `union bpf_attr` every call hands the kernel: more
+/// than the union has ever been (144 bytes in 6.1's
+/// `include/uapi/linux/bpf.h`; later kernels only add members). The kernel
+/// writes some results into the caller's attr at the offsets of its own,
+/// current layout whatever size the caller passed: since 6.6
+/// `__cgroup_bpf_query` (`kernel/bpf/cgroup.c`) copies the query's
+/// `revision` to offset 56, past the 32-byte query struct older callers
+/// use. A zeroed buffer this large takes every such write; the kernel
+/// accepts the zero tail (`bpf_check_uarg_tail_zero`).
+pub const ATTR_SIZE: usize = 256;
+
+/// The zeroed attr buffer, 8-byte aligned like `union bpf_attr`.
+#[repr(C, align(8))]
+struct AttrBuf([u8; ATTR_SIZE]);
+
+/// `bpf(cmd, attr)` with `attr` (a `repr(C)` prefix of `union bpf_attr`
+/// for `cmd`) at the start of a zeroed [`ATTR_SIZE`]-byte buffer; what the
+/// kernel wrote into the prefix is copied back into `attr`.
+fn bpf<T: Copy>(cmd: i32, attr: &mut T) -> io::Result<i64> {
+    bpf_raw(cmd, attr, &mut AttrBuf([0; ATTR_SIZE]).0)
+}
+
+/// [`bpf`] with the caller's buffer (tests look at what the kernel wrote
+/// past `T`).
+fn bpf_raw<T: Copy>(cmd: i32, attr: &mut T, buf: &mut [u8; ATTR_SIZE]) -> io::Result<i64> {
+    const { assert!(size_of::<T>() <= ATTR_SIZE && std::mem::align_of::<T>() <= 8) };
+    let at = buf.as_mut_ptr().cast::<T>();
+    // SAFETY: `buf` holds ATTR_SIZE >= size_of::<T>() bytes; `T` is plain
+    // data (integers, arrays, pointers as u64), so unaligned reads and
+    // writes of it are sound and any bytes the kernel writes are a valid T.
+    unsafe { at.write_unaligned(*attr) };
+    // SAFETY: `buf` is valid for reads and writes of ATTR_SIZE bytes for
+    // the call; pointers inside `attr` are the caller's, valid as its
+    // `cmd` requires.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, buf.as_mut_ptr(), ATTR_SIZE) };
+    // SAFETY: as above.
+    *attr = unsafe { at.read_unaligned() };
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -70,7 +103,7 @@ fn name16(name: &str) -> [u8; 16] {
 }
 
 #[repr(C)]
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct MapCreateAttr {
     map_type: u32,
     key_size: u32,
@@ -105,6 +138,7 @@ pub fn map_create(
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct MapElemAttr {
     map_fd: u32,
     _pad: u32,
@@ -205,7 +239,7 @@ pub fn map_keys(
 }
 
 #[repr(C)]
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct ProgLoadAttr {
     prog_type: u32,
     insn_cnt: u32,
@@ -281,6 +315,7 @@ pub fn prog_load_cgroup_device(insns: &[RawInsn], name: &str) -> Result<OwnedFd,
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct ObjAttr {
     pathname: u64,
     bpf_fd: u32,
@@ -321,6 +356,7 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct LinkCreateAttr {
     prog_fd: u32,
     target_fd: u32,
@@ -346,6 +382,7 @@ pub fn link_create_cgroup_device(
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct LinkUpdateAttr {
     link_fd: u32,
     new_prog_fd: u32,
@@ -368,6 +405,7 @@ pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()>
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct LinkDetachAttr {
     link_fd: u32,
 }
@@ -384,6 +422,7 @@ pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct InfoAttr {
     bpf_fd: u32,
     info_len: u32,
@@ -488,6 +527,7 @@ pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct QueryAttr {
     target_fd: u32,
     attach_type: u32,
@@ -520,6 +560,45 @@ pub fn prog_query_cgroup_device(cgroup: BorrowedFd<'_>) -> io::Result<(u32, Vec<
     Ok((a.attach_flags, ids))
 }
 
+/// Offset of `revision` in the `query` member of `union bpf_attr` (6.6+,
+/// `include/uapi/linux/bpf.h`): after `prog_attach_flags`, `link_ids` and
+/// `link_attach_flags`, past the 32 bytes of [`QueryAttr`].
+pub const QUERY_REVISION_OFFSET: usize = 56;
+
+/// `BPF_PROG_QUERY` of a cgroup's device programs through a buffer of
+/// [`ATTR_SIZE`] bytes followed by 64 guard bytes of `0xAA`: the query's
+/// `revision` as the kernel wrote it at [`QUERY_REVISION_OFFSET`] (0 on
+/// kernels before 6.6, which do not write it), and the guard bytes
+/// afterwards. Shows that the attr every call passes is large enough.
+///
+/// # Errors
+/// errno.
+pub fn prog_query_guarded(cgroup: BorrowedFd<'_>) -> io::Result<(u64, [u8; 64])> {
+    #[repr(C, align(8))]
+    struct Guarded {
+        attr: [u8; ATTR_SIZE],
+        guard: [u8; 64],
+    }
+    let mut g = Guarded {
+        attr: [0; ATTR_SIZE],
+        guard: [0xAA; 64],
+    };
+    let mut ids = vec![0u32; 64];
+    let mut a = QueryAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        query_flags: 0,
+        attach_flags: 0,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        _pad: 0,
+    };
+    bpf_raw(BPF_PROG_QUERY, &mut a, &mut g.attr)?;
+    let at = QUERY_REVISION_OFFSET;
+    let revision = u64::from_ne_bytes(g.attr[at..at + 8].try_into().unwrap_or([0; 8]));
+    Ok((revision, g.guard))
+}
+
 /// Trims a NUL-padded BPF object name.
 pub fn name_str(b: &[u8; 16]) -> String {
     let end = b.iter().position(|c| *c == 0).unwrap_or(16);
@@ -533,6 +612,7 @@ const BPF_PROG_GET_FD_BY_ID: i32 = 13;
 pub const F_QUERY_EFFECTIVE: u32 = 1;
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct AttachAttr {
     target_fd: u32,
     attach_bpf_fd: u32,
@@ -576,6 +656,7 @@ pub fn prog_detach_cgroup_device(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>) -
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct GetIdAttr {
     id: u32,
     next_id: u32,
@@ -632,7 +713,7 @@ pub const ATTACH_TRACE_ITER: u32 = 28;
 
 /// `union bpf_attr` for `BPF_PROG_LOAD` up to `attach_btf_obj_fd`.
 #[repr(C)]
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct ProgLoadBtfAttr {
     prog_type: u32,
     insn_cnt: u32,
@@ -696,6 +777,7 @@ pub fn prog_load_iter(
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct LinkCreateIterAttr {
     prog_fd: u32,
     target_fd: u32,
@@ -738,6 +820,7 @@ pub const CGROUP_ITER_ANCESTORS_UP: u32 = 4;
 /// (`include/uapi/linux/bpf.h`, Linux 6.1): the order, and the start
 /// cgroup as an fd or an id (at most one non-zero).
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct CgroupIterInfo {
     order: u32,
     cgroup_fd: u32,
@@ -776,6 +859,7 @@ pub fn link_create_iter_cgroup(
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct IterCreateAttr {
     link_fd: u32,
     flags: u32,

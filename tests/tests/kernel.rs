@@ -286,6 +286,38 @@ fn install_twice_is_one_program_and_keeps_grants() {
     );
 }
 
+/// Every `bpf(2)` call hands the kernel a zeroed attr of
+/// `sys::ATTR_SIZE` bytes. On 6.6+ `BPF_PROG_QUERY` writes the query's
+/// `revision` 56 bytes in, past the 32-byte query struct gpufence reads
+/// (before, that write landed on the caller's stack); nothing lands past
+/// the attr.
+#[test]
+fn bpf_query_writes_stay_inside_the_attr() {
+    if !privileged() {
+        return;
+    }
+    use std::os::fd::AsFd;
+    let env = TestEnv::new("attr-guard");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).unwrap();
+    let dir = std::fs::File::open(env.cg.path(&env.root)).unwrap();
+    let (revision, guard) = gpufence_cgroup::sys::prog_query_guarded(dir.as_fd()).unwrap();
+    assert_eq!(guard, [0xAA; 64], "guard bytes after the attr untouched");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let (major, minor) = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok())
+        .take(2)
+        .fold((0, 0), |(a, _), n| if a == 0 { (n, 0) } else { (a, n) });
+    if (major, minor) >= (6, 6) {
+        assert!(
+            revision >= 1,
+            "kernel {release}: the query's revision written at offset {} (a link is attached here)",
+            gpufence_cgroup::sys::QUERY_REVISION_OFFSET
+        );
+    }
+}
+
 #[test]
 fn driver_reload_rekeys_majors_without_a_gap() {
     if !privileged() {
