@@ -109,10 +109,10 @@ fn spec(
     }
 }
 
-/// `salloc --no-shell --time=5 GRES` as the test user: an allocation with
+/// `salloc --no-shell --time=5 ARGS` as the test user: an allocation with
 /// no shell (only its extern step, when there is one); its job id.
-fn salloc_no_shell(cluster: &Cluster, gres: &str) -> u32 {
-    let o = cluster.as_user("salloc", &[gres, "--no-shell", "--time=5"]);
+fn salloc_no_shell(cluster: &Cluster, args: &[&str]) -> u32 {
+    let o = cluster.as_user("salloc", &[args, &["--no-shell", "--time=5"]].concat());
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(
         o.status.success(),
@@ -634,7 +634,7 @@ fn run_in_job(release: &Release) {
     let probe_s = probe.display().to_string();
 
     // An allocation without a shell: only its extern step runs.
-    let job = salloc_no_shell(&cluster, "--gres=gpu:held:1");
+    let job = salloc_no_shell(&cluster, &["--gres=gpu:held:1"]);
     // The extern step's cgroup (the job dir is job_<id>, or the SLUID).
     let mut extern_cg = None;
     assert!(
@@ -752,6 +752,163 @@ fn run_in_job(release: &Release) {
     drop(cluster);
 }
 
+#[test]
+fn run_in_job_nvml_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        run_in_job_nvml(&r);
+    }
+}
+
+#[test]
+fn run_in_job_nvml_slurm_26_05_debian_sid() {
+    if let Some(r) = privileged().then(|| Release::debian("sid")).flatten() {
+        run_in_job_nvml(&r);
+    }
+}
+
+/// `PrologFlags=RunInJob` with NVML (the fake `libnvidia-ml`, which opens
+/// `nvidiactl` at init and `/dev/nvidia<N>` for each handle as the driver
+/// does, so a device cgroup fences it as it fences the real library): the
+/// Prolog and the Epilog run in the job's extern step, yet their NVML work
+/// runs outside the fence. The Prolog records the idle-memory baseline and
+/// sets `--gpu-exclusive`; the Epilog proves memory came back (here it did
+/// not: the node drains, naming the GPU) and restores the compute mode.
+/// Neither leaves a denial in the fence's record. Inside the job cgroup
+/// NVML's init is refused before the grant, and the other GPU's handle
+/// after it: the baseline and the mode would be missing.
+fn run_in_job_nvml(release: &Release) {
+    let env = TestEnv::new("runinjob-nvml");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let host = hostname();
+    let nvml_dir = env.path("nvml");
+    std::fs::create_dir_all(&nvml_dir).unwrap();
+    std::fs::set_permissions(
+        &nvml_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let lib = nvml_dir.join("libnvidia-ml.so.1");
+    std::fs::copy(gpufence_tests::workspace_bin("libnvidia_ml.so"), &lib).unwrap();
+    let scenario = |stuck: Option<u32>| {
+        let gpu = |minor: u32, file: &Path| {
+            serde_json::json!({"minor": minor, "device_file": file, "idle_used_mib": 400,
+                "stuck_used_mib": if stuck == Some(minor) { 2000 } else { 0 }})
+        };
+        let v = serde_json::json!({"control_device": d.ctl,
+            "gpus": [gpu(1, &d.n1), gpu(3, &d.n3)]});
+        std::fs::write(nvml_dir.join("nvml-scenario.json"), v.to_string()).unwrap();
+    };
+    scenario(None);
+    let extra = format!(
+        "term_grace_ms = 1000\nmemory_wait_ms = 1000\nnvml_library = \"{}\"\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        lib.display(),
+        d.real.major
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(release, &slice, &d, &extra, false, "Alloc,Contain,RunInJob"),
+    );
+    let audit = env.path("log/audit.jsonl");
+    let modes = || -> Value {
+        std::fs::read(nvml_dir.join("nvml-state.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .map(|v| v["compute_mode"].clone())
+            .unwrap_or(Value::Null)
+    };
+
+    let job = salloc_no_shell(&cluster, &["--gres=gpu:sim:1", "--gpu-exclusive"]);
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || events_for(&audit, job)
+            .iter()
+            .any(|e| e == "grant_applied")),
+        "job {job}: events {:?}\n{}",
+        events_for(&audit, job),
+        cluster.log_tail("slurmd.log")
+    );
+    // --gpu-exclusive: exclusive-process (3) on the job's GPU, one GPU.
+    let set = modes();
+    let set = set.as_object().cloned().unwrap_or_default();
+    assert_eq!(set.len(), 1, "one GPU switched: {set:?}");
+    let (minor, mode) = set.iter().next().unwrap();
+    assert_eq!(mode, 3, "exclusive-process on /dev/nvidia{minor}");
+    let minor: u32 = minor.parse().unwrap();
+    // The baseline: the job's GPU at its idle level, from NVML.
+    let rec: Value = serde_json::from_slice(
+        &std::fs::read(env.path(&format!("state/jobs/{job}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        rec["gpu_idle"],
+        serde_json::json!([{"minor": minor, "used_bytes": 400u64 << 20}]),
+        "{rec}"
+    );
+    assert!(
+        rec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["dev"] == serde_json::json!({"major": 195, "minor": minor})),
+        "the switched GPU is the job's: {rec}"
+    );
+    // The job leaves memory on its GPU that never comes back.
+    scenario(Some(minor));
+    let o = cluster.admin("scancel", &[&job.to_string()]);
+    assert!(o.status.success(), "{}", both(&o));
+    let mut state = String::new();
+    let drained = Cluster::wait_for(Duration::from_secs(30), || {
+        state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+            .trim()
+            .to_string();
+        // The Epilog drains, then writes its error line.
+        let ev = events_for(&audit, job);
+        state.starts_with("drain")
+            && ev.contains(&"grant_revoked".to_string())
+            && ev.contains(&"error".to_string())
+    });
+    assert!(
+        drained,
+        "node {state}, events {:?}\n{}",
+        events_for(&audit, job),
+        cluster.log_tail("slurmd.log")
+    );
+    let lines = gpufence_tests::audit_log_settled(&audit);
+    let err = lines
+        .iter()
+        .find(|e| e["job_id"] == job && e["event"] == "error")
+        .unwrap_or_else(|| panic!("the Epilog's error line: {lines:#?}"));
+    let survivors = err["survivors"].to_string();
+    assert!(
+        survivors.contains(&format!("/dev/nvidia{minor} still has 2400 MiB in use")),
+        "the memory-return proof names the GPU: {err}"
+    );
+    assert_eq!(err["errors"], serde_json::json!([]), "{err}");
+    assert_eq!(
+        modes()[minor.to_string()],
+        0,
+        "the compute mode is restored"
+    );
+    // Neither script's NVML work was denied by the fence.
+    let denials: Value =
+        serde_json::from_slice(&cluster.gpufence(&["denials", "--json"]).stdout).unwrap();
+    assert_eq!(denials, serde_json::json!([]), "denials: {denials}");
+    // The node back in service.
+    scenario(None);
+    let o = cluster.admin(
+        "scontrol",
+        &["update", &format!("nodename={host}"), "state=resume"],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&g.stdout).unwrap(),
+        serde_json::json!([])
+    );
+    slice.assert_no_job_cgroups(&host);
+    drop(cluster);
+}
+
 /// A job with no extern or batch step (`PrologFlags=Alloc`, no `Contain`):
 /// Slurm removes the job cgroup with each step and makes a new one, with a
 /// new cgroup id, for the next (`cgroup_p_step_destroy`). Each step opens
@@ -773,7 +930,7 @@ fn recreated_job_cgroup_slurm_22_05_host() {
     let cluster = Cluster::start_with(&env, &spec(&release, &slice, &d, extra, false, "Alloc"));
     let audit = env.path("log/audit.jsonl");
     let probe_s = cluster.bin.join("gpufence-probe").display().to_string();
-    let job = salloc_no_shell(&cluster, "--gres=gpu:sim:1");
+    let job = salloc_no_shell(&cluster, &["--gres=gpu:sim:1"]);
     let grants_of_job = || -> Vec<u64> {
         let g = cluster.gpufence(&["grants", "--json"]);
         let g: Value = serde_json::from_slice(&g.stdout).expect("grants JSON");

@@ -498,3 +498,54 @@ fn revoke_carries_gpu_seconds_and_accounting() {
         .is_empty());
     assert_eq!(w.events(33), vec!["grant_revoked"]);
 }
+
+/// The fake answers at the C library boundary as the driver does under a
+/// device cgroup: init opens `nvidiactl` and each handle opens its
+/// `/dev/nvidia<N>` (here `mknod` stand-ins), so in a cgroup without a
+/// grant init is `NoPermission`, and with a grant of `nvidiactl` and one
+/// GPU the other GPU's handle is `NoPermission` (NVML lists every GPU of
+/// the node). The real-node RunInJob test relies on this to show where the
+/// Prolog's and Epilog's NVML work runs.
+#[test]
+fn the_fake_nvml_is_fenced_like_the_driver() {
+    if !privileged() {
+        return;
+    }
+    let w = world("nvml-fenced", "");
+    let ctl = w.env.mknod("nvidiactl", 195, 255);
+    let n0 = w.env.mknod("nvidia0", 195, 0);
+    let n1 = w.env.mknod("nvidia1", 195, 1);
+    w.scenario(json!({
+        "control_device": ctl,
+        "gpus": [
+            {"minor": 0, "device_file": n0},
+            {"minor": 1, "device_file": n1},
+        ]
+    }));
+    let lib = w.scenario.with_file_name("libnvidia-ml.so.1");
+    let lib = lib.to_str().unwrap();
+    let outside = w.env.cgroup("outside");
+    assert_eq!(
+        w.env.probe_in(&outside, &["nvml", lib]),
+        vec!["init NoPermission"],
+        "no grant: nvidiactl is denied"
+    );
+    let job = w.env.cgroup("job_31");
+    Fence::open(&w.env.bpffs)
+        .unwrap()
+        .grant(
+            w.env.cg.id(&job).unwrap(),
+            &job,
+            31,
+            &[
+                (DevNum::new(195, 0), Access::RW),
+                (DevNum::new(195, 255), Access::RW),
+            ],
+        )
+        .unwrap();
+    assert_eq!(
+        w.env.probe_in(&job, &["nvml", lib]),
+        vec!["init ok", "handle 0 minor 0", "handle 1 NoPermission"],
+        "the grant's GPU only"
+    );
+}

@@ -20,6 +20,7 @@
 //! {
 //!   "init_error": null,
 //!   "driver_version": "550.54.15",
+//!   "control_device": "/dev/nvidiactl",
 //!   "gpus": [
 //!     {
 //!       "minor": 0,
@@ -38,7 +39,8 @@
 //!       },
 //!       "compute_mode": 0,
 //!       "util_gpu": 0,
-//!       "util_mem": 0
+//!       "util_mem": 0,
+//!       "device_file": "/dev/nvidia0"
 //!     }
 //!   ]
 //! }
@@ -51,6 +53,12 @@
 //!   `NVML_ERROR_DRIVER_NOT_LOADED`, 4 = `NO_PERMISSION`) that `nvmlInit_v2`
 //!   and `nvmlInitWithFlags` return; `null` or 0 means init succeeds.
 //! * `driver_version` (default `"550.54.15"`): `nvmlSystemGetDriverVersion`.
+//! * `control_device` (default none): a file that init opens read-write, as
+//!   the real library opens `/dev/nvidiactl`. Refused (EPERM from a device
+//!   cgroup, EACCES): init returns `NVML_ERROR_NO_PERMISSION` (4); missing:
+//!   `NVML_ERROR_DRIVER_NOT_LOADED`; ENXIO/ENODEV (a `mknod` stand-in with
+//!   no driver behind it, let through by the device cgroup) count as
+//!   opened.
 //! * `gpus` (default `[]`): one entry per device, in NVML index order
 //!   (`nvmlDeviceGetHandleByIndex_v2(i)` is `gpus[i]`).
 //!   * `minor` (default: the index): `nvmlDeviceGetMinorNumber`.
@@ -89,6 +97,12 @@
 //!   * `compute_mode` (default 0 = DEFAULT; 1 EXCLUSIVE_THREAD, 2 PROHIBITED,
 //!     3 EXCLUSIVE_PROCESS), unless overridden by the state file below.
 //!   * `util_gpu`, `util_mem` (default 0): `nvmlDeviceGetUtilizationRates`.
+//!   * `device_file` (default none): a file that taking the GPU's handle
+//!     (by index, UUID or PCI bus id) opens as `control_device` is opened,
+//!     with the same answers: a device cgroup that denies `/dev/nvidia<N>`
+//!     makes its handle `NVML_ERROR_NO_PERMISSION`, as with the real
+//!     driver (`nvmlDeviceGetCount_v2` counts GPUs the caller may not open;
+//!     `nvmlDeviceGetHandleByIndex_v2` then refuses them).
 //!
 //! # Other behaviour
 //!
@@ -132,6 +146,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT as INVALID_ARGUMENT,
     nvmlReturn_enum_NVML_ERROR_NOT_FOUND as NOT_FOUND,
     nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED as NOT_SUPPORTED,
+    nvmlReturn_enum_NVML_ERROR_NO_PERMISSION as NO_PERMISSION,
     nvmlReturn_enum_NVML_ERROR_UNINITIALIZED as UNINITIALIZED,
     nvmlReturn_enum_NVML_ERROR_UNKNOWN as UNKNOWN, nvmlReturn_enum_NVML_SUCCESS as SUCCESS,
     nvmlReturn_t, nvmlUtilization_t,
@@ -165,6 +180,9 @@ struct Scenario {
     driver_version: String,
     #[serde(default)]
     gpus: Vec<Gpu>,
+    /// A file opened at init, as the real library opens `/dev/nvidiactl`.
+    #[serde(default)]
+    control_device: Option<PathBuf>,
 }
 
 fn default_driver_version() -> String {
@@ -200,6 +218,10 @@ struct Gpu {
     util_gpu: u32,
     #[serde(default)]
     util_mem: u32,
+    /// A file opened when a handle is taken, as the real library opens
+    /// `/dev/nvidia<minor>`.
+    #[serde(default)]
+    device_file: Option<PathBuf>,
 }
 
 fn default_name() -> String {
@@ -576,6 +598,33 @@ fn same_bus_id(a: &str, b: &str) -> bool {
     parse_bus_id(a) == parse_bus_id(b)
 }
 
+/// Opens a device file read-write and closes it again, as the real library
+/// does with `/dev/nvidiactl` at init and `/dev/nvidia<minor>` when it
+/// takes a device's handle: `None` when the open went through, or failed
+/// only because no driver stands behind the file (ENXIO or ENODEV: the
+/// tests' `mknod` stand-ins, which the device cgroup let through);
+/// `NVML_ERROR_NO_PERMISSION` when it was refused (EPERM from the device
+/// cgroup, EACCES from the file's mode), as `nvmlInit_v2` and
+/// `nvmlDeviceGetHandleByIndex_v2` answer then (NVML API reference,
+/// "Insufficient Permissions"); `NVML_ERROR_DRIVER_NOT_LOADED` for a
+/// missing file.
+fn device_open(path: &Path) -> Option<nvmlReturn_t> {
+    match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(_) => None,
+        Err(e) => match e.raw_os_error() {
+            Some(libc::ENXIO) | Some(libc::ENODEV) => None,
+            Some(libc::EPERM) | Some(libc::EACCES) => {
+                debug(&format!("{}: {e}", path.display()));
+                Some(NO_PERMISSION)
+            }
+            _ => {
+                debug(&format!("{}: {e}", path.display()));
+                Some(DRIVER_NOT_LOADED)
+            }
+        },
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Exported entry points
 // ---------------------------------------------------------------------------
@@ -586,7 +635,9 @@ fn init() -> nvmlReturn_t {
             debug(&e);
             DRIVER_NOT_LOADED
         }
-        Ok(l) => match failing(l.scenario.init_error) {
+        Ok(l) => match failing(l.scenario.init_error)
+            .or_else(|| l.scenario.control_device.as_deref().and_then(device_open))
+        {
             Some(code) => code,
             None => {
                 INIT_COUNT.fetch_add(1, Ordering::SeqCst);
@@ -698,7 +749,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
         let Some(gpu) = l.scenario.gpus.get(index as usize) else {
             return INVALID_ARGUMENT;
         };
-        if let Some(code) = failing(gpu.fail.handle) {
+        if let Some(code) =
+            failing(gpu.fail.handle).or_else(|| gpu.device_file.as_deref().and_then(device_open))
+        {
             return code;
         }
         *device = handle_for(index as usize);
@@ -728,7 +781,9 @@ unsafe fn handle_by(
         let Some((index, gpu)) = found else {
             return NOT_FOUND;
         };
-        if let Some(code) = failing(gpu.fail.handle) {
+        if let Some(code) =
+            failing(gpu.fail.handle).or_else(|| gpu.device_file.as_deref().and_then(device_open))
+        {
             return code;
         }
         *device = handle_for(index);

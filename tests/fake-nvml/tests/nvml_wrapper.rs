@@ -489,3 +489,25 @@ fn default_scenario_next_to_the_library() {
         ComputeMode::Prohibited
     );
 }
+
+#[test]
+fn device_files_are_opened_at_init_and_handle() {
+    let _g = env_lock();
+    let lib = lib_path();
+    let s = Scenario::new(&json!({}));
+    let ctl = s.dir.path().join("nvidiactl");
+    let n0 = s.dir.path().join("nvidia0");
+    std::fs::write(&ctl, "").unwrap();
+    s.write(&json!({"control_device": ctl, "gpus": [{"device_file": n0}]}));
+    let nvml = init_from(&lib).expect("control device opens");
+    // The GPU's file is missing: no driver behind it.
+    assert!(matches!(
+        nvml.device_by_index(0),
+        Err(NvmlError::DriverNotLoaded)
+    ));
+    std::fs::write(&n0, "").unwrap();
+    assert_eq!(nvml.device_by_index(0).unwrap().minor_number().unwrap(), 0);
+    drop(nvml);
+    std::fs::remove_file(&ctl).unwrap();
+    assert!(matches!(init_from(&lib), Err(NvmlError::DriverNotLoaded)));
+}

@@ -240,6 +240,24 @@ fn main() -> ExitCode {
                 say(&format!("{p} {}", word(open(p, ro).map(|_| ()))));
             }
         }
+        // NVML as gpufence loads it (nvml-wrapper): init, then each
+        // device's handle by index: "init ok" or "init <error>", then
+        // "handle <i> minor <m>" or "handle <i> <error>".
+        ["nvml", lib] => match nvml_wrapper::Nvml::builder()
+            .lib_path(std::ffi::OsStr::new(lib))
+            .init()
+        {
+            Err(e) => say(&format!("init {e:?}")),
+            Ok(n) => {
+                say("init ok");
+                for i in 0..n.device_count().unwrap_or(0) {
+                    match n.device_by_index(i).and_then(|d| d.minor_number()) {
+                        Ok(m) => say(&format!("handle {i} minor {m}")),
+                        Err(e) => say(&format!("handle {i} {e:?}")),
+                    }
+                }
+            }
+        },
         ["objget", paths @ ..] => {
             use gpufence_cgroup::sys;
             use std::os::fd::AsFd;
