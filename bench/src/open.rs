@@ -185,6 +185,7 @@ impl World {
                     max_grants: (n as u32 + 16).max(1024),
                     max_denials: 4096,
                     audit: false,
+                    identities: Default::default(),
                 };
                 let (fence, _) = Fence::install(&self.cg, &spec).expect("install fence");
                 // The job cgroup at level 3, like Slurm's job_<id>.

@@ -295,6 +295,12 @@ pub enum AsmError {
     /// A jump is farther than a 16-bit offset reaches.
     #[error("jump to {0:?} is out of range")]
     OutOfRange(String),
+    /// The fence program's exempt identities do not fit its compare
+    /// immediates (`program::build`).
+    #[error(
+        "exempt identities out of range (uids at most 2147483647, at most 16 service uids): {0}"
+    )]
+    Identities(String),
 }
 
 /// The assembled program: the instructions and their annotated listing.

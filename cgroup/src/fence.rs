@@ -17,6 +17,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use gpufence_model::device::{Access, DevNum};
+use gpufence_model::policy::ExemptIdentities;
 use gpufence_model::procdevices::ProtectedMajors;
 
 use crate::error::{Error, Result};
@@ -54,6 +55,8 @@ pub struct FenceSpec {
     pub max_denials: u32,
     /// Audit mode: denials are recorded and allowed.
     pub audit: bool,
+    /// Whom the exempt cgroups cover (compiled into the program).
+    pub identities: ExemptIdentities,
 }
 
 /// What an install did.
@@ -507,6 +510,7 @@ impl Fence {
             levels_fd: fence.levels.as_raw_fd(),
             max_level: MAX_LEVEL,
             audit: spec.audit,
+            identities: spec.identities.clone(),
         })?;
         let prog_fd =
             sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
@@ -611,7 +615,7 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error`] when it cannot be built or loaded.
-    pub fn fresh_program_tag(&self, audit: bool) -> Result<[u8; 8]> {
+    pub fn fresh_program_tag(&self, audit: bool, identities: &ExemptIdentities) -> Result<[u8; 8]> {
         let prog = program::build(&FenceProgramSpec {
             majors_fd: self.majors.as_raw_fd(),
             cgroups_fd: self.cgroups.as_raw_fd(),
@@ -620,6 +624,7 @@ impl Fence {
             levels_fd: self.levels.as_raw_fd(),
             max_level: MAX_LEVEL,
             audit,
+            identities: identities.clone(),
         })?;
         let fd =
             sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
@@ -1343,15 +1348,22 @@ impl MapView for Fence {
 }
 
 impl Fence {
-    /// What the enforcing fence program answers, over these maps as they
-    /// are now, for a task whose ancestors by kernel level are `ancestry`
+    /// What the enforcing fence program built with `identities` answers,
+    /// over these maps as they are now, for a task of real uid `uid` whose
+    /// ancestors by kernel level are `ancestry`
     /// ([`Cgroup2::kernel_ancestry`]'s ids) opening `dev` for `access`
     /// ([`verdict::evaluate`]).
     ///
     /// # Errors
     /// [`Error::Bpf`] when a map cannot be read.
-    pub fn evaluate(&self, ancestry: &[u64], dev: DevNum, access: Access) -> Result<Evaluation> {
-        verdict::evaluate(self, ancestry, dev, access)
+    pub fn evaluate(
+        &self,
+        task: verdict::Task<'_>,
+        identities: &ExemptIdentities,
+        dev: DevNum,
+        access: Access,
+    ) -> Result<Evaluation> {
+        verdict::evaluate(self, task, identities, dev, access)
     }
 
     /// Rewrites the level of every entry whose recorded level is not the
@@ -1407,7 +1419,16 @@ impl Fence {
             // evaluation (a revoke in between is no problem).
             if flags & CGROUP_EXEMPT != 0 {
                 if let Some(dev) = some_protected {
-                    if !self.evaluate(&ancestry, dev, Access::RW)?.allowed && self.is_exempt(*id)? {
+                    if !self
+                        .evaluate(
+                            root_task(&ancestry),
+                            &ExemptIdentities::default(),
+                            dev,
+                            Access::RW,
+                        )?
+                        .allowed
+                        && self.is_exempt(*id)?
+                    {
                         out.push(format!(
                             "exempt cgroup /{path} (id {id}) is not exempt for the fence program: it denies {dev} to its tasks"
                         ));
@@ -1415,7 +1436,14 @@ impl Fence {
                 }
             }
             for g in grants.iter().filter(|g| g.cgroup_id == *id) {
-                if !self.evaluate(&ancestry, g.dev, g.access)?.allowed
+                if !self
+                    .evaluate(
+                        root_task(&ancestry),
+                        &ExemptIdentities::default(),
+                        g.dev,
+                        g.access,
+                    )?
+                    .allowed
                     && self.lookup(g.cgroup_id, g.dev)?.is_some()
                 {
                     out.push(format!(
@@ -1427,6 +1455,12 @@ impl Fence {
         }
         Ok(out)
     }
+}
+
+/// A root task (uid 0, which every exemption covers) with this ancestry:
+/// what `status` checks exemptions and grants with.
+fn root_task(ancestry: &[u64]) -> verdict::Task<'_> {
+    verdict::Task { ancestry, uid: 0 }
 }
 
 /// The programs attached directly at cgroup `rel` for device checks:

@@ -17,7 +17,11 @@
 //!         if (!id) goto deny;                        // walked past the task's cgroup
 //!         u32 *flags = cgroups[id];
 //!         if (!flags) continue;
-//!         if (*flags & EXEMPT) return 1;
+//!         if (*flags & EXEMPT) {                     // covers system accounts only
+//!             u32 uid = bpf_get_current_uid_gid();
+//!             if (uid <= UID_MAX || uid == SERVICE_UID_1 || ...) return 1;
+//!             continue;                              // a user's task: as if not exempt
+//!         }
 //!         if (!(*flags & GRANTED)) continue;
 //!         key.cgroup_id = id;
 //!         struct grant_value *g = grants[key];
@@ -36,6 +40,8 @@
 //! one compare, and one array lookup that the verifier inlines.
 
 use std::mem::offset_of;
+
+use gpufence_model::policy::ExemptIdentities;
 
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::maps::{DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED};
@@ -74,8 +80,9 @@ const STACK_LEVELS_KEY: i16 = -32; // u32 0, key of `levels`
 const STACK_DENIAL_KEY: i16 = -56; // struct denial_key, 24 bytes
 const STACK_DENIAL_VALUE: i16 = -96; // struct denial_value, 40 bytes
 
-/// What the program needs: the fds of the three maps and the walk depth.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What the program needs: the fds of its maps, the walk depth, the mode
+/// and whom exemptions cover.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FenceProgramSpec {
     /// fd of the `majors` array.
     pub majors_fd: i32,
@@ -91,14 +98,28 @@ pub struct FenceProgramSpec {
     pub max_level: usize,
     /// Audit mode: record what would be denied, and allow it.
     pub audit: bool,
+    /// Whom an exempt cgroup covers (compiled into the program as compare
+    /// immediates: `uid_max` and each of `uids` must be at most
+    /// [`ExemptIdentities::MAX_UID`], at most
+    /// [`ExemptIdentities::MAX_UIDS`] of them).
+    pub identities: ExemptIdentities,
 }
 
 /// Builds the fence program.
 ///
 /// # Errors
-/// [`AsmError`] only if the builder itself is wrong.
+/// [`AsmError::Identities`] when `spec.identities` is out of range (the
+/// config refuses such values); otherwise only if the builder itself is
+/// wrong.
 pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
     use Reg::*;
+    let ids = &spec.identities;
+    if ids.uid_max > ExemptIdentities::MAX_UID
+        || ids.uids.len() > ExemptIdentities::MAX_UIDS
+        || ids.uids.iter().any(|u| *u > ExemptIdentities::MAX_UID)
+    {
+        return Err(AsmError::Identities(format!("{ids:?}")));
+    }
     let mut a = Asm::new();
     a.comment("u32 t = ctx->access_type; if ((t & 0xffff) != BPF_DEVCG_DEV_CHAR) return 1;")
         .load(Size::W, R2, R1, CTX_ACCESS_TYPE)
@@ -153,9 +174,9 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
             .alu64_imm(AluOp::Add, R2, STACK_CGROUP_KEY as i32)
             .call(Helper::MapLookupElem)
             .jmp_imm(JmpOp::Eq, R0, 0, &next)
-            .comment("if (*f & EXEMPT) return 1; if (!(*f & GRANTED)) continue;")
+            .comment("if (*f & EXEMPT) goto exempt; if (!(*f & GRANTED)) continue;")
             .load(Size::W, R1, R0, 0)
-            .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, "allow")
+            .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, &format!("exempt_{level}"))
             .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
             .jmp_imm(JmpOp::Eq, R1, 0, &next)
             .comment("g = grants[{id, major, minor}]; if (g && !(access & ~g->access)) return 1;")
@@ -167,7 +188,20 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
             .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
             .alu32_imm(AluOp::Xor, R1, -1)
             .alu64_reg(AluOp::And, R1, R7)
-            .jmp_imm(JmpOp::Eq, R1, 0, "allow");
+            .jmp_imm(JmpOp::Eq, R1, 0, "allow")
+            .ja(&next)
+            .label(&format!("exempt_{level}"))
+            .comment(&format!(
+                "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; continue;",
+                ids.uid_max, ids.uids
+            ))
+            .call(Helper::GetCurrentUidGid)
+            .alu32_imm(AluOp::And, R0, -1)
+            .jmp_imm(JmpOp::Le, R0, ids.uid_max as i32, "allow");
+        for uid in &ids.uids {
+            a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
+        }
+        a.ja(&next);
     }
     a.label(&format!("level_{}", spec.max_level + 1))
         .label("deny")
@@ -311,6 +345,10 @@ mod tests {
             levels_fd: LEVELS,
             max_level,
             audit: false,
+            identities: ExemptIdentities {
+                uid_max: 999,
+                uids: [1500].into(),
+            },
         }
     }
 
@@ -322,6 +360,8 @@ mod tests {
         /// Bits set in the levels mask beyond the levels that hold an
         /// entry of this ancestry (the real mask covers every cgroup's).
         extra_mask: u32,
+        /// The task's uid.
+        uid: u32,
         updates: std::cell::RefCell<Vec<Update>>,
     }
 
@@ -349,7 +389,7 @@ mod tests {
             *self.ancestry.last().unwrap_or(&0)
         }
         fn uid_gid(&self) -> u64 {
-            (2000u64 << 32) | 1001
+            (2000u64 << 32) | u64::from(self.uid)
         }
         fn pid_tgid(&self) -> u64 {
             (4242u64 << 32) | 4243
@@ -418,6 +458,9 @@ mod tests {
         run_mode(policy, ancestry, req, max_level, false).0
     }
 
+    /// The uid the tests' tasks run as unless they say.
+    const UID: u32 = 1001;
+
     /// Runs the program; returns the verdict and the denial records written.
     fn run_mode(
         policy: &Policy,
@@ -426,13 +469,15 @@ mod tests {
         max_level: usize,
         audit: bool,
     ) -> (bool, Vec<Update>) {
-        run_masked(policy, ancestry, req, max_level, audit, 0)
+        run_masked(policy, ancestry, UID, req, max_level, audit, 0)
     }
 
-    /// [`run_mode`] with `extra_mask` bits set in the levels mask.
+    /// [`run_mode`] for a task of `uid`, with `extra_mask` bits set in the
+    /// levels mask. The program's exempt identities are the policy's.
     fn run_masked(
         policy: &Policy,
         ancestry: &[u64],
+        uid: u32,
         req: &Request,
         max_level: usize,
         audit: bool,
@@ -440,6 +485,7 @@ mod tests {
     ) -> (bool, Vec<Update>) {
         let prog = build(&FenceProgramSpec {
             audit,
+            identities: policy.identities.clone(),
             ..spec(max_level)
         })
         .unwrap();
@@ -448,6 +494,7 @@ mod tests {
             ancestry,
             grant_jobs: BTreeMap::new(),
             extra_mask,
+            uid,
             updates: Default::default(),
         };
         let ctx = [
@@ -483,8 +530,9 @@ mod tests {
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
         // 19 instructions of prologue, 8 to load the levels mask, 27 per
-        // level (2 of them the mask test), 49 of deny (record) and allow
-        assert_eq!(p.insns.len(), 19 + 8 + 27 * MAX_LEVEL + 49);
+        // level (2 of them the mask test) and 5 + one per service uid for
+        // an exempt cgroup, 49 of deny (record) and allow
+        assert_eq!(p.insns.len(), 19 + 8 + (27 + 5 + 1) * MAX_LEVEL + 49);
     }
 
     #[test]
@@ -492,6 +540,7 @@ mod tests {
         let policy = Policy {
             protected: [195, 509].into(),
             exempt: [50].into(),
+            identities: spec(MAX_LEVEL).identities,
             grants: [
                 ((10, DevNum::new(195, 0)), Access::RW),
                 ((10, DevNum::new(195, 255)), Access::RW),
@@ -511,7 +560,7 @@ mod tests {
             (&[1, 7, 10], char_req(195, 0, Access::all()), false),
             (&[1, 7, 8], char_req(195, 0, Access::READ), false),
             (&[1, 7, 8], char_req(1, 3, Access::RW), true),
-            (&[1, 50, 51, 52], char_req(509, 1, Access::all()), true),
+            (&[1, 50, 51, 52], char_req(509, 1, Access::all()), false),
             (&[1, 11], char_req(195, 1, Access::WRITE), false),
             (&[1, 11], char_req(195, 1, Access::READ), true),
             (&[1], char_req(195, 0, Access::READ), false),
@@ -519,10 +568,19 @@ mod tests {
         for (anc, req, want) in cases {
             assert_eq!(run(&policy, anc, req, MAX_LEVEL), *want, "{anc:?} {req:?}");
             assert_eq!(
-                policy.allows(anc, req, MAX_LEVEL),
+                policy.allows(anc, UID, req, MAX_LEVEL),
                 *want,
                 "model: {anc:?} {req:?}"
             );
+        }
+        // The exempt cgroup covers system accounts and the service uid;
+        // a user's task there (uid 1001 above) is fenced as elsewhere.
+        for (uid, want) in [(0, true), (999, true), (1000, false), (1500, true)] {
+            let req = char_req(509, 1, Access::all());
+            let anc = [1, 50, 51, 52];
+            let (got, _) = run_masked(&policy, &anc, uid, &req, MAX_LEVEL, false, 0);
+            assert_eq!(got, want, "uid {uid} in an exempt cgroup");
+            assert_eq!(policy.allows(&anc, uid, &req, MAX_LEVEL), want);
         }
         let block = Request {
             dev_type: DevType::Block,
@@ -584,10 +642,13 @@ mod tests {
                 (0u32..8).prop_map(Access::from_bits_truncate),
                 0..12,
             ),
+            prop::sample::select(vec![0u32, 999, 1000]),
+            prop::collection::btree_set(prop::sample::select(vec![1000u32, 1001, 1500]), 0..3),
         )
-            .prop_map(|(protected, exempt, grants)| Policy {
+            .prop_map(|(protected, exempt, grants, uid_max, uids)| Policy {
                 protected,
                 exempt,
+                identities: ExemptIdentities { uid_max, uids },
                 grants,
             })
     }
@@ -603,22 +664,25 @@ mod tests {
             block in any::<bool>(),
             max_level in 1usize..6,
             extra_mask in any::<u32>(),
+            uid in prop::sample::select(vec![0u32, 999, 1000, 1001, 1500, 60000]),
         ) {
             let req = Request {
                 dev_type: if block { DevType::Block } else { DevType::Char },
                 dev: DevNum::new(major, minor),
                 access,
             };
-            let want = policy.allows(&ancestry, &req, max_level);
-            let (got, updates) = run_mode(&policy, &ancestry, &req, max_level, false);
+            let want = policy.allows(&ancestry, uid, &req, max_level);
+            let (got, updates) = run_masked(&policy, &ancestry, uid, &req, max_level, false, 0);
             prop_assert_eq!(got, want);
             // Levels marked populated without an entry change nothing.
-            let (masked, _) = run_masked(&policy, &ancestry, &req, max_level, false, extra_mask);
+            let (masked, _) =
+                run_masked(&policy, &ancestry, uid, &req, max_level, false, extra_mask);
             prop_assert_eq!(masked, want);
             // A denial is recorded exactly when it is denied.
             prop_assert_eq!(updates.len(), usize::from(!want));
             // Audit mode allows everything, records the same.
-            let (audit_got, audit_updates) = run_mode(&policy, &ancestry, &req, max_level, true);
+            let (audit_got, audit_updates) =
+                run_masked(&policy, &ancestry, uid, &req, max_level, true, 0);
             prop_assert!(audit_got);
             prop_assert_eq!(audit_updates.len(), usize::from(!want));
         }

@@ -17,6 +17,7 @@
 use std::cell::RefCell;
 
 use gpufence_model::device::{Access, DevNum};
+use gpufence_model::policy::ExemptIdentities;
 
 use crate::error::{Error, Result};
 use crate::interp::{self, Env};
@@ -53,7 +54,8 @@ pub trait MapView {
 pub enum Reason {
     /// Not a protected major: allowed before any walk.
     NotProtected,
-    /// The ancestor at `level` is exempt.
+    /// The ancestor at `level` is exempt and the exemption covers the
+    /// task's uid.
     Exempt {
         /// Its kernel level.
         level: usize,
@@ -106,6 +108,17 @@ pub struct Evaluation {
     pub misrecorded: Vec<Misrecorded>,
 }
 
+/// The task a verdict is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Task<'a> {
+    /// Its ancestors' ids by kernel level: index 0 the root of the
+    /// hierarchy, the last its own cgroup (what
+    /// `bpf_get_current_ancestor_cgroup_id(k)` returns for it).
+    pub ancestry: &'a [u64],
+    /// Its real uid (what `bpf_get_current_uid_gid` returns).
+    pub uid: u32,
+}
+
 // Map fds of the program as the interpreter runs it: any distinct numbers
 // (the instructions are those of the installed program but for the fd
 // immediates, which `bpf_prog_calc_tag` zeroes too).
@@ -118,6 +131,7 @@ const LEVELS: i32 = 5;
 struct ViewEnv<'a> {
     view: &'a dyn MapView,
     ancestry: &'a [u64],
+    uid: u32,
     failed: RefCell<Option<Error>>,
 }
 
@@ -161,6 +175,9 @@ impl Env for ViewEnv<'_> {
     fn cgroup_id(&self) -> u64 {
         self.ancestry.last().copied().unwrap_or(0)
     }
+    fn uid_gid(&self) -> u64 {
+        u64::from(self.uid)
+    }
 }
 
 fn u32_at(v: &[u8], off: usize) -> Option<u32> {
@@ -169,20 +186,20 @@ fn u32_at(v: &[u8], off: usize) -> Option<u32> {
         .map(u32::from_ne_bytes)
 }
 
-/// What the enforcing program answers for a task whose ancestor at kernel
-/// level `k` is `ancestry[k]` (index 0 the root of the hierarchy, the last
-/// the task's own cgroup: what `bpf_get_current_ancestor_cgroup_id(k)`
-/// returns for it) opening character device `dev` for `access`.
+/// What the enforcing program built with `identities` answers for `task`
+/// opening character device `dev` for `access`.
 ///
 /// # Errors
 /// [`Error::Bpf`] when a map cannot be read, [`Error::Interp`] when the
 /// program does not run in the interpreter (a bug).
 pub fn evaluate(
     view: &dyn MapView,
-    ancestry: &[u64],
+    task: Task<'_>,
+    identities: &ExemptIdentities,
     dev: DevNum,
     access: Access,
 ) -> Result<Evaluation> {
+    let ancestry = task.ancestry;
     let prog = program::build(&FenceProgramSpec {
         majors_fd: MAJORS,
         cgroups_fd: CGROUPS,
@@ -191,10 +208,12 @@ pub fn evaluate(
         levels_fd: LEVELS,
         max_level: MAX_LEVEL,
         audit: false,
+        identities: identities.clone(),
     })?;
     let env = ViewEnv {
         view,
         ancestry,
+        uid: task.uid,
         failed: RefCell::new(None),
     };
     let ctx = [
@@ -207,7 +226,7 @@ pub fn evaluate(
         return Err(e);
     }
     let allowed = r0 == 1;
-    let (walk_allowed, reason) = walk(view, ancestry, dev, access)?;
+    let (walk_allowed, reason) = walk(view, task, identities, dev, access)?;
     let reason = if walk_allowed == allowed {
         reason
     } else {
@@ -223,10 +242,12 @@ pub fn evaluate(
 /// The program's steps over `view`, in Rust, with the reason.
 fn walk(
     view: &dyn MapView,
-    ancestry: &[u64],
+    task: Task<'_>,
+    identities: &ExemptIdentities,
     dev: DevNum,
     access: Access,
 ) -> Result<(bool, Reason)> {
+    let ancestry = task.ancestry;
     let protected = view
         .lookup(MapRole::Majors, &dev.major.to_ne_bytes())?
         .and_then(|v| u32_at(&v, 0))
@@ -255,13 +276,16 @@ fn walk(
             continue;
         };
         if flags & CGROUP_EXEMPT != 0 {
-            return Ok((
-                true,
-                Reason::Exempt {
-                    level,
-                    cgroup_id: id,
-                },
-            ));
+            if identities.covers(task.uid) {
+                return Ok((
+                    true,
+                    Reason::Exempt {
+                        level,
+                        cgroup_id: id,
+                    },
+                ));
+            }
+            continue;
         }
         if flags & CGROUP_GRANTED == 0 {
             continue;
@@ -365,6 +389,14 @@ mod tests {
 
     const GPU0: DevNum = DevNum::new(195, 0);
 
+    fn root(ancestry: &[u64]) -> Task<'_> {
+        Task { ancestry, uid: 0 }
+    }
+
+    fn ids() -> ExemptIdentities {
+        ExemptIdentities::default()
+    }
+
     /// The fault seen in a container: the job at kernel level 4 granted
     /// at its namespace depth 3. The program never finds the grant; the
     /// evaluation says denied and names the misrecorded entry. Recorded
@@ -378,7 +410,7 @@ mod tests {
             cgroups: [(13, (CGROUP_GRANTED, 3))].into(),
             grants: [((13, GPU0), (Access::RW, 4))].into(),
         };
-        let e = evaluate(&m, &ancestry, GPU0, Access::RW).unwrap();
+        let e = evaluate(&m, root(&ancestry), &ids(), GPU0, Access::RW).unwrap();
         assert!(!e.allowed);
         assert_eq!(e.reason, Reason::NoMatch);
         assert_eq!(
@@ -392,7 +424,7 @@ mod tests {
         );
         m.cgroups.insert(13, (CGROUP_GRANTED, 4));
         m.mask = Some(1 << 4);
-        let e = evaluate(&m, &ancestry, GPU0, Access::RW).unwrap();
+        let e = evaluate(&m, root(&ancestry), &ids(), GPU0, Access::RW).unwrap();
         assert!(e.allowed);
         assert_eq!(
             e.reason,
@@ -404,12 +436,12 @@ mod tests {
         );
         assert!(e.misrecorded.is_empty());
         // Unprotected majors never get to the walk.
-        let e = evaluate(&m, &ancestry, DevNum::new(1, 3), Access::RW).unwrap();
+        let e = evaluate(&m, root(&ancestry), &ids(), DevNum::new(1, 3), Access::RW).unwrap();
         assert_eq!((e.allowed, e.reason), (true, Reason::NotProtected));
         // Exempt above the job.
         m.cgroups.insert(11, (CGROUP_EXEMPT, 2));
         m.mask = Some(1 << 2 | 1 << 4);
-        let e = evaluate(&m, &ancestry, DevNum::new(195, 7), Access::RW).unwrap();
+        let e = evaluate(&m, root(&ancestry), &ids(), DevNum::new(195, 7), Access::RW).unwrap();
         assert_eq!(
             (e.allowed, e.reason),
             (
@@ -420,8 +452,22 @@ mod tests {
                 }
             )
         );
+        // The exemption covers system accounts only: a user's task is
+        // judged as if it were not there (and denied GPU 7).
+        let user = Task {
+            ancestry: &ancestry,
+            uid: 1000,
+        };
+        let e = evaluate(&m, user, &ids(), DevNum::new(195, 7), Access::RW).unwrap();
+        assert_eq!((e.allowed, e.reason), (false, Reason::NoMatch));
+        let service = ExemptIdentities {
+            uid_max: 999,
+            uids: [1000].into(),
+        };
+        let e = evaluate(&m, user, &service, DevNum::new(195, 7), Access::RW).unwrap();
+        assert!(e.allowed, "a service uid: {e:?}");
         m.mask = None;
-        let e = evaluate(&m, &ancestry, GPU0, Access::RW).unwrap();
+        let e = evaluate(&m, root(&ancestry), &ids(), GPU0, Access::RW).unwrap();
         assert_eq!((e.allowed, e.reason), (false, Reason::NoLevels));
     }
 
@@ -455,8 +501,12 @@ mod tests {
             ancestry in prop::collection::vec(1u64..10, 1..20),
             minor in 0u32..3,
             access in (1u32..8).prop_map(Access::from_bits_truncate),
+            uid in prop::sample::select(vec![0u32, 999, 1000, 1500]),
+            uids in prop::collection::btree_set(prop::sample::select(vec![1000u32, 1500]), 0..2),
         ) {
-            let e = evaluate(&maps, &ancestry, DevNum::new(195, minor), access).unwrap();
+            let task = Task { ancestry: &ancestry, uid };
+            let ids = ExemptIdentities { uid_max: 999, uids };
+            let e = evaluate(&maps, task, &ids, DevNum::new(195, minor), access).unwrap();
             prop_assert_ne!(e.reason, Reason::Changed);
         }
     }

@@ -410,11 +410,10 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
 
 /// A value for a table cell: control characters (a tab, a newline in a
 /// process name a user chose, or a cgroup name) become `?`, so a cell
-/// cannot split a column or forge a line.
+/// cannot split a column or forge a line
+/// ([`gpufence_model::text::printable`]).
 fn cell(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() { '?' } else { c })
-        .collect()
+    gpufence_model::text::printable(s)
 }
 
 /// Prints tab-separated `rows` (the first is the header) as aligned

@@ -86,20 +86,25 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
             println!("{}", f.line());
         }
     }
+    use gpufence_model::text::printable as p;
     for n in &o.report.notes {
-        eprintln!("gpufence sweep: note: {n}");
+        eprintln!("gpufence sweep: note: {}", p(n));
     }
     for e in &o.errors {
-        eprintln!("gpufence sweep: error: {e}");
+        eprintln!("gpufence sweep: error: {}", p(e));
     }
     if let Some(r) = &o.drained {
-        eprintln!("gpufence sweep: node drained: {r}");
+        eprintln!("gpufence sweep: node drained: {}", p(r));
     }
     ExitCode::from(o.exit)
 }
 
 /// Runs `gpufence respond PID`.
 pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
+    // What is printed here comes from the process and its user (its name,
+    // file names under their home, crontab lines): through the one
+    // sanitiser, so none of it reaches root's terminal as escapes.
+    use gpufence_model::text::printable as p;
     let name = args.drain.then(sweep::node_name);
     match incident::respond_pid(node, args.pid, name.as_deref()) {
         Err(r) => {
@@ -109,7 +114,7 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                     serde_json::json!({"pid": args.pid, "refused": r.to_string()})
                 );
             }
-            eprintln!("gpufence respond: refused: {r}");
+            eprintln!("gpufence respond: refused: {}", p(&r.to_string()));
             ExitCode::from(2)
         }
         Ok(o) => {
@@ -119,11 +124,12 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                 println!(
                     "pid {} ({}) of {}: tree of {} process(es) stopped ({}), evidence kept, killed {:?}{}",
                     o.pid,
-                    o.comm.as_deref().unwrap_or("?"),
-                    o.user
+                    p(o.comm.as_deref().unwrap_or("?")),
+                    p(&o
+                        .user
                         .clone()
                         .or_else(|| o.uid.map(|u| format!("uid {u}")))
-                        .unwrap_or_else(|| "?".into()),
+                        .unwrap_or_else(|| "?".into())),
                     o.tree.len(),
                     o.frozen
                         .values()
@@ -140,31 +146,31 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                     }
                 );
                 for s in &o.spared {
-                    println!("spared: pid {} ({})", s.pid, s.why);
+                    println!("spared: pid {} ({})", s.pid, p(&s.why));
                 }
-                for p in &o.evidence {
-                    println!("evidence: {}", p.display());
+                for e in &o.evidence {
+                    println!("evidence: {}", p(&e.display().to_string()));
                 }
-                if let Some(p) = &o.incident_file {
-                    println!("incident file: {}", p.display());
+                if let Some(f) = &o.incident_file {
+                    println!("incident file: {}", p(&f.display().to_string()));
                 }
                 for e in &o.persistence {
                     println!(
                         "persistence (listed, not deleted): {} {}{}",
                         e.kind,
-                        e.path.display(),
+                        p(&e.path.display().to_string()),
                         if e.entries.is_empty() {
                             String::new()
                         } else {
-                            format!(": {}", e.entries.join(" | "))
+                            format!(": {}", p(&e.entries.join(" | ")))
                         }
                     );
                 }
                 if let Some(r) = &o.drained {
-                    println!("node drained: {r}");
+                    println!("node drained: {}", p(r));
                 }
                 for e in &o.errors {
-                    eprintln!("gpufence respond: error: {e}");
+                    eprintln!("gpufence respond: error: {}", p(e));
                 }
             }
             if o.complete() {

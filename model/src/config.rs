@@ -113,6 +113,14 @@ pub struct Config {
     /// could otherwise hand a job's descriptor to such a daemon to have it
     /// killed. Evidence is kept and the node drained instead.
     pub protected_uid_max: u32,
+    /// Service accounts above `protected_uid_max` that exemptions cover
+    /// too (a monitoring daemon's uid), at most 16, each at most
+    /// 2147483647. An exempt cgroup covers only processes of uids up to
+    /// `protected_uid_max` and these: a user's process there is fenced as
+    /// anywhere else ([`crate::policy::ExemptIdentities`]). The fence
+    /// program carries them: a change takes `gpufence fence install`
+    /// (slurmd's start does it).
+    pub service_uids: Vec<u32>,
     /// How much of a lingering process's executable is hashed for the
     /// evidence file, in MiB (a huge or sparse file must not stall the epilog).
     pub evidence_hash_max_mib: u64,
@@ -206,6 +214,7 @@ impl Default for Config {
             drain: true,
             scontrol_bin: "/usr/bin/scontrol".into(),
             protected_uid_max: 999,
+            service_uids: Vec::new(),
             evidence_hash_max_mib: 256,
             response_rounds: 3,
             proc_dir: "/proc".into(),
@@ -338,6 +347,14 @@ impl fmt::Display for ConfigOrigin {
 }
 
 impl Config {
+    /// Whom the exemptions cover: `protected_uid_max` and `service_uids`.
+    pub fn exempt_identities(&self) -> crate::policy::ExemptIdentities {
+        crate::policy::ExemptIdentities {
+            uid_max: self.protected_uid_max,
+            uids: self.service_uids.iter().copied().collect(),
+        }
+    }
+
     /// Finds and loads the config: `explicit` (from `--config` / `config=`),
     /// else `$GPUFENCE_CONFIG` (read from `env`), else [`DEFAULT_CONFIG_PATH`]
     /// when it exists, else the defaults.
@@ -507,6 +524,33 @@ impl Config {
                     "{:?} is not one of info, low, medium, high, critical",
                     self.sweep_fail_severity
                 ),
+            ));
+        }
+        use crate::policy::ExemptIdentities;
+        if self.protected_uid_max > ExemptIdentities::MAX_UID {
+            return Err(key_err(
+                "protected_uid_max",
+                format!("at most {}", ExemptIdentities::MAX_UID),
+            ));
+        }
+        if self.service_uids.len() > ExemptIdentities::MAX_UIDS {
+            return Err(key_err(
+                "service_uids",
+                format!(
+                    "{} uids; at most {}: give the service accounts uids up to protected_uid_max instead",
+                    self.service_uids.len(),
+                    ExemptIdentities::MAX_UIDS
+                ),
+            ));
+        }
+        if let Some(u) = self
+            .service_uids
+            .iter()
+            .find(|u| **u > ExemptIdentities::MAX_UID)
+        {
+            return Err(key_err(
+                "service_uids",
+                format!("{u} is above {}", ExemptIdentities::MAX_UID),
             ));
         }
         if self.max_denials == 0 {

@@ -21,6 +21,7 @@ pub mod policy;
 pub mod procdevices;
 pub mod procnet;
 pub mod record;
+pub mod text;
 pub mod visible;
 
 pub use error::ParseError;

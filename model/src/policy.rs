@@ -39,20 +39,69 @@ pub struct Request {
     pub access: Access,
 }
 
-/// What the fence knows: the protected majors, the exempt cgroups and the
-/// grants, keyed by cgroup id (the cgroup2 directory's inode number).
+/// Whom an exemption covers. A task in an exempt cgroup (or below one) is
+/// exempt only when its uid is at most [`uid_max`](Self::uid_max) (system
+/// accounts: root, the driver's and monitoring daemons) or one of
+/// [`uids`](Self::uids) (service accounts above it); any other task there
+/// is judged as if the cgroup were not exempt. So user code that ends up in
+/// a daemon's cgroup (slurmd runs `su - <user>` for `sbatch
+/// --get-user-env` in its own cgroup) borrows nothing.
+///
+/// The uid is the task's real uid in the initial user namespace, as
+/// `bpf_get_current_uid_gid` gives it (`current_uid_gid()`,
+/// `kernel/bpf/helpers.c`): a setuid-root program a user runs keeps the
+/// user's real uid, and a user namespace changes nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExemptIdentities {
+    /// uids up to this one are covered (`protected_uid_max`).
+    pub uid_max: u32,
+    /// uids above `uid_max` that are covered too (`service_uids`).
+    pub uids: BTreeSet<u32>,
+}
+
+impl ExemptIdentities {
+    /// The most uids above `uid_max` the program compares against (one
+    /// instruction each per level walked).
+    pub const MAX_UIDS: usize = 16;
+    /// The largest uid the program compares against: its compare
+    /// immediates are signed 32-bit.
+    pub const MAX_UID: u32 = i32::MAX as u32;
+
+    /// Whether a task of `uid` in an exempt cgroup is exempt.
+    pub fn covers(&self, uid: u32) -> bool {
+        uid <= self.uid_max || self.uids.contains(&uid)
+    }
+}
+
+impl Default for ExemptIdentities {
+    /// System accounts (uid 0-999), no service account.
+    fn default() -> Self {
+        ExemptIdentities {
+            uid_max: 999,
+            uids: BTreeSet::new(),
+        }
+    }
+}
+
+/// What the fence knows: the protected majors, the exempt cgroups and whom
+/// they cover, and the grants, keyed by cgroup id (the cgroup2 directory's
+/// inode number).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Policy {
     /// Character majors under the fence.
     pub protected: BTreeSet<u32>,
-    /// cgroup ids whose processes (and descendants) may open every device.
+    /// cgroup ids whose processes (and descendants) may open every device,
+    /// when [`identities`](Self::identities) covers them.
     pub exempt: BTreeSet<u64>,
+    /// Whom an exemption covers.
+    pub identities: ExemptIdentities,
     /// `(cgroup id, device) -> access`.
     pub grants: BTreeMap<(u64, DevNum), Access>,
 }
 
 impl Policy {
-    /// Whether a task whose cgroup ancestry is `ancestry` may do `req`.
+    /// Whether a task of real uid `uid` whose cgroup ancestry is
+    /// `ancestry` may do `req`.
     ///
     /// `ancestry[0]` is the cgroup2 root, `ancestry[k]` the ancestor at
     /// level `k`, the last element the task's own cgroup (the values
@@ -60,19 +109,21 @@ impl Policy {
     /// `1..=max_level` are consulted; the root never grants or exempts.
     ///
     /// Rules: block devices and unprotected majors are allowed; a protected
-    /// character device is allowed when some consulted ancestor is exempt or
-    /// holds a grant whose access covers the request; otherwise denied.
-    pub fn allows(&self, ancestry: &[u64], req: &Request, max_level: usize) -> bool {
+    /// character device is allowed when some consulted ancestor is exempt
+    /// and the exemption covers `uid`, or holds a grant whose access covers
+    /// the request; otherwise denied.
+    pub fn allows(&self, ancestry: &[u64], uid: u32, req: &Request, max_level: usize) -> bool {
         if req.dev_type != DevType::Char || !self.protected.contains(&req.dev.major) {
             return true;
         }
+        let exempt_uid = self.identities.covers(uid);
         ancestry
             .iter()
             .enumerate()
             .skip(1)
             .take(max_level)
             .any(|(_, id)| {
-                self.exempt.contains(id)
+                (exempt_uid && self.exempt.contains(id))
                     || self
                         .grants
                         .get(&(*id, req.dev))
@@ -97,6 +148,10 @@ mod tests {
         Policy {
             protected: [195, 509].into(),
             exempt: [50].into(),
+            identities: ExemptIdentities {
+                uid_max: 999,
+                uids: [1500].into(),
+            },
             grants: [
                 ((10, DevNum::new(195, 0)), Access::RW),
                 ((11, DevNum::new(195, 1)), Access::READ),
@@ -123,21 +178,38 @@ mod tests {
             (&[1, 11][..], req(195, 1, Access::READ), true),
         ];
         for (anc, r, want) in cases {
-            assert_eq!(p.allows(anc, &r, 16), want, "{anc:?} {r:?}");
+            assert_eq!(p.allows(anc, 0, &r, 16), want, "{anc:?} {r:?}");
         }
+        // An exemption covers system accounts and the service uids only:
+        // a user's process in the exempt cgroup is judged as outside it.
+        for (uid, want) in [
+            (0, true),
+            (999, true),
+            (1000, false),
+            (1500, true),
+            (1501, false),
+        ] {
+            assert_eq!(
+                p.allows(&exempt_child, uid, &req(195, 0, Access::RW), 16),
+                want,
+                "uid {uid} in an exempt cgroup"
+            );
+        }
+        // A grant does not depend on the uid.
+        assert!(p.allows(&job10, 1000, &req(195, 0, Access::RW), 16));
         let block = Request {
             dev_type: DevType::Block,
             ..req(195, 0, Access::RW)
         };
-        assert!(p.allows(&outside, &block, 16));
+        assert!(p.allows(&outside, 1000, &block, 16));
     }
 
     #[test]
     fn grants_deeper_than_max_level_do_not_count() {
         let p = policy();
-        assert!(p.allows(&[1, 2, 10], &req(195, 0, Access::READ), 2));
-        assert!(!p.allows(&[1, 2, 10], &req(195, 0, Access::READ), 1));
+        assert!(p.allows(&[1, 2, 10], 0, &req(195, 0, Access::READ), 2));
+        assert!(!p.allows(&[1, 2, 10], 0, &req(195, 0, Access::READ), 1));
         // the root (level 0) never grants
-        assert!(!p.allows(&[10], &req(195, 0, Access::READ), 16));
+        assert!(!p.allows(&[10], 0, &req(195, 0, Access::READ), 16));
     }
 }

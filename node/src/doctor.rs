@@ -21,7 +21,7 @@ use serde::Serialize;
 use gpufence_cgroup::fence::Fence;
 use gpufence_cgroup::hierarchy::Ancestor;
 use gpufence_cgroup::sys;
-use gpufence_cgroup::verdict::{Evaluation, Reason};
+use gpufence_cgroup::verdict::{Evaluation, Reason, Task};
 use gpufence_model::config::Mode;
 use gpufence_model::device::{Access, DevNum};
 
@@ -76,6 +76,10 @@ pub struct DeviceVerdict {
 pub struct Doctor {
     /// The process, when a pid was asked about.
     pub pid: Option<i32>,
+    /// The real uid the verdicts are for: the process's, or with
+    /// `--cgroup` (no pid) doctor's own (an exemption covers only uids up
+    /// to `protected_uid_max` and `service_uids`).
+    pub uid: u32,
     /// Its cgroup (relative to the mount). JSON: absolute.
     #[serde(serialize_with = "crate::cgpath::serialize")]
     pub cgroup: String,
@@ -162,7 +166,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
     let audit = node.cfg.mode == Mode::Audit;
     let fence_current = match (&fence, ours) {
         (Some(f), Some(id)) => match (
-            f.fresh_program_tag(audit),
+            f.fresh_program_tag(audit, &node.cfg.exempt_identities()),
             sys::prog_fd_by_id(id).and_then(|fd| sys::prog_info(fd.as_fd())),
         ) {
             (Ok(fresh), Ok(info)) => Some(fresh == info.tag),
@@ -240,6 +244,10 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         devs.entry(d)
             .or_insert_with(|| vec![node.cfg.dev_dir.join(name)]);
     }
+    let me = std::process::id() as i32;
+    let uid = crate::respond::uid_of(pid.unwrap_or(me))
+        .ok_or_else(|| NodeError::JobCgroup(format!("process {} is gone", pid.unwrap_or(me))))?;
+    let identities = node.cfg.exempt_identities();
     let kernel = node.cg.kernel_ancestry(&cg);
     let ids: Vec<u64> = kernel
         .as_ref()
@@ -278,7 +286,15 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
                     format!("the kernel levels of /{cg} cannot be told: {e}"),
                 ),
                 (Ok(_), None) => ("unknown", "the fence's maps cannot be opened".to_string()),
-                (Ok(anc), Some(f)) => match f.evaluate(&ids, d, Access::RW) {
+                (Ok(anc), Some(f)) => match f.evaluate(
+                    Task {
+                        ancestry: &ids,
+                        uid,
+                    },
+                    &identities,
+                    d,
+                    Access::RW,
+                ) {
                     Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
                     Ok(ev) => explain(&ev, anc, &cg, d, &entries, audit, audit_note),
                 },
@@ -293,6 +309,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
     }
     Ok(Doctor {
         pid,
+        uid,
         cgroup: cg,
         fence_attached: attached.is_ok(),
         fence_problem: attached.err(),

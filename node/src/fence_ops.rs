@@ -24,6 +24,7 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
         max_grants: node.cfg.max_grants,
         max_denials: node.cfg.max_denials,
         audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
+        identities: node.cfg.exempt_identities(),
     })
 }
 
@@ -121,9 +122,16 @@ pub fn running_mode(node: &Node) -> RunningMode {
     else {
         return RunningMode::Unknown;
     };
-    if fence.fresh_program_tag(false).is_ok_and(|t| t == info.tag) {
+    let ids = node.cfg.exempt_identities();
+    if fence
+        .fresh_program_tag(false, &ids)
+        .is_ok_and(|t| t == info.tag)
+    {
         RunningMode::Enforce
-    } else if fence.fresh_program_tag(true).is_ok_and(|t| t == info.tag) {
+    } else if fence
+        .fresh_program_tag(true, &ids)
+        .is_ok_and(|t| t == info.tag)
+    {
         RunningMode::Audit
     } else {
         RunningMode::Other

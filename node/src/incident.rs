@@ -42,12 +42,12 @@ use gpufence_model::device::DevNum;
 use gpufence_model::record::now_rfc3339;
 
 use crate::evidence::{self, GpuMemory};
-use crate::respond::{exited, pidfd_open, set_frozen, signal};
+use crate::respond::{exemption, exited, pidfd_open, set_frozen, signal};
 use crate::scan::Scanner;
 use crate::sweep::{
     persistence_of_uid, read_cmdline, read_stat, read_uid, Passwd, PersistenceEntry, PF_KTHREAD,
 };
-use crate::{drain, is_under, Node};
+use crate::{drain, Node};
 
 /// Why `respond` will not act on a pid.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,20 +221,6 @@ fn tree_of(parents: &BTreeMap<i32, i32>, root: i32) -> Vec<i32> {
     out
 }
 
-/// The exemption covering cgroup `cg`, if any: a configured entry it is in
-/// or under, or an ancestor the fence holds exempt.
-fn exemption(node: &Node, fence: Option<&Fence>, cg: &str) -> Option<String> {
-    if let Some(e) = node.cfg.exempt_cgroups.iter().find(|e| is_under(cg, e)) {
-        return Some(crate::cgpath::abs(e));
-    }
-    let f = fence?;
-    node.cg
-        .ancestry(cg)
-        .into_iter()
-        .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
-        .map(|(p, id)| format!("/{p} (fence-exempt id {id})"))
-}
-
 fn ancestors_of_me(parents: &BTreeMap<i32, i32>) -> BTreeSet<i32> {
     let mut out = BTreeSet::new();
     let mut cur = std::process::id() as i32;
@@ -281,7 +267,7 @@ pub fn check(node: &Node, pid: i32) -> Result<(), Refusal> {
     }
     let fence = Fence::open(&node.cfg.bpffs_dir).ok();
     if let Ok(cg) = node.cg.cgroup_of(pid) {
-        if let Some(e) = exemption(node, fence.as_ref(), &cg) {
+        if let Some(e) = exemption(node, fence.as_ref(), &cg, read_uid(pid)) {
             return Err(Refusal::Exempt {
                 pid,
                 cgroup: cg,
@@ -367,7 +353,7 @@ pub fn respond_pid(
             Some("kernel thread".to_string())
         } else {
             cg.as_deref()
-                .and_then(|c| exemption(node, fence.as_ref(), c))
+                .and_then(|c| exemption(node, fence.as_ref(), c, read_uid(p)))
                 .map(|e| format!("exempt daemon ({e})"))
         };
         if let Some(why) = why {

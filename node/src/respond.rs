@@ -2,8 +2,10 @@
 //! grant, in the order incident responders use, at job end (epilog) and at
 //! job start (prolog, "clean start"):
 //!
-//! 1. pin each process's identity (`pidfd_open`), so no step can hit a
-//!    recycled pid;
+//! 1. pin each process's identity: a pidfd taken when it was found
+//!    ([`uncovered`]), so no step can hit a recycled pid; and check again
+//!    that it still holds the device (a process that let go of it in the
+//!    meantime is left alone);
 //! 2. freeze it: `cgroup.freeze` when its cgroup holds nothing but such
 //!    processes, `SIGSTOP` otherwise — it cannot act while we look;
 //! 3. write the evidence file, then an audit line;
@@ -28,11 +30,38 @@ use crate::gpus::GpuInfo;
 use crate::scan::{self, HeldFd};
 use crate::Node;
 
+/// A pidfd (`pidfd_open(2)`), shared: it names one process for as long as
+/// it is open, whatever happens to the pid. Equal to itself only.
+#[derive(Clone, Debug)]
+pub struct PidFd(std::sync::Arc<OwnedFd>);
+
+impl PidFd {
+    /// A pidfd for `pid`; `None` when the process is gone.
+    pub fn open(pid: i32) -> Option<PidFd> {
+        pidfd_open(pid).map(|fd| PidFd(std::sync::Arc::new(fd)))
+    }
+
+    /// The descriptor.
+    pub fn fd(&self) -> &OwnedFd {
+        &self.0
+    }
+}
+
+impl PartialEq for PidFd {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for PidFd {}
+
 /// A process found on a job's devices without a grant.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
     /// Host pid.
     pub pid: i32,
+    /// The process, pinned when it was found (`None`: gone by then).
+    pub pidfd: Option<PidFd>,
     /// Its cgroup2 path.
     pub cgroup: Option<String>,
     /// The uncovered devices it holds (by descriptor or per NVML).
@@ -72,15 +101,52 @@ impl Lingering {
     }
 }
 
-/// Whether a process in `cgroup` may hold `dev`: an ancestor is exempt or
-/// holds a live grant for it.
-pub fn covered(node: &Node, fence: Option<&Fence>, cgroup: Option<&str>, dev: DevNum) -> bool {
+/// The exemption that covers a process of real uid `uid` in cgroup `cg`:
+/// a configured `exempt_cgroups` entry it is in or under, or an ancestor
+/// the fence holds exempt; `None` when there is none, or when the
+/// exemption does not cover `uid` (a user's process in a daemon's cgroup,
+/// judged by the fence program as if the cgroup were not exempt:
+/// [`gpufence_model::policy::ExemptIdentities`]) or the uid is unknown
+/// (the process is gone).
+pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>) -> Option<String> {
+    if !uid.is_some_and(|u| node.cfg.exempt_identities().covers(u)) {
+        return None;
+    }
+    if let Some(e) = node
+        .cfg
+        .exempt_cgroups
+        .iter()
+        .find(|e| crate::is_under(cg, e))
+    {
+        return Some(crate::cgpath::abs(e));
+    }
+    let f = fence?;
+    node.cg
+        .ancestry(cg)
+        .into_iter()
+        .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
+        .map(|(p, id)| format!("/{p} (fence-exempt id {id})"))
+}
+
+/// Whether a process of real uid `uid` in `cgroup` may hold `dev`: an
+/// exemption covers it ([`exemption`]), or an ancestor holds a live grant
+/// for `dev`.
+pub fn covered(
+    node: &Node,
+    fence: Option<&Fence>,
+    cgroup: Option<&str>,
+    uid: Option<u32>,
+    dev: DevNum,
+) -> bool {
     let (Some(fence), Some(cg)) = (fence, cgroup) else {
         return false;
     };
-    node.cg.ancestry(cg).into_iter().any(|(_, id)| {
-        fence.is_exempt(id).unwrap_or(false) || fence.lookup(id, dev).ok().flatten().is_some()
-    })
+    exemption(node, Some(fence), cg, uid).is_some()
+        || node
+            .cg
+            .ancestry(cg)
+            .into_iter()
+            .any(|(_, id)| fence.lookup(id, dev).ok().flatten().is_some())
 }
 
 /// Processes holding any of `devs` — by descriptor, or listed by NVML on a
@@ -117,6 +183,7 @@ pub fn uncovered(
     let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
     let new = |pid: i32| Candidate {
         pid,
+        pidfd: PidFd::open(pid),
         cgroup: node.cg.cgroup_of(pid).ok(),
         devices: BTreeSet::new(),
         fds: Vec::new(),
@@ -152,8 +219,9 @@ pub fn uncovered(
         .into_values()
         .filter_map(|mut c| {
             let cg = c.cgroup.clone();
+            let uid = uid_of(c.pid);
             c.devices
-                .retain(|d| !covered(node, fence, cg.as_deref(), *d));
+                .retain(|d| !covered(node, fence, cg.as_deref(), uid, *d));
             c.fds.retain(|f| c.devices.contains(&f.dev));
             let nvml_listed = !c.gpu_memory.is_empty();
             let only_shared = !c.devices.is_empty() && c.devices.iter().all(|d| shared.contains(d));
@@ -235,12 +303,34 @@ pub(crate) fn set_frozen(node: &Node, cgroup: &str, on: bool, wait: Duration) ->
     true
 }
 
-fn uid_of(pid: i32) -> Option<u32> {
+/// The real uid of `pid` (`Uid:` in `/proc/<pid>/status`, first field):
+/// the uid the fence program judges exemptions by
+/// (`bpf_get_current_uid_gid`). `None` when the process is gone.
+pub fn uid_of(pid: i32) -> Option<u32> {
     procfs::process::Process::new(pid)
         .ok()?
         .status()
         .ok()
         .map(|s| s.ruid)
+}
+
+/// The pidfd of `c` (taken when it was found) when the process is still
+/// there and still holds what made it a candidate: one of its devices by
+/// descriptor, or (listed by NVML) nothing to look at again. Checked
+/// through `/proc/<pid>` and then the pidfd: the pidfd still open
+/// afterwards means `/proc/<pid>` was that process when it was read.
+fn still_holding(c: &Candidate) -> Option<OwnedFd> {
+    let fd = c.pidfd.as_ref()?;
+    if exited(fd.fd()) {
+        return None;
+    }
+    if c.gpu_memory.is_empty() {
+        let h = scan::holder(c.pid, &c.devices)?;
+        if h.fds.is_empty() || exited(fd.fd()) {
+            return None;
+        }
+    }
+    fd.fd().try_clone().ok()
 }
 
 /// Responds to `cands` as the module says. `phase` (`prolog`/`epilog`) goes
@@ -302,7 +392,7 @@ pub fn respond(
             spared_out.push(l);
             continue;
         }
-        if let Some(fd) = pidfd_open(c.pid) {
+        if let Some(fd) = still_holding(&c) {
             pinned.push((c, fd));
         }
     }

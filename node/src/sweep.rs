@@ -315,9 +315,7 @@ impl Finding {
         if let Some(a) = &self.action {
             s.push_str(&format!(" [action: {a}]"));
         }
-        s.chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .collect()
+        gpufence_model::text::printable(&s)
     }
 }
 
@@ -777,11 +775,7 @@ pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
 
 /// The real uid of `pid` (`Uid:` of `/proc/<pid>/status`).
 pub fn read_uid(pid: i32) -> Option<u32> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|u| u.parse().ok())
+    crate::respond::uid_of(pid)
 }
 
 /// The command line of `pid`, split at NULs.
@@ -1073,9 +1067,11 @@ fn dev_list(devs: &BTreeSet<DevNum>) -> String {
         .join(",")
 }
 
-/// Whether a configured exemption covers cgroup `cg`.
-fn config_exempt(node: &Node, cg: Option<&str>) -> bool {
-    cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
+/// Whether a configured exemption covers a process of real uid `uid` in
+/// cgroup `cg` (never a user's process: [`crate::respond::exemption`]).
+fn config_exempt(node: &Node, cg: Option<&str>, uid: Option<u32>) -> bool {
+    uid.is_some_and(|u| node.cfg.exempt_identities().covers(u))
+        && cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
 }
 
 fn check_failed(what: &str, e: String) -> Finding {
@@ -1360,7 +1356,10 @@ impl Sweep<'_> {
             let devs: BTreeSet<DevNum> = fds
                 .iter()
                 .map(|f| f.dev)
-                .filter(|d| !config_exempt(node, cg) && !covered(node, self.fence.as_ref(), cg, *d))
+                .filter(|d| {
+                    !config_exempt(node, cg, m.uid)
+                        && !covered(node, self.fence.as_ref(), cg, m.uid, *d)
+                })
                 .collect();
             if devs.is_empty() {
                 continue;
@@ -1429,11 +1428,11 @@ impl Sweep<'_> {
                 }
                 let m = self.procs.meta(pid);
                 let cg = m.cgroup.as_deref();
-                if !self.in_scope(cg) || config_exempt(node, cg) {
+                if !self.in_scope(cg) || config_exempt(node, cg, m.uid) {
                     continue;
                 }
                 pids.push(pid);
-                if covered(node, self.fence.as_ref(), cg, dev) {
+                if covered(node, self.fence.as_ref(), cg, m.uid, dev) {
                     continue;
                 }
                 let h = holding.entry(pid).or_default();

@@ -1686,3 +1686,136 @@ fn slurmd_outside_its_exemption_is_named_22_05_host() {
     );
     drop(cluster);
 }
+
+/// `sbatch --get-user-env`: slurmd runs `su - <user>` as its own child, in
+/// its own cgroup (`system.slice/slurmd.service`, which the default config
+/// exempts), so the user's `~/.bash_profile` runs there as the user. A
+/// daemon it starts with `setsid -f` stays in slurmd's cgroup; the fence's
+/// exemption covers system accounts only, so it opens no NVIDIA device.
+#[test]
+fn get_user_env_daemon_in_slurmds_cgroup_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("getuserenv");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let host = hostname();
+    let extra = format!(
+        "nvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(
+            &Release {
+                root: None,
+                plugin: None,
+            },
+            &slice,
+            &d,
+            &extra,
+            false,
+            "Alloc,Contain",
+        ),
+    );
+    // What the daemon reports, in a directory the test user may write.
+    let dir = env.path("getuserenv");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let armed = dir.join("armed");
+    std::fs::write(&armed, "").unwrap();
+    std::fs::set_permissions(&armed, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let out = dir.join("daemon.out");
+    let probe = cluster.bin.join("gpufence-probe");
+    let profile = Profile::install(&format!(
+        "[ -e {armed} ] && rm -f {armed} && setsid -f sh -c 'echo PID=$$; echo CG=$(grep ^0:: /proc/self/cgroup); {probe} open {devs}; exec sleep 120' </dev/null >{out}.tmp 2>&1 && sleep 1 && mv {out}.tmp {out}\n",
+        armed = armed.display(),
+        probe = probe.display(),
+        devs = d.args(),
+        out = out.display(),
+    ));
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--get-user-env",
+            "--wait",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "true",
+        ],
+    );
+    assert!(o.status.success(), "{}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || out.exists()),
+        "the user's login script never ran (slurmd's su - for --get-user-env):\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    drop(profile);
+    let text = std::fs::read_to_string(&out).unwrap();
+    let pid: i32 = field(&text, "PID").and_then(|p| p.parse().ok()).unwrap();
+    // The premise: the user's daemon runs in slurmd's (exempt) cgroup.
+    assert!(
+        field(&text, "CG").is_some_and(|c| c.ends_with("/system.slice/slurmd.service")),
+        "{text}"
+    );
+    assert_eq!(
+        row(&text, &d),
+        ["EPERM", "EPERM", "EPERM", "EPERM"].map(String::from),
+        "a user's daemon in slurmd's cgroup opens nothing:\n{text}"
+    );
+    // The sweep names it only if it holds something; doctor agrees.
+    let o = cluster.gpufence(&["doctor", "--json", &pid.to_string()]);
+    let doc: Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("doctor JSON: {e}: {}", both(&o)));
+    assert!(
+        doc["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["verdict"] == "denied"),
+        "{doc:#}"
+    );
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    let _ = host;
+    drop(cluster);
+}
+
+/// The test user's `~/.bash_profile` replaced for one test, put back on
+/// drop.
+struct Profile {
+    path: PathBuf,
+    old: Option<Vec<u8>>,
+}
+
+impl Profile {
+    fn install(text: &str) -> Profile {
+        let home = std::process::Command::new("getent")
+            .args(["passwd", gpufence_tests::cluster::TEST_USER])
+            .output()
+            .map(|o| stdout(&o))
+            .unwrap_or_default();
+        let home = home
+            .trim()
+            .split(':')
+            .nth(5)
+            .expect("the test user's home")
+            .to_string();
+        let path = PathBuf::from(home).join(".bash_profile");
+        let old = std::fs::read(&path).ok();
+        std::fs::write(&path, text).unwrap();
+        Profile { path, old }
+    }
+}
+
+impl Drop for Profile {
+    fn drop(&mut self) {
+        let _ = match &self.old {
+            Some(b) => std::fs::write(&self.path, b),
+            None => std::fs::remove_file(&self.path),
+        };
+    }
+}

@@ -411,3 +411,166 @@ fn system_accounts_are_spared_and_the_node_flagged() {
         "{r}"
     );
 }
+
+/// An exempt cgroup covers system accounts only (the fence program checks
+/// the task's real uid): a user's process that ends up there (slurmd runs
+/// `su - <user>` in its own cgroup for `sbatch --get-user-env`) opens no
+/// GPU, and one that brought a job's descriptor in is no exempt daemon:
+/// the sweep reports it, the Epilog ends it with evidence, and `respond`
+/// would act on it. Root's daemon beside it stays covered.
+#[test]
+fn a_users_process_in_an_exempt_cgroup_borrows_nothing() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("exempt-user");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let exempt = env.cgroup("system.slice/slurmd.service");
+    let p = env.config(&format!(
+        "term_grace_ms = 500\nexempt_cgroups = [\"{exempt}\"]\n[majors]\nnvidia = 195\nfake-gpu = {}\n",
+        real.major
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p.clone())).unwrap();
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    // Opening there: root may, the user may not.
+    assert_eq!(
+        env.open_from(&exempt, &n1),
+        "ENXIO",
+        "root in the exemption"
+    );
+    let o = env
+        .user_command_in(&exempt, gpufence_tests::probe_bin())
+        .args(["open", n1.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("{} EPERM", n1.display()),
+        "a user's process in the exemption"
+    );
+    // The doctor says what the kernel does, for that user's process.
+    let sleeper = env.spawn_user_sleeper(&exempt);
+    let d = gpufence_node::doctor::doctor(&node, Some(sleeper), None).unwrap();
+    let v = d.devices.iter().find(|v| v.device == "195:1").unwrap();
+    assert_eq!(
+        (d.uid, v.verdict.as_str()),
+        (gpufence_tests::cluster::test_uid(), "denied"),
+        "{v:?}"
+    );
+    // A user's holder of a job's device moved into the exempt cgroup, and
+    // root's daemon holding the same device there.
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["hold", gpu.to_str().unwrap()]);
+    let user = env.spawn_ready(cmd, "held");
+    env.cg.move_pid(&exempt, user).unwrap();
+    let mut cmd = env.command_in(&exempt, gpufence_tests::probe_bin());
+    cmd.args(["hold", gpu.to_str().unwrap()]);
+    let daemon = env.spawn_ready(cmd, "held");
+    let swept = gpufence_node::sweep::execute(
+        &node,
+        &gpufence_node::sweep::SweepRequest {
+            cgroup: Some(env.root.clone()),
+            ..Default::default()
+        },
+    );
+    let holders: Vec<i32> = swept
+        .report
+        .findings
+        .iter()
+        .filter(|f| f.kind == gpufence_node::sweep::Kind::UnfencedGpuHolder)
+        .filter_map(|f| f.pid)
+        .collect();
+    assert_eq!(holders, vec![user], "{:?}", swept.report.findings);
+    record(&node, 44, dev);
+    let o = epilog::run(&node, 44, None);
+    assert!(o.clean(), "{o:?}");
+    let ended: Vec<i32> = o.lingering.iter().map(|l| l.pid).collect();
+    assert_eq!(ended, vec![user], "{o:?}");
+    assert!(o.lingering[0].evidence.is_some() && gone(user));
+    assert!(!gone(daemon), "root's daemon in the exemption is covered");
+    // A service account listed in service_uids is covered again.
+    std::fs::write(
+        &p,
+        std::fs::read_to_string(&p).unwrap().replace(
+            "term_grace_ms",
+            &format!(
+                "service_uids = [{}]\nterm_grace_ms",
+                gpufence_tests::cluster::test_uid()
+            ),
+        ),
+    )
+    .unwrap();
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    fence_ops::install(&node).unwrap();
+    let o = env
+        .user_command_in(&exempt, gpufence_tests::probe_bin())
+        .args(["open", n1.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("{} ENXIO", n1.display()),
+        "a service uid in the exemption"
+    );
+}
+
+/// Holders are pinned by a pidfd when they are found and checked again
+/// before anything is done to them: one that let go of the device between
+/// the scan and the response is left alone, and one that exited is skipped
+/// (its pid may belong to another process by then).
+#[test]
+fn a_holder_that_let_go_is_left_alone() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("let-go");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let flag = env.path("let-go");
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args([
+        "hold",
+        &format!("--drop-when={}", flag.display()),
+        gpu.to_str().unwrap(),
+    ]);
+    let released = env.spawn_ready(cmd, "held");
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["hold", gpu.to_str().unwrap()]);
+    let holder = env.spawn_ready(cmd, "held");
+    let devs: BTreeSet<DevNum> = [dev].into();
+    let cands = gpufence_node::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+    let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
+    found.sort();
+    let mut want = vec![released, holder];
+    want.sort();
+    assert_eq!(found, want);
+    assert!(cands.iter().all(|c| c.pidfd.is_some()), "pinned when found");
+    // One lets go of the device; the scan found it holding.
+    std::fs::write(&flag, "").unwrap();
+    let t0 = std::time::Instant::now();
+    while gpufence_node::scan::holder(released, &devs).is_some() {
+        assert!(t0.elapsed().as_secs() < 5, "the probe never let go");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let (done, errors) = gpufence_node::respond::respond(&node, 45, "epilog", "test", cands);
+    assert!(errors.is_empty(), "{errors:?}");
+    let acted: Vec<i32> = done.iter().map(|l| l.pid).collect();
+    assert_eq!(acted, vec![holder], "{done:?}");
+    assert!(gone(holder));
+    assert!(!gone(released), "a process that let go is not touched");
+    let stat = std::fs::read_to_string(format!("/proc/{released}/stat")).unwrap();
+    assert!(
+        stat.rsplit(')')
+            .next()
+            .unwrap()
+            .trim_start()
+            .starts_with('S'),
+        "not left stopped: {stat}"
+    );
+}

@@ -556,7 +556,8 @@ fn grants_of_removed_cgroups_are_collected() {
 }
 
 /// A process holding a protected device outside every grant is critical;
-/// one in a granted cgroup and one in an exempt cgroup are not reported.
+/// one in a granted cgroup and a system account's in an exempt cgroup are
+/// not reported.
 #[test]
 fn a_holder_outside_every_grant_is_found() {
     if !privileged() {
@@ -583,7 +584,7 @@ fn a_holder_outside_every_grant_is_found() {
     let out = w.env.cgroup("outside");
     let intruder = w.env.spawn_user_probe(&out, &["hold", g], "held");
     let ex = w.env.cgroup("exempt");
-    let daemon = w.env.spawn_user_probe(&ex, &["hold", g], "held");
+    let daemon = w.env.spawn_probe(&ex, &["hold", g], "held");
     // A hold no descriptor table shows: a registered io_uring file (the
     // sweep readlinks only anonymous inodes, rings among them). io_uring
     // may be disabled by sysctl; then there is nothing to hide in.
@@ -1122,7 +1123,7 @@ fn respond_refuses_what_must_not_be_touched() {
         scenario: None,
     };
     let ex = w.env.cgroup("exempt");
-    let daemon = w.env.spawn_user_sleeper(&ex);
+    let daemon = w.env.spawn_sleeper(&ex);
     assert_eq!(
         incident::respond_pid(&w.node, 1, None).unwrap_err(),
         Refusal::Init
@@ -1203,6 +1204,12 @@ fn respond_refuses_what_must_not_be_touched() {
         !w.env.path("evidence").exists(),
         "no evidence, nothing done"
     );
+    // A user's process in the exempt cgroup is no exempt daemon: an
+    // exemption covers system accounts only.
+    let user = w.env.spawn_user_sleeper(&ex);
+    let o = incident::respond_pid(&w.node, user, None).unwrap();
+    assert_eq!(o.killed, vec![user], "{o:#?}");
+    assert!(gone(user) && !gone(daemon));
 }
 
 /// The CLI as an admin or a health check calls it: `gpufence sweep` prints
@@ -1252,5 +1259,71 @@ fn the_cli_sweeps_and_refuses() {
     assert!(
         !String::from_utf8_lossy(&o.stderr).is_empty(),
         "says why: {o:?}"
+    );
+}
+
+/// `gpufence respond PID` prints what the process and its user chose (the
+/// process name, unit file names under their home, crontab lines) through
+/// the one sanitiser: no escape sequence reaches root's terminal.
+#[test]
+fn respond_prints_no_escape_sequences() {
+    if !privileged() {
+        return;
+    }
+    let w = world("respond-esc", "", "", false);
+    let esc = "\u{1b}]0;owned\u{7}\u{1b}[2J";
+    std::fs::write(
+        w.env.path(&format!("cron/{TEST_USER}")),
+        format!("* * * * * /tmp/x {esc}\n"),
+    )
+    .unwrap();
+    std::fs::write(
+        w.env
+            .path(&format!("home/gt/.config/systemd/user/m{esc}.service")),
+        "[Service]\n",
+    )
+    .unwrap();
+    // A program whose file name (its process name) carries an escape.
+    let bin = w.env.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let named = bin.join("\u{1b}[31mx");
+    std::fs::copy("/bin/sleep", &named).unwrap();
+    let cg = w.env.cgroup("incident-esc");
+    let mut child = w
+        .env
+        .user_command_in(&cg, &named)
+        .arg("1000")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.contains('\u{1b}'))
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ConfigOrigin::File(config) = &w.node.origin else {
+        panic!("a config file");
+    };
+    let o = std::process::Command::new(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(config)
+        .args(["respond", &pid.to_string()])
+        .output()
+        .unwrap();
+    let _ = child.wait();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(gone(pid as i32), "{out}{err}");
+    assert!(
+        out.contains("?[31mx")
+            && out.contains("/tmp/x ?]0;owned??[2J")
+            && out.contains("m?]0;owned??[2J.service"),
+        "{out}"
+    );
+    assert!(
+        !out.contains('\u{1b}') && !err.contains('\u{1b}') && !out.contains('\u{7}'),
+        "{out:?}{err:?}"
     );
 }

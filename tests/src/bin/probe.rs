@@ -311,6 +311,7 @@ fn main() -> ExitCode {
                 !matches!(*f, "--ignore-term" | "--daemon")
                     && !f.starts_with("--via=")
                     && !f.starts_with("--pass-on-term=")
+                    && !f.starts_with("--drop-when=")
             }) {
                 return ExitCode::from(2);
             }
@@ -350,8 +351,19 @@ fn main() -> ExitCode {
                     }
                 }
             }
+            let drop_when = flags.iter().find_map(|f| f.strip_prefix("--drop-when="));
             match open(path, false) {
-                Ok(_fd) => {
+                Ok(fd) => {
+                    if let Some(flag) = drop_when {
+                        // Holds until the file `flag` appears, then lets
+                        // go of the device and lives on.
+                        say("held");
+                        while !std::path::Path::new(flag).exists() {
+                            std::thread::sleep(std::time::Duration::from_millis(10));
+                        }
+                        drop(fd);
+                        sleep_forever();
+                    }
                     if flags.contains(&"--daemon") {
                         say(&format!("held {}", std::process::id()));
                         // Let the job's output pipe close: nothing keeps it open.
