@@ -294,6 +294,8 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             let jobs: std::collections::BTreeSet<u32> = grants::list(&node)
                 .map(|g| g.into_iter().map(|c| c.job_id).collect())
                 .unwrap_or_default();
+            let io_uring =
+                gpufence_node::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
             if json {
                 let v = json!({
                     "installed": st.installed,
@@ -309,6 +311,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     "mount_root_level": st.mount_root_level,
                     "exempt": exempt,
                     "problems": st.problems,
+                    "io_uring": io_uring,
                     "config": node.origin.to_string(),
                 });
                 println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -343,6 +346,9 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                 }
                 for p in &st.problems {
                     println!("problem: {p}");
+                }
+                if let Some(n) = &io_uring {
+                    println!("note: {n}");
                 }
             }
             Ok(if st.installed {
@@ -585,5 +591,8 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
     );
     for v in &d.devices {
         println!("  {:<8} {:<8} {}  ({})", v.device, v.verdict, v.why, v.path);
+    }
+    if let Some(n) = &d.io_uring {
+        println!("note: {n}");
     }
 }

@@ -107,6 +107,10 @@ pub struct Doctor {
     pub levels: Vec<Level>,
     /// Per NVIDIA device.
     pub devices: Vec<DeviceVerdict>,
+    /// Whether users may create io_uring rings, which can hold a GPU file
+    /// where no scan sees it ([`crate::scan::io_uring_exposure`]); `None`
+    /// when io_uring is closed to them.
+    pub io_uring: Option<String>,
 }
 
 fn flags_name(f: u32) -> &'static str {
@@ -325,6 +329,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         mount_root_level: node.cg.root_level().ok(),
         levels,
         devices,
+        io_uring: crate::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
     })
 }
 

@@ -142,9 +142,9 @@ struct ProcRecords {
     /// Character devices in descriptor tables: (thread, fd, device); the
     /// thread is the process itself for its own (the leader's) table.
     chars: Vec<(i32, i32, DevNum)>,
-    /// Anonymous inodes in the leader's table (io_uring candidates: the
-    /// `/proc` walk looks for rings there only).
-    anon: Vec<i32>,
+    /// Anonymous inodes in any of its tables (io_uring candidates): (the
+    /// thread whose table holds it, `None` for the leader's; fd).
+    anon: Vec<(Option<i32>, i32)>,
     /// Socket inodes in any of its tables.
     sockets: BTreeSet<u64>,
     /// Character devices it maps.
@@ -193,9 +193,7 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
                 p.sockets.insert(ino);
             }
             Object::AnonInode(_) => {
-                if r.tid == r.tgid {
-                    p.anon.push(r.fd);
-                }
+                p.anon.push(((r.tid != r.tgid).then_some(r.tid), r.fd));
             }
             Object::CharMap(ma, mi) => {
                 p.maps.insert(DevNum::new(ma, mi));
@@ -529,6 +527,7 @@ impl Scanner {
         // kcmp can tell, tables already walked are skipped; otherwise each
         // is walked and duplicates are dropped below.
         let mut walked = vec![pid];
+        let mut anon: Vec<(Option<i32>, i32)> = anon.into_iter().map(|fd| (None, fd)).collect();
         if let Ok(tasks) = std::fs::read_dir(base.join("task")) {
             for t in tasks.flatten() {
                 let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
@@ -540,6 +539,7 @@ impl Scanner {
                 if walked.iter().any(|w| same_fd_table(*w, tid) == Some(true)) {
                     continue;
                 }
+                let mut thread_anon = Vec::new();
                 fd_table(
                     &t.path(),
                     want,
@@ -547,8 +547,9 @@ impl Scanner {
                     Some(tid),
                     &mut fds,
                     sockets.as_deref_mut(),
-                    None,
+                    Some(&mut thread_anon),
                 );
+                anon.extend(thread_anon.into_iter().map(|fd| (Some(tid), fd)));
                 walked.push(tid);
             }
         }
@@ -654,22 +655,30 @@ fn fd_table(
 
 /// Files registered with an io_uring: the `UserFiles:` section of the
 /// ring's fdinfo lists them as `<index>: <path>` (`io_uring_show_fdinfo`,
-/// `io_uring/fdinfo.c`). Paths are resolved with `stat`.
+/// `io_uring/fdinfo.c`). Paths are resolved with `stat`. `candidates` are
+/// anonymous inodes in the process's tables: (the thread whose own table
+/// holds it, `None` for the leader's; fd). A ring kept only in a thread's
+/// private table (after `unshare(CLONE_FILES)`) is read there
+/// (`/proc/<pid>/task/<tid>/fd{,info}`).
 fn io_uring_files(
     base: &Path,
     want: DevicePredicate<'_>,
     out: &mut Vec<HeldFd>,
-    candidates: &[i32],
+    candidates: &[(Option<i32>, i32)],
 ) {
-    for &fd in candidates {
-        let link = base.join("fd").join(fd.to_string());
+    for &(tid, fd) in candidates {
+        let table = match tid {
+            Some(t) => base.join("task").join(t.to_string()),
+            None => base.to_path_buf(),
+        };
+        let link = table.join("fd").join(fd.to_string());
         let Ok(target) = std::fs::read_link(&link) else {
             continue;
         };
         if target.as_os_str() != "anon_inode:[io_uring]" {
             continue;
         }
-        let Ok(info) = std::fs::read_to_string(base.join("fdinfo").join(fd.to_string())) else {
+        let Ok(info) = std::fs::read_to_string(table.join("fdinfo").join(fd.to_string())) else {
             continue;
         };
         let mut in_files = false;
@@ -694,12 +703,40 @@ fn io_uring_files(
                         path: PathBuf::from(path),
                         dev,
                         via: Via::IoUring,
-                        tid: None,
+                        tid,
                     });
                 }
             }
         }
     }
+}
+
+/// What `/proc/sys/kernel/io_uring_disabled` says (Linux 6.6+,
+/// `io_uring/io_uring.c`, Documentation/admin-guide/sysctl/kernel.rst):
+/// 0 (or no such file: older kernels) every user may create rings, 1 only
+/// members of `kernel.io_uring_group` and `CAP_SYS_ADMIN`, 2 nobody.
+///
+/// Returns a line for the admin when users may create rings: a ring whose
+/// own descriptor was registered with `IORING_REGISTER_RING_FDS` and then
+/// closed is in no descriptor table, so a GPU descriptor registered as one
+/// of its fixed files is a hold that neither `/proc` nor gpufence's
+/// iterators see; `None` when io_uring is closed to users.
+pub fn io_uring_exposure(proc_sys: &Path) -> Option<String> {
+    let disabled = std::fs::read_to_string(proc_sys.join("kernel/io_uring_disabled")).ok();
+    let group = std::fs::read_to_string(proc_sys.join("kernel/io_uring_group")).ok();
+    let how = match disabled.as_deref().map(str::trim) {
+        Some("2") => return None,
+        Some("1") => format!(
+            "to members of group {} (kernel.io_uring_disabled = 1, kernel.io_uring_group = {})",
+            group.as_deref().map_or("?", str::trim),
+            group.as_deref().map_or("?", str::trim)
+        ),
+        Some(v) => format!("to every user (kernel.io_uring_disabled = {v})"),
+        None => "to every user (this kernel has no kernel.io_uring_disabled)".to_string(),
+    };
+    Some(format!(
+        "io_uring is open {how}: a GPU descriptor registered in a ring whose own descriptor was registered (IORING_REGISTER_RING_FDS) and closed is held where no scan sees it; set kernel.io_uring_disabled = 2 (or 1 with a kernel.io_uring_group no job user is in) to close that"
+    ))
 }
 
 /// The pids in `/proc` (processes, not threads), unsorted.
@@ -732,6 +769,41 @@ pub fn by_device(holders: &[Holder]) -> BTreeMap<DevNum, Vec<i32>> {
         }
     }
     m
+}
+
+#[cfg(test)]
+mod io_uring_tests {
+    use super::*;
+
+    fn sys(disabled: Option<&str>, group: Option<&str>) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("kernel")).unwrap();
+        if let Some(v) = disabled {
+            std::fs::write(d.path().join("kernel/io_uring_disabled"), v).unwrap();
+        }
+        if let Some(g) = group {
+            std::fs::write(d.path().join("kernel/io_uring_group"), g).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn io_uring_exposure_follows_the_sysctls() {
+        let open = io_uring_exposure(sys(Some("0\n"), Some("-1\n")).path()).unwrap();
+        assert!(
+            open.contains("to every user (kernel.io_uring_disabled = 0)"),
+            "{open}"
+        );
+        assert!(
+            open.contains("kernel.io_uring_disabled = 2"),
+            "names the fix: {open}"
+        );
+        let old = io_uring_exposure(sys(None, None).path()).unwrap();
+        assert!(old.contains("has no kernel.io_uring_disabled"), "{old}");
+        let group = io_uring_exposure(sys(Some("1\n"), Some("1234\n")).path()).unwrap();
+        assert!(group.contains("to members of group 1234"), "{group}");
+        assert_eq!(io_uring_exposure(sys(Some("2\n"), None).path()), None);
+    }
 }
 
 #[cfg(test)]

@@ -1749,6 +1749,9 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
         }
     }
     let _lock = lock(node).map_err(|e| report.errors.push(e)).ok();
+    report
+        .notes
+        .extend(crate::scan::io_uring_exposure(Path::new("/proc/sys")));
     let users = Passwd::load(&node.cfg.passwd_file);
     let mut s = Sweep {
         node,

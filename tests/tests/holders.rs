@@ -89,6 +89,34 @@ fn hidden_holds_are_found() {
         }
         None => eprintln!("io_uring unavailable here: registered-file holds cannot exist"),
     }
+    // The ring only in a thread's private table (unshare(CLONE_FILES)):
+    // read from that thread's fdinfo, by the walk and by the iterators.
+    match hold_via(&mut env, &node_path, "io_uring-thread") {
+        Some(pid) => {
+            for mut sc in [Scanner::new(), Scanner::proc_walk()] {
+                let found = sc
+                    .holders(&want)
+                    .into_iter()
+                    .find(|h| h.pid == pid)
+                    .unwrap_or_else(|| panic!("ring in a thread's table: {:?}", sc.source()));
+                assert!(
+                    found
+                        .fds
+                        .iter()
+                        .any(|f| f.via == Via::IoUring && f.dev == dev && f.tid.is_some()),
+                    "{found:?}"
+                );
+            }
+            pids.push(pid);
+        }
+        None => assert_ne!(
+            std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+                .unwrap_or_default()
+                .trim(),
+            "0",
+            "io_uring is enabled, yet the probe could not hold through it"
+        ),
+    }
     // Killing a cgroup kills a process whose main thread exited, too (the
     // own layout's epilog and stale-job cleanup rely on it).
     let cg = format!("{}/holders", env.root);
@@ -188,6 +216,7 @@ fn iterators_find_what_the_proc_walk_finds() {
         ("leader-exit", Via::ThreadFd),
         ("mmap", Via::Mmap),
         ("io_uring", Via::IoUring),
+        ("io_uring-thread", Via::IoUring),
     ] {
         match hold_via(&mut env, &node_path, via) {
             Some(pid) => {

@@ -168,6 +168,16 @@ fn a_clean_node_has_no_finding() {
             "{:?}",
             o.report.notes
         );
+        // Whether users may create io_uring rings is said on every sweep.
+        assert_eq!(
+            o.report
+                .notes
+                .iter()
+                .any(|n| n.starts_with("io_uring is open")),
+            gpufence_node::scan::io_uring_exposure(std::path::Path::new("/proc/sys")).is_some(),
+            "{:?}",
+            o.report.notes
+        );
     }
 }
 

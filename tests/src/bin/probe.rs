@@ -112,6 +112,40 @@ fn hold_then_pass(path: &str, sock: &str) -> ExitCode {
 
 /// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
 /// sleeps. For the scanner's tests.
+/// Opens `path`, registers it as the one fixed file of a new io_uring,
+/// closes the descriptor: the ring alone holds the device. The ring's
+/// descriptor, or a line saying why not.
+fn ring_holding(path: &str) -> Result<i32, String> {
+    let fd = open(path, false).map_err(|e| format!("{path} {}", word(Err(e))))?;
+    // struct io_uring_params is 120 bytes; zeroed asks for defaults.
+    let mut params = [0u8; 120];
+    // SAFETY: io_uring_setup(2) with a zeroed params struct.
+    let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+    if ring < 0 {
+        return Err(format!("no io_uring: {}", std::io::Error::last_os_error()));
+    }
+    let fds = [fd.as_raw_fd()];
+    // IORING_REGISTER_FILES = 2
+    // SAFETY: io_uring_register(2) of one descriptor.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring as i32,
+            2u32,
+            fds.as_ptr(),
+            1u32,
+        )
+    };
+    if r < 0 {
+        return Err(format!(
+            "register failed: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    drop(fd);
+    Ok(ring as i32)
+}
+
 fn hold_hidden(path: &str, via: &str) -> ExitCode {
     let path = path.to_string();
     match via {
@@ -183,44 +217,33 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
             say("held");
             sleep_forever();
         }
-        "io_uring" => {
-            let fd = match open(&path, false) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    say(&format!("{path} {}", word(Err(e))));
-                    return ExitCode::FAILURE;
+        "io_uring" => match ring_holding(&path) {
+            Ok(_ring) => {
+                say("held");
+                sleep_forever();
+            }
+            Err(e) => {
+                say(&e);
+                ExitCode::FAILURE
+            }
+        },
+        // The ring only in a thread's private table (unshare(CLONE_FILES)):
+        // the leader's table has neither the device nor the ring.
+        "io_uring-thread" => {
+            std::thread::spawn(move || {
+                // SAFETY: unshare of this thread's fd table.
+                if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+                    say("unshare failed");
+                    return;
                 }
-            };
-            // struct io_uring_params is 120 bytes; zeroed asks for defaults.
-            let mut params = [0u8; 120];
-            // SAFETY: io_uring_setup(2) with a zeroed params struct.
-            let ring =
-                unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
-            if ring < 0 {
-                say(&format!("no io_uring: {}", std::io::Error::last_os_error()));
-                return ExitCode::FAILURE;
-            }
-            let fds = [fd.as_raw_fd()];
-            // IORING_REGISTER_FILES = 2
-            // SAFETY: io_uring_register(2) of one descriptor.
-            let r = unsafe {
-                libc::syscall(
-                    libc::SYS_io_uring_register,
-                    ring as i32,
-                    2u32,
-                    fds.as_ptr(),
-                    1u32,
-                )
-            };
-            if r < 0 {
-                say(&format!(
-                    "register failed: {}",
-                    std::io::Error::last_os_error()
-                ));
-                return ExitCode::FAILURE;
-            }
-            drop(fd);
-            say("held");
+                match ring_holding(&path) {
+                    Ok(_ring) => {
+                        say("held");
+                        sleep_forever();
+                    }
+                    Err(e) => say(&e),
+                }
+            });
             sleep_forever();
         }
         _ => ExitCode::from(2),
