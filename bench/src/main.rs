@@ -7,12 +7,14 @@
 //! gpufence-bench open [--rounds N] [--iters N] [--smoke]   open() in the kernel's device check
 //! gpufence-bench scan [--procs N,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
 //! gpufence-bench job [--runs N] [--smoke]                 srun/sbatch/Prolog/Epilog, slurmstepd RSS, map memory
+//! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
 //! ```
 //!
 //! See BENCHMARKS.md for the commands and the last results.
 
 mod job;
 mod open;
+mod respond;
 mod scan;
 
 use std::process::ExitCode;
@@ -64,6 +66,15 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// The Epilog's response to N holders of one job's GPU, default evidence budget against an unbounded one.
+    Respond {
+        /// Holder counts.
+        #[arg(long, value_delimiter = ',', default_values_t = [100usize, 1000])]
+        holders: Vec<usize>,
+        /// 20 holders (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
     /// Run a command and append its wall time in ns to FILE (the job benchmark's Prolog/Epilog wrapper).
     #[command(hide = true)]
     TimeExec {
@@ -89,6 +100,17 @@ fn main() -> ExitCode {
         Cmd::TimeExec { .. } => {}
         Cmd::Job { runs, smoke } => print_job(if smoke { 1 } else { runs }, cli.json),
         Cmd::Scan { procs, runs, smoke } => print_scan(procs, runs, smoke, cli.json),
+        Cmd::Respond { holders, smoke } => {
+            let r = respond::run(if smoke { &[20] } else { &holders });
+            respond::print(&r);
+            if let Some(p) = cli.json {
+                let rows: Vec<serde_json::Value> = r
+                    .iter()
+                    .map(|x| serde_json::json!({"holders": x.holders, "budget": x.budget, "epilog_s": x.epilog_s, "left": x.left, "files": x.files, "bytes": x.bytes, "all_recorded": x.all_recorded}))
+                    .collect();
+                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+            }
+        }
         Cmd::Open {
             rounds,
             iters,

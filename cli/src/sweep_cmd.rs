@@ -166,6 +166,9 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                         }
                     );
                 }
+                for n in &o.notes {
+                    println!("note: {}", p(n));
+                }
                 if let Some(r) = &o.drained {
                     println!("node drained: {}", p(r));
                 }

@@ -124,6 +124,16 @@ pub struct Config {
     /// How much of a lingering process's executable is hashed for the
     /// evidence file, in MiB (a huge or sparse file must not stall the epilog).
     pub evidence_hash_max_mib: u64,
+    /// How long the hashing of executables for one response may take, in
+    /// ms (all holders of one Epilog, Prolog or `respond` together): each
+    /// distinct executable (by device and inode) is hashed once, and those
+    /// not hashed by then are left out and counted, so a thousand holders
+    /// cannot hold the job's end.
+    pub evidence_time_ms: u64,
+    /// How many bytes of evidence one response may write, in MiB: records
+    /// past it are cut to the process's identity and devices, and then left
+    /// out and counted.
+    pub evidence_max_mib: u64,
     /// How many times the epilog looks again for holders after killing
     /// (a holder may hand its descriptor on while it handles SIGTERM).
     pub response_rounds: u32,
@@ -216,6 +226,8 @@ impl Default for Config {
             protected_uid_max: 999,
             service_uids: Vec::new(),
             evidence_hash_max_mib: 256,
+            evidence_time_ms: 2000,
+            evidence_max_mib: 16,
             response_rounds: 3,
             proc_dir: "/proc".into(),
             grant_mig_monitor: false,

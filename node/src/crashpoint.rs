@@ -149,6 +149,15 @@ pub const EPILOG_RESPONDED: CrashPoint = point(
     "responded",
     "lingering holders dealt with; job cgroup (own layout) and record still there",
 );
+/// A response (the Epilog's, or the Prolog's clean start) has noted and
+/// stopped its holders and kept no evidence yet. Reached only where there
+/// are holders, so it is not in [`ALL`] (whose tests have none): tested on
+/// its own (`tests/tests/holders.rs`).
+pub const RESPOND_FROZEN: CrashPoint = point(
+    Component::Epilog,
+    "holders_frozen",
+    "holders noted and stopped; no evidence, none killed",
+);
 /// Epilog: (own layout) the job cgroup is gone; record and notes remain.
 pub const EPILOG_CGROUP_REMOVED: CrashPoint = point(
     Component::Epilog,

@@ -223,6 +223,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let _stepped_out = fence
         .as_ref()
         .and_then(|f| step_out_of_job(node, f, env, &mut out));
+    // What an earlier, interrupted response left stopped is ended first.
+    out.notes.extend(respond::finish_interrupted(node));
     crashpoint::reached(crashpoint::EPILOG_STARTED);
     // 1. Revoke.
     if let Some(f) = &fence {
@@ -290,6 +292,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     //    to `response_rounds`; what is still there after that survives.
     let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
     let mut handled: BTreeSet<i32> = BTreeSet::new();
+    let mut budget = crate::evidence::Budget::from_config(&node.cfg);
     for round in 0..node.cfg.response_rounds.max(1) {
         let fresh: Vec<_> = cands
             .into_iter()
@@ -312,11 +315,24 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             "epilog",
             "holds a device of an ended job outside any grant",
             fresh,
+            &mut budget,
         );
         out.lingering.extend(lingering);
         out.errors.extend(errs);
         let again = gpus.query(&minors).unwrap_or_default();
         cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig);
+    }
+    if let Some(s) = budget.summary() {
+        let _ = node.audit(
+            AuditEvent::new("evidence_budget")
+                .job(job_id)
+                .field("phase", "epilog")
+                .field("executables_hashed", budget.hashed())
+                .field("hashes_left_out", budget.hashes_left_out)
+                .field("records_cut", budget.records_cut)
+                .field("records_left_out", budget.records_left_out),
+        );
+        out.notes.push(s);
     }
     if !out.lingering.is_empty() {
         let again = gpus.query(&minors).unwrap_or_default();

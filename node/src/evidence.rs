@@ -3,8 +3,11 @@
 //! One JSON file per process in `evidence_dir`, mode 0600, created with
 //! `O_EXCL` (never overwritten): `job<id>-pid<pid>-<utc time>.json`.
 
+use std::collections::HashMap;
 use std::io::Read;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -60,6 +63,97 @@ pub struct Evidence {
     pub gpu_memory: Vec<GpuMemory>,
     /// How it was stopped before this was written (`cgroup-freeze`, `SIGSTOP`).
     pub frozen: Option<String>,
+    /// What this record leaves out to stay within the response's
+    /// [`Budget`] (empty when nothing).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub left_out: Vec<String>,
+}
+
+/// Most command-line bytes one record keeps.
+pub const MAX_CMDLINE_BYTES: usize = 4096;
+/// Most descriptors and sockets one record lists (each).
+pub const MAX_LISTED: usize = 64;
+
+/// What the evidence of one response (every holder of one Epilog, Prolog
+/// or `gpufence respond`) may cost: each distinct executable (by device
+/// and inode) is hashed once, up to `evidence_hash_max_mib` of it, and
+/// hashing stops at a deadline (`evidence_time_ms`); the records written
+/// together stay within `evidence_max_mib`. What is left out is counted.
+#[derive(Debug)]
+pub struct Budget {
+    per_exe: u64,
+    hash_deadline: Instant,
+    bytes_left: u64,
+    hashed: HashMap<(u64, u64), Option<(String, u64)>>,
+    /// Executables not hashed because the time was spent.
+    pub hashes_left_out: u32,
+    /// Records cut to identity and devices because the bytes were spent.
+    pub records_cut: u32,
+    /// Records not written at all because the bytes were spent.
+    pub records_left_out: u32,
+}
+
+impl Budget {
+    /// A budget from now: `per_exe` bytes of each executable, hashing for
+    /// `time`, `bytes` of records.
+    pub fn new(per_exe: u64, time: Duration, bytes: u64) -> Budget {
+        Budget {
+            per_exe,
+            hash_deadline: Instant::now() + time,
+            bytes_left: bytes,
+            hashed: HashMap::new(),
+            hashes_left_out: 0,
+            records_cut: 0,
+            records_left_out: 0,
+        }
+    }
+
+    /// The budget the config sets (`evidence_hash_max_mib`,
+    /// `evidence_time_ms`, `evidence_max_mib`), from now.
+    pub fn from_config(cfg: &gpufence_model::config::Config) -> Budget {
+        Budget::new(
+            cfg.evidence_hash_max_mib << 20,
+            Duration::from_millis(cfg.evidence_time_ms),
+            cfg.evidence_max_mib << 20,
+        )
+    }
+
+    /// How many executables were hashed.
+    pub fn hashed(&self) -> usize {
+        self.hashed.values().filter(|h| h.is_some()).count()
+    }
+
+    /// One line for the admin when something was left out.
+    pub fn summary(&self) -> Option<String> {
+        (self.hashes_left_out + self.records_cut + self.records_left_out > 0).then(|| {
+            format!(
+                "evidence budget: {} executable(s) hashed, {} hash(es) left out (time), {} record(s) cut and {} left out (size)",
+                self.hashed(),
+                self.hashes_left_out,
+                self.records_cut,
+                self.records_left_out
+            )
+        })
+    }
+
+    /// The hash of `pid`'s executable: from an earlier holder of the same
+    /// file, or read now while time is left.
+    fn exe_hash(&mut self, pid: i32, left_out: &mut Vec<String>) -> Option<(String, u64)> {
+        let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+        let md = std::fs::metadata(&exe).ok()?;
+        let key = (md.dev(), md.ino());
+        if let Some(h) = self.hashed.get(&key) {
+            return h.clone();
+        }
+        if Instant::now() >= self.hash_deadline {
+            self.hashes_left_out += 1;
+            left_out.push("exe_sha256: the response's hashing time was spent".into());
+            return None;
+        }
+        let h = sha256_file(&exe, self.per_exe);
+        self.hashed.insert(key, h.clone());
+        h
+    }
 }
 
 /// One socket of the process.
@@ -213,23 +307,52 @@ fn start_time(stat: &procfs::process::Stat) -> Option<String> {
         .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
 }
 
-/// Collects what can still be read about `pid`. Fields that cannot be read
-/// (the process is exiting, a kernel thread) are `None`.
+/// Collects what can still be read about `pid` within `budget`. Fields
+/// that cannot be read (the process is exiting, a kernel thread) are
+/// `None`; the command line, descriptors and sockets are capped
+/// ([`MAX_CMDLINE_BYTES`], [`MAX_LISTED`]) and the record says what it
+/// left out.
 pub fn collect(
     pid: i32,
     job_id: u32,
     reason: &str,
-    fds: Vec<HeldFd>,
-    cgroup: Option<String>,
-    gpu_memory: Vec<GpuMemory>,
+    found: Found,
     frozen: Option<String>,
-    hash_max_bytes: u64,
+    budget: &mut Budget,
 ) -> Evidence {
+    let mut left_out = Vec::new();
     let exe_path = PathBuf::from(format!("/proc/{pid}/exe"));
-    let hashed = sha256_file(&exe_path, hash_max_bytes);
+    let hashed = budget.exe_hash(pid, &mut left_out);
     let proc = procfs::process::Process::new(pid).ok();
     let stat = proc.as_ref().and_then(|p| p.stat().ok());
     let status = proc.as_ref().and_then(|p| p.status().ok());
+    // Bytes that are not UTF-8 are replaced, never the whole list lost.
+    let mut cmdline = crate::sweep::read_cmdline(pid);
+    let mut total = 0;
+    if let Some(cut) = cmdline.iter().position(|a| {
+        total += a.len() + 1;
+        total > MAX_CMDLINE_BYTES
+    }) {
+        left_out.push(format!(
+            "cmdline: {} of {} arguments kept ({MAX_CMDLINE_BYTES} bytes)",
+            cut,
+            cmdline.len()
+        ));
+        cmdline.truncate(cut);
+    }
+    let Found {
+        mut fds,
+        cgroup,
+        gpu_memory,
+    } = found;
+    let mut sockets = sockets_of(pid);
+    for (what, n) in [("fds", fds.len()), ("sockets", sockets.len())] {
+        if n > MAX_LISTED {
+            left_out.push(format!("{what}: {MAX_LISTED} of {n} listed"));
+        }
+    }
+    fds.truncate(MAX_LISTED);
+    sockets.truncate(MAX_LISTED);
     Evidence {
         collected: now_rfc3339(),
         job_id,
@@ -238,8 +361,7 @@ pub fn collect(
         ppid: stat.as_ref().map(|s| s.ppid),
         uid: status.as_ref().map(|s| s.ruid),
         comm: stat.as_ref().map(|s| s.comm.clone()),
-        // Bytes that are not UTF-8 are replaced, never the whole list lost.
-        cmdline: crate::sweep::read_cmdline(pid),
+        cmdline,
         exe: proc
             .as_ref()
             .and_then(|p| p.exe().ok())
@@ -251,10 +373,63 @@ pub fn collect(
         cgroup,
         start_time: stat.as_ref().and_then(start_time),
         fds,
-        sockets: sockets_of(pid),
+        sockets,
         gpu_memory,
         frozen,
+        left_out,
     }
+}
+
+/// What the scan found of a process: its descriptors on the devices, its
+/// cgroup, its GPU memory per NVML.
+#[derive(Clone, Debug, Default)]
+pub struct Found {
+    /// Its descriptors on the job's devices.
+    pub fds: Vec<HeldFd>,
+    /// Its cgroup2 path.
+    pub cgroup: Option<String>,
+    /// Its GPU memory per NVML.
+    pub gpu_memory: Vec<GpuMemory>,
+}
+
+/// `ev` cut to the process's identity, cgroup and devices (no command
+/// line, no sockets, at most 4 descriptors), saying so.
+pub fn cut(ev: &Evidence) -> Evidence {
+    let mut cut = ev.clone();
+    cut.cmdline.clear();
+    cut.sockets.clear();
+    cut.fds.truncate(4);
+    cut.left_out.push(
+        "record cut to identity and devices: the response's evidence bytes were spent".into(),
+    );
+    cut
+}
+
+/// Writes `ev` within `budget` ([`write`]): a record that does not fit
+/// what is left is cut to the process's identity, cgroup and devices, and
+/// not written at all (`Ok(None)`) when even that does not fit.
+///
+/// # Errors
+/// As [`write`].
+pub fn write_within(
+    dir: &Path,
+    ev: &Evidence,
+    budget: &mut Budget,
+) -> Result<Option<PathBuf>, NodeError> {
+    let full = serde_json::to_vec_pretty(ev).unwrap_or_default();
+    let bytes = if (full.len() as u64) <= budget.bytes_left {
+        full
+    } else {
+        let cut = serde_json::to_vec_pretty(&cut(ev)).unwrap_or_default();
+        if (cut.len() as u64) > budget.bytes_left {
+            budget.records_left_out += 1;
+            return Ok(None);
+        }
+        budget.records_cut += 1;
+        cut
+    };
+    budget.bytes_left -= bytes.len() as u64;
+    write_bytes(dir, ev, &bytes).map(Some)
 }
 
 /// Writes `ev` as a new root-only file in `dir` and returns its path.
@@ -267,16 +442,16 @@ pub fn collect(
 /// # Errors
 /// [`NodeError::Io`] when the directory or file cannot be created.
 pub fn write(dir: &Path, ev: &Evidence) -> Result<PathBuf, NodeError> {
+    write_bytes(dir, ev, &serde_json::to_vec_pretty(ev).unwrap_or_default())
+}
+
+fn write_bytes(dir: &Path, ev: &Evidence, bytes: &[u8]) -> Result<PathBuf, NodeError> {
     let prefix = if ev.job_id == 0 {
         format!("pid{}", ev.pid)
     } else {
         format!("job{}-pid{}", ev.job_id, ev.pid)
     };
-    write_file(
-        dir,
-        &prefix,
-        &serde_json::to_vec_pretty(ev).unwrap_or_default(),
-    )
+    write_file(dir, &prefix, bytes)
 }
 
 /// Writes `bytes` as a new root-only (0600) file
@@ -325,17 +500,78 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
-        let mut ev = collect(pid, 1, "test", Vec::new(), None, Vec::new(), None, 0);
+        let mut b = Budget::new(0, Duration::from_secs(1), 1 << 20);
+        let mut ev = collect(pid, 1, "test", Found::default(), None, &mut b);
         for _ in 0..100 {
             if ev.cmdline.len() == 4 {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
-            ev = collect(pid, 1, "test", Vec::new(), None, Vec::new(), None, 0);
+            ev = collect(pid, 1, "test", Found::default(), None, &mut b);
         }
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(ev.cmdline, ["sh", "-c", "sleep 30; :", "x\u{fffd}"]);
+    }
+
+    /// Records past the byte budget are cut, then left out; each counted.
+    #[test]
+    fn records_are_cut_then_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id() as i32;
+        let mut b = Budget::new(0, Duration::ZERO, 1 << 20);
+        let mut ev = collect(me, 1, "test", Found::default(), None, &mut b);
+        ev.cmdline = vec!["x".repeat(3000)];
+        let full = serde_json::to_vec_pretty(&ev).unwrap().len() as u64;
+        let small = serde_json::to_vec_pretty(&cut(&ev)).unwrap().len() as u64;
+        assert!(small + 2900 < full, "{small} {full}");
+        let mut b = Budget::new(0, Duration::ZERO, full + small);
+        let p1 = write_within(dir.path(), &ev, &mut b).unwrap().unwrap();
+        let p2 = write_within(dir.path(), &ev, &mut b).unwrap().unwrap();
+        assert_eq!(write_within(dir.path(), &ev, &mut b).unwrap(), None);
+        assert_eq!((b.records_cut, b.records_left_out), (1, 1));
+        assert_eq!(std::fs::metadata(&p1).unwrap().len(), full);
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p2).unwrap()).unwrap();
+        assert_eq!(v["cmdline"], serde_json::json!([]));
+        assert!(v["left_out"].to_string().contains("record cut"), "{v}");
+        assert!(b
+            .summary()
+            .is_some_and(|s| s.contains("1 record(s) cut and 1 left out")));
+    }
+
+    /// A command line past MAX_CMDLINE_BYTES is cut, and says so.
+    #[test]
+    fn long_command_lines_are_cut() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30; :"])
+            .args(std::iter::repeat_n("y".repeat(100), 100))
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let mut b = Budget::new(0, Duration::ZERO, 1 << 20);
+        let mut ev = collect(pid, 1, "test", Found::default(), None, &mut b);
+        for _ in 0..100 {
+            if ev.cmdline.first().is_some_and(|a| a == "sh") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            ev = collect(pid, 1, "test", Found::default(), None, &mut b);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let bytes: usize = ev.cmdline.iter().map(|a| a.len() + 1).sum();
+        assert!(
+            bytes <= MAX_CMDLINE_BYTES && ev.cmdline.len() > 30,
+            "{}",
+            ev.cmdline.len()
+        );
+        assert!(
+            ev.left_out
+                .iter()
+                .any(|l| l.contains("of 103 arguments kept")),
+            "{:?}",
+            ev.left_out
+        );
     }
 
     #[test]

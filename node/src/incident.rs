@@ -167,6 +167,9 @@ pub struct IncidentOutcome {
     pub drained: Option<String>,
     /// What went wrong (evidence, audit, drain).
     pub errors: Vec<String>,
+    /// What the evidence left out to stay within its budget, if anything
+    /// ([`evidence::Budget::summary`]).
+    pub notes: Vec<String>,
 }
 
 impl IncidentOutcome {
@@ -490,7 +493,7 @@ pub fn respond_pid(
             })
             .collect()
     };
-    let hash_max = node.cfg.evidence_hash_max_mib << 20;
+    let mut budget = evidence::Budget::from_config(&node.cfg);
     for p in &tree_pids {
         let holds = scanner
             .holder_where(*p, &want)
@@ -505,21 +508,26 @@ pub fn respond_pid(
                 used_bytes: *used,
             })
             .collect();
+        let found = evidence::Found {
+            fds: holds,
+            cgroup: cgroups.get(p).cloned().flatten(),
+            gpu_memory: mem,
+        };
         let ev = evidence::collect(
             *p,
             0,
             REASON,
-            holds,
-            cgroups.get(p).cloned().flatten(),
-            mem,
+            found,
             out.frozen.get(p).cloned(),
-            hash_max,
+            &mut budget,
         );
-        match evidence::write(&node.cfg.evidence_dir, &ev) {
-            Ok(f) => out.evidence.push(f),
+        match evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget) {
+            Ok(Some(f)) => out.evidence.push(f),
+            Ok(None) => {}
             Err(e) => out.errors.push(format!("evidence for pid {p}: {e}")),
         }
     }
+    out.notes.extend(budget.summary());
     out.persistence = out
         .uid
         .map(|u| persistence_of_uid(node, u))

@@ -374,26 +374,26 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
         match node.cfg.prolog_strays {
             StrayPolicy::Refuse => {
+                let mut budget = evidence::Budget::from_config(&node.cfg);
                 for c in &cands {
                     let ev = evidence::collect(
                         c.pid,
                         rec.job_id,
                         "held the job's GPU before it started (policy: refuse)",
-                        c.fds.clone(),
-                        c.cgroup.clone(),
-                        c.gpu_memory.clone(),
+                        c.found(),
                         None,
-                        node.cfg.evidence_hash_max_mib << 20,
+                        &mut budget,
                     );
-                    let path = evidence::write(&node.cfg.evidence_dir, &ev)?;
-                    node.audit(
-                        AuditEvent::new(events::LINGERING_PROCESS)
-                            .job(rec.job_id)
-                            .pid(c.pid)
-                            .devices(c.devices.iter())
-                            .field("phase", "prolog")
-                            .field("evidence", path.display().to_string()),
-                    )?;
+                    let path = evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget)?;
+                    let mut line = AuditEvent::new(events::LINGERING_PROCESS)
+                        .job(rec.job_id)
+                        .pid(c.pid)
+                        .devices(c.devices.iter())
+                        .field("phase", "prolog");
+                    if let Some(p) = path {
+                        line = line.field("evidence", p.display().to_string());
+                    }
+                    node.audit(line)?;
                 }
                 return Err(NodeError::Strays {
                     job_id: rec.job_id,
@@ -408,6 +408,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
                     "prolog",
                     "held the job's GPU before it started",
                     cands,
+                    &mut evidence::Budget::from_config(&node.cfg),
                 );
                 if let Some(e) = errors.into_iter().next() {
                     return Err(NodeError::Audit(std::io::Error::other(e)));
@@ -584,10 +585,12 @@ pub fn run_with_sluid(
         Some(_) => Some(crate::injob::step_out(node, &fence, "prolog")?),
         None => None,
     };
+    let interrupted = respond::finish_interrupted(node);
     let stale = clear_stale(node, &fence, env.job_id)?;
     crashpoint::reached(crashpoint::PROLOG_STALE_CLEARED);
     let mut rec = build_record(node, env)?;
     rec.notes.extend(stale);
+    rec.notes.extend(interrupted);
     clean_start(node, &fence, &mut rec)?;
     if env.options.gpu_exclusive {
         set_exclusive(node, &mut rec);

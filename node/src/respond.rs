@@ -72,6 +72,17 @@ pub struct Candidate {
     pub gpu_memory: Vec<GpuMemory>,
 }
 
+impl Candidate {
+    /// What the scan found of it, for its evidence.
+    pub fn found(&self) -> evidence::Found {
+        evidence::Found {
+            fds: self.fds.clone(),
+            cgroup: self.cgroup.clone(),
+            gpu_memory: self.gpu_memory.clone(),
+        }
+    }
+}
+
 /// What happened to one candidate.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lingering {
@@ -303,6 +314,109 @@ pub(crate) fn set_frozen(node: &Node, cgroup: &str, on: bool, wait: Duration) ->
     true
 }
 
+/// What a response notes about a process before it stops it, in
+/// `<state_dir>/responding/<pid>-<start>.json`, until it has ended it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Stopping {
+    pid: i32,
+    /// Its start time in clock ticks since boot (`/proc/<pid>/stat` field
+    /// 22): with the pid, which process it was.
+    start: u64,
+    job_id: u32,
+    /// Its cgroup, which the response may freeze whole.
+    cgroup: Option<String>,
+}
+
+fn responding_dir(node: &Node) -> PathBuf {
+    node.cfg.state_dir.join("responding")
+}
+
+/// `pid`'s start time in clock ticks since boot.
+fn start_ticks(pid: i32) -> Option<u64> {
+    procfs::process::Process::new(pid)
+        .ok()?
+        .stat()
+        .ok()
+        .map(|s| s.starttime)
+}
+
+fn note_stopped(node: &Node, job_id: u32, c: &Candidate) -> Result<PathBuf, String> {
+    let dir = responding_dir(node);
+    let start = start_ticks(c.pid).ok_or_else(|| format!("pid {} is gone", c.pid))?;
+    let note = Stopping {
+        pid: c.pid,
+        start,
+        job_id,
+        cgroup: c.cgroup.clone(),
+    };
+    let p = dir.join(format!("{}-{start}.json", c.pid));
+    gpufence_model::fsutil::create_dir_all_mode(&dir, 0o700)
+        .and_then(|()| std::fs::write(&p, serde_json::to_vec(&note).unwrap_or_default()))
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    Ok(p)
+}
+
+/// Ends what an interrupted response (an Epilog or Prolog killed while it
+/// held holders stopped) left: each noted process that is still the same
+/// process (pid and start time) is killed (`SIGKILL` through a pidfd, then
+/// its cgroup thawed if it is frozen); a frozen cgroup whose process is
+/// gone is thawed. Each is audited (`interrupted_response`) and its note
+/// removed. Called at the start of every Prolog, Epilog and sweep; returns
+/// one note per process for their outcome.
+pub fn finish_interrupted(node: &Node) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(responding_dir(node)) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let p = e.path();
+        let Some(note) = std::fs::read(&p)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Stopping>(&b).ok())
+        else {
+            let _ = std::fs::remove_file(&p);
+            continue;
+        };
+        let same = || start_ticks(note.pid) == Some(note.start);
+        let fd = same()
+            .then(|| PidFd::open(note.pid))
+            .flatten()
+            .filter(|_| same());
+        let killed = fd.as_ref().is_some_and(|fd| signal(fd.fd(), libc::SIGKILL));
+        if let Some(cg) = &note.cgroup {
+            let freeze = node.cg.path(cg).join("cgroup.freeze");
+            if std::fs::read_to_string(&freeze).is_ok_and(|v| v.trim() == "1") {
+                set_frozen(node, cg, false, FREEZE_WAIT);
+            }
+        }
+        if let Some(fd) = &fd {
+            wait_all(&[fd.fd()], Duration::from_millis(node.cfg.kill_wait_ms));
+        }
+        let what = format!(
+            "pid {} of job {} was left stopped by an interrupted response: {}",
+            note.pid,
+            note.job_id,
+            if killed { "killed" } else { "already gone" }
+        );
+        let _ = node.audit(
+            AuditEvent::new("interrupted_response")
+                .job(note.job_id)
+                .pid(note.pid)
+                .field("killed", killed)
+                .field(
+                    "cgroup",
+                    note.cgroup
+                        .as_deref()
+                        .map(crate::cgpath::abs)
+                        .unwrap_or_default(),
+                ),
+        );
+        let _ = std::fs::remove_file(&p);
+        out.push(what);
+    }
+    out
+}
+
 /// The real uid of `pid` (`Uid:` in `/proc/<pid>/status`, first field):
 /// the uid the fence program judges exemptions by
 /// (`bpf_get_current_uid_gid`). `None` when the process is gone.
@@ -333,18 +447,19 @@ fn still_holding(c: &Candidate) -> Option<OwnedFd> {
     fd.fd().try_clone().ok()
 }
 
-/// Responds to `cands` as the module says. `phase` (`prolog`/`epilog`) goes
-/// into evidence and audit lines. Audit failures are returned as errors
-/// beside the outcome.
+/// Responds to `cands` as the module says, with evidence within `budget`
+/// (one per Epilog or Prolog, over all its rounds). `phase`
+/// (`prolog`/`epilog`) goes into evidence and audit lines. Audit failures
+/// are returned as errors beside the outcome.
 pub fn respond(
     node: &Node,
     job_id: u32,
     phase: &str,
     reason: &str,
     cands: Vec<Candidate>,
+    budget: &mut evidence::Budget,
 ) -> (Vec<Lingering>, Vec<String>) {
     let mut errors = Vec::new();
-    let hash_max = node.cfg.evidence_hash_max_mib << 20;
     // 1. Pin identities. System accounts are kept alive: a user could hand a
     //    job's descriptor to a root daemon (dbus keeps passed descriptors)
     //    to have it killed. They get evidence and make the node unclean.
@@ -358,16 +473,7 @@ pub fn respond(
                 uid.unwrap_or(0),
                 node.cfg.protected_uid_max
             );
-            let ev = evidence::collect(
-                c.pid,
-                job_id,
-                reason,
-                c.fds.clone(),
-                c.cgroup.clone(),
-                c.gpu_memory.clone(),
-                None,
-                hash_max,
-            );
+            let ev = evidence::collect(c.pid, job_id, reason, c.found(), None, budget);
             let mut l = Lingering {
                 pid: c.pid,
                 comm: ev.comm.clone(),
@@ -378,8 +484,8 @@ pub fn respond(
                 ended_by: None,
                 spared: Some(why.clone()),
             };
-            match evidence::write(&node.cfg.evidence_dir, &ev) {
-                Ok(p) => l.evidence = Some(p),
+            match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
+                Ok(p) => l.evidence = p,
                 Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
             }
             for name in [events::LINGERING_PROCESS, events::SURVIVOR] {
@@ -397,6 +503,19 @@ pub fn respond(
         }
     }
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
+    // Noted before they are stopped: a response killed from here on
+    // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
+    // acts on ([`finish_interrupted`]), never processes stopped for good.
+    let notes: Vec<PathBuf> = pinned
+        .iter()
+        .filter_map(|(c, _)| match note_stopped(node, job_id, c) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                errors.push(e);
+                None
+            }
+        })
+        .collect();
 
     // 2. Freeze: whole cgroups when they hold only candidates, else SIGSTOP.
     let mut frozen_cgroups = BTreeSet::new();
@@ -423,6 +542,8 @@ pub fn respond(
         }
     }
 
+    crate::crashpoint::reached(crate::crashpoint::RESPOND_FROZEN);
+
     // 3. Evidence, then the audit line.
     let mut out = Vec::new();
     for (c, _) in &pinned {
@@ -430,11 +551,9 @@ pub fn respond(
             c.pid,
             job_id,
             reason,
-            c.fds.clone(),
-            c.cgroup.clone(),
-            c.gpu_memory.clone(),
+            c.found(),
             how.get(&c.pid).cloned(),
-            hash_max,
+            budget,
         );
         let mut l = Lingering {
             pid: c.pid,
@@ -446,8 +565,8 @@ pub fn respond(
             ended_by: None,
             spared: None,
         };
-        match evidence::write(&node.cfg.evidence_dir, &ev) {
-            Ok(p) => l.evidence = Some(p),
+        match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
+            Ok(p) => l.evidence = p,
             Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
         }
         if let Err(e) = node.audit(audit_line(
@@ -487,6 +606,9 @@ pub fn respond(
         if !ended.contains_key(&c.pid) && exited(fd) {
             ended.insert(c.pid, "SIGKILL");
         }
+    }
+    for n in notes {
+        let _ = std::fs::remove_file(n);
     }
     let mut result = spared_out;
     for (mut l, uid) in out {

@@ -1752,6 +1752,9 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     report
         .notes
         .extend(crate::scan::io_uring_exposure(Path::new("/proc/sys")));
+    report
+        .notes
+        .extend(crate::respond::finish_interrupted(node));
     let users = Passwd::load(&node.cfg.passwd_file);
     let mut s = Sweep {
         node,

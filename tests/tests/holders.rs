@@ -587,7 +587,14 @@ fn a_holder_that_let_go_is_left_alone() {
         assert!(t0.elapsed().as_secs() < 5, "the probe never let go");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let (done, errors) = gpufence_node::respond::respond(&node, 45, "epilog", "test", cands);
+    let (done, errors) = gpufence_node::respond::respond(
+        &node,
+        45,
+        "epilog",
+        "test",
+        cands,
+        &mut gpufence_node::evidence::Budget::from_config(&node.cfg),
+    );
     assert!(errors.is_empty(), "{errors:?}");
     let acted: Vec<i32> = done.iter().map(|l| l.pid).collect();
     assert_eq!(acted, vec![holder], "{done:?}");
@@ -601,5 +608,175 @@ fn a_holder_that_let_go_is_left_alone() {
             .trim_start()
             .starts_with('S'),
         "not left stopped: {stat}"
+    );
+}
+
+/// The response's evidence stays within its budget: every holder of one
+/// executable shares one hash; with the hashing time spent, hashes are left
+/// out and counted; with the bytes spent, records are cut to identity and
+/// devices, then left out and counted. Every holder is ended either way.
+#[test]
+fn evidence_stays_within_its_budget() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_node::evidence::Budget;
+    use std::time::Duration;
+    let mut env = TestEnv::new("budget");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let devs: BTreeSet<DevNum> = [dev].into();
+    let mut spawn = |n: usize| -> Vec<i32> {
+        (0..n)
+            .map(|_| {
+                let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+                cmd.args(["hold", gpu.to_str().unwrap()]);
+                env.spawn_ready(cmd, "held")
+            })
+            .collect()
+    };
+    let respond = |budget: &mut Budget| {
+        let cands = gpufence_node::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+        gpufence_node::respond::respond(&node, 46, "epilog", "test", cands, budget)
+    };
+    let read = |l: &gpufence_node::respond::Lingering| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(l.evidence.as_ref().unwrap()).unwrap()).unwrap()
+    };
+    // Enough of everything: one hash for five holders of one executable.
+    let pids = spawn(5);
+    let mut b = Budget::new(1 << 30, Duration::from_secs(60), 1 << 30);
+    let (done, errors) = respond(&mut b);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(done.len(), 5);
+    assert!(pids.iter().all(|p| gone(*p)));
+    assert_eq!(b.hashed(), 1, "one executable, hashed once");
+    let hashes: BTreeSet<String> = done
+        .iter()
+        .map(|l| read(l)["exe_sha256"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(hashes.len(), 1, "{hashes:?}");
+    assert_eq!(b.summary(), None);
+    // No hashing time, and bytes for about two records.
+    let pids = spawn(5);
+    let first = read(&done[0]);
+    let one = serde_json::to_vec_pretty(&first).unwrap().len() as u64;
+    let mut b = Budget::new(1 << 30, Duration::ZERO, 2 * one);
+    let (done, errors) = respond(&mut b);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(pids.iter().all(|p| gone(*p)), "every holder ended");
+    assert_eq!((b.hashed(), b.hashes_left_out), (0, 5));
+    assert!(b.records_cut + b.records_left_out >= 3, "{b:?}");
+    let written: u64 = done
+        .iter()
+        .filter_map(|l| l.evidence.as_ref())
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    assert!(written <= 2 * one, "{written} > {}", 2 * one);
+    let kept: Vec<serde_json::Value> = done
+        .iter()
+        .filter(|l| l.evidence.is_some())
+        .map(read)
+        .collect();
+    assert!(kept.iter().all(|v| v["exe_sha256"].is_null()
+        && v["left_out"][0]
+            .as_str()
+            .is_some_and(|s| s.contains("hashing time"))));
+    assert!(
+        b.summary()
+            .is_some_and(|s| s.contains("5 hash(es) left out")),
+        "{:?}",
+        b.summary()
+    );
+}
+
+/// An Epilog killed while it holds holders stopped (PrologEpilogTimeout)
+/// leaves them noted: the next sweep (as the next Prolog or Epilog would)
+/// kills each that is still the same process and thaws what was frozen,
+/// and audits it. Nothing stays stopped for good.
+#[test]
+fn an_interrupted_response_leaves_nothing_stopped() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("interrupted");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let hold = |env: &mut TestEnv| {
+        let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+        cmd.args(["hold", gpu.to_str().unwrap()]);
+        env.spawn_ready(cmd, "held")
+    };
+    // One alone in a cgroup (frozen whole), one beside others (SIGSTOP).
+    let alone = hold(&mut env);
+    let cg = env.cgroup("leftovers");
+    env.cg.move_pid(&cg, alone).unwrap();
+    let beside = hold(&mut env);
+    record(&node, 47, dev);
+    let o = std::process::Command::new(gpufence_tests::workspace_bin("gpufence-epilog"))
+        .args(["--config", env.path("gpufence.toml").to_str().unwrap()])
+        .env("SLURM_JOB_ID", "47")
+        .env("SLURM_JOB_UID", "0")
+        .env(
+            gpufence_node::crashpoint::ENV,
+            gpufence_node::crashpoint::RESPOND_FROZEN.to_string(),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&o.status),
+        Some(libc::SIGKILL),
+        "{o:?}"
+    );
+    let events = std::fs::read_to_string(env.cg.path(&cg).join("cgroup.events")).unwrap();
+    assert!(events.contains("frozen 1"), "{events}");
+    let state = |p: i32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().chars().next()))
+            .flatten()
+    };
+    // (A stop is taken when the process next runs.)
+    let t0 = std::time::Instant::now();
+    while state(beside) != Some('T') && t0.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(state(beside), Some('T'), "stopped by the killed Epilog");
+    let swept = gpufence_node::sweep::execute(
+        &node,
+        &gpufence_node::sweep::SweepRequest {
+            cgroup: Some(env.root.clone()),
+            ..Default::default()
+        },
+    );
+    assert!(gone(alone) && gone(beside), "{:?}", swept.report.notes);
+    let ended: Vec<&String> = swept
+        .report
+        .notes
+        .iter()
+        .filter(|n| n.contains("left stopped by an interrupted response: killed"))
+        .collect();
+    assert_eq!(ended.len(), 2, "{:?}", swept.report.notes);
+    let events = std::fs::read_to_string(env.cg.path(&cg).join("cgroup.events")).unwrap();
+    assert!(events.contains("frozen 0"), "thawed: {events}");
+    let audit = gpufence_tests::audit_log_settled(&node.cfg.audit_log);
+    assert_eq!(
+        audit
+            .iter()
+            .filter(|e| e["event"] == "interrupted_response" && e["killed"] == true)
+            .count(),
+        2
+    );
+    assert_eq!(
+        std::fs::read_dir(node.cfg.state_dir.join("responding"))
+            .map(|d| d.count())
+            .unwrap_or(0),
+        0,
+        "no note left"
     );
 }
