@@ -1819,3 +1819,62 @@ impl Drop for Profile {
         };
     }
 }
+
+/// 24.11 with `LogTimeFormat=iso8601_ms,format_stderr`: `slurmd -G` prints
+/// every line as `[<time>] Gres Name=...` (the 25.05+ shape) on a running
+/// node; the plugin and the Prolog read it, and a job opens its own GPU
+/// and not the other.
+#[test]
+fn slurmd_g_with_format_stderr_slurm_24_11_debian_trixie() {
+    let Some(release) = privileged().then(|| Release::debian("trixie")).flatten() else {
+        return;
+    };
+    let env = TestEnv::new("formatstderr");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let host = hostname();
+    let extra = format!(
+        "nvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let mut spec = spec(&release, &slice, &d, &extra, false, "Alloc,Contain");
+    if let Some(v) = spec.v2node.as_mut() {
+        v.slurm_conf
+            .push_str("LogTimeFormat=iso8601_ms,format_stderr\n");
+    }
+    let cluster = Cluster::start_with(&env, &spec);
+    let probe = cluster.bin.join("gpufence-probe").display().to_string();
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            &format!("{probe} open {} {}", d.n3.display(), d.n1.display()),
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    let out = stdout(&o);
+    let mut got = [verdict(&out, &d.n3), verdict(&out, &d.n1)];
+    got.sort();
+    assert_eq!(got, ["ENXIO", "EPERM"], "{out}");
+    // The shape that was parsed: slurmd -G's own lines, as cached.
+    let cache = std::fs::read_to_string(env.path(&format!("state/slurmd-G-{host}.txt")))
+        .unwrap_or_default();
+    let gres: Vec<&str> = cache
+        .lines()
+        .filter(|l| l.contains("Gres Name=gpu"))
+        .collect();
+    assert_eq!(gres.len(), 3, "{cache}");
+    assert!(
+        gres.iter()
+            .all(|l| l.starts_with('[') && l.contains("] Gres Name=gpu")),
+        "every line time-stamped:\n{cache}"
+    );
+    drop(cluster);
+}
