@@ -24,6 +24,7 @@ cargo test --workspace --locked -- --test-threads="${GPUFENCE_TEST_THREADS:-2}"
 target/debug/gpufence-bench open --smoke >/dev/null
 target/debug/gpufence-bench scan --smoke >/dev/null
 target/debug/gpufence-bench job --smoke >/dev/null
+target/debug/gpufence-bench respond --smoke >/dev/null
 # Packages, one per tested Slurm series (the host's 22.05, then each root's):
 # build the .deb and .rpm from this tree and check their contents and their
 # dependency on that series only.
