@@ -20,8 +20,8 @@
 //!         if (*flags & EXEMPT) {                     // covers system accounts only
 //!             u32 uid = bpf_get_current_uid_gid();
 //!             if (uid <= UID_MAX || uid == SERVICE_UID_1 || ...) return 1;
-//!             continue;                              // a user's task: as if not exempt
-//!         }
+//!         }                                          // a user's task: as if not exempt
+
 //!         if (!(*flags & GRANTED)) continue;
 //!         key.cgroup_id = id;
 //!         struct grant_value *g = grants[key];
@@ -79,6 +79,7 @@ const STACK_MAJOR_KEY: i16 = -28; // u32, key of `majors`
 const STACK_LEVELS_KEY: i16 = -32; // u32 0, key of `levels`
 const STACK_DENIAL_KEY: i16 = -56; // struct denial_key, 24 bytes
 const STACK_DENIAL_VALUE: i16 = -96; // struct denial_value, 40 bytes
+const STACK_FLAGS: i16 = -100; // u32, the flags of the cgroup being looked at
 
 /// What the program needs: the fds of its maps, the walk depth, the mode
 /// and whom exemptions cover.
@@ -177,6 +178,7 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
             .comment("if (*f & EXEMPT) goto exempt; if (!(*f & GRANTED)) continue;")
             .load(Size::W, R1, R0, 0)
             .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, &format!("exempt_{level}"))
+            .label(&format!("grant_{level}"))
             .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
             .jmp_imm(JmpOp::Eq, R1, 0, &next)
             .comment("g = grants[{id, major, minor}]; if (g && !(access & ~g->access)) return 1;")
@@ -192,16 +194,18 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
             .ja(&next)
             .label(&format!("exempt_{level}"))
             .comment(&format!(
-                "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; continue;",
+                "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; else its grants, as for any cgroup",
                 ids.uid_max, ids.uids
             ))
+            .store(Size::W, R10, STACK_FLAGS, R1)
             .call(Helper::GetCurrentUidGid)
             .alu32_imm(AluOp::And, R0, -1)
             .jmp_imm(JmpOp::Le, R0, ids.uid_max as i32, "allow");
         for uid in &ids.uids {
             a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
         }
-        a.ja(&next);
+        a.load(Size::W, R1, R10, STACK_FLAGS)
+            .ja(&format!("grant_{level}"));
     }
     a.label(&format!("level_{}", spec.max_level + 1))
         .label("deny")
@@ -530,9 +534,9 @@ mod tests {
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
         // 19 instructions of prologue, 8 to load the levels mask, 27 per
-        // level (2 of them the mask test) and 5 + one per service uid for
+        // level (2 of them the mask test) and 7 + one per service uid for
         // an exempt cgroup, 49 of deny (record) and allow
-        assert_eq!(p.insns.len(), 19 + 8 + (27 + 5 + 1) * MAX_LEVEL + 49);
+        assert_eq!(p.insns.len(), 19 + 8 + (27 + 7 + 1) * MAX_LEVEL + 49);
     }
 
     #[test]
@@ -573,6 +577,26 @@ mod tests {
                 "model: {anc:?} {req:?}"
             );
         }
+        // A cgroup both exempt and granted: a user's task there still has
+        // the grant.
+        let both = Policy {
+            exempt: [10].into(),
+            ..policy.clone()
+        };
+        let req = char_req(195, 0, Access::RW);
+        let (got, _) = run_masked(&both, &[1, 7, 10], 1001, &req, MAX_LEVEL, false, 0);
+        assert!(got, "the grant of an exempt cgroup, for a user's task");
+        assert!(both.allows(&[1, 7, 10], 1001, &req, MAX_LEVEL));
+        let (got, _) = run_masked(
+            &both,
+            &[1, 7, 10],
+            1001,
+            &char_req(195, 1, Access::READ),
+            MAX_LEVEL,
+            false,
+            0,
+        );
+        assert!(!got, "nothing more");
         // The exempt cgroup covers system accounts and the service uid;
         // a user's task there (uid 1001 above) is fenced as elsewhere.
         for (uid, want) in [(0, true), (999, true), (1000, false), (1500, true)] {
@@ -664,7 +688,7 @@ mod tests {
             block in any::<bool>(),
             max_level in 1usize..6,
             extra_mask in any::<u32>(),
-            uid in prop::sample::select(vec![0u32, 999, 1000, 1001, 1500, 60000]),
+            uid in prop::sample::select(vec![0u32, 999, 1000, 1001, 1500, 60000, 0x8000_0000, u32::MAX]),
         ) {
             let req = Request {
                 dev_type: if block { DevType::Block } else { DevType::Char },

@@ -275,17 +275,14 @@ fn walk(
         else {
             continue;
         };
-        if flags & CGROUP_EXEMPT != 0 {
-            if identities.covers(task.uid) {
-                return Ok((
-                    true,
-                    Reason::Exempt {
-                        level,
-                        cgroup_id: id,
-                    },
-                ));
-            }
-            continue;
+        if flags & CGROUP_EXEMPT != 0 && identities.covers(task.uid) {
+            return Ok((
+                true,
+                Reason::Exempt {
+                    level,
+                    cgroup_id: id,
+                },
+            ));
         }
         if flags & CGROUP_GRANTED == 0 {
             continue;

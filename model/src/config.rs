@@ -565,6 +565,14 @@ impl Config {
                 format!("{u} is above {}", ExemptIdentities::MAX_UID),
             ));
         }
+        for (key, v) in [
+            ("evidence_hash_max_mib", self.evidence_hash_max_mib),
+            ("evidence_max_mib", self.evidence_max_mib),
+        ] {
+            if v > 1 << 20 {
+                return Err(key_err(key, format!("{v} MiB; at most 1048576 (1 TiB)")));
+            }
+        }
         if self.max_denials == 0 {
             return Err(key_err("max_denials", "must be at least 1".into()));
         }

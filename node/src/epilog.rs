@@ -292,6 +292,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     //    to `response_rounds`; what is still there after that survives.
     let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
     let mut handled: BTreeSet<i32> = BTreeSet::new();
+    let responded = !cands.is_empty();
     let mut budget = crate::evidence::Budget::from_config(&node.cfg);
     for round in 0..node.cfg.response_rounds.max(1) {
         let fresh: Vec<_> = cands
@@ -308,7 +309,6 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                 fresh.iter().map(|c| c.pid).collect::<Vec<_>>()
             ));
         }
-        handled.extend(fresh.iter().map(|c| c.pid));
         let (lingering, errs) = respond::respond(
             node,
             job_id,
@@ -317,6 +317,9 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             fresh,
             &mut budget,
         );
+        // Acted on: only those pinned (one that let go of the device
+        // before it was stopped is looked for again like any other).
+        handled.extend(lingering.iter().map(|l| l.pid));
         out.lingering.extend(lingering);
         out.errors.extend(errs);
         let again = gpus.query(&minors).unwrap_or_default();
@@ -334,7 +337,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         );
         out.notes.push(s);
     }
-    if !out.lingering.is_empty() {
+    if responded {
         let again = gpus.query(&minors).unwrap_or_default();
         for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig) {
             if out

@@ -413,7 +413,16 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
                 if let Some(e) = errors.into_iter().next() {
                     return Err(NodeError::Audit(std::io::Error::other(e)));
                 }
-                let survived: Vec<i32> = done.iter().filter(|l| !l.gone()).map(|l| l.pid).collect();
+                let mut survived: Vec<i32> =
+                    done.iter().filter(|l| !l.gone()).map(|l| l.pid).collect();
+                // And what holds them now (one that let go before it was
+                // stopped and took the device up again, or was handed it).
+                let again = gpus.query(&minors).unwrap_or_default();
+                for c in respond::uncovered(node, Some(fence), &gres, &again, gpu_major, &rec.mig) {
+                    if !survived.contains(&c.pid) {
+                        survived.push(c.pid);
+                    }
+                }
                 if !survived.is_empty() {
                     return Err(NodeError::Strays {
                         job_id: rec.job_id,

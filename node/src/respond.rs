@@ -47,6 +47,13 @@ impl PidFd {
     }
 }
 
+impl std::ops::Deref for PidFd {
+    type Target = OwnedFd;
+    fn deref(&self) -> &OwnedFd {
+        &self.0
+    }
+}
+
 impl PartialEq for PidFd {
     fn eq(&self, other: &Self) -> bool {
         std::sync::Arc::ptr_eq(&self.0, &other.0)
@@ -323,8 +330,14 @@ struct Stopping {
     /// 22): with the pid, which process it was.
     start: u64,
     job_id: u32,
-    /// Its cgroup, which the response may freeze whole.
+    /// Its cgroup.
     cgroup: Option<String>,
+    /// Whether the response froze that cgroup whole (then only it thaws it).
+    froze_cgroup: bool,
+    /// The responding process (an Epilog, a Prolog) and its start time: a
+    /// note of a response still running is not another's to act on.
+    by_pid: i32,
+    by_start: u64,
 }
 
 fn responding_dir(node: &Node) -> PathBuf {
@@ -340,29 +353,45 @@ fn start_ticks(pid: i32) -> Option<u64> {
         .map(|s| s.starttime)
 }
 
-fn note_stopped(node: &Node, job_id: u32, c: &Candidate) -> Result<PathBuf, String> {
+fn note_stopped(
+    node: &Node,
+    job_id: u32,
+    c: &Candidate,
+    froze_cgroup: bool,
+) -> Result<PathBuf, String> {
     let dir = responding_dir(node);
     let start = start_ticks(c.pid).ok_or_else(|| format!("pid {} is gone", c.pid))?;
+    let me = std::process::id() as i32;
     let note = Stopping {
         pid: c.pid,
         start,
         job_id,
         cgroup: c.cgroup.clone(),
+        froze_cgroup,
+        by_pid: me,
+        by_start: start_ticks(me).unwrap_or(0),
     };
     let p = dir.join(format!("{}-{start}.json", c.pid));
     gpufence_model::fsutil::create_dir_all_mode(&dir, 0o700)
-        .and_then(|()| std::fs::write(&p, serde_json::to_vec(&note).unwrap_or_default()))
+        .and_then(|()| {
+            gpufence_model::fsutil::write_atomic(
+                &p,
+                &serde_json::to_vec(&note).unwrap_or_default(),
+                0o600,
+            )
+        })
         .map_err(|e| format!("{}: {e}", p.display()))?;
     Ok(p)
 }
 
 /// Ends what an interrupted response (an Epilog or Prolog killed while it
-/// held holders stopped) left: each noted process that is still the same
-/// process (pid and start time) is killed (`SIGKILL` through a pidfd, then
-/// its cgroup thawed if it is frozen); a frozen cgroup whose process is
-/// gone is thawed. Each is audited (`interrupted_response`) and its note
-/// removed. Called at the start of every Prolog, Epilog and sweep; returns
-/// one note per process for their outcome.
+/// held holders stopped) left: notes whose responder is still running
+/// (same pid and start time) are left to it; for the others, each noted
+/// process that is still the same process (pid and start time) is killed
+/// (`SIGKILL` through a pidfd), and a cgroup the response froze whole is
+/// thawed. Each is audited (`interrupted_response`) and its note removed.
+/// Called at the start of every Prolog, Epilog and sweep; returns one
+/// note per process for their outcome.
 pub fn finish_interrupted(node: &Node) -> Vec<String> {
     let Ok(rd) = std::fs::read_dir(responding_dir(node)) else {
         return Vec::new();
@@ -377,13 +406,16 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
             let _ = std::fs::remove_file(&p);
             continue;
         };
+        if start_ticks(note.by_pid) == Some(note.by_start) {
+            continue; // its response is still running
+        }
         let same = || start_ticks(note.pid) == Some(note.start);
         let fd = same()
             .then(|| PidFd::open(note.pid))
             .flatten()
             .filter(|_| same());
         let killed = fd.as_ref().is_some_and(|fd| signal(fd.fd(), libc::SIGKILL));
-        if let Some(cg) = &note.cgroup {
+        if let Some(cg) = note.cgroup.as_ref().filter(|_| note.froze_cgroup) {
             let freeze = node.cg.path(cg).join("cgroup.freeze");
             if std::fs::read_to_string(&freeze).is_ok_and(|v| v.trim() == "1") {
                 set_frozen(node, cg, false, FREEZE_WAIT);
@@ -433,18 +465,42 @@ pub fn uid_of(pid: i32) -> Option<u32> {
 /// descriptor, or (listed by NVML) nothing to look at again. Checked
 /// through `/proc/<pid>` and then the pidfd: the pidfd still open
 /// afterwards means `/proc/<pid>` was that process when it was read.
-fn still_holding(c: &Candidate) -> Option<OwnedFd> {
-    let fd = c.pidfd.as_ref()?;
+/// `Ok(None)`: gone, or let go of the device.
+///
+/// # Errors
+/// A message when the process is there but cannot be pinned (no pidfd:
+/// out of descriptors): it cannot be acted on safely, and the node is not
+/// clean.
+fn still_holding(c: &Candidate) -> Result<Option<PidFd>, String> {
+    let fd = match &c.pidfd {
+        Some(fd) => fd.clone(),
+        None => match PidFd::open(c.pid) {
+            Some(fd) => fd,
+            None if std::path::Path::new(&format!("/proc/{}", c.pid)).exists() => {
+                return Err(format!(
+                    "pid {} holds {} but cannot be pinned (pidfd_open: {})",
+                    c.pid,
+                    c.devices
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    std::io::Error::last_os_error()
+                ));
+            }
+            None => return Ok(None),
+        },
+    };
     if exited(fd.fd()) {
-        return None;
+        return Ok(None);
     }
     if c.gpu_memory.is_empty() {
-        let h = scan::holder(c.pid, &c.devices)?;
-        if h.fds.is_empty() || exited(fd.fd()) {
-            return None;
+        let held = scan::holder(c.pid, &c.devices).is_some_and(|h| !h.fds.is_empty());
+        if !held || exited(fd.fd()) {
+            return Ok(None);
         }
     }
-    fd.fd().try_clone().ok()
+    Ok(Some(fd))
 }
 
 /// Responds to `cands` as the module says, with evidence within `budget`
@@ -464,7 +520,7 @@ pub fn respond(
     //    job's descriptor to a root daemon (dbus keeps passed descriptors)
     //    to have it killed. They get evidence and make the node unclean.
     let mut spared_out = Vec::new();
-    let mut pinned: Vec<(Candidate, OwnedFd)> = Vec::new();
+    let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
     for c in cands {
         let uid = uid_of(c.pid);
         if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
@@ -498,8 +554,10 @@ pub fn respond(
             spared_out.push(l);
             continue;
         }
-        if let Some(fd) = still_holding(&c) {
-            pinned.push((c, fd));
+        match still_holding(&c) {
+            Ok(Some(fd)) => pinned.push((c, fd)),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
         }
     }
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
@@ -508,7 +566,7 @@ pub fn respond(
     // acts on ([`finish_interrupted`]), never processes stopped for good.
     let notes: Vec<PathBuf> = pinned
         .iter()
-        .filter_map(|(c, _)| match note_stopped(node, job_id, c) {
+        .filter_map(|(c, _)| match note_stopped(node, job_id, c, false) {
             Ok(p) => Some(p),
             Err(e) => {
                 errors.push(e);
@@ -542,6 +600,17 @@ pub fn respond(
         }
     }
 
+    // The notes of holders whose cgroup was frozen whole say so.
+    for (c, _) in &pinned {
+        if c.cgroup
+            .as_ref()
+            .is_some_and(|cg| frozen_cgroups.contains(cg))
+        {
+            if let Err(e) = note_stopped(node, job_id, c, true) {
+                errors.push(e);
+            }
+        }
+    }
     crate::crashpoint::reached(crate::crashpoint::RESPOND_FROZEN);
 
     // 3. Evidence, then the audit line.
@@ -591,7 +660,7 @@ pub fn respond(
     for cg in &frozen_cgroups {
         set_frozen(node, cg, false, FREEZE_WAIT);
     }
-    let fds: Vec<&OwnedFd> = pinned.iter().map(|(_, f)| f).collect();
+    let fds: Vec<&OwnedFd> = pinned.iter().map(|(_, f)| &**f).collect();
     wait_all(&fds, Duration::from_millis(node.cfg.term_grace_ms));
     let mut ended: BTreeMap<i32, &'static str> = BTreeMap::new();
     for (c, fd) in &pinned {

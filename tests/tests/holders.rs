@@ -780,3 +780,65 @@ fn an_interrupted_response_leaves_nothing_stopped() {
         "no note left"
     );
 }
+
+/// A note of a response that is still running (its responder alive, same
+/// start time) is not another's to act on: a Prolog or sweep that starts
+/// while an Epilog responds leaves the Epilog's stopped holders to it.
+#[test]
+fn a_running_response_is_left_alone() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("running-response");
+    let real = HoldableDevice::claim();
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let cg = env.cgroup("held");
+    let victim = env.spawn_user_sleeper(&cg);
+    // SAFETY: stops a process this test started.
+    unsafe { libc::kill(victim, libc::SIGSTOP) };
+    let start = |p: i32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap();
+        stat.rsplit(')')
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .nth(19)
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let dir = node.cfg.state_dir.join("responding");
+    std::fs::create_dir_all(&dir).unwrap();
+    let note = dir.join(format!("{victim}-{}.json", start(victim)));
+    let write = |by_pid: i32, by_start: u64| {
+        std::fs::write(
+            &note,
+            serde_json::json!({"pid": victim, "start": start(victim), "job_id": 48,
+                "cgroup": cg, "froze_cgroup": false, "by_pid": by_pid, "by_start": by_start})
+            .to_string(),
+        )
+        .unwrap();
+    };
+    let me = std::process::id() as i32;
+    write(me, start(me));
+    let sweep = || {
+        gpufence_node::sweep::execute(
+            &node,
+            &gpufence_node::sweep::SweepRequest {
+                cgroup: Some(env.root.clone()),
+                ..Default::default()
+            },
+        )
+    };
+    sweep();
+    assert!(
+        !gone(victim) && note.exists(),
+        "a running response's holder is left to it"
+    );
+    // Its responder gone (another process at its pid, or none): ended.
+    write(me, start(me) + 1);
+    let o = sweep();
+    assert!(gone(victim), "{:?}", o.report.notes);
+    assert!(!note.exists());
+}
