@@ -239,6 +239,11 @@ impl RawInsn {
 
 /// `BPF_PSEUDO_MAP_FD`: `src_reg` of a `ld_imm64` whose immediate is a map fd.
 pub const PSEUDO_MAP_FD: u8 = 1;
+/// `BPF_PSEUDO_FUNC`: `src_reg` of a `ld_imm64` whose immediate is the
+/// offset, in instructions, from the instruction after it to a subprogram
+/// (`include/uapi/linux/bpf.h`; `find_subprog(env, i + insn->imm + 1)`,
+/// `kernel/bpf/verifier.c`): a callback for helpers such as `bpf_loop`.
+pub const PSEUDO_FUNC: u8 = 4;
 
 /// Opcode fields (`include/uapi/linux/bpf.h`, `bpf_common.h`).
 #[allow(missing_docs)]
@@ -278,6 +283,11 @@ enum Item {
         imm: i32,
         label: String,
         text: String,
+    },
+    /// `ld_imm64` of a subprogram's address: two slots.
+    LdFunc {
+        dst: Reg,
+        label: String,
     },
     Label(String),
     Comment(String),
@@ -462,6 +472,17 @@ impl Asm {
         self
     }
 
+    /// `dst = &subprogram at label` (`ld_imm64` with `BPF_PSEUDO_FUNC`): a
+    /// callback for `bpf_loop`. The subprogram is code after the main
+    /// program's last `exit`, ending in its own `exit`.
+    pub fn ld_func(&mut self, dst: Reg, label: &str) -> &mut Self {
+        self.items.push(Item::LdFunc {
+            dst,
+            label: label.to_string(),
+        });
+        self
+    }
+
     /// `goto label`.
     pub fn ja(&mut self, label: &str) -> &mut Self {
         self.items.push(Item::Jump {
@@ -541,7 +562,7 @@ impl Asm {
                     }
                 }
                 Item::Comment(_) => {}
-                Item::LdMap { .. } => pc += 2,
+                Item::LdMap { .. } | Item::LdFunc { .. } => pc += 2,
                 Item::Insn(..) | Item::Jump { .. } => pc += 1,
             }
         }
@@ -567,6 +588,21 @@ impl Asm {
                         regs: (*dst as u8) | (PSEUDO_MAP_FD << 4),
                         off: 0,
                         imm: *fd,
+                    });
+                    insns.push(RawInsn::default());
+                }
+                Item::LdFunc { dst, label } => {
+                    let target = *labels
+                        .get(label)
+                        .ok_or_else(|| AsmError::UndefinedLabel(label.clone()))?;
+                    let imm = i32::try_from(target as i64 - (insns.len() as i64 + 1))
+                        .map_err(|_| AsmError::OutOfRange(label.clone()))?;
+                    let _ = writeln!(listing, "{:4}: {dst} = func[{label}]", insns.len());
+                    insns.push(RawInsn {
+                        code: CLASS_LD | MODE_IMM | Size::DW.code(),
+                        regs: (*dst as u8) | (PSEUDO_FUNC << 4),
+                        off: 0,
+                        imm,
                     });
                     insns.push(RawInsn::default());
                 }

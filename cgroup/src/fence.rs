@@ -1084,6 +1084,15 @@ impl Fence {
         Ok(self.flags_of(cgroup_id)? & CGROUP_EXEMPT != 0)
     }
 
+    /// Whether cgroup `cgroup_id` holds a grant of some device (its
+    /// `GRANTED` flag).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`] when the map cannot be read.
+    pub fn is_granted(&self, cgroup_id: u64) -> Result<bool> {
+        Ok(self.flags_of(cgroup_id)? & CGROUP_GRANTED != 0)
+    }
+
     /// Makes exactly the existing cgroups of `paths` exempt: adds the
     /// missing flags, then clears the flag from cgroups no longer listed.
     /// Returns `(applied, missing)`.

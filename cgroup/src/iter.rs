@@ -66,12 +66,45 @@ pub enum Object {
     AnonInode(u64),
     /// A mapping of a character device: `(major, minor)`.
     CharMap(u32, u32),
+    /// A character device registered as a fixed file of an io_uring whose
+    /// own descriptor the task registered (`IORING_REGISTER_RING_FDS`):
+    /// `(major, minor)`; the record's `fd` is the ring's registered slot.
+    RingFile(u32, u32),
+    /// A registered ring that was not read whole: more than
+    /// [`RING_RECORDS`] character-device records, or more fixed files than
+    /// `bpf_loop` walks; the value is its number of fixed files. The
+    /// record's `fd` is the ring's registered slot. What else the ring
+    /// holds is unknown.
+    RingTruncated(u64),
 }
 
 const KIND_CHAR: i32 = 1;
 const KIND_SOCK: i32 = 2;
 const KIND_ANON: i32 = 3;
 const KIND_MAP: i32 = 4;
+const KIND_RING: i32 = 5;
+const KIND_RING_TRUNC: i32 = 6;
+
+/// How many character-device records the ring iterator writes for one
+/// registered ring (a run of one device is one record); a ring with more
+/// says so ([`Object::RingTruncated`]). What one program run writes must
+/// fit the iterator's buffer (`bpf_seq_read`: 8 pages, else `E2BIG`,
+/// `kernel/bpf/bpf_iter.c`): 16 rings of 65 records of 24 bytes do.
+pub const RING_RECORDS: i32 = 64;
+/// `BPF_FUNC_loop` (`include/uapi/linux/bpf.h`, 5.17+):
+/// `long bpf_loop(u32 nr_loops, void *callback_fn, void *callback_ctx, u64 flags)`,
+/// at most `BPF_MAX_LOOPS` (1 << 23) calls.
+const FUNC_LOOP: i32 = 181;
+/// `BPF_MAX_LOOPS` (`kernel/bpf/bpf_iter.c`).
+const MAX_LOOPS: i32 = 1 << 23;
+/// `IO_RINGFD_REG_MAX` (`include/linux/io_uring_types.h`): the registered
+/// ring slots of a task.
+const RING_FDS: usize = 16;
+/// `BPF_FUNC_probe_read_kernel` (`include/uapi/linux/bpf.h`).
+const FUNC_PROBE_READ_KERNEL: i32 = 113;
+/// `FFS_NOWAIT | FFS_ISREG` (`io_uring/filetable.h`): flag bits kept in the
+/// low bits of a fixed file's `file_ptr`.
+const FFS_FLAGS: i32 = 3;
 
 /// One object the iterators report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -110,6 +143,11 @@ impl Record {
                 let (ma, mi) = dev();
                 Object::CharMap(ma, mi)
             }
+            KIND_RING => {
+                let (ma, mi) = dev();
+                Object::RingFile(ma, mi)
+            }
+            KIND_RING_TRUNC => Object::RingTruncated(value),
             _ => return None,
         };
         Some(Record {
@@ -323,6 +361,304 @@ pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
     a.assemble()
 }
 
+/// Where a ring's fixed files are (`struct io_ring_ctx`'s `file_table`,
+/// `io_uring/filetable.h`), as the running kernel lays them out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileTable {
+    /// 6.13+: `file_table.data` is a `struct io_rsrc_data { unsigned nr;
+    /// struct io_rsrc_node **nodes; }`; each node's `file_ptr`.
+    Nodes {
+        /// Offset of `nr` in the ring context.
+        nr: i32,
+        /// Offset of `nodes` in the ring context.
+        nodes: i32,
+        /// Offset of `file_ptr` in `struct io_rsrc_node`.
+        file_ptr: i32,
+    },
+    /// Before 6.13: `file_table.files` is an array of `struct
+    /// io_fixed_file { unsigned long file_ptr; }`, `nr_user_files` its
+    /// length.
+    Files {
+        /// Offset of `nr_user_files` in the ring context.
+        nr: i32,
+        /// Offset of `file_table.files` in the ring context.
+        files: i32,
+    },
+}
+
+/// What the ring iterator reads, from the running kernel's BTF: a `task`
+/// iterator that follows each task's `io_uring->registered_rings[]` (the
+/// rings registered with `IORING_REGISTER_RING_FDS`, which may be in no
+/// descriptor table) to each ring's fixed files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingLayout {
+    /// BTF id of `bpf_iter_task`.
+    pub task: u32,
+    ctx_task: Field,
+    meta_seq: Field,
+    tgid: Field,
+    pid: Field,
+    io_uring: Field,
+    rings: Field,
+    private_data: Field,
+    f_inode: i32,
+    i_mode: i32,
+    i_rdev: i32,
+    table: FileTable,
+}
+
+impl RingLayout {
+    /// Reads the layout from parsed BTF.
+    ///
+    /// # Errors
+    /// [`BtfError`] when io_uring's types are missing (a kernel without
+    /// io_uring) or of another shape.
+    pub fn from_btf(btf: &Btf) -> Result<RingLayout, BtfError> {
+        let ctx_off = |path: &[(&str, &str)]| -> Result<i32, BtfError> {
+            let mut o = 0u32;
+            for (st, m) in path {
+                o += btf.field(st, m)?.offset;
+            }
+            i32::try_from(o).map_err(|_| BtfError::Unexpected {
+                name: format!("{path:?}"),
+                why: "offset too large".into(),
+            })
+        };
+        let table = match btf.field("io_file_table", "data") {
+            Ok(_) => FileTable::Nodes {
+                nr: ctx_off(&[
+                    ("io_ring_ctx", "file_table"),
+                    ("io_file_table", "data"),
+                    ("io_rsrc_data", "nr"),
+                ])?,
+                nodes: ctx_off(&[
+                    ("io_ring_ctx", "file_table"),
+                    ("io_file_table", "data"),
+                    ("io_rsrc_data", "nodes"),
+                ])?,
+                file_ptr: ctx_off(&[("io_rsrc_node", "file_ptr")])?,
+            },
+            Err(_) => FileTable::Files {
+                nr: ctx_off(&[("io_ring_ctx", "nr_user_files")])?,
+                files: ctx_off(&[("io_ring_ctx", "file_table"), ("io_file_table", "files")])?,
+            },
+        };
+        let rings = btf.field("io_uring_task", "registered_rings")?;
+        if rings.size != 8 * RING_FDS as u32 || rings.offset + rings.size > i16::MAX as u32 {
+            return Err(BtfError::Unexpected {
+                name: "io_uring_task.registered_rings".into(),
+                why: format!("{} bytes at {}", rings.size, rings.offset),
+            });
+        }
+        Ok(RingLayout {
+            task: btf.func_id("bpf_iter_task")?,
+            ctx_task: sized(btf, "bpf_iter__task", "task", 8, true)?,
+            meta_seq: sized(btf, "bpf_iter_meta", "seq", 8, true)?,
+            tgid: sized(btf, "task_struct", "tgid", 4, false)?,
+            pid: sized(btf, "task_struct", "pid", 4, false)?,
+            io_uring: sized(btf, "task_struct", "io_uring", 8, true)?,
+            rings,
+            private_data: sized(btf, "file", "private_data", 8, true)?,
+            f_inode: ctx_off(&[("file", "f_inode")])?,
+            i_mode: ctx_off(&[("inode", "i_mode")])?,
+            i_rdev: ctx_off(&[("inode", "i_rdev")])?,
+            table,
+        })
+    }
+}
+
+// The ring program's stack (main frame): the record at fp-24 (as `emit`),
+// a scratch word, the ring's count of fixed files, then the state the
+// callback reads and fills:
+// { table; seq; tgid_tid; slot; last; records; more; } (u64 each).
+const RING_TMP: i16 = -32;
+const RING_NR: i16 = -40;
+const STATE: i16 = -96;
+const ST_TABLE: i16 = 0;
+const ST_SEQ: i16 = 8;
+const ST_TASK: i16 = 16;
+const ST_SLOT: i16 = 24;
+const ST_LAST: i16 = 32;
+const ST_RECORDS: i16 = 40;
+const ST_MORE: i16 = 48;
+// The callback's own frame: the record at fp-24, a scratch word, the
+// file's inode.
+const CB_TMP: i16 = -32;
+const CB_INODE: i16 = -40;
+
+/// `r0 = bpf_probe_read_kernel(fp+tmp, bytes, r3)`; on failure goto
+/// `fail`; else `dst = *(size *)(fp+tmp)`.
+fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
+    a.store_imm(Size::DW, Reg::R10, tmp, 0)
+        .mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, tmp as i32)
+        .mov64_imm(Reg::R2, bytes)
+        .call_id(FUNC_PROBE_READ_KERNEL, "probe_read_kernel")
+        .jmp_imm(JmpOp::Ne, Reg::R0, 0, fail)
+        .load(size, dst, Reg::R10, tmp);
+}
+
+/// `*(u64 *)(r6 + at) = 0`, as a value the verifier does not know (read
+/// back with `bpf_probe_read_kernel` from this frame's scratch word): a
+/// counter the callback compares and adds to then stays imprecise, and
+/// `bpf_loop`'s callback is verified in a few passes, not once per value.
+fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
+    a.store_imm(Size::DW, Reg::R10, RING_TMP, 0)
+        .mov64_reg(Reg::R3, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R3, RING_TMP as i32);
+    probe_read(a, RING_TMP, Size::DW, 8, Reg::R1, fail);
+    a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
+}
+
+/// The ring program (`task` iterator): for each task with an io_uring
+/// context, each of its 16 registered ring slots that holds a ring
+/// (`io_uring->registered_rings[]`, which may be in no descriptor table),
+/// every fixed file of that ring, walked with `bpf_loop` (a callback
+/// verified once, whatever the ring's size): a record per run of one
+/// character device, up to [`RING_RECORDS`], and an
+/// [`Object::RingTruncated`] record for a ring not read whole. Ring
+/// contexts and fixed files are reached through `bpf_probe_read_kernel`
+/// (`file->private_data` is a `void *`); a read that faults skips the
+/// file.
+///
+/// # Errors
+/// [`AsmError`] (a bug here).
+pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
+    let mut a = Asm::new();
+    a.comment("task: ctx = { meta, task }")
+        .mov64_reg(Reg::R6, Reg::R1)
+        .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_task))
+        .jmp_imm(JmpOp::Eq, Reg::R7, 0, "out")
+        .comment("r8 = task->io_uring (NULL: the task never used io_uring)")
+        .load(Size::DW, Reg::R8, Reg::R7, off(&l.io_uring))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
+        .comment("state.seq = ctx->meta->seq; state.task = tgid | tid << 32")
+        .load(Size::DW, Reg::R1, Reg::R6, Layout::CTX_META)
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
+        .store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
+        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
+        .alu64_imm(AluOp::Lsh, Reg::R1, 32)
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
+        .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
+    let (nr_off, base_off) = match l.table {
+        FileTable::Nodes { nr, nodes, .. } => (nr, nodes),
+        FileTable::Files { nr, files } => (nr, files),
+    };
+    for i in 0..RING_FDS {
+        let next_ring = format!("ring_{}", i + 1);
+        let truncated = format!("truncated_{i}");
+        a.label(&format!("ring_{i}"))
+            .comment(&format!(
+                "file = io_uring->registered_rings[{i}]; if (!file) next ring; ctx = file->private_data"
+            ))
+            .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+            .load(Size::DW, Reg::R9, Reg::R1, off(&l.private_data))
+            .jmp_imm(JmpOp::Eq, Reg::R9, 0, &next_ring)
+            .comment("nr = the ring's count of fixed files; state.table = their table")
+            .mov64_reg(Reg::R3, Reg::R9)
+            .alu64_imm(AluOp::Add, Reg::R3, nr_off);
+        probe_read(&mut a, RING_TMP, Size::W, 4, Reg::R1, &next_ring);
+        a.store(Size::DW, Reg::R10, RING_NR, Reg::R1)
+            .mov64_reg(Reg::R3, Reg::R9)
+            .alu64_imm(AluOp::Add, Reg::R3, base_off);
+        probe_read(&mut a, RING_TMP, Size::DW, 8, Reg::R1, &next_ring);
+        a.jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+            .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
+            .store_imm(Size::DW, Reg::R10, STATE + ST_SLOT, i as i32)
+            .store_imm(Size::DW, Reg::R10, STATE + ST_LAST, 0);
+        zero_unknown(&mut a, ST_RECORDS, &next_ring);
+        zero_unknown(&mut a, ST_MORE, &next_ring);
+        a.comment("bpf_loop(nr, read_file, &state, 0): past BPF_MAX_LOOPS it refuses")
+            .load(Size::DW, Reg::R1, Reg::R10, RING_NR)
+            .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, &truncated)
+            .ld_func(Reg::R2, "read_file")
+            .mov64_reg(Reg::R3, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
+            .mov64_imm(Reg::R4, 0)
+            .call_id(FUNC_LOOP, "loop")
+            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+            .label(&truncated)
+            .load(Size::DW, Reg::R3, Reg::R10, RING_NR)
+            .store(Size::DW, Reg::R10, -8, Reg::R3)
+            .store_imm(Size::W, Reg::R10, -12, KIND_RING_TRUNC)
+            .store_imm(Size::W, Reg::R10, -16, i as i32)
+            .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+            .store(Size::W, Reg::R10, -24, Reg::R2)
+            .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
+            .store(Size::W, Reg::R10, -20, Reg::R2)
+            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
+            .mov64_reg(Reg::R2, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+            .mov64_imm(Reg::R3, RECORD_LEN as i32)
+            .call_id(FUNC_SEQ_WRITE, "seq_write");
+    }
+    a.label(&format!("ring_{RING_FDS}"))
+        .label("out")
+        .mov64_imm(Reg::R0, 0)
+        .exit();
+    // The callback: long read_file(u64 j, struct state *st).
+    a.label("read_file")
+        .comment("read_file(j, st): st->table[j] -> file; a character device: a record, unless it repeats the last")
+        .mov64_reg(Reg::R6, Reg::R2)
+        .load(Size::DW, Reg::R3, Reg::R6, ST_TABLE)
+        .alu64_imm(AluOp::Lsh, Reg::R1, 3)
+        .alu64_reg(AluOp::Add, Reg::R3, Reg::R1);
+    if let FileTable::Nodes { file_ptr, .. } = l.table {
+        a.comment("node = nodes[j]; r3 = &node->file_ptr");
+        probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+        a.jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
+            .alu64_imm(AluOp::Add, Reg::R3, file_ptr);
+    }
+    a.comment("file = file_ptr & ~(FFS_NOWAIT|FFS_ISREG); inode = file->f_inode");
+    probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+    a.alu64_imm(AluOp::And, Reg::R3, !FFS_FLAGS)
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
+        .alu64_imm(AluOp::Add, Reg::R3, l.f_inode);
+    probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+    a.jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
+        .store(Size::DW, Reg::R10, CB_INODE, Reg::R3)
+        .alu64_imm(AluOp::Add, Reg::R3, l.i_mode);
+    probe_read(&mut a, CB_TMP, Size::H, 2, Reg::R2, "cb_next");
+    a.alu64_imm(AluOp::And, Reg::R2, S_IFMT)
+        .jmp_imm(JmpOp::Ne, Reg::R2, S_IFCHR, "cb_next")
+        .load(Size::DW, Reg::R3, Reg::R10, CB_INODE)
+        .alu64_imm(AluOp::Add, Reg::R3, l.i_rdev);
+    probe_read(&mut a, CB_TMP, Size::W, 4, Reg::R3, "cb_next");
+    a.comment(
+        "if (rdev == st->last) next; if (st->records >= RING_RECORDS) { st->more = 1; stop }",
+    )
+    .load(Size::DW, Reg::R4, Reg::R6, ST_LAST)
+    .jmp_reg(JmpOp::Eq, Reg::R4, Reg::R3, "cb_next")
+    .store(Size::DW, Reg::R6, ST_LAST, Reg::R3)
+    .load(Size::DW, Reg::R4, Reg::R6, ST_RECORDS)
+    .jmp_imm(JmpOp::Ge, Reg::R4, RING_RECORDS, "cb_full")
+    .alu64_imm(AluOp::Add, Reg::R4, 1)
+    .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
+    .comment("rec = { tgid, tid, slot, RING, rdev }; bpf_seq_write(st->seq, &rec, 24)")
+    .store(Size::DW, Reg::R10, -8, Reg::R3)
+    .store_imm(Size::W, Reg::R10, -12, KIND_RING)
+    .load(Size::DW, Reg::R1, Reg::R6, ST_SLOT)
+    .store(Size::W, Reg::R10, -16, Reg::R1)
+    .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
+    .store(Size::DW, Reg::R10, -24, Reg::R1)
+    .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
+    .mov64_reg(Reg::R2, Reg::R10)
+    .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+    .mov64_imm(Reg::R3, RECORD_LEN as i32)
+    .call_id(FUNC_SEQ_WRITE, "seq_write")
+    .label("cb_next")
+    .mov64_imm(Reg::R0, 0)
+    .exit()
+    .label("cb_full")
+    .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
+    .mov64_imm(Reg::R0, 1)
+    .exit();
+    a.assemble()
+}
+
 /// Why the iterators could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum IterError {
@@ -480,6 +816,130 @@ impl Iterators {
     }
 }
 
+/// The ring iterator ([`ring_program`]), loaded and linked; each
+/// [`RingIterator::files`] call is a fresh walk of every task.
+#[derive(Debug)]
+pub struct RingIterator {
+    it: Loaded,
+}
+
+/// The ring program's BTF: its two functions, `long ring(void *ctx)` and
+/// the static callback `long read_file(long index, void *ctx)`
+/// (`include/uapi/linux/btf.h`: header, types, strings). Type ids: 4 the
+/// main function, 6 the callback.
+fn ring_btf() -> Vec<u8> {
+    const KIND_INT: u32 = 1;
+    const KIND_PTR: u32 = 2;
+    const KIND_FUNC: u32 = 12;
+    const KIND_FUNC_PROTO: u32 = 13;
+    let strs = b"\0long\0ctx\0ring\0index\0read_file\0";
+    let name = |n: &[u8]| -> u32 {
+        strs.windows(n.len() + 2)
+            .position(|w| w[0] == 0 && &w[1..=n.len()] == n && w[n.len() + 1] == 0)
+            .map_or(0, |p| p as u32 + 1)
+    };
+    let mut t: Vec<u32> = Vec::new();
+    let info = |kind: u32, vlen: u32| kind << 24 | vlen;
+    // 1: long (signed, 64 bits)
+    t.extend([name(b"long"), info(KIND_INT, 0), 8, 1 << 24 | 64]);
+    // 2: void *
+    t.extend([0, info(KIND_PTR, 0), 0]);
+    // 3: long (void *ctx)
+    t.extend([0, info(KIND_FUNC_PROTO, 1), 1, name(b"ctx"), 2]);
+    // 4: ring, static
+    t.extend([name(b"ring"), info(KIND_FUNC, 0), 3]);
+    // 5: long (long index, void *ctx)
+    t.extend([
+        0,
+        info(KIND_FUNC_PROTO, 2),
+        1,
+        name(b"index"),
+        1,
+        name(b"ctx"),
+        2,
+    ]);
+    // 6: read_file, static (a callback must be)
+    t.extend([name(b"read_file"), info(KIND_FUNC, 0), 5]);
+    let types: Vec<u8> = t.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let mut out = Vec::new();
+    out.extend(0xeB9Fu16.to_ne_bytes());
+    out.extend([1u8, 0u8]);
+    for w in [
+        24u32,
+        0,
+        types.len() as u32,
+        types.len() as u32,
+        strs.len() as u32,
+    ] {
+        out.extend(w.to_ne_bytes());
+    }
+    out.extend(types);
+    out.extend(strs);
+    out
+}
+
+impl RingIterator {
+    /// Loads the ring program for `layout` through the real verifier and
+    /// links it.
+    ///
+    /// # Errors
+    /// [`IterError`]: no permission, no `task` iterator or `bpf_loop`
+    /// (5.17+), a verifier refusal.
+    pub fn load(layout: &RingLayout) -> Result<RingIterator, IterError> {
+        let p = ring_program(layout)?;
+        // The callback starts where the one ld_imm64 of a function points.
+        let callback = p
+            .insns
+            .iter()
+            .enumerate()
+            .find(|(_, i)| i.regs >> 4 == crate::asm::PSEUDO_FUNC && i.code == 0x18)
+            .map(|(at, i)| (at as i64 + 1 + i64::from(i.imm)) as u32)
+            .ok_or_else(|| IterError::Malformed("the ring program has no callback".into()))?;
+        let btf = sys::btf_load(&ring_btf()).map_err(|err| IterError::Sys {
+            what: "BPF_BTF_LOAD (the ring program's functions)",
+            err,
+        })?;
+        let funcs = [
+            sys::FuncInfo {
+                insn_off: 0,
+                type_id: 4,
+            },
+            sys::FuncInfo {
+                insn_off: callback,
+                type_id: 6,
+            },
+        ];
+        let prog = sys::prog_load_iter_funcs(
+            &p.insns,
+            "gpufence_ring",
+            layout.task,
+            Some((btf.as_fd(), &funcs)),
+        )
+        .map_err(|e| IterError::Load {
+            target: "task",
+            errno: e.errno,
+            log: e.log,
+        })?;
+        let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
+            what: "BPF_LINK_CREATE (iterator)",
+            err,
+        })?;
+        Ok(RingIterator {
+            it: Loaded { _prog: prog, link },
+        })
+    }
+
+    /// Every character device registered in a ring a task registered
+    /// (`IORING_REGISTER_RING_FDS`), and every such ring with more fixed
+    /// files than are read.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn files(&self) -> Result<Vec<Record>, IterError> {
+        read_all(&self.it.link)
+    }
+}
+
 /// Whether this process is in the initial pid namespace, where
 /// `task->tgid` is the number `/proc` shows. `false` when it cannot tell.
 pub fn in_initial_pid_ns() -> bool {
@@ -519,6 +979,92 @@ mod tests {
 #[cfg(test)]
 mod live {
     use super::*;
+
+    /// The ring iterator sees /dev/null registered as a fixed file of an
+    /// io_uring whose own descriptor was registered
+    /// (`IORING_REGISTER_RING_FDS`) and closed: in no descriptor table.
+    /// Skipped without root, BTF or io_uring.
+    #[test]
+    fn the_ring_iterator_sees_a_ring_in_no_descriptor_table() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+            eprintln!("SKIPPED: needs root in the initial pid namespace");
+            return;
+        }
+        let layout = match Btf::vmlinux().and_then(|b| RingLayout::from_btf(&b)) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let it = RingIterator::load(&layout).unwrap_or_else(|e| panic!("{e}"));
+        // In a thread of its own: registered rings are per task, and the
+        // ring stays registered until the thread exits.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            let null = std::fs::File::open("/dev/null").unwrap();
+            let mut params = [0u8; 120];
+            // SAFETY: io_uring_setup(2) with a zeroed params struct.
+            let ring =
+                unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+            if ring < 0 {
+                tx.send(None).unwrap();
+                return;
+            }
+            let fds = [null.as_raw_fd()];
+            // IORING_REGISTER_FILES = 2.
+            // SAFETY: io_uring_register(2) of one descriptor.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    ring as i32,
+                    2u32,
+                    fds.as_ptr(),
+                    1u32,
+                )
+            };
+            assert_eq!(r, 0);
+            // struct io_uring_rsrc_update { u32 offset; u32 resv; u64 data; }:
+            // offset -1 takes any free slot; IORING_REGISTER_RING_FDS = 20.
+            let mut upd = [0u64; 2];
+            upd[0] = u32::MAX as u64;
+            upd[1] = ring as u64;
+            // SAFETY: io_uring_register(2) with one update struct.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    ring as i32,
+                    20u32,
+                    upd.as_mut_ptr(),
+                    1u32,
+                )
+            };
+            assert_eq!(r, 1, "{}", std::io::Error::last_os_error());
+            // SAFETY: closes the ring's descriptor and /dev/null's: the
+            // ring lives on in the task's registered slots only.
+            unsafe { libc::close(ring as i32) };
+            drop(null);
+            // SAFETY: gettid has no preconditions.
+            tx.send(Some(unsafe { libc::gettid() })).unwrap();
+            let _ = done_rx.recv();
+        });
+        let Some(tid) = rx.recv().unwrap() else {
+            eprintln!("SKIPPED: no io_uring here");
+            return;
+        };
+        let me = std::process::id() as i32;
+        let recs = it.files().unwrap();
+        let _ = done_tx.send(());
+        t.join().unwrap();
+        assert!(
+            recs.iter()
+                .any(|r| r.tgid == me && r.tid == tid && r.object == Object::RingFile(1, 3)),
+            "{:?}",
+            recs.iter().filter(|r| r.tgid == me).collect::<Vec<_>>()
+        );
+    }
 
     /// Through the real verifier: both programs load, and a walk shows this
     /// process's /dev/null descriptor (1:3), a socket's inode and an eventfd

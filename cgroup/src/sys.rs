@@ -754,6 +754,33 @@ pub fn prog_load_iter(
     name: &str,
     attach_btf_id: u32,
 ) -> Result<OwnedFd, LoadError> {
+    prog_load_iter_funcs(insns, name, attach_btf_id, None)
+}
+
+/// One `struct bpf_func_info` (`include/uapi/linux/bpf.h`): where a
+/// function starts and its `BTF_KIND_FUNC` type id in the program's BTF.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FuncInfo {
+    /// Its first instruction.
+    pub insn_off: u32,
+    /// Its `BTF_KIND_FUNC` id.
+    pub type_id: u32,
+}
+
+/// [`prog_load_iter`] of a program with subprograms (a `bpf_loop`
+/// callback): `funcs` is the program's BTF (from [`btf_load`]) and one
+/// [`FuncInfo`] per function, the first at instruction 0 (the verifier
+/// wants `func_info` for callbacks: "missing btf func_info").
+///
+/// # Errors
+/// As [`prog_load_iter`].
+pub fn prog_load_iter_funcs(
+    insns: &[RawInsn],
+    name: &str,
+    attach_btf_id: u32,
+    funcs: Option<(BorrowedFd<'_>, &[FuncInfo])>,
+) -> Result<OwnedFd, LoadError> {
     let license = c"GPL";
     let attempt = |log: Option<&mut Vec<u8>>| {
         let mut a = ProgLoadBtfAttr {
@@ -766,6 +793,12 @@ pub fn prog_load_iter(
             attach_btf_id,
             ..Default::default()
         };
+        if let Some((btf, info)) = funcs {
+            a.prog_btf_fd = btf.as_raw_fd() as u32;
+            a.func_info_rec_size = size_of::<FuncInfo>() as u32;
+            a.func_info = info.as_ptr() as u64;
+            a.func_info_cnt = info.len() as u32;
+        }
         if let Some(buf) = log {
             a.log_level = 1;
             a.log_size = buf.len() as u32;
@@ -774,6 +807,33 @@ pub fn prog_load_iter(
         bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
     };
     load_with_log(attempt)
+}
+
+const BPF_BTF_LOAD: i32 = 18;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct BtfLoadAttr {
+    btf: u64,
+    btf_log_buf: u64,
+    btf_size: u32,
+    btf_log_size: u32,
+    btf_log_level: u32,
+    _pad: u32,
+}
+
+/// `BPF_BTF_LOAD` of a BTF blob (`struct btf_header`, types, strings:
+/// `include/uapi/linux/btf.h`), for a program's `func_info`.
+///
+/// # Errors
+/// errno (`EINVAL` for a malformed blob).
+pub fn btf_load(data: &[u8]) -> io::Result<OwnedFd> {
+    let mut a = BtfLoadAttr {
+        btf: data.as_ptr() as u64,
+        btf_size: data.len() as u32,
+        ..Default::default()
+    };
+    bpf(BPF_BTF_LOAD, &mut a).map(fd_result)
 }
 
 #[repr(C)]

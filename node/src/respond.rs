@@ -238,6 +238,24 @@ pub fn uncovered(
         .filter_map(|mut c| {
             let cg = c.cgroup.clone();
             let uid = uid_of(c.pid);
+            // A registered ring the kernel's iterator could not read whole
+            // is taken to hold the job's devices (fail closed), unless its
+            // process is in a job cgroup with grants of its own: there it
+            // is that job's, whose Epilog looks at it.
+            let unread_only = !c.fds.is_empty()
+                && c.fds
+                    .iter()
+                    .all(|f| f.via == scan::Via::IoUringRegisteredRing && f.unread);
+            if unread_only
+                && cg.as_deref().is_some_and(|cg| {
+                    node.cg
+                        .ancestry(cg)
+                        .into_iter()
+                        .any(|(_, id)| fence.is_some_and(|f| f.is_granted(id).unwrap_or(false)))
+                })
+            {
+                return None;
+            }
             c.devices
                 .retain(|d| !covered(node, fence, cg.as_deref(), uid, *d));
             c.fds.retain(|f| c.devices.contains(&f.dev));
@@ -358,9 +376,12 @@ fn note_stopped(
     job_id: u32,
     c: &Candidate,
     froze_cgroup: bool,
-) -> Result<PathBuf, String> {
+) -> Result<Option<PathBuf>, String> {
     let dir = responding_dir(node);
-    let start = start_ticks(c.pid).ok_or_else(|| format!("pid {} is gone", c.pid))?;
+    // Gone already: nothing to note (the kill finds it exited).
+    let Some(start) = start_ticks(c.pid) else {
+        return Ok(None);
+    };
     let me = std::process::id() as i32;
     let note = Stopping {
         pid: c.pid,
@@ -381,7 +402,7 @@ fn note_stopped(
             )
         })
         .map_err(|e| format!("{}: {e}", p.display()))?;
-    Ok(p)
+    Ok(Some(p))
 }
 
 /// Ends what an interrupted response (an Epilog or Prolog killed while it
@@ -462,7 +483,8 @@ pub fn uid_of(pid: i32) -> Option<u32> {
 
 /// The pidfd of `c` (taken when it was found) when the process is still
 /// there and still holds what made it a candidate: one of its devices by
-/// descriptor, or (listed by NVML) nothing to look at again. Checked
+/// descriptor, or (listed by NVML, or in a registered ring) nothing to
+/// look at again. Checked
 /// through `/proc/<pid>` and then the pidfd: the pidfd still open
 /// afterwards means `/proc/<pid>` was that process when it was read.
 /// `Ok(None)`: gone, or let go of the device.
@@ -494,7 +516,13 @@ fn still_holding(c: &Candidate) -> Result<Option<PidFd>, String> {
     if exited(fd.fd()) {
         return Ok(None);
     }
-    if c.gpu_memory.is_empty() {
+    // Holds `/proc` cannot show (per NVML; in a registered ring, which
+    // only the kernel's iterator reads) are taken as found.
+    let proc_shows_all = c.gpu_memory.is_empty()
+        && c.fds
+            .iter()
+            .all(|f| f.via != scan::Via::IoUringRegisteredRing);
+    if proc_shows_all {
         let held = scan::holder(c.pid, &c.devices).is_some_and(|h| !h.fds.is_empty());
         if !held || exited(fd.fd()) {
             return Ok(None);
@@ -567,7 +595,7 @@ pub fn respond(
     let notes: Vec<PathBuf> = pinned
         .iter()
         .filter_map(|(c, _)| match note_stopped(node, job_id, c, false) {
-            Ok(p) => Some(p),
+            Ok(p) => p,
             Err(e) => {
                 errors.push(e);
                 None

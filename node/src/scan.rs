@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
-use gpufence_cgroup::iter::{self, Iterators, Layout, Object};
+use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
@@ -55,6 +55,11 @@ pub enum Via {
     Mmap,
     /// An io_uring registered file.
     IoUring,
+    /// A file registered in an io_uring whose own descriptor the task
+    /// registered (`IORING_REGISTER_RING_FDS`), read from the kernel by
+    /// the ring iterator: the ring may be in no descriptor table. `fd` is
+    /// the ring's registered slot.
+    IoUringRegisteredRing,
 }
 
 /// One hold of a sought device.
@@ -71,6 +76,10 @@ pub struct HeldFd {
     /// The thread, for [`Via::ThreadFd`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tid: Option<i32>,
+    /// A registered ring not read whole ([`Via::IoUringRegisteredRing`]):
+    /// the device is assumed, not seen.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unread: bool,
 }
 
 /// A process holding at least one sought device.
@@ -103,6 +112,11 @@ pub struct Scanner {
     /// first call (`Err`: the iterators failed; walk `/proc`).
     snapshot: Option<Result<Snapshot, String>>,
     source: Option<Source>,
+    /// While [`Scanner::holders`] runs: the devices a registered ring that
+    /// was not read whole is taken to hold (fail closed).
+    unread_means: Option<BTreeSet<DevNum>>,
+    /// Why the last snapshot could not read registered rings, if so.
+    ring_error: Option<String>,
 }
 
 impl Default for Scanner {
@@ -113,6 +127,8 @@ impl Default for Scanner {
             proc_only: PROC_ONLY.load(Ordering::Relaxed),
             snapshot: None,
             source: None,
+            unread_means: None,
+            ring_error: None,
         }
     }
 }
@@ -149,6 +165,11 @@ struct ProcRecords {
     sockets: BTreeSet<u64>,
     /// Character devices it maps.
     maps: BTreeSet<DevNum>,
+    /// Character devices in rings its tasks registered: (thread, ring
+    /// slot, device).
+    rings: Vec<(i32, i32, DevNum)>,
+    /// Registered rings not read whole: (thread, ring slot, fixed files).
+    rings_unread: Vec<(i32, i32, u64)>,
 }
 
 /// One read of the machine by the iterators.
@@ -158,6 +179,8 @@ struct Snapshot {
     /// among them started later and is walked in `/proc` instead.
     listed: BTreeSet<i32>,
     procs: HashMap<i32, ProcRecords>,
+    /// Why registered rings could not be read, if so.
+    ring_error: Option<String>,
 }
 
 /// Runs both iterators. Any failure is the reason to walk `/proc`.
@@ -167,7 +190,6 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
     }
     let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
     let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
-    drop(btf);
     let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
     let listed: BTreeSet<i32> = if list {
         pids().into_iter().collect()
@@ -184,8 +206,20 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
     let maps = maps
         .map_err(|_| "the task_vma reader panicked".to_string())?
         .map_err(|e| e.to_string())?;
+    // Rings registered with IORING_REGISTER_RING_FDS (in no descriptor
+    // table, maybe): read from the kernel where it can be; where it cannot
+    // (no io_uring in the kernel, no bpf_loop), the snapshot says why.
+    let (rings, ring_error) = match RingLayout::from_btf(&btf)
+        .map_err(|e| e.to_string())
+        .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))
+        .and_then(|it| it.files().map_err(|e| e.to_string()))
+    {
+        Ok(r) => (r, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    drop(btf);
     let mut procs: HashMap<i32, ProcRecords> = HashMap::new();
-    for r in files.into_iter().chain(maps) {
+    for r in files.into_iter().chain(maps).chain(rings) {
         let p = procs.entry(r.tgid).or_default();
         match r.object {
             Object::CharFd(ma, mi) => p.chars.push((r.tid, r.fd, DevNum::new(ma, mi))),
@@ -198,9 +232,15 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
             Object::CharMap(ma, mi) => {
                 p.maps.insert(DevNum::new(ma, mi));
             }
+            Object::RingFile(ma, mi) => p.rings.push((r.tid, r.fd, DevNum::new(ma, mi))),
+            Object::RingTruncated(n) => p.rings_unread.push((r.tid, r.fd, n)),
         }
     }
-    Ok(Snapshot { listed, procs })
+    Ok(Snapshot {
+        listed,
+        procs,
+        ring_error,
+    })
 }
 
 fn char_rdev(p: &Path) -> Option<DevNum> {
@@ -295,6 +335,16 @@ impl Scanner {
         self.source.as_ref()
     }
 
+    /// Why the last whole-machine scan could not read the rings tasks
+    /// registered (`IORING_REGISTER_RING_FDS`): `None` when it read them
+    /// (or before a scan). A `/proc` walk never can.
+    pub fn ring_error(&self) -> Option<&str> {
+        match self.source {
+            Some(Source::Proc(_)) => Some("the /proc walk cannot see them"),
+            _ => self.ring_error.as_deref(),
+        }
+    }
+
     /// Every process (other than this one) holding a device in `devs`.
     /// Processes that vanish during the walk are skipped.
     pub fn holders(&mut self, devs: &BTreeSet<DevNum>) -> Vec<Holder> {
@@ -302,7 +352,10 @@ impl Scanner {
             return Vec::new();
         }
         let want = |d: DevNum| devs.contains(&d);
-        match self.holders_fast(&want) {
+        self.unread_means = Some(devs.clone());
+        let fast = self.holders_fast(&want);
+        self.unread_means = None;
+        match fast {
             Ok(h) => {
                 self.source = Some(Source::Iterators);
                 h
@@ -320,6 +373,7 @@ impl Scanner {
             return Err(String::new());
         }
         let snap = take_snapshot(&self.btf, false, false)?;
+        self.ring_error = snap.ring_error.clone();
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = Vec::new();
         let mut pids: Vec<&i32> = snap.procs.keys().filter(|p| **p != me).collect();
@@ -343,7 +397,12 @@ impl Scanner {
     ) -> Option<Holder> {
         let hit_fd = r.chars.iter().any(|(_, _, d)| want(*d));
         let hit_map = r.maps.iter().any(|d| want(*d));
-        if !hit_fd && !hit_map && r.anon.is_empty() {
+        let hit_ring = r.rings.iter().any(|(_, _, d)| want(*d));
+        let unread = self
+            .unread_means
+            .clone()
+            .filter(|_| !r.rings_unread.is_empty());
+        if !hit_fd && !hit_map && !hit_ring && unread.is_none() && r.anon.is_empty() {
             return None;
         }
         let base = PathBuf::from(format!("/proc/{pid}"));
@@ -371,12 +430,41 @@ impl Scanner {
                 dev,
                 via,
                 tid: t,
+                unread: false,
             });
         }
         if hit_map {
             self.mappings(&base, want, &mut fds);
         }
         io_uring_files(&base, want, &mut fds, &r.anon);
+        for &(tid, slot, dev) in r.rings.iter().filter(|(_, _, d)| want(*d)) {
+            fds.push(HeldFd {
+                fd: slot,
+                path: PathBuf::from(format!("io_uring registered ring {slot}")),
+                dev,
+                via: Via::IoUringRegisteredRing,
+                tid: Some(tid),
+                unread: false,
+            });
+        }
+        // A registered ring not read whole may hold any of the devices
+        // sought: fail closed.
+        if let Some(devs) = &unread {
+            for &(tid, slot, n) in &r.rings_unread {
+                for dev in devs {
+                    fds.push(HeldFd {
+                        fd: slot,
+                        path: PathBuf::from(format!(
+                            "io_uring registered ring {slot}: {n} fixed files, not read whole"
+                        )),
+                        dev: *dev,
+                        via: Via::IoUringRegisteredRing,
+                        tid: Some(tid),
+                        unread: true,
+                    });
+                }
+            }
+        }
         finish(pid, fds)
     }
 
@@ -476,6 +564,10 @@ impl Scanner {
                 Ok(_) => Source::Iterators,
                 Err(why) => Source::Proc((!why.is_empty()).then(|| why.clone())),
             });
+            self.ring_error = match &s {
+                Ok(snap) => snap.ring_error.clone(),
+                Err(_) => Some("the iterators did not run".into()),
+            };
             self.snapshot = Some(s);
         }
         let snap = self.snapshot.take();
@@ -595,6 +687,7 @@ impl Scanner {
                         dev: d,
                         via: Via::Mmap,
                         tid: None,
+                        unread: false,
                     });
                 }
             }
@@ -637,6 +730,7 @@ fn fd_table(
                 dev,
                 via,
                 tid,
+                unread: false,
             }),
             FdKind::Socket(ino) => {
                 if let Some(s) = sockets.as_deref_mut() {
@@ -704,6 +798,7 @@ fn io_uring_files(
                         dev,
                         via: Via::IoUring,
                         tid,
+                        unread: false,
                     });
                 }
             }
@@ -716,11 +811,14 @@ fn io_uring_files(
 /// 0 (or no such file: older kernels) every user may create rings, 1 only
 /// members of `kernel.io_uring_group` and `CAP_SYS_ADMIN`, 2 nobody.
 ///
-/// Returns a line for the admin when users may create rings: a ring whose
-/// own descriptor was registered with `IORING_REGISTER_RING_FDS` and then
-/// closed is in no descriptor table, so a GPU descriptor registered as one
-/// of its fixed files is a hold that neither `/proc` nor gpufence's
-/// iterators see; `None` when io_uring is closed to users.
+/// Returns a line for the admin when users may create rings: a ring's
+/// registered files are known from its fdinfo by path only (rings in a
+/// descriptor table), so a GPU file opened through a bind mount in a user
+/// and mount namespace that is gone, and registered in a ring, is not
+/// recognised (rings a task registered with `IORING_REGISTER_RING_FDS`
+/// are read from the kernel by device number instead:
+/// [`gpufence_cgroup::iter::RingIterator`]); `None` when io_uring is closed
+/// to users.
 pub fn io_uring_exposure(proc_sys: &Path) -> Option<String> {
     let disabled = std::fs::read_to_string(proc_sys.join("kernel/io_uring_disabled")).ok();
     let group = std::fs::read_to_string(proc_sys.join("kernel/io_uring_group")).ok();
@@ -735,7 +833,7 @@ pub fn io_uring_exposure(proc_sys: &Path) -> Option<String> {
         None => "to every user (this kernel has no kernel.io_uring_disabled)".to_string(),
     };
     Some(format!(
-        "io_uring is open {how}: a GPU descriptor registered in a ring whose own descriptor was registered (IORING_REGISTER_RING_FDS) and closed is held where no scan sees it; set kernel.io_uring_disabled = 2 (or 1 with a kernel.io_uring_group no job user is in) to close that"
+        "io_uring is open {how}: a ring's registered files are named by path only, so a GPU file opened through a bind mount in a user namespace that is gone and registered in a ring is not recognised; set kernel.io_uring_disabled = 2 (or 1 with a kernel.io_uring_group no job user is in) to close that"
     ))
 }
 

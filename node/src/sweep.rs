@@ -829,6 +829,9 @@ impl Procs<'_> {
 #[derive(Default)]
 struct Walk {
     walked: usize,
+    /// Why rings tasks registered (`IORING_REGISTER_RING_FDS`) were not
+    /// read, if so.
+    ring_error: Option<String>,
     holders: BTreeMap<i32, Vec<HeldFd>>,
     /// socket inode → owning pids.
     sockets: BTreeMap<u64, Vec<i32>>,
@@ -874,6 +877,7 @@ fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) ->
             }
         }
     }
+    w.ring_error = scanner.ring_error().map(String::from);
     w
 }
 
@@ -1492,6 +1496,11 @@ impl Sweep<'_> {
                         Via::ThreadFd => format!("thread {} fd {}", f.tid.unwrap_or(0), f.fd),
                         Via::Mmap => "mapping".into(),
                         Via::IoUring => format!("io_uring fd {}", f.fd),
+                        Via::IoUringRegisteredRing => format!(
+                            "thread {} io_uring registered ring {}",
+                            f.tid.unwrap_or(0),
+                            f.fd
+                        ),
                     };
                     format!("{} {} ({via})", f.dev, f.path.display())
                 })
@@ -1776,6 +1785,11 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     s.denials();
     let want = |d: DevNum| protected.contains(&d.major);
     let walk = walk_proc(node, s.scope.as_deref(), &want);
+    if let Some(why) = &walk.ring_error {
+        s.report.notes.push(format!(
+            "io_uring rings registered with IORING_REGISTER_RING_FDS (in no descriptor table) were not read: {why}"
+        ));
+    }
     s.report.processes = walk.walked;
     let mut holding = s.descriptor_holders(&walk);
     s.gpus(&live, &mut holding);

@@ -15,6 +15,15 @@ use gpufence_node::scan::{Holder, Scanner, Source, Via};
 use gpufence_node::{epilog, fence_ops, Node};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 
+/// Held by each test here that responds to holders or makes a ring the
+/// kernel's iterator cannot read whole: such a ring is taken to hold every
+/// job's devices (fail closed), so another test's Epilog would see it.
+static RESPONSES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn responses() -> std::sync::MutexGuard<'static, ()> {
+    RESPONSES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn hold_via(env: &mut TestEnv, dev: &std::path::Path, via: &str) -> Option<i32> {
     let cg = env.cgroup("holders");
     let arg = format!("--via={via}");
@@ -364,6 +373,7 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("handoff");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -389,7 +399,17 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     let first = env.spawn_ready(cmd, "held");
     record(&node, 41, dev);
     let o = epilog::run(&node, 41, None);
-    assert!(o.clean(), "{o:?}");
+    let who = |s: &String| {
+        s.split_whitespace()
+            .nth(1)
+            .and_then(|p| std::fs::read(format!("/proc/{p}/cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+    };
+    assert!(
+        o.clean(),
+        "{o:?}\nsurvivors: {:?}",
+        o.survivors.iter().map(who).collect::<Vec<_>>()
+    );
     let pids: Vec<i32> = o.lingering.iter().map(|l| l.pid).collect();
     assert_eq!(pids, vec![first, accomplice], "{o:?}");
     assert!(gone(first) && gone(accomplice));
@@ -409,6 +429,7 @@ fn system_accounts_are_spared_and_the_node_flagged() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("spared");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -452,6 +473,7 @@ fn a_users_process_in_an_exempt_cgroup_borrows_nothing() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("exempt-user");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -555,6 +577,7 @@ fn a_holder_that_let_go_is_left_alone() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("let-go");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -620,6 +643,7 @@ fn evidence_stays_within_its_budget() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     use gpufence_node::evidence::Budget;
     use std::time::Duration;
     let mut env = TestEnv::new("budget");
@@ -701,6 +725,7 @@ fn an_interrupted_response_leaves_nothing_stopped() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("interrupted");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -789,6 +814,7 @@ fn a_running_response_is_left_alone() {
     if !privileged() {
         return;
     }
+    let _serial = responses();
     let mut env = TestEnv::new("running-response");
     let real = HoldableDevice::claim();
     let node = node(&env, real.major);
@@ -841,4 +867,98 @@ fn a_running_response_is_left_alone() {
     let o = sweep();
     assert!(gone(victim), "{:?}", o.report.notes);
     assert!(!note.exists());
+}
+
+/// A GPU descriptor registered in an io_uring whose own descriptor was
+/// registered (`IORING_REGISTER_RING_FDS`) and closed: the ring is in no
+/// descriptor table, so `/proc` never shows it; the kernel's ring iterator
+/// reads it. A ring the iterator cannot read whole (the device behind
+/// 10,000 other fixed files) is taken to hold the job's devices (fail
+/// closed). The Epilog ends both holders with evidence.
+#[test]
+fn a_ring_in_no_descriptor_table_is_found() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("ring-fds");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let want: BTreeSet<DevNum> = [dev].into();
+    let hold = |env: &mut TestEnv, via: &str| -> Option<i32> {
+        let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+        cmd.args(["hold", &format!("--via={via}"), gpu.to_str().unwrap()]);
+        let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        let pid = child.id() as i32;
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        if line.trim() != "held" {
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!("{via}: {}", line.trim());
+            return None;
+        }
+        env.cg.move_pid(&env.cgroup("leftovers"), pid).unwrap();
+        std::mem::forget(child);
+        Some(pid)
+    };
+    let Some(plain) = hold(&mut env, "io_uring-registered") else {
+        assert_ne!(
+            std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+                .unwrap_or_default()
+                .trim(),
+            "0",
+            "io_uring is enabled, yet the probe could not hold through a registered ring"
+        );
+        return;
+    };
+    let crowded = hold(&mut env, "io_uring-registered-crowded").expect("a crowded ring");
+    assert!(
+        std::fs::read_dir(format!("/proc/{plain}/fd"))
+            .unwrap()
+            .flatten()
+            .all(|e| std::fs::read_link(e.path())
+                .is_ok_and(|t| !t.to_string_lossy().contains("io_uring"))),
+        "the ring is in no descriptor table"
+    );
+    let mut sc = Scanner::new();
+    let found = sc.holders(&want);
+    assert_eq!(sc.ring_error(), None);
+    let of = |pid: i32| found.iter().find(|h| h.pid == pid).cloned();
+    let h = of(plain).unwrap_or_else(|| panic!("registered ring: {found:?}"));
+    assert!(
+        h.fds
+            .iter()
+            .any(|f| f.via == Via::IoUringRegisteredRing && f.dev == dev && f.tid == Some(plain)),
+        "{h:?}"
+    );
+    let h = of(crowded).unwrap_or_else(|| panic!("crowded ring: {found:?}"));
+    assert!(
+        h.fds.iter().any(|f| f.via == Via::IoUringRegisteredRing
+            && f.path.to_string_lossy().contains("not read whole")),
+        "{h:?}"
+    );
+    // The /proc walk cannot see either, and says so.
+    let mut walk = Scanner::proc_walk();
+    let walked = walk.holders(&want);
+    assert!(walked.iter().all(|h| h.pid != plain), "{walked:?}");
+    assert!(walk.ring_error().is_some());
+    // The Epilog ends both.
+    record(&node, 49, dev);
+    let o = epilog::run(&node, 49, None);
+    assert!(o.clean(), "{o:?}");
+    let mut ended: Vec<i32> = o.lingering.iter().map(|l| l.pid).collect();
+    ended.sort();
+    let mut want_ended = vec![plain, crowded];
+    want_ended.sort();
+    assert_eq!(ended, want_ended, "{o:?}");
+    assert!(gone(plain) && gone(crowded));
+    assert!(o.lingering.iter().all(|l| l.evidence.is_some()));
 }

@@ -110,12 +110,30 @@ fn hold_then_pass(path: &str, sock: &str) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
-/// sleeps. For the scanner's tests.
 /// Opens `path`, registers it as the one fixed file of a new io_uring,
 /// closes the descriptor: the ring alone holds the device. The ring's
 /// descriptor, or a line saying why not.
 fn ring_holding(path: &str) -> Result<i32, String> {
+    ring_holding_after(path, 0)
+}
+
+/// [`ring_holding`] with `crowd` fixed files before the device,
+/// alternating `/dev/null` and `/dev/zero`.
+fn ring_holding_after(path: &str, crowd: usize) -> Result<i32, String> {
+    let null = open("/dev/null", true).map_err(|e| format!("/dev/null {}", word(Err(e))))?;
+    let zero = open("/dev/zero", true).map_err(|e| format!("/dev/zero {}", word(Err(e))))?;
+    // Fixed files count against RLIMIT_NOFILE: the soft limit up to the hard.
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
     let fd = open(path, false).map_err(|e| format!("{path} {}", word(Err(e))))?;
     // struct io_uring_params is 120 bytes; zeroed asks for defaults.
     let mut params = [0u8; 120];
@@ -124,16 +142,25 @@ fn ring_holding(path: &str) -> Result<i32, String> {
     if ring < 0 {
         return Err(format!("no io_uring: {}", std::io::Error::last_os_error()));
     }
-    let fds = [fd.as_raw_fd()];
+    let mut fds: Vec<i32> = (0..crowd)
+        .map(|i| {
+            if i % 2 == 0 {
+                null.as_raw_fd()
+            } else {
+                zero.as_raw_fd()
+            }
+        })
+        .collect();
+    fds.push(fd.as_raw_fd());
     // IORING_REGISTER_FILES = 2
-    // SAFETY: io_uring_register(2) of one descriptor.
+    // SAFETY: io_uring_register(2) of fds.len() descriptors.
     let r = unsafe {
         libc::syscall(
             libc::SYS_io_uring_register,
             ring as i32,
             2u32,
             fds.as_ptr(),
-            1u32,
+            fds.len() as u32,
         )
     };
     if r < 0 {
@@ -146,6 +173,8 @@ fn ring_holding(path: &str) -> Result<i32, String> {
     Ok(ring as i32)
 }
 
+/// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
+/// sleeps. For the scanner's tests.
 fn hold_hidden(path: &str, via: &str) -> ExitCode {
     let path = path.to_string();
     match via {
@@ -227,6 +256,44 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        // The ring's own descriptor registered (IORING_REGISTER_RING_FDS)
+        // and closed: the ring is in no descriptor table; `-crowded`: the
+        // device comes after 10,000 other fixed files.
+        "io_uring-registered" | "io_uring-registered-crowded" => {
+            let crowd = if via.ends_with("crowded") { 10_000 } else { 0 };
+            let ring = match ring_holding_after(&path, crowd) {
+                Ok(r) => r,
+                Err(e) => {
+                    say(&e);
+                    return ExitCode::FAILURE;
+                }
+            };
+            // struct io_uring_rsrc_update { u32 offset; u32 resv; u64 data; }:
+            // offset -1 takes any free slot; IORING_REGISTER_RING_FDS = 20.
+            let mut upd = [u64::from(u32::MAX), ring as u64];
+            // SAFETY: io_uring_register(2) with one update struct.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    ring,
+                    20u32,
+                    upd.as_mut_ptr(),
+                    1u32,
+                )
+            };
+            if r != 1 {
+                say(&format!(
+                    "register ring fd failed: {}",
+                    std::io::Error::last_os_error()
+                ));
+                return ExitCode::FAILURE;
+            }
+            // SAFETY: closes the ring's descriptor: it lives on in this
+            // task's registered ring slots only.
+            unsafe { libc::close(ring) };
+            say("held");
+            sleep_forever();
+        }
         // The ring only in a thread's private table (unshare(CLONE_FILES)):
         // the leader's table has neither the device nor the ring.
         "io_uring-thread" => {
