@@ -862,7 +862,7 @@ fn ring_btf() -> Vec<u8> {
     t.extend([name(b"read_file"), info(KIND_FUNC, 0), 5]);
     let types: Vec<u8> = t.iter().flat_map(|w| w.to_ne_bytes()).collect();
     let mut out = Vec::new();
-    out.extend(0xeB9Fu16.to_ne_bytes());
+    out.extend(0xEB9Fu16.to_ne_bytes());
     out.extend([1u8, 0u8]);
     for w in [
         24u32,
