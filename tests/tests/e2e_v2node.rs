@@ -1878,3 +1878,132 @@ fn slurmd_g_with_format_stderr_slurm_24_11_debian_trixie() {
     );
     drop(cluster);
 }
+
+/// A job hands its GPU's descriptor to two processes outside the job that
+/// keep it only in an io_uring: one in a ring whose own descriptor was
+/// registered (`IORING_REGISTER_RING_FDS`) and closed, one in a ring in a
+/// thread's private descriptor table (`unshare(CLONE_FILES)`). Neither
+/// shows the device in `/proc/<pid>/fd`; the Epilog finds both at job end,
+/// keeps evidence and ends them.
+#[test]
+fn io_uring_holds_outside_the_job_are_ended_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("v2ring");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    env.cg.create(OUTSIDE).unwrap();
+    let extra = format!(
+        "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(
+            &Release {
+                root: None,
+                plugin: None,
+            },
+            &slice,
+            &d,
+            &extra,
+            false,
+            "Alloc,Contain",
+        ),
+    );
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe");
+    let mut receivers = Vec::new();
+    for ring in ["registered", "thread"] {
+        let sock = env.path(&format!("jobs/ring-{ring}.sock"));
+        let mut recv = env.user_command_in(OUTSIDE, &probe);
+        recv.arg("recvfd").arg(format!("--ring={ring}")).arg(&sock);
+        let mut child = recv.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        let pid = child.id() as i32;
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), "listening", "{ring}");
+        std::mem::forget(child);
+        receivers.push((ring, pid, sock, out));
+    }
+    let sends: Vec<String> = receivers
+        .iter()
+        .map(|(_, _, sock, _)| {
+            format!(
+                "{} sendfd {} {}",
+                probe.display(),
+                sock.display(),
+                d.held.display()
+            )
+        })
+        .collect();
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!("echo JOB=$SLURM_JOB_ID; {}", sends.join("; ")),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success() && out.matches("sent").count() == 2,
+        "{}",
+        both(&o)
+    );
+    let job: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    for (ring, pid, _, out) in &mut receivers {
+        let mut line = String::new();
+        std::io::BufRead::read_line(out, &mut line).unwrap();
+        assert_eq!(line.trim(), "received", "{ring}");
+        // Not in any descriptor table the process shows.
+        let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .map(|t| t.display().to_string())
+            .collect();
+        assert!(
+            !fds.iter().any(|f| f.contains("nvidia-held")),
+            "{ring}: {fds:?}"
+        );
+    }
+    let pids: Vec<i32> = receivers.iter().map(|(_, p, _, _)| *p).collect();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || pids.iter().all(|p| gone(*p))),
+        "the Epilog did not end {pids:?}: {:?}\n{}",
+        events_for(&audit, job),
+        cluster.log_tail("slurmd.log")
+    );
+    let killed: Vec<i64> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| e["job_id"] == job && e["event"] == "process_killed")
+        .filter_map(|e| e["pid"].as_i64())
+        .collect();
+    for p in &pids {
+        assert!(killed.contains(&i64::from(*p)), "{killed:?} {pids:?}");
+        let ev = std::fs::read_dir(env.path("evidence"))
+            .unwrap()
+            .flatten()
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("job{job}-pid{p}-"))
+            });
+        assert!(ev, "evidence for {p}");
+    }
+    let mut state = String::new();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(20), || {
+            state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+                .trim()
+                .to_string();
+            state == "idle"
+        }),
+        "node {state}"
+    );
+    drop(cluster);
+}

@@ -120,6 +120,13 @@ fn ring_holding(path: &str) -> Result<i32, String> {
 /// [`ring_holding`] with `crowd` fixed files before the device,
 /// alternating `/dev/null` and `/dev/zero`.
 fn ring_holding_after(path: &str, crowd: usize) -> Result<i32, String> {
+    let fd = open(path, false).map_err(|e| format!("{path} {}", word(Err(e))))?;
+    ring_with(fd.as_raw_fd(), crowd)
+}
+
+/// A new io_uring with `crowd` fixed files (alternating `/dev/null` and
+/// `/dev/zero`) and then descriptor `fd` registered: its descriptor.
+fn ring_with(fd: RawFd, crowd: usize) -> Result<i32, String> {
     let null = open("/dev/null", true).map_err(|e| format!("/dev/null {}", word(Err(e))))?;
     let zero = open("/dev/zero", true).map_err(|e| format!("/dev/zero {}", word(Err(e))))?;
     // Fixed files count against RLIMIT_NOFILE: the soft limit up to the hard.
@@ -134,7 +141,6 @@ fn ring_holding_after(path: &str, crowd: usize) -> Result<i32, String> {
             libc::setrlimit(libc::RLIMIT_NOFILE, &r);
         }
     }
-    let fd = open(path, false).map_err(|e| format!("{path} {}", word(Err(e))))?;
     // struct io_uring_params is 120 bytes; zeroed asks for defaults.
     let mut params = [0u8; 120];
     // SAFETY: io_uring_setup(2) with a zeroed params struct.
@@ -151,7 +157,7 @@ fn ring_holding_after(path: &str, crowd: usize) -> Result<i32, String> {
             }
         })
         .collect();
-    fds.push(fd.as_raw_fd());
+    fds.push(fd);
     // IORING_REGISTER_FILES = 2
     // SAFETY: io_uring_register(2) of fds.len() descriptors.
     let r = unsafe {
@@ -169,8 +175,56 @@ fn ring_holding_after(path: &str, crowd: usize) -> Result<i32, String> {
             std::io::Error::last_os_error()
         ));
     }
-    drop(fd);
     Ok(ring as i32)
+}
+
+/// Listens on `sock` (0777), says "listening", takes one descriptor sent
+/// over it.
+fn receive_one(sock: &str) -> Option<OwnedFd> {
+    let _ = std::fs::remove_file(sock);
+    let l = UnixListener::bind(sock).ok()?;
+    let _ = std::fs::set_permissions(sock, std::os::unix::fs::PermissionsExt::from_mode(0o777));
+    say("listening");
+    let (s, _) = l.accept().ok()?;
+    let mut buf = [0u8; 8];
+    let mut iov = [IoSliceMut::new(&mut buf)];
+    let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty()).ok()?;
+    for c in msg.cmsgs().into_iter().flatten() {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            // SAFETY: a descriptor received over SCM_RIGHTS is ours.
+            return fds.first().map(|fd| unsafe { OwnedFd::from_raw_fd(*fd) });
+        }
+    }
+    None
+}
+
+/// Registers ring `ring`'s own descriptor (IORING_REGISTER_RING_FDS) and
+/// closes it.
+fn register_and_close(ring: i32) -> Result<(), String> {
+    // struct io_uring_rsrc_update { u32 offset; u32 resv; u64 data; }:
+    // offset -1 takes any free slot; IORING_REGISTER_RING_FDS = 20.
+    let mut upd = [u64::from(u32::MAX), ring as u64];
+    // SAFETY: io_uring_register(2) with one update struct.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring,
+            20u32,
+            upd.as_mut_ptr(),
+            1u32,
+        )
+    };
+    if r != 1 {
+        return Err(format!(
+            "register ring fd failed: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: closes the ring's descriptor: it lives on in this task's
+    // registered ring slots only.
+    unsafe { libc::close(ring) };
+    Ok(())
 }
 
 /// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
@@ -261,38 +315,16 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
         // device comes after 10,000 other fixed files.
         "io_uring-registered" | "io_uring-registered-crowded" => {
             let crowd = if via.ends_with("crowded") { 10_000 } else { 0 };
-            let ring = match ring_holding_after(&path, crowd) {
-                Ok(r) => r,
+            match ring_holding_after(&path, crowd).and_then(register_and_close) {
+                Ok(()) => {
+                    say("held");
+                    sleep_forever();
+                }
                 Err(e) => {
                     say(&e);
-                    return ExitCode::FAILURE;
+                    ExitCode::FAILURE
                 }
-            };
-            // struct io_uring_rsrc_update { u32 offset; u32 resv; u64 data; }:
-            // offset -1 takes any free slot; IORING_REGISTER_RING_FDS = 20.
-            let mut upd = [u64::from(u32::MAX), ring as u64];
-            // SAFETY: io_uring_register(2) with one update struct.
-            let r = unsafe {
-                libc::syscall(
-                    libc::SYS_io_uring_register,
-                    ring,
-                    20u32,
-                    upd.as_mut_ptr(),
-                    1u32,
-                )
-            };
-            if r != 1 {
-                say(&format!(
-                    "register ring fd failed: {}",
-                    std::io::Error::last_os_error()
-                ));
-                return ExitCode::FAILURE;
             }
-            // SAFETY: closes the ring's descriptor: it lives on in this
-            // task's registered ring slots only.
-            unsafe { libc::close(ring) };
-            say("held");
-            sleep_forever();
         }
         // The ring only in a thread's private table (unshare(CLONE_FILES)):
         // the leader's table has neither the device nor the ring.
@@ -489,6 +521,57 @@ fn main() -> ExitCode {
             }
             say("traced");
             sleep_forever();
+        }
+        // `--ring=registered`: the received descriptor goes into an
+        // io_uring whose own descriptor is registered
+        // (IORING_REGISTER_RING_FDS) and closed; `--ring=thread`: into a
+        // ring kept only in a thread's private table. Then it is closed:
+        // the ring alone holds it.
+        ["recvfd", ring, sock] if ring.starts_with("--ring=") => {
+            let Some(fd) = receive_one(sock) else {
+                return ExitCode::FAILURE;
+            };
+            match &ring["--ring=".len()..] {
+                "registered" => match ring_with(fd.as_raw_fd(), 0).and_then(register_and_close) {
+                    Ok(()) => {
+                        drop(fd);
+                        say("received");
+                        sleep_forever();
+                    }
+                    Err(e) => {
+                        say(&e);
+                        return ExitCode::FAILURE;
+                    }
+                },
+                "thread" => {
+                    let raw = std::os::fd::IntoRawFd::into_raw_fd(fd);
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    std::thread::spawn(move || {
+                        // SAFETY: unshare of this thread's fd table (a
+                        // copy: the received descriptor is in it too).
+                        if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+                            say("unshare failed");
+                            let _ = tx.send(false);
+                            return;
+                        }
+                        let ok = ring_with(raw, 0).map_err(|e| say(&e)).is_ok();
+                        // SAFETY: closes this table's copy of the descriptor.
+                        unsafe { libc::close(raw) };
+                        let _ = tx.send(ok);
+                        sleep_forever();
+                    });
+                    if rx.recv() != Ok(true) {
+                        return ExitCode::FAILURE;
+                    }
+                    // The main table's copy goes: only the thread's ring
+                    // holds it.
+                    // SAFETY: closes the main table's copy.
+                    unsafe { libc::close(raw) };
+                    say("received");
+                    sleep_forever();
+                }
+                _ => return ExitCode::from(2),
+            }
         }
         ["recvfd", sock] => {
             let _ = std::fs::remove_file(sock);
