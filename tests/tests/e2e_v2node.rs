@@ -1890,7 +1890,7 @@ fn io_uring_holds_outside_the_job_are_ended_22_05_host() {
     if !privileged() {
         return;
     }
-    let mut env = TestEnv::new("v2ring");
+    let env = TestEnv::new("v2ring");
     let d = Devices::make(&env);
     let slice = V2Slice::claim();
     env.cg.create(OUTSIDE).unwrap();
