@@ -345,7 +345,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     );
                 }
                 for p in &st.problems {
-                    println!("problem: {p}");
+                    println!("problem: {}", gpufence_model::text::printable(p));
                 }
                 if let Some(n) = &io_uring {
                     println!("note: {n}");
@@ -530,11 +530,18 @@ fn print_devices(d: &gpufence_node::inventory::Devices) {
 }
 
 fn print_doctor(d: &gpufence_node::doctor::Doctor) {
-    match d.pid {
-        Some(p) => println!("process {p} in cgroup /{}", d.cgroup),
-        None => println!("cgroup /{}", d.cgroup),
+    // Cgroup names (users name their own under a delegated subtree) and
+    // program names: through the one sanitiser, a line at a time.
+    macro_rules! say {
+        ($($t:tt)*) => {
+            println!("{}", gpufence_model::text::printable(&format!($($t)*)))
+        };
     }
-    println!(
+    match d.pid {
+        Some(p) => say!("process {p} in cgroup /{}", d.cgroup),
+        None => say!("cgroup /{}", d.cgroup),
+    }
+    say!(
         "fence: {}{}; running mode {} (config: {}); {}",
         if d.fence_attached {
             "attached"
@@ -555,23 +562,23 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
         }
     );
     if !d.under_fence {
-        println!("this cgroup is outside the fenced subtree: gpufence does not apply to it");
+        say!("this cgroup is outside the fenced subtree: gpufence does not apply to it");
     }
     match (d.mount_root_level, d.kernel_level) {
-        (Some(n), Some(k)) if n > 0 => println!(
+        (Some(n), Some(k)) if n > 0 => say!(
             "cgroup namespace: paths here start {n} level(s) below the hierarchy's root; this cgroup is at kernel level {k}"
         ),
-        (None, _) => println!("kernel level: unknown (see the verdicts)"),
+        (None, _) => say!("kernel level: unknown (see the verdicts)"),
         _ => {}
     }
-    println!("device programs from the root down:");
+    say!("device programs from the root down:");
     if d.levels.is_empty() {
-        println!("  (none attached from the root down to this cgroup)");
+        say!("  (none attached from the root down to this cgroup)");
     }
     for l in &d.levels {
-        println!("  /{} (attach flags: {})", l.cgroup, l.attach_flags);
+        say!("  /{} (attach flags: {})", l.cgroup, l.attach_flags);
         for p in &l.programs {
-            println!(
+            say!(
                 "    prog {} {:<16} tag {} loaded by uid {} {}  -> {}",
                 p.id,
                 p.name,
@@ -586,13 +593,11 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
             );
         }
     }
-    println!(
-        "NVIDIA devices (gpufence's verdict for read+write; other programs above may also deny):"
-    );
+    say!("NVIDIA devices (gpufence's verdict for read+write; other programs above may also deny):");
     for v in &d.devices {
-        println!("  {:<8} {:<8} {}  ({})", v.device, v.verdict, v.why, v.path);
+        say!("  {:<8} {:<8} {}  ({})", v.device, v.verdict, v.why, v.path);
     }
     if let Some(n) = &d.io_uring {
-        println!("note: {n}");
+        say!("note: {n}");
     }
 }
