@@ -66,6 +66,12 @@ pub enum Object {
     AnonInode(u64),
     /// A mapping of a character device: `(major, minor)`.
     CharMap(u32, u32),
+    /// A mapping of a file on the anonymous-inode filesystem (an io_uring's
+    /// rings, which keep the ring alive without a descriptor): its inode.
+    AnonMap(u64),
+    /// A ring a task registered (`IORING_REGISTER_RING_FDS`): the inode of
+    /// its file, so that its mappings are known as read. `fd` is its slot.
+    RingSeen(u64),
     /// A character device registered as a fixed file of an io_uring whose
     /// own descriptor the task registered (`IORING_REGISTER_RING_FDS`):
     /// `(major, minor)`; the record's `fd` is the ring's registered slot.
@@ -84,12 +90,14 @@ const KIND_ANON: i32 = 3;
 const KIND_MAP: i32 = 4;
 const KIND_RING: i32 = 5;
 const KIND_RING_TRUNC: i32 = 6;
+const KIND_ANON_MAP: i32 = 7;
+const KIND_RING_SEEN: i32 = 8;
 
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
 /// says so ([`Object::RingTruncated`]). What one program run writes must
 /// fit the iterator's buffer (`bpf_seq_read`: 8 pages, else `E2BIG`,
-/// `kernel/bpf/bpf_iter.c`): 16 rings of 65 records of 24 bytes do.
+/// `kernel/bpf/bpf_iter.c`): 16 rings of 66 records of 24 bytes do.
 pub const RING_RECORDS: i32 = 64;
 /// `BPF_FUNC_loop` (`include/uapi/linux/bpf.h`, 5.17+):
 /// `long bpf_loop(u32 nr_loops, void *callback_fn, void *callback_ctx, u64 flags)`,
@@ -102,9 +110,10 @@ const MAX_LOOPS: i32 = 1 << 23;
 const RING_FDS: usize = 16;
 /// `BPF_FUNC_probe_read_kernel` (`include/uapi/linux/bpf.h`).
 const FUNC_PROBE_READ_KERNEL: i32 = 113;
-/// `FFS_NOWAIT | FFS_ISREG` (`io_uring/filetable.h`): flag bits kept in the
-/// low bits of a fixed file's `file_ptr`.
-const FFS_FLAGS: i32 = 3;
+/// Flag bits kept in the low bits of a fixed file's `file_ptr`
+/// (`FFS_NOWAIT`, `FFS_ISREG`, and in 5.18-6.6 `FFS_SCM`:
+/// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
+const FFS_FLAGS: i32 = 7;
 
 /// One object the iterators report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,6 +157,8 @@ impl Record {
                 Object::RingFile(ma, mi)
             }
             KIND_RING_TRUNC => Object::RingTruncated(value),
+            KIND_ANON_MAP => Object::AnonMap(value),
+            KIND_RING_SEEN => Object::RingSeen(value),
             _ => return None,
         };
         Some(Record {
@@ -333,7 +344,8 @@ pub fn file_program(l: &Layout, sockets: bool) -> Result<Program, AsmError> {
 }
 
 /// The `task_vma` program: a record for each mapping of a character device
-/// (`vma->vm_file->f_inode`), fd 0.
+/// (`vma->vm_file->f_inode`) and of an anonymous inode (an io_uring's
+/// rings), fd 0.
 ///
 /// # Errors
 /// [`AsmError`] (a bug here).
@@ -350,12 +362,21 @@ pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
         .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
         .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
+        .mov64_imm(Reg::R4, 0)
         .load(size(&l.i_mode), Reg::R2, Reg::R9, off(&l.i_mode))
         .alu64_imm(AluOp::And, Reg::R2, S_IFMT)
-        .jmp_imm(JmpOp::Ne, Reg::R2, S_IFCHR, "out")
+        .jmp_imm(JmpOp::Eq, Reg::R2, S_IFCHR, "map_chr")
+        .comment("an anonymous inode (an io_uring's rings): file->f_inode->i_sb->s_magic == ANON_INODE_FS_MAGIC")
+        .load(Size::DW, Reg::R3, Reg::R9, off(&l.i_sb))
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, "out")
+        .load(size(&l.s_magic), Reg::R3, Reg::R3, off(&l.s_magic))
+        .jmp_imm(JmpOp::Ne, Reg::R3, ANON_INODE_FS_MAGIC as i32, "out")
+        .mov64_imm(Reg::R2, KIND_ANON_MAP)
+        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
+        .ja("emit")
+        .label("map_chr")
         .mov64_imm(Reg::R2, KIND_MAP)
         .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
-        .mov64_imm(Reg::R4, 0)
         .ja("emit");
     emit(&mut a, l);
     a.assemble()
@@ -401,6 +422,8 @@ pub struct RingLayout {
     io_uring: Field,
     rings: Field,
     private_data: Field,
+    file_inode: Field,
+    i_ino: Field,
     f_inode: i32,
     i_mode: i32,
     i_rdev: i32,
@@ -459,6 +482,8 @@ impl RingLayout {
             io_uring: sized(btf, "task_struct", "io_uring", 8, true)?,
             rings,
             private_data: sized(btf, "file", "private_data", 8, true)?,
+            file_inode: sized(btf, "file", "f_inode", 8, true)?,
+            i_ino: sized(btf, "inode", "i_ino", 8, false)?,
             f_inode: ctx_off(&[("file", "f_inode")])?,
             i_mode: ctx_off(&[("inode", "i_mode")])?,
             i_rdev: ctx_off(&[("inode", "i_rdev")])?,
@@ -554,22 +579,42 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
             ))
             .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
             .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+            .comment("rec = { tgid, tid, slot, RING_SEEN, file->f_inode->i_ino }")
+            .load(Size::DW, Reg::R3, Reg::R1, off(&l.file_inode))
+            .jmp_imm(JmpOp::Eq, Reg::R3, 0, &format!("seen_{i}"))
+            .load(Size::DW, Reg::R3, Reg::R3, off(&l.i_ino))
+            .store(Size::DW, Reg::R10, -8, Reg::R3)
+            .store_imm(Size::W, Reg::R10, -12, KIND_RING_SEEN)
+            .store_imm(Size::W, Reg::R10, -16, i as i32)
+            .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+            .store(Size::W, Reg::R10, -24, Reg::R2)
+            .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
+            .store(Size::W, Reg::R10, -20, Reg::R2)
+            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
+            .mov64_reg(Reg::R2, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+            .mov64_imm(Reg::R3, RECORD_LEN as i32)
+            .call_id(FUNC_SEQ_WRITE, "seq_write")
+            .label(&format!("seen_{i}"))
+            .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
             .load(Size::DW, Reg::R9, Reg::R1, off(&l.private_data))
             .jmp_imm(JmpOp::Eq, Reg::R9, 0, &next_ring)
-            .comment("nr = the ring's count of fixed files; state.table = their table")
+            .comment("nr = the ring's count of fixed files; state.table = their table (unreadable: say so)")
+            .store_imm(Size::DW, Reg::R10, RING_NR, 0)
             .mov64_reg(Reg::R3, Reg::R9)
             .alu64_imm(AluOp::Add, Reg::R3, nr_off);
-        probe_read(&mut a, RING_TMP, Size::W, 4, Reg::R1, &next_ring);
+        probe_read(&mut a, RING_TMP, Size::W, 4, Reg::R1, &truncated);
         a.store(Size::DW, Reg::R10, RING_NR, Reg::R1)
             .mov64_reg(Reg::R3, Reg::R9)
             .alu64_imm(AluOp::Add, Reg::R3, base_off);
-        probe_read(&mut a, RING_TMP, Size::DW, 8, Reg::R1, &next_ring);
+        probe_read(&mut a, RING_TMP, Size::DW, 8, Reg::R1, &truncated);
         a.jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
             .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
             .store_imm(Size::DW, Reg::R10, STATE + ST_SLOT, i as i32)
             .store_imm(Size::DW, Reg::R10, STATE + ST_LAST, 0);
-        zero_unknown(&mut a, ST_RECORDS, &next_ring);
-        zero_unknown(&mut a, ST_MORE, &next_ring);
+        zero_unknown(&mut a, ST_RECORDS, &truncated);
+        zero_unknown(&mut a, ST_MORE, &truncated);
         a.comment("bpf_loop(nr, read_file, &state, 0): past BPF_MAX_LOOPS it refuses")
             .load(Size::DW, Reg::R1, Reg::R10, RING_NR)
             .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, &truncated)
@@ -991,8 +1036,16 @@ mod live {
             eprintln!("SKIPPED: needs root in the initial pid namespace");
             return;
         }
-        let layout = match Btf::vmlinux().and_then(|b| RingLayout::from_btf(&b)) {
+        let Ok(btf) = Btf::vmlinux() else {
+            eprintln!("SKIPPED: no BTF");
+            return;
+        };
+        let layout = match RingLayout::from_btf(&btf) {
             Ok(l) => l,
+            // A kernel with io_uring must have the layout read.
+            Err(e) if btf.field("task_struct", "io_uring").is_ok() => {
+                panic!("io_uring is in this kernel, yet its layout is not read: {e}")
+            }
             Err(e) => {
                 eprintln!("SKIPPED: {e}");
                 return;

@@ -238,24 +238,6 @@ pub fn uncovered(
         .filter_map(|mut c| {
             let cg = c.cgroup.clone();
             let uid = uid_of(c.pid);
-            // A registered ring the kernel's iterator could not read whole
-            // is taken to hold the job's devices (fail closed), unless its
-            // process is in a job cgroup with grants of its own: there it
-            // is that job's, whose Epilog looks at it.
-            let unread_only = !c.fds.is_empty()
-                && c.fds
-                    .iter()
-                    .all(|f| f.via == scan::Via::IoUringRegisteredRing && f.unread);
-            if unread_only
-                && cg.as_deref().is_some_and(|cg| {
-                    node.cg
-                        .ancestry(cg)
-                        .into_iter()
-                        .any(|(_, id)| fence.is_some_and(|f| f.is_granted(id).unwrap_or(false)))
-                })
-            {
-                return None;
-            }
             c.devices
                 .retain(|d| !covered(node, fence, cg.as_deref(), uid, *d));
             c.fds.retain(|f| c.devices.contains(&f.dev));
@@ -521,7 +503,7 @@ fn still_holding(c: &Candidate) -> Result<Option<PidFd>, String> {
     let proc_shows_all = c.gpu_memory.is_empty()
         && c.fds
             .iter()
-            .all(|f| f.via != scan::Via::IoUringRegisteredRing);
+            .all(|f| f.via != scan::Via::IoUringRegisteredRing && !f.unread);
     if proc_shows_all {
         let held = scan::holder(c.pid, &c.devices).is_some_and(|h| !h.fds.is_empty());
         if !held || exited(fd.fd()) {

@@ -117,6 +117,9 @@ pub struct Scanner {
     unread_means: Option<BTreeSet<DevNum>>,
     /// Why the last snapshot could not read registered rings, if so.
     ring_error: Option<String>,
+    /// Registered rings not read whole that a scan for a predicate (not a
+    /// device set) met: (pid, thread, ring slot, fixed files).
+    unread_rings: Vec<(i32, i32, i32, u64)>,
 }
 
 impl Default for Scanner {
@@ -129,6 +132,7 @@ impl Default for Scanner {
             source: None,
             unread_means: None,
             ring_error: None,
+            unread_rings: Vec::new(),
         }
     }
 }
@@ -170,6 +174,11 @@ struct ProcRecords {
     rings: Vec<(i32, i32, DevNum)>,
     /// Registered rings not read whole: (thread, ring slot, fixed files).
     rings_unread: Vec<(i32, i32, u64)>,
+    /// It maps anonymous inodes (io_uring rings among them).
+    anon_maps: bool,
+    /// The inodes of the rings its tasks registered (read by the ring
+    /// iterator).
+    ring_inos: BTreeSet<u64>,
 }
 
 /// One read of the machine by the iterators.
@@ -191,6 +200,12 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
     let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
     let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
     let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
+    // Loaded (and verified) before any read, so that the three reads
+    // follow each other closely.
+    let rings = RingLayout::from_btf(&btf)
+        .map_err(|e| e.to_string())
+        .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()));
+    drop(btf);
     let listed: BTreeSet<i32> = if list {
         pids().into_iter().collect()
     } else {
@@ -209,15 +224,10 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
     // Rings registered with IORING_REGISTER_RING_FDS (in no descriptor
     // table, maybe): read from the kernel where it can be; where it cannot
     // (no io_uring in the kernel, no bpf_loop), the snapshot says why.
-    let (rings, ring_error) = match RingLayout::from_btf(&btf)
-        .map_err(|e| e.to_string())
-        .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))
-        .and_then(|it| it.files().map_err(|e| e.to_string()))
-    {
+    let (rings, ring_error) = match rings.and_then(|it| it.files().map_err(|e| e.to_string())) {
         Ok(r) => (r, None),
         Err(e) => (Vec::new(), Some(e)),
     };
-    drop(btf);
     let mut procs: HashMap<i32, ProcRecords> = HashMap::new();
     for r in files.into_iter().chain(maps).chain(rings) {
         let p = procs.entry(r.tgid).or_default();
@@ -234,6 +244,10 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
             }
             Object::RingFile(ma, mi) => p.rings.push((r.tid, r.fd, DevNum::new(ma, mi))),
             Object::RingTruncated(n) => p.rings_unread.push((r.tid, r.fd, n)),
+            Object::AnonMap(_) => p.anon_maps = true,
+            Object::RingSeen(ino) => {
+                p.ring_inos.insert(ino);
+            }
         }
     }
     Ok(Snapshot {
@@ -335,6 +349,14 @@ impl Scanner {
         self.source.as_ref()
     }
 
+    /// Registered rings not read whole that scans for a predicate met
+    /// ([`Scanner::process_fds`], the sweep): (pid, thread, ring slot,
+    /// fixed files). They may hold any device; [`Scanner::holders`] takes
+    /// them to hold the devices it looks for.
+    pub fn unread_rings(&self) -> &[(i32, i32, i32, u64)] {
+        &self.unread_rings
+    }
+
     /// Why the last whole-machine scan could not read the rings tasks
     /// registered (`IORING_REGISTER_RING_FDS`): `None` when it read them
     /// (or before a scan). A `/proc` walk never can.
@@ -353,9 +375,7 @@ impl Scanner {
         }
         let want = |d: DevNum| devs.contains(&d);
         self.unread_means = Some(devs.clone());
-        let fast = self.holders_fast(&want);
-        self.unread_means = None;
-        match fast {
+        let out = match self.holders_fast(&want) {
             Ok(h) => {
                 self.source = Some(Source::Iterators);
                 h
@@ -364,7 +384,9 @@ impl Scanner {
                 self.source = Some(Source::Proc((!why.is_empty()).then_some(why)));
                 self.holders_proc_parallel(&want)
             }
-        }
+        };
+        self.unread_means = None;
+        out
     }
 
     /// The whole machine through the iterators, or `Err(why)`.
@@ -402,7 +424,15 @@ impl Scanner {
             .unread_means
             .clone()
             .filter(|_| !r.rings_unread.is_empty());
-        if !hit_fd && !hit_map && !hit_ring && unread.is_none() && r.anon.is_empty() {
+        if unread.is_none() {
+            self.unread_rings.extend(
+                r.rings_unread
+                    .iter()
+                    .map(|&(tid, slot, n)| (pid, tid, slot, n)),
+            );
+        }
+        if !hit_fd && !hit_map && !hit_ring && unread.is_none() && r.anon.is_empty() && !r.anon_maps
+        {
             return None;
         }
         let base = PathBuf::from(format!("/proc/{pid}"));
@@ -436,7 +466,11 @@ impl Scanner {
         if hit_map {
             self.mappings(&base, want, &mut fds);
         }
-        io_uring_files(&base, want, &mut fds, &r.anon);
+        let mut known = io_uring_files(&base, want, &mut fds, &r.anon);
+        if r.anon_maps {
+            known.extend(r.ring_inos.iter().copied());
+            self.mapped_rings(&base, pid, &mut fds, &known);
+        }
         for &(tid, slot, dev) in r.rings.iter().filter(|(_, _, d)| want(*d)) {
             fds.push(HeldFd {
                 fd: slot,
@@ -448,7 +482,8 @@ impl Scanner {
             });
         }
         // A registered ring not read whole may hold any of the devices
-        // sought: fail closed.
+        // sought: fail closed (wherever its process is: a job's process
+        // may hold another job's GPU in it).
         if let Some(devs) = &unread {
             for &(tid, slot, n) in &r.rings_unread {
                 for dev in devs {
@@ -513,9 +548,13 @@ impl Scanner {
         let me = std::process::id() as i32;
         let all: Vec<i32> = pids().into_iter().filter(|p| *p != me).collect();
         let (a, b) = all.split_at(all.len() / 2);
+        let means = self.unread_means.clone();
         let mut out: Vec<Holder> = std::thread::scope(|s| {
-            let other = s.spawn(|| {
-                let mut sc = Scanner::proc_walk();
+            let other = s.spawn(move || {
+                let mut sc = Scanner {
+                    unread_means: means,
+                    ..Scanner::proc_walk()
+                };
                 b.iter()
                     .filter_map(|pid| sc.holder_where(*pid, want))
                     .collect::<Vec<_>>()
@@ -647,7 +686,8 @@ impl Scanner {
         }
         self.mappings(&base, want, &mut fds);
         // Only anonymous inodes can be rings: just those are readlinked.
-        io_uring_files(&base, want, &mut fds, &anon);
+        let known = io_uring_files(&base, want, &mut fds, &anon);
+        self.mapped_rings(&base, pid, &mut fds, &known);
         finish(pid, fds)
     }
 
@@ -690,6 +730,60 @@ impl Scanner {
                         unread: false,
                     });
                 }
+            }
+        }
+    }
+}
+
+impl Scanner {
+    /// Rings kept alive by a mapping alone: their descriptor closed and
+    /// not registered, the mapped rings hold the file (and an SQPOLL thread
+    /// still runs what is written to them). A ring file cannot be opened
+    /// again by path (`map_files` answers ENXIO for an anonymous inode), so
+    /// their fixed files cannot be read: each `anon_inode:[io_uring]`
+    /// mapping whose inode is not `known` (rings in the process's tables,
+    /// rings its tasks registered) is taken to hold the devices
+    /// [`Scanner::holders`] looks for (fail closed), or, in a scan for a
+    /// predicate, listed in [`Scanner::unread_rings`] with slot -1.
+    fn mapped_rings(
+        &mut self,
+        base: &Path,
+        pid: i32,
+        out: &mut Vec<HeldFd>,
+        known: &BTreeSet<u64>,
+    ) {
+        let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
+            return;
+        };
+        let mut seen = known.clone();
+        for line in maps.lines() {
+            let mut it = line.split_whitespace();
+            let (Some(_), _, _, _, Some(inode)) =
+                (it.next(), it.next(), it.next(), it.next(), it.next())
+            else {
+                continue;
+            };
+            if it.collect::<Vec<_>>().join(" ") != "anon_inode:[io_uring]" {
+                continue;
+            }
+            let Ok(ino) = inode.parse::<u64>() else {
+                continue;
+            };
+            if !seen.insert(ino) {
+                continue;
+            }
+            match &self.unread_means {
+                Some(devs) => out.extend(devs.iter().map(|dev| HeldFd {
+                    fd: -1,
+                    path: PathBuf::from(format!(
+                        "io_uring ring (inode {ino}) kept by a mapping alone: its files cannot be read"
+                    )),
+                    dev: *dev,
+                    via: Via::IoUring,
+                    tid: None,
+                    unread: true,
+                })),
+                None => self.unread_rings.push((pid, pid, -1, 0)),
             }
         }
     }
@@ -753,13 +847,15 @@ fn fd_table(
 /// anonymous inodes in the process's tables: (the thread whose own table
 /// holds it, `None` for the leader's; fd). A ring kept only in a thread's
 /// private table (after `unshare(CLONE_FILES)`) is read there
-/// (`/proc/<pid>/task/<tid>/fd{,info}`).
+/// (`/proc/<pid>/task/<tid>/fd{,info}`). Returns the inodes of the rings
+/// found in the tables.
 fn io_uring_files(
     base: &Path,
     want: DevicePredicate<'_>,
     out: &mut Vec<HeldFd>,
     candidates: &[(Option<i32>, i32)],
-) {
+) -> BTreeSet<u64> {
+    let mut rings = BTreeSet::new();
     for &(tid, fd) in candidates {
         let table = match tid {
             Some(t) => base.join("task").join(t.to_string()),
@@ -772,38 +868,51 @@ fn io_uring_files(
         if target.as_os_str() != "anon_inode:[io_uring]" {
             continue;
         }
+        if let Ok(md) = std::fs::metadata(&link) {
+            rings.insert(md.ino());
+        }
         let Ok(info) = std::fs::read_to_string(table.join("fdinfo").join(fd.to_string())) else {
             continue;
         };
-        let mut in_files = false;
-        for line in info.lines() {
-            if line.starts_with("UserFiles:") {
-                in_files = true;
+        for (path, dev) in ring_user_files(&info, want) {
+            out.push(HeldFd {
+                fd,
+                path,
+                dev,
+                via: Via::IoUring,
+                tid,
+                unread: false,
+            });
+        }
+    }
+    rings
+}
+
+/// The `UserFiles:` of a ring's fdinfo text that are devices `want` selects.
+fn ring_user_files(info: &str, want: DevicePredicate<'_>) -> Vec<(PathBuf, DevNum)> {
+    let mut out = Vec::new();
+    let mut in_files = false;
+    for line in info.lines() {
+        if line.starts_with("UserFiles:") {
+            in_files = true;
+            continue;
+        }
+        if in_files {
+            let Some((idx, path)) = line.trim_start().split_once(": ") else {
+                in_files = false;
+                continue;
+            };
+            if idx.bytes().any(|b| !b.is_ascii_digit()) {
+                in_files = false;
                 continue;
             }
-            if in_files {
-                let Some((idx, path)) = line.trim_start().split_once(": ") else {
-                    in_files = false;
-                    continue;
-                };
-                if idx.bytes().any(|b| !b.is_ascii_digit()) {
-                    in_files = false;
-                    continue;
-                }
-                let path = path.trim();
-                if let Some(dev) = char_rdev(Path::new(path)).filter(|d| want(*d)) {
-                    out.push(HeldFd {
-                        fd,
-                        path: PathBuf::from(path),
-                        dev,
-                        via: Via::IoUring,
-                        tid,
-                        unread: false,
-                    });
-                }
+            let path = path.trim();
+            if let Some(dev) = char_rdev(Path::new(path)).filter(|d| want(*d)) {
+                out.push((PathBuf::from(path), dev));
             }
         }
     }
+    out
 }
 
 /// What `/proc/sys/kernel/io_uring_disabled` says (Linux 6.6+,

@@ -832,6 +832,8 @@ struct Walk {
     /// Why rings tasks registered (`IORING_REGISTER_RING_FDS`) were not
     /// read, if so.
     ring_error: Option<String>,
+    /// Registered rings not read whole: (pid, thread, slot, fixed files).
+    unread_rings: Vec<(i32, i32, i32, u64)>,
     holders: BTreeMap<i32, Vec<HeldFd>>,
     /// socket inode → owning pids.
     sockets: BTreeMap<u64, Vec<i32>>,
@@ -878,6 +880,7 @@ fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) ->
         }
     }
     w.ring_error = scanner.ring_error().map(String::from);
+    w.unread_rings = scanner.unread_rings().to_vec();
     w
 }
 
@@ -1785,6 +1788,16 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     s.denials();
     let want = |d: DevNum| protected.contains(&d.major);
     let walk = walk_proc(node, s.scope.as_deref(), &want);
+    for (pid, tid, slot, n) in &walk.unread_rings {
+        let which = if *slot < 0 {
+            "kept by a mapping alone".to_string()
+        } else {
+            format!("thread {tid}'s registered slot {slot}, {n} fixed files")
+        };
+        s.report.notes.push(format!(
+            "pid {pid} has an io_uring ring ({which}) whose files were not read whole: it may hold a GPU; the next Epilog of a GPU job ends it, or `gpufence respond {pid}`"
+        ));
+    }
     if let Some(why) = &walk.ring_error {
         s.report.notes.push(format!(
             "io_uring rings registered with IORING_REGISTER_RING_FDS (in no descriptor table) were not read: {why}"

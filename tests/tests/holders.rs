@@ -120,7 +120,7 @@ fn hidden_holds_are_found() {
         }
         None => assert_ne!(
             std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
-                .unwrap_or_default()
+                .unwrap_or_else(|_| "0".into())
                 .trim(),
             "0",
             "io_uring is enabled, yet the probe could not hold through it"
@@ -912,7 +912,7 @@ fn a_ring_in_no_descriptor_table_is_found() {
     let Some(plain) = hold(&mut env, "io_uring-registered") else {
         assert_ne!(
             std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
-                .unwrap_or_default()
+                .unwrap_or_else(|_| "0".into())
                 .trim(),
             "0",
             "io_uring is enabled, yet the probe could not hold through a registered ring"
@@ -920,6 +920,7 @@ fn a_ring_in_no_descriptor_table_is_found() {
         return;
     };
     let crowded = hold(&mut env, "io_uring-registered-crowded").expect("a crowded ring");
+    let mapped = hold(&mut env, "io_uring-mapped").expect("a ring kept by its mapping");
     assert!(
         std::fs::read_dir(format!("/proc/{plain}/fd"))
             .unwrap()
@@ -939,13 +940,30 @@ fn a_ring_in_no_descriptor_table_is_found() {
             .any(|f| f.via == Via::IoUringRegisteredRing && f.dev == dev && f.tid == Some(plain)),
         "{h:?}"
     );
+    assert!(h.fds.iter().all(|f| !f.unread), "read, not assumed: {h:?}");
     let h = of(crowded).unwrap_or_else(|| panic!("crowded ring: {found:?}"));
     assert!(
         h.fds.iter().any(|f| f.via == Via::IoUringRegisteredRing
             && f.path.to_string_lossy().contains("not read whole")),
         "{h:?}"
     );
-    // The /proc walk cannot see either, and says so.
+    // The ring kept alive by its mapping alone cannot be read (a ring
+    // file is not opened again by path): taken to hold the devices, by the
+    // iterators' snapshot and by the /proc walk alike.
+    for mut sc in [Scanner::new(), Scanner::proc_walk()] {
+        let found = sc.holders(&want);
+        let h = found
+            .iter()
+            .find(|h| h.pid == mapped)
+            .unwrap_or_else(|| panic!("mapped ring ({:?}): {found:?}", sc.source()));
+        assert!(
+            h.fds
+                .iter()
+                .any(|f| f.via == Via::IoUring && f.unread && f.dev == dev),
+            "{h:?}"
+        );
+    }
+    // The /proc walk cannot see the registered ones, and says so.
     let mut walk = Scanner::proc_walk();
     let walked = walk.holders(&want);
     assert!(walked.iter().all(|h| h.pid != plain), "{walked:?}");
@@ -956,9 +974,9 @@ fn a_ring_in_no_descriptor_table_is_found() {
     assert!(o.clean(), "{o:?}");
     let mut ended: Vec<i32> = o.lingering.iter().map(|l| l.pid).collect();
     ended.sort();
-    let mut want_ended = vec![plain, crowded];
+    let mut want_ended = vec![plain, crowded, mapped];
     want_ended.sort();
     assert_eq!(ended, want_ended, "{o:?}");
-    assert!(gone(plain) && gone(crowded));
+    assert!(gone(plain) && gone(crowded) && gone(mapped));
     assert!(o.lingering.iter().all(|l| l.evidence.is_some()));
 }

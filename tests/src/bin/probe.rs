@@ -326,6 +326,37 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
                 }
             }
         }
+        // The ring kept alive by its mapped submission ring alone: its
+        // descriptor closed, never registered.
+        "io_uring-mapped" => {
+            let ring = match ring_holding(&path) {
+                Ok(r) => r,
+                Err(e) => {
+                    say(&e);
+                    return ExitCode::FAILURE;
+                }
+            };
+            // IORING_OFF_SQ_RING = 0.
+            // SAFETY: a shared mapping of the ring's first page.
+            let m = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_POPULATE,
+                    ring,
+                    0,
+                )
+            };
+            if m == libc::MAP_FAILED {
+                say(&format!("mmap failed: {}", std::io::Error::last_os_error()));
+                return ExitCode::FAILURE;
+            }
+            // SAFETY: closes the ring's descriptor; the mapping keeps it.
+            unsafe { libc::close(ring) };
+            say("held");
+            sleep_forever();
+        }
         // The ring only in a thread's private table (unshare(CLONE_FILES)):
         // the leader's table has neither the device nor the ring.
         "io_uring-thread" => {
