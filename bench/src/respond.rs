@@ -74,20 +74,7 @@ fn spawn_holders(n: usize, dev_path: &std::path::Path) -> Vec<i32> {
         }
         pids.push(pid);
     }
-    // SAFETY: closes our copy of the write end, reads one byte per child.
-    unsafe { libc::close(ready[1]) };
-    let mut got = 0;
-    let mut buf = [0u8; 256];
-    while got < n {
-        // SAFETY: read into a local buffer.
-        let r = unsafe { libc::read(ready[0], buf.as_mut_ptr().cast(), buf.len()) };
-        if r <= 0 {
-            break;
-        }
-        got += r as usize;
-    }
-    // SAFETY: close of our fd.
-    unsafe { libc::close(ready[0]) };
+    let got = crate::scan::wait_ready(ready, n);
     assert_eq!(got, n, "every holder opened the device");
     pids
 }
@@ -95,7 +82,6 @@ fn spawn_holders(n: usize, dev_path: &std::path::Path) -> Vec<i32> {
 fn reap(pids: &[i32]) -> usize {
     let mut left = 0;
     for p in pids {
-        // SAFETY: signal 0 probes our own child.
         let mut st = 0;
         // SAFETY: reaps our own child without blocking.
         if unsafe { libc::waitpid(*p, &mut st, libc::WNOHANG) } == 0 {

@@ -106,6 +106,14 @@ fn spawn_crowd(
         }
         pids.push(pid);
     }
+    wait_ready(ready, n);
+    pids
+}
+
+/// Closes the write end of the readiness pipe `ready` (its children each
+/// wrote one byte when ready) and reads until `n` bytes came or every
+/// writer is gone; how many came.
+pub(crate) fn wait_ready(ready: [i32; 2], n: usize) -> usize {
     // SAFETY: closes our copy of the write end, reads one byte per child.
     unsafe { libc::close(ready[1]) };
     let mut got = 0;
@@ -120,7 +128,7 @@ fn spawn_crowd(
     }
     // SAFETY: close of our fd.
     unsafe { libc::close(ready[0]) };
-    pids
+    got
 }
 
 fn kill_crowd(pids: &[i32]) {

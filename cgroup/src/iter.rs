@@ -535,6 +535,23 @@ fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
     a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
 }
 
+/// In the ring program's main frame: writes the record `{ tgid, tid, slot,
+/// kind, r3 }` of task `r7` with `bpf_seq_write(state.seq)`, and goes on.
+fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
+    a.store(Size::DW, Reg::R10, -8, Reg::R3)
+        .store_imm(Size::W, Reg::R10, -12, kind)
+        .store_imm(Size::W, Reg::R10, -16, slot as i32)
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .store(Size::W, Reg::R10, -24, Reg::R2)
+        .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
+        .store(Size::W, Reg::R10, -20, Reg::R2)
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+        .mov64_imm(Reg::R3, RECORD_LEN as i32)
+        .call_id(FUNC_SEQ_WRITE, "seq_write");
+}
+
 /// The ring program (`task` iterator): for each task with an io_uring
 /// context, each of its 16 registered ring slots that holds a ring
 /// (`io_uring->registered_rings[]`, which may be in no descriptor table),
@@ -582,20 +599,9 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
             .comment("rec = { tgid, tid, slot, RING_SEEN, file->f_inode->i_ino }")
             .load(Size::DW, Reg::R3, Reg::R1, off(&l.file_inode))
             .jmp_imm(JmpOp::Eq, Reg::R3, 0, &format!("seen_{i}"))
-            .load(Size::DW, Reg::R3, Reg::R3, off(&l.i_ino))
-            .store(Size::DW, Reg::R10, -8, Reg::R3)
-            .store_imm(Size::W, Reg::R10, -12, KIND_RING_SEEN)
-            .store_imm(Size::W, Reg::R10, -16, i as i32)
-            .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-            .store(Size::W, Reg::R10, -24, Reg::R2)
-            .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-            .store(Size::W, Reg::R10, -20, Reg::R2)
-            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
-            .mov64_reg(Reg::R2, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-            .mov64_imm(Reg::R3, RECORD_LEN as i32)
-            .call_id(FUNC_SEQ_WRITE, "seq_write")
-            .label(&format!("seen_{i}"))
+            .load(Size::DW, Reg::R3, Reg::R3, off(&l.i_ino));
+        emit_ring_record(&mut a, l, KIND_RING_SEEN, i);
+        a.label(&format!("seen_{i}"))
             .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
             .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
             .load(Size::DW, Reg::R9, Reg::R1, off(&l.private_data))
@@ -626,19 +632,8 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
             .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
             .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
             .label(&truncated)
-            .load(Size::DW, Reg::R3, Reg::R10, RING_NR)
-            .store(Size::DW, Reg::R10, -8, Reg::R3)
-            .store_imm(Size::W, Reg::R10, -12, KIND_RING_TRUNC)
-            .store_imm(Size::W, Reg::R10, -16, i as i32)
-            .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-            .store(Size::W, Reg::R10, -24, Reg::R2)
-            .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-            .store(Size::W, Reg::R10, -20, Reg::R2)
-            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
-            .mov64_reg(Reg::R2, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-            .mov64_imm(Reg::R3, RECORD_LEN as i32)
-            .call_id(FUNC_SEQ_WRITE, "seq_write");
+            .load(Size::DW, Reg::R3, Reg::R10, RING_NR);
+        emit_ring_record(&mut a, l, KIND_RING_TRUNC, i);
     }
     a.label(&format!("ring_{RING_FDS}"))
         .label("out")

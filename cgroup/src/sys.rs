@@ -538,6 +538,22 @@ struct QueryAttr {
     _pad: u32,
 }
 
+impl QueryAttr {
+    /// A `BPF_PROG_QUERY` of `cgroup`'s device programs with `query_flags`,
+    /// their ids written into `ids` (as many as it holds).
+    fn device(cgroup: BorrowedFd<'_>, query_flags: u32, ids: &mut [u32]) -> QueryAttr {
+        QueryAttr {
+            target_fd: cgroup.as_raw_fd() as u32,
+            attach_type: ATTACH_CGROUP_DEVICE,
+            query_flags,
+            attach_flags: 0,
+            prog_ids: ids.as_mut_ptr() as u64,
+            prog_cnt: ids.len() as u32,
+            _pad: 0,
+        }
+    }
+}
+
 /// Programs attached directly at a cgroup (not inherited), for the device
 /// attach type: `(attach_flags, prog_ids)`. Link-attached programs are
 /// listed too.
@@ -546,15 +562,7 @@ struct QueryAttr {
 /// errno.
 pub fn prog_query_cgroup_device(cgroup: BorrowedFd<'_>) -> io::Result<(u32, Vec<u32>)> {
     let mut ids = vec![0u32; 64];
-    let mut a = QueryAttr {
-        target_fd: cgroup.as_raw_fd() as u32,
-        attach_type: ATTACH_CGROUP_DEVICE,
-        query_flags: 0,
-        attach_flags: 0,
-        prog_ids: ids.as_mut_ptr() as u64,
-        prog_cnt: ids.len() as u32,
-        _pad: 0,
-    };
+    let mut a = QueryAttr::device(cgroup, 0, &mut ids);
     bpf(BPF_PROG_QUERY, &mut a)?;
     ids.truncate(a.prog_cnt as usize);
     Ok((a.attach_flags, ids))
@@ -584,15 +592,7 @@ pub fn prog_query_guarded(cgroup: BorrowedFd<'_>) -> io::Result<(u64, [u8; 64])>
         guard: [0xAA; 64],
     };
     let mut ids = vec![0u32; 64];
-    let mut a = QueryAttr {
-        target_fd: cgroup.as_raw_fd() as u32,
-        attach_type: ATTACH_CGROUP_DEVICE,
-        query_flags: 0,
-        attach_flags: 0,
-        prog_ids: ids.as_mut_ptr() as u64,
-        prog_cnt: ids.len() as u32,
-        _pad: 0,
-    };
+    let mut a = QueryAttr::device(cgroup, 0, &mut ids);
     bpf_raw(BPF_PROG_QUERY, &mut a, &mut g.attr)?;
     let at = QUERY_REVISION_OFFSET;
     let revision = u64::from_ne_bytes(g.attr[at..at + 8].try_into().unwrap_or([0; 8]));
@@ -686,15 +686,7 @@ pub fn prog_query_cgroup_device_flags(
     query_flags: u32,
 ) -> io::Result<(u32, Vec<u32>)> {
     let mut ids = vec![0u32; 128];
-    let mut a = QueryAttr {
-        target_fd: cgroup.as_raw_fd() as u32,
-        attach_type: ATTACH_CGROUP_DEVICE,
-        query_flags,
-        attach_flags: 0,
-        prog_ids: ids.as_mut_ptr() as u64,
-        prog_cnt: ids.len() as u32,
-        _pad: 0,
-    };
+    let mut a = QueryAttr::device(cgroup, query_flags, &mut ids);
     bpf(BPF_PROG_QUERY, &mut a)?;
     ids.truncate(a.prog_cnt as usize);
     Ok((a.attach_flags, ids))
