@@ -1972,17 +1972,23 @@ fn io_uring_holds_outside_the_job_are_ended_22_05_host() {
         );
     }
     let pids: Vec<i32> = receivers.iter().map(|(_, p, _, _)| *p).collect();
+    // Gone first, then audited: wait for both (the Epilog writes
+    // process_killed once it has seen each exit).
+    let killed = || -> Vec<i64> {
+        gpufence_tests::audit_log(&audit)
+            .into_iter()
+            .filter(|e| e["job_id"] == job && e["event"] == "process_killed")
+            .filter_map(|e| e["pid"].as_i64())
+            .collect()
+    };
     assert!(
-        Cluster::wait_for(Duration::from_secs(30), || pids.iter().all(|p| gone(*p))),
+        Cluster::wait_for(Duration::from_secs(30), || pids.iter().all(|p| gone(*p))
+            && killed().len() >= pids.len()),
         "the Epilog did not end {pids:?}: {:?}\n{}",
         events_for(&audit, job),
         cluster.log_tail("slurmd.log")
     );
-    let killed: Vec<i64> = gpufence_tests::audit_log(&audit)
-        .into_iter()
-        .filter(|e| e["job_id"] == job && e["event"] == "process_killed")
-        .filter_map(|e| e["pid"].as_i64())
-        .collect();
+    let killed = killed();
     for p in &pids {
         assert!(killed.contains(&i64::from(*p)), "{killed:?} {pids:?}");
         let ev = std::fs::read_dir(env.path("evidence"))
