@@ -882,11 +882,17 @@ fn real_slurm_cluster_end_to_end() {
         !all.contains(&format!("{} ", devs[0])),
         "the task never ran:\n{all}"
     );
-    let o = cluster.as_user("sinfo", &["-h", "-o", "%T"]);
+    // The failed job's Epilog may still run ("completing") before the
+    // node reads drained.
+    let mut state = String::new();
     assert!(
-        stdout(&o).trim().starts_with("drain"),
-        "node drained: {}",
-        both(&o)
+        Cluster::wait_for(Duration::from_secs(20), || {
+            state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+                .trim()
+                .to_string();
+            state.starts_with("drain")
+        }),
+        "node drained: {state}"
     );
     let errors: Vec<Value> = audit(&env)
         .into_iter()
