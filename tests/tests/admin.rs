@@ -426,83 +426,117 @@ fn reports_are_written_whole_and_as_the_user() {
     // The user stops the writer: it is found in its own cgroup, where the
     // fence denies GPUs, and killed after WRITE_TIMEOUT; the call returns.
     let n0 = env.mknod("nvidia0", 195, 0);
-    let t0 = std::time::Instant::now();
-    let (r, seen) = std::thread::scope(|s| {
-        let w = s.spawn(|| write("x\n", "stopped.txt", &mine));
-        let mut seen = None;
-        while seen.is_none() && t0.elapsed() < std::time::Duration::from_secs(5) {
-            let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
-                .unwrap_or_default();
-            let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
-                continue;
-            };
-            let real_uid = std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .unwrap_or_default()
-                .lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok());
-            // The user may stop it from the moment it has their uid, even
-            // before it has exec'd (the parent then still waits in spawn).
-            if real_uid != Some(uid) {
-                continue;
+    // The writer lives for as long as `cat` copies the report: 32 MiB make
+    // that long enough to be seen most times; a writer that finished before
+    // the test saw it is tried again under a new name (a busy CI machine
+    // once let one finish unseen), never counted as caught.
+    let slow = "0123456789abcdef".repeat(2 * 1024 * 1024);
+    let mut caught = None;
+    for attempt in 0..20 {
+        let name = format!("stopped-{attempt}.txt");
+        let t0 = std::time::Instant::now();
+        let (r, seen) = std::thread::scope(|s| {
+            let w = s.spawn(|| write(&slow, &name, &mine));
+            let mut seen = None;
+            while seen.is_none() && !w.is_finished() {
+                let procs =
+                    std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                        .unwrap_or_default();
+                let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let real_uid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                    .unwrap_or_default()
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok());
+                // The user may stop it from the moment it has their uid, even
+                // before it has exec'd (the parent then still waits in spawn).
+                if real_uid != Some(uid) {
+                    continue;
+                }
+                // SAFETY: kill(2) on the writer the test just found.
+                unsafe { libc::kill(pid, libc::SIGSTOP) };
+                let cg =
+                    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+                // Its cgroup is fenced: a process of the user there is denied.
+                let opened = env.open_from(&writer_cg, &n0);
+                seen = Some((pid, cg, opened));
             }
-            // SAFETY: kill(2) on the writer the test just found.
-            unsafe { libc::kill(pid, libc::SIGSTOP) };
-            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-            // Its cgroup is fenced: a process of the user there is denied.
-            let opened = env.open_from(&writer_cg, &n0);
-            seen = Some((pid, cg, opened));
+            (w.join().unwrap(), seen)
+        });
+        match (seen, r) {
+            (Some(seen), Err(e)) => {
+                caught = Some((name, t0, e, seen));
+                break;
+            }
+            // Seen, but it exited before the stop reached it: not caught.
+            (_, Ok(_)) => {}
+            (None, Err(e)) => panic!("an unseen writer failed: {e}"),
         }
-        (w.join().unwrap(), seen)
-    });
-    let (pid, cg, opened) = seen.expect("the writer was never seen in its cgroup as the user");
+    }
+    let (name, t0, e, (pid, cg, opened)) =
+        caught.expect("the writer was never stopped in its cgroup as the user in 20 tries");
     assert!(cg.trim_end().ends_with(&format!("/{writer_cg}")), "{cg}");
     assert_eq!(
         opened, "EPERM",
         "the writer's cgroup is fenced and not exempt"
     );
-    let e = r.unwrap_err();
     assert!(e.contains("did not finish"), "{e}");
     assert!(t0.elapsed() >= WRITE_TIMEOUT, "{:?}", t0.elapsed());
     assert!(gpufence_tests::gone(pid), "the stopped writer was killed");
     assert!(!env.cg.path(&writer_cg).exists(), "and its cgroup removed");
-    assert!(!mine.join("stopped.txt").exists());
+    assert!(!mine.join(&name).exists());
 
     // A tracer that never reaps the writer (its exit then waits for the
     // tracer, and so would a parent's wait): the call still returns at the
-    // deadline.
-    let t0 = std::time::Instant::now();
-    let mut tracer = None;
-    let r = std::thread::scope(|s| {
-        let w = s.spawn(|| write("y\n", "traced.txt", &mine));
-        while tracer.is_none() && t0.elapsed() < std::time::Duration::from_secs(5) {
-            let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
-                .unwrap_or_default();
-            let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
-                continue;
-            };
-            // SAFETY: kill(2) on the writer the test just found.
-            unsafe { libc::kill(pid, libc::SIGSTOP) };
-            let mut t = Command::new(probe_bin())
-                .args(["trace", &pid.to_string()])
-                .stdout(std::process::Stdio::piped())
-                .spawn()
+    // deadline. Tried again, as above, when the writer finished unseen.
+    let mut caught = None;
+    for attempt in 0..20 {
+        let name = format!("traced-{attempt}.txt");
+        let t0 = std::time::Instant::now();
+        let mut tracer = None;
+        let r = std::thread::scope(|s| {
+            let w = s.spawn(|| write(&slow, &name, &mine));
+            while tracer.is_none() && !w.is_finished() {
+                let procs =
+                    std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                        .unwrap_or_default();
+                let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
+                    continue;
+                };
+                // SAFETY: kill(2) on the writer the test just found.
+                unsafe { libc::kill(pid, libc::SIGSTOP) };
+                let mut t = Command::new(probe_bin())
+                    .args(["trace", &pid.to_string()])
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let mut line = String::new();
+                std::io::BufRead::read_line(
+                    &mut std::io::BufReader::new(t.stdout.take().unwrap()),
+                    &mut line,
+                )
                 .unwrap();
-            let mut line = String::new();
-            std::io::BufRead::read_line(
-                &mut std::io::BufReader::new(t.stdout.take().unwrap()),
-                &mut line,
-            )
-            .unwrap();
-            assert_eq!(line.trim(), "traced");
-            // SAFETY: as above.
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-            tracer = Some(t);
+                // SAFETY: as above.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+                if line.trim() != "traced" {
+                    // Gone between the read and the attach: not caught.
+                    let _ = t.kill();
+                    let _ = t.wait();
+                    continue;
+                }
+                tracer = Some(t);
+            }
+            w.join().unwrap()
+        });
+        if let Some(t) = tracer {
+            caught = Some((t0.elapsed(), t, r));
+            break;
         }
-        w.join().unwrap()
-    });
-    let mut tracer = tracer.expect("the writer was never seen");
-    let took = t0.elapsed();
+        assert!(r.is_ok(), "an untraced writer finished: {r:?}");
+    }
+    let (took, mut tracer, r) = caught.expect("the writer was never seen in 20 tries");
     let _ = tracer.kill();
     let _ = tracer.wait();
     let e = r.unwrap_err();
