@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! gpufence-bench open [--rounds N] [--iters N] [--smoke]   open() in the kernel's device check
-//! gpufence-bench scan [--procs N,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
+//! gpufence-bench scan [--crowds PxF,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
 //! gpufence-bench job [--runs N] [--smoke]                 srun/sbatch/Prolog/Epilog, slurmstepd RSS, map memory
 //! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
 //! ```
@@ -45,11 +45,12 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
-    /// Epilog descriptor scan and full sweep with N extra processes of 20 descriptors each.
+    /// Epilog descriptor scan and full sweep with crowds of extra processes.
     Scan {
-        /// Extra process counts.
-        #[arg(long, value_delimiter = ',', default_values_t = [2000usize, 10000])]
-        procs: Vec<usize>,
+        /// Crowds, each `PROCESSESxDESCRIPTORS` (descriptors each, whole
+        /// groups of 20).
+        #[arg(long, value_delimiter = ',', default_values = ["2000x20", "10000x20", "1000x1000"], value_parser = parse_crowd)]
+        crowds: Vec<(usize, usize)>,
         /// Runs per count (median).
         #[arg(long, default_value_t = 5)]
         runs: usize,
@@ -99,7 +100,11 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::TimeExec { .. } => {}
         Cmd::Job { runs, smoke } => print_job(if smoke { 1 } else { runs }, cli.json),
-        Cmd::Scan { procs, runs, smoke } => print_scan(procs, runs, smoke, cli.json),
+        Cmd::Scan {
+            crowds,
+            runs,
+            smoke,
+        } => print_scan(crowds, runs, smoke, cli.json),
         Cmd::Respond { holders, smoke } => {
             let r = respond::run(if smoke { &[20] } else { &holders });
             respond::print(&r);
@@ -177,19 +182,38 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::path::PathBuf>) {
-    let (procs, runs) = if smoke { (vec![50], 1) } else { (procs, runs) };
-    let r = scan::run(&procs, runs);
+/// `PROCESSESxDESCRIPTORS`, e.g. `1000x1000`.
+fn parse_crowd(s: &str) -> Result<(usize, usize), String> {
+    let (p, f) = s
+        .split_once('x')
+        .ok_or_else(|| format!("{s}: expected PROCESSESxDESCRIPTORS, e.g. 1000x1000"))?;
+    let n = |v: &str| v.parse::<usize>().map_err(|e| format!("{s}: {e}"));
+    Ok((n(p)?, n(f)?))
+}
+
+fn print_scan(
+    crowds: Vec<(usize, usize)>,
+    runs: usize,
+    smoke: bool,
+    json: Option<std::path::PathBuf>,
+) {
+    let (crowds, runs) = if smoke {
+        (vec![(50, 20), (10, 200)], 1)
+    } else {
+        (crowds, runs)
+    };
+    let r = scan::run(&crowds, runs);
     scan::print_side_by_side(&r, runs);
     println!("Epilog descriptor scan and full sweep (iterators), median of {runs} runs:\n");
-    println!("| extra processes (20 fds each) | processes on the node | epilog scan | full sweep | holders found | sweep findings |");
+    println!("| extra processes x descriptors | processes on the node | epilog scan (pinned) | full sweep | holders found | sweep findings |");
     println!("|---|---|---|---|---|---|");
     for s in &r {
         println!(
-            "| {} | {} | {:.0} ms | {:.0} ms | {} | {} |",
+            "| {} x {} | {} | {:.1} ms | {:.0} ms | {} | {} |",
             s.procs,
+            s.fds,
             s.total_procs,
-            s.epilog_scan_s * 1e3,
+            s.epilog_scan_pinned_s * 1e3,
             s.sweep_s * 1e3,
             s.holders,
             s.sweep_findings
@@ -198,7 +222,7 @@ fn print_scan(procs: Vec<usize>, runs: usize, smoke: bool, json: Option<std::pat
     if let Some(p) = json {
         let rows: Vec<serde_json::Value> = r
             .iter()
-            .map(|s| serde_json::json!({"procs": s.procs, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "epilog_scan_proc_s": s.epilog_scan_proc_s, "sweep_proc_s": s.sweep_proc_s, "epilog_scan_serial_s": s.epilog_scan_serial_s, "source": s.source, "same_holders": s.same_holders, "holders": s.holders, "sweep_findings": s.sweep_findings, "sweep_findings_proc": s.sweep_findings_proc}))
+            .map(|s| serde_json::json!({"procs": s.procs, "fds": s.fds, "epilog_scan_pinned_s": s.epilog_scan_pinned_s, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "epilog_scan_proc_s": s.epilog_scan_proc_s, "sweep_proc_s": s.sweep_proc_s, "epilog_scan_serial_s": s.epilog_scan_serial_s, "source": s.source, "same_holders": s.same_holders, "holders": s.holders, "sweep_findings": s.sweep_findings, "sweep_findings_proc": s.sweep_findings_proc}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
     }

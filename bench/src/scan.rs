@@ -32,6 +32,11 @@ use gpufence_tests::{HoldableDevice, TestEnv};
 pub struct ScanResult {
     /// Extra processes started.
     pub procs: usize,
+    /// Ordinary descriptors each holds.
+    pub fds: usize,
+    /// Median wall time of the epilog scan reading the iterators the
+    /// fence pinned (what `gpufence-epilog` runs), seconds.
+    pub epilog_scan_pinned_s: f64,
     /// Processes on the machine during the measurement.
     pub total_procs: usize,
     /// Median wall time of the epilog's descriptor scan, seconds (default
@@ -58,10 +63,14 @@ pub struct ScanResult {
     pub sweep_findings_proc: usize,
 }
 
-/// Forks `n` processes holding 20 descriptors each; the first `holding`
-/// also hold `dev_path`. Returns their pids once all are ready.
+/// Forks `n` processes holding `fds` ordinary descriptors each (rounded
+/// down to whole groups of 20: 8 of a regular file, 2 pipes, 2 socket
+/// pairs, 2 of `/dev/null`, an eventfd and an epoll instance, the last two
+/// anonymous inodes as a training job's event loops hold); the first
+/// `holding` also hold `dev_path`. Returns their pids once all are ready.
 fn spawn_crowd(
     n: usize,
+    fds: usize,
     holding: usize,
     dir: &std::path::Path,
     dev_path: &std::path::Path,
@@ -82,18 +91,29 @@ fn spawn_crowd(
         if pid == 0 {
             unsafe {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                for _ in 0..8 {
-                    libc::open(file.as_ptr(), libc::O_RDONLY);
-                }
-                let mut p = [0i32; 2];
-                for _ in 0..3 {
-                    libc::pipe(p.as_mut_ptr());
-                }
-                for _ in 0..2 {
-                    libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr());
-                }
-                for _ in 0..2 {
-                    libc::open(null.as_ptr(), libc::O_RDONLY);
+                let mut lim = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+                lim.rlim_cur = lim.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+                for _ in 0..(fds / 20).max(1) {
+                    for _ in 0..8 {
+                        libc::open(file.as_ptr(), libc::O_RDONLY);
+                    }
+                    let mut p = [0i32; 2];
+                    for _ in 0..2 {
+                        libc::pipe(p.as_mut_ptr());
+                    }
+                    for _ in 0..2 {
+                        libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr());
+                    }
+                    for _ in 0..2 {
+                        libc::open(null.as_ptr(), libc::O_RDONLY);
+                    }
+                    libc::eventfd(0, 0);
+                    libc::epoll_create1(0);
                 }
                 if i < holding {
                     libc::open(dev.as_ptr(), libc::O_RDONLY);
@@ -147,8 +167,11 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs the scan benchmark for each count in `counts`, `runs` runs each.
-pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
+/// Runs the scan benchmark for each `(processes, descriptors each)` in
+/// `counts`, `runs` runs each. The `/proc` walks (two threads, one thread,
+/// and the sweep's) run only up to 200,000 descriptors in all: past that
+/// each takes seconds and says nothing new (their cost is per descriptor).
+pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
     let dev = HoldableDevice::claim();
     let env = TestEnv::new("bench-scan");
     let node_path = env.mknod("gpu", dev.major, dev.minor);
@@ -158,11 +181,16 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
     ));
     let node =
         Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
-    fence_ops::install(&node).expect("install the bench's fence");
+    let installed = fence_ops::install(&node).expect("install the bench's fence");
+    if let Some(why) = &installed.iterators_unpinned {
+        eprintln!("scan iterators not pinned: {why}");
+    }
     let devs: BTreeSet<DevNum> = [DevNum::new(dev.major, dev.minor)].into();
     let mut out = Vec::new();
-    for &n in counts {
-        let pids = spawn_crowd(n, 5.min(n), &env.path("."), &node_path);
+    for &(n, fds) in counts {
+        let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), &node_path);
+        let walks = n * fds <= 200_000;
+        let mut scans_pinned = Vec::new();
         let total_procs = scan::pids().len();
         let (mut scans, mut scans_proc) = (Vec::new(), Vec::new());
         let mut scans_serial = Vec::new();
@@ -175,7 +203,16 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
             // Alternate which goes first, so neither always finds the
             // other's dentries warm.
             let mut found = [Vec::new(), Vec::new()];
+            // What the Epilog runs: the fence's pinned iterators.
+            let mut s = scan::Scanner::with_pins(&node.cfg.bpffs_dir);
+            let t = Instant::now();
+            let pinned = s.holders(&devs);
+            scans_pinned.push(t.elapsed().as_secs_f64());
+            assert!(s.read_pins(), "the pinned iterators were not read");
             for proc_walk in [run % 2 == 1, run % 2 == 0] {
+                if proc_walk && !walks {
+                    continue;
+                }
                 scan::set_proc_only(proc_walk);
                 let mut s = scan::Scanner::new();
                 let t = Instant::now();
@@ -193,6 +230,9 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
                     };
                 }
                 found[usize::from(proc_walk)] = h;
+                if !walks {
+                    continue;
+                }
                 let t = Instant::now();
                 let o = sweep::execute(&node, &SweepRequest::default());
                 let dt = t.elapsed().as_secs_f64();
@@ -205,15 +245,21 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
                 }
             }
             scan::set_proc_only(false);
-            let t = Instant::now();
-            let serial = scan::Scanner::proc_walk().holders_where(&|d| devs.contains(&d));
-            scans_serial.push(t.elapsed().as_secs_f64());
-            same &= found[0] == found[1] && found[0] == serial;
+            same &= pinned == found[0];
+            if walks {
+                let t = Instant::now();
+                let serial = scan::Scanner::proc_walk().holders_where(&|d| devs.contains(&d));
+                scans_serial.push(t.elapsed().as_secs_f64());
+                same &= found[0] == found[1] && found[0] == serial;
+            }
         }
         kill_crowd(&pids);
-        eprintln!("{n} extra processes done");
+        eprintln!("{n} extra processes x {fds} descriptors done");
+        let median = |v: Vec<f64>| if v.is_empty() { f64::NAN } else { median(v) };
         out.push(ScanResult {
             procs: n,
+            fds,
+            epilog_scan_pinned_s: median(scans_pinned),
             total_procs,
             epilog_scan_s: median(scans),
             sweep_s: median(sweeps),
@@ -235,13 +281,17 @@ pub fn run(counts: &[usize], runs: usize) -> Vec<ScanResult> {
 pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
     println!("Iterators (default) against the /proc walk, same runs, median of {runs}:\n");
     println!("(/proc walk: the fallback, two threads for the epilog scan; one thread: the epilog scan before the iterators.)\n");
-    println!("| extra processes | epilog scan: iterators | /proc walk | one thread | ratio to /proc / one thread | full sweep: iterators | /proc walk | ratio | same holders | source |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("(pinned: the iterators the fence install pinned, filtered in the kernel, what the Epilog reads; loaded: iterators loaded by the scan, every descriptor of the kinds read crossing to user space, what the Epilog did before.)\n");
+    println!("| extra processes x descriptors | epilog scan: pinned | loaded | ratio | /proc walk | one thread | ratio loaded to /proc / one thread | full sweep: iterators | /proc walk | ratio | same holders | source |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for s in r {
         println!(
-            "| {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2}x / {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {} ({} holders; sweep findings {} / {}) | {} |",
+            "| {} x {} | {:.1} ms | {:.1} ms | {:.3}x | {:.0} ms | {:.0} ms | {:.2}x / {:.2}x | {:.0} ms | {:.0} ms | {:.2}x | {} ({} holders; sweep findings {} / {}) | {} |",
             s.procs,
+            s.fds,
+            s.epilog_scan_pinned_s * 1e3,
             s.epilog_scan_s * 1e3,
+            s.epilog_scan_pinned_s / s.epilog_scan_s,
             s.epilog_scan_proc_s * 1e3,
             s.epilog_scan_serial_s * 1e3,
             s.epilog_scan_s / s.epilog_scan_proc_s,

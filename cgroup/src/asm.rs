@@ -635,6 +635,20 @@ impl Asm {
 }
 
 impl Asm {
+    /// `call` of the kernel function whose `BTF_KIND_FUNC` id in vmlinux
+    /// BTF is `btf_id` (`src_reg = BPF_PSEUDO_KFUNC_CALL`,
+    /// `include/uapi/linux/bpf.h`). Clobbers r1-r5.
+    pub fn call_kfunc(&mut self, btf_id: u32, name: &str) -> &mut Self {
+        self.push(
+            CLASS_JMP | JMP_CALL,
+            Reg::R0,
+            Reg::R2,
+            0,
+            btf_id as i32,
+            format!("call {name} (kfunc)"),
+        )
+    }
+
     /// `r0 = helper(r1, ..., r5)` by number, for helpers outside [`Helper`]
     /// (which lists those the fence and the interpreter know): e.g.
     /// `bpf_seq_write` (127) in an iterator program. `name` is for the

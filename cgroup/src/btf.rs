@@ -279,6 +279,19 @@ impl Btf {
             })
     }
 
+    /// The id of the `BTF_KIND_STRUCT` named `name` (e.g. `file`).
+    ///
+    /// # Errors
+    /// [`BtfError::NotFound`].
+    pub fn struct_id(&self, name: &str) -> Result<u32, BtfError> {
+        self.ids_named(kind::STRUCT, name)
+            .next()
+            .ok_or_else(|| BtfError::NotFound {
+                kind: "struct",
+                name: name.to_string(),
+            })
+    }
+
     /// Follows typedefs and qualifiers to the type they name (at most 32
     /// hops: a loop in crafted input is an error).
     fn resolve(&self, mut id: u32) -> Option<TypeRec> {

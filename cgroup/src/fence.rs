@@ -90,6 +90,10 @@ pub struct InstallReport {
     /// the kernel's level of their cgroup, now corrected:
     /// `(cgroup path, id, recorded, kernel level)`.
     pub relevelled: Vec<(String, u64, u32, usize)>,
+    /// Why the scan iterators ([`crate::iter`]) were not pinned with the
+    /// fence, if they were not (no BTF, no iterator support): each scan
+    /// then parses BTF and loads its own, and says nothing wrong.
+    pub iterators_unpinned: Option<String>,
 }
 
 /// What `status` found.
@@ -571,7 +575,36 @@ impl Fence {
             }
             Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
         }
+        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors).err();
+        if let Some(why) = &report.iterators_unpinned {
+            report.notes.push(format!(
+                "scan iterators not pinned ({why}): each Prolog and Epilog scan loads its own (slower, not less safe)"
+            ));
+        }
         Ok((fence, report))
+    }
+
+    /// Whether every major of `majors` is protected by the fence pinned in
+    /// `bpffs_dir` (its `majors` map, one lookup each): what a scan asks
+    /// before it reads the pinned iterators, which write only protected
+    /// majors ([`crate::iter::Filter::Protected`]).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`]: no pinned map, or a lookup failed.
+    pub fn majors_protected(bpffs_dir: &Path, majors: &[u32]) -> Result<bool> {
+        let pin = bpffs_dir.join(PIN_MAJORS);
+        let fd = sys::obj_get(&pin).map_err(bpf_err("BPF_OBJ_GET", pin.display().to_string()))?;
+        let mut v = [0u8; 4];
+        for m in majors {
+            if *m >= MAJORS_ENTRIES
+                || !sys::map_lookup(fd.as_fd(), &m.to_ne_bytes(), &mut v)
+                    .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
+                || u32::from_ne_bytes(v) == 0
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Opens the pinned maps of an installed fence.
@@ -796,6 +829,9 @@ impl Fence {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
         }
+        let iterator_pins = crate::iter::PINS
+            .into_iter()
+            .flat_map(|n| [n.to_string(), format!("{n}_new")]);
         for name in [
             PIN_LINK,
             PIN_GRANTS,
@@ -803,7 +839,11 @@ impl Fence {
             PIN_MAJORS,
             PIN_DENIALS,
             PIN_LEVELS,
-        ] {
+        ]
+        .into_iter()
+        .map(String::from)
+        .chain(iterator_pins)
+        {
             let p = bpffs_dir.join(name);
             match fs::remove_file(&p) {
                 Ok(()) => found = true,
@@ -1486,4 +1526,42 @@ pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
     })?;
     sys::prog_query_cgroup_device(f.as_fd())
         .map_err(bpf_err("BPF_PROG_QUERY", p.display().to_string()))
+}
+
+/// Loads the scan iterators filtered by the fence's `majors` map (the
+/// descriptor tables' [`crate::fdtable`], the mappings'
+/// [`crate::iter::Filter::Protected`]) and the ring iterator, and pins
+/// their links in `dir` (replacing older pins). On failure, removes what
+/// this call pinned so that no stale iterator outlives the fence it was
+/// made for, and says why.
+fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String> {
+    use crate::iter::{Filter, Layout, MapIterator, RingIterator, RingLayout};
+    let r = (|| -> std::result::Result<(), String> {
+        let btf = crate::btf::Btf::vmlinux().map_err(|e| e.to_string())?;
+        let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
+        let maps = MapIterator::load(
+            &layout,
+            Filter::Protected {
+                majors_fd: majors.as_raw_fd(),
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let rings = RingLayout::from_btf(&btf)
+            .map_err(|e| e.to_string())
+            .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))?;
+        let tables = crate::fdtable::FdTableLayout::from_btf(&btf)
+            .map_err(|e| e.to_string())
+            .and_then(|l| {
+                crate::fdtable::FdTableIterator::load(&l, majors).map_err(|e| e.to_string())
+            })?;
+        maps.pin(dir).map_err(|e| e.to_string())?;
+        tables.pin(dir).map_err(|e| e.to_string())?;
+        rings.pin(dir).map_err(|e| e.to_string())
+    })();
+    if r.is_err() {
+        for n in crate::iter::PINS {
+            let _ = fs::remove_file(dir.join(n));
+        }
+    }
+    r
 }

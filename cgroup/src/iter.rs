@@ -35,9 +35,9 @@ use crate::sys;
 /// `fs/anon_inodes.c`), so every ring is on it.
 pub const ANON_INODE_FS_MAGIC: u64 = 0x0904_1934;
 /// `S_IFMT` (`include/uapi/linux/stat.h`).
-const S_IFMT: i32 = 0o170000;
+pub(crate) const S_IFMT: i32 = 0o170000;
 /// `S_IFCHR`.
-const S_IFCHR: i32 = 0o020000;
+pub(crate) const S_IFCHR: i32 = 0o020000;
 /// `S_IFSOCK`.
 const S_IFSOCK: i32 = 0o140000;
 /// `BPF_FUNC_seq_write` (`include/uapi/linux/bpf.h`):
@@ -48,7 +48,7 @@ pub(crate) const FUNC_SEQ_WRITE: i32 = 127;
 const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
 /// `MINORBITS` (`include/linux/kdev_t.h`): a kernel `dev_t` is
 /// `major << 20 | minor`.
-const MINORBITS: u32 = 20;
+pub(crate) const MINORBITS: u32 = 20;
 
 /// The size of one [`Record`] as the programs write it.
 pub const RECORD_LEN: usize = 24;
@@ -82,16 +82,22 @@ pub enum Object {
     /// record's `fd` is the ring's registered slot. What else the ring
     /// holds is unknown.
     RingTruncated(u64),
+    /// A descriptor table the fd-table program did not read whole (more
+    /// than [`crate::fdtable::FD_RECORDS`] records, more slots than
+    /// `bpf_loop` walks): the value is its `max_fds`, the record's `fd`
+    /// -1. What it holds is unknown: its process is read in `/proc`.
+    TableUnread(u64),
 }
 
-const KIND_CHAR: i32 = 1;
+pub(crate) const KIND_CHAR: i32 = 1;
 const KIND_SOCK: i32 = 2;
-const KIND_ANON: i32 = 3;
+pub(crate) const KIND_ANON: i32 = 3;
 const KIND_MAP: i32 = 4;
 const KIND_RING: i32 = 5;
 const KIND_RING_TRUNC: i32 = 6;
 const KIND_ANON_MAP: i32 = 7;
 const KIND_RING_SEEN: i32 = 8;
+pub(crate) const KIND_TABLE_UNREAD: i32 = 9;
 
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
@@ -102,14 +108,14 @@ pub const RING_RECORDS: i32 = 64;
 /// `BPF_FUNC_loop` (`include/uapi/linux/bpf.h`, 5.17+):
 /// `long bpf_loop(u32 nr_loops, void *callback_fn, void *callback_ctx, u64 flags)`,
 /// at most `BPF_MAX_LOOPS` (1 << 23) calls.
-const FUNC_LOOP: i32 = 181;
+pub(crate) const FUNC_LOOP: i32 = 181;
 /// `BPF_MAX_LOOPS` (`kernel/bpf/bpf_iter.c`).
-const MAX_LOOPS: i32 = 1 << 23;
+pub(crate) const MAX_LOOPS: i32 = 1 << 23;
 /// `IO_RINGFD_REG_MAX` (`include/linux/io_uring_types.h`): the registered
 /// ring slots of a task.
 const RING_FDS: usize = 16;
 /// `BPF_FUNC_probe_read_kernel` (`include/uapi/linux/bpf.h`).
-const FUNC_PROBE_READ_KERNEL: i32 = 113;
+pub(crate) const FUNC_PROBE_READ_KERNEL: i32 = 113;
 /// Flag bits kept in the low bits of a fixed file's `file_ptr`
 /// (`FFS_NOWAIT`, `FFS_ISREG`, and in 5.18-6.6 `FFS_SCM`:
 /// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
@@ -159,6 +165,7 @@ impl Record {
             KIND_RING_TRUNC => Object::RingTruncated(value),
             KIND_ANON_MAP => Object::AnonMap(value),
             KIND_RING_SEEN => Object::RingSeen(value),
+            KIND_TABLE_UNREAD => Object::TableUnread(value),
             _ => return None,
         };
         Some(Record {
@@ -192,6 +199,10 @@ pub struct Layout {
     i_sb: Field,
     s_magic: Field,
     vm_file: Field,
+    f_path: Field,
+    path_dentry: Field,
+    d_name: Field,
+    qstr_name: Field,
 }
 
 pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
@@ -243,6 +254,10 @@ impl Layout {
             i_sb: sized(btf, "inode", "i_sb", 8, true)?,
             s_magic: sized(btf, "super_block", "s_magic", 8, false)?,
             vm_file: sized(btf, "vm_area_struct", "vm_file", 8, true)?,
+            f_path: sized(btf, "file", "f_path", 16, false)?,
+            path_dentry: sized(btf, "path", "dentry", 8, true)?,
+            d_name: sized(btf, "dentry", "d_name", 16, false)?,
+            qstr_name: sized(btf, "qstr", "name", 8, true)?,
         })
     }
 
@@ -297,8 +312,105 @@ fn emit(a: &mut Asm, l: &Layout) {
         .exit();
 }
 
+/// What the mapping program ([`vma_program`]) lets through to user space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Filter {
+    /// Every character device and anonymous inode: what a scan that loads
+    /// its own programs reads.
+    All,
+    /// Only character devices whose major the fence protects (the fence's
+    /// pinned `majors` array map, this descriptor: value non-zero) and
+    /// anonymous inodes named `[io_uring]` (the dentry name
+    /// `io_uring_get_file` gives a ring: `anon_inode_create_getfile("[io_uring]",
+    /// ...)`, `io_uring/io_uring.c`): the programs pinned with the fence, so
+    /// that on a node with a million descriptors only the few that matter
+    /// cross to user space. A major past the map (4,096 entries; the
+    /// kernel's character majors stop at 511, `CHRDEV_MAJOR_MAX` in
+    /// `fs/char_dev.c`) is let through, as is a name that cannot be read.
+    Protected {
+        /// The fence's `majors` map (a raw descriptor, valid while the
+        /// program loads; the program keeps its own reference).
+        majors_fd: i32,
+    },
+}
+
+/// Scratch for the major looked up (`fp-32`) and the dentry name read
+/// (`fp-48`..`fp-37`) by the [`Filter::Protected`] checks.
+const F_KEY: i16 = -32;
+const F_NAME: i16 = -48;
+
+/// The `chr` and `anon` tails shared by both programs: `r6` ctx, `r7`
+/// task, `r8` file, `r9` inode; the descriptor number comes from
+/// `ctx_fd` (`None`: a mapping, fd 0). Each ends at `emit` or `out`.
+fn kinds(a: &mut Asm, l: &Layout, filter: Filter, ctx_fd: Option<&Field>, chr: i32, anon: i32) {
+    let fd = |a: &mut Asm| {
+        match ctx_fd {
+            Some(f) => a.load(size(f), Reg::R4, Reg::R6, off(f)),
+            None => a.mov64_imm(Reg::R4, 0),
+        };
+    };
+    a.label("chr");
+    if let Filter::Protected { majors_fd } = filter {
+        a.comment("majors[i_rdev >> MINORBITS] != 0, else nothing to say")
+            .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
+            .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
+            .jmp_imm(JmpOp::Gt, Reg::R3, 4095, "chr_emit")
+            .store(Size::W, Reg::R10, F_KEY, Reg::R3)
+            .ld_map_fd(Reg::R1, majors_fd, "majors")
+            .mov64_reg(Reg::R2, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R2, F_KEY as i32)
+            .call(crate::asm::Helper::MapLookupElem)
+            .jmp_imm(JmpOp::Eq, Reg::R0, 0, "out")
+            .load(Size::W, Reg::R1, Reg::R0, 0)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
+            .label("chr_emit");
+    }
+    fd(a);
+    a.mov64_imm(Reg::R2, chr)
+        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
+        .ja("emit");
+    a.label("anon");
+    if let Filter::Protected { .. } = filter {
+        a.comment("file->f_path.dentry->d_name.name == \"[io_uring]\", else nothing to say")
+            .load(
+                Size::DW,
+                Reg::R1,
+                Reg::R8,
+                off(&l.f_path) + off(&l.path_dentry),
+            )
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, "anon_emit")
+            .load(
+                Size::DW,
+                Reg::R3,
+                Reg::R1,
+                off(&l.d_name) + off(&l.qstr_name),
+            )
+            .jmp_imm(JmpOp::Eq, Reg::R3, 0, "anon_emit");
+        probe_read(a, F_NAME, Size::W, 11, Reg::R1, "anon_emit");
+        a.jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"[io_"), "out")
+            .load(Size::W, Reg::R1, Reg::R10, F_NAME + 4)
+            .jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"urin"), "out")
+            .load(Size::H, Reg::R1, Reg::R10, F_NAME + 8)
+            .jmp_imm(
+                JmpOp::Ne,
+                Reg::R1,
+                i32::from(u16::from_le_bytes(*b"g]")),
+                "out",
+            )
+            .load(Size::B, Reg::R1, Reg::R10, F_NAME + 10)
+            .jmp_imm(JmpOp::Ne, Reg::R1, 0, "out")
+            .label("anon_emit");
+    }
+    fd(a);
+    a.mov64_imm(Reg::R2, anon)
+        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
+        .ja("emit");
+}
+
 /// The `task_file` program: a record for each character device, each
 /// anonymous inode and (with `sockets`) each socket in a descriptor table.
+/// (The fence pins [`crate::fdtable`]'s program instead, which filters in
+/// the kernel and does not pay `task_file`'s cost per descriptor.)
 ///
 /// # Errors
 /// [`AsmError`] (a bug here).
@@ -313,7 +425,6 @@ pub fn file_program(l: &Layout, sockets: bool) -> Result<Program, AsmError> {
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
         .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
         .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
-        .load(size(&l.ctx_file_fd), Reg::R4, Reg::R6, off(&l.ctx_file_fd))
         .comment("mode = file->f_inode->i_mode & S_IFMT")
         .load(size(&l.i_mode), Reg::R2, Reg::R9, off(&l.i_mode))
         .alu64_imm(AluOp::And, Reg::R2, S_IFMT)
@@ -326,30 +437,33 @@ pub fn file_program(l: &Layout, sockets: bool) -> Result<Program, AsmError> {
         .jmp_imm(JmpOp::Eq, Reg::R3, 0, "out")
         .load(size(&l.s_magic), Reg::R3, Reg::R3, off(&l.s_magic))
         .jmp_imm(JmpOp::Ne, Reg::R3, ANON_INODE_FS_MAGIC as i32, "out")
-        .mov64_imm(Reg::R2, KIND_ANON)
-        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
-        .ja("emit");
+        .ja("anon");
     if sockets {
         a.label("sock")
+            .load(size(&l.ctx_file_fd), Reg::R4, Reg::R6, off(&l.ctx_file_fd))
             .mov64_imm(Reg::R2, KIND_SOCK)
             .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
             .ja("emit");
     }
-    a.label("chr")
-        .mov64_imm(Reg::R2, KIND_CHAR)
-        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
-        .ja("emit");
+    kinds(
+        &mut a,
+        l,
+        Filter::All,
+        Some(&l.ctx_file_fd),
+        KIND_CHAR,
+        KIND_ANON,
+    );
     emit(&mut a, l);
     a.assemble()
 }
 
 /// The `task_vma` program: a record for each mapping of a character device
 /// (`vma->vm_file->f_inode`) and of an anonymous inode (an io_uring's
-/// rings), fd 0.
+/// rings), fd 0, as `filter` lets through.
 ///
 /// # Errors
 /// [`AsmError`] (a bug here).
-pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
+pub fn vma_program(l: &Layout, filter: Filter) -> Result<Program, AsmError> {
     let mut a = Asm::new();
     a.comment("task_vma: ctx = { meta, task, vma }")
         .mov64_reg(Reg::R6, Reg::R1)
@@ -357,27 +471,21 @@ pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
         .jmp_imm(JmpOp::Eq, Reg::R7, 0, "out")
         .load(Size::DW, Reg::R8, Reg::R6, off(&l.ctx_vma_vma))
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
-        .comment("inode = vma->vm_file->f_inode (anonymous memory has no file)")
+        .comment("file = vma->vm_file (anonymous memory has none); inode = file->f_inode")
         .load(Size::DW, Reg::R8, Reg::R8, off(&l.vm_file))
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
         .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
         .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
-        .mov64_imm(Reg::R4, 0)
         .load(size(&l.i_mode), Reg::R2, Reg::R9, off(&l.i_mode))
         .alu64_imm(AluOp::And, Reg::R2, S_IFMT)
-        .jmp_imm(JmpOp::Eq, Reg::R2, S_IFCHR, "map_chr")
+        .jmp_imm(JmpOp::Eq, Reg::R2, S_IFCHR, "chr")
         .comment("an anonymous inode (an io_uring's rings): file->f_inode->i_sb->s_magic == ANON_INODE_FS_MAGIC")
         .load(Size::DW, Reg::R3, Reg::R9, off(&l.i_sb))
         .jmp_imm(JmpOp::Eq, Reg::R3, 0, "out")
         .load(size(&l.s_magic), Reg::R3, Reg::R3, off(&l.s_magic))
         .jmp_imm(JmpOp::Ne, Reg::R3, ANON_INODE_FS_MAGIC as i32, "out")
-        .mov64_imm(Reg::R2, KIND_ANON_MAP)
-        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
-        .ja("emit")
-        .label("map_chr")
-        .mov64_imm(Reg::R2, KIND_MAP)
-        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
-        .ja("emit");
+        .ja("anon");
+    kinds(&mut a, l, filter, None, KIND_MAP, KIND_ANON_MAP);
     emit(&mut a, l);
     a.assemble()
 }
@@ -513,7 +621,7 @@ const CB_INODE: i16 = -40;
 
 /// `r0 = bpf_probe_read_kernel(fp+tmp, bytes, r3)`; on failure goto
 /// `fail`; else `dst = *(size *)(fp+tmp)`.
-fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
+pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
     a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, tmp as i32)
@@ -731,11 +839,12 @@ pub enum IterError {
     Malformed(String),
 }
 
-/// One loaded iterator: its program and link.
+/// One loaded iterator: its program (none when opened from a pin) and
+/// link.
 #[derive(Debug)]
-struct Loaded {
-    _prog: OwnedFd,
-    link: OwnedFd,
+pub(crate) struct Loaded {
+    pub(crate) _prog: Option<OwnedFd>,
+    pub(crate) link: OwnedFd,
 }
 
 fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterError> {
@@ -751,13 +860,55 @@ fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterEr
         what: "BPF_LINK_CREATE (iterator)",
         err,
     })?;
-    Ok(Loaded { _prog: prog, link })
+    Ok(Loaded {
+        _prog: Some(prog),
+        link,
+    })
+}
+
+/// The pin names of the iterator links in the fence's bpffs directory
+/// (with [`crate::fdtable::PIN_FDTABLE`]). The suffix is the record
+/// format and filter: a gpufence whose programs write something else
+/// uses new names, and never reads an old pin.
+pub const PIN_MAPS: &str = "iter_task_vma_v1";
+/// See [`PIN_MAPS`].
+pub const PIN_RINGS: &str = "iter_task_rings_v1";
+/// Every name an iterator pin has had, for removal.
+pub const PINS: [&str; 3] = [crate::fdtable::PIN_FDTABLE, PIN_MAPS, PIN_RINGS];
+
+/// Pins `link` at `dir/name`, replacing what is there: pinned as
+/// `name_new`, then renamed over `name` (bpffs renames like any
+/// directory: `bpf_dir_iops`, `kernel/bpf/inode.c`), so a reader opens
+/// the old link or the new one, never none. (bpffs refuses names with a
+/// dot, `bpf_lookup` in `kernel/bpf/inode.c`: hence `_`.)
+pub(crate) fn pin_link(link: &OwnedFd, dir: &std::path::Path, name: &str) -> Result<(), IterError> {
+    let tmp = dir.join(format!("{name}_new"));
+    let _ = std::fs::remove_file(&tmp);
+    sys::obj_pin(link.as_fd(), &tmp).map_err(|err| IterError::Sys {
+        what: "BPF_OBJ_PIN (iterator link)",
+        err,
+    })?;
+    std::fs::rename(&tmp, dir.join(name)).map_err(|err| {
+        let _ = std::fs::remove_file(&tmp);
+        IterError::Sys {
+            what: "rename (iterator link pin)",
+            err,
+        }
+    })
+}
+
+pub(crate) fn open_pin(dir: &std::path::Path, name: &str) -> Result<Loaded, IterError> {
+    let link = sys::obj_get(&dir.join(name)).map_err(|err| IterError::Sys {
+        what: "BPF_OBJ_GET (pinned iterator link)",
+        err,
+    })?;
+    Ok(Loaded { _prog: None, link })
 }
 
 /// Reads an iterator to its end. `EAGAIN` means the kernel visited a
 /// million objects without output in one read (`MAX_ITER_OBJECTS`,
 /// `bpf_seq_read` in `kernel/bpf/bpf_iter.c`) and kept its place: read on.
-fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
+pub(crate) fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
     let out = read_raw(link)?;
     if out.len() % RECORD_LEN != 0 {
         return Err(IterError::Malformed(format!(
@@ -833,7 +984,11 @@ impl Iterators {
                 &file_program(layout, sockets)?,
                 layout.task_file,
             )?,
-            maps: load("task_vma", &vma_program(layout)?, layout.task_vma)?,
+            maps: load(
+                "task_vma",
+                &vma_program(layout, Filter::All)?,
+                layout.task_vma,
+            )?,
         })
     }
 
@@ -856,6 +1011,52 @@ impl Iterators {
     }
 }
 
+/// The mapping program ([`vma_program`]) alone, filtered as the fence
+/// pins it ([`Filter::Protected`]).
+#[derive(Debug)]
+pub struct MapIterator {
+    it: Loaded,
+}
+
+impl MapIterator {
+    /// Loads [`vma_program`] for `layout` and `filter` and links it.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn load(layout: &Layout, filter: Filter) -> Result<MapIterator, IterError> {
+        Ok(MapIterator {
+            it: load("task_vma", &vma_program(layout, filter)?, layout.task_vma)?,
+        })
+    }
+
+    /// Pins the link in `dir` ([`PIN_MAPS`]), replacing an earlier pin.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`].
+    pub fn pin(&self, dir: &std::path::Path) -> Result<(), IterError> {
+        pin_link(&self.it.link, dir, PIN_MAPS)
+    }
+
+    /// Opens the link pinned in `dir`.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`] (`ENOENT`: not pinned).
+    pub fn open_pinned(dir: &std::path::Path) -> Result<MapIterator, IterError> {
+        Ok(MapIterator {
+            it: open_pin(dir, PIN_MAPS)?,
+        })
+    }
+
+    /// Every mapping of a character device (or io_uring ring) the filter
+    /// lets through, one record per vma.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn maps(&self) -> Result<Vec<Record>, IterError> {
+        read_all(&self.it.link)
+    }
+}
+
 /// The ring iterator ([`ring_program`]), loaded and linked; each
 /// [`RingIterator::files`] call is a fresh walk of every task.
 #[derive(Debug)]
@@ -863,43 +1064,38 @@ pub struct RingIterator {
     it: Loaded,
 }
 
-/// The ring program's BTF: its two functions, `long ring(void *ctx)` and
-/// the static callback `long read_file(long index, void *ctx)`
+/// The BTF of a program of two functions, `long <main>(void *ctx)` and
+/// the static `bpf_loop` callback `long <callback>(long index, void *ctx)`
 /// (`include/uapi/linux/btf.h`: header, types, strings). Type ids: 4 the
 /// main function, 6 the callback.
-fn ring_btf() -> Vec<u8> {
+fn funcs_btf(main: &str, callback: &str) -> Vec<u8> {
     const KIND_INT: u32 = 1;
     const KIND_PTR: u32 = 2;
     const KIND_FUNC: u32 = 12;
     const KIND_FUNC_PROTO: u32 = 13;
-    let strs = b"\0long\0ctx\0ring\0index\0read_file\0";
-    let name = |n: &[u8]| -> u32 {
-        strs.windows(n.len() + 2)
-            .position(|w| w[0] == 0 && &w[1..=n.len()] == n && w[n.len() + 1] == 0)
-            .map_or(0, |p| p as u32 + 1)
+    let mut strs: Vec<u8> = vec![0];
+    let mut name = |n: &str| -> u32 {
+        let at = strs.len() as u32;
+        strs.extend_from_slice(n.as_bytes());
+        strs.push(0);
+        at
     };
+    let (long, ctx, index) = (name("long"), name("ctx"), name("index"));
+    let (main, callback) = (name(main), name(callback));
     let mut t: Vec<u32> = Vec::new();
     let info = |kind: u32, vlen: u32| kind << 24 | vlen;
     // 1: long (signed, 64 bits)
-    t.extend([name(b"long"), info(KIND_INT, 0), 8, 1 << 24 | 64]);
+    t.extend([long, info(KIND_INT, 0), 8, 1 << 24 | 64]);
     // 2: void *
     t.extend([0, info(KIND_PTR, 0), 0]);
     // 3: long (void *ctx)
-    t.extend([0, info(KIND_FUNC_PROTO, 1), 1, name(b"ctx"), 2]);
-    // 4: ring, static
-    t.extend([name(b"ring"), info(KIND_FUNC, 0), 3]);
+    t.extend([0, info(KIND_FUNC_PROTO, 1), 1, ctx, 2]);
+    // 4: main, static
+    t.extend([main, info(KIND_FUNC, 0), 3]);
     // 5: long (long index, void *ctx)
-    t.extend([
-        0,
-        info(KIND_FUNC_PROTO, 2),
-        1,
-        name(b"index"),
-        1,
-        name(b"ctx"),
-        2,
-    ]);
-    // 6: read_file, static (a callback must be)
-    t.extend([name(b"read_file"), info(KIND_FUNC, 0), 5]);
+    t.extend([0, info(KIND_FUNC_PROTO, 2), 1, index, 1, ctx, 2]);
+    // 6: the callback, static (a callback must be)
+    t.extend([callback, info(KIND_FUNC, 0), 5]);
     let types: Vec<u8> = t.iter().flat_map(|w| w.to_ne_bytes()).collect();
     let mut out = Vec::new();
     out.extend(0xEB9Fu16.to_ne_bytes());
@@ -918,6 +1114,58 @@ fn ring_btf() -> Vec<u8> {
     out
 }
 
+/// Loads iterator program `p` of two functions (the main one at 0, the
+/// `bpf_loop` callback where its one `ld_imm64` of a function points)
+/// through the real verifier, with their BTF, and links it.
+pub(crate) fn load_with_callback(
+    p: &Program,
+    prog_name: &str,
+    target: &'static str,
+    attach_btf_id: u32,
+    names: (&str, &str),
+) -> Result<Loaded, IterError> {
+    let callback = p
+        .insns
+        .iter()
+        .enumerate()
+        .find(|(_, i)| i.regs >> 4 == crate::asm::PSEUDO_FUNC && i.code == 0x18)
+        .map(|(at, i)| (at as i64 + 1 + i64::from(i.imm)) as u32)
+        .ok_or_else(|| IterError::Malformed(format!("the {prog_name} program has no callback")))?;
+    let btf = sys::btf_load(&funcs_btf(names.0, names.1)).map_err(|err| IterError::Sys {
+        what: "BPF_BTF_LOAD (an iterator program's functions)",
+        err,
+    })?;
+    let funcs = [
+        sys::FuncInfo {
+            insn_off: 0,
+            type_id: 4,
+        },
+        sys::FuncInfo {
+            insn_off: callback,
+            type_id: 6,
+        },
+    ];
+    let prog = sys::prog_load_iter_funcs(
+        &p.insns,
+        prog_name,
+        attach_btf_id,
+        Some((btf.as_fd(), &funcs)),
+    )
+    .map_err(|e| IterError::Load {
+        target,
+        errno: e.errno,
+        log: e.log,
+    })?;
+    let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
+        what: "BPF_LINK_CREATE (iterator)",
+        err,
+    })?;
+    Ok(Loaded {
+        _prog: Some(prog),
+        link,
+    })
+}
+
 impl RingIterator {
     /// Loads the ring program for `layout` through the real verifier and
     /// links it.
@@ -926,46 +1174,32 @@ impl RingIterator {
     /// [`IterError`]: no permission, no `task` iterator or `bpf_loop`
     /// (5.17+), a verifier refusal.
     pub fn load(layout: &RingLayout) -> Result<RingIterator, IterError> {
-        let p = ring_program(layout)?;
-        // The callback starts where the one ld_imm64 of a function points.
-        let callback = p
-            .insns
-            .iter()
-            .enumerate()
-            .find(|(_, i)| i.regs >> 4 == crate::asm::PSEUDO_FUNC && i.code == 0x18)
-            .map(|(at, i)| (at as i64 + 1 + i64::from(i.imm)) as u32)
-            .ok_or_else(|| IterError::Malformed("the ring program has no callback".into()))?;
-        let btf = sys::btf_load(&ring_btf()).map_err(|err| IterError::Sys {
-            what: "BPF_BTF_LOAD (the ring program's functions)",
-            err,
-        })?;
-        let funcs = [
-            sys::FuncInfo {
-                insn_off: 0,
-                type_id: 4,
-            },
-            sys::FuncInfo {
-                insn_off: callback,
-                type_id: 6,
-            },
-        ];
-        let prog = sys::prog_load_iter_funcs(
-            &p.insns,
-            "gpufence_ring",
-            layout.task,
-            Some((btf.as_fd(), &funcs)),
-        )
-        .map_err(|e| IterError::Load {
-            target: "task",
-            errno: e.errno,
-            log: e.log,
-        })?;
-        let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
-            what: "BPF_LINK_CREATE (iterator)",
-            err,
-        })?;
         Ok(RingIterator {
-            it: Loaded { _prog: prog, link },
+            it: load_with_callback(
+                &ring_program(layout)?,
+                "gpufence_ring",
+                "task",
+                layout.task,
+                ("ring", "read_file"),
+            )?,
+        })
+    }
+
+    /// Pins the link in `dir` ([`PIN_RINGS`]), replacing an earlier pin.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`].
+    pub fn pin(&self, dir: &std::path::Path) -> Result<(), IterError> {
+        pin_link(&self.it.link, dir, PIN_RINGS)
+    }
+
+    /// Opens the link pinned in `dir`.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`] (`ENOENT`: not pinned).
+    pub fn open_pinned(dir: &std::path::Path) -> Result<RingIterator, IterError> {
+        Ok(RingIterator {
+            it: open_pin(dir, PIN_RINGS)?,
         })
     }
 
@@ -1181,6 +1415,97 @@ mod live {
         unsafe {
             libc::munmap(m, 4096);
             libc::close(efd);
+        }
+    }
+
+    /// The mapping program as the fence pins it ([`Filter::Protected`]):
+    /// a mapping of a device on a protected major is written, the same
+    /// mapping is not when its major is not protected, and an io_uring's
+    /// mapped rings are.
+    #[test]
+    fn the_pinned_mapping_program_writes_protected_devices_and_rings_only() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+            eprintln!("SKIPPED: needs root in the initial pid namespace");
+            return;
+        }
+        let layout = match Layout::vmlinux() {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let me = std::process::id() as i32;
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        // SAFETY: a private read mapping of /dev/zero (1:5), which keeps
+        // the device file as vm_file.
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                zero.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(m, libc::MAP_FAILED);
+        let mut params = [0u8; 120];
+        // SAFETY: io_uring_setup(2) with a zeroed params struct, then a
+        // shared mapping of its submission ring (IORING_OFF_SQ_RING = 0).
+        let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+        let rm = if ring >= 0 {
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    ring as i32,
+                    0,
+                )
+            }
+        } else {
+            libc::MAP_FAILED
+        };
+        for (protected, expect) in [(1u32, true), (7u32, false)] {
+            let majors = crate::fdtable::live::majors(&[protected]);
+            let it = MapIterator::load(
+                &layout,
+                Filter::Protected {
+                    majors_fd: majors.as_raw_fd(),
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            let recs = it.maps().unwrap();
+            let mine: Vec<&Record> = recs.iter().filter(|r| r.tgid == me).collect();
+            assert_eq!(
+                mine.iter().any(|r| r.object == Object::CharMap(1, 5)),
+                expect,
+                "major {protected} protected: {mine:?}"
+            );
+            if rm != libc::MAP_FAILED {
+                assert!(
+                    mine.iter().any(|r| matches!(r.object, Object::AnonMap(_))),
+                    "the mapped ring: {mine:?}"
+                );
+            }
+            assert!(
+                mine.iter()
+                    .all(|r| matches!(r.object, Object::CharMap(1, 5) | Object::AnonMap(_))),
+                "nothing else: {mine:?}"
+            );
+        }
+        // SAFETY: unmaps and closes what this test made.
+        unsafe {
+            libc::munmap(m, 4096);
+            if rm != libc::MAP_FAILED {
+                libc::munmap(rm, 4096);
+            }
+            if ring >= 0 {
+                libc::close(ring as i32);
+            }
         }
     }
 }

@@ -25,6 +25,7 @@
 pub mod asm;
 pub mod btf;
 pub mod error;
+pub mod fdtable;
 pub mod fence;
 pub mod hierarchy;
 pub mod interp;

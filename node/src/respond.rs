@@ -207,7 +207,7 @@ pub fn uncovered(
         fds: Vec::new(),
         gpu_memory: Vec::new(),
     };
-    for h in scan::holders(devs) {
+    for h in scan::Scanner::with_pins(&node.cfg.bpffs_dir).holders(devs) {
         let c = by_pid.entry(h.pid).or_insert_with(|| new(h.pid));
         c.fds.extend(h.fds.iter().cloned());
         c.devices.extend(h.devices());

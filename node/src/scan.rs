@@ -39,7 +39,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
-use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
+use gpufence_cgroup::fdtable::FdTableIterator;
+use gpufence_cgroup::iter::{
+    self, Iterators, Layout, MapIterator, Object, RingIterator, RingLayout,
+};
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
@@ -120,6 +123,11 @@ pub struct Scanner {
     /// Registered rings not read whole that a scan for a predicate (not a
     /// device set) met: (pid, thread, ring slot, fixed files).
     unread_rings: Vec<(i32, i32, i32, u64)>,
+    /// The fence's bpffs directory, where its install pinned the scan
+    /// iterators ([`gpufence_cgroup::iter::PIN_FILES`]).
+    pins: Option<PathBuf>,
+    /// The last whole-machine scan read the pinned iterators.
+    read_pins: bool,
 }
 
 impl Default for Scanner {
@@ -133,6 +141,8 @@ impl Default for Scanner {
             unread_means: None,
             ring_error: None,
             unread_rings: Vec::new(),
+            pins: None,
+            read_pins: false,
         }
     }
 }
@@ -179,6 +189,9 @@ struct ProcRecords {
     /// The inodes of the rings its tasks registered (read by the ring
     /// iterator).
     ring_inos: BTreeSet<u64>,
+    /// A descriptor table of it was not read whole in the kernel
+    /// ([`Object::TableUnread`]): read it in `/proc`.
+    table_unread: bool,
 }
 
 /// One read of the machine by the iterators.
@@ -190,22 +203,73 @@ struct Snapshot {
     procs: HashMap<i32, ProcRecords>,
     /// Why registered rings could not be read, if so.
     ring_error: Option<String>,
+    /// Read from the fence's pinned iterators.
+    pinned: bool,
 }
 
-/// Runs both iterators. Any failure is the reason to walk `/proc`.
-fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot, String> {
+/// The descriptor tables' and mappings' readers of one snapshot.
+enum Readers {
+    /// Loaded by this scan: every character device, anonymous inode (and
+    /// socket) crosses to user space.
+    Loaded(Iterators),
+    /// The fence's pins: protected majors and io_uring rings only.
+    Pinned(FdTableIterator, MapIterator),
+}
+
+impl Readers {
+    fn files(&self) -> Result<Vec<iter::Record>, iter::IterError> {
+        match self {
+            Readers::Loaded(it) => it.files(),
+            Readers::Pinned(t, _) => t.files(),
+        }
+    }
+    fn maps(&self) -> Result<Vec<iter::Record>, iter::IterError> {
+        match self {
+            Readers::Loaded(it) => it.maps(),
+            Readers::Pinned(_, m) => m.maps(),
+        }
+    }
+}
+
+/// The iterators the fence pinned in `dir`, if all are there.
+fn open_pins(dir: &Path) -> Option<(Readers, RingIterator)> {
+    Some((
+        Readers::Pinned(
+            FdTableIterator::open_pinned(dir).ok()?,
+            MapIterator::open_pinned(dir).ok()?,
+        ),
+        RingIterator::open_pinned(dir).ok()?,
+    ))
+}
+
+/// Runs both iterators (and the ring iterator): those pinned in `pins`
+/// (without sockets, protected majors only) where given and there,
+/// otherwise loaded here. Any failure is the reason to walk `/proc`.
+fn take_snapshot(
+    btf_path: &Path,
+    sockets: bool,
+    list: bool,
+    pins: Option<&Path>,
+) -> Result<Snapshot, String> {
     if !iter::in_initial_pid_ns() {
         return Err("not in the initial pid namespace (task ids are global ids)".into());
     }
-    let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
-    let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
-    let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
-    // Loaded (and verified) before any read, so that the three reads
-    // follow each other closely.
-    let rings = RingLayout::from_btf(&btf)
-        .map_err(|e| e.to_string())
-        .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()));
-    drop(btf);
+    let pinned = pins.filter(|_| !sockets).and_then(open_pins);
+    let was_pinned = pinned.is_some();
+    let (it, rings) = match pinned {
+        Some((it, rings)) => (it, Ok(rings)),
+        None => {
+            let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
+            let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
+            let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
+            // Loaded (and verified) before any read, so that the three
+            // reads follow each other closely.
+            let rings = RingLayout::from_btf(&btf)
+                .map_err(|e| e.to_string())
+                .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()));
+            (Readers::Loaded(it), rings)
+        }
+    };
     let listed: BTreeSet<i32> = if list {
         pids().into_iter().collect()
     } else {
@@ -248,12 +312,14 @@ fn take_snapshot(btf_path: &Path, sockets: bool, list: bool) -> Result<Snapshot,
             Object::RingSeen(ino) => {
                 p.ring_inos.insert(ino);
             }
+            Object::TableUnread(_) => p.table_unread = true,
         }
     }
     Ok(Snapshot {
         listed,
         procs,
         ring_error,
+        pinned: was_pinned,
     })
 }
 
@@ -344,6 +410,25 @@ impl Scanner {
         }
     }
 
+    /// A scan that reads the iterators the fence pinned in `bpffs_dir`
+    /// when it looks for devices the fence protects ([`Scanner::holders`]):
+    /// no BTF parsed, no program loaded, and only protected devices and
+    /// io_uring rings cross to user space. Anything else (no pins, a
+    /// device on a major the fence does not protect, a predicate scan)
+    /// loads its own iterators as [`Scanner::new`] does.
+    pub fn with_pins(bpffs_dir: &Path) -> Self {
+        Scanner {
+            pins: Some(bpffs_dir.to_path_buf()),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the last whole-machine scan read the fence's pinned
+    /// iterators ([`Scanner::with_pins`]).
+    pub fn read_pins(&self) -> bool {
+        self.read_pins
+    }
+
     /// What the last whole-machine scan read (`None` before one).
     pub fn source(&self) -> Option<&Source> {
         self.source.as_ref()
@@ -375,7 +460,14 @@ impl Scanner {
         }
         let want = |d: DevNum| devs.contains(&d);
         self.unread_means = Some(devs.clone());
-        let out = match self.holders_fast(&want) {
+        // The pinned iterators write protected majors only: read them when
+        // every device sought is on one.
+        let majors: Vec<u32> = devs.iter().map(|d| d.major).collect();
+        let pins = self
+            .pins
+            .clone()
+            .filter(|dir| gpufence_cgroup::Fence::majors_protected(dir, &majors).unwrap_or(false));
+        let out = match self.holders_fast(&want, pins.as_deref()) {
             Ok(h) => {
                 self.source = Some(Source::Iterators);
                 h
@@ -390,11 +482,16 @@ impl Scanner {
     }
 
     /// The whole machine through the iterators, or `Err(why)`.
-    fn holders_fast(&mut self, want: DevicePredicate<'_>) -> Result<Vec<Holder>, String> {
+    fn holders_fast(
+        &mut self,
+        want: DevicePredicate<'_>,
+        pins: Option<&Path>,
+    ) -> Result<Vec<Holder>, String> {
         if self.proc_only {
             return Err(String::new());
         }
-        let snap = take_snapshot(&self.btf, false, false)?;
+        let snap = take_snapshot(&self.btf, false, false, pins)?;
+        self.read_pins = snap.pinned;
         self.ring_error = snap.ring_error.clone();
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = Vec::new();
@@ -431,12 +528,26 @@ impl Scanner {
                     .map(|&(tid, slot, n)| (pid, tid, slot, n)),
             );
         }
-        if !hit_fd && !hit_map && !hit_ring && unread.is_none() && r.anon.is_empty() && !r.anon_maps
+        if !hit_fd
+            && !hit_map
+            && !hit_ring
+            && unread.is_none()
+            && r.anon.is_empty()
+            && !r.anon_maps
+            && !r.table_unread
         {
             return None;
         }
         let base = PathBuf::from(format!("/proc/{pid}"));
         let mut fds = Vec::new();
+        if r.table_unread {
+            // More protected descriptors than one kernel read holds, or a
+            // table past bpf_loop's reach: the /proc walk of the fallback
+            // reads this process (its tables, mappings, rings' fdinfo).
+            if let Some(h) = self.walk(&base, pid, want, None) {
+                fds.extend(h.fds);
+            }
+        }
         let mut chars: Vec<&(i32, i32, DevNum)> =
             r.chars.iter().filter(|(_, _, d)| want(*d)).collect();
         // The leader's table first, then threads by id, as the walk does.
@@ -517,7 +628,7 @@ impl Scanner {
     /// Every process (other than this one) holding a device `want` selects
     /// (e.g. any device whose major is protected), in pid order.
     pub fn holders_where(&mut self, want: DevicePredicate<'_>) -> Vec<Holder> {
-        match self.holders_fast(want) {
+        match self.holders_fast(want, None) {
             Ok(h) => {
                 self.source = Some(Source::Iterators);
                 h
@@ -597,7 +708,7 @@ impl Scanner {
             let s = if self.proc_only {
                 Err(String::new())
             } else {
-                take_snapshot(&self.btf, true, true)
+                take_snapshot(&self.btf, true, true, None)
             };
             self.source = Some(match &s {
                 Ok(_) => Source::Iterators,

@@ -439,9 +439,8 @@ fn reports_are_written_whole_and_as_the_user() {
             let w = s.spawn(|| write(&slow, &name, &mine));
             let mut seen = None;
             while seen.is_none() && !w.is_finished() {
-                let procs =
-                    std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
-                        .unwrap_or_default();
+                let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                    .unwrap_or_default();
                 let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
                     continue;
                 };
@@ -457,8 +456,7 @@ fn reports_are_written_whole_and_as_the_user() {
                 }
                 // SAFETY: kill(2) on the writer the test just found.
                 unsafe { libc::kill(pid, libc::SIGSTOP) };
-                let cg =
-                    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+                let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
                 // Its cgroup is fenced: a process of the user there is denied.
                 let opened = env.open_from(&writer_cg, &n0);
                 seen = Some((pid, cg, opened));
@@ -499,9 +497,8 @@ fn reports_are_written_whole_and_as_the_user() {
         let r = std::thread::scope(|s| {
             let w = s.spawn(|| write(&slow, &name, &mine));
             while tracer.is_none() && !w.is_finished() {
-                let procs =
-                    std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
-                        .unwrap_or_default();
+                let procs = std::fs::read_to_string(env.cg.path(&writer_cg).join("cgroup.procs"))
+                    .unwrap_or_default();
                 let Some(pid) = procs.lines().next().and_then(|l| l.parse::<i32>().ok()) else {
                     continue;
                 };

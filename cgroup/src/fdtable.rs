@@ -1,0 +1,561 @@
+//! Every descriptor table on the machine, filtered in the kernel: a `task`
+//! iterator program (`kernel/bpf/task_iter.c`) that walks each table's
+//! slots with `bpf_loop` and writes a record only for the descriptors a
+//! scan for protected devices needs: character devices on a major the
+//! fence protects, and io_uring rings.
+//!
+//! The `task_file` iterator ([`crate::iter::Iterators`]) costs about
+//! 0.3 µs per descriptor on the project's 2-vCPU machine before the
+//! program runs at all (`fget_task_next` takes the task lock, a reference
+//! on each file and drops it again), so a node with a million open
+//! descriptors paid about 330 ms per scan whatever the program did. Here
+//! one program run reads one table: `task->files->fdt->fd[0..max_fds]`,
+//! each slot, `file->f_inode` and `inode->i_mode` with
+//! `bpf_probe_read_kernel` (the program runs under `rcu_read_lock`, as
+//! every non-sleepable iterator program does, `bpf_iter_run_prog` in
+//! `kernel/bpf/bpf_iter.c`; `struct file` is `SLAB_TYPESAFE_BY_RCU` and
+//! a read that faults skips the slot), and only a character device or an
+//! anonymous inode (type bits 0: `alloc_anon_inode` in `fs/libfs.c` sets
+//! `S_IRUSR | S_IWUSR` alone) reads further.
+//!
+//! A thread whose table is its group leader's is skipped (the leader's
+//! run reads it), as `task_file`'s `skip_if_dup_files` does; a thread
+//! with a table of its own (`unshare(CLONE_FILES)`), or every thread once
+//! the leader has exited, is read. Records are [`Record`]s of the same
+//! kinds as `task_file`'s ([`Object::CharFd`], [`Object::AnonInode`]);
+//! a table not read whole says so ([`Object::TableUnread`]) and its
+//! process is then read in `/proc` by the scan.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+
+use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
+use crate::btf::{Btf, BtfError, Field};
+use crate::iter::{
+    self, off, probe_read, size, sized, IterError, Loaded, Record, ANON_INODE_FS_MAGIC, FUNC_LOOP,
+    FUNC_SEQ_WRITE, KIND_ANON, KIND_CHAR, KIND_TABLE_UNREAD, MAX_LOOPS, MINORBITS, RECORD_LEN,
+    S_IFCHR, S_IFMT,
+};
+
+/// The pin name of the fd-table iterator's link in the fence's bpffs
+/// directory (see [`crate::iter::PIN_FILES`] for the suffix).
+pub const PIN_FDTABLE: &str = "iter_fdtable_v1";
+
+/// The most records one table's run writes; a table with more says so
+/// ([`Object::TableUnread`]). What one program run writes must fit the
+/// iterator's buffer (8 pages, else `E2BIG`, `bpf_seq_read` in
+/// `kernel/bpf/bpf_iter.c`): 1,000 records of 24 bytes and the closing
+/// one do.
+pub const FD_RECORDS: i32 = 1000;
+
+/// Entries in the fence's `majors` array map: a major at or past it is
+/// let through to user space (the kernel's character majors stop at 511,
+/// `CHRDEV_MAJOR_MAX` in `fs/char_dev.c`).
+const MAJORS_ENTRIES: i32 = 4096;
+
+/// Where the program finds what it reads, from the running kernel's BTF.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FdTableLayout {
+    /// BTF id of `bpf_iter_task` (the `attach_btf_id`).
+    pub task: u32,
+    /// BTF id of the kfunc `bpf_rdonly_cast` (6.2+, `kernel/bpf/helpers.c`).
+    rdonly_cast: u32,
+    /// BTF id of `struct file`.
+    file: u32,
+    ctx_task: Field,
+    meta_seq: Field,
+    tgid: Field,
+    pid: Field,
+    files: Field,
+    group_leader: Field,
+    fdt: Field,
+    max_fds: Field,
+    fd: Field,
+    f_inode: Field,
+    i_mode: Field,
+    i_rdev: Field,
+    i_ino: Field,
+    i_sb: Field,
+    s_magic: Field,
+    /// `file->f_path.dentry` and `dentry->d_name.name`: offsets of
+    /// pointers inside a member struct.
+    f_path_dentry: i16,
+    d_name_name: i16,
+}
+
+impl FdTableLayout {
+    /// Reads the layout from parsed BTF: `struct task_struct { files;
+    /// group_leader; }`, `struct files_struct { fdt; }`, `struct fdtable
+    /// { max_fds; fd; }` (`include/linux/fdtable.h`), the file, inode,
+    /// dentry and super_block members the checks read, and the kfunc
+    /// `bpf_rdonly_cast`.
+    ///
+    /// # Errors
+    /// [`BtfError`] when a type or member is missing or of another width
+    /// (a kernel before 6.2 has no `bpf_rdonly_cast`).
+    pub fn from_btf(btf: &Btf) -> Result<FdTableLayout, BtfError> {
+        let at = |outer: (&str, &str), inner: (&str, &str)| -> Result<i16, BtfError> {
+            let o = btf.field(outer.0, outer.1)?.offset;
+            let i = sized(btf, inner.0, inner.1, 8, true)?.offset;
+            i16::try_from(o + i).map_err(|_| BtfError::Unexpected {
+                name: format!("{}.{}.{}", outer.0, outer.1, inner.1),
+                why: "offset past a load's reach".into(),
+            })
+        };
+        Ok(FdTableLayout {
+            task: btf.func_id("bpf_iter_task")?,
+            rdonly_cast: btf.func_id("bpf_rdonly_cast")?,
+            file: btf.struct_id("file")?,
+            ctx_task: sized(btf, "bpf_iter__task", "task", 8, true)?,
+            meta_seq: sized(btf, "bpf_iter_meta", "seq", 8, true)?,
+            tgid: sized(btf, "task_struct", "tgid", 4, false)?,
+            pid: sized(btf, "task_struct", "pid", 4, false)?,
+            files: sized(btf, "task_struct", "files", 8, true)?,
+            group_leader: sized(btf, "task_struct", "group_leader", 8, true)?,
+            fdt: sized(btf, "files_struct", "fdt", 8, true)?,
+            max_fds: sized(btf, "fdtable", "max_fds", 4, false)?,
+            fd: sized(btf, "fdtable", "fd", 8, true)?,
+            f_inode: sized(btf, "file", "f_inode", 8, true)?,
+            i_mode: sized(btf, "inode", "i_mode", 2, false)?,
+            i_rdev: sized(btf, "inode", "i_rdev", 4, false)?,
+            i_ino: sized(btf, "inode", "i_ino", 8, false)?,
+            i_sb: sized(btf, "inode", "i_sb", 8, true)?,
+            s_magic: sized(btf, "super_block", "s_magic", 8, false)?,
+            f_path_dentry: at(("file", "f_path"), ("path", "dentry"))?,
+            d_name_name: at(("dentry", "d_name"), ("qstr", "name"))?,
+        })
+    }
+}
+
+// The main frame: the record at fp-24 (written by the main function only
+// for the closing record), scratch at fp-32, the callback's state at
+// fp-72.
+const TMP: i16 = -32;
+const STATE: i16 = -72;
+const ST_TABLE: i16 = 0;
+const ST_SEQ: i16 = 8;
+const ST_TASK: i16 = 16;
+const ST_RECORDS: i16 = 24;
+const ST_MORE: i16 = 32;
+// The callback's frame: its record at fp-24, scratch at fp-32, the major
+// looked up at fp-40, the name read at fp-56..fp-46, the batch of slots
+// at fp-120..fp-57.
+const CB_TMP: i16 = -32;
+const CB_KEY: i16 = -40;
+const CB_NAME: i16 = -56;
+const CB_BATCH: i16 = -120;
+/// Slots read per callback: one `bpf_probe_read_kernel` of 64 bytes. A
+/// table's `max_fds` is a multiple of `BITS_PER_LONG` (`alloc_fdtable`
+/// in `fs/file.c` rounds it up), so a batch never reads past its array.
+const SLOTS: i32 = 8;
+
+/// `*(u64 *)(fp + STATE + at) = 0`, as a value the verifier does not
+/// know (read back with `bpf_probe_read_kernel`): a counter the callback
+/// compares and adds to stays imprecise, and the callback is verified in
+/// a few passes, not once per value.
+fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
+    a.store_imm(Size::DW, Reg::R10, TMP, 0)
+        .mov64_reg(Reg::R3, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R3, TMP as i32);
+    probe_read(a, TMP, Size::DW, 8, Reg::R1, fail);
+    a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
+}
+
+/// The fd-table program: for each task with a table of its own, every
+/// slot of `files->fdt->fd`, walked with `bpf_loop`; a record for each
+/// character device on a major `majors_fd` (the fence's `majors` map)
+/// marks protected, and each anonymous inode named `[io_uring]` (the
+/// dentry name `io_uring_get_file` gives a ring,
+/// `anon_inode_create_getfile("[io_uring]", ...)` in
+/// `io_uring/io_uring.c`); a name that cannot be read is let through.
+///
+/// # Errors
+/// [`AsmError`] (a bug here).
+pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, AsmError> {
+    let mut a = Asm::new();
+    a.comment("task: ctx = { meta, task }")
+        .mov64_reg(Reg::R6, Reg::R1)
+        .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_task))
+        .jmp_imm(JmpOp::Eq, Reg::R7, 0, "out")
+        .comment("r8 = task->files (NULL: an exiting task or a kernel thread's)")
+        .load(Size::DW, Reg::R8, Reg::R7, off(&l.files))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
+        .comment("a thread sharing its leader's table: the leader's run reads it")
+        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R2, "own")
+        .load(Size::DW, Reg::R1, Reg::R7, off(&l.group_leader))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "own")
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.files))
+        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R8, "out")
+        .label("own")
+        .comment("fdt = files->fdt; state = { fdt->fd, seq, tgid | tid << 32, 0, 0 }")
+        .load(Size::DW, Reg::R9, Reg::R8, off(&l.fdt))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
+        .load(Size::DW, Reg::R1, Reg::R9, off(&l.fd))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
+        .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
+        .load(Size::DW, Reg::R1, Reg::R6, 0)
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
+        .store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
+        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
+        .alu64_imm(AluOp::Lsh, Reg::R1, 32)
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
+        .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
+    zero_unknown(&mut a, ST_RECORDS, "unread");
+    zero_unknown(&mut a, ST_MORE, "unread");
+    a.comment(
+        "bpf_loop((fdt->max_fds + 7) / 8, read_slots, &state, 0): past BPF_MAX_LOOPS it refuses",
+    )
+    .load(size(&l.max_fds), Reg::R1, Reg::R9, off(&l.max_fds))
+    .alu64_imm(AluOp::Add, Reg::R1, SLOTS - 1)
+    .alu64_imm(AluOp::Rsh, Reg::R1, 3)
+    .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, "unread")
+    .ld_func(Reg::R2, "read_slots")
+    .mov64_reg(Reg::R3, Reg::R10)
+    .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
+    .mov64_imm(Reg::R4, 0)
+    .call_id(FUNC_LOOP, "loop")
+    .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
+    .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
+    .label("unread")
+    .comment("rec = { tgid, tid, -1, TABLE_UNREAD, max_fds }")
+    .load(size(&l.max_fds), Reg::R3, Reg::R9, off(&l.max_fds))
+    .store(Size::DW, Reg::R10, -8, Reg::R3)
+    .store_imm(Size::W, Reg::R10, -12, KIND_TABLE_UNREAD)
+    .store_imm(Size::W, Reg::R10, -16, -1)
+    .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+    .store(Size::W, Reg::R10, -24, Reg::R2)
+    .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
+    .store(Size::W, Reg::R10, -20, Reg::R2)
+    .load(Size::DW, Reg::R1, Reg::R6, 0)
+    .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
+    .mov64_reg(Reg::R2, Reg::R10)
+    .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+    .mov64_imm(Reg::R3, RECORD_LEN as i32)
+    .call_id(FUNC_SEQ_WRITE, "seq_write")
+    .label("out")
+    .mov64_imm(Reg::R0, 0)
+    .exit();
+
+    // long read_slots(u64 j, struct state *st): slots 8j..8j+7, read in
+    // one bpf_probe_read_kernel; each file is cast to a BTF pointer
+    // (bpf_rdonly_cast, which the verifier turns into a move) so that its
+    // members are read with plain loads (a fault reads 0). r6 = st,
+    // r7 = file, r8 = inode, r9 = 8j.
+    a.label("read_slots")
+        .comment("batch = st->table[8j .. 8j+8]")
+        .mov64_reg(Reg::R6, Reg::R2)
+        .mov64_reg(Reg::R9, Reg::R1)
+        .alu64_imm(AluOp::Lsh, Reg::R9, 3)
+        .mov64_reg(Reg::R3, Reg::R9)
+        .alu64_imm(AluOp::Lsh, Reg::R3, 3)
+        .load(Size::DW, Reg::R1, Reg::R6, ST_TABLE)
+        .alu64_reg(AluOp::Add, Reg::R3, Reg::R1);
+    probe_read(&mut a, CB_BATCH, Size::DW, 8 * SLOTS, Reg::R1, "next");
+    for k in 0..SLOTS {
+        let next = if k + 1 < SLOTS {
+            format!("slot_{}", k + 1)
+        } else {
+            "next".to_string()
+        };
+        let (chr, chr_emit, anon, emit) = (
+            format!("chr_{k}"),
+            format!("chr_emit_{k}"),
+            format!("anon_{k}"),
+            format!("emit_{k}"),
+        );
+        a.label(&format!("slot_{k}"))
+            .comment(&format!(
+                "file = batch[{k}]; inode = file->f_inode; mode = inode->i_mode & S_IFMT"
+            ))
+            .load(Size::DW, Reg::R1, Reg::R10, CB_BATCH + 8 * k as i16)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+            .mov64_imm(Reg::R2, l.file as i32)
+            .call_kfunc(l.rdonly_cast, "bpf_rdonly_cast")
+            .mov64_reg(Reg::R7, Reg::R0)
+            .load(Size::DW, Reg::R8, Reg::R7, off(&l.f_inode))
+            .jmp_imm(JmpOp::Eq, Reg::R8, 0, &next)
+            .load(size(&l.i_mode), Reg::R1, Reg::R8, off(&l.i_mode))
+            .alu64_imm(AluOp::And, Reg::R1, S_IFMT)
+            .jmp_imm(JmpOp::Eq, Reg::R1, S_IFCHR, &chr)
+            .jmp_imm(JmpOp::Ne, Reg::R1, 0, &next)
+            .comment(
+                "no type bits: an anonymous inode if inode->i_sb->s_magic == ANON_INODE_FS_MAGIC",
+            )
+            .load(Size::DW, Reg::R1, Reg::R8, off(&l.i_sb))
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+            .load(size(&l.s_magic), Reg::R1, Reg::R1, off(&l.s_magic))
+            .jmp_imm(JmpOp::Ne, Reg::R1, ANON_INODE_FS_MAGIC as i32, &next)
+            .comment("file->f_path.dentry->d_name.name == \"[io_uring]\" (unreadable: let through)")
+            .load(Size::DW, Reg::R1, Reg::R7, l.f_path_dentry)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &anon)
+            .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
+            .jmp_imm(JmpOp::Eq, Reg::R3, 0, &anon);
+        probe_read(&mut a, CB_NAME, Size::W, 11, Reg::R1, &anon);
+        a.jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"[io_"), &next)
+            .load(Size::W, Reg::R1, Reg::R10, CB_NAME + 4)
+            .jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"urin"), &next)
+            .load(Size::H, Reg::R1, Reg::R10, CB_NAME + 8)
+            .jmp_imm(
+                JmpOp::Ne,
+                Reg::R1,
+                i32::from(u16::from_le_bytes(*b"g]")),
+                &next,
+            )
+            .load(Size::B, Reg::R1, Reg::R10, CB_NAME + 10)
+            .jmp_imm(JmpOp::Ne, Reg::R1, 0, &next)
+            .label(&anon)
+            .load(size(&l.i_ino), Reg::R3, Reg::R8, off(&l.i_ino))
+            .mov64_imm(Reg::R2, KIND_ANON)
+            .ja(&emit)
+            .label(&chr)
+            .comment("rdev = inode->i_rdev; majors[rdev >> MINORBITS] != 0, else nothing to say")
+            .load(size(&l.i_rdev), Reg::R3, Reg::R8, off(&l.i_rdev))
+            .store(Size::DW, Reg::R10, CB_TMP, Reg::R3)
+            .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
+            .jmp_imm(JmpOp::Ge, Reg::R3, MAJORS_ENTRIES, &chr_emit)
+            .store(Size::W, Reg::R10, CB_KEY, Reg::R3)
+            .ld_map_fd(Reg::R1, majors_fd, "majors")
+            .mov64_reg(Reg::R2, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R2, CB_KEY as i32)
+            .call(Helper::MapLookupElem)
+            .jmp_imm(JmpOp::Eq, Reg::R0, 0, &next)
+            .load(Size::W, Reg::R1, Reg::R0, 0)
+            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+            .label(&chr_emit)
+            .load(Size::DW, Reg::R3, Reg::R10, CB_TMP)
+            .mov64_imm(Reg::R2, KIND_CHAR)
+            .label(&emit)
+            .comment("if (st->records >= FD_RECORDS) { st->more = 1; stop }")
+            .load(Size::DW, Reg::R4, Reg::R6, ST_RECORDS)
+            .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "full")
+            .alu64_imm(AluOp::Add, Reg::R4, 1)
+            .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
+            .comment(&format!(
+                "rec = {{ tgid, tid, 8j + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
+            ))
+            .store(Size::DW, Reg::R10, -8, Reg::R3)
+            .store(Size::W, Reg::R10, -12, Reg::R2)
+            .mov64_reg(Reg::R1, Reg::R9)
+            .alu64_imm(AluOp::Add, Reg::R1, k as i32)
+            .store(Size::W, Reg::R10, -16, Reg::R1)
+            .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
+            .store(Size::DW, Reg::R10, -24, Reg::R1)
+            .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
+            .mov64_reg(Reg::R2, Reg::R10)
+            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+            .mov64_imm(Reg::R3, RECORD_LEN as i32)
+            .call_id(FUNC_SEQ_WRITE, "seq_write");
+    }
+    a.label("next")
+        .mov64_imm(Reg::R0, 0)
+        .exit()
+        .label("full")
+        .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
+        .mov64_imm(Reg::R0, 1)
+        .exit();
+    a.assemble()
+}
+
+/// The fd-table program, loaded and linked; each
+/// [`FdTableIterator::files`] call is a fresh walk of every task.
+#[derive(Debug)]
+pub struct FdTableIterator {
+    it: Loaded,
+}
+
+impl FdTableIterator {
+    /// Loads [`fdtable_program`] for `layout` and the fence's `majors` map
+    /// through the real verifier, and links it.
+    ///
+    /// # Errors
+    /// [`IterError`]: no permission, no `task` iterator or `bpf_loop`
+    /// (5.17+), a verifier refusal.
+    pub fn load(layout: &FdTableLayout, majors: &OwnedFd) -> Result<FdTableIterator, IterError> {
+        use std::os::fd::AsRawFd;
+        Ok(FdTableIterator {
+            it: iter::load_with_callback(
+                &fdtable_program(layout, majors.as_raw_fd())?,
+                "gpufence_fdt",
+                "task",
+                layout.task,
+                ("fdtable", "read_slots"),
+            )?,
+        })
+    }
+
+    /// Pins the link in `dir` ([`PIN_FDTABLE`]), replacing an earlier pin.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`].
+    pub fn pin(&self, dir: &Path) -> Result<(), IterError> {
+        iter::pin_link(&self.it.link, dir, PIN_FDTABLE)
+    }
+
+    /// Opens the link pinned in `dir`.
+    ///
+    /// # Errors
+    /// [`IterError::Sys`] (`ENOENT`: not pinned).
+    pub fn open_pinned(dir: &Path) -> Result<FdTableIterator, IterError> {
+        Ok(FdTableIterator {
+            it: iter::open_pin(dir, PIN_FDTABLE)?,
+        })
+    }
+
+    /// Every protected character device and io_uring ring in a descriptor
+    /// table, and every table not read whole, in task order.
+    ///
+    /// # Errors
+    /// [`IterError`].
+    pub fn files(&self) -> Result<Vec<Record>, IterError> {
+        iter::read_all(&self.it.link)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod live {
+    use super::*;
+    use crate::iter::{in_initial_pid_ns, Object};
+    use std::os::fd::{AsFd, AsRawFd};
+
+    /// A `majors` array map like the fence's, with `protected` marked.
+    pub(crate) fn majors(protected: &[u32]) -> OwnedFd {
+        let fd = crate::sys::map_create(
+            crate::maps::MAP_TYPE_ARRAY,
+            4,
+            4,
+            MAJORS_ENTRIES as u32,
+            "test_majors",
+        )
+        .unwrap_or_else(|e| panic!("map_create: {e}"));
+        for m in protected {
+            crate::sys::map_update(fd.as_fd(), &m.to_ne_bytes(), &1u32.to_ne_bytes()).unwrap();
+        }
+        fd
+    }
+
+    fn layout() -> Option<FdTableLayout> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+            eprintln!("SKIPPED: needs root in the initial pid namespace");
+            return None;
+        }
+        let btf = match Btf::vmlinux() {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                return None;
+            }
+        };
+        match FdTableLayout::from_btf(&btf) {
+            Ok(l) => Some(l),
+            // 6.2+ has every piece: there, a failure is a bug.
+            Err(e) if btf.func_id("bpf_rdonly_cast").is_ok() => panic!("{e}"),
+            Err(e) => {
+                eprintln!("SKIPPED: {e}");
+                None
+            }
+        }
+    }
+
+    /// Through the real verifier: the program writes this process's
+    /// descriptors of a protected major (`/dev/null`, 1:3, with major 1
+    /// marked) and its io_uring ring, and nothing for an unprotected major
+    /// (`/dev/tty`'s 5, `/dev/zero`... not marked), an eventfd, an epoll
+    /// instance, a socket or a regular file; a thread with a table of its
+    /// own is read under its own id, the threads sharing the leader's are
+    /// not read twice; a table holding more than [`FD_RECORDS`] protected
+    /// descriptors says it was not read whole.
+    #[test]
+    fn the_fd_table_program_writes_protected_devices_and_rings_only() {
+        let Some(l) = layout() else { return };
+        let me = std::process::id() as i32;
+        let it = FdTableIterator::load(&l, &majors(&[1])).unwrap_or_else(|e| panic!("{e}"));
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let ptmx = std::fs::File::open("/dev/ptmx").ok();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let reg = std::fs::File::open("/proc/self/status").unwrap();
+        // SAFETY: descriptors we then own.
+        let (efd, epfd) = unsafe { (libc::eventfd(0, 0), libc::epoll_create1(0)) };
+        assert!(efd >= 0 && epfd >= 0);
+        let mut params = [0u8; 120];
+        // SAFETY: io_uring_setup(2) with a zeroed params struct.
+        let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+        // A thread with a table of its own holding /dev/null.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            // SAFETY: unshare(2) of this thread's descriptor table.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_FILES) }, 0);
+            let own = std::fs::File::open("/dev/null").unwrap();
+            // SAFETY: gettid has no preconditions.
+            tx.send((unsafe { libc::gettid() }, own.as_raw_fd()))
+                .unwrap();
+            let _ = done_rx.recv();
+            drop(own);
+        });
+        let (tid, own_fd) = rx.recv().unwrap();
+        let recs = it.files().unwrap();
+        let _ = done_tx.send(());
+        t.join().unwrap();
+        let mine: Vec<&Record> = recs.iter().filter(|r| r.tgid == me).collect();
+        assert!(
+            mine.iter().any(|r| r.tid == me
+                && r.fd == null.as_raw_fd()
+                && r.object == Object::CharFd(1, 3)),
+            "{mine:?}"
+        );
+        assert!(
+            mine.iter()
+                .any(|r| r.tid == tid && r.fd == own_fd && r.object == Object::CharFd(1, 3)),
+            "the thread's own table: {mine:?}"
+        );
+        if ring >= 0 {
+            assert!(
+                mine.iter().any(|r| r.tid == me
+                    && r.fd == ring as i32
+                    && matches!(r.object, Object::AnonInode(_))),
+                "the ring: {mine:?}"
+            );
+        }
+        for fd in [efd, epfd, sock.as_raw_fd(), reg.as_raw_fd()]
+            .into_iter()
+            .chain(ptmx.as_ref().map(|f| f.as_raw_fd()))
+        {
+            assert!(
+                !mine.iter().any(|r| r.tid == me && r.fd == fd),
+                "fd {fd} is not for user space: {mine:?}"
+            );
+        }
+        // The leader's table is read once: no record under another
+        // thread's id but the thread with its own table.
+        assert!(mine.iter().all(|r| r.tid == me || r.tid == tid), "{mine:?}");
+        let mut seen = std::collections::BTreeSet::new();
+        assert!(mine.iter().all(|r| seen.insert((r.tid, r.fd))), "{mine:?}");
+
+        // More protected descriptors than one run writes: said, not cut
+        // silently.
+        let many: Vec<std::fs::File> = (0..FD_RECORDS + 10)
+            .map(|_| std::fs::File::open("/dev/null").unwrap())
+            .collect();
+        let recs = it.files().unwrap();
+        let mine: Vec<&Record> = recs.iter().filter(|r| r.tgid == me).collect();
+        assert!(
+            mine.iter().any(|r| r.tid == me
+                && matches!(r.object, Object::TableUnread(n) if n > FD_RECORDS as u64)),
+            "{} records, none says the table was not read whole",
+            mine.len()
+        );
+        drop(many);
+        // SAFETY: closes what this test made.
+        unsafe {
+            libc::close(efd);
+            libc::close(epfd);
+            if ring >= 0 {
+                libc::close(ring as i32);
+            }
+        }
+    }
+}
