@@ -1,55 +1,145 @@
-//! The job path on real Slurm, with and without gpufence, side by side:
-//! two one-node clusters (`contrib/cluster.sh`, Debian's slurmctld, slurmd
-//! and munged on loopback) that differ only in gpufence's plugin, Prolog and
-//! Epilog, each with one "GPU" (a mknod-made node on major 195) in
-//! gres.conf. Runs alternate between the clusters (the order flips each
-//! round), so drift of the machine lands on both.
+//! The job path on real cgroup/v2 Slurm nodes (`gpufence_tests::v2node`:
+//! Slurm's own cgroup/v2 plugin, `proctrack/cgroup`, `task/cgroup`,
+//! `ConstrainDevices=yes`, `PrologFlags=Alloc,Contain`, gpufence's default
+//! `layout = "slurm"`), one node per Slurm release: the host's 22.05 and
+//! the Debian roots' releases (`contrib/v2node/make-root.sh`), each with 8
+//! mknod-made GPUs in gres.conf and 16 CPUs declared, so that up to 8
+//! one-GPU jobs run at once.
 //!
-//! Measured: wall time of `srun --gres=gpu:1 true` and of an `sbatch
-//! --gres=gpu:1 --wrap true` job from submit until `squeue` no longer lists
-//! it (Epilog included), both run as the unprivileged test user; the
-//! Prolog's and the Epilog's own wall time (each wrapped by
-//! `gpufence-bench time-exec`); the resident size of the step's slurmstepd
-//! (`VmRSS`, during `srun sleep`); the pinned maps' locked memory
-//! (`memlock:` of each map's fdinfo) at the configured bounds.
+//! Three configurations per release, side by side in one run:
 //!
-//! Binaries come from the directory of this one (`cargo build --release
-//! --workspace`). Everything lives in two [`TestEnv`]s: own cgroup
-//! subtrees, bpffs directories, temp dirs; both clusters are stopped and
-//! removed at the end.
+//! - **Slurm alone**: Slurm's cgroup/v2 plugin and nothing else (no
+//!   Prolog, no Epilog, no SPANK plugin): a node of its own, started first
+//!   (only one real cgroup/v2 node fits on a machine at a time);
+//! - **empty scripts**: a Prolog and an Epilog that run an empty program
+//!   (`/bin/true`), no plugin: what a site that already runs a Prolog pays;
+//! - **gpufence**: its plugin, Prolog and Epilog.
+//!
+//! The last two share one node and alternate run by run (the order flips
+//! each round): between runs the Prolog/Epilog scripts and plugstack.conf
+//! are rewritten (slurmd runs the script by path for each job; each
+//! slurmstepd reads plugstack.conf when it starts), so drift of the machine
+//! lands on both.
+//!
+//! Measured:
+//! - `srun --gres=gpu:1 true` wall time, as the unprivileged test user,
+//!   each run from an idle node;
+//! - the Prolog and the Epilog as slurmd runs them: each script execs
+//!   `gpufence-bench time-exec FILE -- PROGRAM`, which appends the
+//!   program's wall time (fork, exec, run, exit): `gpufence-prolog` /
+//!   `gpufence-epilog` against `/bin/true`;
+//! - a burst: a job array of N one-GPU `true` jobs, submit until `squeue`
+//!   lists none (Epilogs included), and with gpufence whether the audit log
+//!   holds each job's `grant_recorded` and `grant_revoked` exactly once;
+//! - the step slurmstepd's VmRSS with and without the plugin, and the
+//!   pinned maps' locked memory.
+//!
+//! Binaries come from this one's directory (`cargo build --release
+//! --workspace`); a root's plugin from `target/v2node/<suite>.gpufence.so`
+//! (`PROFILE=release contrib/v2node/build-plugin.sh`).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpufence_tests::cluster::{cluster_sh_start, cluster_sh_stop, user_command, TEST_USER};
+use gpufence_tests::cluster::{Cluster, ClusterSpec};
+use gpufence_tests::v2node::V2Slice;
 use gpufence_tests::TestEnv;
 
-/// One cluster of the comparison.
-struct Side {
-    name: &'static str,
-    env: TestEnv,
-    dir: PathBuf,
-    slurm_conf: PathBuf,
-    /// Files the time-exec wrappers append to (with gpufence only).
-    prolog_times: PathBuf,
-    epilog_times: PathBuf,
+/// GPUs in gres.conf.
+const GPUS: u32 = 8;
+
+/// A Slurm release to run the node with.
+#[derive(Clone, Debug)]
+pub struct Release {
+    /// `host` or a Debian suite (`trixie`, `sid`).
+    pub name: String,
+    root: Option<PathBuf>,
+    plugin: Option<PathBuf>,
 }
 
-/// What the job benchmark measured; times in seconds.
+impl Release {
+    /// `host`: this machine's Slurm; a suite: the root under
+    /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`) and
+    /// its plugin at `target/v2node/<suite>.gpufence.so`.
+    ///
+    /// # Errors
+    /// What is missing and how to make it.
+    pub fn named(name: &str) -> Result<Release, String> {
+        if name == "host" {
+            return Ok(Release {
+                name: name.into(),
+                root: None,
+                plugin: None,
+            });
+        }
+        let roots = std::env::var_os("GPUFENCE_SLURM_ROOTS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
+        let root = roots.join(name);
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let target = exe
+            .parent()
+            .and_then(Path::parent)
+            .ok_or("no target directory")?;
+        let plugin = target.join(format!("v2node/{name}.gpufence.so"));
+        if !root.join(".gpufence-root").exists() || !plugin.exists() {
+            return Err(format!(
+                "release {name}: needs {} (contrib/v2node/make-root.sh {name} {}) and {} (PROFILE=release contrib/v2node/build-plugin.sh {} {})",
+                root.display(),
+                root.display(),
+                plugin.display(),
+                root.display(),
+                plugin.display()
+            ));
+        }
+        Ok(Release {
+            name: name.into(),
+            root: Some(root),
+            plugin: Some(plugin),
+        })
+    }
+
+    fn version(&self) -> String {
+        let mut c = match &self.root {
+            Some(r) => {
+                let mut c = Command::new("chroot");
+                c.arg(r).arg("slurmd");
+                c
+            }
+            None => Command::new("slurmd"),
+        };
+        c.arg("-V")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    }
+}
+
+/// What one release's node measured; times in seconds, medians.
 #[derive(Debug, Default, Clone)]
 pub struct JobResult {
-    /// `srun --gres=gpu:1 true`, median: (with gpufence, without, with
-    /// empty Prolog/Epilog scripts and no plugin).
-    pub srun_s: (f64, f64, f64),
-    /// sbatch submit to gone, median: (with, without, empty scripts).
-    pub sbatch_s: (f64, f64, f64),
-    /// Prolog wall time, median.
-    pub prolog_s: f64,
-    /// Epilog wall time, median.
-    pub epilog_s: f64,
-    /// slurmstepd VmRSS of the step, KiB, median: (with, without).
+    /// The release (`host`, `sid`, ...) and `slurmd -V`.
+    pub release: String,
+    /// `slurmd -V` of it.
+    pub version: String,
+    /// `srun --gres=gpu:1 true`: Slurm alone, empty scripts, gpufence.
+    pub srun_s: [f64; 3],
+    /// Prolog program wall time: `/bin/true`, `gpufence-prolog`.
+    pub prolog_s: [f64; 2],
+    /// Epilog program wall time: `/bin/true`, `gpufence-epilog`.
+    pub epilog_s: [f64; 2],
+    /// Burst of `burst_jobs` array jobs, submit to all gone: Slurm alone,
+    /// empty scripts, gpufence.
+    pub burst_s: [f64; 3],
+    /// Jobs per burst.
+    pub burst_jobs: usize,
+    /// `None` when every gpufence burst's jobs each have one
+    /// `grant_recorded` and one `grant_revoked` line; otherwise what was
+    /// found.
+    pub audit_once: Option<String>,
+    /// slurmstepd VmRSS of the step, KiB: (gpufence, empty scripts).
     pub stepd_rss_kib: (u64, u64),
     /// Pinned maps: (name, max_entries, memlock bytes).
     pub maps: Vec<(String, u32, u64)>,
@@ -57,257 +147,63 @@ pub struct JobResult {
     pub runs: usize,
 }
 
-fn here(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let p = exe.parent().expect("bin dir").join(name);
-    assert!(
-        p.exists(),
-        "{} not built (cargo build --release --workspace)",
-        p.display()
-    );
-    p
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Empty,
+    Gpufence,
 }
 
-fn install(from: &Path, to: &Path) {
-    std::fs::copy(from, to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
-    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();
+/// The gpufence node of a release and the files its wrappers write.
+struct Node<'a> {
+    cluster: &'a Cluster,
+    times: PathBuf,
 }
 
-impl Side {
-    /// `with`: gpufence's plugin, Prolog and Epilog; `scripts`: without
-    /// gpufence, but a Prolog and an Epilog that do nothing (`exit 0`), as
-    /// most sites already run some: Slurm's own cost of running them.
-    fn start(name: &'static str, with: bool, scripts: bool, port_base: u16) -> Side {
-        let env = TestEnv::new(&format!("bench-job-{name}"));
-        let gpu = env.mknod("nvidia0", 195, 0);
-        let dir = env.path("cluster");
-        let bin = env.path("bin");
-        let jobs = env.path("jobs");
-        for d in [&dir, &bin, &jobs] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        std::fs::set_permissions(&jobs, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        std::fs::write(
-            dir.join("gres.conf"),
-            format!("Name=gpu File={}\n", gpu.display()),
-        )
-        .unwrap();
-        let host = gpufence_tests::cluster::hostname();
-        let mut extra = format!(
-            "NodeName={host} NodeAddr=127.0.0.1 CPUs={} RealMemory=2000 Gres=gpu:1 State=UNKNOWN\n",
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        );
-        let prolog_times = env.path("prolog.ns");
-        let epilog_times = env.path("epilog.ns");
-        if with {
-            for b in [
-                "gpufence-prolog",
-                "gpufence-epilog",
-                "gpufence",
-                "gpufence-bench",
-            ] {
-                install(&here(b), &bin.join(b));
-            }
-            install(&here("libgpufence.so"), &bin.join("gpufence.so"));
-            // state_dir is /run/gpufence on a node, a tmpfs: so it is here.
-            let state = env.path("state");
-            std::fs::create_dir_all(&state).unwrap();
-            let mounted = Command::new("mount")
-                .args(["-t", "tmpfs", "-o", "size=16m,mode=0700", "gpufence-bench"])
-                .arg(&state)
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(mounted, "mount a tmpfs on {}", state.display());
-            let config = env.config("layout = \"own\"\nnvml = false\n[majors]\nnvidia = 195\n");
-            for (script, b, times) in [
-                ("prolog.sh", "gpufence-prolog", &prolog_times),
-                ("epilog.sh", "gpufence-epilog", &epilog_times),
-            ] {
-                let p = bin.join(script);
-                std::fs::write(
-                    &p,
-                    format!(
-                        "#!/bin/sh\nexec {} time-exec {} -- {} --config {}\n",
-                        bin.join("gpufence-bench").display(),
-                        times.display(),
-                        bin.join(b).display(),
-                        config.display()
-                    ),
-                )
-                .unwrap();
-                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-            }
-            std::fs::write(
-                dir.join("plugstack.conf"),
-                format!(
-                    "required {} config={}\n",
-                    bin.join("gpufence.so").display(),
-                    config.display()
+impl Node<'_> {
+    fn write(path: &Path, text: &str) {
+        let tmp = path.with_extension("bench-tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    }
+
+    fn times_file(&self, what: &str, mode: Mode) -> PathBuf {
+        self.times.join(format!("{what}-{mode:?}.ns"))
+    }
+
+    /// Rewrites the Prolog, the Epilog and plugstack.conf for `mode`.
+    fn set_mode(&self, mode: Mode) {
+        let c = self.cluster;
+        let bench = c.bin.join("gpufence-bench");
+        for what in ["prolog", "epilog"] {
+            let program = match mode {
+                Mode::Empty => "/bin/true".to_string(),
+                Mode::Gpufence => format!(
+                    "{} --config {}",
+                    c.bin.join(format!("gpufence-{what}")).display(),
+                    c.config.display()
                 ),
-            )
-            .unwrap();
-            extra.push_str(&format!(
-                "PlugStackConfig={}\nProlog={}\nEpilog={}\n",
-                dir.join("plugstack.conf").display(),
-                bin.join("prolog.sh").display(),
-                bin.join("epilog.sh").display()
-            ));
-        }
-        if scripts {
-            let p = bin.join("noop.sh");
-            std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-            extra.push_str(&format!("Prolog={}\nEpilog={}\n", p.display(), p.display()));
-        }
-        std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
-        let (out, _) = cluster_sh_start(&env, &dir, port_base);
-        let side = Side {
-            name,
-            slurm_conf: dir.join("slurm.conf"),
-            dir,
-            env,
-            prolog_times,
-            epilog_times,
-        };
-        assert!(
-            out.status.success(),
-            "cluster.sh start ({name}) failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        side
-    }
-
-    fn user(&self, program: &str, args: &[&str]) -> Output {
-        user_command(&self.slurm_conf, &self.env.path("jobs"), program)
-            .args(args)
-            .output()
-            .expect("run as the test user")
-    }
-
-    fn srun(&self) -> f64 {
-        self.wait_idle();
-        let t = Instant::now();
-        let o = self.user("srun", &["--gres=gpu:1", "true"]);
-        let s = t.elapsed().as_secs_f64();
-        assert!(o.status.success(), "srun ({}): {o:?}", self.name);
-        s
-    }
-
-    fn sbatch(&self) -> f64 {
-        // Start from an idle node: a node still finishing the previous job
-        // (its completing flag lags the job's end) makes slurmctld wait for
-        // its next scheduling pass, which would measure Slurm, not us.
-        self.wait_idle();
-        let t = Instant::now();
-        let o = self.user(
-            "sbatch",
-            &[
-                "--parsable",
-                "--gres=gpu:1",
-                "--output=/dev/null",
-                "--wrap",
-                "true",
-            ],
-        );
-        assert!(o.status.success(), "sbatch ({}): {o:?}", self.name);
-        let id = String::from_utf8_lossy(&o.stdout).trim().to_string();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let q = self.user("squeue", &["-h", "-j", &id, "-o", "%T"]);
-            if String::from_utf8_lossy(&q.stdout).trim().is_empty() {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "job {id} ({}) did not end",
-                self.name
+            };
+            Self::write(
+                &c.bin.join(format!("{what}.sh")),
+                &format!(
+                    "#!/bin/sh\nexec {} time-exec {} -- {program}\n",
+                    bench.display(),
+                    self.times_file(what, mode).display()
+                ),
             );
-            std::thread::sleep(Duration::from_millis(5));
         }
-        t.elapsed().as_secs_f64()
-    }
-
-    fn wait_idle(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let o = self.user("sinfo", &["-h", "-N", "-o", "%T"]);
-            if String::from_utf8_lossy(&o.stdout).trim() == "idle" {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "node of {} never idle",
-                self.name
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Starts `srun sleep 2`, reads the step's slurmstepd VmRSS after 1 s.
-    fn stepd_rss(&self) -> u64 {
-        let mut child = Command::new("setpriv")
-            .args([
-                "--reuid",
-                TEST_USER,
-                "--regid",
-                TEST_USER,
-                "--init-groups",
-                "--reset-env",
-                "--",
-                "env",
-            ])
-            .arg(format!("SLURM_CONF={}", self.slurm_conf.display()))
-            .args(["srun", "--gres=gpu:1", "sleep", "2"])
-            .current_dir(self.env.path("jobs"))
-            .spawn()
-            .expect("srun sleep");
-        std::thread::sleep(Duration::from_millis(1200));
-        let mark = format!("GPUFENCE_CLUSTER_DIR={}", self.dir.display());
-        let mut rss = 0;
-        for pid in gpufence_node::scan::pids() {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd);
-            // The step's daemon renames itself `slurmstepd: [<job>.<step>]`;
-            // the batch/extern/interactive ones are not the step.
-            if !cmd.starts_with("slurmstepd: [") || !cmd.contains(".0]") {
-                continue;
-            }
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            if !environ.split(|b| *b == 0).any(|e| e == mark.as_bytes()) {
-                continue;
-            }
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-            if let Some(kib) = status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-            {
-                rss = rss.max(kib);
-            }
-        }
-        let _ = child.wait();
-        rss
-    }
-
-    fn times(p: &Path) -> Vec<f64> {
-        std::fs::read_to_string(p)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse::<u64>().ok())
-            .map(|ns| ns as f64 / 1e9)
-            .collect()
-    }
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        cluster_sh_stop(&self.dir);
-        let state = self.env.path("state");
-        if state.is_dir() {
-            let _ = Command::new("umount").arg(&state).status();
-        }
+        Self::write(
+            &c.dir.join("plugstack.conf"),
+            &match mode {
+                Mode::Empty => String::new(),
+                Mode::Gpufence => format!(
+                    "required {} config={}\n",
+                    c.bin.join("gpufence.so").display(),
+                    c.config.display()
+                ),
+            },
+        );
     }
 }
 
@@ -317,6 +213,148 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
+}
+
+fn times(p: &Path) -> Vec<f64> {
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .map(|ns| ns as f64 / 1e9)
+        .collect()
+}
+
+fn wait_idle(c: &Cluster) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = c.as_user("sinfo", &["-h", "-N", "-o", "%T"]);
+        if String::from_utf8_lossy(&o.stdout).trim() == "idle" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node never idle: {}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            c.log_tail("slurmd.log")
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn srun(c: &Cluster) -> f64 {
+    wait_idle(c);
+    let t = Instant::now();
+    let o = c.as_user("srun", &["--gres=gpu:1", "true"]);
+    let s = t.elapsed().as_secs_f64();
+    assert!(
+        o.status.success(),
+        "srun: {o:?}\n{}",
+        c.log_tail("slurmd.log")
+    );
+    s
+}
+
+/// A job array of `n` one-GPU `true` jobs, submit to none listed; the
+/// array's job ids (the first task's id is the array's).
+fn burst(c: &Cluster, n: usize) -> (f64, u32) {
+    wait_idle(c);
+    let t = Instant::now();
+    let o = c.as_user(
+        "sbatch",
+        &[
+            "--parsable",
+            &format!("--array=0-{}", n - 1),
+            "--gres=gpu:1",
+            "--output=/dev/null",
+            "--wrap",
+            "true",
+        ],
+    );
+    assert!(o.status.success(), "sbatch: {o:?}");
+    let id: u32 = String::from_utf8_lossy(&o.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("job id in {o:?}"));
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let q = c.as_user("squeue", &["-h", "-r", "-j", &id.to_string(), "-o", "%i"]);
+        if String::from_utf8_lossy(&q.stdout).trim().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "burst {id} did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (t.elapsed().as_secs_f64(), id)
+}
+
+/// Whether the audit log at `audit` holds exactly one `grant_recorded`
+/// and one `grant_revoked` line for each task of each array `(id, n)`:
+/// on an otherwise idle controller an array's tasks get job ids `id` to
+/// `id + n - 1` (the last task to run keeps the array's id).
+fn check_audit(audit: &Path, ids: &[(u32, usize)]) -> Result<(), String> {
+    let lines = gpufence_tests::audit_log_settled(audit);
+    let mut problems = Vec::new();
+    for &(first, n) in ids {
+        // Array task ids are allocated consecutively from the array's id
+        // on an otherwise idle controller.
+        for job in first..first + n as u32 {
+            for ev in ["grant_recorded", "grant_revoked"] {
+                let count = lines
+                    .iter()
+                    .filter(|l| {
+                        l.get("event").and_then(|v| v.as_str()) == Some(ev)
+                            && l.get("job_id").and_then(serde_json::Value::as_u64)
+                                == Some(u64::from(job))
+                    })
+                    .count();
+                if count != 1 {
+                    problems.push(format!("job {job}: {count} {ev}"));
+                }
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join(", "))
+    }
+}
+
+/// Starts `srun --gres=gpu:1 sleep 2`, reads the step's slurmstepd VmRSS
+/// after 1.2 s.
+fn stepd_rss(c: &Cluster) -> u64 {
+    wait_idle(c);
+    let mut child = c
+        .user_cmd("srun")
+        .args(["--gres=gpu:1", "sleep", "2"])
+        .spawn()
+        .expect("srun sleep");
+    std::thread::sleep(Duration::from_millis(1200));
+    let mut rss = 0;
+    let conf = c.slurm_conf.display().to_string();
+    for pid in gpufence_node::scan::pids() {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd);
+        if !cmd.starts_with("slurmstepd: [") || !cmd.contains(".0]") {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if !String::from_utf8_lossy(&environ).contains(&conf) {
+            continue;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        if let Some(kib) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        {
+            rss = rss.max(kib);
+        }
+    }
+    let _ = child.wait();
+    rss
 }
 
 /// The pinned maps of the fence in `bpffs`: name, max_entries, memlock.
@@ -343,54 +381,128 @@ fn map_memory(bpffs: &Path) -> Vec<(String, u32, u64)> {
     out
 }
 
-/// Runs the job benchmark: `runs` alternating runs of each measurement.
-pub fn run(runs: usize) -> JobResult {
-    let with = Side::start("with", true, false, 18817);
-    let without = Side::start("without", false, false, 18917);
-    let scripts = Side::start("scripts", false, true, 19017);
-    // cluster.sh's own check job already ran once on each; the timing
-    // files start now.
-    let _ = std::fs::remove_file(&with.prolog_times);
-    let _ = std::fs::remove_file(&with.epilog_times);
-    let sides = [&with, &without, &scripts];
-    let mut srun: [Vec<f64>; 3] = Default::default();
-    let mut sbatch: [Vec<f64>; 3] = Default::default();
-    let mut rss: [Vec<f64>; 2] = Default::default();
-    // Each round runs the three in a rotated order.
-    for r in 0..runs {
-        for k in 0..3 {
-            let i = (k + r) % 3;
-            srun[i].push(sides[i].srun());
-        }
+fn spec(release: &Release, slice: &V2Slice, env: &TestEnv, alone: bool) -> ClusterSpec {
+    let gres: String = (0..GPUS)
+        .map(|i| {
+            format!(
+                "Name=gpu File={}\n",
+                env.mknod(&format!("nvidia{i}"), 195, i).display()
+            )
+        })
+        .collect();
+    env.mknod("nvidiactl", 195, 255);
+    ClusterSpec {
+        root: release.root.clone(),
+        plugin: release.plugin.clone(),
+        gres_conf: gres,
+        node_gres: format!("gpu:{GPUS}"),
+        gpufence_extra: "nvml = false\n[majors]\nnvidia = 195\n".into(),
+        port_base: 19417,
+        cpus: Some(2 * GPUS),
+        v2node: Some(slice.spec("Alloc,Contain")),
+        slurm_only: alone,
+        ..ClusterSpec::default()
     }
-    for r in 0..runs {
-        for k in 0..3 {
-            let i = (k + r) % 3;
-            sbatch[i].push(sides[i].sbatch());
-        }
-    }
-    for _ in 0..runs.clamp(1, 3) {
-        rss[0].push(with.stepd_rss() as f64);
-        rss[1].push(without.stepd_rss() as f64);
-    }
-    // squeue no longer lists a job once its epilog completed, so the
-    // Epilog's times are all in.
-    let [s0, s1, s2] = srun;
-    let [b0, b1, b2] = sbatch;
-    let [r0, r1] = rss;
-    let result = JobResult {
-        srun_s: (median(s0), median(s1), median(s2)),
-        sbatch_s: (median(b0), median(b1), median(b2)),
-        prolog_s: median(Side::times(&with.prolog_times)),
-        epilog_s: median(Side::times(&with.epilog_times)),
-        stepd_rss_kib: (median(r0) as u64, median(r1) as u64),
-        maps: map_memory(&with.env.bpffs),
+}
+
+/// Runs the job benchmark on `release`: `runs` runs of `srun` per
+/// configuration and `bursts` bursts of `burst_jobs` jobs.
+pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> JobResult {
+    let mut r = JobResult {
+        release: release.name.clone(),
+        version: release.version(),
+        burst_jobs,
         runs,
+        ..JobResult::default()
     };
-    drop(scripts);
-    drop(without);
-    drop(with);
-    result
+    let slice = V2Slice::claim();
+    let host = gpufence_tests::cluster::hostname();
+    // Slurm alone first: a node of its own.
+    {
+        let env = TestEnv::new("bench-job-alone");
+        let c = Cluster::start_with(&env, &spec(release, &slice, &env, true));
+        let s: Vec<f64> = (0..runs).map(|_| srun(&c)).collect();
+        let b: Vec<f64> = (0..bursts).map(|_| burst(&c, burst_jobs).0).collect();
+        r.srun_s[0] = median(s);
+        r.burst_s[0] = median(b);
+        Cluster::wait_for(Duration::from_secs(10), || {
+            slice.job_cgroups(&host).is_empty()
+        });
+        drop(c);
+        for j in slice.job_cgroups(&host) {
+            let _ = env
+                .cg
+                .remove_tree(&format!("{}/{j}", V2Slice::scope(&host)));
+        }
+    }
+    // Empty scripts and gpufence: one node, alternating.
+    let env = TestEnv::new("bench-job");
+    let c = Cluster::start_with(&env, &spec(release, &slice, &env, false));
+    let exe = std::env::current_exe().expect("current_exe");
+    gpufence_tests::cluster::copy_exec(&exe, &c.bin.join("gpufence-bench"));
+    let times_dir = env.path("times");
+    std::fs::create_dir_all(&times_dir).unwrap();
+    std::fs::set_permissions(&times_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let node = Node {
+        cluster: &c,
+        times: times_dir,
+    };
+    let modes = [Mode::Empty, Mode::Gpufence];
+    // A first job in each mode, not counted: caches (slurmd -G, page
+    // cache of the binaries) are warm for both from here on.
+    for m in modes {
+        node.set_mode(m);
+        srun(&c);
+    }
+    for m in modes {
+        for what in ["prolog", "epilog"] {
+            let _ = std::fs::remove_file(node.times_file(what, m));
+        }
+    }
+    let mut s: [Vec<f64>; 2] = Default::default();
+    for round in 0..runs {
+        for k in 0..2 {
+            let i = (k + round) % 2;
+            node.set_mode(modes[i]);
+            s[i].push(srun(&c));
+        }
+    }
+    let mut b: [Vec<f64>; 2] = Default::default();
+    let mut audited = Vec::new();
+    for round in 0..bursts {
+        for k in 0..2 {
+            let i = (k + round) % 2;
+            node.set_mode(modes[i]);
+            let (t, id) = burst(&c, burst_jobs);
+            b[i].push(t);
+            if modes[i] == Mode::Gpufence {
+                audited.push((id, burst_jobs));
+            }
+        }
+    }
+    let [s_empty, s_gpufence] = s;
+    let [b_empty, b_gpufence] = b;
+    r.srun_s[1] = median(s_empty);
+    r.srun_s[2] = median(s_gpufence);
+    r.burst_s[1] = median(b_empty);
+    r.burst_s[2] = median(b_gpufence);
+    for (i, m) in modes.iter().enumerate() {
+        r.prolog_s[i] = median(times(&node.times_file("prolog", *m)));
+        r.epilog_s[i] = median(times(&node.times_file("epilog", *m)));
+    }
+    r.audit_once = check_audit(&env.path("log/audit.jsonl"), &audited).err();
+    node.set_mode(Mode::Gpufence);
+    let with = stepd_rss(&c);
+    node.set_mode(Mode::Empty);
+    let without = stepd_rss(&c);
+    r.stepd_rss_kib = (with, without);
+    r.maps = map_memory(&env.bpffs);
+    node.set_mode(Mode::Gpufence);
+    wait_idle(&c);
+    drop(c);
+    drop(env);
+    drop(slice);
+    r
 }
 
 /// `gpufence-bench time-exec FILE -- CMD ARGS...`: runs CMD, appends its

@@ -6,7 +6,8 @@
 //! ```text
 //! gpufence-bench open [--rounds N] [--iters N] [--smoke]   open() in the kernel's device check
 //! gpufence-bench scan [--crowds PxF,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
-//! gpufence-bench job [--runs N] [--smoke]                 srun/sbatch/Prolog/Epilog, slurmstepd RSS, map memory
+//! gpufence-bench job [--runs N] [--bursts N] [--burst-jobs N] [--releases host,sid] [--smoke]
+//!                                                         srun/Prolog/Epilog/bursts on real cgroup/v2 nodes, RSS, map memory
 //! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
 //! ```
 //!
@@ -58,12 +59,22 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
-    /// Job path on two real one-node Slurm clusters, with and without gpufence; memory.
+    /// Job path on real cgroup/v2 Slurm nodes: Slurm alone, empty Prolog/Epilog, gpufence; bursts; memory.
     Job {
-        /// Alternating runs per measurement (median).
-        #[arg(long, default_value_t = 20)]
+        /// `srun` runs per configuration (median).
+        #[arg(long, default_value_t = 24)]
         runs: usize,
-        /// One run each (CI).
+        /// Bursts per configuration (median).
+        #[arg(long, default_value_t = 3)]
+        bursts: usize,
+        /// Jobs per burst (a job array).
+        #[arg(long, default_value_t = 200)]
+        burst_jobs: usize,
+        /// Releases: `host` (this machine's Slurm) and Debian suites with a
+        /// root and plugin (`trixie`, `sid`).
+        #[arg(long, value_delimiter = ',', default_values = ["host", "sid"])]
+        releases: Vec<String>,
+        /// One run, one burst of 10 jobs, on the host's release (CI).
         #[arg(long)]
         smoke: bool,
     },
@@ -99,7 +110,33 @@ fn main() -> ExitCode {
     }
     match cli.cmd {
         Cmd::TimeExec { .. } => {}
-        Cmd::Job { runs, smoke } => print_job(if smoke { 1 } else { runs }, cli.json),
+        Cmd::Job {
+            runs,
+            bursts,
+            burst_jobs,
+            releases,
+            smoke,
+        } => {
+            let (runs, bursts, burst_jobs, releases) = if smoke {
+                (1, 1, 10, vec!["host".to_string()])
+            } else {
+                (runs, bursts, burst_jobs, releases)
+            };
+            let mut results = Vec::new();
+            for name in &releases {
+                match job::Release::named(name) {
+                    Ok(rel) => {
+                        results.push(job::run(&rel, runs, bursts, burst_jobs));
+                        eprintln!("{name} done");
+                    }
+                    Err(e) => {
+                        eprintln!("gpufence-bench job: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
+            print_job(&results, cli.json);
+        }
         Cmd::Scan {
             crowds,
             runs,
@@ -228,68 +265,90 @@ fn print_scan(
     }
 }
 
-fn print_job(runs: usize, json: Option<std::path::PathBuf>) {
-    let r = job::run(runs);
+fn print_job(results: &[job::JobResult], json: Option<std::path::PathBuf>) {
     let ms = |s: f64| s * 1e3;
-    println!("Job path, three one-node Slurm 22.05 clusters side by side (gpufence; nothing; empty Prolog and Epilog scripts without the plugin), each run from an idle node, median of {} rotated runs:\n", r.runs);
-    println!("| measurement | with gpufence | without | empty scripts | added vs without | added vs empty scripts |");
-    println!("|---|---|---|---|---|---|");
-    for (what, (w, wo, sc)) in [
-        ("`srun --gres=gpu:1 true`", r.srun_s),
-        (
-            "`sbatch --gres=gpu:1 --wrap true`, submit to gone (Epilog included)",
-            r.sbatch_s,
-        ),
-    ] {
+    for r in results {
         println!(
-            "| {what} | {:.1} ms | {:.1} ms | {:.1} ms | {:+.1} ms ({:.3}x) | {:+.1} ms ({:.3}x) |",
-            ms(w),
-            ms(wo),
-            ms(sc),
-            ms(w - wo),
-            w / wo,
-            ms(w - sc),
-            w / sc
+            "Slurm {} ({}), real cgroup/v2 node, 8 GPUs, PrologFlags=Alloc,Contain; medians of {} srun runs per configuration (empty scripts and gpufence alternating on one node), bursts of {} jobs:\n",
+            r.version, r.release, r.runs, r.burst_jobs
+        );
+        println!(
+            "| measurement | Slurm alone | empty scripts | gpufence | gpufence vs empty scripts |"
+        );
+        println!("|---|---|---|---|---|");
+        println!(
+            "| `srun --gres=gpu:1 true` | {:.1} ms | {:.1} ms | {:.1} ms | {:+.1} ms ({:.3}x) |",
+            ms(r.srun_s[0]),
+            ms(r.srun_s[1]),
+            ms(r.srun_s[2]),
+            ms(r.srun_s[2] - r.srun_s[1]),
+            r.srun_s[2] / r.srun_s[1]
+        );
+        println!(
+            "| Prolog program (`/bin/true` / `gpufence-prolog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            ms(r.prolog_s[0]),
+            ms(r.prolog_s[1]),
+            ms(r.prolog_s[1] - r.prolog_s[0])
+        );
+        println!(
+            "| Epilog program (`/bin/true` / `gpufence-epilog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            ms(r.epilog_s[0]),
+            ms(r.epilog_s[1]),
+            ms(r.epilog_s[1] - r.epilog_s[0])
+        );
+        println!(
+            "| burst of {} `true` jobs, submit to all gone | {:.2} s | {:.2} s | {:.2} s | {:+.2} s ({:.3}x) |",
+            r.burst_jobs,
+            r.burst_s[0],
+            r.burst_s[1],
+            r.burst_s[2],
+            r.burst_s[2] - r.burst_s[1],
+            r.burst_s[2] / r.burst_s[1]
+        );
+        println!(
+            "| step slurmstepd VmRSS | | {} KiB | {} KiB | {:+} KiB |",
+            r.stepd_rss_kib.1,
+            r.stepd_rss_kib.0,
+            r.stepd_rss_kib.0 as i64 - r.stepd_rss_kib.1 as i64
+        );
+        println!(
+            "\nAudit log of the gpufence bursts: {}\n",
+            match &r.audit_once {
+                None => "each job's grant_recorded and grant_revoked once".to_string(),
+                Some(e) => format!("NOT once: {e}"),
+            }
         );
     }
-    println!(
-        "| Prolog alone (`gpufence-prolog`) | {:.1} ms | | | | |",
-        ms(r.prolog_s)
-    );
-    println!(
-        "| Epilog alone (`gpufence-epilog`) | {:.1} ms | | | | |",
-        ms(r.epilog_s)
-    );
-    println!(
-        "| Prolog + Epilog | {:.1} ms | | | {:.1}% of `srun true` without | |",
-        ms(r.prolog_s + r.epilog_s),
-        100.0 * (r.prolog_s + r.epilog_s) / r.srun_s.1
-    );
-    println!(
-        "| step slurmstepd VmRSS | {} KiB | {} KiB | | {:+} KiB | |",
-        r.stepd_rss_kib.0,
-        r.stepd_rss_kib.1,
-        r.stepd_rss_kib.0 as i64 - r.stepd_rss_kib.1 as i64
-    );
-    println!("\nPinned maps at their configured bounds (fdinfo `memlock:`):\n");
-    println!("| map | max_entries | memlock |");
-    println!("|---|---|---|");
-    let mut total = 0;
-    for (name, max, mem) in &r.maps {
-        total += mem;
-        println!("| {name} | {max} | {:.1} KiB |", *mem as f64 / 1024.0);
+    if let Some(r) = results.first() {
+        println!("Pinned maps at their configured bounds (fdinfo `memlock:`):\n");
+        println!("| map | max_entries | memlock |");
+        println!("|---|---|---|");
+        let mut total = 0;
+        for (name, max, mem) in &r.maps {
+            total += mem;
+            println!("| {name} | {max} | {:.1} KiB |", *mem as f64 / 1024.0);
+        }
+        println!("| all | | {:.1} MiB |", total as f64 / 1048576.0);
     }
-    println!("| all | | {:.1} MiB |", total as f64 / 1048576.0);
     if let Some(p) = json {
-        let v = serde_json::json!({
-            "runs": r.runs,
-            "srun_s": {"gpufence": r.srun_s.0, "without": r.srun_s.1, "empty_scripts": r.srun_s.2},
-            "sbatch_s": {"gpufence": r.sbatch_s.0, "without": r.sbatch_s.1, "empty_scripts": r.sbatch_s.2},
-            "prolog_s": r.prolog_s,
-            "epilog_s": r.epilog_s,
-            "stepd_rss_kib": [r.stepd_rss_kib.0, r.stepd_rss_kib.1],
-            "maps": r.maps.iter().map(|(n, m, b)| serde_json::json!({"map": n, "max_entries": m, "memlock": b})).collect::<Vec<_>>(),
-        });
+        let v: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "release": r.release,
+                    "version": r.version,
+                    "runs": r.runs,
+                    "srun_s": {"alone": r.srun_s[0], "empty_scripts": r.srun_s[1], "gpufence": r.srun_s[2]},
+                    "prolog_s": {"empty": r.prolog_s[0], "gpufence": r.prolog_s[1]},
+                    "epilog_s": {"empty": r.epilog_s[0], "gpufence": r.epilog_s[1]},
+                    "burst_jobs": r.burst_jobs,
+                    "burst_s": {"alone": r.burst_s[0], "empty_scripts": r.burst_s[1], "gpufence": r.burst_s[2]},
+                    "audit_once": r.audit_once.is_none(),
+                    "stepd_rss_kib": [r.stepd_rss_kib.0, r.stepd_rss_kib.1],
+                    "maps": r.maps.iter().map(|(n, m, b)| serde_json::json!({"map": n, "max_entries": m, "memlock": b})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&v).unwrap_or_default());
     }
 }

@@ -1245,7 +1245,12 @@ mod tests {
         b[12..16].copy_from_slice(&KIND_SOCK.to_ne_bytes());
         b[16..24].copy_from_slice(&12345u64.to_ne_bytes());
         assert_eq!(Record::decode(&b).unwrap().object, Object::Socket(12345));
-        b[12..16].copy_from_slice(&9i32.to_ne_bytes());
+        b[12..16].copy_from_slice(&KIND_TABLE_UNREAD.to_ne_bytes());
+        assert_eq!(
+            Record::decode(&b).unwrap().object,
+            Object::TableUnread(12345)
+        );
+        b[12..16].copy_from_slice(&10i32.to_ne_bytes());
         assert_eq!(Record::decode(&b), None);
     }
 }

@@ -359,10 +359,17 @@ impl HoldableDevice {
     }
 }
 
-/// A binary of this workspace, next to the test executable's `deps/`
-/// directory (cargo builds a package's binaries before its integration tests).
+/// A binary of this workspace: beside the running executable (a workspace
+/// binary such as `gpufence-bench`), or next to the test executable's
+/// `deps/` directory (cargo builds a package's binaries before its
+/// integration tests).
 pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
+    // A binary of the workspace itself (the benchmarks) sits beside them.
+    let beside = exe.parent().map(|d| d.join(name));
+    if let Some(p) = beside.filter(|p| p.exists()) {
+        return p;
+    }
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let p = dir.join(name);
     assert!(

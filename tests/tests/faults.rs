@@ -810,20 +810,23 @@ fn real_slurmstepd_killed_in_its_grant_step() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let mut job: Option<u64> = None;
-        assert!(
-            Cluster::wait_for(Duration::from_secs(30), || {
-                job = String::from_utf8_lossy(&admin(&["squeue", "-h", "-o", "%i"]).stdout)
-                    .trim()
-                    .parse()
-                    .ok();
-                job.is_some()
-            }),
-            "{when}: no job in squeue"
-        );
-        let job = job.unwrap();
-        let step_cg = format!("{}/job_{job}/step_0", env.root);
-        if p.is_some() {
+        // Armed, the job hangs in squeue; unarmed, it may be gone before
+        // squeue is first asked (its Prolog and Epilog take a few ms): its
+        // id then comes from its own output.
+        let (job, out) = if p.is_some() {
+            let mut job: Option<u64> = None;
+            assert!(
+                Cluster::wait_for(Duration::from_secs(30), || {
+                    job = String::from_utf8_lossy(&admin(&["squeue", "-h", "-o", "%i"]).stdout)
+                        .trim()
+                        .parse()
+                        .ok();
+                    job.is_some()
+                }),
+                "{when}: no job in squeue"
+            );
+            let job = job.unwrap();
+            let step_cg = format!("{}/job_{job}/step_0", env.root);
             // The step cgroup exists (the grant step placed slurmstepd
             // there) and is empty: slurmstepd died at the boundary.
             assert!(
@@ -837,23 +840,22 @@ fn real_slurmstepd_killed_in_its_grant_step() {
             }
             let o = admin(&["scancel", &job.to_string()]);
             assert!(o.status.success(), "{when}: {}", both(&o));
-        }
-        let o = srun.wait_with_output().unwrap();
-        let out = both(&o);
-        match p {
-            Some(_) => {
-                // (srun's own exit status after the cancel varies; what
-                // matters is that the task never ran.)
-                assert!(
-                    !out.contains("JOB=") && !out.contains("ENXIO") && !out.contains("EPERM"),
-                    "{when}: the task never ran: {out}"
-                );
-            }
-            None => {
-                assert!(o.status.success(), "{when}: {out}");
-                assert_eq!(out.matches("ENXIO").count(), 1, "{when}: one GPU: {out}");
-            }
-        }
+            let out = both(&srun.wait_with_output().unwrap());
+            // (srun's own exit status after the cancel varies; what
+            // matters is that the task never ran.)
+            assert!(
+                !out.contains("JOB=") && !out.contains("ENXIO") && !out.contains("EPERM"),
+                "{when}: the task never ran: {out}"
+            );
+            (job, out)
+        } else {
+            let o = srun.wait_with_output().unwrap();
+            let out = both(&o);
+            assert!(o.status.success(), "{when}: {out}");
+            assert_eq!(out.matches("ENXIO").count(), 1, "{when}: one GPU: {out}");
+            let job = job_of(&out).unwrap_or_else(|| panic!("{when}: no JOB= in {out}"));
+            (job, out)
+        };
         let events = |env: &TestEnv| -> Vec<String> {
             cluster_audit(env)
                 .iter()
