@@ -126,10 +126,16 @@ pub struct JobResult {
     pub version: String,
     /// `srun --gres=gpu:1 true`: Slurm alone, empty scripts, gpufence.
     pub srun_s: [f64; 3],
-    /// Prolog program wall time: `/bin/true`, `gpufence-prolog`.
+    /// Prolog program wall time on an idle node (the srun runs):
+    /// `/bin/true`, `gpufence-prolog`.
     pub prolog_s: [f64; 2],
-    /// Epilog program wall time: `/bin/true`, `gpufence-epilog`.
+    /// Epilog program wall time on an idle node: `/bin/true`,
+    /// `gpufence-epilog`.
     pub epilog_s: [f64; 2],
+    /// Prolog program wall time during the bursts (up to 8 jobs at once).
+    pub burst_prolog_s: [f64; 2],
+    /// Epilog program wall time during the bursts.
+    pub burst_epilog_s: [f64; 2],
     /// Burst of `burst_jobs` array jobs, submit to all gone: Slurm alone,
     /// empty scripts, gpufence.
     pub burst_s: [f64; 3],
@@ -437,6 +443,15 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
     }
     // Empty scripts and gpufence: one node, alternating.
     let env = TestEnv::new("bench-job");
+    // state_dir is /run/gpufence on a node, a tmpfs: so it is here.
+    let state = env.path("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m,mode=0700", "gpufence-bench"])
+        .arg(&state)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(mounted, "mount a tmpfs on {}", state.display());
     let c = Cluster::start_with(&env, &spec(release, &slice, &env, false));
     let exe = std::env::current_exe().expect("current_exe");
     gpufence_tests::cluster::copy_exec(&exe, &c.bin.join("gpufence-bench"));
@@ -467,6 +482,14 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
             s[i].push(srun(&c));
         }
     }
+    // The Prolog and Epilog times so far are the srun runs' (an idle
+    // node); the bursts' are kept apart (8 jobs at once on the node).
+    for m in modes {
+        for what in ["prolog", "epilog"] {
+            let f = node.times_file(what, m);
+            let _ = std::fs::rename(&f, f.with_extension("idle"));
+        }
+    }
     let mut b: [Vec<f64>; 2] = Default::default();
     let mut audited = Vec::new();
     for round in 0..bursts {
@@ -487,8 +510,12 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
     r.burst_s[1] = median(b_empty);
     r.burst_s[2] = median(b_gpufence);
     for (i, m) in modes.iter().enumerate() {
-        r.prolog_s[i] = median(times(&node.times_file("prolog", *m)));
-        r.epilog_s[i] = median(times(&node.times_file("epilog", *m)));
+        let idle = |what| times(&node.times_file(what, *m).with_extension("idle"));
+        let burst = |what| times(&node.times_file(what, *m));
+        r.prolog_s[i] = median(idle("prolog"));
+        r.epilog_s[i] = median(idle("epilog"));
+        r.burst_prolog_s[i] = median(burst("prolog"));
+        r.burst_epilog_s[i] = median(burst("epilog"));
     }
     r.audit_once = check_audit(&env.path("log/audit.jsonl"), &audited).err();
     node.set_mode(Mode::Gpufence);
@@ -500,6 +527,7 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
     node.set_mode(Mode::Gpufence);
     wait_idle(&c);
     drop(c);
+    let _ = Command::new("umount").arg(&state).status();
     drop(env);
     drop(slice);
     r

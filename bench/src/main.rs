@@ -285,16 +285,28 @@ fn print_job(results: &[job::JobResult], json: Option<std::path::PathBuf>) {
             r.srun_s[2] / r.srun_s[1]
         );
         println!(
-            "| Prolog program (`/bin/true` / `gpufence-prolog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            "| Prolog program, idle node (`/bin/true` / `gpufence-prolog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
             ms(r.prolog_s[0]),
             ms(r.prolog_s[1]),
             ms(r.prolog_s[1] - r.prolog_s[0])
         );
         println!(
-            "| Epilog program (`/bin/true` / `gpufence-epilog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            "| Epilog program, idle node (`/bin/true` / `gpufence-epilog`) | | {:.2} ms | {:.2} ms | {:+.2} ms |",
             ms(r.epilog_s[0]),
             ms(r.epilog_s[1]),
             ms(r.epilog_s[1] - r.epilog_s[0])
+        );
+        println!(
+            "| Prolog program during the bursts | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            ms(r.burst_prolog_s[0]),
+            ms(r.burst_prolog_s[1]),
+            ms(r.burst_prolog_s[1] - r.burst_prolog_s[0])
+        );
+        println!(
+            "| Epilog program during the bursts | | {:.2} ms | {:.2} ms | {:+.2} ms |",
+            ms(r.burst_epilog_s[0]),
+            ms(r.burst_epilog_s[1]),
+            ms(r.burst_epilog_s[1] - r.burst_epilog_s[0])
         );
         println!(
             "| burst of {} `true` jobs, submit to all gone | {:.2} s | {:.2} s | {:.2} s | {:+.2} s ({:.3}x) |",
@@ -341,6 +353,8 @@ fn print_job(results: &[job::JobResult], json: Option<std::path::PathBuf>) {
                     "srun_s": {"alone": r.srun_s[0], "empty_scripts": r.srun_s[1], "gpufence": r.srun_s[2]},
                     "prolog_s": {"empty": r.prolog_s[0], "gpufence": r.prolog_s[1]},
                     "epilog_s": {"empty": r.epilog_s[0], "gpufence": r.epilog_s[1]},
+                    "burst_prolog_s": {"empty": r.burst_prolog_s[0], "gpufence": r.burst_prolog_s[1]},
+                    "burst_epilog_s": {"empty": r.burst_epilog_s[0], "gpufence": r.burst_epilog_s[1]},
                     "burst_jobs": r.burst_jobs,
                     "burst_s": {"alone": r.burst_s[0], "empty_scripts": r.burst_s[1], "gpufence": r.burst_s[2]},
                     "audit_once": r.audit_once.is_none(),

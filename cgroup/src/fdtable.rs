@@ -33,8 +33,8 @@ use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
 use crate::iter::{
     self, off, probe_read, size, sized, IterError, Loaded, Record, ANON_INODE_FS_MAGIC, FUNC_LOOP,
-    FUNC_SEQ_WRITE, KIND_ANON, KIND_CHAR, KIND_TABLE_UNREAD, MAX_LOOPS, MINORBITS, RECORD_LEN,
-    S_IFCHR, S_IFMT,
+    FUNC_SEQ_WRITE, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_TABLE_UNREAD, MAX_LOOPS,
+    MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
 };
 
 /// The pin name of the fd-table iterator's link in the fence's bpffs
@@ -62,12 +62,20 @@ pub struct FdTableLayout {
     rdonly_cast: u32,
     /// BTF id of `struct file`.
     file: u32,
+    /// BTF ids of the open-coded vma iterator's kfuncs (6.7+,
+    /// `kernel/bpf/task_iter.c`): `bpf_iter_task_vma_new`, `_next`,
+    /// `_destroy`.
+    vma_new: u32,
+    vma_next: u32,
+    vma_destroy: u32,
     ctx_task: Field,
     meta_seq: Field,
     tgid: Field,
     pid: Field,
     files: Field,
     group_leader: Field,
+    mm: Field,
+    vm_file: Field,
     fdt: Field,
     max_fds: Field,
     fd: Field,
@@ -106,12 +114,17 @@ impl FdTableLayout {
             task: btf.func_id("bpf_iter_task")?,
             rdonly_cast: btf.func_id("bpf_rdonly_cast")?,
             file: btf.struct_id("file")?,
+            vma_new: btf.func_id("bpf_iter_task_vma_new")?,
+            vma_next: btf.func_id("bpf_iter_task_vma_next")?,
+            vma_destroy: btf.func_id("bpf_iter_task_vma_destroy")?,
             ctx_task: sized(btf, "bpf_iter__task", "task", 8, true)?,
             meta_seq: sized(btf, "bpf_iter_meta", "seq", 8, true)?,
             tgid: sized(btf, "task_struct", "tgid", 4, false)?,
             pid: sized(btf, "task_struct", "pid", 4, false)?,
             files: sized(btf, "task_struct", "files", 8, true)?,
             group_leader: sized(btf, "task_struct", "group_leader", 8, true)?,
+            mm: sized(btf, "task_struct", "mm", 8, true)?,
+            vm_file: sized(btf, "vm_area_struct", "vm_file", 8, true)?,
             fdt: sized(btf, "files_struct", "fdt", 8, true)?,
             max_fds: sized(btf, "fdtable", "max_fds", 4, false)?,
             fd: sized(btf, "fdtable", "fd", 8, true)?,
@@ -127,11 +140,14 @@ impl FdTableLayout {
     }
 }
 
-// The main frame: the record at fp-24 (written by the main function only
-// for the closing record), scratch at fp-32, the callback's state at
-// fp-72.
+// The main frame: the record at fp-24, scratch at fp-32, the callback's
+// state at fp-72..fp-33, the vma iterator at fp-80, the name read at
+// fp-96..fp-86, the major looked up at fp-104.
 const TMP: i16 = -32;
 const STATE: i16 = -72;
+const IT: i16 = -80;
+const NAME: i16 = -96;
+const KEY: i16 = -104;
 const ST_TABLE: i16 = 0;
 const ST_SEQ: i16 = 8;
 const ST_TASK: i16 = 16;
@@ -144,6 +160,9 @@ const CB_TMP: i16 = -32;
 const CB_KEY: i16 = -40;
 const CB_NAME: i16 = -56;
 const CB_BATCH: i16 = -120;
+/// `ENOENT`: `bpf_iter_task_vma_new`'s answer for a task without memory.
+const ENOENT: i32 = 2;
+
 /// Slots read per callback: one `bpf_probe_read_kernel` of 64 bytes. A
 /// table's `max_fds` is a multiple of `BITS_PER_LONG` (`alloc_fdtable`
 /// in `fs/file.c` rounds it up), so a batch never reads past its array.
@@ -159,6 +178,41 @@ fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
         .alu64_imm(AluOp::Add, Reg::R3, TMP as i32);
     probe_read(a, TMP, Size::DW, 8, Reg::R1, fail);
     a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
+}
+
+/// In the main frame: writes `{ tgid, tid, -1, TABLE_UNREAD, r3 }` with
+/// `bpf_seq_write(state.seq)` and goes on.
+fn unread_record(a: &mut Asm) {
+    a.store(Size::DW, Reg::R10, -8, Reg::R3)
+        .store_imm(Size::W, Reg::R10, -12, KIND_TABLE_UNREAD)
+        .store_imm(Size::W, Reg::R10, -16, -1)
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
+        .store(Size::DW, Reg::R10, -24, Reg::R1)
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+        .mov64_imm(Reg::R3, RECORD_LEN as i32)
+        .call_id(FUNC_SEQ_WRITE, "seq_write");
+}
+
+/// With the name pointer in `r3`: reads 11 bytes of it into `fp+at` and
+/// goes to `yes` when they are `[io_uring]\0` (or cannot be read), else
+/// to `no`.
+fn io_uring_name(a: &mut Asm, at: i16, yes: &str, no: &str) {
+    probe_read(a, at, Size::W, 11, Reg::R1, yes);
+    a.jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"[io_"), no)
+        .load(Size::W, Reg::R1, Reg::R10, at + 4)
+        .jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"urin"), no)
+        .load(Size::H, Reg::R1, Reg::R10, at + 8)
+        .jmp_imm(
+            JmpOp::Ne,
+            Reg::R1,
+            i32::from(u16::from_le_bytes(*b"g]")),
+            no,
+        )
+        .load(Size::B, Reg::R1, Reg::R10, at + 10)
+        .jmp_imm(JmpOp::Ne, Reg::R1, 0, no)
+        .ja(yes);
 }
 
 /// The fd-table program: for each task with a table of its own, every
@@ -180,21 +234,7 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .comment("r8 = task->files (NULL: an exiting task or a kernel thread's)")
         .load(Size::DW, Reg::R8, Reg::R7, off(&l.files))
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
-        .comment("a thread sharing its leader's table: the leader's run reads it")
-        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
-        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R2, "own")
-        .load(Size::DW, Reg::R1, Reg::R7, off(&l.group_leader))
-        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "own")
-        .load(Size::DW, Reg::R1, Reg::R1, off(&l.files))
-        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R8, "out")
-        .label("own")
-        .comment("fdt = files->fdt; state = { fdt->fd, seq, tgid | tid << 32, 0, 0 }")
-        .load(Size::DW, Reg::R9, Reg::R8, off(&l.fdt))
-        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "out")
-        .load(Size::DW, Reg::R1, Reg::R9, off(&l.fd))
-        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
-        .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
+        .comment("state = { -, seq, tgid | tid << 32, records 0, more 0 }")
         .load(Size::DW, Reg::R1, Reg::R6, 0)
         .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
         .store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
@@ -203,41 +243,140 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
         .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
         .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
-    zero_unknown(&mut a, ST_RECORDS, "unread");
-    zero_unknown(&mut a, ST_MORE, "unread");
-    a.comment(
-        "bpf_loop((fdt->max_fds + 7) / 8, read_slots, &state, 0): past BPF_MAX_LOOPS it refuses",
-    )
-    .load(size(&l.max_fds), Reg::R1, Reg::R9, off(&l.max_fds))
-    .alu64_imm(AluOp::Add, Reg::R1, SLOTS - 1)
-    .alu64_imm(AluOp::Rsh, Reg::R1, 3)
-    .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, "unread")
-    .ld_func(Reg::R2, "read_slots")
-    .mov64_reg(Reg::R3, Reg::R10)
-    .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
-    .mov64_imm(Reg::R4, 0)
-    .call_id(FUNC_LOOP, "loop")
-    .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
-    .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
-    .label("unread")
-    .comment("rec = { tgid, tid, -1, TABLE_UNREAD, max_fds }")
-    .load(size(&l.max_fds), Reg::R3, Reg::R9, off(&l.max_fds))
-    .store(Size::DW, Reg::R10, -8, Reg::R3)
-    .store_imm(Size::W, Reg::R10, -12, KIND_TABLE_UNREAD)
-    .store_imm(Size::W, Reg::R10, -16, -1)
-    .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-    .store(Size::W, Reg::R10, -24, Reg::R2)
-    .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-    .store(Size::W, Reg::R10, -20, Reg::R2)
-    .load(Size::DW, Reg::R1, Reg::R6, 0)
-    .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
-    .mov64_reg(Reg::R2, Reg::R10)
-    .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-    .mov64_imm(Reg::R3, RECORD_LEN as i32)
-    .call_id(FUNC_SEQ_WRITE, "seq_write")
-    .label("out")
-    .mov64_imm(Reg::R0, 0)
-    .exit();
+    zero_unknown(&mut a, ST_RECORDS, "out");
+    zero_unknown(&mut a, ST_MORE, "out");
+    a.comment("a thread sharing its leader's table: the leader's run reads it")
+        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R2, "own")
+        .load(Size::DW, Reg::R1, Reg::R7, off(&l.group_leader))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "own")
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.files))
+        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R8, "vmas")
+        .label("own")
+        .comment("fdt = files->fdt; state.table = fdt->fd")
+        .load(Size::DW, Reg::R9, Reg::R8, off(&l.fdt))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "vmas")
+        .load(Size::DW, Reg::R1, Reg::R9, off(&l.fd))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vmas")
+        .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
+        .comment(
+            "bpf_loop((fdt->max_fds + 7) / 8, read_slots, &state, 0): past BPF_MAX_LOOPS it refuses",
+        )
+        .load(size(&l.max_fds), Reg::R1, Reg::R9, off(&l.max_fds))
+        .alu64_imm(AluOp::Add, Reg::R1, SLOTS - 1)
+        .alu64_imm(AluOp::Rsh, Reg::R1, 3)
+        .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, "unread")
+        .ld_func(Reg::R2, "read_slots")
+        .mov64_reg(Reg::R3, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
+        .mov64_imm(Reg::R4, 0)
+        .call_id(FUNC_LOOP, "loop")
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vmas")
+        .label("unread")
+        .comment("rec = { tgid, tid, -1, TABLE_UNREAD, max_fds }")
+        .load(size(&l.max_fds), Reg::R3, Reg::R9, off(&l.max_fds));
+    unread_record(&mut a);
+    a.label("vmas")
+        .comment("mappings: the leader's run walks them (or each thread's once the leader's mm is gone)")
+        .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
+        .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
+        .jmp_reg(JmpOp::Eq, Reg::R1, Reg::R2, "walk")
+        .load(Size::DW, Reg::R1, Reg::R7, off(&l.group_leader))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "walk")
+        .load(Size::DW, Reg::R1, Reg::R1, off(&l.mm))
+        .jmp_imm(JmpOp::Ne, Reg::R1, 0, "out")
+        .label("walk")
+        .comment("bpf_iter_task_vma_new(&it, task, 0): destroyed whatever it returns")
+        .mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
+        .mov64_reg(Reg::R2, Reg::R7)
+        .mov64_imm(Reg::R3, 0)
+        .call_kfunc(l.vma_new, "bpf_iter_task_vma_new")
+        .comment("it could not start (the mmap lock was busy: it only tries; no memory): not read whole; no mm: nothing to read")
+        .comment("(an int: its low 32 bits, as 32-bit arithmetic leaves them)")
+        .alu32_imm(AluOp::Add, Reg::R0, 0)
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vma")
+        .alu32_imm(AluOp::Add, Reg::R0, ENOENT)
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vdone")
+        .ja("vfull")
+        .label("vma")
+        .comment("vma = bpf_iter_task_vma_next(&it); file = vma->vm_file; inode = file->f_inode")
+        .mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
+        .call_kfunc(l.vma_next, "bpf_iter_task_vma_next")
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vdone")
+        .load(Size::DW, Reg::R8, Reg::R0, off(&l.vm_file))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, "vma")
+        .load(Size::DW, Reg::R9, Reg::R8, off(&l.f_inode))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, "vma")
+        .load(size(&l.i_mode), Reg::R1, Reg::R9, off(&l.i_mode))
+        .alu64_imm(AluOp::And, Reg::R1, S_IFMT)
+        .jmp_imm(JmpOp::Eq, Reg::R1, S_IFCHR, "vchr")
+        .jmp_imm(JmpOp::Ne, Reg::R1, 0, "vma")
+        .comment("an io_uring's mapped rings: anonymous inode named [io_uring]")
+        .load(Size::DW, Reg::R1, Reg::R9, off(&l.i_sb))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vma")
+        .load(size(&l.s_magic), Reg::R1, Reg::R1, off(&l.s_magic))
+        .jmp_imm(JmpOp::Ne, Reg::R1, ANON_INODE_FS_MAGIC as i32, "vma")
+        .load(Size::DW, Reg::R1, Reg::R8, l.f_path_dentry)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vanon")
+        .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, "vanon");
+    io_uring_name(&mut a, NAME, "vanon", "vma");
+    a.label("vanon")
+        .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
+        .mov64_imm(Reg::R2, KIND_ANON_MAP)
+        .ja("vemit")
+        .label("vchr")
+        .comment("majors[i_rdev >> MINORBITS] != 0, else nothing to say")
+        .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
+        .store(Size::DW, Reg::R10, TMP, Reg::R3)
+        .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
+        .jmp_imm(JmpOp::Ge, Reg::R3, MAJORS_ENTRIES, "vchr_emit")
+        .store(Size::W, Reg::R10, KEY, Reg::R3)
+        .ld_map_fd(Reg::R1, majors_fd, "majors")
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vma")
+        .load(Size::W, Reg::R1, Reg::R0, 0)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vma")
+        .label("vchr_emit")
+        .load(Size::DW, Reg::R3, Reg::R10, TMP)
+        .mov64_imm(Reg::R2, KIND_MAP)
+        .label("vemit")
+        .comment("if (records >= FD_RECORDS) not read whole; rec = { tgid, tid, 0, kind, value }")
+        .load(Size::DW, Reg::R4, Reg::R10, STATE + ST_RECORDS)
+        .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "vfull")
+        .alu64_imm(AluOp::Add, Reg::R4, 1)
+        .store(Size::DW, Reg::R10, STATE + ST_RECORDS, Reg::R4)
+        .store(Size::DW, Reg::R10, -8, Reg::R3)
+        .store(Size::W, Reg::R10, -12, Reg::R2)
+        .store_imm(Size::W, Reg::R10, -16, 0)
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
+        .store(Size::DW, Reg::R10, -24, Reg::R1)
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+        .mov64_imm(Reg::R3, RECORD_LEN as i32)
+        .call_id(FUNC_SEQ_WRITE, "seq_write")
+        .ja("vma")
+        .label("vfull")
+        .mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
+        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
+        .mov64_imm(Reg::R3, 0);
+    unread_record(&mut a);
+    a.ja("out")
+        .label("vdone")
+        .mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
+        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
+        .label("out")
+        .mov64_imm(Reg::R0, 0)
+        .exit();
 
     // long read_slots(u64 j, struct state *st): slots 8j..8j+7, read in
     // one bpf_probe_read_kernel; each file is cast to a BTF pointer
@@ -293,20 +432,8 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
             .jmp_imm(JmpOp::Eq, Reg::R1, 0, &anon)
             .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
             .jmp_imm(JmpOp::Eq, Reg::R3, 0, &anon);
-        probe_read(&mut a, CB_NAME, Size::W, 11, Reg::R1, &anon);
-        a.jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"[io_"), &next)
-            .load(Size::W, Reg::R1, Reg::R10, CB_NAME + 4)
-            .jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"urin"), &next)
-            .load(Size::H, Reg::R1, Reg::R10, CB_NAME + 8)
-            .jmp_imm(
-                JmpOp::Ne,
-                Reg::R1,
-                i32::from(u16::from_le_bytes(*b"g]")),
-                &next,
-            )
-            .load(Size::B, Reg::R1, Reg::R10, CB_NAME + 10)
-            .jmp_imm(JmpOp::Ne, Reg::R1, 0, &next)
-            .label(&anon)
+        io_uring_name(&mut a, CB_NAME, &anon, &next);
+        a.label(&anon)
             .load(size(&l.i_ino), Reg::R3, Reg::R8, off(&l.i_ino))
             .mov64_imm(Reg::R2, KIND_ANON)
             .ja(&emit)
@@ -461,13 +588,14 @@ pub(crate) mod live {
     }
 
     /// Through the real verifier: the program writes this process's
-    /// descriptors of a protected major (`/dev/null`, 1:3, with major 1
-    /// marked) and its io_uring ring, and nothing for an unprotected major
-    /// (`/dev/tty`'s 5, `/dev/zero`... not marked), an eventfd, an epoll
-    /// instance, a socket or a regular file; a thread with a table of its
-    /// own is read under its own id, the threads sharing the leader's are
-    /// not read twice; a table holding more than [`FD_RECORDS`] protected
-    /// descriptors says it was not read whole.
+    /// descriptors and mappings of a protected major (`/dev/null` 1:3 and a
+    /// mapping of `/dev/zero` 1:5, with major 1 marked) and its io_uring
+    /// ring (descriptor and mapping), and nothing for an unprotected major
+    /// (`/dev/ptmx`'s 5; major 1 when only 7 is marked), an eventfd, an
+    /// epoll instance, a socket or a regular file; a thread with a table of
+    /// its own is read under its own id, the threads sharing the leader's
+    /// table and memory are not read twice; a table holding more than
+    /// [`FD_RECORDS`] protected descriptors says it was not read whole.
     #[test]
     fn the_fd_table_program_writes_protected_devices_and_rings_only() {
         let Some(l) = layout() else { return };
@@ -483,6 +611,21 @@ pub(crate) mod live {
         let mut params = [0u8; 120];
         // SAFETY: io_uring_setup(2) with a zeroed params struct.
         let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+        // Mappings: /dev/zero (1:5) privately (the device file stays the
+        // vma's file), /dev/tty-like unprotected ones never, the ring's
+        // submission queue (IORING_OFF_SQ_RING = 0).
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        let map = |fd: i32, flags: i32| {
+            // SAFETY: a read mapping of one page of a descriptor we hold.
+            unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, flags, fd, 0) }
+        };
+        let zmap = map(zero.as_raw_fd(), libc::MAP_PRIVATE);
+        assert_ne!(zmap, libc::MAP_FAILED);
+        let rmap = if ring >= 0 {
+            map(ring as i32, libc::MAP_SHARED)
+        } else {
+            libc::MAP_FAILED
+        };
         // A thread with a table of its own holding /dev/null.
         let (tx, rx) = std::sync::mpsc::channel();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -520,6 +663,38 @@ pub(crate) mod live {
                 "the ring: {mine:?}"
             );
         }
+        // One walk of the mappings, by the leader's run: each once.
+        let maps: Vec<&&Record> = mine
+            .iter()
+            .filter(|r| matches!(r.object, Object::CharMap(..) | Object::AnonMap(_)))
+            .collect();
+        assert_eq!(
+            maps.iter()
+                .filter(|r| r.object == Object::CharMap(1, 5))
+                .count(),
+            1,
+            "{maps:?}"
+        );
+        if rmap != libc::MAP_FAILED {
+            assert_eq!(
+                maps.iter()
+                    .filter(|r| matches!(r.object, Object::AnonMap(_)))
+                    .count(),
+                1,
+                "the mapped ring: {maps:?}"
+            );
+        }
+        assert!(maps.iter().all(|r| r.tid == me), "{maps:?}");
+        // An unprotected major's mapping is not written.
+        let other = FdTableIterator::load(&l, &majors(&[7])).unwrap_or_else(|e| panic!("{e}"));
+        let recs = other.files().unwrap();
+        assert!(
+            !recs
+                .iter()
+                .any(|r| r.tgid == me
+                    && matches!(r.object, Object::CharMap(..) | Object::CharFd(..))),
+            "major 1 is not protected there"
+        );
         for fd in [efd, epfd, sock.as_raw_fd(), reg.as_raw_fd()]
             .into_iter()
             .chain(ptmx.as_ref().map(|f| f.as_raw_fd()))
@@ -533,7 +708,12 @@ pub(crate) mod live {
         // thread's id but the thread with its own table.
         assert!(mine.iter().all(|r| r.tid == me || r.tid == tid), "{mine:?}");
         let mut seen = std::collections::BTreeSet::new();
-        assert!(mine.iter().all(|r| seen.insert((r.tid, r.fd))), "{mine:?}");
+        assert!(
+            mine.iter()
+                .filter(|r| matches!(r.object, Object::CharFd(..) | Object::AnonInode(_)))
+                .all(|r| seen.insert((r.tid, r.fd))),
+            "{mine:?}"
+        );
 
         // More protected descriptors than one run writes: said, not cut
         // silently.
@@ -549,8 +729,12 @@ pub(crate) mod live {
             mine.len()
         );
         drop(many);
-        // SAFETY: closes what this test made.
+        // SAFETY: unmaps and closes what this test made.
         unsafe {
+            libc::munmap(zmap, 4096);
+            if rmap != libc::MAP_FAILED {
+                libc::munmap(rmap, 4096);
+            }
             libc::close(efd);
             libc::close(epfd);
             if ring >= 0 {

@@ -587,7 +587,7 @@ impl Fence {
     /// Whether every major of `majors` is protected by the fence pinned in
     /// `bpffs_dir` (its `majors` map, one lookup each): what a scan asks
     /// before it reads the pinned iterators, which write only protected
-    /// majors ([`crate::iter::Filter::Protected`]).
+    /// majors ([`crate::fdtable`]).
     ///
     /// # Errors
     /// [`Error::Bpf`]: no pinned map, or a lookup failed.
@@ -1002,7 +1002,10 @@ impl Fence {
 
     /// Writes the flags of `cgroup_id` (deleting the entry at 0); `level`
     /// is the cgroup's level, kept from the existing entry when `None`.
-    /// Callers hold the fence lock and call [`Fence::refresh_levels`] after.
+    /// The level's bit is set in the `levels` mask before the entry is
+    /// written (the program must not skip it); a deletion leaves the mask
+    /// as it is (the next install recomputes it: [`Fence::refresh_levels`]).
+    /// Callers hold the fence lock.
     fn write_flags(&self, cgroup_id: u64, flags: u32, level: Option<u32>) -> Result<()> {
         if flags == 0 {
             sys::map_delete(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes())
@@ -1013,6 +1016,17 @@ impl Fence {
             Some(l) => l,
             None => self.entry_of(cgroup_id)?.map_or(0, |(_, l)| l),
         };
+        if (1..=MAX_LEVEL as u32).contains(&level) {
+            let mask = self.levels_mask()?;
+            if mask & (1 << level) == 0 {
+                sys::map_update(
+                    self.levels.as_fd(),
+                    &0u32.to_ne_bytes(),
+                    &(mask | 1 << level).to_ne_bytes(),
+                )
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))?;
+            }
+        }
         let mut v = [0u8; CGROUP_VALUE_SIZE as usize];
         v[0..4].copy_from_slice(&flags.to_ne_bytes());
         v[4..8].copy_from_slice(&level.to_ne_bytes());
@@ -1021,10 +1035,11 @@ impl Fence {
         Ok(())
     }
 
-    /// Recomputes the populated-levels mask from the `cgroups` entries.
-    /// Called under the fence lock after every change: a bit is set only
-    /// after its entry exists, and cleared only after the last entry of its
-    /// level is gone, so the program never skips a level that matters.
+    /// Recomputes the populated-levels mask from the `cgroups` entries (a
+    /// walk of the whole map): at install, under the fence lock, after the
+    /// exemptions are written. Between installs the mask only gains bits
+    /// ([`Fence::write_flags`]), so the program never skips a level that
+    /// matters.
     fn refresh_levels(&self) -> Result<()> {
         let mut mask = 0u32;
         for (_, (_, level)) in self.cgroup_entries()? {
@@ -1052,12 +1067,10 @@ impl Fence {
     }
 
     /// Runs a change of the `cgroups`/`grants` maps under the fence lock
-    /// (concurrent prologs, plugins and epilogs), then refreshes the mask.
+    /// (concurrent prologs, plugins and epilogs).
     fn locked<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let _lock = DirLock::take(&self.dir)?;
-        let r = f();
-        self.refresh_levels()?;
-        r
+        f()
     }
 
     /// Every entry of the `cgroups` map: id → (flags, level).
@@ -1528,24 +1541,16 @@ pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
         .map_err(bpf_err("BPF_PROG_QUERY", p.display().to_string()))
 }
 
-/// Loads the scan iterators filtered by the fence's `majors` map (the
-/// descriptor tables' [`crate::fdtable`], the mappings'
-/// [`crate::iter::Filter::Protected`]) and the ring iterator, and pins
+/// Loads the scan iterators (the descriptor tables' and mappings'
+/// [`crate::fdtable`] program, filtered by the fence's `majors` map, and
+/// the ring iterator) and pins
 /// their links in `dir` (replacing older pins). On failure, removes what
 /// this call pinned so that no stale iterator outlives the fence it was
 /// made for, and says why.
 fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String> {
-    use crate::iter::{Filter, Layout, MapIterator, RingIterator, RingLayout};
+    use crate::iter::{RingIterator, RingLayout};
     let r = (|| -> std::result::Result<(), String> {
         let btf = crate::btf::Btf::vmlinux().map_err(|e| e.to_string())?;
-        let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
-        let maps = MapIterator::load(
-            &layout,
-            Filter::Protected {
-                majors_fd: majors.as_raw_fd(),
-            },
-        )
-        .map_err(|e| e.to_string())?;
         let rings = RingLayout::from_btf(&btf)
             .map_err(|e| e.to_string())
             .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))?;
@@ -1554,7 +1559,6 @@ fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String
             .and_then(|l| {
                 crate::fdtable::FdTableIterator::load(&l, majors).map_err(|e| e.to_string())
             })?;
-        maps.pin(dir).map_err(|e| e.to_string())?;
         tables.pin(dir).map_err(|e| e.to_string())?;
         rings.pin(dir).map_err(|e| e.to_string())
     })();

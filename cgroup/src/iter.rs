@@ -92,10 +92,10 @@ pub enum Object {
 pub(crate) const KIND_CHAR: i32 = 1;
 const KIND_SOCK: i32 = 2;
 pub(crate) const KIND_ANON: i32 = 3;
-const KIND_MAP: i32 = 4;
+pub(crate) const KIND_MAP: i32 = 4;
 const KIND_RING: i32 = 5;
 const KIND_RING_TRUNC: i32 = 6;
-const KIND_ANON_MAP: i32 = 7;
+pub(crate) const KIND_ANON_MAP: i32 = 7;
 const KIND_RING_SEEN: i32 = 8;
 pub(crate) const KIND_TABLE_UNREAD: i32 = 9;
 
@@ -199,10 +199,6 @@ pub struct Layout {
     i_sb: Field,
     s_magic: Field,
     vm_file: Field,
-    f_path: Field,
-    path_dentry: Field,
-    d_name: Field,
-    qstr_name: Field,
 }
 
 pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
@@ -254,10 +250,6 @@ impl Layout {
             i_sb: sized(btf, "inode", "i_sb", 8, true)?,
             s_magic: sized(btf, "super_block", "s_magic", 8, false)?,
             vm_file: sized(btf, "vm_area_struct", "vm_file", 8, true)?,
-            f_path: sized(btf, "file", "f_path", 16, false)?,
-            path_dentry: sized(btf, "path", "dentry", 8, true)?,
-            d_name: sized(btf, "dentry", "d_name", 16, false)?,
-            qstr_name: sized(btf, "qstr", "name", 8, true)?,
         })
     }
 
@@ -312,37 +304,10 @@ fn emit(a: &mut Asm, l: &Layout) {
         .exit();
 }
 
-/// What the mapping program ([`vma_program`]) lets through to user space.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Filter {
-    /// Every character device and anonymous inode: what a scan that loads
-    /// its own programs reads.
-    All,
-    /// Only character devices whose major the fence protects (the fence's
-    /// pinned `majors` array map, this descriptor: value non-zero) and
-    /// anonymous inodes named `[io_uring]` (the dentry name
-    /// `io_uring_get_file` gives a ring: `anon_inode_create_getfile("[io_uring]",
-    /// ...)`, `io_uring/io_uring.c`): the programs pinned with the fence, so
-    /// that on a node with a million descriptors only the few that matter
-    /// cross to user space. A major past the map (4,096 entries; the
-    /// kernel's character majors stop at 511, `CHRDEV_MAJOR_MAX` in
-    /// `fs/char_dev.c`) is let through, as is a name that cannot be read.
-    Protected {
-        /// The fence's `majors` map (a raw descriptor, valid while the
-        /// program loads; the program keeps its own reference).
-        majors_fd: i32,
-    },
-}
-
-/// Scratch for the major looked up (`fp-32`) and the dentry name read
-/// (`fp-48`..`fp-37`) by the [`Filter::Protected`] checks.
-const F_KEY: i16 = -32;
-const F_NAME: i16 = -48;
-
 /// The `chr` and `anon` tails shared by both programs: `r6` ctx, `r7`
 /// task, `r8` file, `r9` inode; the descriptor number comes from
-/// `ctx_fd` (`None`: a mapping, fd 0). Each ends at `emit` or `out`.
-fn kinds(a: &mut Asm, l: &Layout, filter: Filter, ctx_fd: Option<&Field>, chr: i32, anon: i32) {
+/// `ctx_fd` (`None`: a mapping, fd 0). Each ends at `emit`.
+fn kinds(a: &mut Asm, l: &Layout, ctx_fd: Option<&Field>, chr: i32, anon: i32) {
     let fd = |a: &mut Asm| {
         match ctx_fd {
             Some(f) => a.load(size(f), Reg::R4, Reg::R6, off(f)),
@@ -350,57 +315,11 @@ fn kinds(a: &mut Asm, l: &Layout, filter: Filter, ctx_fd: Option<&Field>, chr: i
         };
     };
     a.label("chr");
-    if let Filter::Protected { majors_fd } = filter {
-        a.comment("majors[i_rdev >> MINORBITS] != 0, else nothing to say")
-            .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
-            .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
-            .jmp_imm(JmpOp::Gt, Reg::R3, 4095, "chr_emit")
-            .store(Size::W, Reg::R10, F_KEY, Reg::R3)
-            .ld_map_fd(Reg::R1, majors_fd, "majors")
-            .mov64_reg(Reg::R2, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R2, F_KEY as i32)
-            .call(crate::asm::Helper::MapLookupElem)
-            .jmp_imm(JmpOp::Eq, Reg::R0, 0, "out")
-            .load(Size::W, Reg::R1, Reg::R0, 0)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, "out")
-            .label("chr_emit");
-    }
     fd(a);
     a.mov64_imm(Reg::R2, chr)
         .load(size(&l.i_rdev), Reg::R3, Reg::R9, off(&l.i_rdev))
         .ja("emit");
     a.label("anon");
-    if let Filter::Protected { .. } = filter {
-        a.comment("file->f_path.dentry->d_name.name == \"[io_uring]\", else nothing to say")
-            .load(
-                Size::DW,
-                Reg::R1,
-                Reg::R8,
-                off(&l.f_path) + off(&l.path_dentry),
-            )
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, "anon_emit")
-            .load(
-                Size::DW,
-                Reg::R3,
-                Reg::R1,
-                off(&l.d_name) + off(&l.qstr_name),
-            )
-            .jmp_imm(JmpOp::Eq, Reg::R3, 0, "anon_emit");
-        probe_read(a, F_NAME, Size::W, 11, Reg::R1, "anon_emit");
-        a.jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"[io_"), "out")
-            .load(Size::W, Reg::R1, Reg::R10, F_NAME + 4)
-            .jmp_imm(JmpOp::Ne, Reg::R1, i32::from_le_bytes(*b"urin"), "out")
-            .load(Size::H, Reg::R1, Reg::R10, F_NAME + 8)
-            .jmp_imm(
-                JmpOp::Ne,
-                Reg::R1,
-                i32::from(u16::from_le_bytes(*b"g]")),
-                "out",
-            )
-            .load(Size::B, Reg::R1, Reg::R10, F_NAME + 10)
-            .jmp_imm(JmpOp::Ne, Reg::R1, 0, "out")
-            .label("anon_emit");
-    }
     fd(a);
     a.mov64_imm(Reg::R2, anon)
         .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
@@ -445,25 +364,18 @@ pub fn file_program(l: &Layout, sockets: bool) -> Result<Program, AsmError> {
             .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
             .ja("emit");
     }
-    kinds(
-        &mut a,
-        l,
-        Filter::All,
-        Some(&l.ctx_file_fd),
-        KIND_CHAR,
-        KIND_ANON,
-    );
+    kinds(&mut a, l, Some(&l.ctx_file_fd), KIND_CHAR, KIND_ANON);
     emit(&mut a, l);
     a.assemble()
 }
 
 /// The `task_vma` program: a record for each mapping of a character device
 /// (`vma->vm_file->f_inode`) and of an anonymous inode (an io_uring's
-/// rings), fd 0, as `filter` lets through.
+/// rings), fd 0.
 ///
 /// # Errors
 /// [`AsmError`] (a bug here).
-pub fn vma_program(l: &Layout, filter: Filter) -> Result<Program, AsmError> {
+pub fn vma_program(l: &Layout) -> Result<Program, AsmError> {
     let mut a = Asm::new();
     a.comment("task_vma: ctx = { meta, task, vma }")
         .mov64_reg(Reg::R6, Reg::R1)
@@ -485,7 +397,7 @@ pub fn vma_program(l: &Layout, filter: Filter) -> Result<Program, AsmError> {
         .load(size(&l.s_magic), Reg::R3, Reg::R3, off(&l.s_magic))
         .jmp_imm(JmpOp::Ne, Reg::R3, ANON_INODE_FS_MAGIC as i32, "out")
         .ja("anon");
-    kinds(&mut a, l, filter, None, KIND_MAP, KIND_ANON_MAP);
+    kinds(&mut a, l, None, KIND_MAP, KIND_ANON_MAP);
     emit(&mut a, l);
     a.assemble()
 }
@@ -866,15 +778,13 @@ fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterEr
     })
 }
 
-/// The pin names of the iterator links in the fence's bpffs directory
-/// (with [`crate::fdtable::PIN_FDTABLE`]). The suffix is the record
-/// format and filter: a gpufence whose programs write something else
-/// uses new names, and never reads an old pin.
-pub const PIN_MAPS: &str = "iter_task_vma_v1";
-/// See [`PIN_MAPS`].
+/// The pin name of the ring iterator's link in the fence's bpffs
+/// directory (with [`crate::fdtable::PIN_FDTABLE`]). The suffix is the
+/// record format and filter: a gpufence whose programs write something
+/// else uses new names, and never reads an old pin.
 pub const PIN_RINGS: &str = "iter_task_rings_v1";
 /// Every name an iterator pin has had, for removal.
-pub const PINS: [&str; 3] = [crate::fdtable::PIN_FDTABLE, PIN_MAPS, PIN_RINGS];
+pub const PINS: [&str; 2] = [crate::fdtable::PIN_FDTABLE, PIN_RINGS];
 
 /// Pins `link` at `dir/name`, replacing what is there: pinned as
 /// `name_new`, then renamed over `name` (bpffs renames like any
@@ -984,11 +894,7 @@ impl Iterators {
                 &file_program(layout, sockets)?,
                 layout.task_file,
             )?,
-            maps: load(
-                "task_vma",
-                &vma_program(layout, Filter::All)?,
-                layout.task_vma,
-            )?,
+            maps: load("task_vma", &vma_program(layout)?, layout.task_vma)?,
         })
     }
 
@@ -1008,52 +914,6 @@ impl Iterators {
     /// [`IterError`].
     pub fn maps(&self) -> Result<Vec<Record>, IterError> {
         read_all(&self.maps.link)
-    }
-}
-
-/// The mapping program ([`vma_program`]) alone, filtered as the fence
-/// pins it ([`Filter::Protected`]).
-#[derive(Debug)]
-pub struct MapIterator {
-    it: Loaded,
-}
-
-impl MapIterator {
-    /// Loads [`vma_program`] for `layout` and `filter` and links it.
-    ///
-    /// # Errors
-    /// [`IterError`].
-    pub fn load(layout: &Layout, filter: Filter) -> Result<MapIterator, IterError> {
-        Ok(MapIterator {
-            it: load("task_vma", &vma_program(layout, filter)?, layout.task_vma)?,
-        })
-    }
-
-    /// Pins the link in `dir` ([`PIN_MAPS`]), replacing an earlier pin.
-    ///
-    /// # Errors
-    /// [`IterError::Sys`].
-    pub fn pin(&self, dir: &std::path::Path) -> Result<(), IterError> {
-        pin_link(&self.it.link, dir, PIN_MAPS)
-    }
-
-    /// Opens the link pinned in `dir`.
-    ///
-    /// # Errors
-    /// [`IterError::Sys`] (`ENOENT`: not pinned).
-    pub fn open_pinned(dir: &std::path::Path) -> Result<MapIterator, IterError> {
-        Ok(MapIterator {
-            it: open_pin(dir, PIN_MAPS)?,
-        })
-    }
-
-    /// Every mapping of a character device (or io_uring ring) the filter
-    /// lets through, one record per vma.
-    ///
-    /// # Errors
-    /// [`IterError`].
-    pub fn maps(&self) -> Result<Vec<Record>, IterError> {
-        read_all(&self.it.link)
     }
 }
 
@@ -1420,97 +1280,6 @@ mod live {
         unsafe {
             libc::munmap(m, 4096);
             libc::close(efd);
-        }
-    }
-
-    /// The mapping program as the fence pins it ([`Filter::Protected`]):
-    /// a mapping of a device on a protected major is written, the same
-    /// mapping is not when its major is not protected, and an io_uring's
-    /// mapped rings are.
-    #[test]
-    fn the_pinned_mapping_program_writes_protected_devices_and_rings_only() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
-            eprintln!("SKIPPED: needs root in the initial pid namespace");
-            return;
-        }
-        let layout = match Layout::vmlinux() {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
-        };
-        let me = std::process::id() as i32;
-        let zero = std::fs::File::open("/dev/zero").unwrap();
-        // SAFETY: a private read mapping of /dev/zero (1:5), which keeps
-        // the device file as vm_file.
-        let m = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                zero.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(m, libc::MAP_FAILED);
-        let mut params = [0u8; 120];
-        // SAFETY: io_uring_setup(2) with a zeroed params struct, then a
-        // shared mapping of its submission ring (IORING_OFF_SQ_RING = 0).
-        let ring = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
-        let rm = if ring >= 0 {
-            unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    4096,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    ring as i32,
-                    0,
-                )
-            }
-        } else {
-            libc::MAP_FAILED
-        };
-        for (protected, expect) in [(1u32, true), (7u32, false)] {
-            let majors = crate::fdtable::live::majors(&[protected]);
-            let it = MapIterator::load(
-                &layout,
-                Filter::Protected {
-                    majors_fd: majors.as_raw_fd(),
-                },
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-            let recs = it.maps().unwrap();
-            let mine: Vec<&Record> = recs.iter().filter(|r| r.tgid == me).collect();
-            assert_eq!(
-                mine.iter().any(|r| r.object == Object::CharMap(1, 5)),
-                expect,
-                "major {protected} protected: {mine:?}"
-            );
-            if rm != libc::MAP_FAILED {
-                assert!(
-                    mine.iter().any(|r| matches!(r.object, Object::AnonMap(_))),
-                    "the mapped ring: {mine:?}"
-                );
-            }
-            assert!(
-                mine.iter()
-                    .all(|r| matches!(r.object, Object::CharMap(1, 5) | Object::AnonMap(_))),
-                "nothing else: {mine:?}"
-            );
-        }
-        // SAFETY: unmaps and closes what this test made.
-        unsafe {
-            libc::munmap(m, 4096);
-            if rm != libc::MAP_FAILED {
-                libc::munmap(rm, 4096);
-            }
-            if ring >= 0 {
-                libc::close(ring as i32);
-            }
         }
     }
 }

@@ -4,7 +4,7 @@
 //! ```text
 //! majors   ARRAY  u32 major            -> u32 (1 = protected)       4096 entries
 //! cgroups  HASH   u64 cgroup id        -> {u32 flags (EXEMPT|GRANTED), u32 level}
-//! levels   ARRAY  0                    -> u32 mask: bit L set when a cgroup at level L has flags
+//! levels   ARRAY  0                    -> u32 mask: bit L set once a cgroup at level L has flags
 //! grants   HASH   {u64 cgid, u32 major, u32 minor} -> {u32 access, u32 job id}
 //! ```
 //!
@@ -12,6 +12,10 @@
 //! neither exempt nor granted; `levels` lets it skip, with one bit test and
 //! no helper call, every level where no cgroup has an entry at all (on a
 //! Slurm node: all but the exempt services' level 2 and the jobs' level 3).
+//! A bit is set before the entry that needs it is written and cleared only
+//! by the next install, which recomputes the mask: a bit left set when its
+//! level empties costs one lookup per open at that level, never a skipped
+//! grant or exemption, and no grant or revoke walks the `cgroups` map.
 
 use gpufence_model::device::{Access, DevNum};
 

@@ -457,7 +457,15 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
 /// emptied.
 pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String>, NodeError> {
     let mut notes = Vec::new();
-    let gone = fence.revoke_job(job_id)?;
+    // Every grant is noted in `applied/` before it is made
+    // ([`crate::apply`]): a job with no note (and no unreadable one) has no
+    // grant to revoke, and the walk of the whole `grants` map is spared.
+    let (applied, unreadable) = node.state.applied(Some(job_id));
+    let gone = if applied.is_empty() && unreadable.is_empty() {
+        Vec::new()
+    } else {
+        fence.revoke_job(job_id)?
+    };
     if !gone.is_empty() {
         notes.push(format!(
             "revoked {} stale grant entries of an earlier job {job_id}",

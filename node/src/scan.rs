@@ -40,9 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
 use gpufence_cgroup::fdtable::FdTableIterator;
-use gpufence_cgroup::iter::{
-    self, Iterators, Layout, MapIterator, Object, RingIterator, RingLayout,
-};
+use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
@@ -212,21 +210,23 @@ enum Readers {
     /// Loaded by this scan: every character device, anonymous inode (and
     /// socket) crosses to user space.
     Loaded(Iterators),
-    /// The fence's pins: protected majors and io_uring rings only.
-    Pinned(FdTableIterator, MapIterator),
+    /// The fence's pins: protected majors and io_uring rings only, tables
+    /// and mappings in one walk.
+    Pinned(FdTableIterator),
 }
 
 impl Readers {
     fn files(&self) -> Result<Vec<iter::Record>, iter::IterError> {
         match self {
             Readers::Loaded(it) => it.files(),
-            Readers::Pinned(t, _) => t.files(),
+            Readers::Pinned(t) => t.files(),
         }
     }
     fn maps(&self) -> Result<Vec<iter::Record>, iter::IterError> {
         match self {
             Readers::Loaded(it) => it.maps(),
-            Readers::Pinned(_, m) => m.maps(),
+            // The fd-table walk wrote the mappings too.
+            Readers::Pinned(_) => Ok(Vec::new()),
         }
     }
 }
@@ -234,10 +234,7 @@ impl Readers {
 /// The iterators the fence pinned in `dir`, if all are there.
 fn open_pins(dir: &Path) -> Option<(Readers, RingIterator)> {
     Some((
-        Readers::Pinned(
-            FdTableIterator::open_pinned(dir).ok()?,
-            MapIterator::open_pinned(dir).ok()?,
-        ),
+        Readers::Pinned(FdTableIterator::open_pinned(dir).ok()?),
         RingIterator::open_pinned(dir).ok()?,
     ))
 }
@@ -275,12 +272,16 @@ fn take_snapshot(
     } else {
         BTreeSet::new()
     };
-    // The two walks are independent: one each on two CPUs.
-    let (files, maps) = std::thread::scope(|s| {
-        let maps = s.spawn(|| it.maps());
-        let files = it.files();
-        (files, maps.join())
-    });
+    let (files, maps) = match &it {
+        // One walk reads tables and mappings.
+        Readers::Pinned(_) => (it.files(), Ok(Ok(Vec::new()))),
+        // The two walks are independent: one each on two CPUs.
+        Readers::Loaded(_) => std::thread::scope(|s| {
+            let maps = s.spawn(|| it.maps());
+            let files = it.files();
+            (files, maps.join())
+        }),
+    };
     let files = files.map_err(|e| e.to_string())?;
     let maps = maps
         .map_err(|_| "the task_vma reader panicked".to_string())?

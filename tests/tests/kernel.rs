@@ -144,10 +144,19 @@ fn granted_job_opens_its_device_and_not_another() {
         .into(),
         "GRANTED flag cleared; the exec cgroup stays exempt"
     );
+    // A revoke does not walk the `cgroups` map to clear the job's level:
+    // the bit stays (one lookup more per open at that level, never a
+    // skipped grant) until the next install recomputes the mask.
+    assert_eq!(
+        fence.levels_mask().unwrap(),
+        1 << level(&job) | 1 << level(&exec),
+        "the job's level stays walked until the next install"
+    );
+    fence_ops::install(&node).unwrap();
     assert_eq!(
         fence.levels_mask().unwrap(),
         1 << level(&exec),
-        "the job's level is no longer walked"
+        "reinstalled: the job's level is no longer walked"
     );
 }
 
