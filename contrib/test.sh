@@ -25,6 +25,7 @@ target/debug/gpufence-bench open --smoke >/dev/null
 target/debug/gpufence-bench scan --smoke >/dev/null
 target/debug/gpufence-bench job --smoke >/dev/null
 target/debug/gpufence-bench respond --smoke >/dev/null
+target/debug/gpufence-bench growth --smoke >/dev/null
 # Packages, one per tested Slurm series (the host's 22.05, then each root's):
 # build the .deb and .rpm from this tree and check their contents and their
 # dependency on that series only.

@@ -8,11 +8,13 @@
 //! gpufence-bench scan [--crowds PxF,...] [--runs N] [--smoke] epilog scan and sweep, crowded node
 //! gpufence-bench job [--runs N] [--bursts N] [--burst-jobs N] [--releases host,sid] [--smoke]
 //!                                                         srun/Prolog/Epilog/bursts on real cgroup/v2 nodes, RSS, map memory
+//! gpufence-bench growth [--procs N,..] [--fds N,..] [--grants N,..] [--smoke]  Prolog/Epilog cost as the node grows
 //! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
 //! ```
 //!
 //! See BENCHMARKS.md for the commands and the last results.
 
+mod growth;
 mod job;
 mod open;
 mod respond;
@@ -87,6 +89,24 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// Prolog and Epilog cost against processes, descriptors and grants in the map.
+    Growth {
+        /// Extra processes (20 descriptors each).
+        #[arg(long, value_delimiter = ',', default_values_t = [1000usize, 10000, 30000])]
+        procs: Vec<usize>,
+        /// Extra descriptors in all.
+        #[arg(long, value_delimiter = ',', default_values_t = [10000usize, 100000, 1000000])]
+        fds: Vec<usize>,
+        /// Grants of other jobs in the map.
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 1000, 100000])]
+        grants: Vec<usize>,
+        /// Runs per row (median).
+        #[arg(long, default_value_t = 7)]
+        runs: usize,
+        /// Small values, one run (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
     /// Run a command and append its wall time in ns to FILE (the job benchmark's Prolog/Epilog wrapper).
     #[command(hide = true)]
     TimeExec {
@@ -136,6 +156,28 @@ fn main() -> ExitCode {
                 }
             }
             print_job(&results, cli.json);
+        }
+        Cmd::Growth {
+            procs,
+            fds,
+            grants,
+            runs,
+            smoke,
+        } => {
+            let (procs, fds, grants, runs) = if smoke {
+                (vec![50], vec![1000], vec![1, 100], 1)
+            } else {
+                (procs, fds, grants, runs)
+            };
+            let r = growth::run(&procs, &fds, &grants, runs);
+            growth::print(&r, runs);
+            if let Some(p) = cli.json {
+                let rows: Vec<serde_json::Value> = r
+                    .iter()
+                    .map(|x| serde_json::json!({"axis": x.axis, "value": x.value, "total_procs": x.total_procs, "prolog_s": x.prolog_s, "epilog_s": x.epilog_s, "scan_s": x.scan_s}))
+                    .collect();
+                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+            }
         }
         Cmd::Scan {
             crowds,

@@ -68,7 +68,7 @@ pub struct ScanResult {
 /// pairs, 2 of `/dev/null`, an eventfd and an epoll instance, the last two
 /// anonymous inodes as a training job's event loops hold); the first
 /// `holding` also hold `dev_path`. Returns their pids once all are ready.
-fn spawn_crowd(
+pub(crate) fn spawn_crowd(
     n: usize,
     fds: usize,
     holding: usize,
@@ -151,7 +151,7 @@ pub(crate) fn wait_ready(ready: [i32; 2], n: usize) -> usize {
     got
 }
 
-fn kill_crowd(pids: &[i32]) {
+pub(crate) fn kill_crowd(pids: &[i32]) {
     for p in pids {
         // SAFETY: signals our own children.
         unsafe { libc::kill(*p, libc::SIGKILL) };

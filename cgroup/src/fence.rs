@@ -1075,6 +1075,20 @@ impl Fence {
 
     /// Every entry of the `cgroups` map: id → (flags, level).
     fn cgroup_entries(&self) -> Result<BTreeMap<u64, (u32, u32)>> {
+        if let Some(all) =
+            sys::map_entries_batch(self.cgroups.as_fd(), 8, CGROUP_VALUE_SIZE as usize)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "cgroups"))?
+        {
+            return Ok(all
+                .iter()
+                .filter_map(|(k, v)| {
+                    let id = u64::from_ne_bytes(k.as_slice().try_into().ok()?);
+                    let f = u32::from_ne_bytes(v.get(0..4)?.try_into().ok()?);
+                    let l = u32::from_ne_bytes(v.get(4..8)?.try_into().ok()?);
+                    Some((id, (f, l)))
+                })
+                .collect());
+        }
         let keys = sys::map_keys(self.cgroups.as_fd(), 8, self.max_entries)
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
         let mut out = BTreeMap::new();
@@ -1295,6 +1309,26 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn entries(&self) -> Result<Vec<GrantEntry>> {
+        if let Some(all) =
+            sys::map_entries_batch(self.grants.as_fd(), GrantKey::SIZE, GrantValue::SIZE)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "grants"))?
+        {
+            let mut out: Vec<GrantEntry> = all
+                .iter()
+                .filter_map(|(k, v)| {
+                    let key = GrantKey::from_bytes(k)?;
+                    let val = GrantValue::from_bytes(v)?;
+                    Some(GrantEntry {
+                        cgroup_id: key.cgroup_id,
+                        dev: key.dev,
+                        access: val.access,
+                        job_id: val.job_id,
+                    })
+                })
+                .collect();
+            out.sort_by_key(|e| (e.job_id, e.cgroup_id, e.dev));
+            return Ok(out);
+        }
         let keys = sys::map_keys(self.grants.as_fd(), GrantKey::SIZE, self.max_entries)
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "grants"))?;
         let mut out = Vec::with_capacity(keys.len());

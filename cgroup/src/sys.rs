@@ -238,6 +238,93 @@ pub fn map_keys(
     Ok(keys)
 }
 
+/// `BPF_MAP_LOOKUP_BATCH` (`include/uapi/linux/bpf.h`, Linux 5.6).
+const BPF_MAP_LOOKUP_BATCH: i32 = 24;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Every `(key, value)` of hash map `map` with `BPF_MAP_LOOKUP_BATCH`, up
+/// to 4,096 entries per call: one pass over the map's buckets in the
+/// kernel instead of a `BPF_MAP_GET_NEXT_KEY` and a `BPF_MAP_LOOKUP_ELEM`
+/// per entry (a map of 100,000 grants: about 25 calls instead of
+/// 200,000). `Ok(None)` when the kernel has no batch operations for the
+/// map (`EINVAL`, `ENOTSUPP`, before 5.6) or a bucket holds more entries
+/// than a chunk (`ENOSPC`): the caller walks it key by key.
+///
+/// # Errors
+/// errno of another failure.
+pub fn map_entries_batch(
+    map: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+) -> io::Result<Option<Vec<(Vec<u8>, Vec<u8>)>>> {
+    const CHUNK: usize = 4096;
+    // `ENOTSUPP` (524) is kernel-internal; it reaches user space as is.
+    const ENOTSUPP: i32 = 524;
+    let mut out = Vec::new();
+    let mut keys = vec![0u8; key_size * CHUNK];
+    let mut values = vec![0u8; value_size * CHUNK];
+    // A hash map's batch cursor is a bucket number (u32).
+    let mut in_batch = 0u64;
+    let mut out_batch = 0u64;
+    let mut first = true;
+    loop {
+        let mut a = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                &mut in_batch as *mut u64 as u64
+            },
+            out_batch: &mut out_batch as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: map.as_raw_fd() as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut a) {
+            Ok(_) => false,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+            // No batch operations here; or one bucket holds more than a
+            // chunk (ENOSPC): walk key by key instead.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL) | Some(ENOTSUPP) | Some(libc::ENOSPC)
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        let n = (a.count as usize).min(CHUNK);
+        for i in 0..n {
+            out.push((
+                keys[i * key_size..(i + 1) * key_size].to_vec(),
+                values[i * value_size..(i + 1) * value_size].to_vec(),
+            ));
+        }
+        if done {
+            return Ok(Some(out));
+        }
+        in_batch = out_batch;
+        first = false;
+    }
+}
+
 #[repr(C)]
 #[derive(Default, Clone, Copy)]
 struct ProgLoadAttr {

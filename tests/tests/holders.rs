@@ -261,6 +261,29 @@ fn iterators_find_what_the_proc_walk_finds() {
     let walked = ours(slow.holders(&want), &pids);
     assert_eq!(slow.source(), Some(&Source::Proc(None)));
     assert_eq!(got, walked);
+    // What the Prolog and the Epilog read: the iterators the fence pinned
+    // at install (one walk of every table and mapping, filtered in the
+    // kernel by the fence's majors; both majors protected here), and the
+    // same answer.
+    let cfg = env.config(&format!(
+        "nvml = false\n[majors]\nnvidia = 195\nfake-gpu = {}\nmem = 1\n",
+        real.major
+    ));
+    let node = Node::new(Config::load(&cfg).unwrap(), ConfigOrigin::File(cfg)).unwrap();
+    let installed = fence_ops::install(&node).unwrap();
+    assert_eq!(installed.iterators_unpinned, None);
+    let mut pinned = Scanner::with_pins(&env.bpffs);
+    assert_eq!(ours(pinned.holders(&want), &pids), walked);
+    assert!(pinned.read_pins(), "the pinned iterators were read");
+    // A device on a major the fence does not protect: the scan loads its
+    // own iterators (the pinned ones would not show it) and finds it.
+    let null: BTreeSet<DevNum> = [DevNum::new(1, 3), DevNum::new(5, 0)].into();
+    let mut other = Scanner::with_pins(&env.bpffs);
+    let _ = other.holders(&null);
+    assert!(
+        !other.read_pins(),
+        "major 5 is not protected: not from the pins"
+    );
     for (via, d) in &expect {
         assert!(
             got.iter()
@@ -979,4 +1002,76 @@ fn a_ring_in_no_descriptor_table_is_found() {
     assert_eq!(ended, want_ended, "{o:?}");
     assert!(gone(plain) && gone(crowded) && gone(mapped));
     assert!(o.lingering.iter().all(|l| l.evidence.is_some()));
+}
+
+/// A table holding more protected descriptors than the fence's fd-table
+/// program writes for one task (`FD_RECORDS`): the program says it did
+/// not read it whole, and the scan reads that process in `/proc`, finding
+/// every descriptor the walk finds (never a silent cut).
+#[test]
+fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("bigtable");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node_path = env.mknod("held", real.major, real.minor);
+    let n = gpufence_cgroup::fdtable::FD_RECORDS as usize + 50;
+    let path = std::ffi::CString::new(node_path.to_str().unwrap()).unwrap();
+    let mut ready = [0i32; 2];
+    // SAFETY: pipe(2) into a local array.
+    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+    // SAFETY: the child makes only async-signal-safe calls and never returns.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            let mut ok = b'y';
+            for _ in 0..n {
+                if libc::open(path.as_ptr(), libc::O_RDONLY) < 0 {
+                    ok = b'n';
+                }
+            }
+            libc::write(ready[1], (&ok as *const u8).cast(), 1);
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    let mut b = 0u8;
+    // SAFETY: reads one byte from our pipe; closes our ends.
+    unsafe {
+        libc::close(ready[1]);
+        libc::read(ready[0], (&mut b as *mut u8).cast(), 1);
+        libc::close(ready[0]);
+    }
+    assert_eq!(b, b'y', "opening the device {n} times failed");
+    let cfg = env.config(&format!(
+        "nvml = false\n[majors]\nnvidia = 195\nfake-gpu = {}\n",
+        real.major
+    ));
+    let node = Node::new(Config::load(&cfg).unwrap(), ConfigOrigin::File(cfg)).unwrap();
+    assert_eq!(fence_ops::install(&node).unwrap().iterators_unpinned, None);
+    let want: BTreeSet<DevNum> = [dev].into();
+    let mut pinned = Scanner::with_pins(&env.bpffs);
+    let got = ours(pinned.holders(&want), &[pid]);
+    assert!(pinned.read_pins());
+    let walked = ours(Scanner::proc_walk().holders(&want), &[pid]);
+    assert_eq!(got, walked);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].fds.len(), n, "every descriptor, not the first 1,000");
+    // SAFETY: kills and reaps our own child.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
 }

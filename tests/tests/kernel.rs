@@ -863,3 +863,48 @@ fn a_refused_program_carries_the_verifier_log() {
     assert_eq!(e.errno.raw_os_error(), Some(libc::EACCES), "{e:?}");
     assert!(e.log.contains("R0 !read_ok"), "{}", e.log);
 }
+
+/// `Fence::entries` reads the `grants` map in batches
+/// (`BPF_MAP_LOOKUP_BATCH`, 4,096 per call): 10,000 grants come back
+/// each once, with their values, across the batches; and a revoke of one
+/// job among them removes exactly its entries.
+#[test]
+fn grants_are_read_whole_in_batches() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_cgroup::maps::{GrantKey, GrantValue, PIN_GRANTS};
+    use std::os::fd::AsFd;
+    let env = TestEnv::new("batch");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).expect("install");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let grants = gpufence_cgroup::sys::obj_get(&env.bpffs.join(PIN_GRANTS)).unwrap();
+    let mut want = Vec::new();
+    for i in 0..10_000u64 {
+        let key = GrantKey {
+            cgroup_id: (1 << 40) + i,
+            dev: DevNum::new(195, (i % 8) as u32),
+        };
+        let value = GrantValue {
+            access: Access::RW,
+            job_id: 500_000 + (i / 100) as u32,
+        };
+        gpufence_cgroup::sys::map_update(grants.as_fd(), &key.to_bytes(), &value.to_bytes())
+            .unwrap();
+        want.push((value.job_id, key.cgroup_id, key.dev));
+    }
+    want.sort();
+    let got: Vec<(u32, u64, DevNum)> = fence
+        .entries()
+        .unwrap()
+        .iter()
+        .map(|e| (e.job_id, e.cgroup_id, e.dev))
+        .collect();
+    assert_eq!(got.len(), 10_000);
+    assert_eq!(got, want);
+    let gone = fence.revoke_job(500_042).unwrap();
+    assert_eq!(gone.len(), 100);
+    assert!(gone.iter().all(|e| e.job_id == 500_042));
+    assert_eq!(fence.entries().unwrap().len(), 9_900);
+}
