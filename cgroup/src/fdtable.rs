@@ -1,8 +1,10 @@
-//! Every descriptor table on the machine, filtered in the kernel: a `task`
-//! iterator program (`kernel/bpf/task_iter.c`) that walks each table's
-//! slots with `bpf_loop` and writes a record only for the descriptors a
-//! scan for protected devices needs: character devices on a major the
-//! fence protects, and io_uring rings.
+//! Every descriptor table and every mapping on the machine, filtered in
+//! the kernel: one `task` iterator program (`kernel/bpf/task_iter.c`) that
+//! walks each table's slots with `bpf_loop` and each group leader's
+//! mappings with the open-coded vma iterator, and writes a record only for
+//! what a scan for protected devices needs: character devices on a major
+//! the fence protects, and io_uring rings. The fence install loads it and
+//! pins it ([`PIN_FDTABLE`]); the Prolog's and the Epilog's scans read it.
 //!
 //! The `task_file` iterator ([`crate::iter::Iterators`]) costs about
 //! 0.3 µs per descriptor on the project's 2-vCPU machine before the
@@ -10,21 +12,26 @@
 //! on each file and drops it again), so a node with a million open
 //! descriptors paid about 330 ms per scan whatever the program did. Here
 //! one program run reads one table: `task->files->fdt->fd[0..max_fds]`,
-//! each slot, `file->f_inode` and `inode->i_mode` with
-//! `bpf_probe_read_kernel` (the program runs under `rcu_read_lock`, as
-//! every non-sleepable iterator program does, `bpf_iter_run_prog` in
-//! `kernel/bpf/bpf_iter.c`; `struct file` is `SLAB_TYPESAFE_BY_RCU` and
-//! a read that faults skips the slot), and only a character device or an
-//! anonymous inode (type bits 0: `alloc_anon_inode` in `fs/libfs.c` sets
-//! `S_IRUSR | S_IWUSR` alone) reads further.
+//! eight slots per `bpf_probe_read_kernel`, each file cast to a BTF
+//! pointer with the kfunc `bpf_rdonly_cast` (6.2+; the verifier turns it
+//! into a move) so that `file->f_inode->i_mode` is read with plain loads
+//! (a load that faults reads 0: the slot is skipped). The program runs
+//! under `rcu_read_lock`, as every non-sleepable iterator program does
+//! (`bpf_iter_run_prog` in `kernel/bpf/bpf_iter.c`), and `struct file` is
+//! `SLAB_TYPESAFE_BY_RCU`. Only a character device or an anonymous inode
+//! (type bits 0: `alloc_anon_inode` in `fs/libfs.c` sets `S_IRUSR |
+//! S_IWUSR` alone) reads further. Mappings come from
+//! `bpf_iter_task_vma_new/_next/_destroy` (6.7+), which only try the
+//! task's mmap lock: a task whose lock was busy is said not read whole.
 //!
 //! A thread whose table is its group leader's is skipped (the leader's
 //! run reads it), as `task_file`'s `skip_if_dup_files` does; a thread
 //! with a table of its own (`unshare(CLONE_FILES)`), or every thread once
 //! the leader has exited, is read. Records are [`Record`]s of the same
-//! kinds as `task_file`'s ([`Object::CharFd`], [`Object::AnonInode`]);
-//! a table not read whole says so ([`Object::TableUnread`]) and its
-//! process is then read in `/proc` by the scan.
+//! kinds as `task_file`'s and `task_vma`'s ([`Object::CharFd`](crate::iter::Object::CharFd),
+//! [`Object::AnonInode`](crate::iter::Object::AnonInode), [`Object::CharMap`](crate::iter::Object::CharMap), [`Object::AnonMap`](crate::iter::Object::AnonMap)); a
+//! table or mapping walk not done whole says so ([`Object::TableUnread`](crate::iter::Object::TableUnread))
+//! and its process is then read in `/proc` by the scan.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -38,11 +45,11 @@ use crate::iter::{
 };
 
 /// The pin name of the fd-table iterator's link in the fence's bpffs
-/// directory (see [`crate::iter::PIN_FILES`] for the suffix).
+/// directory (see [`crate::iter::PIN_RINGS`] for the suffix).
 pub const PIN_FDTABLE: &str = "iter_fdtable_v1";
 
 /// The most records one table's run writes; a table with more says so
-/// ([`Object::TableUnread`]). What one program run writes must fit the
+/// ([`Object::TableUnread`](crate::iter::Object::TableUnread)). What one program run writes must fit the
 /// iterator's buffer (8 pages, else `E2BIG`, `bpf_seq_read` in
 /// `kernel/bpf/bpf_iter.c`): 1,000 records of 24 bytes and the closing
 /// one do.
