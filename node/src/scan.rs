@@ -122,7 +122,7 @@ pub struct Scanner {
     /// device set) met: (pid, thread, ring slot, fixed files).
     unread_rings: Vec<(i32, i32, i32, u64)>,
     /// The fence's bpffs directory, where its install pinned the scan
-    /// iterators ([`gpufence_cgroup::iter::PIN_FILES`]).
+    /// iterators ([`gpufence_cgroup::fdtable::PIN_FDTABLE`]).
     pins: Option<PathBuf>,
     /// The last whole-machine scan read the pinned iterators.
     read_pins: bool,
