@@ -435,11 +435,7 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
             slice.job_cgroups(&host).is_empty()
         });
         drop(c);
-        for j in slice.job_cgroups(&host) {
-            let _ = env
-                .cg
-                .remove_tree(&format!("{}/{j}", V2Slice::scope(&host)));
-        }
+        slice.clear_job_cgroups(&host);
     }
     // Empty scripts and gpufence: one node, alternating.
     let env = TestEnv::new("bench-job");

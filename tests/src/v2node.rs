@@ -161,7 +161,7 @@ impl V2Slice {
     /// (slurmstepd removes a job cgroup as it exits, which may be just after
     /// the node reads idle), and panics naming those left.
     pub fn assert_no_job_cgroups(&self, node_name: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(30);
         let left = loop {
             let left = self.job_cgroups(node_name);
             if left.is_empty() || Instant::now() > deadline {
@@ -169,11 +169,44 @@ impl V2Slice {
             }
             std::thread::sleep(Duration::from_millis(100));
         };
+        let inside: Vec<(String, Vec<i32>)> = left
+            .iter()
+            .map(|j| {
+                let rel = format!("{}/{j}", V2Slice::scope(node_name));
+                (j.clone(), self.cg.procs_recursive(&rel))
+            })
+            .collect();
         assert!(
             left.is_empty(),
-            "job cgroups left under /{}: {left:?}",
+            "job cgroups left under /{} (with the processes in each): {inside:?}",
             V2Slice::scope(node_name)
         );
+    }
+
+    /// Kills what is left in the job cgroups under `node_name`'s scope and
+    /// removes them, waiting up to 10 s (a step daemon of a stopped
+    /// cluster may still be exiting there); panics naming any that stays.
+    /// Between two clusters on one slice, so that the second starts from
+    /// no job cgroup of the first (both number their jobs from 1).
+    pub fn clear_job_cgroups(&self, node_name: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left = self.job_cgroups(node_name);
+            if left.is_empty() {
+                return;
+            }
+            for j in &left {
+                let rel = format!("{}/{j}", V2Slice::scope(node_name));
+                let _ = self.cg.kill(&rel);
+                let _ = self.cg.remove_tree(&rel);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job cgroups of a stopped cluster stay under /{}: {left:?}",
+                V2Slice::scope(node_name)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

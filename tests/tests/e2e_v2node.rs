@@ -275,11 +275,7 @@ fn real_cgroup_v2_node(release: &Release) {
             slice.job_cgroups(&host).is_empty()
         });
         drop(cluster);
-        for j in slice.job_cgroups(&host) {
-            let _ = env
-                .cg
-                .remove_tree(&format!("{}/{j}", V2Slice::scope(&host)));
-        }
+        slice.clear_job_cgroups(&host);
         (job, cpu, outsider)
     };
     // What Slurm alone lets through (seen on 22.05, 24.11, 26.05): the job
