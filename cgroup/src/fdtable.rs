@@ -39,9 +39,9 @@ use std::path::Path;
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
 use crate::iter::{
-    self, off, probe_read, size, sized, IterError, Loaded, Record, ANON_INODE_FS_MAGIC, FUNC_LOOP,
-    FUNC_SEQ_WRITE, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_TABLE_UNREAD, MAX_LOOPS,
-    MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
+    self, off, probe_read, size, sized, zero_unknown, IterError, Loaded, Record,
+    ANON_INODE_FS_MAGIC, FUNC_LOOP, FUNC_SEQ_WRITE, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP,
+    KIND_TABLE_UNREAD, MAX_LOOPS, MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
 };
 
 /// The pin name of the fd-table iterator's link in the fence's bpffs
@@ -175,24 +175,15 @@ const ENOENT: i32 = 2;
 /// in `fs/file.c` rounds it up), so a batch never reads past its array.
 const SLOTS: i32 = 8;
 
-/// `*(u64 *)(fp + STATE + at) = 0`, as a value the verifier does not
-/// know (read back with `bpf_probe_read_kernel`): a counter the callback
-/// compares and adds to stays imprecise, and the callback is verified in
-/// a few passes, not once per value.
-fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
-    a.store_imm(Size::DW, Reg::R10, TMP, 0)
-        .mov64_reg(Reg::R3, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R3, TMP as i32);
-    probe_read(a, TMP, Size::DW, 8, Reg::R1, fail);
-    a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
-}
-
-/// In the main frame: writes `{ tgid, tid, -1, TABLE_UNREAD, r3 }` with
-/// `bpf_seq_write(state.seq)` and goes on.
-fn unread_record(a: &mut Asm) {
-    a.store(Size::DW, Reg::R10, -8, Reg::R3)
-        .store_imm(Size::W, Reg::R10, -12, KIND_TABLE_UNREAD)
-        .store_imm(Size::W, Reg::R10, -16, -1)
+/// In the main frame: writes `{ tgid, tid, fd, kind, r3 }` with
+/// `bpf_seq_write(state.seq)` and goes on; `kind` is `r2` when `None`.
+fn main_record(a: &mut Asm, kind: Option<i32>, fd: i32) {
+    a.store(Size::DW, Reg::R10, -8, Reg::R3);
+    match kind {
+        Some(k) => a.store_imm(Size::W, Reg::R10, -12, k),
+        None => a.store(Size::W, Reg::R10, -12, Reg::R2),
+    };
+    a.store_imm(Size::W, Reg::R10, -16, fd)
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
         .store(Size::DW, Reg::R10, -24, Reg::R1)
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
@@ -250,8 +241,8 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
         .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
         .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
-    zero_unknown(&mut a, ST_RECORDS, "out");
-    zero_unknown(&mut a, ST_MORE, "out");
+    zero_unknown(&mut a, TMP, STATE + ST_RECORDS, "out");
+    zero_unknown(&mut a, TMP, STATE + ST_MORE, "out");
     a.comment("a thread sharing its leader's table: the leader's run reads it")
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
@@ -284,7 +275,7 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .label("unread")
         .comment("rec = { tgid, tid, -1, TABLE_UNREAD, max_fds }")
         .load(size(&l.max_fds), Reg::R3, Reg::R9, off(&l.max_fds));
-    unread_record(&mut a);
+    main_record(&mut a, Some(KIND_TABLE_UNREAD), -1);
     a.label("vmas")
         .comment("mappings: the leader's run walks them (or each thread's once the leader's mm is gone)")
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
@@ -358,24 +349,15 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .load(Size::DW, Reg::R4, Reg::R10, STATE + ST_RECORDS)
         .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "vfull")
         .alu64_imm(AluOp::Add, Reg::R4, 1)
-        .store(Size::DW, Reg::R10, STATE + ST_RECORDS, Reg::R4)
-        .store(Size::DW, Reg::R10, -8, Reg::R3)
-        .store(Size::W, Reg::R10, -12, Reg::R2)
-        .store_imm(Size::W, Reg::R10, -16, 0)
-        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
-        .store(Size::DW, Reg::R10, -24, Reg::R1)
-        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write")
-        .ja("vma")
+        .store(Size::DW, Reg::R10, STATE + ST_RECORDS, Reg::R4);
+    main_record(&mut a, None, 0);
+    a.ja("vma")
         .label("vfull")
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
         .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
         .mov64_imm(Reg::R3, 0);
-    unread_record(&mut a);
+    main_record(&mut a, Some(KIND_TABLE_UNREAD), -1);
     a.ja("out")
         .label("vdone")
         .mov64_reg(Reg::R1, Reg::R10)

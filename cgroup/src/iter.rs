@@ -543,16 +543,16 @@ pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg
         .load(size, dst, Reg::R10, tmp);
 }
 
-/// `*(u64 *)(r6 + at) = 0`, as a value the verifier does not know (read
-/// back with `bpf_probe_read_kernel` from this frame's scratch word): a
-/// counter the callback compares and adds to then stays imprecise, and
-/// `bpf_loop`'s callback is verified in a few passes, not once per value.
-fn zero_unknown(a: &mut Asm, at: i16, fail: &str) {
-    a.store_imm(Size::DW, Reg::R10, RING_TMP, 0)
+/// `*(u64 *)(fp + slot) = 0`, as a value the verifier does not know (read
+/// back with `bpf_probe_read_kernel` from the scratch word at `fp + tmp`):
+/// a counter a loop compares and adds to then stays imprecise, and the
+/// loop is verified in a few passes, not once per value.
+pub(crate) fn zero_unknown(a: &mut Asm, tmp: i16, slot: i16, fail: &str) {
+    a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R3, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R3, RING_TMP as i32);
-    probe_read(a, RING_TMP, Size::DW, 8, Reg::R1, fail);
-    a.store(Size::DW, Reg::R10, STATE + at, Reg::R1);
+        .alu64_imm(AluOp::Add, Reg::R3, tmp as i32);
+    probe_read(a, tmp, Size::DW, 8, Reg::R1, fail);
+    a.store(Size::DW, Reg::R10, slot, Reg::R1);
 }
 
 /// In the ring program's main frame: writes the record `{ tgid, tid, slot,
@@ -639,8 +639,8 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
             .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
             .store_imm(Size::DW, Reg::R10, STATE + ST_SLOT, i as i32)
             .store_imm(Size::DW, Reg::R10, STATE + ST_LAST, 0);
-        zero_unknown(&mut a, ST_RECORDS, &truncated);
-        zero_unknown(&mut a, ST_MORE, &truncated);
+        zero_unknown(&mut a, RING_TMP, STATE + ST_RECORDS, &truncated);
+        zero_unknown(&mut a, RING_TMP, STATE + ST_MORE, &truncated);
         a.comment("bpf_loop(nr, read_file, &state, 0): past BPF_MAX_LOOPS it refuses")
             .load(Size::DW, Reg::R1, Reg::R10, RING_NR)
             .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, &truncated)
@@ -759,6 +759,18 @@ pub(crate) struct Loaded {
     pub(crate) link: OwnedFd,
 }
 
+/// Links loaded iterator program `prog` (`BPF_LINK_CREATE`).
+fn linked(prog: OwnedFd) -> Result<Loaded, IterError> {
+    let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
+        what: "BPF_LINK_CREATE (iterator)",
+        err,
+    })?;
+    Ok(Loaded {
+        _prog: Some(prog),
+        link,
+    })
+}
+
 fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterError> {
     let prog =
         sys::prog_load_iter(&p.insns, &format!("gpufence_{target}"), btf_id).map_err(|e| {
@@ -768,14 +780,7 @@ fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loaded, IterEr
                 log: e.log,
             }
         })?;
-    let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
-        what: "BPF_LINK_CREATE (iterator)",
-        err,
-    })?;
-    Ok(Loaded {
-        _prog: Some(prog),
-        link,
-    })
+    linked(prog)
 }
 
 /// The pin name of the ring iterator's link in the fence's bpffs
@@ -1016,14 +1021,7 @@ pub(crate) fn load_with_callback(
         errno: e.errno,
         log: e.log,
     })?;
-    let link = sys::link_create_iter(prog.as_fd()).map_err(|err| IterError::Sys {
-        what: "BPF_LINK_CREATE (iterator)",
-        err,
-    })?;
-    Ok(Loaded {
-        _prog: Some(prog),
-        link,
-    })
+    linked(prog)
 }
 
 impl RingIterator {
