@@ -159,15 +159,9 @@ fn hidden_holds_are_found() {
 /// this process.
 fn map_dev_zero() -> i32 {
     let path = std::ffi::CString::new("/dev/zero").unwrap();
-    let mut ready = [0i32; 2];
-    // SAFETY: pipe(2) into a local array.
-    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
-    // SAFETY: the child makes only async-signal-safe calls and never returns.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
+    forked("mapping /dev/zero", || {
+        // SAFETY: async-signal-safe calls on a NUL-terminated path.
         unsafe {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
             let fd = libc::open(path.as_ptr(), libc::O_RDONLY);
             let m = libc::mmap(
                 std::ptr::null_mut(),
@@ -178,7 +172,28 @@ fn map_dev_zero() -> i32 {
                 0,
             );
             libc::close(fd);
-            let ok: u8 = if m == libc::MAP_FAILED { b'n' } else { b'y' };
+            m != libc::MAP_FAILED
+        }
+    })
+}
+
+/// Forks a child of this process that runs `set_up` (async-signal-safe
+/// calls only), says whether it worked, and pauses until killed (it dies
+/// with this process). Returns its pid once it has said `true`; panics
+/// naming `what` otherwise.
+fn forked(what: &str, set_up: impl FnOnce() -> bool) -> i32 {
+    let mut ready = [0i32; 2];
+    // SAFETY: pipe(2) into a local array.
+    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+    // SAFETY: the child makes only async-signal-safe calls and never returns.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+        let ok: u8 = if set_up() { b'y' } else { b'n' };
+        // SAFETY: as above.
+        unsafe {
             libc::write(ready[1], (&ok as *const u8).cast(), 1);
             loop {
                 libc::pause();
@@ -192,7 +207,7 @@ fn map_dev_zero() -> i32 {
         libc::read(ready[0], (&mut b as *mut u8).cast(), 1);
         libc::close(ready[0]);
     }
-    assert_eq!(b, b'y', "mapping /dev/zero failed");
+    assert_eq!(b, b'y', "{what} failed");
     pid
 }
 
@@ -1019,15 +1034,9 @@ fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
     let node_path = env.mknod("held", real.major, real.minor);
     let n = gpufence_cgroup::fdtable::FD_RECORDS as usize + 50;
     let path = std::ffi::CString::new(node_path.to_str().unwrap()).unwrap();
-    let mut ready = [0i32; 2];
-    // SAFETY: pipe(2) into a local array.
-    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
-    // SAFETY: the child makes only async-signal-safe calls and never returns.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
+    let pid = forked(&format!("opening the device {n} times"), || {
+        // SAFETY: async-signal-safe calls on a NUL-terminated path.
         unsafe {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
             let mut lim = libc::rlimit {
                 rlim_cur: 0,
                 rlim_max: 0,
@@ -1035,26 +1044,9 @@ fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
             libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
             lim.rlim_cur = lim.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-            let mut ok = b'y';
-            for _ in 0..n {
-                if libc::open(path.as_ptr(), libc::O_RDONLY) < 0 {
-                    ok = b'n';
-                }
-            }
-            libc::write(ready[1], (&ok as *const u8).cast(), 1);
-            loop {
-                libc::pause();
-            }
+            (0..n).all(|_| libc::open(path.as_ptr(), libc::O_RDONLY) >= 0)
         }
-    }
-    let mut b = 0u8;
-    // SAFETY: reads one byte from our pipe; closes our ends.
-    unsafe {
-        libc::close(ready[1]);
-        libc::read(ready[0], (&mut b as *mut u8).cast(), 1);
-        libc::close(ready[0]);
-    }
-    assert_eq!(b, b'y', "opening the device {n} times failed");
+    });
     let cfg = env.config(&format!(
         "nvml = false\n[majors]\nnvidia = 195\nfake-gpu = {}\n",
         real.major
