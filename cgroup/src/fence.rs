@@ -446,7 +446,28 @@ impl Fence {
     /// # Errors
     /// [`Error`]: no bpffs, no helper, no CAP_BPF, a cgroup_root that does
     /// not exist, a pinned map of another layout, an empty majors set.
+    ///
+    /// A failed install leaves nothing of its own behind: every pin it made
+    /// in `bpffs_dir` (maps, iterator links) is removed, so its maps are
+    /// freed with its descriptors, and the directory too when this install
+    /// made it; pins that were there before (an earlier fence's) stay.
+    /// bpffs stays mounted when this install mounted it.
     pub fn install(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
+        let existed = spec.bpffs_dir.is_dir();
+        let before: BTreeSet<std::ffi::OsString> = pin_names(&spec.bpffs_dir);
+        let r = Self::install_here(cg, spec);
+        if r.is_err() && spec.bpffs_dir.is_dir() {
+            for name in pin_names(&spec.bpffs_dir).difference(&before) {
+                let _ = fs::remove_file(spec.bpffs_dir.join(name));
+            }
+            if !existed {
+                let _ = fs::remove_dir(&spec.bpffs_dir);
+            }
+        }
+        r
+    }
+
+    fn install_here(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
         let mut report = InstallReport::default();
         if spec.protected.is_empty() {
             return Err(Error::Bpf {
@@ -1581,6 +1602,13 @@ pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
 /// their links in `dir` (replacing older pins). On failure, removes what
 /// this call pinned so that no stale iterator outlives the fence it was
 /// made for, and says why.
+/// The names in `dir` (none when it cannot be read).
+fn pin_names(dir: &Path) -> BTreeSet<std::ffi::OsString> {
+    fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .unwrap_or_default()
+}
+
 fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String> {
     use crate::iter::{RingIterator, RingLayout};
     let r = (|| -> std::result::Result<(), String> {

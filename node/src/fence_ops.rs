@@ -28,7 +28,10 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
     })
 }
 
-/// Installs or re-installs the fence and writes `fence_installed`.
+/// Installs or re-installs the fence and writes `fence_installed`; when
+/// it cannot, writes one `error` line (`component` "fence install",
+/// `reason`) and returns the error ([`Fence::install`] has removed what
+/// the try made).
 ///
 /// # Errors
 /// [`NodeError`]: the fence is not installed (or the old one stays) and the
@@ -38,8 +41,22 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
     if node.cg.path(&node.cfg.cgroup_root).is_dir() {
         let _ = node.cg.create(&node.exec_cgroup());
     }
-    let spec = spec(node)?;
-    let (_fence, report) = Fence::install(&node.cg, &spec)?;
+    let installed = spec(node).and_then(|spec| Ok(Fence::install(&node.cg, &spec)?));
+    let (_fence, report) = match installed {
+        Ok(r) => r,
+        Err(e) => {
+            // One line, whatever failed: the fence is not (re)installed, an
+            // earlier one stays as it was, and nothing of this try is left.
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .field("component", "fence install")
+                    .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+                    .field("bpffs_dir", node.cfg.bpffs_dir.display().to_string())
+                    .field("reason", e.to_string()),
+            );
+            return Err(e);
+        }
+    };
     let mut ev = AuditEvent::new(events::FENCE_INSTALLED)
         .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
         .field("protected_majors", report.majors.clone())

@@ -632,6 +632,29 @@ fn a_full_cgroup_says_why_the_fence_cannot_attach() {
     assert_eq!(Fence::linked_prog_id(&env.bpffs), None);
     let st = Fence::status(&env.cg, &env.root, &env.bpffs);
     assert!(!st.installed, "{st:?}");
+    // Nothing of the try is left: no map, no iterator, no link pinned
+    // (the maps are freed with them).
+    let left: Vec<_> = std::fs::read_dir(&env.bpffs)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "pins left by a failed install: {left:?}");
+    // And one `error` audit line says why.
+    let errors: Vec<serde_json::Value> = gpufence_tests::audit_log_settled(&env.path("log/audit.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "error")
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0]["component"], "fence install");
+    let reason = errors[0]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("already holds 64 device programs"), "{reason}");
+    // A later install that succeeds (room made) starts clean and works.
+    for id in programs_at(&env.cg, &env.root).unwrap().1 {
+        let p = sys::prog_fd_by_id(id).unwrap();
+        sys::prog_detach_cgroup_device(p.as_fd(), root.as_fd()).unwrap();
+    }
+    let o = gpufence(&cfg, &["fence", "install"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(Fence::status(&env.cg, &env.root, &env.bpffs).installed);
 }
 
 /// Another tool detaches everything it can from the cgroup (query, then
