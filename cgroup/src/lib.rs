@@ -27,6 +27,7 @@ pub mod btf;
 pub mod error;
 pub mod fdtable;
 pub mod fence;
+pub mod foreign;
 pub mod hierarchy;
 pub mod interp;
 pub mod iter;

@@ -1016,3 +1016,34 @@ pub fn iter_create(link: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     };
     bpf(BPF_ITER_CREATE, &mut a).map(fd_result)
 }
+
+/// The instructions of program `fd` as the kernel holds them after
+/// verification (`xlated_prog_insns` of `BPF_OBJ_GET_INFO_BY_FD`,
+/// `bpf_prog_get_info_by_fd` in `kernel/bpf/syscall.c`): two calls, the
+/// first for the length. `bpf_insn_prepare_dump` there turns map
+/// references into map ids and, for a reader who may not see kernel
+/// addresses, zeroes call targets: a reader runs such a program only when
+/// it has neither.
+///
+/// # Errors
+/// errno (`EPERM` without CAP_SYS_ADMIN / CAP_PERFMON).
+pub fn prog_xlated(fd: BorrowedFd<'_>) -> io::Result<Vec<crate::asm::RawInsn>> {
+    let first: ProgInfo = info_by_fd(fd)?;
+    let n = first.xlated_prog_len as usize / size_of::<crate::asm::RawInsn>();
+    let mut insns = vec![crate::asm::RawInsn::default(); n];
+    let mut info = ProgInfo {
+        xlated_prog_len: (n * size_of::<crate::asm::RawInsn>()) as u32,
+        xlated_prog_insns: insns.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    let mut a = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<ProgInfo>() as u32,
+        info: &mut info as *mut ProgInfo as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    // The program cannot change; a shorter answer is kept as given.
+    let got = (info.xlated_prog_len as usize / size_of::<crate::asm::RawInsn>()).min(n);
+    insns.truncate(got);
+    Ok(insns)
+}

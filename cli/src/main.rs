@@ -593,9 +593,24 @@ fn print_doctor(d: &gpufence_node::doctor::Doctor) {
             );
         }
     }
-    say!("NVIDIA devices (gpufence's verdict for read+write; other programs above may also deny):");
+    say!("NVIDIA devices (read+write, as every program that runs for this target answers):");
     for v in &d.devices {
         say!("  {:<8} {:<8} {}  ({})", v.device, v.verdict, v.why, v.path);
+        if v.programs.len() > 1 {
+            for p in &v.programs {
+                say!(
+                    "           prog {} {}: {}{}",
+                    p.id,
+                    p.name,
+                    p.answer,
+                    if p.why.is_empty() || p.owner.starts_with("gpufence") {
+                        String::new()
+                    } else {
+                        format!(" ({})", p.why)
+                    }
+                );
+            }
+        }
     }
     if let Some(n) = &d.io_uring {
         say!("note: {n}");

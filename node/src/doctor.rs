@@ -4,8 +4,14 @@
 //! whether the fence is attached and current; and, for each NVIDIA device,
 //! which grant or exemption lets it open it, or why it would be denied.
 //!
-//! The verdict is the fence program's own: the program this version
-//! installs, run over the live maps ([`Fence::evaluate`]) for a task whose
+//! The verdict is that of every device program the kernel runs for the
+//! target (the effective programs of its cgroup), since one that returns
+//! 0 denies the open whatever the others say (`bpf_prog_run_array_cg`,
+//! `kernel/bpf/cgroup.c`). Other tools' programs are read back from the
+//! kernel and run in the interpreter ([`gpufence_cgroup::foreign`]); one
+//! that calls the kernel or reads a map is said to *may deny*. The fence's
+//! own is the program this version installs, run over the live maps
+//! ([`Fence::evaluate`]) for a task whose
 //! ancestors are the target's at their kernel levels
 //! ([`gpufence_cgroup::Cgroup2::kernel_ancestry`]). In a cgroup namespace
 //! those levels are not the path's depth; an entry recorded at another
@@ -19,6 +25,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use gpufence_cgroup::fence::Fence;
+use gpufence_cgroup::foreign::{self, Answer};
 use gpufence_cgroup::hierarchy::Ancestor;
 use gpufence_cgroup::sys;
 use gpufence_cgroup::verdict::{Evaluation, Reason, Task};
@@ -39,7 +46,9 @@ pub struct AttachedProgram {
     pub tag: String,
     /// uid that loaded it.
     pub loaded_by_uid: u32,
-    /// Who it probably belongs to.
+    /// Who it belongs to, where that is known: the fence's (the program
+    /// of its pinned link), Slurm's (by name and instruction shape,
+    /// [`gpufence_cgroup::foreign::slurm_shaped`]); else `unknown`.
     pub owner: String,
     /// Whether it runs for the target (the kernel's effective list).
     pub effective: bool,
@@ -57,18 +66,42 @@ pub struct Level {
     pub programs: Vec<AttachedProgram>,
 }
 
-/// The fence's answer for one device.
+/// What one effective program answers for one device.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProgramVerdict {
+    /// Kernel program id.
+    pub id: u32,
+    /// Its name.
+    pub name: String,
+    /// Its owner, as [`AttachedProgram::owner`].
+    pub owner: String,
+    /// Where it is attached (relative to the mount; `None` when above what
+    /// this cgroup namespace shows). JSON: absolute.
+    pub attached_at: Option<String>,
+    /// `allows`, `denies` or `may deny`.
+    pub answer: String,
+    /// Why, for the fence (the grant, the exemption, what is missing) and
+    /// for a program that may deny; empty otherwise.
+    pub why: String,
+}
+
+/// The answer for one device: every effective program's, combined as the
+/// kernel combines them.
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceVerdict {
     /// The device node(s) found, or the conventional name.
     pub path: String,
     /// `major:minor`.
     pub device: String,
-    /// `allowed` or `denied` (by gpufence; other programs may still deny),
-    /// or `unknown` when the target's kernel levels cannot be told.
+    /// `allowed` (every program allows), `denied` (one denies: named in
+    /// `why`), `may be denied` (none denies, one cannot be evaluated), or
+    /// `unknown` when the target's kernel levels cannot be told.
     pub verdict: String,
-    /// Why: the grant (job, cgroup) or exemption, or what is missing.
+    /// Why: the program that denies, the grant (job, cgroup) or exemption,
+    /// or what is missing.
     pub why: String,
+    /// Each effective program's answer, in the kernel's order.
+    pub programs: Vec<ProgramVerdict>,
 }
 
 /// The whole diagnosis.
@@ -123,30 +156,30 @@ fn flags_name(f: u32) -> &'static str {
     }
 }
 
-fn owner_guess(id: u32, name: &str, at: &str, ours: Option<u32>) -> String {
+/// The owner of program `id` named `name` with instructions `insns`, only
+/// where known: the program of the fence's pinned link, or Slurm's
+/// cgroup/v2 program by its name and shape together.
+fn owner_of(id: u32, name: &str, insns: &[gpufence_cgroup::asm::RawInsn], ours: Option<u32>) -> String {
     if Some(id) == ours {
-        return "gpufence (this node's fence)".into();
+        return "gpufence (this node's fence: the program of its pinned link)".into();
     }
-    if name == "gpufence" {
-        return "gpufence (a program not held by the pinned link: another install?)".into();
-    }
-    if name.starts_with("sd_") {
-        return "systemd (DeviceAllow=)".into();
-    }
-    if at.contains("docker")
-        || at.contains("containerd")
-        || at.contains("libpod")
-        || at.contains("crio")
-    {
-        return "container runtime".into();
-    }
-    if at
-        .split('/')
-        .any(|p| p.starts_with("job_") || p.starts_with("step_"))
-    {
-        return "Slurm (ConstrainDevices) or another tool on a job cgroup".into();
+    if name == foreign::SLURM_PROG_NAME && foreign::slurm_shaped(insns) {
+        return "Slurm cgroup/v2 ConstrainDevices (its name and instruction shape, src/plugins/cgroup/v2/ebpf.c)"
+            .into();
     }
     "unknown".into()
+}
+
+/// A program's name and its instructions as the kernel gives them back
+/// (empty when they cannot be read).
+fn program_of(id: u32) -> (Option<sys::ProgInfo>, Vec<gpufence_cgroup::asm::RawInsn>) {
+    match sys::prog_fd_by_id(id) {
+        Ok(fd) => (
+            sys::prog_info(fd.as_fd()).ok(),
+            sys::prog_xlated(fd.as_fd()).unwrap_or_default(),
+        ),
+        Err(_) => (None, Vec::new()),
+    }
 }
 
 /// Diagnoses process `pid`, or cgroup `cgroup` (relative to the mount).
@@ -196,6 +229,8 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         path.push(cur.clone());
     }
     let mut levels = Vec::new();
+    // The effective programs, in the kernel's order once found on the path.
+    let mut runs: Vec<Effective> = Vec::new();
     for at in &path {
         let Ok(f) = std::fs::File::open(node.cg.path(at)) else {
             continue;
@@ -209,13 +244,21 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         let programs = ids
             .iter()
             .map(|id| {
-                let info = sys::prog_fd_by_id(*id)
-                    .and_then(|fd| sys::prog_info(fd.as_fd()))
-                    .ok();
+                let (info, insns) = program_of(*id);
                 let name = info
                     .as_ref()
                     .map(|i| sys::name_str(&i.name))
                     .unwrap_or_default();
+                let owner = owner_of(*id, &name, &insns, ours);
+                if effective.contains(id) {
+                    runs.push(Effective {
+                        id: *id,
+                        name: name.clone(),
+                        owner: owner.clone(),
+                        attached_at: Some(at.clone()),
+                        insns,
+                    });
+                }
                 AttachedProgram {
                     id: *id,
                     tag: info
@@ -223,7 +266,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
                         .map(|i| i.tag.iter().map(|b| format!("{b:02x}")).collect())
                         .unwrap_or_default(),
                     loaded_by_uid: info.as_ref().map(|i| i.created_by_uid).unwrap_or(0),
-                    owner: owner_guess(*id, &name, at, ours),
+                    owner,
                     name,
                     effective: effective.contains(id),
                 }
@@ -236,7 +279,23 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         });
     }
 
-    // Per device: the fence's verdict for read+write.
+    // Effective programs attached above what this namespace shows.
+    runs.sort_by_key(|r| effective.iter().position(|e| *e == r.id));
+    for id in &effective {
+        if !runs.iter().any(|r| r.id == *id) {
+            let (info, insns) = program_of(*id);
+            let name = info.as_ref().map(|i| sys::name_str(&i.name)).unwrap_or_default();
+            runs.push(Effective {
+                id: *id,
+                owner: owner_of(*id, &name, &insns, ours),
+                name,
+                attached_at: None,
+                insns,
+            });
+        }
+    }
+
+    // Per device: every effective program's verdict for read+write.
     let under_fence = crate::is_under(&cg, &node.cfg.cgroup_root);
     let protected = node.protected_majors().unwrap_or_default();
     let mut devs: BTreeMap<DevNum, Vec<PathBuf>> = char_devices(&node.cfg.dev_dir)
@@ -304,12 +363,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
                 },
             }
         };
-        devices.push(DeviceVerdict {
-            path,
-            device: d.to_string(),
-            verdict: verdict.into(),
-            why,
-        });
+        devices.push(combine(path, d, &runs, ours, (verdict, why)));
     }
     Ok(Doctor {
         pid,
@@ -331,6 +385,98 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         devices,
         io_uring: crate::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
     })
+}
+
+/// An effective program of the target.
+struct Effective {
+    id: u32,
+    name: String,
+    owner: String,
+    attached_at: Option<String>,
+    insns: Vec<gpufence_cgroup::asm::RawInsn>,
+}
+
+/// The verdict for device `d` at `path` from every effective program:
+/// the fence's own (`fence`: its verdict and why, as [`explain`] gives
+/// them) where it runs, the others through [`foreign::answer`].
+fn combine(
+    path: String,
+    d: DevNum,
+    runs: &[Effective],
+    ours: Option<u32>,
+    fence: (&str, String),
+) -> DeviceVerdict {
+    let programs: Vec<ProgramVerdict> = runs
+        .iter()
+        .map(|r| {
+            let (answer, why) = if Some(r.id) == ours {
+                match fence.0 {
+                    "allowed" => ("allows", fence.1.clone()),
+                    "denied" => ("denies", fence.1.clone()),
+                    _ => ("may deny", fence.1.clone()),
+                }
+            } else {
+                match foreign::answer(&r.insns, d, Access::RW) {
+                    Answer::Allows => ("allows", String::new()),
+                    Answer::Denies => ("denies", String::new()),
+                    Answer::MayDeny(why) => ("may deny", why),
+                }
+            };
+            ProgramVerdict {
+                id: r.id,
+                name: r.name.clone(),
+                owner: r.owner.clone(),
+                attached_at: r.attached_at.as_ref().map(|c| crate::cgpath::abs(c)),
+                answer: answer.into(),
+                why,
+            }
+        })
+        .collect();
+    let ours_runs = programs.iter().any(|p| Some(p.id) == ours);
+    let named = |p: &ProgramVerdict| {
+        format!(
+            "program {} {:?} ({}) attached at {}",
+            p.id,
+            p.name,
+            p.owner,
+            p.attached_at.as_deref().unwrap_or("a cgroup above this namespace")
+        )
+    };
+    let foreign_deniers: Vec<String> = programs
+        .iter()
+        .filter(|p| Some(p.id) != ours && p.answer == "denies")
+        .map(|p| format!("denied by {}", named(p)))
+        .collect();
+    let unsure: Vec<String> = programs
+        .iter()
+        .filter(|p| Some(p.id) != ours && p.answer == "may deny")
+        .map(|p| format!("{} may deny: {}", named(p), p.why))
+        .collect();
+    let (verdict, why) = if !foreign_deniers.is_empty() {
+        let mut why = foreign_deniers.join("; ");
+        if ours_runs && fence.0 == "denied" {
+            why = format!("{why}; and by the fence: {}", fence.1);
+        } else if ours_runs {
+            why = format!("{why} (the fence itself: {}: {})", fence.0, fence.1);
+        }
+        ("denied".to_string(), why)
+    } else if !ours_runs && !unsure.is_empty() {
+        ("may be denied".to_string(), format!("{}; {}", fence.1, unsure.join("; ")))
+    } else if fence.0 == "allowed" && !unsure.is_empty() {
+        (
+            "may be denied".to_string(),
+            format!("the fence allows ({}); {}", fence.1, unsure.join("; ")),
+        )
+    } else {
+        (fence.0.to_string(), fence.1)
+    };
+    DeviceVerdict {
+        path,
+        device: d.to_string(),
+        verdict,
+        why,
+        programs,
+    }
 }
 
 /// A cgroup of the target's ancestry in words: its path, or its id and

@@ -82,13 +82,8 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     assert_eq!(foreign["attach_flags"], "none");
     assert_eq!(foreign["programs"][0]["name"], "slurm_like");
     assert_eq!(foreign["programs"][0]["effective"], true);
-    assert!(
-        foreign["programs"][0]["owner"]
-            .as_str()
-            .unwrap()
-            .starts_with("Slurm"),
-        "{foreign}"
-    );
+    // Its name and an allow-all body are not Slurm's shape: no owner guessed.
+    assert_eq!(foreign["programs"][0]["owner"], "unknown", "{foreign}");
     let dev = |n: &str| {
         d["devices"]
             .as_array()
@@ -100,6 +95,15 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     };
     assert_eq!(dev("195:0")["verdict"], "allowed");
     assert_eq!(dev("195:0")["why"], format!("grant of job 5 on /{job}"));
+    // Both programs answered: the fence's and the allow-all one.
+    let v0 = dev("195:0");
+    let answers: Vec<&str> = v0["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["answer"].as_str().unwrap())
+        .collect();
+    assert_eq!(answers, ["allows", "allows"], "{d}");
     assert_eq!(dev("195:1")["verdict"], "denied");
     assert!(
         dev("241:0")["why"]
@@ -134,6 +138,128 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         t.contains("slurm_like") && t.contains("195:1    denied"),
         "{t}"
     );
+}
+
+/// Slurm's cgroup/v2 device program for a job given 195:0 of 195:0-1
+/// (`src/plugins/cgroup/v2/ebpf.c`: type, access, major, minor to r2-r5;
+/// one block per listed device; default allow), denying `deny`.
+fn slurm_program(deny: &[(u32, u32)]) -> std::os::fd::OwnedFd {
+    use gpufence_cgroup::asm::{AluOp, JmpOp, Size};
+    let mut a = Asm::new();
+    a.load(Size::W, Reg::R2, Reg::R1, 0)
+        .alu32_imm(AluOp::And, Reg::R2, 0xFFFF)
+        .load(Size::W, Reg::R3, Reg::R1, 0)
+        .alu32_imm(AluOp::Rsh, Reg::R3, 16)
+        .load(Size::W, Reg::R4, Reg::R1, 4)
+        .load(Size::W, Reg::R5, Reg::R1, 8);
+    for (n, (major, minor)) in deny.iter().enumerate() {
+        let next = format!("next{n}");
+        a.jmp_imm(JmpOp::Ne, Reg::R2, 2, &next)
+            .jmp_imm(JmpOp::Ne, Reg::R4, *major as i32, &next)
+            .jmp_imm(JmpOp::Ne, Reg::R5, *minor as i32, &next)
+            .mov64_imm(Reg::R0, 0)
+            .exit()
+            .label(&next);
+    }
+    a.mov64_imm(Reg::R0, 1).exit();
+    sys::prog_load_cgroup_device(&a.assemble().unwrap().insns, "Slurm_Cgroup_v2").unwrap()
+}
+
+/// Doctor's verdict is every effective program's, and it equals the real
+/// open(): a job granted 195:0 and 195:1 by the fence, with Slurm's
+/// program on its job cgroup denying 195:1 (named as Slurm's by its
+/// shape) and another tool's deny-all program on one task cgroup (named
+/// as the denier, owner unknown); a program that calls the kernel is said
+/// to may deny.
+#[test]
+fn doctor_names_the_program_that_denies() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("doctordeny");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    let job = env.cgroup("job_7");
+    let task0 = env.cgroup("job_7/step_0/user/task_0");
+    let task1 = env.cgroup("job_7/step_0/user/task_1");
+    let task2 = env.cgroup("job_7/step_0/user/task_2");
+    Fence::open(&env.bpffs)
+        .unwrap()
+        .grant(
+            env.cg.id(&job).unwrap(),
+            &job,
+            7,
+            &[(DevNum::new(195, 0), Access::RW), (DevNum::new(195, 1), Access::RW)],
+        )
+        .unwrap();
+    let at = |c: &str| std::fs::File::open(env.cg.path(c)).unwrap();
+    let slurm = slurm_program(&[(195, 1)]);
+    sys::prog_attach_cgroup_device(slurm.as_fd(), at(&job).as_fd(), sys::F_ALLOW_OVERRIDE).unwrap();
+    let mut a = Asm::new();
+    a.mov64_imm(Reg::R0, 0).exit();
+    let deny_all = sys::prog_load_cgroup_device(&a.assemble().unwrap().insns, "deny_all").unwrap();
+    sys::prog_attach_cgroup_device(deny_all.as_fd(), at(&task1).as_fd(), 0).unwrap();
+    let mut a = Asm::new();
+    a.call(gpufence_cgroup::asm::Helper::GetCurrentUidGid)
+        .mov64_imm(Reg::R0, 1)
+        .exit();
+    let caller = sys::prog_load_cgroup_device(&a.assemble().unwrap().insns, "by_uid").unwrap();
+    sys::prog_attach_cgroup_device(caller.as_fd(), at(&task2).as_fd(), 0).unwrap();
+
+    let doctor = |task: &str| -> Value {
+        let o = gpufence(&cfg, &["doctor", "--cgroup", task, "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let dev = |d: &Value, n: &str| -> Value {
+        d["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["device"] == n)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {n}: {d}"))
+    };
+    // task_0: the fence and Slurm's program run; Slurm's denies 195:1.
+    let d = doctor(&task0);
+    assert_eq!(dev(&d, "195:0")["verdict"], "allowed", "{d}");
+    let v1 = dev(&d, "195:1");
+    assert_eq!(v1["verdict"], "denied", "{v1}");
+    let why = v1["why"].as_str().unwrap();
+    assert!(why.starts_with("denied by program") && why.contains("Slurm_Cgroup_v2"), "{why}");
+    assert!(why.contains(&format!("attached at /{job}")), "{why}");
+    let slurm_answer = v1["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "Slurm_Cgroup_v2")
+        .cloned()
+        .unwrap();
+    assert_eq!(slurm_answer["answer"], "denies");
+    assert!(slurm_answer["owner"].as_str().unwrap().starts_with("Slurm cgroup/v2"), "{slurm_answer}");
+    assert_eq!(env.open_from(&task0, &n0), "ENXIO");
+    assert_eq!(env.open_from(&task0, &n1), "EPERM");
+    // task_1: the deny-all program below the grant denies both.
+    let d = doctor(&task1);
+    for n in ["195:0", "195:1"] {
+        let v = dev(&d, n);
+        assert_eq!(v["verdict"], "denied", "{v}");
+        assert!(v["why"].as_str().unwrap().contains("\"deny_all\" (unknown)"), "{v}");
+    }
+    assert_eq!(env.open_from(&task1, &n0), "EPERM");
+    assert_eq!(env.open_from(&task1, &n1), "EPERM");
+    // task_2: a program that calls the kernel may deny; it allows here.
+    let d = doctor(&task2);
+    let v0 = dev(&d, "195:0");
+    assert_eq!(v0["verdict"], "may be denied", "{v0}");
+    assert!(v0["why"].as_str().unwrap().contains("calls the kernel"), "{v0}");
+    assert_eq!(env.open_from(&task2, &n0), "ENXIO");
+    // Text: the denier named on the device's line.
+    let t = String::from_utf8_lossy(&gpufence(&cfg, &["doctor", "--cgroup", &task1]).stdout)
+        .into_owned();
+    assert!(t.contains("195:0    denied   denied by program") && t.contains("deny_all: denies"), "{t}");
 }
 
 #[test]
