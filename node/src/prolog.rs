@@ -167,6 +167,27 @@ fn complete_indices(
 /// `kernel-open/nvidia/nv-caps.c`).
 pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
 
+/// The GPU instances that exist on the GPU of device minor `gpu`: the
+/// `gi<N>` directories of the driver's capability tree,
+/// `<proc_dir>/driver/nvidia/capabilities/gpu<gpu>/mig/` (NVIDIA MIG user
+/// guide, "Device Nodes and Capabilities"); none when the GPU is not
+/// partitioned or the tree cannot be read.
+fn mig_instances(node: &Node, gpu: u32) -> Vec<u32> {
+    let dir = node
+        .cfg
+        .proc_dir
+        .join(format!("driver/nvidia/capabilities/gpu{gpu}/mig"));
+    let mut out: Vec<u32> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("gi")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort_unstable();
+    out
+}
+
 /// Reads `<proc_dir>/driver/nvidia-caps/mig-minors`.
 ///
 /// # Errors
@@ -301,6 +322,23 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
                     role: DeviceRole::Gres,
                     gres_index: Some(index),
                 });
+            }
+        }
+        if let (Some(parent), None) = (parent, gi) {
+            let instances = mig_instances(node, parent.minor);
+            if !instances.is_empty() {
+                rec.notes.push(format!(
+                    "GRES index {index} grants /dev/nvidia{m} ({parent}) alone, but GPU {m} is MIG-partitioned \
+                     (GPU instances {}): the parent alone runs no CUDA work and is shared with the jobs holding its \
+                     instances; gres.conf should give each MIG instance as the parent with its caps \
+                     (MultipleFiles=, Slurm's gres.conf(5))",
+                    instances
+                        .iter()
+                        .map(|g| format!("gi{g}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    m = parent.minor,
+                ));
             }
         }
         if let Some((gpu_minor, g, gi_cap)) = gi {
