@@ -91,13 +91,20 @@ enum Cmd {
 
 #[derive(Subcommand, Debug)]
 enum MigOp {
-    /// Whether MIG profiles fit on one GPU together, and where (start slice of each).
+    /// Whether MIG profiles fit on one GPU together, and where: draws the
+    /// GPU's memory slices with a box per instance, then lists each as
+    /// PROFILE at START:SIZE. When they do not all fit, draws the best
+    /// partial packing and lists what is left over. Exit 0 fits, 1 does not
+    /// fit (or an unknown profile), 2 unknown GPU model.
     Check {
         /// GPU model: A100-40GB, A100-80GB, A30, H100-80GB, H100-94GB (H100-NVL), H200 (141GB).
         #[arg(long)]
         gpu: String,
         /// Profiles, comma separated (e.g. 3g.40gb,2g.20gb,1g.10gb).
         profiles: String,
+        /// Print JSON: instances (start and size in memory slices), left over, per-slice occupancy.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -155,10 +162,14 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         _ => {}
     }
     if let Cmd::Mig {
-        op: MigOp::Check { gpu, profiles },
+        op: MigOp::Check {
+            gpu,
+            profiles,
+            json,
+        },
     } = &cli.cmd
     {
-        return Ok(mig_check(gpu, profiles));
+        return Ok(mig_check(gpu, profiles, *json));
     }
     // Everything below reads pinned maps, /proc of other users or the
     // state dir: without root the answers would be wrong, not just short.
@@ -436,8 +447,9 @@ fn print_table(rows: &[String]) {
     }
 }
 
-fn mig_check(gpu: &str, profiles: &str) -> ExitCode {
-    use gpufence_model::mig::{place, GpuModel};
+fn mig_check(gpu: &str, profiles: &str, json: bool) -> ExitCode {
+    use gpufence_model::mig::GpuModel;
+    use gpufence_model::migdraw;
     let model: GpuModel = match gpu.parse() {
         Ok(m) => m,
         Err(e) => {
@@ -450,19 +462,28 @@ fn mig_check(gpu: &str, profiles: &str) -> ExitCode {
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .collect();
-    match place(model, &list) {
-        Ok(placements) => {
-            println!("fits on one {model}:");
-            for p in &placements {
-                println!("  {p}");
-            }
-            println!("(create the largest instances first: nvidia-smi places in the order given)");
-            ExitCode::SUCCESS
-        }
+    let plan = match migdraw::plan(model, &list) {
+        Ok(plan) => plan,
         Err(e) => {
-            println!("does not fit on one {model}: {e}");
-            ExitCode::FAILURE
+            if json {
+                let v = migdraw::error_json(model, &e);
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            } else {
+                println!("does not fit on one {model}: {e}");
+            }
+            return ExitCode::FAILURE;
         }
+    };
+    if json {
+        let v = migdraw::plan_json(&plan);
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        print!("{}", migdraw::render_text(&plan));
+    }
+    if plan.fits() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

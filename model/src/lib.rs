@@ -15,6 +15,7 @@ pub mod error;
 pub mod fsutil;
 pub mod gres;
 pub mod mig;
+pub mod migdraw;
 pub mod nvproc;
 pub mod options;
 pub mod policy;

@@ -1,6 +1,8 @@
 //! The MIG placement model behind `gpufence mig check --gpu MODEL PROFILE[,PROFILE...]`:
 //! does a set of MIG GPU-instance profiles fit on one GPU together, where does
-//! each one start, and if not, why not. Pure: no I/O, no NVML.
+//! each one start, and if not, why not. Pure: no I/O, no NVML. The drawing,
+//! the best partial packing and the JSON the command prints are built in
+//! [`crate::migdraw`] from [`place`]'s answers.
 //!
 //! # The model
 //!
