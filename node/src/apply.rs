@@ -31,6 +31,50 @@ pub fn step_name(step_id: u32) -> String {
     }
 }
 
+/// `job J step S`: how every line about a step names it, the step by
+/// [`step_name`] (`job 7 step extern`, never `job 7 step 4294967292`).
+pub fn step_label(req: &StepRequest) -> String {
+    format!("job {} step {}", req.job_id, step_name(req.step_id))
+}
+
+/// The plugin's log line when the step's job cgroup got its devices:
+/// `job J step S: N device(s) granted to /CGROUP (job cgroup DIR)`.
+pub fn granted_line(req: &StepRequest, devices: usize, cgroup_path: &str, job_dir: &str) -> String {
+    format!(
+        "{}: {devices} device(s) granted to /{cgroup_path} (job cgroup {job_dir})",
+        step_label(req)
+    )
+}
+
+/// The line (log and user) refusing a step when the plugin cannot load its
+/// configuration: `gpufence: job J step S refused on NODE: ERROR`.
+pub fn load_refused_line(
+    req: &StepRequest,
+    node_name: &str,
+    error: &dyn std::fmt::Display,
+) -> String {
+    format!(
+        "gpufence: {} refused on {node_name}: {error}",
+        step_label(req)
+    )
+}
+
+/// A note of the job's record for the user, as the step prints it:
+/// `gpufence: job J step S: NOTE`.
+pub fn user_note_line(req: &StepRequest, note: &str) -> String {
+    format!("gpufence: {}: {note}", step_label(req))
+}
+
+/// The plugin's log line for the extern step that finds no record under
+/// `PrologFlags=RunInJob` ([`no_record_expected`]).
+pub fn run_in_job_no_record_line(req: &StepRequest) -> String {
+    format!(
+        "{}: no record yet (PrologFlags=RunInJob: the Prolog runs after this \
+         step started and grants the job cgroup itself)",
+        step_label(req)
+    )
+}
+
 /// What the plugin knows about the step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepRequest {
@@ -432,21 +476,18 @@ fn decide(
     granted: Option<Result<&ApplyOutcome, &NodeError>>,
     run_in_job: bool,
 ) -> StepVerdict {
-    let job = req.job_id;
+    let step = step_label(req);
     match (placed, granted) {
-        (Some(e), _) => StepVerdict::Refuse(format!(
-            "gpufence: job {job} step {} refused on {node_name}: {e}",
-            step_name(req.step_id)
-        )),
+        (Some(e), _) => StepVerdict::Refuse(format!("gpufence: {step} refused on {node_name}: {e}")),
         (None, Some(Ok(ApplyOutcome::NoRecord))) if no_record_expected(req, run_in_job) => {
             StepVerdict::Run
         }
         (None, Some(Ok(ApplyOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
-            "gpufence: job {job} has no GPU grant on {node_name} (the gpufence prolog left no record for it); \
+            "gpufence: {step} has no GPU grant on {node_name} (the gpufence prolog left no record for the job); \
              this step runs without GPU access. Admin: check Prolog= in slurm.conf"
         )),
         (None, Some(Err(e))) => StepVerdict::RunWithoutGpus(format!(
-            "gpufence: job {job} could not be granted its GPUs on {node_name}: {e}; this step runs without GPU access"
+            "gpufence: {step} could not be granted its GPUs on {node_name}: {e}; this step runs without GPU access"
         )),
         (None, _) => StepVerdict::Run,
     }
@@ -497,6 +538,83 @@ mod tests {
         assert_eq!(step_name(0xffff_fffb), "batch");
         assert_eq!(step_name(0xffff_fffa), "interactive");
         assert_eq!(step_name(3), "3");
+    }
+
+    /// Every line about a step, for the user, the log or the audit log,
+    /// names Slurm's special steps by name: a raw id (4294967292 for the
+    /// extern step) would fail here.
+    #[test]
+    fn step_lines_name_special_steps() {
+        let e = NodeError::JobCgroup("x".into());
+        for (id, name) in [
+            (0xffff_fffc, "extern"),
+            (0xffff_fffb, "batch"),
+            (0xffff_fffa, "interactive"),
+            (5, "5"),
+        ] {
+            let req = StepRequest {
+                job_id: 9,
+                step_id: id,
+                uid: 1000,
+                stepd_pid: 1,
+            };
+            let want = format!("job 9 step {name}");
+            let decided = [
+                decide(&req, "n1", Some(&e), None, false),
+                decide(&req, "n1", None, Some(Ok(&ApplyOutcome::NoRecord)), false),
+                decide(&req, "n1", None, Some(Err(&e)), false),
+            ];
+            let mut lines: Vec<String> = decided
+                .into_iter()
+                .map(|v| match v {
+                    StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) => l,
+                    StepVerdict::Run => panic!("{id}: a line was expected"),
+                })
+                .collect();
+            lines.extend([
+                step_label(&req),
+                granted_line(&req, 2, "s/job_9", "job_9"),
+                load_refused_line(&req, "n1", &"bad config"),
+                user_note_line(&req, "note"),
+                run_in_job_no_record_line(&req),
+            ]);
+            for l in &lines {
+                assert!(l.contains(&want), "{want:?} not in {l:?}");
+                if id > 0xffff_fff0 {
+                    assert!(!l.contains(&id.to_string()), "raw id {id} in {l:?}");
+                }
+            }
+        }
+    }
+
+    /// The audit lines of a step carry its name in `step`.
+    #[test]
+    fn refusal_audit_line_names_the_extern_step() {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let d = tempfile::tempdir().unwrap();
+        let audit = d.path().join("a.jsonl");
+        let text = format!("audit_log = \"{}\"\n", audit.display());
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let req = StepRequest {
+            job_id: 9,
+            step_id: EXTERN_STEP_ID,
+            uid: 1000,
+            stepd_pid: 1,
+        };
+        let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
+        let _ = verdict(&node, &req, "n1", &placed, None);
+        let line = std::fs::read_to_string(&audit).unwrap();
+        let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+        assert_eq!(v["step"], "extern", "{line}");
+        assert!(!line.contains("4294967292"), "{line}");
+        assert!(
+            v["reason"].as_str().unwrap().contains("job 9 step extern"),
+            "{line}"
+        );
     }
 
     /// A slurmstepd outside Slurm's job cgroups (here: this test process,
@@ -589,7 +707,7 @@ mod tests {
             assert!(!no_record_expected(&req(step), run_in_job));
             let v = decide(&req(step), "n1", None, Some(no_record), run_in_job);
             assert!(
-                matches!(&v, StepVerdict::RunWithoutGpus(l) if l.starts_with("gpufence: job 4 has no GPU grant on n1")),
+                matches!(&v, StepVerdict::RunWithoutGpus(l) if l.starts_with(&format!("gpufence: job 4 step {} has no GPU grant on n1", step_name(step)))),
                 "{step} {run_in_job}: {v:?}"
             );
         }

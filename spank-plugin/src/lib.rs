@@ -404,11 +404,7 @@ impl GpuFence {
         let node = match Node::load(args.config.as_deref()) {
             Ok(n) => n,
             Err(e) => {
-                let line = format!(
-                    "gpufence: job {} refused on {}: {e}",
-                    req.job_id,
-                    node_name()
-                );
+                let line = apply::load_refused_line(&req, &node_name(), &e);
                 log(LogLevel::Error, &line);
                 self.verdict = Some(StepVerdict::Refuse(line));
                 return Ok(());
@@ -428,16 +424,11 @@ impl GpuFence {
         {
             self.user_notes = user_notes
                 .iter()
-                .map(|n| format!("gpufence: job {}: {n}", req.job_id))
+                .map(|n| apply::user_note_line(&req, n))
                 .collect();
             log(
                 LogLevel::Verbose,
-                &format!(
-                    "job {} step {}: {devices} device(s) granted to /{cgroup_path} (job cgroup {})",
-                    req.job_id,
-                    apply::step_name(req.step_id),
-                    p.job_dir
-                ),
+                &apply::granted_line(&req, *devices, cgroup_path, &p.job_dir),
             );
         }
         let run_in_job =
@@ -452,14 +443,9 @@ impl GpuFence {
         );
         match &v {
             StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) => log(LogLevel::Error, l),
-            StepVerdict::Run if run_in_job => log(
-                LogLevel::Verbose,
-                &format!(
-                    "job {} step extern: no record yet (PrologFlags=RunInJob: the Prolog runs after this \
-                     step started and grants the job cgroup itself)",
-                    req.job_id
-                ),
-            ),
+            StepVerdict::Run if run_in_job => {
+                log(LogLevel::Verbose, &apply::run_in_job_no_record_line(&req))
+            }
             StepVerdict::Run => {}
         }
         self.verdict = Some(v);

@@ -1061,7 +1061,9 @@ fn real_prolog_and_epilog_killed_at_every_boundary() {
         let prolog_skipped = events(job).contains(&"grant_refused".to_string());
         if prolog_skipped {
             assert!(
-                text.contains(&format!("gpufence: job {job} has no GPU grant")),
+                text.lines()
+                    .any(|l| l.starts_with(&format!("gpufence: job {job} step "))
+                        && l.contains(" has no GPU grant")),
                 "{when}: the user is told:\n{text}"
             );
             assert_eq!(v(&gpu[mine]), "EPERM", "{when}: no record, no GPU:\n{text}");
