@@ -40,6 +40,9 @@ pub mod events {
     pub const SURVIVOR: &str = "survivor";
     /// Something went wrong that an admin must look at.
     pub const ERROR: &str = "error";
+    /// A job left files in the shared-memory directory that no process
+    /// holds (name, size, mode; removed or not).
+    pub const SHM_LEFTOVERS: &str = "shm_leftovers";
 }
 
 /// One audit event, built with the setters and written by [`AuditLog::append`].

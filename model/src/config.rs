@@ -98,6 +98,15 @@ pub struct Config {
     pub memory_wait_ms: u64,
     /// How far above its idle level a GPU's used memory may stay, in MiB.
     pub memory_tolerance_mib: u64,
+    /// The shared-memory directory whose leftovers the Epilog reports
+    /// (`/dev/shm`: POSIX `shm_open` segments, and the files vLLM, NCCL,
+    /// PSM and MPI stacks leave there when killed).
+    pub shm_dir: PathBuf,
+    /// Remove a job's leftovers in `shm_dir` at job end (regular files of
+    /// the job's user, changed since the job started, held by no process),
+    /// unless another job of that user runs on the node. Off by default:
+    /// sites with `job_container/tmpfs` give each job a private /dev/shm.
+    pub shm_remove_leftovers: bool,
     /// The idle level when the prolog could not measure one, in MiB.
     pub idle_memory_mib: u64,
     /// What the prolog does with processes that hold the job's GPUs before it
@@ -219,6 +228,8 @@ impl Default for Config {
             nvml_library: "libnvidia-ml.so.1".into(),
             memory_wait_ms: 10_000,
             memory_tolerance_mib: 64,
+            shm_dir: "/dev/shm".into(),
+            shm_remove_leftovers: false,
             idle_memory_mib: 1024,
             prolog_strays: StrayPolicy::Kill,
             drain: true,

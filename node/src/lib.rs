@@ -37,6 +37,7 @@ pub mod prolog;
 pub mod report;
 pub mod respond;
 pub mod scan;
+pub mod shm;
 pub mod slurmconf;
 pub mod slurmctld;
 pub mod sweep;

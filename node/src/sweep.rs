@@ -165,11 +165,13 @@ pub enum Kind {
     StaleGrant,
     /// A protected major the node no longer has.
     StaleMajor,
+    /// A user's file in the shared-memory directory that no process holds.
+    ShmLeftover,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 15] = [
+    pub const ALL: [Kind; 16] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
@@ -185,6 +187,7 @@ impl Kind {
         Kind::WildcardListener,
         Kind::StaleGrant,
         Kind::StaleMajor,
+        Kind::ShmLeftover,
     ];
 
     /// Its name (as in JSON and metrics).
@@ -205,6 +208,7 @@ impl Kind {
             Kind::WildcardListener => "wildcard_listener",
             Kind::StaleGrant => "stale_grant",
             Kind::StaleMajor => "stale_major",
+            Kind::ShmLeftover => "shm_leftover",
         }
     }
 
@@ -222,9 +226,11 @@ impl Kind {
             Kind::PersistenceCron | Kind::PersistenceSystemd | Kind::CheckFailed => {
                 Severity::Medium
             }
-            Kind::DeniedOpen | Kind::WildcardListener | Kind::StaleGrant | Kind::StaleMajor => {
-                Severity::Low
-            }
+            Kind::DeniedOpen
+            | Kind::WildcardListener
+            | Kind::StaleGrant
+            | Kind::StaleMajor
+            | Kind::ShmLeftover => Severity::Low,
         }
     }
 }
@@ -1641,6 +1647,40 @@ impl Sweep<'_> {
     }
 
     /// Users' crontabs; systemd files against the baseline.
+    /// Users' files in `shm_dir` that no process holds, with their age
+    /// ([`crate::shm::leftovers`]; system users and exempt service uids
+    /// aside). Out of a `--cgroup` sweep's scope.
+    fn shm_leftovers(&mut self) {
+        if self.scope.is_some() {
+            return;
+        }
+        let ids = self.node.cfg.exempt_identities();
+        let now = std::time::SystemTime::now();
+        for l in crate::shm::leftovers(&self.node.cfg.shm_dir, &|u| !ids.covers(u), None) {
+            let path = self.node.cfg.shm_dir.join(&l.name);
+            let age = l.age_seconds(now);
+            let mut f = Finding::new(
+                Kind::ShmLeftover,
+                format!(
+                    "{} ({} bytes, mode {}) left {}s ago, held by no process",
+                    path.display(),
+                    l.size_bytes,
+                    l.mode,
+                    age
+                ),
+                json!({
+                    "path": path.display().to_string(),
+                    "size_bytes": l.size_bytes,
+                    "mode": l.mode,
+                    "age_seconds": age,
+                }),
+            );
+            f.uid = Some(l.uid);
+            f.user = self.users.name(l.uid).map(str::to_string);
+            self.findings.push(f);
+        }
+    }
+
     fn persistence(&mut self) {
         let node = self.node;
         let users = self.users;
@@ -1810,6 +1850,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     s.stratum(&walk);
     s.sockets(&walk);
     s.persistence();
+    s.shm_leftovers();
     let mut r = s.report;
     r.findings = s.findings;
     r.findings.sort_by(|a, b| {

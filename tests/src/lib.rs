@@ -105,14 +105,20 @@ impl TestEnv {
     /// `system.slice`, which the test made and removes.
     pub fn config_rooted(&self, cgroup_root: &str, extra: &str) -> PathBuf {
         let p = self.path("gpufence.toml");
+        // The test's own shared-memory directory (never the machine's
+        // /dev/shm), writable by every job as /dev/shm is.
+        let shm = self.path("shm");
+        std::fs::create_dir_all(&shm).expect("mkdir shm");
+        std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o1777)).expect("chmod shm");
         let text = format!(
-            "cgroup_root = \"{}\"\nbpffs_dir = \"{}\"\nstate_dir = \"{}\"\naudit_log = \"{}\"\nevidence_dir = \"{}\"\ndev_dir = \"{}\"\nkill_wait_ms = 3000\n{extra}\n",
+            "cgroup_root = \"{}\"\nbpffs_dir = \"{}\"\nstate_dir = \"{}\"\naudit_log = \"{}\"\nevidence_dir = \"{}\"\ndev_dir = \"{}\"\nshm_dir = \"{}\"\nkill_wait_ms = 3000\n{extra}\n",
             cgroup_root,
             self.bpffs.display(),
             self.path("state").display(),
             self.path("log/audit.jsonl").display(),
             self.path("evidence").display(),
             self.path("dev").display(),
+            shm.display(),
         );
         std::fs::write(&p, text).expect("write config");
         p

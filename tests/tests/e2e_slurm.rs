@@ -936,6 +936,72 @@ fn real_slurm_cluster_end_to_end() {
         1,
         "back in service with the fence:\n{out}"
     );
+    // What a job leaves in the shared-memory directory: reported once by
+    // its Epilog (name, size, mode), by the sweep with its age, removed at
+    // job end only when the config says so.
+    let shm = env.path("shm");
+    let leave = |names: &str| {
+        let script = format!(
+            "echo JOB=$SLURM_JOB_ID; for n in {names}; do head -c 4096 /dev/zero > {}/$n-$SLURM_JOB_ID; chmod 644 {}/$n-$SLURM_JOB_ID; done",
+            shm.display(),
+            shm.display()
+        );
+        let o = cluster.as_user("srun", &["--gres=gpu:sim:1", "sh", "-c", &script]);
+        assert!(o.status.success(), "{}", both(&o));
+        let job: u32 = field(&stdout(&o), "JOB").expect("JOB=").parse().unwrap();
+        let mut line = Value::Null;
+        assert!(
+            Cluster::wait_for(Duration::from_secs(30), || {
+                line = audit(&env)
+                    .into_iter()
+                    .find(|e| e["event"] == "shm_leftovers" && e["job_id"] == job)
+                    .unwrap_or(Value::Null);
+                !line.is_null()
+            }),
+            "no shm_leftovers line for job {job}: {:?}",
+            events_for(&env, job)
+        );
+        (job, line)
+    };
+    let (job, line) = leave("vllm psm_shm");
+    let names: Vec<&str> = line["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, [format!("psm_shm-{job}"), format!("vllm-{job}")], "{line}");
+    assert_eq!(line["files"][0]["size_bytes"], 4096);
+    assert_eq!(line["files"][0]["mode"], "0644");
+    assert_eq!(line["uid"], test_uid());
+    assert_eq!(line["removed"], false);
+    assert!(shm.join(format!("vllm-{job}")).exists());
+    // The sweep: one JSON finding per line.
+    let sw = cluster.gpufence(&["sweep", "--json"]);
+    let found: Vec<Value> = String::from_utf8_lossy(&sw.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("one JSON object per line"))
+        .filter(|f| f["kind"] == "shm_leftover")
+        .collect();
+    assert_eq!(found.len(), 2, "{}", both(&sw));
+    assert!(
+        found
+            .iter()
+            .all(|f| f["evidence"]["age_seconds"].is_u64() && f["uid"] == test_uid()),
+        "{found:?}"
+    );
+    // Removal switched on: the next job's leftovers go (the earlier job's,
+    // older than this job, are not its own and stay).
+    let cfg = env.path("gpufence.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("shm_remove_leftovers = true\n{text}")).unwrap();
+    let (job2, line) = leave("nccl");
+    assert_eq!(line["files"][0]["name"], format!("nccl-{job2}"), "{line}");
+    assert_eq!(line["removed"], true, "{line}");
+    assert!(!shm.join(format!("nccl-{job2}")).exists());
+    assert!(shm.join(format!("vllm-{job}")).exists());
+    std::fs::write(&cfg, text).unwrap();
+
     if let Some(dst) = std::env::var_os("GPUFENCE_E2E_KEEP_AUDIT") {
         let _ = std::fs::copy(env.path("log/audit.jsonl"), dst);
     }

@@ -1225,7 +1225,7 @@ fn two_nodes_each_grant_their_own_share_22_05_host() {
             format!(
                 "cgroup_root = \"{scope}\"\nbpffs_dir = \"{bpffs}-{n}\"\nstate_dir = \"{tmp}/state-{n}\"\n\
                  audit_log = \"{tmp}/log/audit-{n}.jsonl\"\nevidence_dir = \"{tmp}/evidence-{n}\"\n\
-                 dev_dir = \"{tmp}/dev\"\nnvml = false\nslurmd_bin = \"{bin}/slurmd-v2node\"\n\
+                 dev_dir = \"{tmp}/dev\"\nshm_dir = \"{tmp}/shm\"\nnvml = false\nslurmd_bin = \"{bin}/slurmd-v2node\"\n\
                  [majors]\nnvidia = 195\nfake-held = {major}\n",
                 scope = V2Slice::scope(n),
                 bpffs = env.bpffs.display(),

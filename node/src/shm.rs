@@ -1,0 +1,185 @@
+//! Leftovers in the shared-memory directory (`shm_dir`, `/dev/shm`): the
+//! POSIX shared memory (`shm_open(3)` makes `/dev/shm/<name>`) and the
+//! files inference and MPI stacks keep there (`vllm-*`, `nccl-*`,
+//! `psm_*`, `sem.*`). A job killed at its time limit leaves them behind,
+//! often readable by everyone, holding memory on a tmpfs until the next
+//! reboot. The Epilog reports those of the job's user that no process
+//! holds; `gpufence sweep` reports every user's with their age.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+/// One file left in the shared-memory directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Leftover {
+    /// Its name in the directory.
+    pub name: String,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// Permission bits, octal (`0644`).
+    pub mode: String,
+    /// Owner uid.
+    pub uid: u32,
+    /// Last change, seconds since the epoch.
+    pub modified: i64,
+    /// Its inode, to tell it from a file put in its place before a removal.
+    #[serde(skip)]
+    ino: u64,
+}
+
+impl Leftover {
+    /// Seconds since its last change, as of `now`.
+    pub fn age_seconds(&self, now: SystemTime) -> u64 {
+        let m = SystemTime::UNIX_EPOCH + Duration::from_secs(self.modified.max(0) as u64);
+        now.duration_since(m).map(|d| d.as_secs()).unwrap_or(0)
+    }
+}
+
+/// Regular files in `dir` (not followed: a symbolic link or a directory is
+/// never one) owned by a uid `owner` accepts and changed at or after
+/// `since`, that no live process holds open or mapped ([`held`]).
+/// Nothing when `dir` cannot be read.
+pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTime>) -> Vec<Leftover> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let since = since.map(|t| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0)
+    });
+    let mut out: Vec<Leftover> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let md = std::fs::symlink_metadata(e.path()).ok()?;
+            let name = e.file_name().into_string().ok()?;
+            (md.file_type().is_file()
+                && owner(md.uid())
+                && since.is_none_or(|s| md.mtime() >= s || md.ctime() >= s))
+            .then(|| Leftover {
+                name,
+                size_bytes: md.size(),
+                mode: format!("{:04o}", md.mode() & 0o7777),
+                uid: md.uid(),
+                modified: md.mtime(),
+                ino: md.ino(),
+            })
+        })
+        .collect();
+    if out.is_empty() {
+        return out;
+    }
+    let held = held(dir);
+    out.retain(|l| !held.contains(&l.name));
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// Names of files directly in `dir` that a live process holds: a
+/// descriptor (`/proc/<pid>/fd/*`, the link's target) or a mapping
+/// (`/proc/<pid>/maps`, its path column). Read only when there are
+/// candidates, so an Epilog with nothing left pays one directory read.
+pub fn held(dir: &Path) -> BTreeSet<String> {
+    let prefix = format!("{}/", dir.display().to_string().trim_end_matches('/'));
+    let name_of = |p: &str| -> Option<String> {
+        let rest = p.strip_prefix(&prefix)?;
+        (!rest.contains('/')).then(|| rest.trim_end_matches(" (deleted)").to_string())
+    };
+    let mut out = BTreeSet::new();
+    for pid in crate::scan::pids() {
+        if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+            for e in rd.filter_map(|e| e.ok()) {
+                if let Ok(t) = std::fs::read_link(e.path()) {
+                    out.extend(t.to_str().and_then(name_of));
+                }
+            }
+        }
+        if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+            for line in maps.lines() {
+                // address perms offset dev inode path (the path may hold spaces)
+                if let Some(at) = line.find(&prefix) {
+                    out.extend(name_of(&line[at..]));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Removes `files` from `dir`: each only if the name is still a regular
+/// file with the same inode and owner (never a link put in its place).
+/// Returns the names not removed, with why.
+pub fn remove(dir: &Path, files: &[Leftover]) -> Vec<(String, String)> {
+    let mut failed = Vec::new();
+    for f in files {
+        let p = dir.join(&f.name);
+        match std::fs::symlink_metadata(&p) {
+            Ok(md) if md.file_type().is_file() && md.ino() == f.ino && md.uid() == f.uid => {
+                if let Err(e) = std::fs::remove_file(&p) {
+                    failed.push((f.name.clone(), e.to_string()));
+                }
+            }
+            Ok(_) => failed.push((f.name.clone(), "replaced since it was seen".into())),
+            Err(e) => failed.push((f.name.clone(), e.to_string())),
+        }
+    }
+    failed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn leftovers_are_the_unheld_regular_files_of_the_owner() {
+        let d = tempfile::tempdir().unwrap();
+        let me = nix_uid();
+        let w = |n: &str, len: usize| {
+            std::fs::write(d.path().join(n), vec![0u8; len]).unwrap();
+            std::fs::set_permissions(d.path().join(n), std::fs::Permissions::from_mode(0o644)).unwrap();
+        };
+        w("vllm-1234", 4096);
+        w("psm_shm.abc", 10);
+        w("held-open", 1);
+        w("mapped", 4096);
+        std::os::unix::fs::symlink("/etc/passwd", d.path().join("link")).unwrap();
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        let _open = std::fs::File::open(d.path().join("held-open")).unwrap();
+        let m = std::fs::File::open(d.path().join("mapped")).unwrap();
+        // SAFETY: a read mapping of one page of a file we hold.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&m),
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        drop(m);
+        let got = leftovers(d.path(), &|u| u == me, None);
+        let names: Vec<&str> = got.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["psm_shm.abc", "vllm-1234"]);
+        assert_eq!((got[1].size_bytes, got[1].mode.as_str(), got[1].uid), (4096, "0644", me));
+        assert!(leftovers(d.path(), &|u| u != me, None).is_empty());
+        let later = SystemTime::now() + Duration::from_secs(3600);
+        assert!(leftovers(d.path(), &|_| true, Some(later)).is_empty());
+        assert!(remove(d.path(), &got).is_empty());
+        assert!(!d.path().join("vllm-1234").exists());
+        assert!(d.path().join("held-open").exists() && d.path().join("link").exists());
+        // SAFETY: unmaps the page mapped above.
+        unsafe { libc::munmap(map, 4096) };
+    }
+
+    fn nix_uid() -> u32 {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() }
+    }
+}
