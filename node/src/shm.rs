@@ -47,9 +47,12 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
+    // In nanoseconds: a job's files and the next job's start often fall in
+    // one second.
+    let ns = |secs: i64, nsec: i64| i128::from(secs) * 1_000_000_000 + i128::from(nsec);
     let since = since.map(|t| {
         t.duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
+            .map(|d| d.as_nanos() as i128)
             .unwrap_or(0)
     });
     let mut out: Vec<Leftover> = rd
@@ -59,7 +62,9 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
             let name = e.file_name().into_string().ok()?;
             (md.file_type().is_file()
                 && owner(md.uid())
-                && since.is_none_or(|s| md.mtime() >= s || md.ctime() >= s))
+                && since.is_none_or(|s| {
+                    ns(md.mtime(), md.mtime_nsec()) >= s || ns(md.ctime(), md.ctime_nsec()) >= s
+                }))
             .then(|| Leftover {
                 name,
                 size_bytes: md.size(),
