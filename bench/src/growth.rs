@@ -1,9 +1,9 @@
 //! How the Prolog's and the Epilog's cost grows with the node: processes,
 //! open descriptors and grants in the map. Each row times
-//! [`gpufence_node::prolog::run`] and [`gpufence_node::epilog::run`] (what
+//! [`gpufence_node::job::prolog::run`] and [`gpufence_node::job::epilog::run`] (what
 //! `gpufence-prolog` and `gpufence-epilog` run, in this process: without
 //! the exec of a binary, which is constant) for a one-GPU job, and the
-//! Epilog's descriptor scan alone ([`gpufence_node::scan::Scanner`] with
+//! Epilog's descriptor scan alone ([`gpufence_node::holders::scan::Scanner`] with
 //! the fence's pinned iterators), on a node that holds:
 //!
 //! - N extra processes of 20 ordinary descriptors each (the scan
@@ -24,8 +24,8 @@ use std::time::Instant;
 use gpufence_cgroup::maps::{GrantKey, GrantValue, PIN_GRANTS};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::prolog::{self, PrologEnv};
-use gpufence_node::{epilog, fence_ops, scan, Node};
+use gpufence_node::job::prolog::{self, PrologEnv};
+use gpufence_node::{holders::scan, host::fence_ops, job::epilog, Node};
 use gpufence_tests::TestEnv;
 
 /// One row: what the node held and the medians, seconds.

@@ -340,7 +340,7 @@ fn stepd_rss(c: &Cluster) -> u64 {
     std::thread::sleep(Duration::from_millis(1200));
     let mut rss = 0;
     let conf = c.slurm_conf.display().to_string();
-    for pid in gpufence_node::scan::pids() {
+    for pid in gpufence_node::holders::scan::pids() {
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd);
         if !cmd.starts_with("slurmstepd: [") || !cmd.contains(".0]") {

@@ -1,5 +1,5 @@
 //! The Epilog's response to many holders of one job's GPU
-//! ([`gpufence_node::epilog::run`] with a job record, as `gpufence-epilog`
+//! ([`gpufence_node::job::epilog::run`] with a job record, as `gpufence-epilog`
 //! runs it): N processes of a user (uid 65534) hold a protected node (a
 //! misc device no process on the machine holds, claimed like the tests do,
 //! on a major the bench's fence protects), all in one cgroup, as a job's
@@ -18,7 +18,7 @@ use std::time::Instant;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::{epilog, fence_ops, Node};
+use gpufence_node::{host::fence_ops, job::epilog, Node};
 use gpufence_tests::{HoldableDevice, TestEnv};
 
 /// The uid the holders run as (nobody: above `protected_uid_max`, so they

@@ -1,5 +1,5 @@
 //! Scans on a crowded node: the epilog's descriptor scan
-//! ([`gpufence_node::scan::holders`], what `gpufence-epilog` runs for a
+//! ([`gpufence_node::holders::scan::holders`], what `gpufence-epilog` runs for a
 //! job's devices) and a full `gpufence sweep` ([`gpufence_node::sweep::execute`]
 //! without `--cgroup`: the whole machine), with N extra processes that each
 //! hold 20 ordinary descriptors (8 of a regular file, 3 pipes, 2 socket
@@ -8,8 +8,8 @@
 //! major the bench's fence protects).
 //!
 //! Each run measures both ways of scanning, alternating: the default (BPF
-//! iterators, [`gpufence_node::scan::Source::Iterators`]) and the `/proc`
-//! walk it falls back to ([`gpufence_node::scan::set_proc_only`]), and
+//! iterators, [`gpufence_node::holders::scan::Source::Iterators`]) and the `/proc`
+//! walk it falls back to ([`gpufence_node::holders::scan::set_proc_only`]), and
 //! checks that both found the same holders.
 //!
 //! The extra processes are forked from this one, die with it
@@ -23,7 +23,7 @@ use std::time::Instant;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::DevNum;
 use gpufence_node::sweep::{self, SweepRequest};
-use gpufence_node::{fence_ops, scan, Node};
+use gpufence_node::{holders::scan, host::fence_ops, Node};
 use gpufence_tests::{HoldableDevice, TestEnv};
 
 /// Per process count: median seconds of the epilog scan and of the sweep,

@@ -65,7 +65,9 @@ fn not_straight(insns: &[RawInsn]) -> Option<String> {
             return Some(format!("it calls the kernel (instruction {pc}): its answer may depend on state doctor cannot see"));
         }
         if i.code == op::LD_IMM64 {
-            return Some(format!("it reads a map (instruction {pc}): its answer depends on the map's contents"));
+            return Some(format!(
+                "it reads a map (instruction {pc}): its answer depends on the map's contents"
+            ));
         }
     }
     None
@@ -124,7 +126,9 @@ pub fn slurm_shaped(insns: &[RawInsn]) -> bool {
     if !insns
         .iter()
         .zip(init.iter())
-        .all(|(i, &(code, regs, off, imm))| i.code == code && i.regs == regs && i.off == off && i.imm == imm)
+        .all(|(i, &(code, regs, off, imm))| {
+            i.code == code && i.regs == regs && i.off == off && i.imm == imm
+        })
     {
         return false;
     }
@@ -190,7 +194,10 @@ mod tests {
         assert!(slurm_shaped(&p));
         assert_eq!(answer(&p, DevNum::new(195, 0), Access::RW), Answer::Allows);
         assert_eq!(answer(&p, DevNum::new(195, 1), Access::RW), Answer::Denies);
-        assert_eq!(answer(&p, DevNum::new(195, 2), Access::READ), Answer::Denies);
+        assert_eq!(
+            answer(&p, DevNum::new(195, 2), Access::READ),
+            Answer::Denies
+        );
         assert_eq!(answer(&p, DevNum::new(1, 3), Access::RW), Answer::Allows);
         // Cut short, or with an extra instruction: not Slurm's shape.
         assert!(!slurm_shaped(&p[..p.len() - 1]));
@@ -220,11 +227,18 @@ mod tests {
             answer(&a.assemble().unwrap().insns, DevNum::new(195, 0), Access::RW),
             Answer::MayDeny(w) if w.contains("reads a map")
         ));
-        assert!(matches!(answer(&[], DevNum::new(195, 0), Access::RW), Answer::MayDeny(_)));
+        assert!(matches!(
+            answer(&[], DevNum::new(195, 0), Access::RW),
+            Answer::MayDeny(_)
+        ));
         let mut a = Asm::new();
         a.mov64_imm(Reg::R0, 0).exit();
         assert_eq!(
-            answer(&a.assemble().unwrap().insns, DevNum::new(195, 0), Access::RW),
+            answer(
+                &a.assemble().unwrap().insns,
+                DevNum::new(195, 0),
+                Access::RW
+            ),
             Answer::Denies
         );
     }

@@ -1,6 +1,6 @@
 //! Every open file and every device mapping on the machine in one read:
 //! two BPF iterator programs (`kernel/bpf/task_iter.c`), for the scans that
-//! look for processes holding a device (`gpufence_node::scan`).
+//! look for processes holding a device (`gpufence_node::holders::scan`).
 //!
 //! - `task_file` runs once per (task, descriptor). It skips threads that
 //!   share their group leader's descriptor table (`task_seq_get_next` with

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 
-use gpufence_node::{fence_ops, grants, Node, NodeError};
+use gpufence_node::{admin::grants, host::fence_ops, Node, NodeError};
 
 mod sweep_cmd;
 
@@ -190,11 +190,11 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         Cmd::Sweep(args) => Ok(sweep_cmd::run_sweep(&node, &args)),
         Cmd::Respond(args) => Ok(sweep_cmd::run_respond(&node, &args)),
         Cmd::Exec { cmd } => {
-            let code = gpufence_node::exec::exec(&node, &cmd)?;
+            let code = gpufence_node::admin::exec::exec(&node, &cmd)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
         Cmd::Doctor { pid, cgroup, json } => {
-            let d = gpufence_node::doctor::doctor(&node, pid, cgroup.as_deref())?;
+            let d = gpufence_node::admin::doctor::doctor(&node, pid, cgroup.as_deref())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
             } else {
@@ -203,7 +203,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Denials { json } => {
-            let d = gpufence_node::denials::list(&node)?;
+            let d = gpufence_node::host::denials::list(&node)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
             } else if d.is_empty() {
@@ -220,7 +220,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                         cell(&x.last_comm),
                         x.last_time,
                         x.cgroup
-                            .map(|c| cell(&gpufence_node::cgpath::abs(&c)))
+                            .map(|c| cell(&gpufence_node::host::cgpath::abs(&c)))
                             .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
                     ));
                 }
@@ -229,7 +229,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Devices { json } => {
-            let d = gpufence_node::inventory::devices(&node);
+            let d = gpufence_node::host::inventory::devices(&node);
             if json {
                 println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
             } else {
@@ -296,7 +296,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                     let p = &p;
                     let id = node.cg.id(p).ok();
                     json!({
-                        "cgroup": gpufence_node::cgpath::abs(p),
+                        "cgroup": gpufence_node::host::cgpath::abs(p),
                         "id": id,
                         "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
                     })
@@ -306,7 +306,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                 .map(|g| g.into_iter().map(|c| c.job_id).collect())
                 .unwrap_or_default();
             let io_uring =
-                gpufence_node::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
+                gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
             if json {
                 let v = json!({
                     "installed": st.installed,
@@ -413,7 +413,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
                         c.cgroup_id,
                         c.cgroup_alive,
                         c.cgroup_path
-                            .map(|p| cell(&gpufence_node::cgpath::abs(&p)))
+                            .map(|p| cell(&gpufence_node::host::cgpath::abs(&p)))
                             .unwrap_or_else(|| "?".into()),
                         devs.join(", ")
                     ));
@@ -487,7 +487,7 @@ fn mig_check(gpu: &str, profiles: &str, json: bool) -> ExitCode {
     }
 }
 
-fn print_devices(d: &gpufence_node::inventory::Devices) {
+fn print_devices(d: &gpufence_node::host::inventory::Devices) {
     if d.gpus.is_empty() {
         println!("no NVIDIA GPU found in the driver's /proc files");
     }
@@ -550,7 +550,7 @@ fn print_devices(d: &gpufence_node::inventory::Devices) {
     }
 }
 
-fn print_doctor(d: &gpufence_node::doctor::Doctor) {
+fn print_doctor(d: &gpufence_node::admin::doctor::Doctor) {
     // Cgroup names (users name their own under a delegated subtree) and
     // program names: through the one sanitiser, a line at a time.
     macro_rules! say {

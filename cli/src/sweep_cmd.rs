@@ -1,5 +1,5 @@
 //! `gpufence sweep` and `gpufence respond PID`: thin shells over
-//! [`gpufence_node::sweep`] and [`gpufence_node::incident`].
+//! [`gpufence_node::sweep`] and [`gpufence_node::response::incident`].
 //!
 //! `gpufence sweep` prints one finding per line (`--json`: one JSON object
 //! per line) on stdout, notes and errors on stderr, and exits 0 when clean,
@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use clap::Args;
 
 use gpufence_node::sweep::{self, Severity, SweepRequest};
-use gpufence_node::{incident, Node};
+use gpufence_node::{response::incident, Node};
 
 /// `gpufence sweep`.
 #[derive(Args, Debug, Clone, Default)]
@@ -74,7 +74,7 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
     let req = SweepRequest {
         cgroup: args.cgroup.clone(),
         fail_on,
-        drain_node: args.drain.then(sweep::node_name),
+        drain_node: args.drain.then(gpufence_node::host::procs::node_name),
         prometheus: args.prometheus.clone(),
         cursor: args.cursor.clone(),
     };
@@ -105,7 +105,7 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
     // file names under their home, crontab lines): through the one
     // sanitiser, so none of it reaches root's terminal as escapes.
     use gpufence_model::text::printable as p;
-    let name = args.drain.then(sweep::node_name);
+    let name = args.drain.then(gpufence_node::host::procs::node_name);
     match incident::respond_pid(node, args.pid, name.as_deref()) {
         Err(r) => {
             if args.json {

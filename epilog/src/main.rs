@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use gpufence_node::epilog;
-use gpufence_node::prolog::env_u32;
+use gpufence_node::job::epilog;
+use gpufence_node::job::prolog::env_u32;
 use gpufence_node::Node;
 
 /// Revoke a job's GPU grant and clean up after it (run as slurmd's Epilog).

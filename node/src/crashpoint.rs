@@ -25,12 +25,12 @@ pub const ENV: &str = "GPUFENCE_TEST_CRASH_AT";
 /// Which part of gpufence a crash point belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Component {
-    /// `gpufence-prolog` ([`crate::prolog::run`]).
+    /// `gpufence-prolog` ([`crate::job::prolog::run`]).
     Prolog,
-    /// The SPANK plugin's grant step in slurmstepd ([`crate::apply::place`],
-    /// [`crate::apply::grant`]).
+    /// The SPANK plugin's grant step in slurmstepd ([`crate::job::apply::place`],
+    /// [`crate::job::apply::grant`]).
     Grant,
-    /// `gpufence-epilog` ([`crate::epilog::run_with`]).
+    /// `gpufence-epilog` ([`crate::job::epilog::run_with`]).
     Epilog,
 }
 

@@ -78,7 +78,7 @@ pub enum NodeError {
     },
     /// `slurmd -G` cannot be given a cgroup of its own: gpufence does not
     /// run it anywhere else (it would move itself, or reset the limits of
-    /// the cgroup it runs in, see [`crate::gresmap`]).
+    /// the cgroup it runs in, see [`crate::host::gresmap`]).
     #[error("cannot {op} {cgroup}, the cgroup of gpufence's own that `slurmd -G` runs in: {msg}; `slurmd -G` sets up Slurm's cgroup plugin where it runs (it moves itself, and resets the cpuset and memory limits of its cgroup), so gpufence runs it nowhere else: run gpufence as root with the cgroup2 hierarchy at {mount} writable, or set slurmd_gres in {config} to a file holding `slurmd -G`'s output")]
     SlurmdGCgroup {
         /// What failed: `make`, `join`.

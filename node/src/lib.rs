@@ -1,45 +1,35 @@
 //! What a gpufence node does, as library calls shared by the prolog, the
 //! epilog, the SPANK plugin and the admin CLI (which are thin shells over it).
 //!
+//! The folders tell a job's life, and import one way only:
+//! [`host`] ← [`holders`] ← [`response`] ← {[`job`], [`sweep`], [`admin`]};
+//! the last three never import each other (a test keeps it so:
+//! `layers::imports_go_one_way`).
+//!
 //! - [`Node`]: the loaded config and the handles every operation needs.
-//! - [`fence_ops`]: install / status / remove with audit lines.
-//! - [`gresmap`]: GRES index → device files, from `slurmd -G`.
-//! - [`slurmconf`]: the slurm.conf / cgroup.conf keys the layout needs,
-//!   checked at slurmd start.
-//! - [`prolog`]: record what Slurm allocated to a job.
-//! - [`apply`]: put a job's record into the fence for its cgroup (the plugin).
-//! - [`epilog`]: revoke, find lingering holders, keep evidence, kill.
-//! - [`injob`]: `PrologFlags=RunInJob`, where the Prolog and Epilog run
-//!   inside the job cgroup: the Prolog grants it, both step out of it.
-//! - [`scan`] and [`evidence`]: who holds a device, and what we keep about them.
-//! - [`grants`]: the live grants, for admins.
+//! - [`host`]: what the node is made of: processes and users, GPUs
+//!   through NVML and the driver's files, Slurm's configuration and
+//!   controller, the fence's install and records, gpufence's own exempt
+//!   cgroup, draining the node.
+//! - [`holders`]: who holds a protected device (the scan), what covers a
+//!   holder (a grant, an exemption), shared-memory leftovers.
+//! - [`response`]: the one response engine (pin, freeze, evidence, kill,
+//!   verify) and its two callers' front ends: the job-end candidates and
+//!   `gpufence respond PID`.
+//! - [`job`]: the Prolog, the plugin's grant step, the Epilog, the user's
+//!   report, `PrologFlags=RunInJob`.
+//! - [`sweep`]: the node health check, one file per family of checks.
+//! - [`admin`]: doctor, grants, `gpufence exec`.
 //! - [`crashpoint`]: the named step boundaries tests crash the prolog, the
 //!   grant step and the epilog at (`GPUFENCE_TEST_CRASH_AT`).
 
-pub mod apply;
-pub mod cgpath;
+pub mod admin;
 pub mod crashpoint;
-pub mod denials;
-pub mod doctor;
-pub mod drain;
-pub mod epilog;
 pub mod error;
-pub mod evidence;
-pub mod exec;
-pub mod fence_ops;
-pub mod gpus;
-pub mod grants;
-pub mod gresmap;
-pub mod incident;
-pub mod injob;
-pub mod inventory;
-pub mod prolog;
-pub mod report;
-pub mod respond;
-pub mod scan;
-pub mod shm;
-pub mod slurmconf;
-pub mod slurmctld;
+pub mod holders;
+pub mod host;
+pub mod job;
+pub mod response;
 pub mod sweep;
 
 use gpufence_cgroup::Cgroup2;
@@ -144,8 +134,8 @@ impl Node {
     /// NVML as the config says; when it is unavailable, says so once in
     /// the audit log (again only when the reason changes), via a note in
     /// `state_dir`.
-    pub fn open_gpus(&self) -> gpus::Gpus {
-        let g = gpus::Gpus::open(&self.cfg);
+    pub fn open_gpus(&self) -> host::gpus::Gpus {
+        let g = host::gpus::Gpus::open(&self.cfg);
         let marker = self.state.root().join("nvml-unavailable.txt");
         match &g.unavailable {
             Some(why) => {
@@ -312,6 +302,107 @@ mod slurmd_node_tests {
         assert_eq!(
             slurmd_node_arg(&args(&["slurmd", "-Fx", "-N", "n"])),
             Some("n".into())
+        );
+    }
+}
+
+#[cfg(test)]
+mod layers {
+    //! The folders import one way: `host` ← `holders` ← `response` ←
+    //! {`job`, `sweep`, `admin`}, and those three never import each other.
+    //! Read from the sources (product code: what comes before a file's
+    //! `#[cfg(test)]`; comments aside).
+
+    use std::path::Path;
+
+    const LAYERS: [(&str, u8); 6] = [
+        ("host", 0),
+        ("holders", 1),
+        ("response", 2),
+        ("job", 3),
+        ("sweep", 3),
+        ("admin", 3),
+    ];
+
+    fn rank(name: &str) -> Option<u8> {
+        LAYERS.iter().find(|(n, _)| *n == name).map(|(_, r)| *r)
+    }
+
+    /// The layers `text` names as `crate::<layer>`, in `use crate::{..}`
+    /// lists too (one level of braces).
+    fn named_layers(text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for (at, _) in text.match_indices("crate::") {
+            let rest = &text[at + "crate::".len()..];
+            if let Some(list) = rest.strip_prefix('{') {
+                let body = &list[..list.find('}').unwrap_or(list.len())];
+                out.extend(
+                    body.split([',', '{'])
+                        .map(|p| p.trim().split("::").next().unwrap_or("").to_string()),
+                );
+            } else {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                out.push(name);
+            }
+        }
+        out.retain(|n| rank(n).is_some());
+        out
+    }
+
+    fn product_code(text: &str) -> String {
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        code.lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn imports_go_one_way() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut bad = Vec::new();
+        let mut files = 0;
+        for (layer, r) in LAYERS {
+            let dir = src.join(layer);
+            let mut stack = vec![dir];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).unwrap().flatten() {
+                    let p = e.path();
+                    if p.is_dir() {
+                        stack.push(p);
+                        continue;
+                    }
+                    files += 1;
+                    let text = product_code(&std::fs::read_to_string(&p).unwrap());
+                    for other in named_layers(&text) {
+                        let ro = rank(&other).unwrap();
+                        if other != layer && ro >= r {
+                            bad.push(format!("{} imports crate::{other}", p.display()));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(files > 20, "only {files} files read");
+        bad.sort();
+        bad.dedup();
+        assert!(
+            bad.is_empty(),
+            "imports against the layers:\n{}",
+            bad.join("\n")
+        );
+    }
+
+    #[test]
+    fn the_check_sees_both_forms() {
+        assert_eq!(
+            named_layers(
+                "use crate::{host::drain, job::prolog, Node};\nlet x = crate::sweep::f();"
+            ),
+            ["host", "job", "sweep"]
         );
     }
 }

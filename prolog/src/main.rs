@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use gpufence_model::audit::{events, AuditEvent};
-use gpufence_node::prolog::{self, PrologEnv};
+use gpufence_node::job::prolog::{self, PrologEnv};
 use gpufence_node::Node;
 
 /// Record the devices Slurm allocated to a job (run as slurmd's Prolog).

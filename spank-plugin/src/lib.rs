@@ -12,7 +12,7 @@
 //!   With `PrologFlags=RunInJob` in slurm.conf the extern step starts
 //!   before the Prolog: finding no record there is expected (a verbose log
 //!   line, nothing for the user, no `grant_refused`); the Prolog then
-//!   grants the job cgroup itself (`gpufence_node::injob`).
+//!   grants the job cgroup itself (`gpufence_node::job::injob`).
 //! - `task_init_privileged` / `task_init` (in each task, before exec, stderr
 //!   connected to the job's): print the one line the user must see, and
 //!   stop the task when the step was refused.
@@ -30,8 +30,8 @@ use std::path::PathBuf;
 
 use slurm_spank::{spank_log, Context, LogLevel, Plugin, SpankHandle};
 
-use gpufence_node::apply::{self, StepRequest, StepVerdict};
-use gpufence_node::{fence_ops, gresmap, slurmconf, Node};
+use gpufence_node::job::apply::{self, StepRequest, StepVerdict};
+use gpufence_node::{host::fence_ops, host::gresmap, host::slurmconf, Node};
 
 include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
 

@@ -328,7 +328,7 @@ impl HoldableDevice {
                 continue;
             }
             let dev = gpufence_model::device::DevNum::new(10, minor);
-            let holders = gpufence_node::scan::holders(&[dev].into());
+            let holders = gpufence_node::holders::scan::holders(&[dev].into());
             if !holders.is_empty() {
                 why.push(format!(
                     "{name}: held by pids {:?}",

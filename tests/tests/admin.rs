@@ -191,7 +191,10 @@ fn doctor_names_the_program_that_denies() {
             env.cg.id(&job).unwrap(),
             &job,
             7,
-            &[(DevNum::new(195, 0), Access::RW), (DevNum::new(195, 1), Access::RW)],
+            &[
+                (DevNum::new(195, 0), Access::RW),
+                (DevNum::new(195, 1), Access::RW),
+            ],
         )
         .unwrap();
     let at = |c: &str| std::fs::File::open(env.cg.path(c)).unwrap();
@@ -228,7 +231,10 @@ fn doctor_names_the_program_that_denies() {
     let v1 = dev(&d, "195:1");
     assert_eq!(v1["verdict"], "denied", "{v1}");
     let why = v1["why"].as_str().unwrap();
-    assert!(why.starts_with("denied by program") && why.contains("Slurm_Cgroup_v2"), "{why}");
+    assert!(
+        why.starts_with("denied by program") && why.contains("Slurm_Cgroup_v2"),
+        "{why}"
+    );
     assert!(why.contains(&format!("attached at /{job}")), "{why}");
     let slurm_answer = v1["programs"]
         .as_array()
@@ -238,7 +244,13 @@ fn doctor_names_the_program_that_denies() {
         .cloned()
         .unwrap();
     assert_eq!(slurm_answer["answer"], "denies");
-    assert!(slurm_answer["owner"].as_str().unwrap().starts_with("Slurm cgroup/v2"), "{slurm_answer}");
+    assert!(
+        slurm_answer["owner"]
+            .as_str()
+            .unwrap()
+            .starts_with("Slurm cgroup/v2"),
+        "{slurm_answer}"
+    );
     assert_eq!(env.open_from(&task0, &n0), "ENXIO");
     assert_eq!(env.open_from(&task0, &n1), "EPERM");
     // task_1: the deny-all program below the grant denies both.
@@ -246,7 +258,13 @@ fn doctor_names_the_program_that_denies() {
     for n in ["195:0", "195:1"] {
         let v = dev(&d, n);
         assert_eq!(v["verdict"], "denied", "{v}");
-        assert!(v["why"].as_str().unwrap().contains("\"deny_all\" (unknown)"), "{v}");
+        assert!(
+            v["why"]
+                .as_str()
+                .unwrap()
+                .contains("\"deny_all\" (unknown)"),
+            "{v}"
+        );
     }
     assert_eq!(env.open_from(&task1, &n0), "EPERM");
     assert_eq!(env.open_from(&task1, &n1), "EPERM");
@@ -254,12 +272,18 @@ fn doctor_names_the_program_that_denies() {
     let d = doctor(&task2);
     let v0 = dev(&d, "195:0");
     assert_eq!(v0["verdict"], "may be denied", "{v0}");
-    assert!(v0["why"].as_str().unwrap().contains("calls the kernel"), "{v0}");
+    assert!(
+        v0["why"].as_str().unwrap().contains("calls the kernel"),
+        "{v0}"
+    );
     assert_eq!(env.open_from(&task2, &n0), "ENXIO");
     // Text: the denier named on the device's line.
     let t = String::from_utf8_lossy(&gpufence(&cfg, &["doctor", "--cgroup", &task1]).stdout)
         .into_owned();
-    assert!(t.contains("195:0    denied   denied by program") && t.contains("deny_all: denies"), "{t}");
+    assert!(
+        t.contains("195:0    denied   denied by program") && t.contains("deny_all: denies"),
+        "{t}"
+    );
 }
 
 #[test]
@@ -458,7 +482,7 @@ fn reports_are_written_whole_and_as_the_user() {
         return;
     }
     use gpufence_model::config::{Config, ConfigOrigin};
-    use gpufence_node::report::{write_as_user, REPORT_CGROUP, WRITE_TIMEOUT};
+    use gpufence_node::job::report::{write_as_user, REPORT_CGROUP, WRITE_TIMEOUT};
     use gpufence_tests::cluster::{test_uid, TEST_USER};
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let env = TestEnv::new("report");

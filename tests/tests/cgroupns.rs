@@ -29,8 +29,8 @@ use gpufence_cgroup::{level, sys};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::apply::{self, ApplyOutcome, StepRequest};
-use gpufence_node::{doctor, fence_ops, Node, NodeError};
+use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest};
+use gpufence_node::{admin::doctor, host::fence_ops, Node, NodeError};
 use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
 
 const MAJORS: &str = "[majors]\nnvidia = 195\n";

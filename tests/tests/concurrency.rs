@@ -27,7 +27,7 @@ use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::Config;
 use gpufence_model::device::{DevNum, DeviceRole};
 use gpufence_model::record::{AppliedGrant, JobRecord};
-use gpufence_node::{fence_ops, Node};
+use gpufence_node::{host::fence_ops, Node};
 use gpufence_tests::cluster::Cluster;
 use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
 use serde_json::Value;

@@ -529,10 +529,9 @@ fn real_slurm_cluster_end_to_end() {
     let want: std::collections::BTreeSet<_> =
         [gpufence_model::device::DevNum::new(real.major, real.minor)].into();
     assert!(
-        Cluster::wait_for(Duration::from_secs(20), || gpufence_node::scan::holder(
-            stuck, &want
-        )
-        .is_some()),
+        Cluster::wait_for(Duration::from_secs(20), || {
+            gpufence_node::holders::scan::holder(stuck, &want).is_some()
+        }),
         "receiver never got the descriptor"
     );
     std::fs::write(freezer.join("freezer.state"), "FROZEN").unwrap();
@@ -970,7 +969,11 @@ fn real_slurm_cluster_end_to_end() {
         .iter()
         .map(|f| f["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, [format!("psm_shm-{job}"), format!("vllm-{job}")], "{line}");
+    assert_eq!(
+        names,
+        [format!("psm_shm-{job}"), format!("vllm-{job}")],
+        "{line}"
+    );
     assert_eq!(line["files"][0]["size_bytes"], 4096);
     assert_eq!(line["files"][0]["mode"], "0644");
     assert_eq!(line["uid"], test_uid());

@@ -40,7 +40,7 @@ use gpufence_cgroup::fence::{Fence, FORCE_NO_HELPER_ENV};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::record::{AppliedGrant, JobRecord};
 use gpufence_node::crashpoint::{self, Component, CrashPoint};
-use gpufence_node::{fence_ops, Node};
+use gpufence_node::{host::fence_ops, Node};
 use gpufence_tests::cluster::Cluster;
 use gpufence_tests::{gone, privileged, probe_bin, workspace_bin, TestEnv};
 use serde_json::Value;

@@ -11,8 +11,8 @@ use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::scan::{Holder, Scanner, Source, Via};
-use gpufence_node::{epilog, fence_ops, Node};
+use gpufence_node::holders::scan::{Holder, Scanner, Source, Via};
+use gpufence_node::{host::fence_ops, job::epilog, Node};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 
 /// Held by each test here that responds to holders or makes a ring the
@@ -542,7 +542,7 @@ fn a_users_process_in_an_exempt_cgroup_borrows_nothing() {
     );
     // The doctor says what the kernel does, for that user's process.
     let sleeper = env.spawn_user_sleeper(&exempt);
-    let d = gpufence_node::doctor::doctor(&node, Some(sleeper), None).unwrap();
+    let d = gpufence_node::admin::doctor::doctor(&node, Some(sleeper), None).unwrap();
     let v = d.devices.iter().find(|v| v.device == "195:1").unwrap();
     assert_eq!(
         (d.uid, v.verdict.as_str()),
@@ -634,7 +634,7 @@ fn a_holder_that_let_go_is_left_alone() {
     cmd.args(["hold", gpu.to_str().unwrap()]);
     let holder = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
-    let cands = gpufence_node::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+    let cands = gpufence_node::response::respond::uncovered(&node, None, &devs, &[], 195, &[]);
     let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
     found.sort();
     let mut want = vec![released, holder];
@@ -644,17 +644,17 @@ fn a_holder_that_let_go_is_left_alone() {
     // One lets go of the device; the scan found it holding.
     std::fs::write(&flag, "").unwrap();
     let t0 = std::time::Instant::now();
-    while gpufence_node::scan::holder(released, &devs).is_some() {
+    while gpufence_node::holders::scan::holder(released, &devs).is_some() {
         assert!(t0.elapsed().as_secs() < 5, "the probe never let go");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let (done, errors) = gpufence_node::respond::respond(
+    let (done, errors) = gpufence_node::response::respond::respond(
         &node,
         45,
         "epilog",
         "test",
         cands,
-        &mut gpufence_node::evidence::Budget::from_config(&node.cfg),
+        &mut gpufence_node::response::evidence::Budget::from_config(&node.cfg),
     );
     assert!(errors.is_empty(), "{errors:?}");
     let acted: Vec<i32> = done.iter().map(|l| l.pid).collect();
@@ -682,7 +682,7 @@ fn evidence_stays_within_its_budget() {
         return;
     }
     let _serial = responses();
-    use gpufence_node::evidence::Budget;
+    use gpufence_node::response::evidence::Budget;
     use std::time::Duration;
     let mut env = TestEnv::new("budget");
     let real = HoldableDevice::claim();
@@ -701,10 +701,10 @@ fn evidence_stays_within_its_budget() {
             .collect()
     };
     let respond = |budget: &mut Budget| {
-        let cands = gpufence_node::respond::uncovered(&node, None, &devs, &[], 195, &[]);
-        gpufence_node::respond::respond(&node, 46, "epilog", "test", cands, budget)
+        let cands = gpufence_node::response::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+        gpufence_node::response::respond::respond(&node, 46, "epilog", "test", cands, budget)
     };
-    let read = |l: &gpufence_node::respond::Lingering| -> serde_json::Value {
+    let read = |l: &gpufence_node::response::respond::Lingering| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(l.evidence.as_ref().unwrap()).unwrap()).unwrap()
     };
     // Enough of everything: one hash for five holders of one executable.

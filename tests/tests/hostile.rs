@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::fence_ops;
+use gpufence_node::host::fence_ops;
 use gpufence_tests::cluster::{test_uid, Cluster, TEST_USER};
 use gpufence_tests::out::{both, field, stdout, verdict};
 use gpufence_tests::{privileged, probe_bin, TestEnv};
@@ -635,13 +635,12 @@ fn a_descriptor_handed_to_another_job_is_caught_at_job_end() {
     assert_eq!(lines, vec!["sent"], "the kernel lets the descriptor pass");
     let want: std::collections::BTreeSet<DevNum> = [DevNum::new(ma, mi)].into();
     assert!(
-        Cluster::wait_for(Duration::from_secs(5), || gpufence_node::scan::holder(
-            receiver, &want
-        )
-        .is_some()),
+        Cluster::wait_for(Duration::from_secs(5), || {
+            gpufence_node::holders::scan::holder(receiver, &want).is_some()
+        }),
         "the receiver holds it"
     );
-    let out = gpufence_node::epilog::run(&node, 21, None);
+    let out = gpufence_node::job::epilog::run(&node, 21, None);
     assert!(out.clean(), "{:?} {:?}", out.errors, out.survivors);
     assert_eq!(
         out.lingering

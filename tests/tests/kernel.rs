@@ -9,8 +9,8 @@ use gpufence_cgroup::fence::{programs_at, Fence};
 use gpufence_model::config::Config;
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::apply::{self, ApplyOutcome, StepRequest};
-use gpufence_node::{epilog, fence_ops, Node, NodeError};
+use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest};
+use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, TestEnv};
 
 /// Test majors: 195 stands for the GPUs, 241 (unused on the test hosts) for
@@ -658,7 +658,9 @@ fn epilog_kills_a_holder_outside_the_job_and_spares_granted_ones() {
     // wait until the receiver really holds it
     let want: BTreeSet<DevNum> = [DevNum::new(ma, mi)].into();
     let t0 = std::time::Instant::now();
-    while gpufence_node::scan::holder(receiver, &want).is_none() && t0.elapsed().as_secs() < 5 {
+    while gpufence_node::holders::scan::holder(receiver, &want).is_none()
+        && t0.elapsed().as_secs() < 5
+    {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 
@@ -727,7 +729,7 @@ fn denials_are_recorded() {
         &["open", n1.to_str().unwrap()],
         &format!("{} EPERM", n1.display()),
     );
-    let d = gpufence_node::denials::list(&node).unwrap();
+    let d = gpufence_node::host::denials::list(&node).unwrap();
     let uid = gpufence_tests::cluster::test_uid();
     let by_uid = |u: u32| {
         d.iter()
@@ -767,7 +769,7 @@ fn denials_are_recorded() {
         .unwrap();
     assert_eq!(env.open_from(&job, &n1), "ENXIO");
     assert_eq!(env.open_from(&out, std::path::Path::new("/dev/null")), "ok");
-    assert_eq!(gpufence_node::denials::list(&node).unwrap().len(), 2);
+    assert_eq!(gpufence_node::host::denials::list(&node).unwrap().len(), 2);
 }
 
 /// Audit mode records what it would deny and allows it; switching to
@@ -784,7 +786,7 @@ fn audit_mode_then_enforce_without_a_gap() {
     let n0 = env.mknod("nvidia0", 195, 0);
     let out = env.cgroup("outside");
     assert_eq!(env.open_from(&out, &n0), "ENXIO", "audit mode allows");
-    let d = gpufence_node::denials::list(&audit).unwrap();
+    let d = gpufence_node::host::denials::list(&audit).unwrap();
     assert_eq!(
         (d.len(), d[0].count, d[0].device.as_str()),
         (1, 1, "195:0"),

@@ -10,9 +10,9 @@
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::DevNum;
 use gpufence_model::record::MigSlice;
-use gpufence_node::apply::{self, StepRequest};
-use gpufence_node::prolog::{self, PrologEnv};
-use gpufence_node::{epilog, fence_ops, Node, NodeError};
+use gpufence_node::job::apply::{self, StepRequest};
+use gpufence_node::job::prolog::{self, PrologEnv};
+use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 use serde_json::json;
 
@@ -337,11 +337,16 @@ fn a_partitioned_gpus_parent_granted_alone_is_noted() {
     if !privileged() {
         return;
     }
-    let parent_alone = "slurmd: Gres Name=gpu Type=a100 Count=1 Index=0 ID=7696487 File={dev}/nvidia0 (null)\n";
+    let parent_alone =
+        "slurmd: Gres Name=gpu Type=a100 Count=1 Index=0 ID=7696487 File={dev}/nvidia0 (null)\n";
     let m = mig("migparent", 242, &[], MINORS, parent_alone, "");
     // Not partitioned yet: no note.
     let rec = prolog::run(&m.node, &prolog_env(71, 0)).unwrap();
-    assert!(rec.notes.iter().all(|n| !n.contains("MIG-partitioned")), "{:?}", rec.notes);
+    assert!(
+        rec.notes.iter().all(|n| !n.contains("MIG-partitioned")),
+        "{:?}",
+        rec.notes
+    );
     assert!(epilog::run(&m.node, 71, None).clean());
     // Two GPU instances exist on GPU 0 (the driver's capability tree).
     for gi in [1, 2] {
@@ -349,23 +354,44 @@ fn a_partitioned_gpus_parent_granted_alone_is_noted() {
             .env
             .path(&format!("proc/driver/nvidia/capabilities/gpu0/mig/gi{gi}"));
         std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(d.join("access"), format!("DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n", gi * 9 + 3)).unwrap();
+        std::fs::write(
+            d.join("access"),
+            format!(
+                "DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+                gi * 9 + 3
+            ),
+        )
+        .unwrap();
     }
     let rec = prolog::run(&m.node, &prolog_env(72, 0)).unwrap();
-    assert_eq!(rec.devices.iter().filter(|d| d.dev == DevNum::new(195, 0)).count(), 1, "granted");
+    assert_eq!(
+        rec.devices
+            .iter()
+            .filter(|d| d.dev == DevNum::new(195, 0))
+            .count(),
+        1,
+        "granted"
+    );
     let note = rec
         .notes
         .iter()
         .find(|n| n.contains("MIG-partitioned"))
         .unwrap_or_else(|| panic!("no note: {:?}", rec.notes));
-    assert!(note.contains("/dev/nvidia0 (195:0) alone") && note.contains("gi1, gi2"), "{note}");
+    assert!(
+        note.contains("/dev/nvidia0 (195:0) alone") && note.contains("gi1, gi2"),
+        "{note}"
+    );
     let audit = gpufence_tests::audit_log_settled(&m.env.path("log/audit.jsonl"));
     let line = audit
         .iter()
         .find(|e| e["event"] == "grant_recorded" && e["job_id"] == json!(72))
         .unwrap_or_else(|| panic!("no grant_recorded for 72: {audit:?}"));
     assert!(
-        line["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().contains("MIG-partitioned")),
+        line["notes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n.as_str().unwrap().contains("MIG-partitioned")),
         "{line}"
     );
     assert!(epilog::run(&m.node, 72, None).clean());

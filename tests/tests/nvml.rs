@@ -13,8 +13,8 @@ use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::prolog::{self, PrologEnv};
-use gpufence_node::{epilog, fence_ops, Node, NodeError};
+use gpufence_node::job::prolog::{self, PrologEnv};
+use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, workspace_bin, TestEnv};
 use serde_json::{json, Value};
 

@@ -23,8 +23,8 @@ use gpufence_cgroup::fence::{programs_at, Fence, FORCE_NO_HELPER_ENV};
 use gpufence_cgroup::sys;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::apply::{self, ApplyOutcome, StepRequest, StepVerdict};
-use gpufence_node::{fence_ops, Node, NodeError};
+use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest, StepVerdict};
+use gpufence_node::{host::fence_ops, Node, NodeError};
 use gpufence_tests::cluster::test_uid;
 use gpufence_tests::{privileged, workspace_bin, TestEnv};
 
@@ -639,14 +639,18 @@ fn a_full_cgroup_says_why_the_fence_cannot_attach() {
         .unwrap_or_default();
     assert!(left.is_empty(), "pins left by a failed install: {left:?}");
     // And one `error` audit line says why.
-    let errors: Vec<serde_json::Value> = gpufence_tests::audit_log_settled(&env.path("log/audit.jsonl"))
-        .into_iter()
-        .filter(|e| e["event"] == "error")
-        .collect();
+    let errors: Vec<serde_json::Value> =
+        gpufence_tests::audit_log_settled(&env.path("log/audit.jsonl"))
+            .into_iter()
+            .filter(|e| e["event"] == "error")
+            .collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0]["component"], "fence install");
     let reason = errors[0]["reason"].as_str().unwrap_or_default();
-    assert!(reason.contains("already holds 64 device programs"), "{reason}");
+    assert!(
+        reason.contains("already holds 64 device programs"),
+        "{reason}"
+    );
     // A later install that succeeds (room made) starts clean and works.
     for id in programs_at(&env.cg, &env.root).unwrap().1 {
         let p = sys::prog_fd_by_id(id).unwrap();

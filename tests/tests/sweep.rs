@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::incident::{self, Refusal};
+use gpufence_node::response::incident::{self, Refusal};
 use gpufence_node::sweep::{self, Finding, Kind, Severity, SweepOutcome, SweepRequest};
-use gpufence_node::{fence_ops, Node};
+use gpufence_node::{host::fence_ops, Node};
 use gpufence_tests::cluster::{test_uid, TEST_USER};
 use gpufence_tests::{gone, privileged, workspace_bin, HoldableDevice, TestEnv};
 use serde_json::{json, Value};
@@ -174,7 +174,8 @@ fn a_clean_node_has_no_finding() {
                 .notes
                 .iter()
                 .any(|n| n.starts_with("io_uring is open")),
-            gpufence_node::scan::io_uring_exposure(std::path::Path::new("/proc/sys")).is_some(),
+            gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"))
+                .is_some(),
             "{:?}",
             o.report.notes
         );
@@ -919,7 +920,7 @@ fn drain_names_the_finding() {
     );
     assert_eq!(o.drained.as_deref(), lines[3].strip_prefix("reason="));
     assert!(w.events().contains(&"sweep_drained".to_string()));
-    assert!(!sweep::node_name().is_empty());
+    assert!(!gpufence_node::host::procs::node_name().is_empty());
 }
 
 /// `sh -c 'sleep & sleep & wait'` as the test user, alone in its cgroup.
@@ -1019,7 +1020,7 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     assert_eq!(v["tree"].as_array().unwrap().len(), 3);
     assert_eq!(v["evidence"].as_array().unwrap().len(), 3);
     // Who asked, as `gpufence exec` names it.
-    let who = gpufence_node::exec::who();
+    let who = gpufence_node::host::procs::who();
     assert!(who.ends_with("(uid 0)"), "{who}");
     assert_eq!(v["by"], who.as_str());
     let kinds: BTreeSet<&str> = v["persistence"]
@@ -1163,8 +1164,8 @@ fn respond_refuses_what_must_not_be_touched() {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .find(|p| {
-            gpufence_node::sweep::read_stat(*p)
-                .is_some_and(|(_, _, f)| f & gpufence_node::sweep::PF_KTHREAD != 0)
+            gpufence_node::host::procs::read_stat(*p)
+                .is_some_and(|(_, _, f)| f & gpufence_node::host::procs::PF_KTHREAD != 0)
         });
     match kthread {
         Some(k) => assert_eq!(

@@ -680,7 +680,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             };
             let want = [gpufence_model::device::DevNum::new(ma, mi)].into();
-            for h in gpufence_node::scan::holders(&want) {
+            for h in gpufence_node::holders::scan::holders(&want) {
                 say(&h.pid.to_string());
             }
         }
@@ -695,13 +695,13 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            let req = gpufence_node::apply::StepRequest {
+            let req = gpufence_node::job::apply::StepRequest {
                 job_id: job,
                 step_id: 0,
                 uid,
                 stepd_pid: pid,
             };
-            match gpufence_node::apply::apply(&node, &req) {
+            match gpufence_node::job::apply::apply(&node, &req) {
                 Ok(o) => say(&format!("{o:?}")),
                 Err(e) => {
                     say(&format!("error: {e}"));

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use gpufence_model::fsutil::{create_dir_all_mode, write_new};
 use gpufence_model::record::now_rfc3339;
 
-use crate::scan::HeldFd;
+use crate::holders::scan::HeldFd;
 use crate::NodeError;
 
 /// Evidence about one process.
@@ -48,7 +48,7 @@ pub struct Evidence {
     /// The executable's size in bytes.
     pub exe_size: Option<u64>,
     /// cgroup2 path. JSON: absolute (`/a/b`).
-    #[serde(serialize_with = "crate::cgpath::option::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::option::serialize")]
     pub cgroup: Option<String>,
     /// Start time (RFC 3339), from `/proc/<pid>/stat` and the boot time.
     pub start_time: Option<String>,
@@ -344,7 +344,7 @@ pub fn collect(
     let stat = proc.as_ref().and_then(|p| p.stat().ok());
     let status = proc.as_ref().and_then(|p| p.status().ok());
     // Bytes that are not UTF-8 are replaced, never the whole list lost.
-    let mut cmdline = crate::sweep::read_cmdline(pid);
+    let mut cmdline = crate::host::procs::read_cmdline(pid);
     let mut total = 0;
     if let Some(cut) = cmdline.iter().position(|a| {
         total += a.len() + 1;

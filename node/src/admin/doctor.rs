@@ -32,7 +32,7 @@ use gpufence_cgroup::verdict::{Evaluation, Reason, Task};
 use gpufence_model::config::Mode;
 use gpufence_model::device::{Access, DevNum};
 
-use crate::inventory::char_devices;
+use crate::host::inventory::char_devices;
 use crate::{Node, NodeError};
 
 /// One program attached at one cgroup.
@@ -58,7 +58,7 @@ pub struct AttachedProgram {
 #[derive(Clone, Debug, Serialize)]
 pub struct Level {
     /// The cgroup, relative to the mount (`""` = root). JSON: absolute.
-    #[serde(serialize_with = "crate::cgpath::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::serialize")]
     pub cgroup: String,
     /// `multi`, `override` or `none` (`BPF_F_ALLOW_*` of the attachment).
     pub attach_flags: String,
@@ -114,7 +114,7 @@ pub struct Doctor {
     /// to `protected_uid_max` and `service_uids`).
     pub uid: u32,
     /// Its cgroup (relative to the mount). JSON: absolute.
-    #[serde(serialize_with = "crate::cgpath::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::serialize")]
     pub cgroup: String,
     /// Whether the fence is attached at `cgroup_root`.
     pub fence_attached: bool,
@@ -126,7 +126,7 @@ pub struct Doctor {
     /// The configured mode.
     pub mode: String,
     /// The mode of the program actually attached.
-    pub running_mode: crate::fence_ops::RunningMode,
+    pub running_mode: crate::host::fence_ops::RunningMode,
     /// Whether the target is under the fenced subtree at all.
     pub under_fence: bool,
     /// The target cgroup's level as the kernel counts it (what the fence
@@ -141,7 +141,7 @@ pub struct Doctor {
     /// Per NVIDIA device.
     pub devices: Vec<DeviceVerdict>,
     /// Whether users may create io_uring rings, which can hold a GPU file
-    /// where no scan sees it ([`crate::scan::io_uring_exposure`]); `None`
+    /// where no scan sees it ([`crate::holders::scan::io_uring_exposure`]); `None`
     /// when io_uring is closed to them.
     pub io_uring: Option<String>,
 }
@@ -159,7 +159,12 @@ fn flags_name(f: u32) -> &'static str {
 /// The owner of program `id` named `name` with instructions `insns`, only
 /// where known: the program of the fence's pinned link, or Slurm's
 /// cgroup/v2 program by its name and shape together.
-fn owner_of(id: u32, name: &str, insns: &[gpufence_cgroup::asm::RawInsn], ours: Option<u32>) -> String {
+fn owner_of(
+    id: u32,
+    name: &str,
+    insns: &[gpufence_cgroup::asm::RawInsn],
+    ours: Option<u32>,
+) -> String {
     if Some(id) == ours {
         return "gpufence (this node's fence: the program of its pinned link)".into();
     }
@@ -284,7 +289,10 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
     for id in &effective {
         if !runs.iter().any(|r| r.id == *id) {
             let (info, insns) = program_of(*id);
-            let name = info.as_ref().map(|i| sys::name_str(&i.name)).unwrap_or_default();
+            let name = info
+                .as_ref()
+                .map(|i| sys::name_str(&i.name))
+                .unwrap_or_default();
             runs.push(Effective {
                 id: *id,
                 owner: owner_of(*id, &name, &insns, ours),
@@ -308,7 +316,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             .or_insert_with(|| vec![node.cfg.dev_dir.join(name)]);
     }
     let me = std::process::id() as i32;
-    let uid = crate::respond::uid_of(pid.unwrap_or(me))
+    let uid = crate::host::procs::uid_of(pid.unwrap_or(me))
         .ok_or_else(|| NodeError::JobCgroup(format!("process {} is gone", pid.unwrap_or(me))))?;
     let identities = node.cfg.exempt_identities();
     let kernel = node.cg.kernel_ancestry(&cg);
@@ -372,7 +380,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         fence_attached: attached.is_ok(),
         fence_problem: attached.err(),
         fence_current,
-        running_mode: crate::fence_ops::running_mode(node),
+        running_mode: crate::host::fence_ops::running_mode(node),
         mode: if audit {
             "audit".into()
         } else {
@@ -383,7 +391,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         mount_root_level: node.cg.root_level().ok(),
         levels,
         devices,
-        io_uring: crate::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
+        io_uring: crate::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
     })
 }
 
@@ -426,7 +434,7 @@ fn combine(
                 id: r.id,
                 name: r.name.clone(),
                 owner: r.owner.clone(),
-                attached_at: r.attached_at.as_ref().map(|c| crate::cgpath::abs(c)),
+                attached_at: r.attached_at.as_ref().map(|c| crate::host::cgpath::abs(c)),
                 answer: answer.into(),
                 why,
             }
@@ -439,7 +447,9 @@ fn combine(
             p.id,
             p.name,
             p.owner,
-            p.attached_at.as_deref().unwrap_or("a cgroup above this namespace")
+            p.attached_at
+                .as_deref()
+                .unwrap_or("a cgroup above this namespace")
         )
     };
     let foreign_deniers: Vec<String> = programs
@@ -461,7 +471,10 @@ fn combine(
         }
         ("denied".to_string(), why)
     } else if !ours_runs && !unsure.is_empty() {
-        ("may be denied".to_string(), format!("{}; {}", fence.1, unsure.join("; ")))
+        (
+            "may be denied".to_string(),
+            format!("{}; {}", fence.1, unsure.join("; ")),
+        )
     } else if fence.0 == "allowed" && !unsure.is_empty() {
         (
             "may be denied".to_string(),

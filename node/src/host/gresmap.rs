@@ -40,7 +40,7 @@
 //! So gpufence runs it in a cgroup of its own, never in slurmd's or its
 //! caller's: `<cgroup_root>/<exec_cgroup>/slurmd-G-<pid>`
 //! ([`slurmd_g_cgroup`], `<pid>` the gpufence process running it), made
-//! with [`crate::exec::exec_leaf`] (exempt in the fence when one is
+//! with [`crate::host::exec_cgroup::exec_leaf`] (exempt in the fence when one is
 //! installed, made all the same when none is), and joined between fork and
 //! exec ([`gpufence_cgroup::Cgroup2::join_at_exec`]: the child never runs
 //! anywhere else), with a fresh `INVOCATION_ID` (Slurm only tests that it
@@ -218,7 +218,8 @@ fn checked(
         // Absent or unreadable: nothing says this node has GPUs (slurmd
         // itself reports a gres.conf it cannot read).
         if let Ok(text) = std::fs::read_to_string(&gres_conf) {
-            if let Some((line, text)) = gres_conf_gpu_line(&text, &crate::sweep::node_name()) {
+            if let Some((line, text)) = gres_conf_gpu_line(&text, &crate::host::procs::node_name())
+            {
                 return Err(NodeError::NoGpusListed {
                     source_name: source,
                     gres_conf,
@@ -244,7 +245,7 @@ fn checked(
 /// name this node. `Include` lines are not followed. Slurm matches
 /// `NodeName=` against slurmd's own node name (`_parse_gres_config_node`);
 /// gpufence knows it as `$SLURMD_NODENAME` (the Prolog) or the short host
-/// name (slurmd start), see [`crate::sweep::node_name`].
+/// name (slurmd start), see [`crate::host::procs::node_name`].
 pub fn gres_conf_gpu_line(text: &str, node_name: &str) -> Option<(usize, String)> {
     text.lines().enumerate().find_map(|(i, raw)| {
         let line = raw.split('#').next().unwrap_or("").trim();
@@ -357,7 +358,7 @@ fn slurmd_g_command(slurmd: &Path, slurm_conf: &Path, slurm_node: Option<&str>) 
 fn cgroup_error(node: &Node, op: &'static str, rel: &str, msg: String) -> NodeError {
     NodeError::SlurmdGCgroup {
         op,
-        cgroup: crate::cgpath::abs(rel),
+        cgroup: crate::host::cgpath::abs(rel),
         msg,
         mount: node.cg.mount().to_path_buf(),
         config: match &node.origin {
@@ -412,22 +413,24 @@ fn make_cgroup(node: &Node, me: u32, cmd: &str) -> Result<String, NodeError> {
                 cmd: cmd.to_string(),
                 msg: format!(
                     "cannot open the fence to exempt its cgroup {}: {e}",
-                    crate::cgpath::abs(&node.exec_cgroup())
+                    crate::host::cgpath::abs(&node.exec_cgroup())
                 ),
             })
         }
     };
-    crate::exec::exec_leaf(node, fence.as_ref(), &slurmd_g_leaf(me)).map_err(|e| match e {
-        NodeError::Kernel(gpufence_cgroup::Error::Cgroup { .. }) => {
-            cgroup_error(node, "make", &rel, e.to_string())
+    crate::host::exec_cgroup::exec_leaf(node, fence.as_ref(), &slurmd_g_leaf(me)).map_err(|e| {
+        match e {
+            NodeError::Kernel(gpufence_cgroup::Error::Cgroup { .. }) => {
+                cgroup_error(node, "make", &rel, e.to_string())
+            }
+            e => NodeError::SlurmdG {
+                cmd: cmd.to_string(),
+                msg: format!(
+                    "cannot exempt its cgroup {} in the fence: {e}",
+                    crate::host::cgpath::abs(&node.exec_cgroup())
+                ),
+            },
         }
-        e => NodeError::SlurmdG {
-            cmd: cmd.to_string(),
-            msg: format!(
-                "cannot exempt its cgroup {} in the fence: {e}",
-                crate::cgpath::abs(&node.exec_cgroup())
-            ),
-        },
     })?;
     // The child joins it by writing its cgroup.procs between fork and
     // exec; a cgroup that cannot be joined is an error of its own here,
@@ -465,7 +468,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     }
     let start_note = format!(
         " (in its cgroup {}, which the child joins before exec: it ran nowhere else)",
-        crate::cgpath::abs(&rel)
+        crate::host::cgpath::abs(&rel)
     );
     let out = spawn_and_collect(cmd, &cmdline, timeout, &start_note, &|| {
         let _ = node.cg.kill(&rel);
@@ -473,7 +476,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     if let Err(e) = kill_and_remove(node, &rel) {
         let _ = node.audit(
             AuditEvent::new("slurmd_g_cgroup_left")
-                .field("cgroup", crate::cgpath::abs(&rel))
+                .field("cgroup", crate::host::cgpath::abs(&rel))
                 .field("error", e.to_string())
                 .field(
                     "why",

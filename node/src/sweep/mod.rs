@@ -56,14 +56,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 use gpufence_cgroup::fence::{DenialEntry, Fence, GrantEntry};
 use gpufence_model::audit::AuditEvent;
@@ -72,11 +70,16 @@ use gpufence_model::fsutil::{create_dir_all_mode, write_atomic};
 use gpufence_model::procnet::{TCP_ESTABLISHED, TCP_LISTEN, TCP_SYN_SENT};
 use gpufence_model::record::now_rfc3339;
 
-use crate::denials;
-use crate::evidence::GpuMemory;
-use crate::respond::covered;
-use crate::scan::{HeldFd, Scanner, Via};
-use crate::{drain, is_under, Node};
+use crate::holders::cover::covered;
+use crate::holders::scan::{HeldFd, Scanner, Via};
+use crate::host::denials;
+use crate::host::persistence::{
+    file_evidence, systemd_files, user_crontabs, Fingerprint, UNIT_EVIDENCE_MAX,
+};
+use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
+use crate::host::users::Passwd;
+use crate::response::evidence::GpuMemory;
+use crate::{host::drain, is_under, Node};
 
 /// How bad a finding is. Ordered: `Info < Low < Medium < High < Critical`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -292,7 +295,7 @@ impl Finding {
         self.pid = Some(p.pid);
         self.uid = p.uid;
         self.user = p.user.clone();
-        self.cgroup = p.cgroup.as_deref().map(crate::cgpath::abs);
+        self.cgroup = p.cgroup.as_deref().map(crate::host::cgpath::abs);
         self.comm = p.comm.clone();
         self
     }
@@ -323,357 +326,6 @@ impl Finding {
         }
         gpufence_model::text::printable(&s)
     }
-}
-
-// ---------------------------------------------------------------------------
-// Users.
-
-/// The users of `passwd_file` (never NSS: the sweep must not hang on LDAP).
-#[derive(Clone, Debug, Default)]
-pub struct Passwd {
-    by_uid: BTreeMap<u32, (String, PathBuf)>,
-    by_name: BTreeMap<String, (u32, PathBuf)>,
-}
-
-impl Passwd {
-    /// Reads a passwd-format file; a missing file gives no users.
-    pub fn load(path: &Path) -> Passwd {
-        Passwd::parse(&std::fs::read_to_string(path).unwrap_or_default())
-    }
-
-    /// Parses passwd-format text (`name:x:uid:gid:gecos:home:shell`).
-    pub fn parse(text: &str) -> Passwd {
-        let mut p = Passwd::default();
-        for l in text.lines() {
-            let f: Vec<&str> = l.split(':').collect();
-            if f.len() < 6 || f[0].is_empty() || f[0].starts_with('#') {
-                continue;
-            }
-            let Ok(uid) = f[2].parse::<u32>() else {
-                continue;
-            };
-            let home = PathBuf::from(f[5]);
-            p.by_uid
-                .entry(uid)
-                .or_insert_with(|| (f[0].to_string(), home.clone()));
-            p.by_name.entry(f[0].to_string()).or_insert((uid, home));
-        }
-        p
-    }
-
-    /// The name of `uid`.
-    pub fn name(&self, uid: u32) -> Option<&str> {
-        self.by_uid.get(&uid).map(|(n, _)| n.as_str())
-    }
-
-    /// The uid of `name`.
-    pub fn uid(&self, name: &str) -> Option<u32> {
-        self.by_name.get(name).map(|(u, _)| *u)
-    }
-
-    /// The home of `uid`.
-    pub fn home(&self, uid: u32) -> Option<&Path> {
-        self.by_uid.get(&uid).map(|(_, h)| h.as_path())
-    }
-
-    /// Every `(name, uid, home)`.
-    pub fn users(&self) -> impl Iterator<Item = (&str, u32, &Path)> {
-        self.by_name
-            .iter()
-            .map(|(n, (u, h))| (n.as_str(), *u, h.as_path()))
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Persistence.
-
-/// The entries of a crontab: lines that are not blank, not comments and
-/// not environment assignments (`NAME=value`).
-pub fn cron_entries(text: &str) -> Vec<String> {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .filter(|l| {
-            // An assignment: an identifier before `=`, no blank before it.
-            // A schedule starts with a digit, `*`, `@` or a name list.
-            match l.split_once('=') {
-                Some((k, _)) => {
-                    let k = k.trim();
-                    k.is_empty()
-                        || k.contains(char::is_whitespace)
-                        || k.starts_with(|c: char| c.is_ascii_digit() || c == '*' || c == '@')
-                }
-                None => true,
-            }
-        })
-        .map(String::from)
-        .collect()
-}
-
-/// One persistence entry: a user's crontab or a systemd file.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PersistenceEntry {
-    /// `cron`, `systemd_system` or `systemd_user`.
-    pub kind: &'static str,
-    /// The file.
-    pub path: PathBuf,
-    /// Its owner (the crontab's user, the unit file's owner).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub uid: Option<u32>,
-    /// The user's name.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
-    /// Crontab entries; empty for unit files.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub entries: Vec<String>,
-    /// SHA-256 of a regular file's content.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sha256: Option<String>,
-    /// A symlink's target (`.wants/` links enable units).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub link: Option<String>,
-    /// The file's content when it is small text (unit files, crontabs),
-    /// so that evidence survives the file.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-}
-
-/// How a systemd file is remembered in the baseline: what `lstat` says,
-/// so a sweep never reads a user's files to compare them (a user cannot
-/// set a file's ctime: any write, rename or chmod moves it).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Fingerprint {
-    /// Target (symlinks).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub link: Option<String>,
-    /// Owner.
-    pub uid: u32,
-    /// Permission bits.
-    pub mode: u32,
-    /// Size in bytes.
-    pub size: u64,
-    /// Inode number.
-    pub ino: u64,
-    /// Modification time, ns since the epoch.
-    pub mtime_ns: i64,
-    /// Status change time, ns since the epoch.
-    pub ctime_ns: i64,
-}
-
-/// How much of a file is hashed or kept as evidence. Unit files and
-/// crontabs are a few hundred bytes.
-const EVIDENCE_MAX: u64 = 64 << 10;
-/// How deep and how many files a unit directory walk goes (a unit tree is
-/// shallow: `foo.service.d/x.conf`, `multi-user.target.wants/foo.service`).
-const UNIT_DEPTH: usize = 4;
-const UNIT_FILES_MAX: usize = 20_000;
-/// Reported systemd files that get a hash and content (a user can make
-/// thousands of files: each is reported, only these many are read).
-const UNIT_EVIDENCE_MAX: usize = 100;
-
-/// Opens `p` for reading only if it is a regular file, without following
-/// a symlink and without blocking on a FIFO swapped in by its owner.
-fn open_regular(p: &Path) -> Option<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(p)
-        .ok()?;
-    f.metadata().ok()?.is_file().then_some(f)
-}
-
-/// The first [`EVIDENCE_MAX`] bytes of a regular file.
-fn read_prefix(p: &Path) -> Option<Vec<u8>> {
-    use std::io::Read;
-    let mut buf = Vec::new();
-    open_regular(p)?
-        .take(EVIDENCE_MAX)
-        .read_to_end(&mut buf)
-        .ok()?;
-    Some(buf)
-}
-
-fn sha256_hex(b: &[u8]) -> String {
-    Sha256::digest(b)
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
-}
-
-/// SHA-256 and (when it is text) the content of the first
-/// [`EVIDENCE_MAX`] bytes of a regular file.
-fn file_evidence(p: &Path) -> (Option<String>, Option<String>) {
-    match read_prefix(p) {
-        Some(b) => (Some(sha256_hex(&b)), String::from_utf8(b).ok()),
-        None => (None, None),
-    }
-}
-
-fn fingerprint(p: &Path) -> Option<Fingerprint> {
-    let md = std::fs::symlink_metadata(p).ok()?;
-    let ft = md.file_type();
-    if !ft.is_symlink() && !ft.is_file() {
-        return None;
-    }
-    Some(Fingerprint {
-        link: ft
-            .is_symlink()
-            .then(|| std::fs::read_link(p).ok())
-            .flatten()
-            .map(|t| t.display().to_string()),
-        uid: md.uid(),
-        mode: md.mode() & 0o7777,
-        size: md.size(),
-        ino: md.ino(),
-        mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
-        ctime_ns: md.ctime() * 1_000_000_000 + md.ctime_nsec(),
-    })
-}
-
-/// Every regular file and symlink under `dir` (not following links), with
-/// its fingerprint.
-pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(dir.to_path_buf(), 0usize)];
-    while let Some((d, depth)) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            if out.len() >= UNIT_FILES_MAX {
-                return out;
-            }
-            let Ok(ft) = e.file_type() else { continue };
-            let p = e.path();
-            if ft.is_dir() {
-                if depth < UNIT_DEPTH {
-                    stack.push((p, depth + 1));
-                }
-            } else if let Some(f) = fingerprint(&p) {
-                out.insert(p, f);
-            }
-        }
-    }
-    out
-}
-
-fn unit_entry(
-    kind: &'static str,
-    path: &Path,
-    f: &Fingerprint,
-    users: &Passwd,
-) -> PersistenceEntry {
-    let (sha256, content) = file_evidence(path);
-    PersistenceEntry {
-        kind,
-        path: path.to_path_buf(),
-        uid: Some(f.uid),
-        user: users.name(f.uid).map(String::from),
-        entries: Vec::new(),
-        sha256,
-        link: f.link.clone(),
-        content,
-    }
-}
-
-/// The crontab of user `name` in the spool, when it has entries.
-fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntry> {
-    let path = node.cfg.cron_spool_dir.join(name);
-    let bytes = read_prefix(&path)?;
-    let entries = cron_entries(&String::from_utf8_lossy(&bytes));
-    if entries.is_empty() {
-        return None;
-    }
-    Some(PersistenceEntry {
-        kind: "cron",
-        uid: users.uid(name),
-        user: Some(name.to_string()),
-        entries,
-        sha256: Some(sha256_hex(&bytes)),
-        link: None,
-        content: String::from_utf8(bytes).ok(),
-        path,
-    })
-}
-
-/// The crontabs with entries of users above `protected_uid_max` (a file
-/// named by a user the passwd file does not know counts as such).
-pub fn user_crontabs(node: &Node, users: &Passwd) -> Vec<PersistenceEntry> {
-    let Ok(rd) = std::fs::read_dir(&node.cfg.cron_spool_dir) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = rd
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(String::from))
-        // crontab(1) writes `tmp.XXXXXX` while editing.
-        .filter(|n| !n.starts_with('.') && !n.starts_with("tmp."))
-        .collect();
-    names.sort();
-    names
-        .into_iter()
-        .filter(|n| users.uid(n).is_none_or(|u| u > node.cfg.protected_uid_max))
-        .filter_map(|n| crontab_of(node, &n, users))
-        .collect()
-}
-
-fn user_unit_dir(home: &Path) -> PathBuf {
-    home.join(".config/systemd/user")
-}
-
-/// The systemd files the sweep watches: `systemd_system_dir` and every
-/// passwd user's `~/.config/systemd/user`. Values: the fingerprint and
-/// `systemd_system` / `systemd_user`.
-pub fn systemd_files(
-    node: &Node,
-    users: &Passwd,
-) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
-    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> =
-        unit_files(&node.cfg.systemd_system_dir)
-            .into_iter()
-            .map(|(p, f)| (p, (f, "systemd_system")))
-            .collect();
-    let homes: BTreeSet<&Path> = users
-        .users()
-        .map(|(_, _, h)| h)
-        .filter(|h| h.is_absolute())
-        .collect();
-    for h in homes {
-        let d = user_unit_dir(h);
-        if d.starts_with(&node.cfg.systemd_system_dir) {
-            continue;
-        }
-        out.extend(
-            unit_files(&d)
-                .into_iter()
-                .map(|(p, f)| (p, (f, "systemd_user"))),
-        );
-    }
-    out
-}
-
-/// The persistence entries of `uid`: its crontab (whatever the uid), the
-/// files under its `~/.config/systemd/user`, and files it owns under
-/// `systemd_system_dir` (for uids other than root, which owns them all).
-pub fn persistence_of_uid(node: &Node, uid: u32) -> Vec<PersistenceEntry> {
-    let users = Passwd::load(&node.cfg.passwd_file);
-    let mut out = Vec::new();
-    if let Some(name) = users.name(uid) {
-        out.extend(crontab_of(node, name, &users));
-    }
-    if let Some(home) = users.home(uid).filter(|h| h.is_absolute()) {
-        for (p, f) in unit_files(&user_unit_dir(home)) {
-            out.push(unit_entry("systemd_user", &p, &f, &users));
-        }
-    }
-    if uid != 0 {
-        for (p, f) in unit_files(&node.cfg.systemd_system_dir) {
-            if f.uid == uid {
-                out.push(unit_entry("systemd_system", &p, &f, &users));
-            }
-        }
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------
@@ -763,42 +415,6 @@ fn slurm_exe(node: &Node, pid: i32) -> bool {
         .is_ok_and(|exe| node.cfg.slurm_listeners.contains(&exe))
 }
 
-/// `PF_KTHREAD` (`include/linux/sched.h`).
-pub const PF_KTHREAD: u64 = 0x0020_0000;
-
-/// `(comm, ppid, flags)` from `/proc/<pid>/stat`.
-pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let open = s.find('(')?;
-    let close = s.rfind(')')?;
-    let comm = s.get(open + 1..close)?.to_string();
-    let rest: Vec<&str> = s.get(close + 1..)?.split_whitespace().collect();
-    // state ppid pgrp session tty_nr tpgid flags
-    let ppid = rest.get(1)?.parse().ok()?;
-    let flags = rest.get(6)?.parse().ok()?;
-    Some((comm, ppid, flags))
-}
-
-/// The real uid of `pid` (`Uid:` of `/proc/<pid>/status`).
-pub fn read_uid(pid: i32) -> Option<u32> {
-    crate::respond::uid_of(pid)
-}
-
-/// The command line of `pid`, split at NULs.
-pub fn read_cmdline(pid: i32) -> Vec<String> {
-    let Ok(b) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return Vec::new();
-    };
-    let mut v: Vec<String> = b
-        .split(|c| *c == 0)
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    if v.last().is_some_and(String::is_empty) {
-        v.pop();
-    }
-    v
-}
-
 fn netns_of(pid: i32) -> Option<u64> {
     let l = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()?;
     let s = l.to_str()?;
@@ -852,7 +468,7 @@ fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) ->
     let me = std::process::id() as i32;
     let mut w = Walk::default();
     let mut scanner = Scanner::new();
-    for pid in crate::scan::pids() {
+    for pid in crate::holders::scan::pids() {
         if pid == me {
             continue;
         }
@@ -1081,7 +697,7 @@ fn dev_list(devs: &BTreeSet<DevNum>) -> String {
 }
 
 /// Whether a configured exemption covers a process of real uid `uid` in
-/// cgroup `cg` (never a user's process: [`crate::respond::exemption`]).
+/// cgroup `cg` (never a user's process: [`crate::holders::cover::exemption`]).
 fn config_exempt(node: &Node, cg: Option<&str>, uid: Option<u32>) -> bool {
     uid.is_some_and(|u| node.cfg.exempt_identities().covers(u))
         && cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
@@ -1144,18 +760,18 @@ impl Sweep<'_> {
             ));
         }
         if attached.is_ok() {
-            let mode = crate::fence_ops::running_mode(node);
+            let mode = crate::host::fence_ops::running_mode(node);
             let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
-                crate::fence_ops::RunningMode::Audit
+                crate::host::fence_ops::RunningMode::Audit
             } else {
-                crate::fence_ops::RunningMode::Enforce
+                crate::host::fence_ops::RunningMode::Enforce
             };
             if mode != want {
                 self.findings.push(Finding::new(
                     Kind::FenceNotEnforcing,
                     format!(
                         "the attached fence program runs in mode {mode}, the config asks for {}: run `gpufence fence install`",
-                        if want == crate::fence_ops::RunningMode::Audit { "audit" } else { "enforce" }
+                        if want == crate::host::fence_ops::RunningMode::Audit { "audit" } else { "enforce" }
                     ),
                     json!({"running_mode": mode, "config_mode": format!("{:?}", node.cfg.mode).to_lowercase()}),
                 ));
@@ -1256,7 +872,7 @@ impl Sweep<'_> {
             }
             let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
             let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
-            let path = noted.get(&id).map(|p| crate::cgpath::abs(p));
+            let path = noted.get(&id).map(|p| crate::host::cgpath::abs(p));
             let mut fnd = Finding::new(
                 Kind::StaleGrant,
                 format!(
@@ -1349,7 +965,7 @@ impl Sweep<'_> {
             fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
             fnd.uid = Some(d.uid);
             fnd.user = d.user;
-            fnd.cgroup = d.cgroup.map(|c| crate::cgpath::abs(&c));
+            fnd.cgroup = d.cgroup.map(|c| crate::host::cgpath::abs(&c));
             fnd.comm = Some(d.last_comm);
             self.findings.push(fnd);
         }
@@ -1648,7 +1264,7 @@ impl Sweep<'_> {
 
     /// Users' crontabs; systemd files against the baseline.
     /// Users' files in `shm_dir` that no process holds, with their age
-    /// ([`crate::shm::leftovers`]; system users and exempt service uids
+    /// ([`crate::holders::shm::leftovers`]; system users and exempt service uids
     /// aside). Out of a `--cgroup` sweep's scope.
     fn shm_leftovers(&mut self) {
         if self.scope.is_some() {
@@ -1656,7 +1272,7 @@ impl Sweep<'_> {
         }
         let ids = self.node.cfg.exempt_identities();
         let now = std::time::SystemTime::now();
-        for l in crate::shm::leftovers(&self.node.cfg.shm_dir, &|u| !ids.covers(u), None) {
+        for l in crate::holders::shm::leftovers(&self.node.cfg.shm_dir, &|u| !ids.covers(u), None) {
             let path = self.node.cfg.shm_dir.join(&l.name);
             let age = l.age_seconds(now);
             let mut f = Finding::new(
@@ -1803,10 +1419,12 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     let _lock = lock(node).map_err(|e| report.errors.push(e)).ok();
     report
         .notes
-        .extend(crate::scan::io_uring_exposure(Path::new("/proc/sys")));
+        .extend(crate::holders::scan::io_uring_exposure(Path::new(
+            "/proc/sys",
+        )));
     report
         .notes
-        .extend(crate::respond::finish_interrupted(node));
+        .extend(crate::response::respond::finish_interrupted(node));
     let users = Passwd::load(&node.cfg.passwd_file);
     let mut s = Sweep {
         node,
@@ -1946,24 +1564,6 @@ pub fn drain_reason(failing: &[&Finding]) -> Option<String> {
     )))
 }
 
-/// The Slurm node name: `$SLURMD_NODENAME`, else the short host name.
-pub fn node_name() -> String {
-    if let Ok(n) = std::env::var("SLURMD_NODENAME") {
-        if !n.is_empty() {
-            return n;
-        }
-    }
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname into a buffer we own, with its length.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r != 0 {
-        return "localhost".into();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    let full = String::from_utf8_lossy(&buf[..end]).into_owned();
-    full.split('.').next().unwrap_or(&full).to_string()
-}
-
 /// What `gpufence sweep` was asked to do.
 #[derive(Clone, Debug, Default)]
 pub struct SweepRequest {
@@ -2072,6 +1672,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::persistence::{cron_entries, unit_files};
 
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()

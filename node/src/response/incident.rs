@@ -13,7 +13,7 @@
 //!    and keeps what is collected next consistent (a tree cannot fork,
 //!    hand on a descriptor or delete files while it is read);
 //! 4. preserve evidence: one evidence file per member
-//!    ([`crate::evidence`]), and an incident file with the tree, how each
+//!    ([`crate::response::evidence`]), and an incident file with the tree, how each
 //!    member was stopped, the evidence files and the persistence entries of
 //!    the process's uid with their content (root-only, never overwritten);
 //! 5. `SIGKILL` every member through its pidfd, thaw, and check each is gone;
@@ -41,13 +41,14 @@ use gpufence_model::audit::AuditEvent;
 use gpufence_model::device::DevNum;
 use gpufence_model::record::now_rfc3339;
 
-use crate::evidence::{self, GpuMemory};
-use crate::respond::{exemption, exited, pidfd_open, set_frozen, signal};
-use crate::scan::Scanner;
-use crate::sweep::{
-    persistence_of_uid, read_cmdline, read_stat, read_uid, Passwd, PersistenceEntry, PF_KTHREAD,
-};
-use crate::{drain, Node};
+use crate::holders::cover::exemption;
+use crate::holders::scan::Scanner;
+use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
+use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
+use crate::host::users::Passwd;
+use crate::response::evidence::{self, GpuMemory};
+use crate::response::respond::{exited, pidfd_open, set_frozen, signal};
+use crate::{host::drain, Node};
 
 /// Why `respond` will not act on a pid.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -123,7 +124,7 @@ pub struct TreeProcess {
     /// Command line.
     pub cmdline: Vec<String>,
     /// cgroup2 path. JSON: absolute (`/a/b`).
-    #[serde(serialize_with = "crate::cgpath::option::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::option::serialize")]
     pub cgroup: Option<String>,
 }
 
@@ -197,7 +198,7 @@ fn tgid_of(pid: i32) -> Option<i32> {
 
 /// pid → ppid of every process.
 fn parents() -> BTreeMap<i32, i32> {
-    crate::scan::pids()
+    crate::holders::scan::pids()
         .into_iter()
         .filter_map(|p| read_stat(p).map(|(_, pp, _)| (p, pp)))
         .collect()
@@ -300,7 +301,7 @@ pub fn respond_pid(
         let _ = node.audit(
             AuditEvent::new("respond_refused")
                 .pid(pid)
-                .field("by", crate::exec::who())
+                .field("by", crate::host::procs::who())
                 .field("reason", r.to_string()),
         );
         Err(r)
@@ -322,7 +323,7 @@ pub fn respond_pid(
         ..Default::default()
     };
     // Who asked: every line and the incident file name them.
-    let by = crate::exec::who();
+    let by = crate::host::procs::who();
     let audit = |out: &mut IncidentOutcome, ev: AuditEvent| {
         if let Err(e) = node.audit(ev.field("by", by.clone())) {
             out.errors.push(e.to_string());
@@ -463,7 +464,7 @@ pub fn respond_pid(
             "frozen_cgroups",
             frozen_cgroups
                 .iter()
-                .map(|c| crate::cgpath::abs(c))
+                .map(|c| crate::host::cgpath::abs(c))
                 .collect::<Vec<_>>(),
         )
         .field(

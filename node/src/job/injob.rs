@@ -10,13 +10,13 @@
 //!   ([`locate_script`]: the kernel's `/proc/self/cgroup`, where Slurm put
 //!   the extern slurmstepd; never the job's environment) and, after writing
 //!   and auditing the record, grants it itself
-//!   ([`crate::apply::grant_in_prolog`], step `extern`): the extern step,
+//!   ([`crate::job::apply::grant_in_prolog`], step `extern`): the extern step,
 //!   ssh sessions pam_slurm_adopt puts in `step_extern/user/task_special`,
 //!   and every later step hold the grant from the moment the Prolog
 //!   returns. Later steps' `slurm_spank_init` grant the same again, which
-//!   is harmless ([`crate::apply::grant`]).
+//!   is harmless ([`crate::job::apply::grant`]).
 //! - The extern step's `slurm_spank_init` without a record is expected
-//!   ([`crate::apply::no_record_expected`]).
+//!   ([`crate::job::apply::no_record_expected`]).
 //! - The Prolog and the Epilog step out of the job cgroup into an exempt
 //!   leaf of the exec cgroup for their work ([`step_out`]) and back in
 //!   before they exit. Inside the job cgroup NVML cannot do its part:
@@ -45,7 +45,7 @@ use gpufence_cgroup::hierarchy::{find_job_cgroup, is_sluid, SlurmJobCgroup};
 use gpufence_cgroup::Fence;
 use gpufence_model::config::Layout;
 
-use crate::apply::{self, JobCgroup};
+use crate::job::apply::{self, JobCgroup};
 use crate::{Node, NodeError};
 
 /// The Prolog's and Epilog's variable with the job's SLUID (25.11+,
@@ -78,7 +78,7 @@ pub fn script_job_cgroup(
             "the Prolog/Epilog of job {job_id}{} runs in cgroup {}, the extern step of another job ({dir}): \
              Slurm ran it in the wrong job, whose cgroup gets nothing of this job's",
             sluid.map_or_else(String::new, |s| format!(" ({SLUID_ENV}={s})")),
-            crate::cgpath::abs(own_cgroup)
+            crate::host::cgpath::abs(own_cgroup)
         )
     };
     if let Some(j) = find_job_cgroup(own_cgroup, job_id, "extern") {
@@ -139,7 +139,7 @@ pub struct SteppedOut<'a> {
 
 /// Moves this process (all its threads) from the job cgroup into
 /// `<cgroup_root>/<exec_cgroup>/<tag>-<pid>`, exempt in the fence
-/// ([`crate::exec::exempt_leaf`]), until the returned guard is dropped.
+/// ([`crate::host::exec_cgroup::exempt_leaf`]), until the returned guard is dropped.
 /// Leaves of scripts killed while stepped out are removed first.
 /// Child processes started meanwhile start there too. Slurm waits for the
 /// script by its pid (and kills its process group on a timeout), not by
@@ -152,13 +152,13 @@ pub fn step_out<'a>(node: &'a Node, fence: &Fence, tag: &str) -> Result<SteppedO
     let me = std::process::id() as i32;
     let back = node.cg.cgroup_of(me)?;
     remove_dead_leaves(node);
-    let here = crate::exec::exempt_leaf(node, fence, &format!("{tag}-{me}"))?;
+    let here = crate::host::exec_cgroup::exempt_leaf(node, fence, &format!("{tag}-{me}"))?;
     if let Err(e) = node.cg.move_pid(&here, me) {
         let _ = node.cg.remove_tree(&here);
         return Err(NodeError::JobCgroup(format!(
             "cannot move the {tag} (pid {me}) from {} into the exempt cgroup {}: {e}",
-            crate::cgpath::abs(&back),
-            crate::cgpath::abs(&here)
+            crate::host::cgpath::abs(&back),
+            crate::host::cgpath::abs(&here)
         )));
     }
     Ok(SteppedOut { node, back, here })

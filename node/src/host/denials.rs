@@ -16,7 +16,7 @@ use crate::{Node, NodeError};
 pub struct Denial {
     /// The denied task's cgroup path (relative to the cgroup2 mount), when
     /// the cgroup still exists. JSON: absolute (`/a/b`).
-    #[serde(serialize_with = "crate::cgpath::option::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::option::serialize")]
     pub cgroup: Option<String>,
     /// The cgroup id.
     pub cgroup_id: u64,

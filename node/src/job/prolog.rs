@@ -3,7 +3,7 @@
 //! Runs as slurmd's Prolog, before the job cgroup exists; or, with
 //! `PrologFlags=RunInJob` (24.05+), from the job's extern slurmstepd inside
 //! the job cgroup, which it then grants itself ([`run_with_sluid`],
-//! [`crate::injob`]). Its only inputs are the variables slurmd or
+//! [`crate::job::injob`]). Its only inputs are the variables slurmd or
 //! slurmstepd sets (trusted), slurmd's GRES list and its own cgroup (the
 //! kernel's); nothing the job's user controls.
 
@@ -19,10 +19,10 @@ use gpufence_model::gres::parse_index_list;
 use gpufence_model::nvproc::{parse_mig_minors, CapKind, MigMinors};
 use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, MigSlice, RECORD_VERSION};
 
-use crate::epilog::gpu_minors;
-use crate::fence_ops::open_installed;
-use crate::gpus::Gpus;
-use crate::{crashpoint, evidence, gresmap, respond};
+use crate::host::fence_ops::open_installed;
+use crate::host::gpus::Gpus;
+use crate::job::epilog::gpu_minors;
+use crate::{crashpoint, host::gresmap, response::evidence, response::respond};
 use crate::{Node, NodeError};
 
 /// The Prolog's view of its environment (from slurmd).
@@ -113,7 +113,7 @@ pub const SLURMCTLD_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 /// of the job, each overwriting the last (`gres_g_prep_set_env`,
 /// `src/interfaces/gres.c`; still so in 25.11), and the Prolog sees only one
 /// type's GPUs. On such nodes the job's allocation on this node is read from
-/// slurmctld as JSON ([`crate::slurmctld`]) and united with the environment
+/// slurmctld as JSON ([`crate::host::slurmctld`]) and united with the environment
 /// (which also carries shard allocations, that the JSON `gpu` entries do
 /// not). Both sources are Slurm's own; if slurmctld cannot answer, the
 /// environment alone is used (never more than allocated) and a note says so.
@@ -134,7 +134,7 @@ fn complete_indices(
         );
         return Ok(env.gres_indices.clone());
     };
-    match crate::slurmctld::job_gpu_indices(
+    match crate::host::slurmctld::job_gpu_indices(
         &node.cfg.scontrol_bin,
         env.slurm_conf.as_deref(),
         env.job_id,
@@ -496,7 +496,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
 pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String>, NodeError> {
     let mut notes = Vec::new();
     // Every grant is noted in `applied/` before it is made
-    // ([`crate::apply`]): a job with no note (and no unreadable one) has no
+    // ([`crate::job::apply`]): a job with no note (and no unreadable one) has no
     // grant to revoke, and the walk of the whole `grants` map is spared.
     let (applied, unreadable) = node.state.applied(Some(job_id));
     let gone = if applied.is_empty() && unreadable.is_empty() {
@@ -563,7 +563,7 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
     let minors = gpu_minors(&gres, node.gpu_major());
     let gpus = node.open_gpus();
     for m in minors {
-        match gpus.swap_compute_mode(m, crate::gpus::EXCLUSIVE_PROCESS) {
+        match gpus.swap_compute_mode(m, crate::host::gpus::EXCLUSIVE_PROCESS) {
             Ok(old) => rec.saved_compute_modes.push((m, old)),
             Err(e) => {
                 // The file the job was given (the demo's and the tests'
@@ -591,7 +591,7 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
 /// # Errors
 /// [`NodeError`]: Slurm then drains the node and requeues the job.
 pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
-    let sluid = std::env::var(crate::injob::SLUID_ENV).ok();
+    let sluid = std::env::var(crate::job::injob::SLUID_ENV).ok();
     run_with_sluid(node, env, sluid.as_deref())
 }
 
@@ -601,21 +601,21 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 /// Where the Prolog runs decides one thing more. In slurmd's cgroup (the
 /// usual Prolog) nothing else happens: the steps' `slurm_spank_init`
 /// grant the record. Under `PrologFlags=RunInJob` with `layout = "slurm"`
-/// the Prolog runs in the job's `step_extern/slurm` ([`crate::injob`]),
+/// the Prolog runs in the job's `step_extern/slurm` ([`crate::job::injob`]),
 /// after the extern step's `slurm_spank_init` found no record; then, in
 /// this order:
 /// 1. the job cgroup is taken from the Prolog's own cgroup
-///    ([`crate::injob::locate_script`]; with `sluid` it must be this job's
+///    ([`crate::job::injob::locate_script`]; with `sluid` it must be this job's
 ///    SLUID);
 /// 2. the Prolog steps out into an exempt leaf of the exec cgroup
-///    ([`crate::injob::step_out`]), so that the stale-state clean-up, the
+///    ([`crate::job::injob::step_out`]), so that the stale-state clean-up, the
 ///    record (`slurmd -G`, `scontrol`) and the NVML checks (clean start,
 ///    idle-memory baseline, `--gpu-exclusive`) run as they do from
 ///    slurmd's exempt cgroup; the job's grant alone would not do for NVML,
 ///    which opens every GPU of the node;
 /// 3. the record is written and `grant_recorded` audited, as always;
 /// 4. the record is granted to the job cgroup
-///    ([`crate::apply::grant_in_prolog`]: `grant_applied` with step
+///    ([`crate::job::apply::grant_in_prolog`]: `grant_applied` with step
 ///    `extern` and `phase` `prolog`, the applied note, the fence), so the
 ///    extern step (and the ssh sessions pam_slurm_adopt puts there) and
 ///    every later step hold it when the Prolog returns; Slurm starts no
@@ -635,9 +635,9 @@ pub fn run_with_sluid(
     // A job must not start on a node whose GPUs nobody guards.
     let fence = open_installed(node)?;
     crashpoint::reached(crashpoint::PROLOG_FENCE_CHECKED);
-    let in_job = crate::injob::locate_script(node, env.job_id, sluid)?;
+    let in_job = crate::job::injob::locate_script(node, env.job_id, sluid)?;
     let _stepped_out = match &in_job {
-        Some(_) => Some(crate::injob::step_out(node, &fence, "prolog")?),
+        Some(_) => Some(crate::job::injob::step_out(node, &fence, "prolog")?),
         None => None,
     };
     let interrupted = respond::finish_interrupted(node);
@@ -683,17 +683,18 @@ fn grant_job_cgroup(
     rec: &JobRecord,
     job_cgroup: &str,
 ) -> Result<(), NodeError> {
-    let req = crate::apply::StepRequest {
+    let req = crate::job::apply::StepRequest {
         job_id: rec.job_id,
-        step_id: crate::apply::EXTERN_STEP_ID,
+        step_id: crate::job::apply::EXTERN_STEP_ID,
         uid: rec.uid,
         stepd_pid: std::process::id() as i32,
     };
-    let err = match crate::apply::grant_in_prolog(node, &req, fence, job_cgroup) {
-        Ok(crate::apply::ApplyOutcome::Granted { .. } | crate::apply::ApplyOutcome::NoGpus) => {
-            return Ok(())
-        }
-        Ok(crate::apply::ApplyOutcome::NoRecord) => NodeError::JobCgroup(format!(
+    let err = match crate::job::apply::grant_in_prolog(node, &req, fence, job_cgroup) {
+        Ok(
+            crate::job::apply::ApplyOutcome::Granted { .. }
+            | crate::job::apply::ApplyOutcome::NoGpus,
+        ) => return Ok(()),
+        Ok(crate::job::apply::ApplyOutcome::NoRecord) => NodeError::JobCgroup(format!(
             "job {}: the record written a moment ago is gone from {}",
             rec.job_id,
             node.state.record_path(rec.job_id).display()

@@ -43,7 +43,11 @@ impl Leftover {
 /// never one) owned by a uid `owner` accepts and changed at or after
 /// `since`, that no live process holds open or mapped ([`held`]).
 /// Nothing when `dir` cannot be read.
-pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTime>) -> Vec<Leftover> {
+pub fn leftovers(
+    dir: &Path,
+    owner: &dyn Fn(u32) -> bool,
+    since: Option<SystemTime>,
+) -> Vec<Leftover> {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -95,7 +99,7 @@ pub fn held(dir: &Path) -> BTreeSet<String> {
         (!rest.contains('/')).then(|| rest.trim_end_matches(" (deleted)").to_string())
     };
     let mut out = BTreeSet::new();
-    for pid in crate::scan::pids() {
+    for pid in crate::holders::scan::pids() {
         if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
             for e in rd.filter_map(|e| e.ok()) {
                 if let Ok(t) = std::fs::read_link(e.path()) {
@@ -146,7 +150,8 @@ mod tests {
         let me = nix_uid();
         let w = |n: &str, len: usize| {
             std::fs::write(d.path().join(n), vec![0u8; len]).unwrap();
-            std::fs::set_permissions(d.path().join(n), std::fs::Permissions::from_mode(0o644)).unwrap();
+            std::fs::set_permissions(d.path().join(n), std::fs::Permissions::from_mode(0o644))
+                .unwrap();
         };
         w("vllm-1234", 4096);
         w("psm_shm.abc", 10);
@@ -172,7 +177,10 @@ mod tests {
         let got = leftovers(d.path(), &|u| u == me, None);
         let names: Vec<&str> = got.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, ["psm_shm.abc", "vllm-1234"]);
-        assert_eq!((got[1].size_bytes, got[1].mode.as_str(), got[1].uid), (4096, "0644", me));
+        assert_eq!(
+            (got[1].size_bytes, got[1].mode.as_str(), got[1].uid),
+            (4096, "0644", me)
+        );
         assert!(leftovers(d.path(), &|u| u != me, None).is_empty());
         let later = SystemTime::now() + Duration::from_secs(3600);
         assert!(leftovers(d.path(), &|_| true, Some(later)).is_empty());

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use gpufence_model::record::JobRecord;
 
-use crate::denials::Denial;
-use crate::respond::Lingering;
+use crate::host::denials::Denial;
+use crate::response::respond::Lingering;
 use crate::{join_cgroup, Node};
 
 /// Everything the report says.

@@ -27,7 +27,7 @@ pub struct CgroupGrant {
     pub cgroup_id: u64,
     /// Its path relative to the cgroup2 mount, from the plugin's note;
     /// `None` when no note names it. JSON: absolute (`/a/b`).
-    #[serde(serialize_with = "crate::cgpath::option::serialize")]
+    #[serde(serialize_with = "crate::host::cgpath::option::serialize")]
     pub cgroup_path: Option<String>,
     /// Whether that cgroup still exists.
     pub cgroup_alive: bool,

@@ -12,7 +12,7 @@ use gpufence_model::record::{now_rfc3339, AppliedGrant};
 
 use gpufence_cgroup::Fence;
 
-use crate::fence_ops::open_installed;
+use crate::host::fence_ops::open_installed;
 use crate::{crashpoint, is_under, join_cgroup, Node, NodeError};
 
 /// The extern step's id (`SLURM_EXTERN_CONT`, `slurm.h`): the step
@@ -172,7 +172,7 @@ pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
                      makes no cgroup2 job cgroups (set layout = \"own\" in gpufence.toml)",
                     job = req.job_id,
                     pid = req.stepd_pid,
-                    own_abs = crate::cgpath::abs(&own),
+                    own_abs = crate::host::cgpath::abs(&own),
                 ))
             })?;
             fenced(node, &job.path)?;
@@ -196,8 +196,8 @@ pub(crate) fn fenced(node: &Node, job: &str) -> Result<(), NodeError> {
     }
     Err(NodeError::JobCgroup(format!(
         "job cgroup {} is outside the fenced subtree {}",
-        crate::cgpath::abs(job),
-        crate::cgpath::abs(root)
+        crate::host::cgpath::abs(job),
+        crate::host::cgpath::abs(root)
     )))
 }
 
@@ -246,8 +246,8 @@ fn refuse_exempt_ancestor(node: &Node, fence: &Fence, job: &str) -> Result<(), N
             return Err(NodeError::JobCgroup(format!(
                 "the job cgroup {} is below the exempt cgroup {}, so every process of every job could open every GPU: \
                  remove {path} from exempt_cgroups in {} (exemptions are for system services outside Slurm's job tree)",
-                crate::cgpath::abs(job),
-                crate::cgpath::abs(&path),
+                crate::host::cgpath::abs(job),
+                crate::host::cgpath::abs(&path),
                 match &node.origin {
                     gpufence_model::config::ConfigOrigin::File(p) => p.display().to_string(),
                     gpufence_model::config::ConfigOrigin::Defaults =>
@@ -281,9 +281,9 @@ pub fn grant(
     grant_at(node, req, &placement.fence, &placement.job_cgroup, None)
 }
 
-/// [`grant`] by the Prolog under `PrologFlags=RunInJob` ([`crate::injob`]):
+/// [`grant`] by the Prolog under `PrologFlags=RunInJob` ([`crate::job::injob`]):
 /// the record just written goes to `job_cgroup` (the job cgroup the
-/// Prolog's own cgroup is in, [`crate::injob::locate_script`]), as the
+/// Prolog's own cgroup is in, [`crate::job::injob::locate_script`]), as the
 /// extern step's. The `grant_applied` line is the one [`grant`] writes
 /// (`step` is `req`'s, `pid` the Prolog's), with `"phase": "prolog"`.
 ///
@@ -331,7 +331,7 @@ fn grant_at(
         .uid(req.uid)
         .pid(req.stepd_pid)
         .devices(&rec.devices)
-        .field("cgroup", crate::cgpath::abs(job))
+        .field("cgroup", crate::host::cgpath::abs(job))
         .field("cgroup_id", cgroup_id)
         .field("cgroup_level", level)
         .field("step", step.clone());
@@ -362,7 +362,7 @@ fn grant_at(
         user_notes: rec
             .notes
             .iter()
-            .filter(|n| n.starts_with(crate::prolog::USER_NOTE_PREFIX))
+            .filter(|n| n.starts_with(crate::job::prolog::USER_NOTE_PREFIX))
             .cloned()
             .collect(),
     })
@@ -458,7 +458,7 @@ pub fn verdict(
 
 /// Whether a step that found no record is expected to: the extern step
 /// when slurm.conf has `PrologFlags=RunInJob` (`run_in_job`,
-/// [`crate::slurmconf::SlurmConf::run_in_job`]). The extern slurmstepd
+/// [`crate::host::slurmconf::SlurmConf::run_in_job`]). The extern slurmstepd
 /// then calls `spank_init` and only afterwards runs the Prolog
 /// (`_spawn_job_container` → `_run_prolog_epilog`,
 /// `src/slurmd/slurmstepd/mgr.c`, 24.05-26.05), which grants the job
@@ -646,7 +646,7 @@ mod tests {
         for want in [
             format!(
                 "job 7 step extern (pid {me}) is in cgroup {}",
-                crate::cgpath::abs(&own)
+                crate::host::cgpath::abs(&own)
             ),
             "<job_7 or SLUID>/step_extern/slurm".to_string(),
             "ProctrackType=proctrack/cgroup".to_string(),

@@ -6,55 +6,12 @@
 use std::ffi::OsString;
 use std::process::Command;
 
-use gpufence_cgroup::Fence;
 use gpufence_model::audit::AuditEvent;
 
-use crate::fence_ops::open_installed;
-use crate::{join_cgroup, Node, NodeError};
-
-/// Who is running this: `SUDO_USER` (when root via sudo), else the login
-/// name, with the real uid.
-pub fn who() -> String {
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
-    let name = std::env::var("SUDO_USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .or_else(|_| std::env::var("USER"))
-        .unwrap_or_else(|_| "unknown".into());
-    format!("{name} (uid {uid})")
-}
-
-/// Makes `<cgroup_root>/<exec_cgroup>/<leaf>` and returns its path
-/// (relative to the mount): the exec cgroup is made too when missing and
-/// (again) flagged exempt in `fence`, since a cgroup made anew after the
-/// install has a new id. What `gpufence exec` runs commands in, and where
-/// the Prolog and Epilog step out of the job cgroup under
-/// `PrologFlags=RunInJob` ([`crate::injob::step_out`]).
-///
-/// # Errors
-/// [`NodeError`] when a cgroup cannot be made or the fence refuses.
-pub fn exempt_leaf(node: &Node, fence: &Fence, leaf: &str) -> Result<String, NodeError> {
-    exec_leaf(node, Some(fence), leaf)
-}
-
-/// [`exempt_leaf`], the exemption only when there is a `fence`: makes
-/// `<cgroup_root>/<exec_cgroup>/<leaf>` (and the exec cgroup when missing)
-/// and returns its path. With no fence installed (yet) nothing needs an
-/// exemption, and the cgroup is still a place of gpufence's own: what
-/// `slurmd -G` runs in ([`crate::gresmap`]), fence or not.
-///
-/// # Errors
-/// [`NodeError::Kernel`] when a cgroup cannot be made or the fence refuses.
-pub fn exec_leaf(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<String, NodeError> {
-    let base = node.exec_cgroup();
-    node.cg.create(&base)?;
-    if let Some(fence) = fence {
-        fence.add_exempt_in(&node.cg, node.cg.id(&base)?, &base)?;
-    }
-    let mine = join_cgroup(&base, leaf);
-    node.cg.create(&mine)?;
-    Ok(mine)
-}
+use crate::host::exec_cgroup::exempt_leaf;
+use crate::host::fence_ops::open_installed;
+use crate::host::procs::who;
+use crate::{Node, NodeError};
 
 /// Runs `argv` in the exempt cgroup and returns its exit code (128+signal
 /// when killed; 127 when the command is not found and 126 when it cannot
@@ -87,7 +44,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         AuditEvent::new("exec_start")
             .field("who", who.clone())
             .field("argv", cmdline.clone())
-            .field("cgroup", crate::cgpath::abs(&mine)),
+            .field("cgroup", crate::host::cgpath::abs(&mine)),
     )?;
     let mut cmd = Command::new(prog);
     cmd.args(args);

@@ -25,9 +25,11 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::device::DevNum;
 use gpufence_model::record::MigSlice;
 
-use crate::evidence::{self, GpuMemory};
-use crate::gpus::GpuInfo;
-use crate::scan::{self, HeldFd};
+use crate::holders::cover::covered;
+use crate::holders::scan::{self, HeldFd};
+use crate::host::gpus::GpuInfo;
+use crate::host::procs::uid_of;
+use crate::response::evidence::{self, GpuMemory};
 use crate::Node;
 
 /// A pidfd (`pidfd_open(2)`), shared: it names one process for as long as
@@ -117,54 +119,6 @@ impl Lingering {
     pub fn gone(&self) -> bool {
         self.ended_by.is_some()
     }
-}
-
-/// The exemption that covers a process of real uid `uid` in cgroup `cg`:
-/// a configured `exempt_cgroups` entry it is in or under, or an ancestor
-/// the fence holds exempt; `None` when there is none, or when the
-/// exemption does not cover `uid` (a user's process in a daemon's cgroup,
-/// judged by the fence program as if the cgroup were not exempt:
-/// [`gpufence_model::policy::ExemptIdentities`]) or the uid is unknown
-/// (the process is gone).
-pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>) -> Option<String> {
-    if !uid.is_some_and(|u| node.cfg.exempt_identities().covers(u)) {
-        return None;
-    }
-    if let Some(e) = node
-        .cfg
-        .exempt_cgroups
-        .iter()
-        .find(|e| crate::is_under(cg, e))
-    {
-        return Some(crate::cgpath::abs(e));
-    }
-    let f = fence?;
-    node.cg
-        .ancestry(cg)
-        .into_iter()
-        .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
-        .map(|(p, id)| format!("/{p} (fence-exempt id {id})"))
-}
-
-/// Whether a process of real uid `uid` in `cgroup` may hold `dev`: an
-/// exemption covers it ([`exemption`]), or an ancestor holds a live grant
-/// for `dev`.
-pub fn covered(
-    node: &Node,
-    fence: Option<&Fence>,
-    cgroup: Option<&str>,
-    uid: Option<u32>,
-    dev: DevNum,
-) -> bool {
-    let (Some(fence), Some(cg)) = (fence, cgroup) else {
-        return false;
-    };
-    exemption(node, Some(fence), cg, uid).is_some()
-        || node
-            .cg
-            .ancestry(cg)
-            .into_iter()
-            .any(|(_, id)| fence.lookup(id, dev).ok().flatten().is_some())
 }
 
 /// Processes holding any of `devs` — by descriptor, or listed by NVML on a
@@ -442,7 +396,7 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
                     "cgroup",
                     note.cgroup
                         .as_deref()
-                        .map(crate::cgpath::abs)
+                        .map(crate::host::cgpath::abs)
                         .unwrap_or_default(),
                 ),
         );
@@ -450,17 +404,6 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
         out.push(what);
     }
     out
-}
-
-/// The real uid of `pid` (`Uid:` in `/proc/<pid>/status`, first field):
-/// the uid the fence program judges exemptions by
-/// (`bpf_get_current_uid_gid`). `None` when the process is gone.
-pub fn uid_of(pid: i32) -> Option<u32> {
-    procfs::process::Process::new(pid)
-        .ok()?
-        .status()
-        .ok()
-        .map(|s| s.ruid)
 }
 
 /// The pidfd of `c` (taken when it was found) when the process is still
@@ -715,7 +658,7 @@ fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u
             "cgroup",
             l.cgroup
                 .as_deref()
-                .map(crate::cgpath::abs)
+                .map(crate::host::cgpath::abs)
                 .unwrap_or_default(),
         )
         .field("comm", l.comm.clone().unwrap_or_default());

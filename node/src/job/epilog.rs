@@ -3,7 +3,7 @@
 //!
 //! Order: revoke (nothing new can open them) → ask the driver (NVML) and the
 //! descriptor tables who still holds them → respond to each process that no
-//! live grant or exemption covers ([`crate::respond`]: freeze, evidence,
+//! live grant or exemption covers ([`crate::response::respond`]: freeze, evidence,
 //! SIGTERM, SIGKILL, check) → look again → wait for each GPU's memory to come
 //! back to its idle level → in the `own` layout, kill what is left in the
 //! job's cgroup and remove it → forget the record. Clean (exit 0) when
@@ -12,7 +12,7 @@
 //!
 //! Under `PrologFlags=RunInJob` (24.05+) the Epilog runs from the job's
 //! extern slurmstepd inside the job cgroup: it first steps out into an
-//! exempt cgroup ([`crate::injob::step_out`]), so that every check above
+//! exempt cgroup ([`crate::job::injob::step_out`]), so that every check above
 //! works as it does from slurmd's cgroup, and steps back before it exits.
 
 use std::collections::BTreeSet;
@@ -25,9 +25,9 @@ use gpufence_model::config::Layout;
 use gpufence_model::device::{DevNum, DeviceRole};
 use gpufence_model::record::JobRecord;
 
-use crate::gpus::Gpus;
-use crate::respond::{self, Lingering};
-use crate::{crashpoint, drain, Node};
+use crate::host::gpus::Gpus;
+use crate::response::respond::{self, Lingering};
+use crate::{crashpoint, host::drain, Node};
 
 /// What the epilog did.
 #[derive(Clone, Debug, Default)]
@@ -134,7 +134,7 @@ pub struct EpilogEnv {
     /// See `uid`.
     pub gid: Option<u32>,
     /// `SLURM_JOB_SLUID` (25.11+): under `PrologFlags=RunInJob`, the SLUID
-    /// the job cgroup the Epilog runs in must have ([`crate::injob`]).
+    /// the job cgroup the Epilog runs in must have ([`crate::job::injob`]).
     pub job_sluid: Option<String>,
 }
 
@@ -150,7 +150,7 @@ impl EpilogEnv {
                 .map(PathBuf::from),
             uid: get("SLURM_JOB_UID").and_then(|v| v.parse().ok()),
             gid: get("SLURM_JOB_GID").and_then(|v| v.parse().ok()),
-            job_sluid: get(crate::injob::SLUID_ENV).filter(|s| !s.is_empty()),
+            job_sluid: get(crate::job::injob::SLUID_ENV).filter(|s| !s.is_empty()),
         }
     }
 }
@@ -162,10 +162,10 @@ fn step_out_of_job<'a>(
     fence: &Fence,
     env: &EpilogEnv,
     out: &mut EpilogOutcome,
-) -> Option<crate::injob::SteppedOut<'a>> {
-    let stepped = match crate::injob::locate_script(node, env.job_id, env.job_sluid.as_deref()) {
+) -> Option<crate::job::injob::SteppedOut<'a>> {
+    let stepped = match crate::job::injob::locate_script(node, env.job_id, env.job_sluid.as_deref()) {
         Ok(None) => return None,
-        Ok(Some(_)) => crate::injob::step_out(node, fence, "epilog").map_err(|e| {
+        Ok(Some(_)) => crate::job::injob::step_out(node, fence, "epilog").map_err(|e| {
             format!(
                 "{e}; NVML cannot check the job's GPUs from inside the job cgroup once its grant is revoked"
             )
@@ -219,7 +219,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     //    open none of the job's GPUs, and NVML (which opens every GPU)
     //    could not prove them clean. It steps out into an exempt cgroup,
     //    as slurmd's Epilog runs in slurmd's exempt cgroup, until it
-    //    returns ([`crate::injob`]).
+    //    returns ([`crate::job::injob`]).
     let _stepped_out = fence
         .as_ref()
         .and_then(|f| step_out_of_job(node, f, env, &mut out));
@@ -293,7 +293,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
     let mut handled: BTreeSet<i32> = BTreeSet::new();
     let responded = !cands.is_empty();
-    let mut budget = crate::evidence::Budget::from_config(&node.cfg);
+    let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
     for round in 0..node.cfg.response_rounds.max(1) {
         let fresh: Vec<_> = cands
             .into_iter()
@@ -474,7 +474,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                     .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
                 let wall = start
                     .map(|s| (ended.timestamp_micros() - s.timestamp_micros()).max(0) as f64 / 1e6);
-                let denials = crate::denials::list(node)
+                let denials = crate::host::denials::list(node)
                     .unwrap_or_default()
                     .into_iter()
                     .filter(|d| d.uid == uid)
@@ -498,7 +498,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                         .collect(),
                     _ => Vec::new(),
                 };
-                let text = crate::report::render(&crate::report::ReportData {
+                let text = crate::job::report::render(&crate::job::report::ReportData {
                     record: rec.as_ref(),
                     job_id,
                     node_name: node_name.unwrap_or("this node").to_string(),
@@ -517,7 +517,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                 );
                 // The user's path, the user's problem: audited (the admin
                 // can tell the user why), never a drain.
-                let (event, note) = match crate::report::write_as_user(
+                let (event, note) = match crate::job::report::write_as_user(
                     node, job_id, &text, &target, wd, uid, gid,
                 ) {
                     Ok(p) => (
@@ -609,14 +609,14 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
 
 /// Step 5d of [`run_with`]: the job's leftovers in `shm_dir` (regular
 /// files of the job's user, changed since its record was made, held by no
-/// process: [`crate::shm::leftovers`]) go into one `shm_leftovers` audit
+/// process: [`crate::holders::shm::leftovers`]) go into one `shm_leftovers` audit
 /// line, and with `shm_remove_leftovers` are removed, unless another job
 /// of the user has a record on the node (its files look the same).
 fn shm_leftovers(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
     let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
         .ok()
         .map(std::time::SystemTime::from);
-    let files = crate::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
+    let files = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
     if files.is_empty() {
         return;
     }
@@ -626,10 +626,12 @@ fn shm_leftovers(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
     } else if !others.is_empty() {
         (
             false,
-            Some(format!("not removed: job(s) {others:?} of the same user run on this node")),
+            Some(format!(
+                "not removed: job(s) {others:?} of the same user run on this node"
+            )),
         )
     } else {
-        let failed = crate::shm::remove(&node.cfg.shm_dir, &files);
+        let failed = crate::holders::shm::remove(&node.cfg.shm_dir, &files);
         for (name, e) in &failed {
             out.errors.push(format!(
                 "removing {}: {e}",

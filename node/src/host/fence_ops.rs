@@ -83,7 +83,7 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
                 .iter()
                 .map(|(p, id, from, to)| {
                     serde_json::json!({
-                        "cgroup": crate::cgpath::abs(p),
+                        "cgroup": crate::host::cgpath::abs(p),
                         "cgroup_id": id,
                         "recorded_level": from,
                         "kernel_level": to,
@@ -261,7 +261,7 @@ pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String>
     Some(format!(
         "slurmd runs in {}, which no exempt_cgroups entry covers: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
          add \"{}\" to exempt_cgroups in {}",
-        crate::cgpath::abs(slurmd_cgroup),
+        crate::host::cgpath::abs(slurmd_cgroup),
         slurmd_cgroup,
         match &node.origin {
             gpufence_model::config::ConfigOrigin::File(p) => p.display().to_string(),

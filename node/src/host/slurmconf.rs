@@ -146,7 +146,7 @@ impl SlurmConf {
     /// Whether `PrologFlags` lists `RunInJob` (Slurm 24.05+): the Prolog and
     /// the Epilog then run from the job's extern slurmstepd, inside the job
     /// cgroup, and the extern step's `slurm_spank_init` runs before the
-    /// Prolog ([`crate::injob`]). Slurm splits the list at `,` and compares
+    /// Prolog ([`crate::job::injob`]). Slurm splits the list at `,` and compares
     /// each flag ignoring ASCII case (`prolog_str2flags`,
     /// `src/common/read_config.c`, 24.05-26.05); blanks around a flag are
     /// tolerated here.
@@ -240,7 +240,7 @@ pub fn check_layout(
 
 /// [`check_layout`] for this node: its layout, slurm.conf at `slurm_conf`
 /// (`$SLURM_CONF`, which slurmd sets for its plugins, else
-/// [`crate::gresmap::DEFAULT_SLURM_CONF`]) and the cgroup.conf next to it
+/// [`crate::host::gresmap::DEFAULT_SLURM_CONF`]) and the cgroup.conf next to it
 /// (where Slurm reads it). What slurmd start runs.
 ///
 /// # Errors

@@ -12,7 +12,7 @@ pub fn abs(rel: &str) -> String {
     format!("/{}", rel.trim_matches('/'))
 }
 
-/// `#[serde(serialize_with = "crate::cgpath::serialize")]` for a relative
+/// `#[serde(serialize_with = "crate::host::cgpath::serialize")]` for a relative
 /// path held as a `String`.
 ///
 /// # Errors

@@ -1,0 +1,15 @@
+//! What the node is made of: processes, users, GPUs, Slurm, the fence.
+
+pub mod cgpath;
+pub mod denials;
+pub mod drain;
+pub mod exec_cgroup;
+pub mod fence_ops;
+pub mod gpus;
+pub mod gresmap;
+pub mod inventory;
+pub mod persistence;
+pub mod procs;
+pub mod slurmconf;
+pub mod slurmctld;
+pub mod users;

@@ -1,0 +1,5 @@
+//! The response to a process that holds what it must not: one engine, two front ends.
+
+pub mod evidence;
+pub mod incident;
+pub mod respond;
