@@ -1,0 +1,239 @@
+//! Checks of the fence itself: drift from the config, stale grants, new denials.
+
+use super::*;
+
+impl Sweep<'_> {
+    /// The fence attached, its majors against the node's. Returns the
+    /// node's protected majors.
+    pub(super) fn drift(&mut self) -> BTreeSet<u32> {
+        let node = self.node;
+        let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+        self.report.fence_installed = attached.is_ok();
+        if let Err(detail) = &attached {
+            self.findings.push(Finding::new(
+                Kind::FenceNotAttached,
+                format!(
+                    "the fence is not attached at /{}: {detail}: every process may open every GPU; run `gpufence fence install`",
+                    node.cfg.cgroup_root
+                ),
+                json!({
+                    "cgroup_root": format!("/{}", node.cfg.cgroup_root),
+                    "bpffs_dir": node.cfg.bpffs_dir, "detail": detail,
+                }),
+            ));
+        }
+        if attached.is_ok() {
+            let mode = crate::host::fence_ops::running_mode(node);
+            let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
+                crate::host::fence_ops::RunningMode::Audit
+            } else {
+                crate::host::fence_ops::RunningMode::Enforce
+            };
+            if mode != want {
+                self.findings.push(Finding::new(
+                    Kind::FenceNotEnforcing,
+                    format!(
+                        "the attached fence program runs in mode {mode}, the config asks for {}: run `gpufence fence install`",
+                        if want == crate::host::fence_ops::RunningMode::Audit { "audit" } else { "enforce" }
+                    ),
+                    json!({"running_mode": mode, "config_mode": format!("{:?}", node.cfg.mode).to_lowercase()}),
+                ));
+            }
+        }
+        self.fence = match Fence::open(&node.cfg.bpffs_dir) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                if attached.is_ok() {
+                    self.findings
+                        .push(check_failed("fence maps", e.to_string()));
+                }
+                None
+            }
+        };
+        let want = match node.protected_majors() {
+            Ok(p) => p,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("protected majors", e.to_string()));
+                return BTreeSet::new();
+            }
+        };
+        let want_set: BTreeSet<u32> = want.majors().collect();
+        let Some(f) = &self.fence else {
+            return want_set;
+        };
+        let have: BTreeSet<u32> = match f.protected_majors() {
+            Ok(h) => h.into_iter().collect(),
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence majors", e.to_string()));
+                return want_set;
+            }
+        };
+        for m in want_set.difference(&have) {
+            let names: Vec<&str> = want.names(*m).collect();
+            self.findings.push(Finding::new(
+                Kind::UnprotectedMajor,
+                format!(
+                    "major {m} ({}) is an NVIDIA driver's but the fence does not protect it (driver reloaded since install?): run `gpufence fence install`",
+                    names.join(",")
+                ),
+                json!({"major": m, "names": names, "fence_majors": have}),
+            ));
+        }
+        for m in have.difference(&want_set) {
+            self.findings.push(Finding::new(
+                Kind::StaleMajor,
+                format!(
+                    "the fence protects major {m}, which the node no longer has (driver unloaded or renumbered)"
+                ),
+                json!({"major": m, "node_majors": want_set}),
+            ));
+        }
+        want_set
+    }
+
+    /// Grants whose cgroup is gone are revoked ("collected"). The entries
+    /// are read before the cgroups are listed: a grant's cgroup exists
+    /// before its grant does, so a live one cannot be taken for stale.
+    /// Returns the live grants.
+    pub(super) fn stale_grants(&mut self) -> Vec<GrantEntry> {
+        let node = self.node;
+        let Some(f) = &self.fence else {
+            return Vec::new();
+        };
+        let entries = match f.entries() {
+            Ok(e) => e,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence grants", e.to_string()));
+                return Vec::new();
+            }
+        };
+        if entries.is_empty() {
+            return entries;
+        }
+        let alive = denials::cgroup_paths(node.cg.mount());
+        let noted: BTreeMap<u64, String> = node
+            .state
+            .applied(None)
+            .0
+            .into_iter()
+            .map(|a| (a.cgroup_id, a.cgroup_path))
+            .collect();
+        let ids: BTreeSet<u64> = entries.iter().map(|e| e.cgroup_id).collect();
+        let mut live = Vec::new();
+        for id in ids {
+            let mine: Vec<GrantEntry> = entries
+                .iter()
+                .filter(|e| e.cgroup_id == id)
+                .copied()
+                .collect();
+            if alive.contains_key(&id) {
+                live.extend(mine);
+                continue;
+            }
+            let jobs: BTreeSet<u32> = mine.iter().map(|e| e.job_id).collect();
+            let devs: BTreeSet<DevNum> = mine.iter().map(|e| e.dev).collect();
+            let path = noted.get(&id).map(|p| crate::host::cgpath::abs(p));
+            let mut fnd = Finding::new(
+                Kind::StaleGrant,
+                format!(
+                    "grant of job(s) {jobs:?} on {} to cgroup id {id}{} whose cgroup no longer exists",
+                    dev_list(&devs),
+                    path.as_deref().map(|p| format!(" ({p})")).unwrap_or_default()
+                ),
+                json!({
+                    "cgroup_id": id, "cgroup_path": path, "job_ids": jobs,
+                    "devices": devs.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
+                }),
+            );
+            fnd.cgroup = path.clone();
+            match f.revoke_cgroup(id) {
+                Ok(gone) => {
+                    fnd.action = Some(format!(
+                        "revoked {} grant entr{}",
+                        gone.len(),
+                        if gone.len() == 1 { "y" } else { "ies" }
+                    ));
+                    let mut ev = AuditEvent::new("grant_collected")
+                        .devices(devs.iter())
+                        .field("cgroup_id", id)
+                        .field("entries", gone.len())
+                        .field("why", "the grant's cgroup no longer exists (sweep)");
+                    if let Some(j) = jobs.iter().next() {
+                        ev = ev.job(*j);
+                    }
+                    if let Some(p) = &path {
+                        ev = ev.field("cgroup", p.clone());
+                    }
+                    if let Err(e) = node.audit(ev) {
+                        self.report.errors.push(e.to_string());
+                    }
+                }
+                Err(e) => {
+                    fnd.severity = Severity::High;
+                    fnd.action = Some(format!("revocation failed: {e}"));
+                    live.extend(mine);
+                }
+            }
+            self.findings.push(fnd);
+        }
+        live
+    }
+
+    /// Denial records new or grown since the last sweep.
+    pub(super) fn denials(&mut self) {
+        let node = self.node;
+        let Some(f) = &self.fence else {
+            return;
+        };
+        let now = match f.denials() {
+            Ok(d) => d,
+            Err(e) => {
+                self.findings
+                    .push(check_failed("fence denials", e.to_string()));
+                return;
+            }
+        };
+        let state_path = self.denial_state.clone();
+        let prev = match read_json::<DenialState>(&state_path) {
+            Ok(p) => p.unwrap_or_default(),
+            Err(e) => {
+                self.report.errors.push(e);
+                DenialState::default()
+            }
+        };
+        let (fresh, next) = new_denials(&prev, &now);
+        self.report.denials_total = next.total;
+        let deltas: Vec<u64> = fresh.iter().map(|(_, d)| *d).collect();
+        let resolved = denials::resolve(node, fresh.into_iter().map(|(d, _)| d).collect());
+        for (d, delta) in resolved.into_iter().zip(deltas) {
+            let mut fnd = Finding::new(
+                Kind::DeniedOpen,
+                format!(
+                    "{delta} denied open(s) of {} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
+                    d.device,
+                    d.user.as_deref().unwrap_or("?"),
+                    d.uid,
+                    d.last_pid,
+                    d.last_comm,
+                    d.last_time
+                ),
+                json!({
+                    "device": d.device, "new": delta, "count": d.count,
+                    "cgroup_id": d.cgroup_id, "last_time": d.last_time,
+                }),
+            );
+            fnd.pid = (d.last_pid > 0).then_some(d.last_pid as i32);
+            fnd.uid = Some(d.uid);
+            fnd.user = d.user;
+            fnd.cgroup = d.cgroup.map(|c| crate::host::cgpath::abs(&c));
+            fnd.comm = Some(d.last_comm);
+            self.findings.push(fnd);
+        }
+        if let Err(e) = write_json(&state_path, &next) {
+            self.report.errors.push(e);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! What a sweep gives: the Prometheus textfile, the drain reason, the CLI's request and outcome.
+
+use super::*;
+
+pub(super) fn prom_escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The node_exporter textfile of `r`.
+pub fn prometheus(r: &SweepReport) -> String {
+    let mut s = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, lines: Vec<(String, String)>| {
+        s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, v) in lines {
+            s.push_str(&format!("{name}{labels} {v}\n"));
+        }
+    };
+    metric(
+        "gpufence_fence_installed",
+        "gauge",
+        "Whether the gpufence device fence is attached at cgroup_root (1) or not (0).",
+        vec![(String::new(), u8::from(r.fence_installed).to_string())],
+    );
+    metric(
+        "gpufence_grants",
+        "gauge",
+        "Live grant entries (job cgroup, device) in the fence.",
+        vec![(String::new(), r.grants.to_string())],
+    );
+    metric(
+        "gpufence_denials_total",
+        "counter",
+        "Opens of NVIDIA devices the fence denied, as counted by sweeps.",
+        vec![(String::new(), r.denials_total.to_string())],
+    );
+    metric(
+        "gpufence_findings",
+        "gauge",
+        "Findings of the last gpufence sweep, by kind.",
+        r.counts()
+            .into_iter()
+            .map(|(k, n)| {
+                (
+                    format!("{{kind=\"{}\"}}", prom_escape(k.as_str())),
+                    n.to_string(),
+                )
+            })
+            .collect(),
+    );
+    metric(
+        "gpufence_sweep_duration_seconds",
+        "gauge",
+        "How long the last gpufence sweep took.",
+        vec![(String::new(), format!("{:.3}", r.duration_seconds))],
+    );
+    s
+}
+
+/// The drain reason naming the most severe of `failing` (most severe first).
+pub fn drain_reason(failing: &[&Finding]) -> Option<String> {
+    let f = failing.iter().max_by_key(|f| f.severity)?;
+    let mut who = String::new();
+    if let Some(p) = f.pid {
+        who.push_str(&format!(" pid {p}"));
+        if let Some(c) = &f.comm {
+            who.push_str(&format!(" ({c})"));
+        }
+    }
+    if let Some(u) = &f.user {
+        who.push_str(&format!(" user {u}"));
+    }
+    let more = if failing.len() > 1 {
+        format!(" (+{} more)", failing.len() - 1)
+    } else {
+        String::new()
+    };
+    Some(drain::clean_reason(&format!(
+        "gpufence: sweep: {} {}{who}: {}{more}",
+        f.severity, f.kind, f.summary
+    )))
+}
+
+/// What `gpufence sweep` was asked to do.
+#[derive(Clone, Debug, Default)]
+pub struct SweepRequest {
+    /// See [`Options::cgroup`].
+    pub cgroup: Option<String>,
+    /// Fail on findings at or above this; `None`: `sweep_fail_severity`.
+    pub fail_on: Option<Severity>,
+    /// Drain this node when something fails.
+    pub drain_node: Option<String>,
+    /// Write the node_exporter textfile here.
+    pub prometheus: Option<PathBuf>,
+    /// See [`Options::cursor`].
+    pub cursor: Option<String>,
+}
+
+/// What `gpufence sweep` did.
+#[derive(Clone, Debug)]
+pub struct SweepOutcome {
+    /// The findings and numbers.
+    pub report: SweepReport,
+    /// The severity that fails.
+    pub threshold: Severity,
+    /// The drain reason, when the node was drained.
+    pub drained: Option<String>,
+    /// What could not be done (textfile, drain, state).
+    pub errors: Vec<String>,
+    /// The exit status: 0 clean, 1 findings at or above the threshold, 2
+    /// none but the sweep could not do all it was asked.
+    pub exit: u8,
+}
+
+/// The severity that fails a sweep: `fail_on` (CLI), else the config's.
+///
+/// # Errors
+/// A message naming the bad value.
+pub fn threshold(node: &Node, fail_on: Option<&str>) -> Result<Severity, String> {
+    match fail_on {
+        Some(s) => s.parse(),
+        None => node.cfg.sweep_fail_severity.parse(),
+    }
+}
+
+/// Sweeps, writes the textfile, drains when asked and something fails.
+pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
+    let threshold = req
+        .fail_on
+        .or_else(|| node.cfg.sweep_fail_severity.parse().ok())
+        .unwrap_or(Severity::Medium);
+    let report = match sweep(
+        node,
+        &Options {
+            cgroup: req.cgroup.clone(),
+            cursor: req.cursor.clone(),
+        },
+    ) {
+        Ok(r) => r,
+        // Nothing was swept: no textfile (it would say "clean"), no drain.
+        Err(e) => {
+            return SweepOutcome {
+                report: SweepReport::default(),
+                threshold,
+                drained: None,
+                errors: vec![e],
+                exit: 2,
+            }
+        }
+    };
+    let mut errors = report.errors.clone();
+    if let Some(p) = &req.prometheus {
+        if let Err(e) = write_atomic(p, prometheus(&report).as_bytes(), 0o644) {
+            errors.push(format!("textfile {}: {e}", p.display()));
+        }
+    }
+    let failing = report.failing(threshold);
+    let mut drained = None;
+    if let (Some(name), Some(reason)) = (&req.drain_node, drain_reason(&failing)) {
+        match drain::drain(node, name, &reason) {
+            Ok(()) => {
+                let _ = node.audit(
+                    AuditEvent::new("sweep_drained")
+                        .field("node", name.clone())
+                        .field("drain_reason", reason.clone())
+                        .field("findings", failing.len()),
+                );
+                drained = Some(reason);
+            }
+            Err(e) => errors.push(format!("could not drain {name}: {e}")),
+        }
+    }
+    let exit = if !failing.is_empty() {
+        1
+    } else if !errors.is_empty() {
+        2
+    } else {
+        0
+    };
+    SweepOutcome {
+        report,
+        threshold,
+        drained,
+        errors,
+        exit,
+    }
+}

@@ -1,0 +1,92 @@
+//! Crontabs and systemd units a user can come back through.
+
+use super::*;
+
+impl Sweep<'_> {
+    pub(super) fn persistence(&mut self) {
+        let node = self.node;
+        let users = self.users;
+        for c in user_crontabs(node, users) {
+            let mut f = Finding::new(
+                Kind::PersistenceCron,
+                format!(
+                    "crontab of {} with {} entr{}: {}",
+                    c.user.as_deref().unwrap_or("?"),
+                    c.entries.len(),
+                    if c.entries.len() == 1 { "y" } else { "ies" },
+                    c.entries.join(" | ")
+                ),
+                json!({"file": c.path, "entries": c.entries, "sha256": c.sha256}),
+            );
+            f.uid = c.uid;
+            f.user = c.user.clone();
+            self.findings.push(f);
+        }
+        let current = systemd_files(node, users);
+        let bpath = baseline_path(node);
+        let b = match read_json::<Baseline>(&bpath) {
+            Err(e) => {
+                self.findings.push(check_failed(
+                    "systemd baseline",
+                    format!("{e}; remove it to record a new baseline"),
+                ));
+                return;
+            }
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                let b = Baseline {
+                    recorded: now_rfc3339(),
+                    files: current
+                        .iter()
+                        .map(|(p, (f, _))| (p.clone(), f.clone()))
+                        .collect(),
+                };
+                match write_json(&bpath, &b) {
+                    Ok(()) => self.report.notes.push(format!(
+                        "systemd baseline recorded: {} file(s) in {}",
+                        b.files.len(),
+                        bpath.display()
+                    )),
+                    Err(e) => self.report.errors.push(e),
+                }
+                return;
+            }
+        };
+        let mut read = 0;
+        for (p, (f, scope_kind)) in &current {
+            let change = match b.files.get(p) {
+                None => "new",
+                Some(old) if old != f => "changed",
+                Some(_) => continue,
+            };
+            let (sha256, content) = if read < UNIT_EVIDENCE_MAX {
+                read += 1;
+                file_evidence(p)
+            } else {
+                (None, None)
+            };
+            let mut fnd = Finding::new(
+                Kind::PersistenceSystemd,
+                format!(
+                    "{change} systemd {} {} since the baseline of {}",
+                    if *scope_kind == "systemd_user" {
+                        "user file"
+                    } else {
+                        "file"
+                    },
+                    p.display(),
+                    b.recorded
+                ),
+                json!({
+                    "file": p, "change": change, "scope": scope_kind, "sha256": sha256,
+                    "content": content, "link": f.link, "owner_uid": f.uid,
+                    "mode": format!("{:o}", f.mode), "size": f.size,
+                    "previous": b.files.get(p), "baseline": bpath,
+                }),
+            );
+            fnd.uid = Some(f.uid);
+            fnd.user = users.name(f.uid).map(String::from);
+            self.findings.push(fnd);
+        }
+    }
+}

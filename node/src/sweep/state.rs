@@ -1,0 +1,129 @@
+//! The sweep's state under `state_dir/sweep/`: denials seen, the systemd baseline, the lock.
+
+use super::*;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct SeenDenial {
+    pub(super) cgroup_id: u64,
+    pub(super) uid: u32,
+    pub(super) major: u32,
+    pub(super) minor: u32,
+    pub(super) count: u64,
+    pub(super) last_ns: u64,
+}
+
+/// What the last sweep saw of the denial records.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct DenialState {
+    /// Denied opens counted by every sweep so far (a counter: the LRU map
+    /// forgets, this does not, until `state_dir` goes with a reboot).
+    pub(super) total: u64,
+    pub(super) seen: Vec<SeenDenial>,
+}
+
+pub(super) fn denial_key(d: &DenialEntry) -> (u64, u32, u32, u32) {
+    (d.cgroup_id, d.uid, d.dev.major, d.dev.minor)
+}
+
+/// The records that are new or grew since `prev`, with how many denials
+/// each adds, and the state to keep.
+pub(super) fn new_denials(
+    prev: &DenialState,
+    now: &[DenialEntry],
+) -> (Vec<(DenialEntry, u64)>, DenialState) {
+    let old: BTreeMap<(u64, u32, u32, u32), &SeenDenial> = prev
+        .seen
+        .iter()
+        .map(|s| ((s.cgroup_id, s.uid, s.major, s.minor), s))
+        .collect();
+    let mut fresh = Vec::new();
+    let mut total = prev.total;
+    for d in now {
+        let delta = match old.get(&denial_key(d)) {
+            // Same record, grown.
+            Some(s) if d.count >= s.count && d.last_ns >= s.last_ns => d.count - s.count,
+            // Evicted and made again, or never seen.
+            _ => d.count,
+        };
+        if delta > 0 {
+            total += delta;
+            fresh.push((d.clone(), delta));
+        }
+    }
+    let seen = now
+        .iter()
+        .map(|d| SeenDenial {
+            cgroup_id: d.cgroup_id,
+            uid: d.uid,
+            major: d.dev.major,
+            minor: d.dev.minor,
+            count: d.count,
+            last_ns: d.last_ns,
+        })
+        .collect();
+    (fresh, DenialState { total, seen })
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(super) struct Baseline {
+    pub(super) recorded: String,
+    pub(super) files: BTreeMap<PathBuf, Fingerprint>,
+}
+
+pub(super) fn sweep_dir(node: &Node) -> PathBuf {
+    node.state.root().join("sweep")
+}
+
+/// The systemd baseline file (remove it to accept the current units).
+pub fn baseline_path(node: &Node) -> PathBuf {
+    sweep_dir(node).join("systemd-baseline.json")
+}
+
+pub(super) fn read_json<T: for<'de> Deserialize<'de>>(p: &Path) -> Result<Option<T>, String> {
+    match std::fs::read(p) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| format!("{}: corrupt: {e}", p.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", p.display())),
+    }
+}
+
+pub(super) fn write_json<T: Serialize>(p: &Path, v: &T) -> Result<(), String> {
+    let bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
+    write_atomic(p, &bytes, 0o600).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+/// Holds an exclusive `flock` on `state_dir/sweep/lock` while alive.
+pub(super) struct SweepLock(#[allow(dead_code)] std::fs::File);
+
+pub(super) fn lock(node: &Node) -> Result<SweepLock, String> {
+    let dir = sweep_dir(node);
+    create_dir_all_mode(&dir, 0o700).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let p = dir.join("lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // SAFETY: flock on a descriptor we own; released when it closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(SweepLock(f));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("another sweep has held {} for 30 s", p.display()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether `name` may name a denial cursor (it becomes part of a file name).
+pub(super) fn valid_cursor(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
