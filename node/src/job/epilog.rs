@@ -224,7 +224,8 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         .as_ref()
         .and_then(|f| step_out_of_job(node, f, env, &mut out));
     // What an earlier, interrupted response left stopped is ended first.
-    out.notes.extend(respond::finish_interrupted(node));
+    out.notes
+        .extend(crate::response::engine::finish_interrupted(node));
     crashpoint::reached(crashpoint::EPILOG_STARTED);
     // 1. Revoke.
     if let Some(f) = &fence {

@@ -640,7 +640,7 @@ pub fn run_with_sluid(
         Some(_) => Some(crate::job::injob::step_out(node, &fence, "prolog")?),
         None => None,
     };
-    let interrupted = respond::finish_interrupted(node);
+    let interrupted = crate::response::engine::finish_interrupted(node);
     let stale = clear_stale(node, &fence, env.job_id)?;
     crashpoint::reached(crashpoint::PROLOG_STALE_CLEARED);
     let mut rec = build_record(node, env)?;

@@ -31,7 +31,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
@@ -46,8 +45,8 @@ use crate::holders::scan::Scanner;
 use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
 use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
 use crate::host::users::Passwd;
+use crate::response::engine::{exited, pidfd_open, Engine};
 use crate::response::evidence::{self, GpuMemory};
-use crate::response::respond::{exited, pidfd_open, set_frozen, signal};
 use crate::{host::drain, Node};
 
 /// Why `respond` will not act on a pid.
@@ -179,9 +178,6 @@ impl IncidentOutcome {
         self.survivors.is_empty() && self.errors.is_empty()
     }
 }
-
-/// How long `respond` waits for a tree to report frozen.
-const FREEZE_WAIT: Duration = Duration::from_millis(1000);
 
 fn state_of(pid: i32) -> Option<char> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -387,28 +383,7 @@ pub fn respond_pid(
 
     // 3. Stop it: whole cgroups when they hold only the tree, else SIGSTOP;
     //    then look for descendants forked meanwhile, until none are new.
-    let mut frozen_cgroups: BTreeSet<String> = BTreeSet::new();
-    let stop = |fd: &OwnedFd,
-                cg: Option<&str>,
-                members: &BTreeSet<i32>,
-                frozen_cgroups: &mut BTreeSet<String>|
-     -> String {
-        if let Some(cg) = cg.filter(|c| !c.is_empty()) {
-            if frozen_cgroups.contains(cg) {
-                return "cgroup-freeze".into();
-            }
-            let inside = node.cg.procs_recursive(cg);
-            if !inside.is_empty()
-                && inside.iter().all(|q| members.contains(q))
-                && set_frozen(node, cg, true, FREEZE_WAIT)
-            {
-                frozen_cgroups.insert(cg.to_string());
-                return "cgroup-freeze".into();
-            }
-        }
-        signal(fd, libc::SIGSTOP);
-        "SIGSTOP".into()
-    };
+    let mut engine = Engine::new(node);
     // One look after each stop: a child forked before its parent stopped
     // is in /proc by then, and nothing stopped can fork again.
     for _round in 0..8 {
@@ -417,11 +392,11 @@ pub fn respond_pid(
             if out.frozen.contains_key(p) {
                 continue;
             }
-            let how = stop(
+            let how = engine.stop(
+                *p,
                 fd,
                 cgroups.get(p).cloned().flatten().as_deref(),
                 &members,
-                &mut frozen_cgroups,
             );
             out.frozen.insert(*p, how);
         }
@@ -462,7 +437,8 @@ pub fn respond_pid(
         )
         .field(
             "frozen_cgroups",
-            frozen_cgroups
+            engine
+                .frozen_cgroups()
                 .iter()
                 .map(|c| crate::host::cgpath::abs(c))
                 .collect::<Vec<_>>(),
@@ -571,21 +547,11 @@ pub fn respond_pid(
     audit(&mut out, with_uid(ev, uid));
 
     // 5. SIGKILL through the pidfds; thaw; check.
-    for fd in pinned.values() {
-        signal(fd, libc::SIGKILL);
-    }
-    for cg in &frozen_cgroups {
-        set_frozen(node, cg, false, FREEZE_WAIT);
-    }
-    let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms.max(100));
-    while Instant::now() < deadline && !pinned.values().all(exited) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for (p, fd) in &pinned {
-        if exited(fd) {
-            out.killed.push(*p);
-        } else {
-            out.survivors.push(*p);
+    let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(p, f)| (*p, f)).collect();
+    for (p, ended) in engine.end(&targets, None) {
+        match ended {
+            Some(_) => out.killed.push(p),
+            None => out.survivors.push(p),
         }
     }
     let ev = AuditEvent::new("respond_killed")

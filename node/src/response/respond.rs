@@ -16,9 +16,9 @@
 //! are never candidates ([`uncovered`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::{events, AuditEvent};
@@ -29,40 +29,9 @@ use crate::holders::cover::covered;
 use crate::holders::scan::{self, HeldFd};
 use crate::host::gpus::GpuInfo;
 use crate::host::procs::uid_of;
+use crate::response::engine::{exited, note_stopped, Engine, PidFd};
 use crate::response::evidence::{self, GpuMemory};
 use crate::Node;
-
-/// A pidfd (`pidfd_open(2)`), shared: it names one process for as long as
-/// it is open, whatever happens to the pid. Equal to itself only.
-#[derive(Clone, Debug)]
-pub struct PidFd(std::sync::Arc<OwnedFd>);
-
-impl PidFd {
-    /// A pidfd for `pid`; `None` when the process is gone.
-    pub fn open(pid: i32) -> Option<PidFd> {
-        pidfd_open(pid).map(|fd| PidFd(std::sync::Arc::new(fd)))
-    }
-
-    /// The descriptor.
-    pub fn fd(&self) -> &OwnedFd {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for PidFd {
-    type Target = OwnedFd;
-    fn deref(&self) -> &OwnedFd {
-        &self.0
-    }
-}
-
-impl PartialEq for PidFd {
-    fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-impl Eq for PidFd {}
 
 /// A process found on a job's devices without a grant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -206,206 +175,6 @@ pub fn uncovered(
         .collect()
 }
 
-/// `pidfd_open(2)`: a descriptor that names `pid` until it is closed, so a
-/// recycled pid is never signalled. `None` when the process is gone.
-pub(crate) fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open(2) returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// `pidfd_send_signal(2)`; whether the signal was sent.
-pub(crate) fn signal(pidfd: &OwnedFd, sig: i32) -> bool {
-    // SAFETY: pidfd_send_signal(2) on a pidfd we own.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            sig,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        ) == 0
-    }
-}
-
-/// Whether the pidfd's process has exited (zombie or reaped).
-pub(crate) fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // A pidfd is readable once its process has exited (zombie or reaped).
-    // SAFETY: poll of one valid pollfd, no wait.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
-}
-
-/// How long the epilog waits for a job tree to report frozen.
-const FREEZE_WAIT: Duration = Duration::from_millis(500);
-
-/// Waits until every pidfd in `fds` has exited or `wait` passes.
-fn wait_all(fds: &[&OwnedFd], wait: Duration) {
-    let deadline = Instant::now() + wait;
-    while Instant::now() < deadline && !fds.iter().all(|f| exited(f)) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Freezes (`on`) or thaws `cgroup` through `cgroup.freeze`; when
-/// freezing, waits up to `wait` for `cgroup.events` to say `frozen 1`.
-/// Returns whether the write worked (a tree still freezing after `wait` is
-/// treated as frozen: the signals that follow act on it either way).
-pub(crate) fn set_frozen(node: &Node, cgroup: &str, on: bool, wait: Duration) -> bool {
-    let p = node.cg.path(cgroup);
-    if std::fs::write(p.join("cgroup.freeze"), if on { "1" } else { "0" }).is_err() {
-        return false;
-    }
-    if !on {
-        return true;
-    }
-    let deadline = Instant::now() + wait;
-    while Instant::now() < deadline {
-        if std::fs::read_to_string(p.join("cgroup.events"))
-            .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
-        {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    true
-}
-
-/// What a response notes about a process before it stops it, in
-/// `<state_dir>/responding/<pid>-<start>.json`, until it has ended it.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Stopping {
-    pid: i32,
-    /// Its start time in clock ticks since boot (`/proc/<pid>/stat` field
-    /// 22): with the pid, which process it was.
-    start: u64,
-    job_id: u32,
-    /// Its cgroup.
-    cgroup: Option<String>,
-    /// Whether the response froze that cgroup whole (then only it thaws it).
-    froze_cgroup: bool,
-    /// The responding process (an Epilog, a Prolog) and its start time: a
-    /// note of a response still running is not another's to act on.
-    by_pid: i32,
-    by_start: u64,
-}
-
-fn responding_dir(node: &Node) -> PathBuf {
-    node.cfg.state_dir.join("responding")
-}
-
-/// `pid`'s start time in clock ticks since boot.
-fn start_ticks(pid: i32) -> Option<u64> {
-    procfs::process::Process::new(pid)
-        .ok()?
-        .stat()
-        .ok()
-        .map(|s| s.starttime)
-}
-
-fn note_stopped(
-    node: &Node,
-    job_id: u32,
-    c: &Candidate,
-    froze_cgroup: bool,
-) -> Result<Option<PathBuf>, String> {
-    let dir = responding_dir(node);
-    // Gone already: nothing to note (the kill finds it exited).
-    let Some(start) = start_ticks(c.pid) else {
-        return Ok(None);
-    };
-    let me = std::process::id() as i32;
-    let note = Stopping {
-        pid: c.pid,
-        start,
-        job_id,
-        cgroup: c.cgroup.clone(),
-        froze_cgroup,
-        by_pid: me,
-        by_start: start_ticks(me).unwrap_or(0),
-    };
-    let p = dir.join(format!("{}-{start}.json", c.pid));
-    gpufence_model::fsutil::create_dir_all_mode(&dir, 0o700)
-        .and_then(|()| {
-            gpufence_model::fsutil::write_atomic(
-                &p,
-                &serde_json::to_vec(&note).unwrap_or_default(),
-                0o600,
-            )
-        })
-        .map_err(|e| format!("{}: {e}", p.display()))?;
-    Ok(Some(p))
-}
-
-/// Ends what an interrupted response (an Epilog or Prolog killed while it
-/// held holders stopped) left: notes whose responder is still running
-/// (same pid and start time) are left to it; for the others, each noted
-/// process that is still the same process (pid and start time) is killed
-/// (`SIGKILL` through a pidfd), and a cgroup the response froze whole is
-/// thawed. Each is audited (`interrupted_response`) and its note removed.
-/// Called at the start of every Prolog, Epilog and sweep; returns one
-/// note per process for their outcome.
-pub fn finish_interrupted(node: &Node) -> Vec<String> {
-    let Ok(rd) = std::fs::read_dir(responding_dir(node)) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for e in rd.flatten() {
-        let p = e.path();
-        let Some(note) = std::fs::read(&p)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Stopping>(&b).ok())
-        else {
-            let _ = std::fs::remove_file(&p);
-            continue;
-        };
-        if start_ticks(note.by_pid) == Some(note.by_start) {
-            continue; // its response is still running
-        }
-        let same = || start_ticks(note.pid) == Some(note.start);
-        let fd = same()
-            .then(|| PidFd::open(note.pid))
-            .flatten()
-            .filter(|_| same());
-        let killed = fd.as_ref().is_some_and(|fd| signal(fd.fd(), libc::SIGKILL));
-        if let Some(cg) = note.cgroup.as_ref().filter(|_| note.froze_cgroup) {
-            let freeze = node.cg.path(cg).join("cgroup.freeze");
-            if std::fs::read_to_string(&freeze).is_ok_and(|v| v.trim() == "1") {
-                set_frozen(node, cg, false, FREEZE_WAIT);
-            }
-        }
-        if let Some(fd) = &fd {
-            wait_all(&[fd.fd()], Duration::from_millis(node.cfg.kill_wait_ms));
-        }
-        let what = format!(
-            "pid {} of job {} was left stopped by an interrupted response: {}",
-            note.pid,
-            note.job_id,
-            if killed { "killed" } else { "already gone" }
-        );
-        let _ = node.audit(
-            AuditEvent::new("interrupted_response")
-                .job(note.job_id)
-                .pid(note.pid)
-                .field("killed", killed)
-                .field(
-                    "cgroup",
-                    note.cgroup
-                        .as_deref()
-                        .map(crate::host::cgpath::abs)
-                        .unwrap_or_default(),
-                ),
-        );
-        let _ = std::fs::remove_file(&p);
-        out.push(what);
-    }
-    out
-}
-
 /// The pidfd of `c` (taken when it was found) when the process is still
 /// there and still holds what made it a candidate: one of its devices by
 /// descriptor, or (listed by NVML, or in a registered ring) nothing to
@@ -519,47 +288,26 @@ pub fn respond(
     // acts on ([`finish_interrupted`]), never processes stopped for good.
     let notes: Vec<PathBuf> = pinned
         .iter()
-        .filter_map(|(c, _)| match note_stopped(node, job_id, c, false) {
-            Ok(p) => p,
-            Err(e) => {
-                errors.push(e);
-                None
-            }
-        })
+        .filter_map(
+            |(c, _)| match note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), false) {
+                Ok(p) => p,
+                Err(e) => {
+                    errors.push(e);
+                    None
+                }
+            },
+        )
         .collect();
 
-    // 2. Freeze: whole cgroups when they hold only candidates, else SIGSTOP.
-    let mut frozen_cgroups = BTreeSet::new();
-    let mut how: BTreeMap<i32, String> = BTreeMap::new();
+    // 2. Stop: whole cgroups when they hold only candidates, else SIGSTOP.
+    let mut engine = Engine::new(node);
     for (c, fd) in &pinned {
-        let own_cgroup = c.cgroup.as_deref().filter(|cg| {
-            !cg.is_empty()
-                && !frozen_cgroups.contains(*cg)
-                && node.cg.procs_recursive(cg).iter().all(|p| pids.contains(p))
-        });
-        if let Some(cg) = own_cgroup {
-            if set_frozen(node, cg, true, FREEZE_WAIT) {
-                frozen_cgroups.insert(cg.to_string());
-            }
-        }
-        if c.cgroup
-            .as_ref()
-            .is_some_and(|cg| frozen_cgroups.contains(cg))
-        {
-            how.insert(c.pid, "cgroup-freeze".into());
-        } else {
-            let _ = signal(fd, libc::SIGSTOP);
-            how.insert(c.pid, "SIGSTOP".into());
-        }
+        engine.stop(c.pid, fd, c.cgroup.as_deref(), &pids);
     }
-
     // The notes of holders whose cgroup was frozen whole say so.
     for (c, _) in &pinned {
-        if c.cgroup
-            .as_ref()
-            .is_some_and(|cg| frozen_cgroups.contains(cg))
-        {
-            if let Err(e) = note_stopped(node, job_id, c, true) {
+        if c.cgroup.as_deref().is_some_and(|cg| engine.froze(cg)) {
+            if let Err(e) = note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), true) {
                 errors.push(e);
             }
         }
@@ -569,21 +317,14 @@ pub fn respond(
     // 3. Evidence, then the audit line.
     let mut out = Vec::new();
     for (c, _) in &pinned {
-        let ev = evidence::collect(
-            c.pid,
-            job_id,
-            reason,
-            c.found(),
-            how.get(&c.pid).cloned(),
-            budget,
-        );
+        let ev = evidence::collect(c.pid, job_id, reason, c.found(), engine.how(c.pid), budget);
         let mut l = Lingering {
             pid: c.pid,
             comm: ev.comm.clone(),
             cgroup: c.cgroup.clone(),
             devices: c.devices.iter().copied().collect(),
             evidence: None,
-            frozen: how.get(&c.pid).cloned(),
+            frozen: engine.how(c.pid),
             ended_by: None,
             spared: None,
         };
@@ -604,37 +345,17 @@ pub fn respond(
     }
 
     // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
-    for (c, fd) in &pinned {
-        let _ = signal(fd, libc::SIGTERM);
-        if how.get(&c.pid).map(String::as_str) == Some("SIGSTOP") {
-            let _ = signal(fd, libc::SIGCONT);
-        }
-    }
-    for cg in &frozen_cgroups {
-        set_frozen(node, cg, false, FREEZE_WAIT);
-    }
-    let fds: Vec<&OwnedFd> = pinned.iter().map(|(_, f)| &**f).collect();
-    wait_all(&fds, Duration::from_millis(node.cfg.term_grace_ms));
-    let mut ended: BTreeMap<i32, &'static str> = BTreeMap::new();
-    for (c, fd) in &pinned {
-        if exited(fd) {
-            ended.insert(c.pid, "SIGTERM");
-        } else {
-            let _ = signal(fd, libc::SIGKILL);
-        }
-    }
-    wait_all(&fds, Duration::from_millis(node.cfg.kill_wait_ms));
-    for (c, fd) in &pinned {
-        if !ended.contains_key(&c.pid) && exited(fd) {
-            ended.insert(c.pid, "SIGKILL");
-        }
-    }
+    let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(c, f)| (c.pid, &**f)).collect();
+    let ended = engine.end(
+        &targets,
+        Some(Duration::from_millis(node.cfg.term_grace_ms)),
+    );
     for n in notes {
         let _ = std::fs::remove_file(n);
     }
     let mut result = spared_out;
     for (mut l, uid) in out {
-        l.ended_by = ended.get(&l.pid).copied();
+        l.ended_by = ended.get(&l.pid).copied().flatten();
         let name = if l.gone() {
             events::PROCESS_KILLED
         } else {

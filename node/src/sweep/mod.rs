@@ -492,7 +492,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
         )));
     report
         .notes
-        .extend(crate::response::respond::finish_interrupted(node));
+        .extend(crate::response::engine::finish_interrupted(node));
     let users = Passwd::load(&node.cfg.passwd_file);
     let mut s = Sweep {
         node,
