@@ -193,10 +193,9 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     )
 }
 
-/// Runs the epilog.
+/// Runs the epilog: the steps below, in order, each a method of [`Run`].
 pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
-    let node_name = env.node_name.as_deref();
     let mut out = EpilogOutcome::default();
     // The job's end, for the audit line's and the report's wall time alike.
     let ended = chrono::Utc::now();
@@ -237,460 +236,487 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         }
     }
     crashpoint::reached(crashpoint::EPILOG_REVOKED);
-    let mut devs: BTreeSet<DevNum> = rec
-        .iter()
-        .flat_map(|r| r.devices.iter().map(|d| d.dev))
-        .collect();
-    devs.extend(out.revoked.iter().map(|e| e.dev));
-    let gpu_major = node.gpu_major();
-    let mig: Vec<gpufence_model::record::MigSlice> =
-        rec.as_ref().map(|r| r.mig.clone()).unwrap_or_default();
-    // The job's GPUs for NVML: its GRES devices on the nvidia major.
-    let gres_devs: BTreeSet<DevNum> = match &rec {
-        Some(r) => r
-            .devices
-            .iter()
-            .filter(|d| d.role == DeviceRole::Gres)
-            .map(|d| d.dev)
-            .collect(),
-        None => devs.clone(),
-    };
-    let minors = gpu_minors(&gres_devs, gpu_major);
-    let gpus = if minors.is_empty() {
-        Gpus::none("the job has no NVIDIA GPU")
-    } else {
-        node.open_gpus()
-    };
-
-    if !out.revoked.is_empty() || rec.as_ref().is_some_and(|r| !r.devices.is_empty()) {
-        let cgroups: BTreeSet<u64> = out.revoked.iter().map(|e| e.cgroup_id).collect();
-        let mut ev = AuditEvent::new(events::GRANT_REVOKED)
-            .job(job_id)
-            .devices(devs.iter())
-            .field("cgroup_ids", cgroups.into_iter().collect::<Vec<_>>())
-            .field("entries", out.revoked.len());
-        if let Some(r) = &rec {
-            ev = accounting_fields(node, &gpus, r, &minors, ev.uid(r.uid), ended);
-        }
-        if let Err(e) = node.audit(ev) {
-            out.errors.push(e.to_string());
-        }
-    }
+    let mut run = Run::new(node, env, rec, fence, ended, out);
+    run.audit_revoked();
     crashpoint::reached(crashpoint::EPILOG_REVOKE_AUDITED);
-
-    // 2. Who holds the job's devices, by descriptor and per the driver.
-    let info = match gpus.query(&minors) {
-        Ok(i) => i,
-        Err(e) => {
-            out.errors.push(format!(
-                "NVML query failed, the job's GPUs cannot be shown clean: {e}"
-            ));
-            Vec::new()
-        }
-    };
-    // 3. Respond, then look again: a holder may have handed its descriptor
-    //    on while it handled SIGTERM. New holders get the same response, up
-    //    to `response_rounds`; what is still there after that survives.
-    let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
-    let mut handled: BTreeSet<i32> = BTreeSet::new();
-    let responded = !cands.is_empty();
-    let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
-    for round in 0..node.cfg.response_rounds.max(1) {
-        let fresh: Vec<_> = cands
-            .into_iter()
-            .filter(|c| !handled.contains(&c.pid))
-            .collect();
-        if fresh.is_empty() {
-            break;
-        }
-        if round > 0 {
-            out.notes.push(format!(
-                "round {}: new holders {:?}",
-                round + 1,
-                fresh.iter().map(|c| c.pid).collect::<Vec<_>>()
-            ));
-        }
-        let (lingering, errs) = respond::respond(
-            node,
-            job_id,
-            "epilog",
-            "holds a device of an ended job outside any grant",
-            fresh,
-            &mut budget,
-        );
-        // Acted on: only those pinned (one that let go of the device
-        // before it was stopped is looked for again like any other).
-        handled.extend(lingering.iter().map(|l| l.pid));
-        out.lingering.extend(lingering);
-        out.errors.extend(errs);
-        let again = gpus.query(&minors).unwrap_or_default();
-        cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig);
-    }
-    if let Some(s) = budget.summary() {
-        let _ = node.audit(
-            AuditEvent::new("evidence_budget")
-                .job(job_id)
-                .field("phase", "epilog")
-                .field("executables_hashed", budget.hashed())
-                .field("hashes_left_out", budget.hashes_left_out)
-                .field("records_cut", budget.records_cut)
-                .field("records_left_out", budget.records_left_out),
-        );
-        out.notes.push(s);
-    }
-    if responded {
-        let again = gpus.query(&minors).unwrap_or_default();
-        for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig) {
-            if out
-                .lingering
-                .iter()
-                .any(|l| l.pid == c.pid && l.spared.is_some())
-            {
-                continue; // already a survivor, on purpose
-            }
-            out.survivors.push(format!(
-                "pid {} still holds {}",
-                c.pid,
-                c.devices
-                    .iter()
-                    .map(|d| d.to_string())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ));
-        }
-    }
-
+    // 2. and 3. Who holds the job's devices; respond; look again.
+    run.respond();
     // 4. Memory comes back.
-    if gpus.available() && !minors.is_empty() {
-        // A GPU another live grant still covers (shared) is not checked.
-        let shared: BTreeSet<u32> = fence
-            .as_ref()
-            .and_then(|f| f.entries().ok())
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| e.dev.major == gpu_major)
-            .map(|e| e.dev.minor)
-            .collect();
-        let check: BTreeSet<u32> = minors.difference(&shared).copied().collect();
-        let idle = |minor: u32| -> u64 {
-            rec.as_ref()
-                .and_then(|r| r.gpu_idle.iter().find(|g| g.minor == minor))
-                .map(|g| g.used_bytes)
-                .unwrap_or(node.cfg.idle_memory_mib << 20)
-                + (node.cfg.memory_tolerance_mib << 20)
-        };
-        let deadline = Instant::now() + Duration::from_millis(node.cfg.memory_wait_ms);
-        loop {
-            match gpus.memory_used(&check) {
-                Ok(used) => {
-                    let high: Vec<(u32, u64)> =
-                        used.into_iter().filter(|(m, u)| *u > idle(*m)).collect();
-                    if high.is_empty() {
-                        break;
-                    }
-                    if Instant::now() >= deadline {
-                        for (m, u) in high {
-                            out.survivors.push(format!(
-                                "GPU /dev/nvidia{m} still has {} MiB in use (idle level {} MiB) after {} ms",
-                                u >> 20,
-                                idle(m) >> 20,
-                                node.cfg.memory_wait_ms
-                            ));
-                        }
-                        break;
-                    }
-                }
-                Err(e) => {
-                    out.errors.push(format!("NVML memory query failed: {e}"));
-                    break;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
+    run.memory_back();
     crashpoint::reached(crashpoint::EPILOG_RESPONDED);
-
-    // 5. Own layout: the job's cgroup goes with the job.
-    if node.cfg.layout == Layout::Own {
-        let job_cg = node.own_job_cgroup(job_id);
-        if node.cg.path(&job_cg).exists() {
-            let left = node.cg.procs_recursive(&job_cg);
-            if !left.is_empty() {
-                out.notes.push(format!(
-                    "killing {} leftover process(es) in /{job_cg}",
-                    left.len()
-                ));
-                let _ = node.cg.kill(&job_cg);
-            }
-            let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms);
-            loop {
-                match node.cg.remove_tree(&job_cg) {
-                    Ok(()) => break,
-                    Err(_) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(10))
-                    }
-                    Err(e) => {
-                        out.errors.push(format!(
-                            "{e} (processes left: {:?})",
-                            node.cg.procs_recursive(&job_cg)
-                        ));
-                        break;
-                    }
-                }
-            }
-        }
-    }
-
-    // 5b. Compute modes changed for --gpu-exclusive go back, whatever the
-    //     job's fate.
-    if let Some(r) = &rec {
-        if !r.saved_compute_modes.is_empty() {
-            let g = if gpus.available() {
-                None
-            } else {
-                Some(node.open_gpus())
-            };
-            let gpus_ref = g.as_ref().unwrap_or(&gpus);
-            for (minor, old) in &r.saved_compute_modes {
-                match gpus_ref.swap_compute_mode(*minor, *old) {
-                    Ok(_) => out.exclusive.push(format!(
-                        "/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored"
-                    )),
-                    Err(e) => out.errors.push(format!(
-                        "restoring the compute mode of /dev/nvidia{minor}: {e}"
-                    )),
-                }
-            }
-        }
-    }
-
-    // 5c. The user's report.
-    if let Some(path) = &env.options.report {
-        let uid_gid = rec.as_ref().map(|r| r.uid).or(env.uid).zip(env.gid);
-        match (uid_gid, env.work_dir.as_ref()) {
-            (Some((uid, gid)), Some(wd)) => {
-                let start = rec
-                    .as_ref()
-                    .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
-                let wall = start
-                    .map(|s| (ended.timestamp_micros() - s.timestamp_micros()).max(0) as f64 / 1e6);
-                let denials = crate::host::denials::list(node)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|d| d.uid == uid)
-                    .filter(|d| {
-                        start.is_none_or(|s| {
-                            chrono::DateTime::parse_from_rfc3339(&d.last_time).is_ok_and(|t| t >= s)
-                        })
-                    })
-                    .collect();
-                let accounting = match (&rec, start) {
-                    (Some(_), Some(s)) if gpus.available() => gpus
-                        .accounting(&minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(m, procs)| {
-                            let max = procs.iter().filter_map(|p| p.max_memory).max().unwrap_or(0);
-                            let u: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
-                            let avg = if u.is_empty() { 0.0 } else { u.iter().sum::<u32>() as f64 / u.len() as f64 };
-                            format!("/dev/nvidia{m}: max memory {} MiB, average utilisation {avg:.0}% ({} processes)", max >> 20, procs.len())
-                        })
-                        .collect(),
-                    _ => Vec::new(),
-                };
-                let text = crate::job::report::render(&crate::job::report::ReportData {
-                    record: rec.as_ref(),
-                    job_id,
-                    node_name: node_name.unwrap_or("this node").to_string(),
-                    denials,
-                    lingering: &out.lingering,
-                    wall_seconds: wall,
-                    accounting,
-                    exclusive: out.exclusive.clone(),
-                });
-                let target = gpufence_model::options::expand_report_path(
-                    &path
-                        .clone()
-                        .unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt"))),
-                    job_id,
-                    node_name.unwrap_or("node"),
-                );
-                // The user's path, the user's problem: audited (the admin
-                // can tell the user why), never a drain.
-                let (event, note) = match crate::job::report::write_as_user(
-                    node, job_id, &text, &target, wd, uid, gid,
-                ) {
-                    Ok(p) => (
-                        AuditEvent::new("report_written").field("path", p.display().to_string()),
-                        format!("report written to {}", p.display()),
-                    ),
-                    Err(e) => (
-                        AuditEvent::new("report_failed")
-                            .field("path", target.display().to_string())
-                            .field("error", e.to_string()),
-                        format!("report not written: {e}"),
-                    ),
-                };
-                let _ = node.audit(event.job(job_id).uid(uid));
-                out.notes.push(note);
-            }
-            _ => out.notes.push(
-                "report not written: the job's uid, gid or working directory is unknown".into(),
-            ),
-        }
-    }
-
+    run.remove_own_cgroup();
+    run.restore_compute_modes();
+    run.write_report();
     crashpoint::reached(crashpoint::EPILOG_CGROUP_REMOVED);
-
     // 5d. What the job left in the shared-memory directory.
-    if let Some(r) = &rec {
-        shm_leftovers(node, r, &mut out);
+    if let Some(r) = &run.rec {
+        crate::job::leftovers::report(node, r, &mut run.out);
     }
+    run.forget();
+    crashpoint::reached(crashpoint::EPILOG_FORGOTTEN);
+    run.drain_if_unclean();
+    run.out
+}
 
-    // 6. Forget the job, unless its grant is still in the fence.
-    if out.errors.iter().all(|e| !e.starts_with("revoking")) {
-        if let Err(e) = node
-            .state
-            .remove_record(job_id)
-            .and_then(|_| node.state.remove_applied(job_id))
-        {
-            out.errors.push(e.to_string());
+/// One Epilog run: what its steps share.
+struct Run<'a> {
+    node: &'a Node,
+    env: &'a EpilogEnv,
+    job_id: u32,
+    node_name: Option<&'a str>,
+    ended: chrono::DateTime<chrono::Utc>,
+    rec: Option<JobRecord>,
+    fence: Option<Fence>,
+    /// The job's devices: its record's, and those its revoked entries named.
+    devs: BTreeSet<DevNum>,
+    gpu_major: u32,
+    mig: Vec<gpufence_model::record::MigSlice>,
+    /// The job's GPUs for NVML: its GRES devices on the nvidia major.
+    minors: BTreeSet<u32>,
+    gpus: Gpus,
+    out: EpilogOutcome,
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        node: &'a Node,
+        env: &'a EpilogEnv,
+        rec: Option<JobRecord>,
+        fence: Option<Fence>,
+        ended: chrono::DateTime<chrono::Utc>,
+        out: EpilogOutcome,
+    ) -> Self {
+        let mut devs: BTreeSet<DevNum> = rec
+            .iter()
+            .flat_map(|r| r.devices.iter().map(|d| d.dev))
+            .collect();
+        devs.extend(out.revoked.iter().map(|e| e.dev));
+        let gpu_major = node.gpu_major();
+        let mig = rec.as_ref().map(|r| r.mig.clone()).unwrap_or_default();
+        let gres_devs: BTreeSet<DevNum> = match &rec {
+            Some(r) => r
+                .devices
+                .iter()
+                .filter(|d| d.role == DeviceRole::Gres)
+                .map(|d| d.dev)
+                .collect(),
+            None => devs.clone(),
+        };
+        let minors = gpu_minors(&gres_devs, gpu_major);
+        let gpus = if minors.is_empty() {
+            Gpus::none("the job has no NVIDIA GPU")
+        } else {
+            node.open_gpus()
+        };
+        Run {
+            node,
+            env,
+            job_id: env.job_id,
+            node_name: env.node_name.as_deref(),
+            ended,
+            rec,
+            fence,
+            devs,
+            gpu_major,
+            mig,
+            minors,
+            gpus,
+            out,
         }
     }
-    crashpoint::reached(crashpoint::EPILOG_FORGOTTEN);
 
-    // 7. Drain with a reason when the node is not clean.
-    if !out.clean() {
-        let first = out
-            .lingering
-            .iter()
-            .find(|l| !l.gone())
-            .map(|l| {
-                format!(
-                    "pid {} ({}) {} holding {}",
-                    l.pid,
-                    l.comm.clone().unwrap_or_default(),
-                    if l.spared.is_some() {
-                        "spared (system account)"
-                    } else {
-                        "survived SIGKILL"
-                    },
-                    l.devices
+    /// Step 1's audit line: `grant_revoked`, with the job's accounting.
+    fn audit_revoked(&mut self) {
+        let (node, job_id) = (self.node, self.job_id);
+        if !self.out.revoked.is_empty() || self.rec.as_ref().is_some_and(|r| !r.devices.is_empty())
+        {
+            let cgroups: BTreeSet<u64> = self.out.revoked.iter().map(|e| e.cgroup_id).collect();
+            let mut ev = AuditEvent::new(events::GRANT_REVOKED)
+                .job(job_id)
+                .devices(self.devs.iter())
+                .field("cgroup_ids", cgroups.into_iter().collect::<Vec<_>>())
+                .field("entries", self.out.revoked.len());
+            if let Some(r) = &self.rec {
+                ev =
+                    accounting_fields(node, &self.gpus, r, &self.minors, ev.uid(r.uid), self.ended);
+            }
+            if let Err(e) = node.audit(ev) {
+                self.out.errors.push(e.to_string());
+            }
+        }
+    }
+
+    /// Steps 2 and 3: who holds the job's devices, by descriptor and per
+    /// the driver; the response; a look again (a holder may have handed
+    /// its descriptor on while it handled SIGTERM): new holders get the
+    /// same response, up to `response_rounds`; what is still there after
+    /// that survives.
+    fn respond(&mut self) {
+        let info = match self.gpus.query(&self.minors) {
+            Ok(i) => i,
+            Err(e) => {
+                self.out.errors.push(format!(
+                    "NVML query failed, the job's GPUs cannot be shown clean: {e}"
+                ));
+                Vec::new()
+            }
+        };
+        let (node, job_id, fence, devs, gpu_major, mig, gpus, minors) = (
+            self.node,
+            self.job_id,
+            &self.fence,
+            &self.devs,
+            self.gpu_major,
+            &self.mig,
+            &self.gpus,
+            &self.minors,
+        );
+        let out = &mut self.out;
+        let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
+        let mut handled: BTreeSet<i32> = BTreeSet::new();
+        let responded = !cands.is_empty();
+        let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
+        for round in 0..node.cfg.response_rounds.max(1) {
+            let fresh: Vec<_> = cands
+                .into_iter()
+                .filter(|c| !handled.contains(&c.pid))
+                .collect();
+            if fresh.is_empty() {
+                break;
+            }
+            if round > 0 {
+                out.notes.push(format!(
+                    "round {}: new holders {:?}",
+                    round + 1,
+                    fresh.iter().map(|c| c.pid).collect::<Vec<_>>()
+                ));
+            }
+            let (lingering, errs) = respond::respond(
+                node,
+                job_id,
+                "epilog",
+                "holds a device of an ended job outside any grant",
+                fresh,
+                &mut budget,
+            );
+            // Acted on: only those pinned (one that let go of the device
+            // before it was stopped is looked for again like any other).
+            handled.extend(lingering.iter().map(|l| l.pid));
+            out.lingering.extend(lingering);
+            out.errors.extend(errs);
+            let again = gpus.query(&minors).unwrap_or_default();
+            cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig);
+        }
+        if let Some(s) = budget.summary() {
+            let _ = node.audit(
+                AuditEvent::new("evidence_budget")
+                    .job(job_id)
+                    .field("phase", "epilog")
+                    .field("executables_hashed", budget.hashed())
+                    .field("hashes_left_out", budget.hashes_left_out)
+                    .field("records_cut", budget.records_cut)
+                    .field("records_left_out", budget.records_left_out),
+            );
+            out.notes.push(s);
+        }
+        if responded {
+            let again = gpus.query(&minors).unwrap_or_default();
+            for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig) {
+                if out
+                    .lingering
+                    .iter()
+                    .any(|l| l.pid == c.pid && l.spared.is_some())
+                {
+                    continue; // already a survivor, on purpose
+                }
+                out.survivors.push(format!(
+                    "pid {} still holds {}",
+                    c.pid,
+                    c.devices
                         .iter()
                         .map(|d| d.to_string())
                         .collect::<Vec<_>>()
                         .join(",")
-                )
-            })
-            .or_else(|| out.survivors.first().cloned())
-            .or_else(|| out.errors.first().cloned())
-            .unwrap_or_default();
-        let reason = format!("gpufence: job {job_id}: {first}");
-        if node.cfg.drain {
-            if let Some(name) = node_name {
-                match drain::drain(node, name, &reason) {
-                    Ok(()) => out.notes.push(format!("node {name} drained: {reason}")),
-                    Err(e) => out.errors.push(format!("could not drain {name}: {e}")),
+                ));
+            }
+        }
+    }
+
+    /// Step 4: each job GPU's used memory comes back to its idle level (a GPU another live grant still covers is not checked).
+    fn memory_back(&mut self) {
+        let (node, rec, fence, gpus, minors, gpu_major) = (
+            self.node,
+            &self.rec,
+            &self.fence,
+            &self.gpus,
+            &self.minors,
+            self.gpu_major,
+        );
+        let out = &mut self.out;
+        if gpus.available() && !minors.is_empty() {
+            // A GPU another live grant still covers (shared) is not checked.
+            let shared: BTreeSet<u32> = fence
+                .as_ref()
+                .and_then(|f| f.entries().ok())
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| e.dev.major == gpu_major)
+                .map(|e| e.dev.minor)
+                .collect();
+            let check: BTreeSet<u32> = minors.difference(&shared).copied().collect();
+            let idle = |minor: u32| -> u64 {
+                rec.as_ref()
+                    .and_then(|r| r.gpu_idle.iter().find(|g| g.minor == minor))
+                    .map(|g| g.used_bytes)
+                    .unwrap_or(node.cfg.idle_memory_mib << 20)
+                    + (node.cfg.memory_tolerance_mib << 20)
+            };
+            let deadline = Instant::now() + Duration::from_millis(node.cfg.memory_wait_ms);
+            loop {
+                match gpus.memory_used(&check) {
+                    Ok(used) => {
+                        let high: Vec<(u32, u64)> =
+                            used.into_iter().filter(|(m, u)| *u > idle(*m)).collect();
+                        if high.is_empty() {
+                            break;
+                        }
+                        if Instant::now() >= deadline {
+                            for (m, u) in high {
+                                out.survivors.push(format!(
+                                    "GPU /dev/nvidia{m} still has {} MiB in use (idle level {} MiB) after {} ms",
+                                    u >> 20,
+                                    idle(m) >> 20,
+                                    node.cfg.memory_wait_ms
+                                ));
+                            }
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        out.errors.push(format!("NVML memory query failed: {e}"));
+                        break;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Step 5, own layout: the job's cgroup goes with the job.
+    fn remove_own_cgroup(&mut self) {
+        let (node, job_id) = (self.node, self.job_id);
+        let out = &mut self.out;
+        if node.cfg.layout == Layout::Own {
+            let job_cg = node.own_job_cgroup(job_id);
+            if node.cg.path(&job_cg).exists() {
+                let left = node.cg.procs_recursive(&job_cg);
+                if !left.is_empty() {
+                    out.notes.push(format!(
+                        "killing {} leftover process(es) in /{job_cg}",
+                        left.len()
+                    ));
+                    let _ = node.cg.kill(&job_cg);
+                }
+                let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms);
+                loop {
+                    match node.cg.remove_tree(&job_cg) {
+                        Ok(()) => break,
+                        Err(_) if Instant::now() < deadline => {
+                            std::thread::sleep(Duration::from_millis(10))
+                        }
+                        Err(e) => {
+                            out.errors.push(format!(
+                                "{e} (processes left: {:?})",
+                                node.cg.procs_recursive(&job_cg)
+                            ));
+                            break;
+                        }
+                    }
                 }
             }
         }
-        let _ = node.audit(
-            AuditEvent::new(events::ERROR)
-                .job(job_id)
-                .field("component", "epilog")
-                .field("drain_reason", drain::clean_reason(&reason))
-                .field("survivors", out.survivors.clone())
-                .field("errors", out.errors.clone()),
-        );
-        out.drain_reason = Some(drain::clean_reason(&reason));
     }
-    out
-}
 
-/// Step 5d of [`run_with`]: the job's leftovers in `shm_dir` (regular
-/// files of the job's user, changed since its record was made, held by no
-/// process: [`crate::holders::shm::leftovers`]) go into one `shm_leftovers` audit
-/// line, and with `shm_remove_leftovers` are removed, unless another job
-/// of the user has a record on the node (its files look the same).
-fn shm_leftovers(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
-    let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
-        .ok()
-        .map(std::time::SystemTime::from);
-    let files = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
-    if files.is_empty() {
-        return;
-    }
-    let others = other_jobs_of(node, rec);
-    let (removed, why_not): (bool, Option<String>) = if !node.cfg.shm_remove_leftovers {
-        (false, None)
-    } else if !others.is_empty() {
-        (
-            false,
-            Some(format!(
-                "not removed: job(s) {others:?} of the same user run on this node"
-            )),
-        )
-    } else {
-        let failed = crate::holders::shm::remove(&node.cfg.shm_dir, &files);
-        for (name, e) in &failed {
-            out.errors.push(format!(
-                "removing {}: {e}",
-                node.cfg.shm_dir.join(name).display()
-            ));
+    /// Step 5b: compute modes changed for `--gpu-exclusive` go back, whatever the job's fate.
+    fn restore_compute_modes(&mut self) {
+        let (node, rec, gpus) = (self.node, &self.rec, &self.gpus);
+        let out = &mut self.out;
+        if let Some(r) = &rec {
+            if !r.saved_compute_modes.is_empty() {
+                let g = if gpus.available() {
+                    None
+                } else {
+                    Some(node.open_gpus())
+                };
+                let gpus_ref = g.as_ref().unwrap_or(&gpus);
+                for (minor, old) in &r.saved_compute_modes {
+                    match gpus_ref.swap_compute_mode(*minor, *old) {
+                        Ok(_) => out.exclusive.push(format!(
+                            "/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored"
+                        )),
+                        Err(e) => out.errors.push(format!(
+                            "restoring the compute mode of /dev/nvidia{minor}: {e}"
+                        )),
+                    }
+                }
+            }
         }
-        (failed.is_empty(), None)
-    };
-    let total: u64 = files.iter().map(|f| f.size_bytes).sum();
-    out.notes.push(format!(
-        "{} file(s) ({total} bytes) left in {}{}",
-        files.len(),
-        node.cfg.shm_dir.display(),
-        if removed { ": removed" } else { "" }
-    ));
-    let mut ev = AuditEvent::new(events::SHM_LEFTOVERS)
-        .job(rec.job_id)
-        .uid(rec.uid)
-        .field("dir", node.cfg.shm_dir.display().to_string())
-        .field(
-            "files",
-            files
-                .iter()
-                .map(|f| {
-                    serde_json::json!({
-                        "name": gpufence_model::text::printable(&f.name),
-                        "size_bytes": f.size_bytes,
-                        "mode": f.mode,
-                    })
-                })
-                .collect::<Vec<_>>(),
-        )
-        .field("removed", removed);
-    if let Some(w) = why_not {
-        ev = ev.field("note", w);
     }
-    if let Err(e) = node.audit(ev) {
-        out.errors.push(e.to_string());
-    }
-}
 
-/// Jobs other than `rec`'s with a record on this node for the same user.
-fn other_jobs_of(node: &Node, rec: &JobRecord) -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir(node.state.root().join("jobs")) else {
-        return Vec::new();
-    };
-    let mut out: Vec<u32> = rd
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse().ok())
-        .filter(|j: &u32| *j != rec.job_id)
-        .filter(|j| {
-            node.state
-                .read_record(*j)
-                .ok()
-                .flatten()
-                .is_some_and(|r| r.uid == rec.uid)
-        })
-        .collect();
-    out.sort_unstable();
-    out
+    /// Step 5c: the user's report (`--gpufence-report`).
+    fn write_report(&mut self) {
+        let (node, job_id, node_name, ended, env, rec, gpus, minors) = (
+            self.node,
+            self.job_id,
+            self.node_name,
+            self.ended,
+            self.env,
+            &self.rec,
+            &self.gpus,
+            &self.minors,
+        );
+        let out = &mut self.out;
+        if let Some(path) = &env.options.report {
+            let uid_gid = rec.as_ref().map(|r| r.uid).or(env.uid).zip(env.gid);
+            match (uid_gid, env.work_dir.as_ref()) {
+                (Some((uid, gid)), Some(wd)) => {
+                    let start = rec
+                        .as_ref()
+                        .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
+                    let wall = start.map(|s| {
+                        (ended.timestamp_micros() - s.timestamp_micros()).max(0) as f64 / 1e6
+                    });
+                    let denials = crate::host::denials::list(node)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .filter(|d| d.uid == uid)
+                        .filter(|d| {
+                            start.is_none_or(|s| {
+                                chrono::DateTime::parse_from_rfc3339(&d.last_time)
+                                    .is_ok_and(|t| t >= s)
+                            })
+                        })
+                        .collect();
+                    let accounting = match (&rec, start) {
+                        (Some(_), Some(s)) if gpus.available() => gpus
+                            .accounting(&minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(m, procs)| {
+                                let max = procs.iter().filter_map(|p| p.max_memory).max().unwrap_or(0);
+                                let u: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
+                                let avg = if u.is_empty() { 0.0 } else { u.iter().sum::<u32>() as f64 / u.len() as f64 };
+                                format!("/dev/nvidia{m}: max memory {} MiB, average utilisation {avg:.0}% ({} processes)", max >> 20, procs.len())
+                            })
+                            .collect(),
+                        _ => Vec::new(),
+                    };
+                    let text = crate::job::report::render(&crate::job::report::ReportData {
+                        record: rec.as_ref(),
+                        job_id,
+                        node_name: node_name.unwrap_or("this node").to_string(),
+                        denials,
+                        lingering: &out.lingering,
+                        wall_seconds: wall,
+                        accounting,
+                        exclusive: out.exclusive.clone(),
+                    });
+                    let target = gpufence_model::options::expand_report_path(
+                        &path
+                            .clone()
+                            .unwrap_or_else(|| PathBuf::from(format!("gpufence-{job_id}.txt"))),
+                        job_id,
+                        node_name.unwrap_or("node"),
+                    );
+                    // The user's path, the user's problem: audited (the admin
+                    // can tell the user why), never a drain.
+                    let (event, note) = match crate::job::report::write_as_user(
+                        node, job_id, &text, &target, wd, uid, gid,
+                    ) {
+                        Ok(p) => (
+                            AuditEvent::new("report_written")
+                                .field("path", p.display().to_string()),
+                            format!("report written to {}", p.display()),
+                        ),
+                        Err(e) => (
+                            AuditEvent::new("report_failed")
+                                .field("path", target.display().to_string())
+                                .field("error", e.to_string()),
+                            format!("report not written: {e}"),
+                        ),
+                    };
+                    let _ = node.audit(event.job(job_id).uid(uid));
+                    out.notes.push(note);
+                }
+                _ => out.notes.push(
+                    "report not written: the job's uid, gid or working directory is unknown".into(),
+                ),
+            }
+        }
+    }
+
+    /// Step 6: forget the job, unless its grant is still in the fence.
+    fn forget(&mut self) {
+        let (node, job_id) = (self.node, self.job_id);
+        let out = &mut self.out;
+        if out.errors.iter().all(|e| !e.starts_with("revoking")) {
+            if let Err(e) = node
+                .state
+                .remove_record(job_id)
+                .and_then(|_| node.state.remove_applied(job_id))
+            {
+                out.errors.push(e.to_string());
+            }
+        }
+    }
+
+    /// Step 7: drain with a reason when the node is not clean.
+    fn drain_if_unclean(&mut self) {
+        let (node, job_id, node_name) = (self.node, self.job_id, self.node_name);
+        let out = &mut self.out;
+        if !out.clean() {
+            let first = out
+                .lingering
+                .iter()
+                .find(|l| !l.gone())
+                .map(|l| {
+                    format!(
+                        "pid {} ({}) {} holding {}",
+                        l.pid,
+                        l.comm.clone().unwrap_or_default(),
+                        if l.spared.is_some() {
+                            "spared (system account)"
+                        } else {
+                            "survived SIGKILL"
+                        },
+                        l.devices
+                            .iter()
+                            .map(|d| d.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    )
+                })
+                .or_else(|| out.survivors.first().cloned())
+                .or_else(|| out.errors.first().cloned())
+                .unwrap_or_default();
+            let reason = format!("gpufence: job {job_id}: {first}");
+            if node.cfg.drain {
+                if let Some(name) = node_name {
+                    match drain::drain(node, name, &reason) {
+                        Ok(()) => out.notes.push(format!("node {name} drained: {reason}")),
+                        Err(e) => out.errors.push(format!("could not drain {name}: {e}")),
+                    }
+                }
+            }
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .job(job_id)
+                    .field("component", "epilog")
+                    .field("drain_reason", drain::clean_reason(&reason))
+                    .field("survivors", out.survivors.clone())
+                    .field("errors", out.errors.clone()),
+            );
+            out.drain_reason = Some(drain::clean_reason(&reason));
+        }
+    }
 }

@@ -3,5 +3,6 @@
 pub mod apply;
 pub mod epilog;
 pub mod injob;
+pub mod leftovers;
 pub mod prolog;
 pub mod report;

@@ -1,0 +1,96 @@
+//! What a job leaves behind besides processes: its files in the
+//! shared-memory directory ([`crate::holders::shm`]), reported (and on
+//! request removed) by the Epilog.
+
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::record::JobRecord;
+
+use crate::job::epilog::EpilogOutcome;
+use crate::Node;
+
+/// Step 5d of [`crate::job::epilog::run_with`]: the job's leftovers in `shm_dir` (regular
+/// files of the job's user, changed since its record was made, held by no
+/// process: [`crate::holders::shm::leftovers`]) go into one `shm_leftovers` audit
+/// line, and with `shm_remove_leftovers` are removed, unless another job
+/// of the user has a record on the node (its files look the same).
+pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
+    let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
+        .ok()
+        .map(std::time::SystemTime::from);
+    let files = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
+    if files.is_empty() {
+        return;
+    }
+    let others = other_jobs_of(node, rec);
+    let (removed, why_not): (bool, Option<String>) = if !node.cfg.shm_remove_leftovers {
+        (false, None)
+    } else if !others.is_empty() {
+        (
+            false,
+            Some(format!(
+                "not removed: job(s) {others:?} of the same user run on this node"
+            )),
+        )
+    } else {
+        let failed = crate::holders::shm::remove(&node.cfg.shm_dir, &files);
+        for (name, e) in &failed {
+            out.errors.push(format!(
+                "removing {}: {e}",
+                node.cfg.shm_dir.join(name).display()
+            ));
+        }
+        (failed.is_empty(), None)
+    };
+    let total: u64 = files.iter().map(|f| f.size_bytes).sum();
+    out.notes.push(format!(
+        "{} file(s) ({total} bytes) left in {}{}",
+        files.len(),
+        node.cfg.shm_dir.display(),
+        if removed { ": removed" } else { "" }
+    ));
+    let mut ev = AuditEvent::new(events::SHM_LEFTOVERS)
+        .job(rec.job_id)
+        .uid(rec.uid)
+        .field("dir", node.cfg.shm_dir.display().to_string())
+        .field(
+            "files",
+            files
+                .iter()
+                .map(|f| {
+                    serde_json::json!({
+                        "name": gpufence_model::text::printable(&f.name),
+                        "size_bytes": f.size_bytes,
+                        "mode": f.mode,
+                    })
+                })
+                .collect::<Vec<_>>(),
+        )
+        .field("removed", removed);
+    if let Some(w) = why_not {
+        ev = ev.field("note", w);
+    }
+    if let Err(e) = node.audit(ev) {
+        out.errors.push(e.to_string());
+    }
+}
+
+/// Jobs other than `rec`'s with a record on this node for the same user.
+fn other_jobs_of(node: &Node, rec: &JobRecord) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir(node.state.root().join("jobs")) else {
+        return Vec::new();
+    };
+    let mut out: Vec<u32> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse().ok())
+        .filter(|j: &u32| *j != rec.job_id)
+        .filter(|j| {
+            node.state
+                .read_record(*j)
+                .ok()
+                .flatten()
+                .is_some_and(|r| r.uid == rec.uid)
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
