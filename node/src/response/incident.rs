@@ -302,8 +302,8 @@ pub fn respond_pid(
         );
         Err(r)
     };
-    // Pinned before it is checked: if the pid is recycled meanwhile, the
-    // pidfd says the process it named exited, and nothing is done.
+    // 1. Pinned before it is checked: if the pid is recycled meanwhile,
+    //    the pidfd says the process it named exited, and nothing is done.
     let target = match (pid > 0).then(|| pidfd_open(pid)).flatten() {
         Some(fd) => fd,
         None => return refuse(check(node, pid).err().unwrap_or(Refusal::NotFound(pid))),
@@ -314,38 +314,82 @@ pub fn respond_pid(
     if exited(&target) {
         return refuse(Refusal::NotFound(pid));
     }
-    let mut out = IncidentOutcome {
-        pid,
-        ..Default::default()
-    };
-    // Who asked: every line and the incident file name them.
-    let by = crate::host::procs::who();
-    let audit = |out: &mut IncidentOutcome, ev: AuditEvent| {
-        if let Err(e) = node.audit(ev.field("by", by.clone())) {
-            out.errors.push(e.to_string());
-        }
-    };
-    let users = Passwd::load(&node.cfg.passwd_file);
-    let fence = Fence::open(&node.cfg.bpffs_dir).ok();
-    out.uid = read_uid(pid);
-    out.user = out.uid.and_then(|u| users.name(u)).map(String::from);
-    out.comm = read_stat(pid).map(|(c, _, _)| c);
-    let uid = out.uid;
+    let mut i = Incident::new(node, pid);
+    i.pin_tree(target);
+    i.stop_tree();
+    i.collect_evidence();
+    i.kill();
+    i.list_persistence();
+    if let Some(name) = drain_node {
+        i.drain(name);
+    }
+    Ok(i.out)
+}
 
-    // 2. The tree, pinned. Exempt descendants and this process's own
-    //    lineage are spared.
-    let me = std::process::id() as i32;
-    let mut pinned: BTreeMap<i32, OwnedFd> = BTreeMap::new();
-    let mut cgroups: BTreeMap<i32, Option<String>> = BTreeMap::new();
-    let mut spared_pids: BTreeSet<i32> = BTreeSet::new();
-    let admit = |p: i32,
-                 out: &mut IncidentOutcome,
-                 pinned: &mut BTreeMap<i32, OwnedFd>,
-                 cgroups: &mut BTreeMap<i32, Option<String>>,
-                 spared_pids: &mut BTreeSet<i32>| {
-        if pinned.contains_key(&p) || spared_pids.contains(&p) {
+/// One response to a process tree: what its steps share.
+struct Incident<'a> {
+    node: &'a Node,
+    pid: i32,
+    /// Who asked: every line and the incident file name them.
+    by: String,
+    fence: Option<Fence>,
+    engine: Engine<'a>,
+    /// The members, pinned.
+    pinned: BTreeMap<i32, OwnedFd>,
+    cgroups: BTreeMap<i32, Option<String>>,
+    spared_pids: BTreeSet<i32>,
+    /// The tree as first listed, parents first.
+    order: Vec<i32>,
+    /// The members in tree order, those found later after them.
+    tree_pids: Vec<i32>,
+    out: IncidentOutcome,
+}
+
+impl<'a> Incident<'a> {
+    fn new(node: &'a Node, pid: i32) -> Self {
+        let users = Passwd::load(&node.cfg.passwd_file);
+        let uid = read_uid(pid);
+        let out = IncidentOutcome {
+            pid,
+            uid,
+            user: uid.and_then(|u| users.name(u)).map(String::from),
+            comm: read_stat(pid).map(|(c, _, _)| c),
+            ..Default::default()
+        };
+        Incident {
+            node,
+            pid,
+            by: crate::host::procs::who(),
+            fence: Fence::open(&node.cfg.bpffs_dir).ok(),
+            engine: Engine::new(node),
+            pinned: BTreeMap::new(),
+            cgroups: BTreeMap::new(),
+            spared_pids: BTreeSet::new(),
+            order: Vec::new(),
+            tree_pids: Vec::new(),
+            out,
+        }
+    }
+
+    /// Writes `ev` with `by` (and the process's uid when `with_uid`); a
+    /// failure is one of the outcome's errors.
+    fn audit(&mut self, ev: AuditEvent, uid: bool) {
+        let ev = if uid { with_uid(ev, self.out.uid) } else { ev };
+        if let Err(e) = self.node.audit(ev.field("by", self.by.clone())) {
+            self.out.errors.push(e.to_string());
+        }
+    }
+
+    /// Takes `p` into the tree, pinned, unless it is spared (this process,
+    /// init, a kernel thread, an exempt daemon: named in the outcome) or
+    /// no longer the process the tree listed (gone, or not a child of a
+    /// member). Returns whether it was taken.
+    fn admit(&mut self, p: i32) -> bool {
+        if self.pinned.contains_key(&p) || self.spared_pids.contains(&p) {
             return false;
         }
+        let node = self.node;
+        let me = std::process::id() as i32;
         let cg = node.cg.cgroup_of(p).ok();
         let why = if p == me || p == 1 {
             Some("gpufence itself or init".to_string())
@@ -353,12 +397,12 @@ pub fn respond_pid(
             Some("kernel thread".to_string())
         } else {
             cg.as_deref()
-                .and_then(|c| exemption(node, fence.as_ref(), c, read_uid(p)))
+                .and_then(|c| exemption(node, self.fence.as_ref(), c, read_uid(p)))
                 .map(|e| format!("exempt daemon ({e})"))
         };
         if let Some(why) = why {
-            spared_pids.insert(p);
-            out.spared.push(Spared { pid: p, why });
+            self.spared_pids.insert(p);
+            self.out.spared.push(Spared { pid: p, why });
             return false;
         }
         let Some(fd) = pidfd_open(p) else {
@@ -367,97 +411,98 @@ pub fn respond_pid(
         // Still the process the tree listed: alive, and a child of a
         // member (pinned before it: the tree lists parents first).
         let parent = read_stat(p).map(|(_, pp, _)| pp);
-        if exited(&fd) || !parent.is_some_and(|pp| pinned.contains_key(&pp)) {
+        if exited(&fd) || !parent.is_some_and(|pp| self.pinned.contains_key(&pp)) {
             return false;
         }
-        pinned.insert(p, fd);
-        cgroups.insert(p, cg);
+        self.pinned.insert(p, fd);
+        self.cgroups.insert(p, cg);
         true
-    };
-    pinned.insert(pid, target);
-    cgroups.insert(pid, node.cg.cgroup_of(pid).ok());
-    let order = tree_of(&parents(), pid);
-    for p in &order {
-        admit(*p, &mut out, &mut pinned, &mut cgroups, &mut spared_pids);
     }
 
-    // 3. Stop it: whole cgroups when they hold only the tree, else SIGSTOP;
-    //    then look for descendants forked meanwhile, until none are new.
-    let mut engine = Engine::new(node);
-    // One look after each stop: a child forked before its parent stopped
-    // is in /proc by then, and nothing stopped can fork again.
-    for _round in 0..8 {
-        let members: BTreeSet<i32> = pinned.keys().copied().collect();
-        for (p, fd) in &pinned {
-            if out.frozen.contains_key(p) {
-                continue;
+    /// Step 2: the tree, pinned. Exempt descendants and this process's own
+    /// lineage are spared.
+    fn pin_tree(&mut self, target: OwnedFd) {
+        self.pinned.insert(self.pid, target);
+        self.cgroups
+            .insert(self.pid, self.node.cg.cgroup_of(self.pid).ok());
+        self.order = tree_of(&parents(), self.pid);
+        for p in self.order.clone() {
+            self.admit(p);
+        }
+    }
+
+    /// Step 3: stops the tree (whole cgroups when they hold only the
+    /// tree, else SIGSTOP), then looks for descendants forked meanwhile,
+    /// until none are new; lists it (`respond_frozen`).
+    fn stop_tree(&mut self) {
+        // One look after each stop: a child forked before its parent
+        // stopped is in /proc by then, and nothing stopped can fork again.
+        for _round in 0..8 {
+            let members: BTreeSet<i32> = self.pinned.keys().copied().collect();
+            for (p, fd) in &self.pinned {
+                if self.out.frozen.contains_key(p) {
+                    continue;
+                }
+                let cg = self.cgroups.get(p).cloned().flatten();
+                let how = self.engine.stop(*p, fd, cg.as_deref(), &members);
+                self.out.frozen.insert(*p, how);
             }
-            let how = engine.stop(
-                *p,
-                fd,
-                cgroups.get(p).cloned().flatten().as_deref(),
-                &members,
+            let mut new = false;
+            for p in tree_of(&parents(), self.pid) {
+                new |= self.admit(p);
+            }
+            if !new {
+                break;
+            }
+        }
+        let order = &self.order;
+        self.tree_pids = order
+            .iter()
+            .copied()
+            .filter(|p| self.pinned.contains_key(p))
+            .chain(self.pinned.keys().copied().filter(|p| !order.contains(p)))
+            .collect();
+        self.out.tree = self
+            .tree_pids
+            .iter()
+            .map(|p| TreeProcess {
+                pid: *p,
+                ppid: read_stat(*p).map(|(_, pp, _)| pp).unwrap_or(0),
+                uid: read_uid(*p),
+                comm: read_stat(*p).map(|(c, _, _)| c).unwrap_or_default(),
+                cmdline: read_cmdline(*p),
+                cgroup: self.cgroups.get(p).cloned().flatten(),
+            })
+            .collect();
+        let frozen_ev = AuditEvent::new("respond_frozen")
+            .pid(self.pid)
+            .field("tree", self.tree_pids.clone())
+            .field(
+                "how",
+                self.out
+                    .frozen
+                    .iter()
+                    .map(|(p, h)| (p.to_string(), serde_json::Value::from(h.clone())))
+                    .collect::<serde_json::Map<_, _>>(),
+            )
+            .field(
+                "frozen_cgroups",
+                self.engine
+                    .frozen_cgroups()
+                    .iter()
+                    .map(|c| crate::host::cgpath::abs(c))
+                    .collect::<Vec<_>>(),
+            )
+            .field(
+                "spared",
+                serde_json::to_value(&self.out.spared).unwrap_or_default(),
             );
-            out.frozen.insert(*p, how);
-        }
-        let mut new = false;
-        for p in tree_of(&parents(), pid) {
-            new |= admit(p, &mut out, &mut pinned, &mut cgroups, &mut spared_pids);
-        }
-        if !new {
-            break;
-        }
+        self.audit(frozen_ev, true);
     }
-    let tree_pids: Vec<i32> = order
-        .iter()
-        .copied()
-        .filter(|p| pinned.contains_key(p))
-        .chain(pinned.keys().copied().filter(|p| !order.contains(p)))
-        .collect();
-    out.tree = tree_pids
-        .iter()
-        .map(|p| TreeProcess {
-            pid: *p,
-            ppid: read_stat(*p).map(|(_, pp, _)| pp).unwrap_or(0),
-            uid: read_uid(*p),
-            comm: read_stat(*p).map(|(c, _, _)| c).unwrap_or_default(),
-            cmdline: read_cmdline(*p),
-            cgroup: cgroups.get(p).cloned().flatten(),
-        })
-        .collect();
-    let frozen_ev = AuditEvent::new("respond_frozen")
-        .pid(pid)
-        .field("tree", tree_pids.clone())
-        .field(
-            "how",
-            out.frozen
-                .iter()
-                .map(|(p, h)| (p.to_string(), serde_json::Value::from(h.clone())))
-                .collect::<serde_json::Map<_, _>>(),
-        )
-        .field(
-            "frozen_cgroups",
-            engine
-                .frozen_cgroups()
-                .iter()
-                .map(|c| crate::host::cgpath::abs(c))
-                .collect::<Vec<_>>(),
-        )
-        .field(
-            "spared",
-            serde_json::to_value(&out.spared).unwrap_or_default(),
-        );
-    audit(&mut out, with_uid(frozen_ev, uid));
 
-    // 4. Evidence: each member, then the incident file.
-    let protected: BTreeSet<u32> = node
-        .protected_majors()
-        .map(|p| p.majors().collect())
-        .unwrap_or_default();
-    let want = |d: DevNum| protected.contains(&d.major);
-    let mut scanner = Scanner::new();
-    let gpu_mem: Vec<(u32, String, u32, Option<u64>)> = {
-        let g = node.open_gpus();
+    /// What NVML lists on every GPU: `(minor, uuid, pid, used bytes)`.
+    fn gpu_processes(&self) -> Vec<(u32, String, u32, Option<u64>)> {
+        let g = self.node.open_gpus();
         g.minors()
             .and_then(|m| g.query(&m))
             .unwrap_or_default()
@@ -469,121 +514,145 @@ pub fn respond_pid(
                     .collect::<Vec<_>>()
             })
             .collect()
-    };
-    let mut budget = evidence::Budget::from_config(&node.cfg);
-    for p in &tree_pids {
-        let holds = scanner
-            .holder_where(*p, &want)
-            .map(|h| h.fds)
+    }
+
+    /// Step 4: evidence, each member's, then the incident file with the
+    /// persistence entries of the process's uid (`respond_evidence`).
+    fn collect_evidence(&mut self) {
+        let node = self.node;
+        let protected: BTreeSet<u32> = node
+            .protected_majors()
+            .map(|p| p.majors().collect())
             .unwrap_or_default();
-        let mem: Vec<GpuMemory> = gpu_mem
-            .iter()
-            .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
-            .map(|(minor, uuid, _, used)| GpuMemory {
-                minor: *minor,
-                uuid: uuid.clone(),
-                used_bytes: *used,
-            })
-            .collect();
-        let found = evidence::Found {
-            fds: holds,
-            cgroup: cgroups.get(p).cloned().flatten(),
-            gpu_memory: mem,
-        };
-        let ev = evidence::collect(
-            *p,
-            0,
-            REASON,
-            found,
-            out.frozen.get(p).cloned(),
-            &mut budget,
-        );
-        match evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget) {
-            Ok(Some(f)) => out.evidence.push(f),
-            Ok(None) => {}
-            Err(e) => out.errors.push(format!("evidence for pid {p}: {e}")),
+        let want = |d: DevNum| protected.contains(&d.major);
+        let mut scanner = Scanner::new();
+        let gpu_mem = self.gpu_processes();
+        let mut budget = evidence::Budget::from_config(&node.cfg);
+        for p in &self.tree_pids {
+            let holds = scanner
+                .holder_where(*p, &want)
+                .map(|h| h.fds)
+                .unwrap_or_default();
+            let mem: Vec<GpuMemory> = gpu_mem
+                .iter()
+                .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
+                .map(|(minor, uuid, _, used)| GpuMemory {
+                    minor: *minor,
+                    uuid: uuid.clone(),
+                    used_bytes: *used,
+                })
+                .collect();
+            let found = evidence::Found {
+                fds: holds,
+                cgroup: self.cgroups.get(p).cloned().flatten(),
+                gpu_memory: mem,
+            };
+            let ev = evidence::collect(
+                *p,
+                0,
+                REASON,
+                found,
+                self.out.frozen.get(p).cloned(),
+                &mut budget,
+            );
+            match evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget) {
+                Ok(Some(f)) => self.out.evidence.push(f),
+                Ok(None) => {}
+                Err(e) => self.out.errors.push(format!("evidence for pid {p}: {e}")),
+            }
+        }
+        let out = &mut self.out;
+        out.notes.extend(budget.summary());
+        out.persistence = out
+            .uid
+            .map(|u| persistence_of_uid(node, u))
+            .unwrap_or_default();
+        let incident = json!({
+            "collected": now_rfc3339(),
+            "reason": REASON,
+            "by": self.by,
+            "pid": self.pid,
+            "uid": out.uid,
+            "user": out.user,
+            "comm": out.comm,
+            "tree": out.tree,
+            "spared": out.spared,
+            "frozen": out.frozen,
+            "evidence": out.evidence,
+            "persistence": out.persistence,
+        });
+        match write_incident(node, self.pid, &incident) {
+            Ok(p) => out.incident_file = Some(p),
+            Err(e) => out.errors.push(e),
+        }
+        let ev = AuditEvent::new("respond_evidence")
+            .pid(self.pid)
+            .field(
+                "evidence",
+                out.evidence
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .field(
+                "incident_file",
+                out.incident_file
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+            )
+            .field("tree", self.tree_pids.clone());
+        self.audit(ev, true);
+    }
+
+    /// Step 5: SIGKILL through the pidfds; thaw; check
+    /// (`respond_killed`, `respond_survivor`).
+    fn kill(&mut self) {
+        let targets: Vec<(i32, &OwnedFd)> = self.pinned.iter().map(|(p, f)| (*p, f)).collect();
+        for (p, ended) in self.engine.end(&targets, None) {
+            match ended {
+                Some(_) => self.out.killed.push(p),
+                None => self.out.survivors.push(p),
+            }
+        }
+        let ev = AuditEvent::new("respond_killed")
+            .pid(self.pid)
+            .field("signal", "SIGKILL")
+            .field("killed", self.out.killed.clone())
+            .field("survivors", self.out.survivors.clone());
+        self.audit(ev, true);
+        if !self.out.survivors.is_empty() {
+            let ev = AuditEvent::new("respond_survivor")
+                .pid(self.pid)
+                .field("survivors", self.out.survivors.clone());
+            self.audit(ev, true);
         }
     }
-    out.notes.extend(budget.summary());
-    out.persistence = out
-        .uid
-        .map(|u| persistence_of_uid(node, u))
-        .unwrap_or_default();
-    let incident = json!({
-        "collected": now_rfc3339(),
-        "reason": REASON,
-        "by": by,
-        "pid": pid,
-        "uid": out.uid,
-        "user": out.user,
-        "comm": out.comm,
-        "tree": out.tree,
-        "spared": out.spared,
-        "frozen": out.frozen,
-        "evidence": out.evidence,
-        "persistence": out.persistence,
-    });
-    match write_incident(node, pid, &incident) {
-        Ok(p) => out.incident_file = Some(p),
-        Err(e) => out.errors.push(e),
-    }
-    let ev = AuditEvent::new("respond_evidence")
-        .pid(pid)
-        .field(
-            "evidence",
-            out.evidence
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>(),
-        )
-        .field(
-            "incident_file",
-            out.incident_file
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-        )
-        .field("tree", tree_pids.clone());
-    audit(&mut out, with_uid(ev, uid));
 
-    // 5. SIGKILL through the pidfds; thaw; check.
-    let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(p, f)| (*p, f)).collect();
-    for (p, ended) in engine.end(&targets, None) {
-        match ended {
-            Some(_) => out.killed.push(p),
-            None => out.survivors.push(p),
-        }
-    }
-    let ev = AuditEvent::new("respond_killed")
-        .pid(pid)
-        .field("signal", "SIGKILL")
-        .field("killed", out.killed.clone())
-        .field("survivors", out.survivors.clone());
-    audit(&mut out, with_uid(ev, uid));
-    if !out.survivors.is_empty() {
-        let ev = AuditEvent::new("respond_survivor")
-            .pid(pid)
-            .field("survivors", out.survivors.clone());
-        audit(&mut out, with_uid(ev, uid));
+    /// Step 6: the persistence entries, listed, never deleted
+    /// (`respond_persistence`).
+    fn list_persistence(&mut self) {
+        let ev = AuditEvent::new("respond_persistence")
+            .pid(self.pid)
+            .field(
+                "entries",
+                self.out
+                    .persistence
+                    .iter()
+                    .map(|e| json!({"kind": e.kind, "path": e.path, "entries": e.entries}))
+                    .collect::<Vec<_>>(),
+            )
+            .field("deleted", false);
+        self.audit(ev, true);
     }
 
-    // 6. The persistence entries: listed, never deleted.
-    let ev = AuditEvent::new("respond_persistence")
-        .pid(pid)
-        .field(
-            "entries",
-            out.persistence
-                .iter()
-                .map(|e| json!({"kind": e.kind, "path": e.path, "entries": e.entries}))
-                .collect::<Vec<_>>(),
-        )
-        .field("deleted", false);
-    audit(&mut out, with_uid(ev, uid));
-
-    // 7. Drain.
-    if let Some(name) = drain_node {
+    /// Step 7: drains node `name` with a reason naming the process
+    /// (`respond_drained`, `respond_drain_failed`).
+    fn drain(&mut self, name: &str) {
+        let out = &self.out;
         let reason = drain::clean_reason(&format!(
-            "gpufence: respond: pid {pid} ({}) of {} killed with its tree ({} process(es)){}",
+            "gpufence: respond: pid {} ({}) of {} killed with its tree ({} process(es)){}",
+            self.pid,
             out.comm.as_deref().unwrap_or("?"),
             out.user
                 .clone()
@@ -596,26 +665,25 @@ pub fn respond_pid(
                 format!(", {} survived", out.survivors.len())
             }
         ));
-        match drain::drain(node, name, &reason) {
+        match drain::drain(self.node, name, &reason) {
             Ok(()) => {
                 let ev = AuditEvent::new("respond_drained")
-                    .pid(pid)
+                    .pid(self.pid)
                     .field("node", name.to_string())
                     .field("drain_reason", reason.clone());
-                audit(&mut out, ev);
-                out.drained = Some(reason);
+                self.audit(ev, false);
+                self.out.drained = Some(reason);
             }
             Err(e) => {
-                out.errors.push(format!("could not drain {name}: {e}"));
+                self.out.errors.push(format!("could not drain {name}: {e}"));
                 let ev = AuditEvent::new("respond_drain_failed")
-                    .pid(pid)
+                    .pid(self.pid)
                     .field("node", name.to_string())
                     .field("error", e);
-                audit(&mut out, ev);
+                self.audit(ev, false);
             }
         }
     }
-    Ok(out)
 }
 
 fn with_uid(ev: AuditEvent, uid: Option<u32>) -> AuditEvent {
