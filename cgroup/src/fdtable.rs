@@ -553,8 +553,7 @@ pub(crate) mod live {
     }
 
     fn layout() -> Option<FdTableLayout> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+        if !nix::unistd::geteuid().is_root() || !in_initial_pid_ns() {
             eprintln!("SKIPPED: needs root in the initial pid namespace");
             return None;
         }
@@ -622,8 +621,7 @@ pub(crate) mod live {
             // SAFETY: unshare(2) of this thread's descriptor table.
             assert_eq!(unsafe { libc::unshare(libc::CLONE_FILES) }, 0);
             let own = std::fs::File::open("/dev/null").unwrap();
-            // SAFETY: gettid has no preconditions.
-            tx.send((unsafe { libc::gettid() }, own.as_raw_fd()))
+            tx.send((nix::unistd::gettid().as_raw(), own.as_raw_fd()))
                 .unwrap();
             let _ = done_rx.recv();
             drop(own);

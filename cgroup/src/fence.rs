@@ -8,17 +8,20 @@
 //! directory.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use gpufence_model::device::{Access, DevNum};
 use gpufence_model::policy::ExemptIdentities;
 use gpufence_model::procdevices::ProtectedMajors;
+use nix::fcntl::{Flock, FlockArg};
+use nix::mount::{mount, MsFlags};
+use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
+use nix::sys::statfs::{statfs, FsType, BPF_FS_MAGIC};
+use nix::unistd::{access, AccessFlags};
 
 use crate::error::{Error, Result};
 use crate::hierarchy::Cgroup2;
@@ -31,8 +34,6 @@ use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
 use crate::verdict::{self, Evaluation, MapRole, MapView};
 
-/// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// Where bpffs is conventionally mounted (systemd mounts it there).
 const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// Name of the program as the kernel lists it.
@@ -197,15 +198,9 @@ fn located_level(cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<usize> {
     cg.kernel_level(path)
 }
 
-fn statfs_magic(p: &Path) -> io::Result<i64> {
-    let c = CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: statfs into a zeroed struct we own.
-    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(s.f_type as i64)
+/// The filesystem type of the filesystem holding `p` (`statfs(2)`).
+fn fs_type(p: &Path) -> io::Result<FsType> {
+    Ok(statfs(p)?.filesystem_type())
 }
 
 /// Makes sure `dir` exists on a bpf filesystem, mounting bpffs at
@@ -225,31 +220,28 @@ pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
         path: dir.to_path_buf(),
         detail,
     };
-    let magic = statfs_magic(&existing)
-        .map_err(|e| not_bpffs(format!("statfs {}: {e}", existing.display())))?;
+    let magic =
+        fs_type(&existing).map_err(|e| not_bpffs(format!("statfs {}: {e}", existing.display())))?;
     let mut mounted = false;
     if magic != BPF_FS_MAGIC {
         let conventional = Path::new(BPFFS_MOUNT);
         if !dir.starts_with(conventional) || !conventional.is_dir() {
             return Err(not_bpffs(format!("{} is not bpffs", existing.display())));
         }
-        if statfs_magic(conventional).ok() != Some(BPF_FS_MAGIC) {
-            // SAFETY: mount(2) with NUL-terminated literals.
-            let r = unsafe {
-                libc::mount(
-                    c"bpf".as_ptr(),
-                    c"/sys/fs/bpf".as_ptr(),
-                    c"bpf".as_ptr(),
-                    0,
-                    c"mode=0700".as_ptr().cast(),
-                )
-            };
-            if r != 0 {
-                return Err(not_bpffs(format!(
+        if fs_type(conventional).ok() != Some(BPF_FS_MAGIC) {
+            mount(
+                Some("bpf"),
+                BPFFS_MOUNT,
+                Some("bpf"),
+                MsFlags::empty(),
+                Some("mode=0700"),
+            )
+            .map_err(|e| {
+                not_bpffs(format!(
                     "mount bpf on {BPFFS_MOUNT}: {}",
-                    io::Error::last_os_error()
-                )));
-            }
+                    io::Error::from(e)
+                ))
+            })?;
             mounted = true;
         }
     }
@@ -258,7 +250,7 @@ pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
         .mode(0o700)
         .create(dir)
         .map_err(|e| not_bpffs(format!("mkdir {}: {e}", dir.display())))?;
-    if statfs_magic(dir).ok() != Some(BPF_FS_MAGIC) {
+    if fs_type(dir).ok() != Some(BPF_FS_MAGIC) {
         return Err(not_bpffs(format!(
             "{} is not bpffs after mkdir",
             dir.display()
@@ -266,16 +258,13 @@ pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
     }
     // A read-only bpffs (or one root may not write) would fail at the first
     // pin, after the maps were made: say so now, in the same words.
-    let c = CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| not_bpffs("the path holds a NUL byte".into()))?;
-    // SAFETY: access(2) with a NUL-terminated path.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
-        return Err(not_bpffs(format!(
+    access(dir, AccessFlags::W_OK).map_err(|e| {
+        not_bpffs(format!(
             "{} cannot be written: {}",
             dir.display(),
-            io::Error::last_os_error()
-        )));
-    }
+            io::Error::from(e)
+        ))
+    })?;
     Ok(mounted)
 }
 
@@ -405,7 +394,7 @@ fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) 
 }
 
 /// Holds an exclusive `flock` on the bpffs directory while alive.
-struct DirLock(#[allow(dead_code)] File);
+struct DirLock(#[allow(dead_code)] Flock<File>);
 
 impl DirLock {
     fn take(dir: &Path) -> Result<Self> {
@@ -414,15 +403,13 @@ impl DirLock {
             path: dir.to_path_buf(),
             source: e,
         })?;
-        // SAFETY: flock on a descriptor we own; released on close.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error::Cgroup {
-                op: "flock",
-                path: dir.to_path_buf(),
-                source: io::Error::last_os_error(),
-            });
-        }
-        Ok(DirLock(f))
+        // Released when the lock (and the descriptor) is dropped.
+        let lock = Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| Error::Cgroup {
+            op: "flock",
+            path: dir.to_path_buf(),
+            source: e.into(),
+        })?;
+        Ok(DirLock(lock))
     }
 }
 
@@ -430,12 +417,7 @@ fn raise_memlock() {
     // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; systemd and
     // slurmd may start us with a small one. Best effort: newer kernels use
     // memcg accounting and ignore it.
-    let r = libc::rlimit {
-        rlim_cur: libc::RLIM_INFINITY,
-        rlim_max: libc::RLIM_INFINITY,
-    };
-    // SAFETY: setrlimit with a valid struct.
-    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &r) };
+    let _ = setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY);
 }
 
 impl Fence {

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Write};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -25,9 +25,6 @@ use crate::error::{Error, Result};
 /// `bpf_get_current_ancestor_cgroup_id(0)` returns 1. Every other cgroup,
 /// a cgroup namespace's root included, has another id.
 pub const ROOT_CGROUP_ID: u64 = 1;
-
-/// `CGROUP2_SUPER_MAGIC` (`include/uapi/linux/magic.h`).
-const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
 /// **Test-only switch.** When this variable is `1` in the environment, the
 /// cgroup iterator that reads a cgroup namespace root's level answers as a
@@ -186,12 +183,9 @@ impl Cgroup2 {
     pub fn root_chain(&self) -> Result<Arc<[u64]>> {
         let dir = File::open(&self.mount).map_err(cg_err("open", &self.mount))?;
         let id = dir.metadata().map_err(cg_err("stat", &self.mount))?.ino();
-        // SAFETY: fstatfs into a zeroed struct we own, on a descriptor we own.
-        let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstatfs(dir.as_raw_fd(), &mut sfs) } != 0 {
-            return Err(cg_err("statfs", &self.mount)(io::Error::last_os_error()));
-        }
-        if sfs.f_type as i64 != CGROUP2_SUPER_MAGIC {
+        let sfs =
+            nix::sys::statfs::fstatfs(&dir).map_err(|e| cg_err("statfs", &self.mount)(e.into()))?;
+        if sfs.filesystem_type() != nix::sys::statfs::CGROUP2_SUPER_MAGIC {
             return Err(cg_err("statfs", &self.mount)(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "not a cgroup2 filesystem",
@@ -345,7 +339,12 @@ impl Cgroup2 {
         let p = self.path(rel).join("cgroup.procs");
         let procs = std::ffi::CString::new(p.as_os_str().as_bytes())
             .map_err(|_| cg_err("join", &p)(io::Error::from_raw_os_error(libc::EINVAL)))?;
-        // SAFETY: only open, write and close run between fork and exec.
+        // SAFETY: between fork and exec the child may only make
+        // async-signal-safe calls: the closure runs open(2), write(2) and
+        // close(2) and nothing that allocates or locks (raw libc on
+        // purpose, no wrapper); `procs` is a NUL-terminated path the
+        // closure owns, `b"0"` a static byte, and `fd` is closed on every
+        // path after it was opened.
         unsafe {
             cmd.pre_exec(move || {
                 let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -401,9 +400,11 @@ impl Cgroup2 {
             for file in ["cgroup.procs", "cgroup.threads"] {
                 if let Ok(text) = fs::read_to_string(d.join(file)) {
                     for id in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                        // SAFETY: kill(2); a thread id signals its whole
-                        // thread group.
-                        unsafe { libc::kill(id, libc::SIGKILL) };
+                        // A thread id signals its whole thread group.
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(id),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
                     }
                 }
             }

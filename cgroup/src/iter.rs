@@ -23,7 +23,7 @@
 //! `/proc`.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
@@ -851,28 +851,22 @@ pub(crate) fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
     let mut buf = vec![0u8; 1 << 16];
     let mut again = 0u32;
     loop {
-        // SAFETY: read(2) into a buffer we own, of its length.
-        let n = unsafe { libc::read(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n == 0 {
-            break;
-        }
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) if again < 10_000 => {
-                    again += 1;
-                    continue;
-                }
-                _ => {
-                    return Err(IterError::Sys {
-                        what: "reading the iterator",
-                        err,
-                    })
-                }
+        let n = match nix::unistd::read(&file, &mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) if again < 10_000 => {
+                again += 1;
+                continue;
             }
-        }
-        out.extend_from_slice(&buf[..n as usize]);
+            Err(e) => {
+                return Err(IterError::Sys {
+                    what: "reading the iterator",
+                    err: e.into(),
+                })
+            }
+        };
+        out.extend_from_slice(&buf[..n]);
     }
     Ok(out)
 }
@@ -1116,6 +1110,7 @@ mod tests {
 #[cfg(test)]
 mod live {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     /// The ring iterator sees /dev/null registered as a fixed file of an
     /// io_uring whose own descriptor was registered
@@ -1123,8 +1118,7 @@ mod live {
     /// Skipped without root, BTF or io_uring.
     #[test]
     fn the_ring_iterator_sees_a_ring_in_no_descriptor_table() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+        if !nix::unistd::geteuid().is_root() || !in_initial_pid_ns() {
             eprintln!("SKIPPED: needs root in the initial pid namespace");
             return;
         }
@@ -1151,8 +1145,9 @@ mod live {
         let t = std::thread::spawn(move || {
             let null = std::fs::File::open("/dev/null").unwrap();
             let mut params = [0u8; 120];
-            // SAFETY: io_uring_setup(2) with a zeroed params struct.
             let ring =
+                // SAFETY: io_uring_setup(2) with a zeroed params struct of
+                // its size (120 bytes) that outlives the call.
                 unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
             if ring < 0 {
                 tx.send(None).unwrap();
@@ -1191,8 +1186,7 @@ mod live {
             // ring lives on in the task's registered slots only.
             unsafe { libc::close(ring as i32) };
             drop(null);
-            // SAFETY: gettid has no preconditions.
-            tx.send(Some(unsafe { libc::gettid() })).unwrap();
+            tx.send(Some(nix::unistd::gettid().as_raw())).unwrap();
             let _ = done_rx.recv();
         });
         let Some(tid) = rx.recv().unwrap() else {
@@ -1216,8 +1210,7 @@ mod live {
     /// (an anonymous inode). Skipped without root or BTF.
     #[test]
     fn iterators_see_this_process() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !in_initial_pid_ns() {
+        if !nix::unistd::geteuid().is_root() || !in_initial_pid_ns() {
             eprintln!("SKIPPED: needs root in the initial pid namespace");
             return;
         }
@@ -1253,9 +1246,11 @@ mod live {
             .iter()
             .any(|r| r.fd == efd && matches!(r.object, Object::AnonInode(_))));
         assert!(mine.iter().all(|r| r.tid == me), "threads share the table");
-        // SAFETY: a private read mapping of /dev/zero, a character device
-        // whose private mappings keep the device file as vm_file.
         let zero = std::fs::File::open("/dev/zero").unwrap();
+        // SAFETY: a private read mapping of one page of /dev/zero, a
+        // descriptor we hold (a character device whose private mappings
+        // keep the device file as vm_file); nothing reads through it, and
+        // it is unmapped below.
         let m = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),

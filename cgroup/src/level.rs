@@ -274,8 +274,7 @@ mod live {
     /// cgroup2 or BTF.
     #[test]
     fn kernel_levels_are_depths_outside_namespaces() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             eprintln!("SKIPPED: needs root");
             return;
         }
