@@ -55,14 +55,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn fill_grants(bpffs: &std::path::Path, n: usize) {
     let grants = gpufence_cgroup::sys::obj_get(&bpffs.join(PIN_GRANTS)).expect("grants pin");
     for i in 0..n {
-        let key = GrantKey {
-            cgroup_id: (1 << 40) + i as u64,
-            dev: DevNum::new(195, (i % 8) as u32),
-        };
-        let value = GrantValue {
-            access: Access::RW,
-            job_id: 1_000_000 + (i / 8) as u32,
-        };
+        let key = GrantKey::new((1 << 40) + i as u64, DevNum::new(195, (i % 8) as u32));
+        let value = GrantValue::new(Access::RW, 1_000_000 + (i / 8) as u32);
         gpufence_cgroup::sys::map_update(
             std::os::fd::AsFd::as_fd(&grants),
             &key.to_bytes(),

@@ -26,9 +26,10 @@ use nix::unistd::{access, AccessFlags};
 use crate::error::{Error, Result};
 use crate::hierarchy::Cgroup2;
 use crate::maps::{
-    map_specs, DenialKey, DenialValue, GrantKey, GrantValue, MapSpec, CGROUP_EXEMPT,
-    CGROUP_GRANTED, CGROUP_VALUE_SIZE, MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS,
-    PIN_GRANTS, PIN_LEVELS, PIN_LINK, PIN_MAJORS,
+    self, map_specs, CgroupValue, CgroupsMap, DenialValue, DenialsMap, GrantKey, GrantValue,
+    GrantsMap, LevelsMap, MajorsMap, MapLayout, MapPod, MapSpec, CGROUP_EXEMPT, CGROUP_GRANTED,
+    MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS, PIN_LEVELS, PIN_LINK,
+    PIN_MAJORS,
 };
 use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
@@ -597,12 +598,12 @@ impl Fence {
     pub fn majors_protected(bpffs_dir: &Path, majors: &[u32]) -> Result<bool> {
         let pin = bpffs_dir.join(PIN_MAJORS);
         let fd = sys::obj_get(&pin).map_err(bpf_err("BPF_OBJ_GET", pin.display().to_string()))?;
-        let mut v = [0u8; 4];
         for m in majors {
             if *m >= MAJORS_ENTRIES
-                || !sys::map_lookup(fd.as_fd(), &m.to_ne_bytes(), &mut v)
+                || maps::lookup::<MajorsMap>(fd.as_fd(), m)
                     .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
-                || u32::from_ne_bytes(v) == 0
+                    .unwrap_or(0)
+                    == 0
             {
                 return Ok(false);
             }
@@ -689,28 +690,22 @@ impl Fence {
         let cap = sys::map_info(self.denials.as_fd())
             .map(|i| i.max_entries)
             .unwrap_or(0);
-        let keys = sys::map_keys(self.denials.as_fd(), DenialKey::SIZE, cap)
+        let keys = maps::keys::<DenialsMap>(self.denials.as_fd(), cap)
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "denials"))?;
         let mut out = Vec::with_capacity(keys.len());
-        let mut v = [0u8; DenialValue::SIZE];
-        for k in keys {
-            let Some(key) = DenialKey::from_bytes(&k) else {
-                continue;
-            };
-            if sys::map_lookup(self.denials.as_fd(), &k, &mut v)
-                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "denials"))?
-            {
-                if let Some(val) = DenialValue::from_bytes(&v) {
-                    out.push(DenialEntry {
-                        cgroup_id: key.cgroup_id,
-                        uid: key.uid,
-                        dev: key.dev,
-                        count: val.count,
-                        last_pid: val.last_pid,
-                        last_comm: val.comm_str(),
-                        last_ns: val.last_ns,
-                    });
-                }
+        for key in keys {
+            let val: Option<DenialValue> = maps::lookup::<DenialsMap>(self.denials.as_fd(), &key)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "denials"))?;
+            if let Some(val) = val {
+                out.push(DenialEntry {
+                    cgroup_id: key.cgroup_id,
+                    uid: key.uid,
+                    dev: key.dev(),
+                    count: val.count,
+                    last_pid: val.last_pid,
+                    last_comm: val.comm_str(),
+                    last_ns: val.last_ns,
+                });
             }
         }
         out.sort_by_key(|d| (d.cgroup_id, d.uid, d.dev));
@@ -893,18 +888,13 @@ impl Fence {
     /// [`Error::Bpf`].
     pub fn add_majors(&self, majors: &[u32]) -> Result<Vec<u32>> {
         let mut added = Vec::new();
-        let mut v = [0u8; 4];
         for m in majors {
-            let on = sys::map_lookup(self.majors.as_fd(), &m.to_ne_bytes(), &mut v)
+            let on = maps::lookup::<MajorsMap>(self.majors.as_fd(), m)
                 .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", format!("majors[{m}]")))?
-                && u32::from_ne_bytes(v) != 0;
+                .is_some_and(|v| v != 0);
             if !on {
-                sys::map_update(
-                    self.majors.as_fd(),
-                    &m.to_ne_bytes(),
-                    &MAJOR_PROTECTED.to_ne_bytes(),
-                )
-                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+                maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+                    .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
                 added.push(*m);
             }
         }
@@ -954,15 +944,11 @@ impl Fence {
         // Protect new majors before unprotecting old ones: no moment in
         // which a major that should be closed is open.
         for m in want.difference(&current) {
-            sys::map_update(
-                self.majors.as_fd(),
-                &m.to_ne_bytes(),
-                &MAJOR_PROTECTED.to_ne_bytes(),
-            )
-            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+            maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
         }
         for m in current.difference(&want) {
-            sys::map_update(self.majors.as_fd(), &m.to_ne_bytes(), &0u32.to_ne_bytes())
+            maps::update::<MajorsMap>(self.majors.as_fd(), m, &0)
                 .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
         }
         Ok(())
@@ -974,11 +960,10 @@ impl Fence {
     /// [`Error::Bpf`].
     pub fn protected_majors(&self) -> Result<Vec<u32>> {
         let mut out = Vec::new();
-        let mut v = [0u8; 4];
         for m in 0..MAJORS_ENTRIES {
-            if sys::map_lookup(self.majors.as_fd(), &m.to_ne_bytes(), &mut v)
+            if maps::lookup::<MajorsMap>(self.majors.as_fd(), &m)
                 .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
-                && u32::from_ne_bytes(v) != 0
+                .is_some_and(|v| v != 0)
             {
                 out.push(m);
             }
@@ -988,15 +973,9 @@ impl Fence {
 
     /// The `cgroups` entry of `cgroup_id`: `(flags, level)`.
     fn entry_of(&self, cgroup_id: u64) -> Result<Option<(u32, u32)>> {
-        let mut v = [0u8; CGROUP_VALUE_SIZE as usize];
-        let found = sys::map_lookup(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes(), &mut v)
-            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?;
-        Ok(found.then(|| {
-            (
-                u32::from_ne_bytes([v[0], v[1], v[2], v[3]]),
-                u32::from_ne_bytes([v[4], v[5], v[6], v[7]]),
-            )
-        }))
+        Ok(maps::lookup::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?
+            .map(|v| (v.flags, v.level)))
     }
 
     fn flags_of(&self, cgroup_id: u64) -> Result<u32> {
@@ -1011,7 +990,7 @@ impl Fence {
     /// Callers hold the fence lock.
     fn write_flags(&self, cgroup_id: u64, flags: u32, level: Option<u32>) -> Result<()> {
         if flags == 0 {
-            sys::map_delete(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes())
+            maps::delete::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
                 .map_err(bpf_err("BPF_MAP_DELETE_ELEM", "cgroups"))?;
             return Ok(());
         }
@@ -1022,19 +1001,16 @@ impl Fence {
         if (1..=MAX_LEVEL as u32).contains(&level) {
             let mask = self.levels_mask()?;
             if mask & (1 << level) == 0 {
-                sys::map_update(
-                    self.levels.as_fd(),
-                    &0u32.to_ne_bytes(),
-                    &(mask | 1 << level).to_ne_bytes(),
-                )
-                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))?;
+                maps::update::<LevelsMap>(self.levels.as_fd(), &0, &(mask | 1 << level))
+                    .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))?;
             }
         }
-        let mut v = [0u8; CGROUP_VALUE_SIZE as usize];
-        v[0..4].copy_from_slice(&flags.to_ne_bytes());
-        v[4..8].copy_from_slice(&level.to_ne_bytes());
-        sys::map_update(self.cgroups.as_fd(), &cgroup_id.to_ne_bytes(), &v)
-            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
+        maps::update::<CgroupsMap>(
+            self.cgroups.as_fd(),
+            &cgroup_id,
+            &CgroupValue { flags, level },
+        )
+        .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
         Ok(())
     }
 
@@ -1050,12 +1026,8 @@ impl Fence {
                 mask |= 1 << level;
             }
         }
-        sys::map_update(
-            self.levels.as_fd(),
-            &0u32.to_ne_bytes(),
-            &mask.to_ne_bytes(),
-        )
-        .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))
+        maps::update::<LevelsMap>(self.levels.as_fd(), &0, &mask)
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))
     }
 
     /// The populated-levels mask, from the map.
@@ -1063,10 +1035,9 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn levels_mask(&self) -> Result<u32> {
-        let mut v = [0u8; 4];
-        sys::map_lookup(self.levels.as_fd(), &0u32.to_ne_bytes(), &mut v)
-            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "levels"))?;
-        Ok(u32::from_ne_bytes(v))
+        Ok(maps::lookup::<LevelsMap>(self.levels.as_fd(), &0)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "levels"))?
+            .unwrap_or(0))
     }
 
     /// Runs a change of the `cgroups`/`grants` maps under the fence lock
@@ -1078,25 +1049,18 @@ impl Fence {
 
     /// Every entry of the `cgroups` map: id → (flags, level).
     fn cgroup_entries(&self) -> Result<BTreeMap<u64, (u32, u32)>> {
-        if let Some(all) =
-            sys::map_entries_batch(self.cgroups.as_fd(), 8, CGROUP_VALUE_SIZE as usize)
-                .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "cgroups"))?
+        if let Some(all) = maps::entries_batch::<CgroupsMap>(self.cgroups.as_fd())
+            .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "cgroups"))?
         {
             return Ok(all
-                .iter()
-                .filter_map(|(k, v)| {
-                    let id = u64::from_ne_bytes(k.as_slice().try_into().ok()?);
-                    let f = u32::from_ne_bytes(v.get(0..4)?.try_into().ok()?);
-                    let l = u32::from_ne_bytes(v.get(4..8)?.try_into().ok()?);
-                    Some((id, (f, l)))
-                })
+                .into_iter()
+                .map(|(id, v)| (id, (v.flags, v.level)))
                 .collect());
         }
-        let keys = sys::map_keys(self.cgroups.as_fd(), 8, self.max_entries)
+        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
         let mut out = BTreeMap::new();
-        for k in keys {
-            let id = u64::from_ne_bytes(k.as_slice().try_into().unwrap_or([0; 8]));
+        for id in keys {
             if let Some(e) = self.entry_of(id)? {
                 out.insert(id, e);
             }
@@ -1109,11 +1073,10 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn cgroup_flags(&self) -> Result<BTreeMap<u64, u32>> {
-        let keys = sys::map_keys(self.cgroups.as_fd(), 8, self.max_entries)
+        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
         let mut out = BTreeMap::new();
-        for k in keys {
-            let id = u64::from_ne_bytes(k.as_slice().try_into().unwrap_or([0; 8]));
+        for id in keys {
             let f = self.flags_of(id)?;
             if f != 0 {
                 out.insert(id, f);
@@ -1253,17 +1216,12 @@ impl Fence {
         let mut added: Vec<GrantKey> = Vec::new();
         let result = self.locked(|| {
             for (dev, access) in devices {
-                let key = GrantKey {
-                    cgroup_id,
-                    dev: *dev,
-                };
-                let val = GrantValue {
-                    access: *access,
-                    job_id,
-                };
-                sys::map_update(self.grants.as_fd(), &key.to_bytes(), &val.to_bytes()).map_err(
-                    bpf_err("BPF_MAP_UPDATE_ELEM", format!("grants[{cgroup_id}, {dev}]")),
-                )?;
+                let key = GrantKey::new(cgroup_id, *dev);
+                let val = GrantValue::new(*access, job_id);
+                maps::update::<GrantsMap>(self.grants.as_fd(), &key, &val).map_err(bpf_err(
+                    "BPF_MAP_UPDATE_ELEM",
+                    format!("grants[{cgroup_id}, {dev}]"),
+                ))?;
                 added.push(key);
             }
             let f = self.flags_of(cgroup_id)?;
@@ -1271,7 +1229,7 @@ impl Fence {
         });
         if result.is_err() {
             for k in &added {
-                let _ = sys::map_delete(self.grants.as_fd(), &k.to_bytes());
+                let _ = maps::delete::<GrantsMap>(self.grants.as_fd(), k);
             }
         }
         result
@@ -1289,15 +1247,9 @@ impl Fence {
         self.locked(|| {
             for i in 0..n as u64 {
                 let cgroup_id = (1u64 << 48) + i / 8;
-                let key = GrantKey {
-                    cgroup_id,
-                    dev: DevNum::new(195, (i % 8) as u32),
-                };
-                let val = GrantValue {
-                    access: Access::RW,
-                    job_id: u32::MAX,
-                };
-                sys::map_update(self.grants.as_fd(), &key.to_bytes(), &val.to_bytes())
+                let key = GrantKey::new(cgroup_id, DevNum::new(195, (i % 8) as u32));
+                let val = GrantValue::new(Access::RW, u32::MAX);
+                maps::update::<GrantsMap>(self.grants.as_fd(), &key, &val)
                     .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "grants (bench fill)"))?;
                 if i % 8 == 0 {
                     self.write_flags(cgroup_id, CGROUP_GRANTED, Some(level))?;
@@ -1312,47 +1264,30 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn entries(&self) -> Result<Vec<GrantEntry>> {
-        if let Some(all) =
-            sys::map_entries_batch(self.grants.as_fd(), GrantKey::SIZE, GrantValue::SIZE)
-                .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "grants"))?
+        let entry = |key: &GrantKey, val: &GrantValue| GrantEntry {
+            cgroup_id: key.cgroup_id,
+            dev: key.dev(),
+            access: val.access(),
+            job_id: val.job_id,
+        };
+        let mut out: Vec<GrantEntry> = match maps::entries_batch::<GrantsMap>(self.grants.as_fd())
+            .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "grants"))?
         {
-            let mut out: Vec<GrantEntry> = all
-                .iter()
-                .filter_map(|(k, v)| {
-                    let key = GrantKey::from_bytes(k)?;
-                    let val = GrantValue::from_bytes(v)?;
-                    Some(GrantEntry {
-                        cgroup_id: key.cgroup_id,
-                        dev: key.dev,
-                        access: val.access,
-                        job_id: val.job_id,
-                    })
-                })
-                .collect();
-            out.sort_by_key(|e| (e.job_id, e.cgroup_id, e.dev));
-            return Ok(out);
-        }
-        let keys = sys::map_keys(self.grants.as_fd(), GrantKey::SIZE, self.max_entries)
-            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "grants"))?;
-        let mut out = Vec::with_capacity(keys.len());
-        let mut v = [0u8; GrantValue::SIZE];
-        for k in keys {
-            let Some(key) = GrantKey::from_bytes(&k) else {
-                continue;
-            };
-            if sys::map_lookup(self.grants.as_fd(), &k, &mut v)
-                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?
-            {
-                if let Some(val) = GrantValue::from_bytes(&v) {
-                    out.push(GrantEntry {
-                        cgroup_id: key.cgroup_id,
-                        dev: key.dev,
-                        access: val.access,
-                        job_id: val.job_id,
-                    });
+            Some(all) => all.iter().map(|(k, v)| entry(k, v)).collect(),
+            None => {
+                let keys = maps::keys::<GrantsMap>(self.grants.as_fd(), self.max_entries)
+                    .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "grants"))?;
+                let mut out = Vec::with_capacity(keys.len());
+                for key in keys {
+                    if let Some(val) = maps::lookup::<GrantsMap>(self.grants.as_fd(), &key)
+                        .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?
+                    {
+                        out.push(entry(&key, &val));
+                    }
                 }
+                out
             }
-        }
+        };
         out.sort_by_key(|e| (e.job_id, e.cgroup_id, e.dev));
         Ok(out)
     }
@@ -1362,15 +1297,8 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn lookup(&self, cgroup_id: u64, dev: DevNum) -> Result<Option<GrantValue>> {
-        let key = GrantKey { cgroup_id, dev };
-        let mut v = [0u8; GrantValue::SIZE];
-        let found = sys::map_lookup(self.grants.as_fd(), &key.to_bytes(), &mut v)
-            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?;
-        Ok(if found {
-            GrantValue::from_bytes(&v)
-        } else {
-            None
-        })
+        maps::lookup::<GrantsMap>(self.grants.as_fd(), &GrantKey::new(cgroup_id, dev))
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))
     }
 
     /// Removes every grant of `job_id` (whatever cgroup it is keyed by) and
@@ -1418,11 +1346,8 @@ impl Fence {
             self.write_flags(*id, f & !CGROUP_GRANTED, None)?;
         }
         for e in &gone {
-            let key = GrantKey {
-                cgroup_id: e.cgroup_id,
-                dev: e.dev,
-            };
-            sys::map_delete(self.grants.as_fd(), &key.to_bytes()).map_err(bpf_err(
+            let key = GrantKey::new(e.cgroup_id, e.dev);
+            maps::delete::<GrantsMap>(self.grants.as_fd(), &key).map_err(bpf_err(
                 "BPF_MAP_DELETE_ELEM",
                 format!("grants[{}, {}]", e.cgroup_id, e.dev),
             ))?;
@@ -1431,13 +1356,18 @@ impl Fence {
     }
 }
 
+/// The value size of map `M`.
+fn value_size<M: MapLayout>() -> usize {
+    <M::Value as MapPod>::SIZE
+}
+
 impl MapView for Fence {
     fn lookup(&self, map: MapRole, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let (fd, size, name) = match map {
-            MapRole::Majors => (&self.majors, 4, "majors"),
-            MapRole::Cgroups => (&self.cgroups, CGROUP_VALUE_SIZE as usize, "cgroups"),
-            MapRole::Grants => (&self.grants, GrantValue::SIZE, "grants"),
-            MapRole::Levels => (&self.levels, 4, "levels"),
+            MapRole::Majors => (&self.majors, value_size::<MajorsMap>(), PIN_MAJORS),
+            MapRole::Cgroups => (&self.cgroups, value_size::<CgroupsMap>(), PIN_CGROUPS),
+            MapRole::Grants => (&self.grants, value_size::<GrantsMap>(), PIN_GRANTS),
+            MapRole::Levels => (&self.levels, value_size::<LevelsMap>(), PIN_LEVELS),
         };
         let mut v = vec![0u8; size];
         let found = sys::map_lookup(fd.as_fd(), key, &mut v)

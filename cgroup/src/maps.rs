@@ -2,11 +2,22 @@
 //! edit, with their byte layouts.
 //!
 //! ```text
-//! majors   ARRAY  u32 major            -> u32 (1 = protected)       4096 entries
-//! cgroups  HASH   u64 cgroup id        -> {u32 flags (EXEMPT|GRANTED), u32 level}
-//! levels   ARRAY  0                    -> u32 mask: bit L set once a cgroup at level L has flags
-//! grants   HASH   {u64 cgid, u32 major, u32 minor} -> {u32 access, u32 job id}
+//! majors   ARRAY     u32 major        -> u32 (1 = protected)          4096 entries
+//! cgroups  HASH      u64 cgroup id    -> CgroupValue {u32 flags (EXEMPT|GRANTED), u32 level}
+//! levels   ARRAY     u32 0            -> u32 mask: bit L set once a cgroup at level L has flags
+//! grants   HASH      GrantKey {u64 cgid, u32 major, u32 minor} -> GrantValue {u32 access, u32 job id}
+//! denials  LRU_HASH  DenialKey {u64 cgid, u32 uid, u32 major, u32 minor, u32 pad}
+//!                    -> DenialValue {u64 count, u64 last_ns, u32 last_pid, u32 pad, char comm[16]}
 //! ```
+//!
+//! Each key and value is a `#[repr(C)]` struct (or a `u32`/`u64`) whose
+//! fields, in native byte order, are the bytes the program builds on its
+//! stack and reads from the map ([`crate::program`] takes its offsets from
+//! the `OFF_*` constants here, which are `offset_of!` of these structs).
+//! They are encoded and decoded field by field ([`MapPod`]), with no
+//! `unsafe`; each map's types, kind and capacity are one [`MapLayout`],
+//! from which [`map_specs`] derives what an install creates and what a
+//! pinned map must report to be reused.
 //!
 //! `cgroups` lets the program skip an ancestor with one lookup when it is
 //! neither exempt nor granted; `levels` lets it skip, with one bit test and
@@ -17,7 +28,13 @@
 //! level empties costs one lookup per open at that level, never a skipped
 //! grant or exemption, and no grant or revoke walks the `cgroups` map.
 
+use std::io;
+use std::mem::offset_of;
+use std::os::fd::BorrowedFd;
+
 use gpufence_model::device::{Access, DevNum};
+
+use crate::sys;
 
 /// `BPF_MAP_TYPE_HASH`.
 pub const MAP_TYPE_HASH: u32 = 1;
@@ -39,12 +56,6 @@ pub const PIN_DENIALS: &str = "denials";
 /// Pin name of the populated-levels mask.
 pub const PIN_LEVELS: &str = "levels";
 
-/// Size of a `cgroups` map value: `struct { u32 flags; u32 level; }` (the
-/// level, the kernel's `cgroup->level` with the hierarchy's root = 0, also
-/// in a cgroup namespace, lets the fence recompute the populated-levels
-/// mask).
-pub const CGROUP_VALUE_SIZE: u32 = 8;
-
 /// Entries of the majors array: every major the kernel can represent.
 pub const MAJORS_ENTRIES: u32 = gpufence_model::device::MAX_MAJOR + 1;
 /// Value of a protected major in the majors array.
@@ -54,6 +65,383 @@ pub const MAJOR_PROTECTED: u32 = 1;
 pub const CGROUP_EXEMPT: u32 = 1;
 /// `cgroups` flag: this cgroup holds at least one entry in `grants`.
 pub const CGROUP_GRANTED: u32 = 2;
+
+/// A key or value of a pinned map: a fixed-size record of native-endian
+/// fixed-width integers, `SIZE` bytes long, as the kernel stores it and
+/// the program reads it. Encoding and decoding go field by field
+/// (`to_ne_bytes`/`from_ne_bytes` at each field's `offset_of!`), so the
+/// bytes follow the `#[repr(C)]` layout without any `unsafe`.
+pub trait MapPod: Copy + Sized {
+    /// Size in bytes: the map's `key_size` or `value_size`.
+    const SIZE: usize;
+    /// The encoded form, `[u8; SIZE]`.
+    type Bytes: AsRef<[u8]> + AsMut<[u8]> + Copy;
+    /// A zeroed [`Self::Bytes`], for the kernel to write into.
+    fn zeroed() -> Self::Bytes;
+    /// The native-endian bytes (padding written as 0 unless the record
+    /// carries it).
+    fn encode(&self) -> Self::Bytes;
+    /// Parses exactly [`Self::SIZE`] bytes; `None` for any other length.
+    fn decode(b: &[u8]) -> Option<Self>;
+}
+
+/// The `N` bytes of `b` at `off`, when `b` holds them.
+fn field<const N: usize>(b: &[u8], off: usize) -> Option<[u8; N]> {
+    b.get(off..off + N)?.try_into().ok()
+}
+
+/// Writes `v` at `off` in `b` (the encoders' offsets are in bounds: the
+/// layout tests check every field ends within `SIZE`).
+fn put<const N: usize>(b: &mut [u8], off: usize, v: [u8; N]) {
+    b[off..off + N].copy_from_slice(&v);
+}
+
+impl MapPod for u32 {
+    const SIZE: usize = 4;
+    type Bytes = [u8; 4];
+    fn zeroed() -> [u8; 4] {
+        [0; 4]
+    }
+    fn encode(&self) -> [u8; 4] {
+        self.to_ne_bytes()
+    }
+    fn decode(b: &[u8]) -> Option<Self> {
+        Some(u32::from_ne_bytes(b.try_into().ok()?))
+    }
+}
+
+impl MapPod for u64 {
+    const SIZE: usize = 8;
+    type Bytes = [u8; 8];
+    fn zeroed() -> [u8; 8] {
+        [0; 8]
+    }
+    fn encode(&self) -> [u8; 8] {
+        self.to_ne_bytes()
+    }
+    fn decode(b: &[u8]) -> Option<Self> {
+        Some(u64::from_ne_bytes(b.try_into().ok()?))
+    }
+}
+
+/// Implements [`MapPod`] for a `#[repr(C)]` struct of `u32`/`u64`/byte
+/// array fields, each encoded at its `offset_of!`, and the inherent
+/// `SIZE`, `to_bytes` and `from_bytes` callers use without the trait.
+macro_rules! map_pod {
+    ($t:ident, $size:literal, { $($f:ident : $ft:tt),* $(,)? }) => {
+        impl MapPod for $t {
+            const SIZE: usize = $size;
+            type Bytes = [u8; $size];
+            fn zeroed() -> [u8; $size] {
+                [0; $size]
+            }
+            fn encode(&self) -> [u8; $size] {
+                let mut b = [0u8; $size];
+                $(put(&mut b, offset_of!($t, $f), map_pod!(@enc $ft, self.$f));)*
+                b
+            }
+            fn decode(b: &[u8]) -> Option<Self> {
+                if b.len() != $size {
+                    return None;
+                }
+                Some($t {
+                    $($f: map_pod!(@dec $ft, field(b, offset_of!($t, $f))?),)*
+                })
+            }
+        }
+
+        impl $t {
+            /// Size in bytes (`key_size`/`value_size` of its map).
+            pub const SIZE: usize = $size;
+
+            /// Native-endian bytes, as the kernel stores them.
+            pub fn to_bytes(&self) -> [u8; $size] {
+                MapPod::encode(self)
+            }
+
+            /// Parses exactly [`Self::SIZE`] bytes; `None` for any other
+            /// length.
+            pub fn from_bytes(b: &[u8]) -> Option<Self> {
+                <$t as MapPod>::decode(b)
+            }
+        }
+    };
+    (@enc u32, $v:expr) => { $v.to_ne_bytes() };
+    (@enc u64, $v:expr) => { $v.to_ne_bytes() };
+    (@enc [u8; 16], $v:expr) => { $v };
+    (@dec u32, $b:expr) => { u32::from_ne_bytes($b) };
+    (@dec u64, $b:expr) => { u64::from_ne_bytes($b) };
+    (@dec [u8; 16], $b:expr) => { $b };
+}
+
+/// Value of the `cgroups` map: `struct { u32 flags; u32 level; }` (the
+/// level, the kernel's `cgroup->level` with the hierarchy's root = 0, also
+/// in a cgroup namespace, lets the fence recompute the populated-levels
+/// mask). Keyed by the cgroup id (`u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CgroupValue {
+    /// [`CGROUP_EXEMPT`] | [`CGROUP_GRANTED`].
+    pub flags: u32,
+    /// The cgroup's kernel level (root = 0).
+    pub level: u32,
+}
+
+map_pod!(CgroupValue, 8, { flags: u32, level: u32 });
+
+impl CgroupValue {
+    /// Offset of `flags`, which the program loads.
+    pub const OFF_FLAGS: i16 = offset_of!(CgroupValue, flags) as i16;
+    /// Offset of `level`.
+    pub const OFF_LEVEL: i16 = offset_of!(CgroupValue, level) as i16;
+}
+
+/// Size of a `cgroups` map value ([`CgroupValue`]).
+pub const CGROUP_VALUE_SIZE: u32 = CgroupValue::SIZE as u32;
+
+/// Key of the denial records:
+/// `struct { u64 cgroup_id; u32 uid; u32 major; u32 minor; u32 pad; }`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DenialKey {
+    /// The denied task's cgroup id (`bpf_get_current_cgroup_id`).
+    pub cgroup_id: u64,
+    /// Its uid (low half of `bpf_get_current_uid_gid`).
+    pub uid: u32,
+    /// The device's major number.
+    pub major: u32,
+    /// The device's minor number.
+    pub minor: u32,
+    /// Padding, written as 0 (keys are compared as bytes).
+    pad: u32,
+}
+
+map_pod!(DenialKey, 24, { cgroup_id: u64, uid: u32, major: u32, minor: u32, pad: u32 });
+
+impl DenialKey {
+    /// Offset of `cgroup_id`.
+    pub const OFF_CGROUP_ID: i16 = offset_of!(DenialKey, cgroup_id) as i16;
+    /// Offset of `uid`.
+    pub const OFF_UID: i16 = offset_of!(DenialKey, uid) as i16;
+    /// Offset of `major`.
+    pub const OFF_MAJOR: i16 = offset_of!(DenialKey, major) as i16;
+    /// Offset of `minor`.
+    pub const OFF_MINOR: i16 = offset_of!(DenialKey, minor) as i16;
+    /// Offset of the padding (written as 0: keys are compared as bytes).
+    pub const OFF_PAD: i16 = offset_of!(DenialKey, pad) as i16;
+
+    /// The key of `uid`'s denied opens of `dev` in cgroup `cgroup_id`.
+    pub fn new(cgroup_id: u64, uid: u32, dev: DevNum) -> Self {
+        DenialKey {
+            cgroup_id,
+            uid,
+            major: dev.major,
+            minor: dev.minor,
+            pad: 0,
+        }
+    }
+
+    /// The device.
+    pub fn dev(&self) -> DevNum {
+        DevNum::new(self.major, self.minor)
+    }
+}
+
+/// Value of the denial records:
+/// `struct { u64 count; u64 last_ns; u32 last_pid; u32 pad; char comm[16]; }`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DenialValue {
+    /// How many denied opens/mknods.
+    pub count: u64,
+    /// When the last one happened (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
+    pub last_ns: u64,
+    /// The last denied process (tgid).
+    pub last_pid: u32,
+    /// Padding, written as 0.
+    pad: u32,
+    /// Its command name (`TASK_COMM_LEN` bytes, NUL-padded).
+    pub comm: [u8; 16],
+}
+
+map_pod!(DenialValue, 40, { count: u64, last_ns: u64, last_pid: u32, pad: u32, comm: [u8; 16] });
+
+impl DenialValue {
+    /// Offset of `count`.
+    pub const OFF_COUNT: i16 = offset_of!(DenialValue, count) as i16;
+    /// Offset of `last_ns`.
+    pub const OFF_LAST_NS: i16 = offset_of!(DenialValue, last_ns) as i16;
+    /// Offset of `last_pid`.
+    pub const OFF_LAST_PID: i16 = offset_of!(DenialValue, last_pid) as i16;
+    /// Offset of the padding.
+    pub const OFF_PAD: i16 = offset_of!(DenialValue, pad) as i16;
+    /// Offset of `comm`.
+    pub const OFF_COMM: i16 = offset_of!(DenialValue, comm) as i16;
+    /// Length of `comm` (`TASK_COMM_LEN`).
+    pub const COMM_LEN: usize = 16;
+
+    /// The command name as text.
+    pub fn comm_str(&self) -> String {
+        let end = self.comm.iter().position(|c| *c == 0).unwrap_or(16);
+        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+    }
+}
+
+/// Key of the grants map: `struct { u64 cgroup_id; u32 major; u32 minor; }`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GrantKey {
+    /// The cgroup id (inode of its cgroup2 directory).
+    pub cgroup_id: u64,
+    /// The device's major number.
+    pub major: u32,
+    /// The device's minor number.
+    pub minor: u32,
+}
+
+map_pod!(GrantKey, 16, { cgroup_id: u64, major: u32, minor: u32 });
+
+impl GrantKey {
+    /// Offset of `cgroup_id` in the key.
+    pub const OFF_CGROUP_ID: i16 = offset_of!(GrantKey, cgroup_id) as i16;
+    /// Offset of `major`.
+    pub const OFF_MAJOR: i16 = offset_of!(GrantKey, major) as i16;
+    /// Offset of `minor`.
+    pub const OFF_MINOR: i16 = offset_of!(GrantKey, minor) as i16;
+
+    /// The key of `dev` granted to cgroup `cgroup_id`.
+    pub const fn new(cgroup_id: u64, dev: DevNum) -> Self {
+        GrantKey {
+            cgroup_id,
+            major: dev.major,
+            minor: dev.minor,
+        }
+    }
+
+    /// The device.
+    pub const fn dev(&self) -> DevNum {
+        DevNum::new(self.major, self.minor)
+    }
+}
+
+/// Value of the grants map: `struct { u32 access; u32 job_id; }`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrantValue {
+    /// Access bits granted (`BPF_DEVCG_ACC_*`), as stored: see
+    /// [`GrantValue::access`].
+    pub access_bits: u32,
+    /// The Slurm job the grant belongs to; the epilog revokes by it.
+    pub job_id: u32,
+}
+
+map_pod!(GrantValue, 8, { access_bits: u32, job_id: u32 });
+
+impl GrantValue {
+    /// Offset of `access` in the value.
+    pub const OFF_ACCESS: i16 = offset_of!(GrantValue, access_bits) as i16;
+    /// Offset of `job_id`.
+    pub const OFF_JOB_ID: i16 = offset_of!(GrantValue, job_id) as i16;
+
+    /// `access` granted to `job_id`.
+    pub const fn new(access: Access, job_id: u32) -> Self {
+        GrantValue {
+            access_bits: access.bits(),
+            job_id,
+        }
+    }
+
+    /// The access granted; bits gpufence does not know are dropped.
+    pub const fn access(&self) -> Access {
+        Access::from_bits_truncate(self.access_bits)
+    }
+}
+
+/// One of the fence's maps: its pin name, kind, key and value records and,
+/// where it does not come from the configuration, its capacity.
+pub trait MapLayout {
+    /// Pin name in `bpffs_dir`, and the map's name.
+    const NAME: &'static str;
+    /// `BPF_MAP_TYPE_*`.
+    const MAP_TYPE: u32;
+    /// Capacity when fixed by the layout (the program relies on it);
+    /// `None` when configured (`max_grants`, `max_denials`).
+    const MAX_ENTRIES: Option<u32>;
+    /// Key record.
+    type Key: MapPod;
+    /// Value record.
+    type Value: MapPod;
+
+    /// Its [`MapSpec`], with `configured` entries unless the capacity is
+    /// fixed.
+    fn spec(configured: u32) -> MapSpec {
+        MapSpec {
+            name: Self::NAME,
+            map_type: Self::MAP_TYPE,
+            key_size: Self::Key::SIZE as u32,
+            value_size: Self::Value::SIZE as u32,
+            max_entries: Self::MAX_ENTRIES.unwrap_or(configured),
+            fixed_entries: Self::MAX_ENTRIES.is_some(),
+        }
+    }
+}
+
+/// `majors`: `u32` major → `u32` ([`MAJOR_PROTECTED`] or 0), an array of
+/// [`MAJORS_ENTRIES`].
+#[derive(Clone, Copy, Debug)]
+pub struct MajorsMap;
+impl MapLayout for MajorsMap {
+    const NAME: &'static str = PIN_MAJORS;
+    const MAP_TYPE: u32 = MAP_TYPE_ARRAY;
+    const MAX_ENTRIES: Option<u32> = Some(MAJORS_ENTRIES);
+    type Key = u32;
+    type Value = u32;
+}
+
+/// `cgroups`: `u64` cgroup id → [`CgroupValue`], a hash of `max_grants`.
+#[derive(Clone, Copy, Debug)]
+pub struct CgroupsMap;
+impl MapLayout for CgroupsMap {
+    const NAME: &'static str = PIN_CGROUPS;
+    const MAP_TYPE: u32 = MAP_TYPE_HASH;
+    const MAX_ENTRIES: Option<u32> = None;
+    type Key = u64;
+    type Value = CgroupValue;
+}
+
+/// `grants`: [`GrantKey`] → [`GrantValue`], a hash of `max_grants`.
+#[derive(Clone, Copy, Debug)]
+pub struct GrantsMap;
+impl MapLayout for GrantsMap {
+    const NAME: &'static str = PIN_GRANTS;
+    const MAP_TYPE: u32 = MAP_TYPE_HASH;
+    const MAX_ENTRIES: Option<u32> = None;
+    type Key = GrantKey;
+    type Value = GrantValue;
+}
+
+/// `denials`: [`DenialKey`] → [`DenialValue`], an LRU hash of
+/// `max_denials`.
+#[derive(Clone, Copy, Debug)]
+pub struct DenialsMap;
+impl MapLayout for DenialsMap {
+    const NAME: &'static str = PIN_DENIALS;
+    const MAP_TYPE: u32 = MAP_TYPE_LRU_HASH;
+    const MAX_ENTRIES: Option<u32> = None;
+    type Key = DenialKey;
+    type Value = DenialValue;
+}
+
+/// `levels`: `u32` 0 → `u32` populated-levels mask, an array of one.
+#[derive(Clone, Copy, Debug)]
+pub struct LevelsMap;
+impl MapLayout for LevelsMap {
+    const NAME: &'static str = PIN_LEVELS;
+    const MAP_TYPE: u32 = MAP_TYPE_ARRAY;
+    const MAX_ENTRIES: Option<u32> = Some(1);
+    type Key = u32;
+    type Value = u32;
+}
 
 /// The shape of one map, compared with what a pinned map reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,246 +456,248 @@ pub struct MapSpec {
     pub value_size: u32,
     /// Capacity.
     pub max_entries: u32,
+    /// The capacity is part of the layout (the program indexes the map up
+    /// to it): a pinned map of another capacity is refused, not kept.
+    pub fixed_entries: bool,
 }
 
-/// The four maps, with `grants` and `cgroups` sized for `max_grants`
+/// The five maps, with `grants` and `cgroups` sized for `max_grants`
 /// entries and `denials` for `max_denials`.
 pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 5] {
     [
-        MapSpec {
-            name: PIN_MAJORS,
-            map_type: MAP_TYPE_ARRAY,
-            key_size: 4,
-            value_size: 4,
-            max_entries: MAJORS_ENTRIES,
-        },
-        MapSpec {
-            name: PIN_CGROUPS,
-            map_type: MAP_TYPE_HASH,
-            key_size: 8,
-            value_size: CGROUP_VALUE_SIZE,
-            max_entries: max_grants,
-        },
-        MapSpec {
-            name: PIN_GRANTS,
-            map_type: MAP_TYPE_HASH,
-            key_size: GrantKey::SIZE as u32,
-            value_size: GrantValue::SIZE as u32,
-            max_entries: max_grants,
-        },
-        MapSpec {
-            name: PIN_DENIALS,
-            map_type: MAP_TYPE_LRU_HASH,
-            key_size: DenialKey::SIZE as u32,
-            value_size: DenialValue::SIZE as u32,
-            max_entries: max_denials,
-        },
-        MapSpec {
-            name: PIN_LEVELS,
-            map_type: MAP_TYPE_ARRAY,
-            key_size: 4,
-            value_size: 4,
-            max_entries: 1,
-        },
+        MajorsMap::spec(0),
+        CgroupsMap::spec(max_grants),
+        GrantsMap::spec(max_grants),
+        DenialsMap::spec(max_denials),
+        LevelsMap::spec(0),
     ]
 }
 
-/// Key of the denial records:
-/// `struct { u64 cgroup_id; u32 uid; u32 major; u32 minor; u32 pad; }`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DenialKey {
-    /// The denied task's cgroup id (`bpf_get_current_cgroup_id`).
-    pub cgroup_id: u64,
-    /// Its uid (low half of `bpf_get_current_uid_gid`).
-    pub uid: u32,
-    /// The device.
-    pub dev: DevNum,
+/// `BPF_MAP_LOOKUP_ELEM` of `key` in map `M` open at `fd`: `Ok(None)` when
+/// absent.
+///
+/// # Errors
+/// errno other than `ENOENT`.
+pub fn lookup<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key) -> io::Result<Option<M::Value>> {
+    let mut v = <M::Value as MapPod>::zeroed();
+    if !sys::map_lookup(fd, key.encode().as_ref(), v.as_mut())? {
+        return Ok(None);
+    }
+    Ok(M::Value::decode(v.as_ref()))
 }
 
-impl DenialKey {
-    /// Size in bytes.
-    pub const SIZE: usize = 24;
-    /// Offsets.
-    pub const OFF_CGROUP_ID: i16 = 0;
-    /// Offset of `uid`.
-    pub const OFF_UID: i16 = 8;
-    /// Offset of `major`.
-    pub const OFF_MAJOR: i16 = 12;
-    /// Offset of `minor`.
-    pub const OFF_MINOR: i16 = 16;
-    /// Offset of the padding (written as 0: keys are compared as bytes).
-    pub const OFF_PAD: i16 = 20;
-
-    /// Parses 24 key bytes.
-    pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != Self::SIZE {
-            return None;
-        }
-        let u32_at = |o: usize| b[o..o + 4].try_into().ok().map(u32::from_ne_bytes);
-        Some(DenialKey {
-            cgroup_id: u64::from_ne_bytes(b[0..8].try_into().ok()?),
-            uid: u32_at(8)?,
-            dev: DevNum::new(u32_at(12)?, u32_at(16)?),
-        })
-    }
-
-    /// Native-endian bytes.
-    pub fn to_bytes(&self) -> [u8; 24] {
-        let mut b = [0u8; 24];
-        b[0..8].copy_from_slice(&self.cgroup_id.to_ne_bytes());
-        b[8..12].copy_from_slice(&self.uid.to_ne_bytes());
-        b[12..16].copy_from_slice(&self.dev.major.to_ne_bytes());
-        b[16..20].copy_from_slice(&self.dev.minor.to_ne_bytes());
-        b
-    }
+/// `BPF_MAP_UPDATE_ELEM` (`BPF_ANY`) of `key` → `value` in map `M`.
+///
+/// # Errors
+/// errno (`E2BIG` when a hash map is full).
+pub fn update<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key, value: &M::Value) -> io::Result<()> {
+    sys::map_update(fd, key.encode().as_ref(), value.encode().as_ref())
 }
 
-/// Value of the denial records:
-/// `struct { u64 count; u64 last_ns; u32 last_pid; u32 pad; char comm[16]; }`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DenialValue {
-    /// How many denied opens/mknods.
-    pub count: u64,
-    /// When the last one happened (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
-    pub last_ns: u64,
-    /// The last denied process (tgid).
-    pub last_pid: u32,
-    /// Its command name.
-    pub comm: [u8; 16],
+/// `BPF_MAP_DELETE_ELEM` of `key` in map `M`: `Ok(false)` when absent.
+///
+/// # Errors
+/// errno other than `ENOENT`.
+pub fn delete<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key) -> io::Result<bool> {
+    sys::map_delete(fd, key.encode().as_ref())
 }
 
-impl DenialValue {
-    /// Size in bytes.
-    pub const SIZE: usize = 40;
-    /// Offset of `count`.
-    pub const OFF_COUNT: i16 = 0;
-    /// Offset of `last_ns`.
-    pub const OFF_LAST_NS: i16 = 8;
-    /// Offset of `last_pid`.
-    pub const OFF_LAST_PID: i16 = 16;
-    /// Offset of the padding.
-    pub const OFF_PAD: i16 = 20;
-    /// Offset of `comm`.
-    pub const OFF_COMM: i16 = 24;
-    /// Length of `comm` (`TASK_COMM_LEN`).
-    pub const COMM_LEN: usize = 16;
-
-    /// Parses 40 value bytes.
-    pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != Self::SIZE {
-            return None;
-        }
-        let mut comm = [0u8; 16];
-        comm.copy_from_slice(&b[24..40]);
-        Some(DenialValue {
-            count: u64::from_ne_bytes(b[0..8].try_into().ok()?),
-            last_ns: u64::from_ne_bytes(b[8..16].try_into().ok()?),
-            last_pid: u32::from_ne_bytes(b[16..20].try_into().ok()?),
-            comm,
-        })
-    }
-
-    /// The command name as text.
-    pub fn comm_str(&self) -> String {
-        let end = self.comm.iter().position(|c| *c == 0).unwrap_or(16);
-        String::from_utf8_lossy(&self.comm[..end]).into_owned()
-    }
+/// Every key of hash map `M` ([`sys::map_keys`], at most about
+/// `max_entries`); keys of another size, which a map of this layout never
+/// returns, are skipped.
+///
+/// # Errors
+/// errno.
+pub fn keys<M: MapLayout>(fd: BorrowedFd<'_>, max_entries: u32) -> io::Result<Vec<M::Key>> {
+    Ok(sys::map_keys(fd, M::Key::SIZE, max_entries)?
+        .iter()
+        .filter_map(|k| M::Key::decode(k))
+        .collect())
 }
 
-/// Key of the grants map: `struct { u64 cgroup_id; u32 major; u32 minor; }`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct GrantKey {
-    /// The cgroup id (inode of its cgroup2 directory).
-    pub cgroup_id: u64,
-    /// The device.
-    pub dev: DevNum,
-}
-
-impl GrantKey {
-    /// Size in bytes.
-    pub const SIZE: usize = 16;
-    /// Offset of `cgroup_id` in the key.
-    pub const OFF_CGROUP_ID: i16 = 0;
-    /// Offset of `major`.
-    pub const OFF_MAJOR: i16 = 8;
-    /// Offset of `minor`.
-    pub const OFF_MINOR: i16 = 12;
-
-    /// Native-endian bytes, as the program builds the key on its stack.
-    pub fn to_bytes(&self) -> [u8; 16] {
-        let mut b = [0u8; 16];
-        b[0..8].copy_from_slice(&self.cgroup_id.to_ne_bytes());
-        b[8..12].copy_from_slice(&self.dev.major.to_ne_bytes());
-        b[12..16].copy_from_slice(&self.dev.minor.to_ne_bytes());
-        b
-    }
-
-    /// Parses 16 key bytes.
-    pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != Self::SIZE {
-            return None;
-        }
-        Some(GrantKey {
-            cgroup_id: u64::from_ne_bytes(b[0..8].try_into().ok()?),
-            dev: DevNum::new(
-                u32::from_ne_bytes(b[8..12].try_into().ok()?),
-                u32::from_ne_bytes(b[12..16].try_into().ok()?),
-            ),
-        })
-    }
-}
-
-/// Value of the grants map: `struct { u32 access; u32 job_id; }`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GrantValue {
-    /// Access bits granted (`BPF_DEVCG_ACC_*`).
-    pub access: Access,
-    /// The Slurm job the grant belongs to; the epilog revokes by it.
-    pub job_id: u32,
-}
-
-impl GrantValue {
-    /// Size in bytes.
-    pub const SIZE: usize = 8;
-    /// Offset of `access` in the value.
-    pub const OFF_ACCESS: i16 = 0;
-
-    /// Native-endian bytes.
-    pub fn to_bytes(&self) -> [u8; 8] {
-        let mut b = [0u8; 8];
-        b[0..4].copy_from_slice(&self.access.bits().to_ne_bytes());
-        b[4..8].copy_from_slice(&self.job_id.to_ne_bytes());
-        b
-    }
-
-    /// Parses 8 value bytes; unknown access bits are dropped.
-    pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != Self::SIZE {
-            return None;
-        }
-        Some(GrantValue {
-            access: Access::from_bits_truncate(u32::from_ne_bytes(b[0..4].try_into().ok()?)),
-            job_id: u32::from_ne_bytes(b[4..8].try_into().ok()?),
-        })
-    }
+/// Every entry of hash map `M` in `BPF_MAP_LOOKUP_BATCH` calls
+/// ([`sys::map_entries_batch`]): `Ok(None)` when the kernel cannot batch
+/// this map (the caller walks [`keys`] instead).
+///
+/// # Errors
+/// errno.
+pub fn entries_batch<M: MapLayout>(
+    fd: BorrowedFd<'_>,
+) -> io::Result<Option<Vec<(M::Key, M::Value)>>> {
+    Ok(
+        sys::map_entries_batch(fd, M::Key::SIZE, M::Value::SIZE)?.map(|all| {
+            all.iter()
+                .filter_map(|(k, v)| Some((M::Key::decode(k)?, M::Value::decode(v)?)))
+                .collect()
+        }),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::mem::{align_of, size_of};
 
     #[test]
     fn key_and_value_round_trip() {
-        let k = GrantKey {
-            cgroup_id: 0x1122_3344_5566_7788,
-            dev: DevNum::new(509, 1),
-        };
+        let k = GrantKey::new(0x1122_3344_5566_7788, DevNum::new(509, 1));
         assert_eq!(GrantKey::from_bytes(&k.to_bytes()), Some(k));
-        let v = GrantValue {
-            access: Access::RW,
-            job_id: 4_000_000_000,
-        };
+        assert_eq!(k.dev(), DevNum::new(509, 1));
+        let v = GrantValue::new(Access::RW, 4_000_000_000);
         assert_eq!(GrantValue::from_bytes(&v.to_bytes()), Some(v));
+        assert_eq!(v.access(), Access::RW);
         assert_eq!(GrantKey::from_bytes(&[0; 15]), None);
+        assert_eq!(GrantKey::from_bytes(&[0; 17]), None);
+        let d = DenialKey::new(7, 1001, DevNum::new(195, 3));
+        assert_eq!(DenialKey::from_bytes(&d.to_bytes()), Some(d));
+        let c = CgroupValue {
+            flags: CGROUP_EXEMPT | CGROUP_GRANTED,
+            level: 3,
+        };
+        assert_eq!(CgroupValue::from_bytes(&c.to_bytes()), Some(c));
+        let mut dv = [0u8; 40];
+        dv[24..29].copy_from_slice(b"xmrig");
+        dv[0] = 2;
+        let dv = DenialValue::from_bytes(&dv).unwrap();
+        assert_eq!((dv.count, dv.comm_str().as_str()), (2, "xmrig"));
+        assert_eq!(DenialValue::from_bytes(&dv.to_bytes()), Some(dv));
+    }
+
+    /// The bytes are native-endian fields at their C offsets, as the
+    /// program writes them: checked against a hand-built buffer.
+    #[test]
+    fn encoding_is_the_c_layout() {
+        let k = GrantKey::new(0x0102_0304_0506_0708, DevNum::new(195, 255));
+        let mut want = Vec::new();
+        want.extend_from_slice(&0x0102_0304_0506_0708u64.to_ne_bytes());
+        want.extend_from_slice(&195u32.to_ne_bytes());
+        want.extend_from_slice(&255u32.to_ne_bytes());
+        assert_eq!(k.to_bytes().as_slice(), want.as_slice());
+        let v = GrantValue::new(Access::READ | Access::MKNOD, 42);
+        let want = [3u32.to_ne_bytes(), 42u32.to_ne_bytes()].concat();
+        assert_eq!(v.to_bytes().as_slice(), want.as_slice());
+        let d = DenialKey::new(9, 1001, DevNum::new(195, 3));
+        let want = [
+            9u64.to_ne_bytes().as_slice(),
+            &1001u32.to_ne_bytes(),
+            &195u32.to_ne_bytes(),
+            &3u32.to_ne_bytes(),
+            &0u32.to_ne_bytes(),
+        ]
+        .concat();
+        assert_eq!(d.to_bytes().as_slice(), want.as_slice());
+        // Unknown access bits survive a round trip of the record but not
+        // `access()`.
+        let odd = GrantValue::from_bytes(&[0xff, 0, 0, 0, 1, 0, 0, 0]).unwrap();
+        assert_eq!(odd.access(), Access::all());
+    }
+
+    /// Every record's `size_of`, alignment and `offset_of!` are the sizes
+    /// and offsets the program and the map specs use (the program's
+    /// structs: `grant_key`, `denial_key`, `denial_value`, the `cgroups`
+    /// value), so a field moved or resized fails here and not in the
+    /// kernel.
+    #[test]
+    fn layouts_match_the_program() {
+        assert_eq!(size_of::<GrantKey>(), 16);
+        assert_eq!(size_of::<GrantKey>(), GrantKey::SIZE);
+        assert_eq!(align_of::<GrantKey>(), 8);
+        assert_eq!(offset_of!(GrantKey, cgroup_id), 0);
+        assert_eq!(offset_of!(GrantKey, major), 8);
+        assert_eq!(offset_of!(GrantKey, minor), 12);
+        assert_eq!(
+            (
+                GrantKey::OFF_CGROUP_ID,
+                GrantKey::OFF_MAJOR,
+                GrantKey::OFF_MINOR
+            ),
+            (0, 8, 12)
+        );
+
+        assert_eq!(size_of::<GrantValue>(), 8);
+        assert_eq!(size_of::<GrantValue>(), GrantValue::SIZE);
+        assert_eq!(offset_of!(GrantValue, access_bits), 0);
+        assert_eq!(offset_of!(GrantValue, job_id), 4);
+        assert_eq!((GrantValue::OFF_ACCESS, GrantValue::OFF_JOB_ID), (0, 4));
+
+        assert_eq!(size_of::<CgroupValue>(), 8);
+        assert_eq!(size_of::<CgroupValue>(), CGROUP_VALUE_SIZE as usize);
+        assert_eq!(offset_of!(CgroupValue, flags), 0);
+        assert_eq!(offset_of!(CgroupValue, level), 4);
+        assert_eq!((CgroupValue::OFF_FLAGS, CgroupValue::OFF_LEVEL), (0, 4));
+
+        assert_eq!(size_of::<DenialKey>(), 24);
+        assert_eq!(size_of::<DenialKey>(), DenialKey::SIZE);
+        assert_eq!(offset_of!(DenialKey, cgroup_id), 0);
+        assert_eq!(offset_of!(DenialKey, uid), 8);
+        assert_eq!(offset_of!(DenialKey, major), 12);
+        assert_eq!(offset_of!(DenialKey, minor), 16);
+        assert_eq!(offset_of!(DenialKey, pad), 20);
+        assert_eq!(
+            (
+                DenialKey::OFF_CGROUP_ID,
+                DenialKey::OFF_UID,
+                DenialKey::OFF_MAJOR,
+                DenialKey::OFF_MINOR,
+                DenialKey::OFF_PAD
+            ),
+            (0, 8, 12, 16, 20)
+        );
+
+        assert_eq!(size_of::<DenialValue>(), 40);
+        assert_eq!(size_of::<DenialValue>(), DenialValue::SIZE);
+        assert_eq!(offset_of!(DenialValue, count), 0);
+        assert_eq!(offset_of!(DenialValue, last_ns), 8);
+        assert_eq!(offset_of!(DenialValue, last_pid), 16);
+        assert_eq!(offset_of!(DenialValue, pad), 20);
+        assert_eq!(offset_of!(DenialValue, comm), 24);
+        assert_eq!(
+            (
+                DenialValue::OFF_COUNT,
+                DenialValue::OFF_LAST_NS,
+                DenialValue::OFF_LAST_PID,
+                DenialValue::OFF_PAD,
+                DenialValue::OFF_COMM
+            ),
+            (0, 8, 16, 20, 24)
+        );
+        assert_eq!(DenialValue::COMM_LEN, 16);
+
+        assert_eq!((<u32 as MapPod>::SIZE, <u64 as MapPod>::SIZE), (4, 8));
+    }
+
+    /// The specs an install creates and a pinned map is checked against,
+    /// derived from the layouts: the sizes above, the kinds, and which
+    /// capacities are fixed.
+    #[test]
+    fn specs_follow_the_layouts() {
+        let [majors, cgroups, grants, denials, levels] = map_specs(1000, 50);
+        let shape = |s: MapSpec| {
+            (
+                s.name,
+                s.map_type,
+                s.key_size,
+                s.value_size,
+                s.max_entries,
+                s.fixed_entries,
+            )
+        };
+        assert_eq!(
+            shape(majors),
+            (PIN_MAJORS, MAP_TYPE_ARRAY, 4, 4, MAJORS_ENTRIES, true)
+        );
+        assert_eq!(
+            shape(cgroups),
+            (PIN_CGROUPS, MAP_TYPE_HASH, 8, 8, 1000, false)
+        );
+        assert_eq!(
+            shape(grants),
+            (PIN_GRANTS, MAP_TYPE_HASH, 16, 8, 1000, false)
+        );
+        assert_eq!(
+            shape(denials),
+            (PIN_DENIALS, MAP_TYPE_LRU_HASH, 24, 40, 50, false)
+        );
+        assert_eq!(shape(levels), (PIN_LEVELS, MAP_TYPE_ARRAY, 4, 4, 1, true));
     }
 }

@@ -44,7 +44,9 @@ use std::mem::offset_of;
 use gpufence_model::policy::ExemptIdentities;
 
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
-use crate::maps::{DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+use crate::maps::{
+    CgroupValue, DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED,
+};
 
 /// How many cgroup levels below the root the program walks. Slurm's job
 /// cgroup sits at level 3 (`system.slice/slurmstepd.scope/job_<id>`); tasks
@@ -176,7 +178,7 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
             .call(Helper::MapLookupElem)
             .jmp_imm(JmpOp::Eq, R0, 0, &next)
             .comment("if (*f & EXEMPT) goto exempt; if (!(*f & GRANTED)) continue;")
-            .load(Size::W, R1, R0, 0)
+            .load(Size::W, R1, R0, CgroupValue::OFF_FLAGS)
             .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, &format!("exempt_{level}"))
             .label(&format!("grant_{level}"))
             .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
@@ -442,13 +444,13 @@ mod tests {
                 }),
                 GRANTS => {
                     let k = GrantKey::from_bytes(key)?;
-                    let access = *self.policy.grants.get(&(k.cgroup_id, k.dev))?;
+                    let access = *self.policy.grants.get(&(k.cgroup_id, k.dev()))?;
                     let job_id = self
                         .grant_jobs
-                        .get(&(k.cgroup_id, k.dev))
+                        .get(&(k.cgroup_id, k.dev()))
                         .copied()
                         .unwrap_or(1);
-                    Some(GrantValue { access, job_id }.to_bytes().to_vec())
+                    Some(GrantValue::new(access, job_id).to_bytes().to_vec())
                 }
                 _ => None,
             }
@@ -630,7 +632,10 @@ mod tests {
         let (fd, key, value) = &updates[0];
         assert_eq!(*fd, DENIALS);
         let k = DenialKey::from_bytes(key).unwrap();
-        assert_eq!((k.cgroup_id, k.uid, k.dev), (9, 1001, DevNum::new(195, 3)));
+        assert_eq!(
+            (k.cgroup_id, k.uid, k.dev()),
+            (9, 1001, DevNum::new(195, 3))
+        );
         let v = DenialValue::from_bytes(value).unwrap();
         assert_eq!(
             (v.count, v.last_ns, v.last_pid, v.comm_str().as_str()),

@@ -22,7 +22,8 @@ use gpufence_model::policy::ExemptIdentities;
 use crate::error::{Error, Result};
 use crate::interp::{self, Env};
 use crate::maps::{
-    DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED, CGROUP_VALUE_SIZE,
+    CgroupValue, DenialKey, DenialValue, GrantKey, GrantValue, MapPod, CGROUP_EXEMPT,
+    CGROUP_GRANTED,
 };
 use crate::program::{self, FenceProgramSpec, DEVCG_DEV_CHAR, MAX_LEVEL};
 
@@ -180,10 +181,9 @@ impl Env for ViewEnv<'_> {
     }
 }
 
-fn u32_at(v: &[u8], off: usize) -> Option<u32> {
-    v.get(off..off + 4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_ne_bytes)
+/// A `u32` value (`majors`, `levels`).
+fn u32_value(v: &[u8]) -> Option<u32> {
+    u32::decode(v)
 }
 
 /// What the enforcing program built with `identities` answers for `task`
@@ -249,15 +249,15 @@ fn walk(
 ) -> Result<(bool, Reason)> {
     let ancestry = task.ancestry;
     let protected = view
-        .lookup(MapRole::Majors, &dev.major.to_ne_bytes())?
-        .and_then(|v| u32_at(&v, 0))
+        .lookup(MapRole::Majors, &dev.major.encode())?
+        .and_then(|v| u32_value(&v))
         .is_some_and(|p| p != 0);
     if !protected {
         return Ok((true, Reason::NotProtected));
     }
     let Some(mask) = view
-        .lookup(MapRole::Levels, &0u32.to_ne_bytes())?
-        .and_then(|v| u32_at(&v, 0))
+        .lookup(MapRole::Levels, &0u32.encode())?
+        .and_then(|v| u32_value(&v))
     else {
         return Ok((false, Reason::NoLevels));
     };
@@ -270,8 +270,9 @@ fn walk(
             break;
         }
         let Some(flags) = view
-            .lookup(MapRole::Cgroups, &id.to_ne_bytes())?
-            .and_then(|v| u32_at(&v, 0))
+            .lookup(MapRole::Cgroups, &id.encode())?
+            .and_then(|v| CgroupValue::from_bytes(&v))
+            .map(|v| v.flags)
         else {
             continue;
         };
@@ -287,12 +288,12 @@ fn walk(
         if flags & CGROUP_GRANTED == 0 {
             continue;
         }
-        let key = GrantKey { cgroup_id: id, dev };
+        let key = GrantKey::new(id, dev);
         if let Some(g) = view
             .lookup(MapRole::Grants, &key.to_bytes())?
             .and_then(|v| GrantValue::from_bytes(&v))
         {
-            if g.access.contains(access) {
+            if g.access().contains(access) {
                 return Ok((
                     true,
                     Reason::Granted {
@@ -310,13 +311,13 @@ fn walk(
 fn misrecorded(view: &dyn MapView, ancestry: &[u64]) -> Result<Vec<Misrecorded>> {
     let mut out = Vec::new();
     for (level, id) in ancestry.iter().enumerate().skip(1) {
-        let Some(v) = view.lookup(MapRole::Cgroups, &id.to_ne_bytes())? else {
-            continue;
-        };
-        if v.len() < CGROUP_VALUE_SIZE as usize {
-            continue;
-        }
-        let (Some(flags), Some(recorded)) = (u32_at(&v, 0), u32_at(&v, 4)) else {
+        let Some(CgroupValue {
+            flags,
+            level: recorded,
+        }) = view
+            .lookup(MapRole::Cgroups, &id.encode())?
+            .and_then(|v| CgroupValue::from_bytes(&v))
+        else {
             continue;
         };
         if flags != 0 && recorded as usize != level {
@@ -370,14 +371,9 @@ mod tests {
                 MapRole::Grants => {
                     let k = GrantKey::from_bytes(key).unwrap();
                     self.grants
-                        .get(&(k.cgroup_id, k.dev))
+                        .get(&(k.cgroup_id, k.dev()))
                         .map(|(access, job_id)| {
-                            GrantValue {
-                                access: *access,
-                                job_id: *job_id,
-                            }
-                            .to_bytes()
-                            .to_vec()
+                            GrantValue::new(*access, *job_id).to_bytes().to_vec()
                         })
                 }
             })

@@ -884,17 +884,11 @@ fn grants_are_read_whole_in_batches() {
     let grants = gpufence_cgroup::sys::obj_get(&env.bpffs.join(PIN_GRANTS)).unwrap();
     let mut want = Vec::new();
     for i in 0..10_000u64 {
-        let key = GrantKey {
-            cgroup_id: (1 << 40) + i,
-            dev: DevNum::new(195, (i % 8) as u32),
-        };
-        let value = GrantValue {
-            access: Access::RW,
-            job_id: 500_000 + (i / 100) as u32,
-        };
+        let key = GrantKey::new((1 << 40) + i, DevNum::new(195, (i % 8) as u32));
+        let value = GrantValue::new(Access::RW, 500_000 + (i / 100) as u32);
         gpufence_cgroup::sys::map_update(grants.as_fd(), &key.to_bytes(), &value.to_bytes())
             .unwrap();
-        want.push((value.job_id, key.cgroup_id, key.dev));
+        want.push((value.job_id, key.cgroup_id, key.dev()));
     }
     want.sort();
     let got: Vec<(u32, u64, DevNum)> = fence
