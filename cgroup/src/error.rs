@@ -45,14 +45,20 @@ pub enum Error {
         /// What was missing.
         what: &'static str,
     },
-    /// A pinned map exists with another layout (older gpufence, or someone else's pin).
-    #[error("pinned map {path} has {found}, expected {expected}; remove the old fence first (`gpufence fence remove`)")]
+    /// A pinned map exists with another layout (a fence installed by
+    /// another gpufence version, or someone else's pin): its type, key
+    /// size, value size, or a capacity the layout fixes differ
+    /// ([`crate::maps::MapSpec`]). Nothing is written to it.
+    #[error(
+        "pinned map {path} has {found}, but this gpufence needs {expected} (a fence installed by \
+         another gpufence version?): run `gpufence fence remove`, then `gpufence fence install`"
+    )]
     MapMismatch {
         /// The pin.
         path: PathBuf,
-        /// What the kernel reports.
+        /// What the kernel reports (`type T key K value V max_entries N`).
         found: String,
-        /// What this version needs.
+        /// What this version needs, in the same words.
         expected: String,
     },
     /// No cgroup2 hierarchy is mounted.

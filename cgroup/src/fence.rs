@@ -365,22 +365,43 @@ fn open_or_create_map(
     })
 }
 
+/// Checks that the map pinned at `pin` has the layout of `spec`: its
+/// type, key size and value size, and its capacity where the layout fixes
+/// it ([`MapSpec::fixed_entries`]). A configured capacity that differs is
+/// kept, with a note (the map holds live grants).
+///
+/// # Errors
+/// [`Error::MapMismatch`] naming the pin, what it has and what this
+/// version needs; [`Error::Bpf`] when the kernel cannot say.
 fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) -> Result<()> {
     let info = sys::map_info(fd.as_fd())
         .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", pin.display().to_string()))?;
-    if (info.map_type, info.key_size, info.value_size)
-        != (spec.map_type, spec.key_size, spec.value_size)
-    {
+    let found = (info.map_type, info.key_size, info.value_size);
+    let wanted = (spec.map_type, spec.key_size, spec.value_size);
+    if found != wanted || (spec.fixed_entries && info.max_entries != spec.max_entries) {
+        let shape =
+            |t: u32, k: u32, v: u32, n: u32| format!("type {t} key {k} value {v} max_entries {n}");
         return Err(Error::MapMismatch {
             path: pin.to_path_buf(),
-            found: format!(
-                "type {} key {} value {}",
-                info.map_type, info.key_size, info.value_size
+            found: shape(
+                info.map_type,
+                info.key_size,
+                info.value_size,
+                info.max_entries,
             ),
-            expected: format!(
-                "type {} key {} value {}",
-                spec.map_type, spec.key_size, spec.value_size
-            ),
+            expected: if spec.fixed_entries {
+                shape(
+                    spec.map_type,
+                    spec.key_size,
+                    spec.value_size,
+                    spec.max_entries,
+                )
+            } else {
+                format!(
+                    "type {} key {} value {}",
+                    spec.map_type, spec.key_size, spec.value_size
+                )
+            },
         });
     }
     if info.max_entries != spec.max_entries {

@@ -904,3 +904,85 @@ fn grants_are_read_whole_in_batches() {
     assert!(gone.iter().all(|e| e.job_id == 500_042));
     assert_eq!(fence.entries().unwrap().len(), 9_900);
 }
+
+/// A map pinned where the fence keeps its maps, with another layout than
+/// this version's (what an older or newer gpufence might have left: here a
+/// `grants` map with 12-byte values, then a `majors` array of another
+/// capacity, which the program relies on), is refused: the install fails
+/// with one line naming the pin and saying to run `gpufence fence remove`
+/// then `gpufence fence install`, leaves that pin as it was and attaches
+/// nothing; after a remove, the install succeeds.
+#[test]
+fn a_map_pinned_with_another_layout_is_refused() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_cgroup::maps::{
+        GrantKey, GrantValue, MAJORS_ENTRIES, MAP_TYPE_ARRAY, MAP_TYPE_HASH, PIN_GRANTS, PIN_LINK,
+        PIN_MAJORS,
+    };
+    use gpufence_cgroup::sys;
+    use std::os::fd::AsFd;
+    let env = TestEnv::new("layout");
+    let node = node(&env, MAJORS);
+    std::fs::create_dir_all(&env.bpffs).unwrap();
+    let check_refused = |pin_name: &str, found: &str| {
+        let pin = env.bpffs.join(pin_name);
+        let e = fence_ops::install(&node).expect_err("a map of another layout must be refused");
+        let msg = e.to_string();
+        assert!(
+            matches!(
+                e,
+                NodeError::Kernel(gpufence_cgroup::Error::MapMismatch { .. })
+            ),
+            "{e:?}"
+        );
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        assert!(msg.contains(&pin.display().to_string()), "{msg}");
+        assert!(msg.contains(found), "{msg}");
+        let remove = msg.find("gpufence fence remove").expect(&msg);
+        let install = msg.find("gpufence fence install").expect(&msg);
+        assert!(remove < install, "remove, then install: {msg}");
+        let info = sys::map_info(sys::obj_get(&pin).unwrap().as_fd()).unwrap();
+        assert!(
+            format!(
+                "type {} key {} value {} max_entries {}",
+                info.map_type, info.key_size, info.value_size, info.max_entries
+            )
+            .contains(found),
+            "the pin is left as it was"
+        );
+        assert!(!env.bpffs.join(PIN_LINK).exists(), "nothing attached");
+        assert_eq!(Fence::linked_prog_id(&env.bpffs), None);
+    };
+
+    // grants with 12-byte values (this version's: 8).
+    let grants = sys::map_create(
+        MAP_TYPE_HASH,
+        GrantKey::SIZE as u32,
+        GrantValue::SIZE as u32 + 4,
+        1024,
+        "grants",
+    )
+    .unwrap();
+    sys::obj_pin(grants.as_fd(), &env.bpffs.join(PIN_GRANTS)).unwrap();
+    check_refused(PIN_GRANTS, "type 1 key 16 value 12");
+    std::fs::remove_file(env.bpffs.join(PIN_GRANTS)).unwrap();
+
+    // majors sized for 256 majors (this version's: every major, 4096).
+    let majors = sys::map_create(MAP_TYPE_ARRAY, 4, 4, 256, "majors").unwrap();
+    sys::obj_pin(majors.as_fd(), &env.bpffs.join(PIN_MAJORS)).unwrap();
+    check_refused(PIN_MAJORS, "type 2 key 4 value 4 max_entries 256");
+    let e = fence_ops::install(&node).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "needs type 2 key 4 value 4 max_entries {MAJORS_ENTRIES}"
+        )),
+        "{e}"
+    );
+
+    // After a remove, the install makes maps of this layout.
+    fence_ops::remove(&node).unwrap();
+    fence_ops::install(&node).expect("install after remove");
+    assert!(Fence::linked_prog_id(&env.bpffs).is_some());
+}
