@@ -515,15 +515,16 @@ pub fn keys<M: MapLayout>(fd: BorrowedFd<'_>, max_entries: u32) -> io::Result<Ve
         .collect())
 }
 
+/// The entries of map `M`, decoded.
+pub type Entries<M> = Vec<(<M as MapLayout>::Key, <M as MapLayout>::Value)>;
+
 /// Every entry of hash map `M` in `BPF_MAP_LOOKUP_BATCH` calls
 /// ([`sys::map_entries_batch`]): `Ok(None)` when the kernel cannot batch
 /// this map (the caller walks [`keys`] instead).
 ///
 /// # Errors
 /// errno.
-pub fn entries_batch<M: MapLayout>(
-    fd: BorrowedFd<'_>,
-) -> io::Result<Option<Vec<(M::Key, M::Value)>>> {
+pub fn entries_batch<M: MapLayout>(fd: BorrowedFd<'_>) -> io::Result<Option<Entries<M>>> {
     Ok(
         sys::map_entries_batch(fd, M::Key::SIZE, M::Value::SIZE)?.map(|all| {
             all.iter()

@@ -1079,7 +1079,7 @@ mod layout_tests {
         // `union bpf_attr` is 144 bytes in 6.1: the buffer every call
         // passes is larger.
         const BPF_ATTR_SIZE_6_1: usize = 144;
-        assert!(ATTR_SIZE >= BPF_ATTR_SIZE_6_1);
+        const { assert!(ATTR_SIZE >= BPF_ATTR_SIZE_6_1) };
         assert_eq!(align_of::<AttrBuf>(), 8);
 
         // BPF_MAP_CREATE: the anonymous struct at the union's start.
@@ -1212,8 +1212,8 @@ mod layout_tests {
         // `revision` (6.6+: after prog_attach_flags at 32, link_ids at 40
         // and link_attach_flags at 48) lies past the struct, inside the
         // buffer.
-        assert!(QUERY_REVISION_OFFSET >= size_of::<QueryAttr>());
-        assert!(QUERY_REVISION_OFFSET + 8 <= ATTR_SIZE);
+        const { assert!(QUERY_REVISION_OFFSET >= size_of::<QueryAttr>()) };
+        const { assert!(QUERY_REVISION_OFFSET + 8 <= ATTR_SIZE) };
 
         // BPF_BTF_LOAD (btf_log_true_size at 28 since 6.4: our padding).
         offsets!(BtfLoadAttr {
