@@ -192,7 +192,67 @@ fn program_of(id: u32) -> (Option<sys::ProgInfo>, Vec<gpufence_cgroup::asm::RawI
 /// # Errors
 /// [`NodeError`] when the process or cgroup does not exist.
 pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doctor, NodeError> {
-    let cg = match (pid, cgroup) {
+    let cg = target_cgroup(node, pid, cgroup)?;
+    let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+    let fence = Fence::open(&node.cfg.bpffs_dir).ok();
+    let ours = Fence::linked_prog_id(&node.cfg.bpffs_dir);
+    let audit = node.cfg.mode == Mode::Audit;
+    let fence_current = fence_current(node, fence.as_ref(), ours, audit);
+    let (levels, runs) = programs_on_path(node, &cg, ours);
+    let me = std::process::id() as i32;
+    let uid = crate::host::procs::uid_of(pid.unwrap_or(me))
+        .ok_or_else(|| NodeError::JobCgroup(format!("process {} is gone", pid.unwrap_or(me))))?;
+    let under_fence = crate::is_under(&cg, &node.cfg.cgroup_root);
+    let kernel = node.cg.kernel_ancestry(&cg);
+    let target = Target {
+        cg: &cg,
+        uid,
+        under_fence,
+        attached: attached.is_ok(),
+        kernel: kernel
+            .as_ref()
+            .map(|a| a.as_slice())
+            .map_err(|e| e.to_string()),
+        fence: fence.as_ref(),
+        audit,
+    };
+    let devices = nvidia_devices(node)
+        .into_iter()
+        .map(|(d, paths)| {
+            let path = paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            combine(path, d, &runs, ours, fence_verdict(node, &target, d))
+        })
+        .collect();
+    Ok(Doctor {
+        pid,
+        uid,
+        cgroup: cg.clone(),
+        fence_attached: attached.is_ok(),
+        fence_problem: attached.err(),
+        fence_current,
+        running_mode: crate::host::fence_ops::running_mode(node),
+        mode: if audit {
+            "audit".into()
+        } else {
+            "enforce".into()
+        },
+        under_fence,
+        kernel_level: kernel.as_ref().ok().and_then(|a| a.last()).map(|a| a.level),
+        mount_root_level: node.cg.root_level().ok(),
+        levels,
+        devices,
+        io_uring: crate::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
+    })
+}
+
+/// The cgroup asked about: `pid`'s, `cgroup` (checked to exist), or this
+/// process's.
+fn target_cgroup(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<String, NodeError> {
+    Ok(match (pid, cgroup) {
         (Some(p), _) => node.cg.cgroup_of(p)?,
         (None, Some(c)) => {
             let c =
@@ -201,25 +261,32 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             c
         }
         (None, None) => node.cg.cgroup_of(std::process::id() as i32)?,
-    };
-    let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
-    let fence = Fence::open(&node.cfg.bpffs_dir).ok();
-    let ours = Fence::linked_prog_id(&node.cfg.bpffs_dir);
-    let audit = node.cfg.mode == Mode::Audit;
-    let fence_current = match (&fence, ours) {
-        (Some(f), Some(id)) => match (
-            f.fresh_program_tag(audit, &node.cfg.exempt_identities()),
-            sys::prog_fd_by_id(id).and_then(|fd| sys::prog_info(fd.as_fd())),
-        ) {
-            (Ok(fresh), Ok(info)) => Some(fresh == info.tag),
-            _ => None,
-        },
-        _ => None,
-    };
+    })
+}
 
-    // Effective programs of the target, then what is attached at each level.
-    let target_dir = node.cg.path(&cg);
-    let effective: Vec<u32> = std::fs::File::open(&target_dir)
+/// Whether the attached program (`ours`) is the one this version and
+/// config would install; `None` when it cannot be told.
+fn fence_current(
+    node: &Node,
+    fence: Option<&Fence>,
+    ours: Option<u32>,
+    audit: bool,
+) -> Option<bool> {
+    let (f, id) = (fence?, ours?);
+    match (
+        f.fresh_program_tag(audit, &node.cfg.exempt_identities()),
+        sys::prog_fd_by_id(id).and_then(|fd| sys::prog_info(fd.as_fd())),
+    ) {
+        (Ok(fresh), Ok(info)) => Some(fresh == info.tag),
+        _ => None,
+    }
+}
+
+/// The device programs attached from the cgroup2 root down to `cg`, per
+/// level, and the effective ones (what the kernel runs for `cg`) in the
+/// kernel's order, those attached above what this namespace shows last.
+fn programs_on_path(node: &Node, cg: &str, ours: Option<u32>) -> (Vec<Level>, Vec<Effective>) {
+    let effective: Vec<u32> = std::fs::File::open(node.cg.path(cg))
         .ok()
         .and_then(|f| sys::prog_query_cgroup_device_flags(f.as_fd(), sys::F_QUERY_EFFECTIVE).ok())
         .map(|(_, ids)| ids)
@@ -234,7 +301,6 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         path.push(cur.clone());
     }
     let mut levels = Vec::new();
-    // The effective programs, in the kernel's order once found on the path.
     let mut runs: Vec<Effective> = Vec::new();
     for at in &path {
         let Ok(f) = std::fs::File::open(node.cg.path(at)) else {
@@ -283,8 +349,6 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             programs,
         });
     }
-
-    // Effective programs attached above what this namespace shows.
     runs.sort_by_key(|r| effective.iter().position(|e| *e == r.id));
     for id in &effective {
         if !runs.iter().any(|r| r.id == *id) {
@@ -302,9 +366,12 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             });
         }
     }
+    (levels, runs)
+}
 
-    // Per device: every effective program's verdict for read+write.
-    let under_fence = crate::is_under(&cg, &node.cfg.cgroup_root);
+/// Every NVIDIA device node in `dev_dir` on a protected major, and the
+/// control devices by their conventional names.
+fn nvidia_devices(node: &Node) -> BTreeMap<DevNum, Vec<PathBuf>> {
     let protected = node.protected_majors().unwrap_or_default();
     let mut devs: BTreeMap<DevNum, Vec<PathBuf>> = char_devices(&node.cfg.dev_dir)
         .into_iter()
@@ -315,84 +382,66 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         devs.entry(d)
             .or_insert_with(|| vec![node.cfg.dev_dir.join(name)]);
     }
-    let me = std::process::id() as i32;
-    let uid = crate::host::procs::uid_of(pid.unwrap_or(me))
-        .ok_or_else(|| NodeError::JobCgroup(format!("process {} is gone", pid.unwrap_or(me))))?;
-    let identities = node.cfg.exempt_identities();
-    let kernel = node.cg.kernel_ancestry(&cg);
-    let ids: Vec<u64> = kernel
-        .as_ref()
-        .map(|a| a.iter().map(|x| x.id).collect())
-        .unwrap_or_default();
-    let entries = fence
-        .as_ref()
-        .and_then(|f| f.entries().ok())
-        .unwrap_or_default();
-    let audit_note = if audit {
+    devs
+}
+
+/// What the fence's verdict depends on, for one target.
+struct Target<'a> {
+    cg: &'a str,
+    uid: u32,
+    under_fence: bool,
+    attached: bool,
+    /// Its ancestry at the kernel's levels, or why it cannot be told.
+    kernel: Result<&'a [Ancestor], String>,
+    fence: Option<&'a Fence>,
+    audit: bool,
+}
+
+/// The fence program's verdict for read+write of `d` and why.
+fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, String) {
+    if !t.under_fence {
+        return (
+            "allowed",
+            format!(
+                "/{} is outside the fenced subtree /{}",
+                t.cg, node.cfg.cgroup_root
+            ),
+        );
+    }
+    if !t.attached {
+        return ("allowed", "the fence is not attached".to_string());
+    }
+    let anc = match &t.kernel {
+        Err(e) => {
+            return (
+                "unknown",
+                format!("the kernel levels of /{} cannot be told: {e}", t.cg),
+            )
+        }
+        Ok(a) => *a,
+    };
+    let Some(f) = t.fence else {
+        return ("unknown", "the fence's maps cannot be opened".to_string());
+    };
+    let ids: Vec<u64> = anc.iter().map(|x| x.id).collect();
+    let entries = f.entries().unwrap_or_default();
+    let audit_note = if t.audit {
         " (audit mode: recorded, allowed)"
     } else {
         ""
     };
-    let mut devices = Vec::new();
-    for (d, paths) in devs {
-        let path = paths
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
-        let (verdict, why) = if !under_fence {
-            (
-                "allowed",
-                format!(
-                    "/{cg} is outside the fenced subtree /{}",
-                    node.cfg.cgroup_root
-                ),
-            )
-        } else if attached.is_err() {
-            ("allowed", "the fence is not attached".to_string())
-        } else {
-            match (&kernel, &fence) {
-                (Err(e), _) => (
-                    "unknown",
-                    format!("the kernel levels of /{cg} cannot be told: {e}"),
-                ),
-                (Ok(_), None) => ("unknown", "the fence's maps cannot be opened".to_string()),
-                (Ok(anc), Some(f)) => match f.evaluate(
-                    Task {
-                        ancestry: &ids,
-                        uid,
-                    },
-                    &identities,
-                    d,
-                    Access::RW,
-                ) {
-                    Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
-                    Ok(ev) => explain(&ev, anc, &cg, d, &entries, audit, audit_note),
-                },
-            }
-        };
-        devices.push(combine(path, d, &runs, ours, (verdict, why)));
-    }
-    Ok(Doctor {
-        pid,
-        uid,
-        cgroup: cg,
-        fence_attached: attached.is_ok(),
-        fence_problem: attached.err(),
-        fence_current,
-        running_mode: crate::host::fence_ops::running_mode(node),
-        mode: if audit {
-            "audit".into()
-        } else {
-            "enforce".into()
+    match f.evaluate(
+        Task {
+            ancestry: &ids,
+            uid: t.uid,
         },
-        under_fence,
-        kernel_level: kernel.as_ref().ok().and_then(|a| a.last()).map(|a| a.level),
-        mount_root_level: node.cg.root_level().ok(),
-        levels,
-        devices,
-        io_uring: crate::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
-    })
+        &node.cfg.exempt_identities(),
+        d,
+        Access::RW,
+    ) {
+        Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
+        Ok(ev) => explain(&ev, anc, t.cg, d, &entries, t.audit, audit_note),
+    }
 }
 
 /// An effective program of the target.
