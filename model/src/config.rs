@@ -169,9 +169,13 @@ pub struct Config {
     pub cron_spool_dir: PathBuf,
     /// System unit directory watched for new or changed units and timers.
     pub systemd_system_dir: PathBuf,
-    /// The passwd file naming users and their home directories (whose
-    /// `~/.config/systemd/user` is watched).
-    pub passwd_file: PathBuf,
+    /// An extra passwd-format file naming users and their home directories
+    /// (whose `~/.config/systemd/user` is watched), read before NSS. Unset
+    /// by default: users come from glibc NSS (nsswitch.conf(5): files,
+    /// SSSD, LDAP...), asked for 2 s at most per run. Set it for users NSS
+    /// does not know, or to name users without NSS on hosts and in tests;
+    /// `/etc/passwd` (the old default) is harmless and redundant.
+    pub passwd_file: Option<PathBuf>,
     /// The lowest severity that makes `gpufence sweep` exit non-zero:
     /// `info`, `low`, `medium`, `high` or `critical`.
     pub sweep_fail_severity: String,
@@ -250,7 +254,7 @@ impl Default for Config {
             ],
             cron_spool_dir: "/var/spool/cron/crontabs".into(),
             systemd_system_dir: "/etc/systemd/system".into(),
-            passwd_file: "/etc/passwd".into(),
+            passwd_file: None,
             sweep_fail_severity: "medium".into(),
             exec_cgroup: "gpufence-exec".into(),
         }
@@ -520,8 +524,10 @@ impl Config {
             ("proc_dir", &self.proc_dir),
             ("cron_spool_dir", &self.cron_spool_dir),
             ("systemd_system_dir", &self.systemd_system_dir),
-            ("passwd_file", &self.passwd_file),
-        ] {
+        ]
+        .into_iter()
+        .chain(self.passwd_file.as_ref().map(|p| ("passwd_file", p)))
+        {
             if !p.is_absolute() {
                 return Err(key_err(
                     key,
@@ -673,7 +679,7 @@ mod tests {
         assert!(c
             .exempt_cgroups
             .contains(&"system.slice/slurmd.service".to_string()));
-        assert!(c.majors.is_none() && c.slurmd_gres.is_none());
+        assert!(c.majors.is_none() && c.slurmd_gres.is_none() && c.passwd_file.is_none());
     }
 
     #[test]
@@ -692,7 +698,7 @@ mod tests {
         let all = serde_json::to_value(Config::default()).unwrap();
         for key in all.as_object().unwrap().keys() {
             // optional keys are documented commented out
-            if matches!(key.as_str(), "majors" | "slurmd_gres") {
+            if matches!(key.as_str(), "majors" | "slurmd_gres" | "passwd_file") {
                 assert!(
                     text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")),
                     "{key} undocumented"
@@ -765,6 +771,7 @@ mod tests {
             ("[majors]\nnvidia = 0", "majors.nvidia"),
             ("[majors]\nnvidia = 4096", "majors.nvidia"),
             ("[majors]", "majors"),
+            ("passwd_file = \"etc/passwd\"", "passwd_file"),
             ("state_dir = \"run/x\"", "state_dir"),
             ("max_grants = 0", "max_grants"),
         ] {

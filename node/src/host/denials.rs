@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use gpufence_cgroup::fence::{DenialEntry, Fence};
 
+use crate::host::users::Users;
 use crate::{Node, NodeError};
 
 /// One denial record, resolved.
@@ -22,7 +23,8 @@ pub struct Denial {
     pub cgroup_id: u64,
     /// uid.
     pub uid: u32,
-    /// User name, from the passwd file.
+    /// User name, from `passwd_file` or NSS ([`Users`]); `None` when
+    /// neither knows the uid or NSS did not answer in time.
     pub user: Option<String>,
     /// `major:minor`.
     pub device: String,
@@ -59,18 +61,6 @@ pub fn cgroup_paths(mount: &Path) -> BTreeMap<u64, String> {
     out
 }
 
-/// uid → name from a passwd-format file.
-pub fn user_names(passwd: &Path) -> BTreeMap<u32, String> {
-    std::fs::read_to_string(passwd)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(':').collect();
-            Some((f.get(2)?.parse().ok()?, f.first()?.to_string()))
-        })
-        .collect()
-}
-
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -81,10 +71,9 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Resolves raw records.
-pub fn resolve(node: &Node, raw: Vec<DenialEntry>) -> Vec<Denial> {
+/// Resolves raw records, naming users through `users`.
+pub fn resolve(node: &Node, raw: Vec<DenialEntry>, users: &Users) -> Vec<Denial> {
     let paths = cgroup_paths(node.cg.mount());
-    let users = user_names(&node.cfg.passwd_file);
     let now_mono = monotonic_ns();
     let now = chrono::Utc::now();
     raw.into_iter()
@@ -95,7 +84,7 @@ pub fn resolve(node: &Node, raw: Vec<DenialEntry>) -> Vec<Denial> {
                 cgroup: paths.get(&d.cgroup_id).cloned(),
                 cgroup_id: d.cgroup_id,
                 uid: d.uid,
-                user: users.get(&d.uid).cloned(),
+                user: users.name(d.uid),
                 device: d.dev.to_string(),
                 count: d.count,
                 last_pid: d.last_pid,
@@ -106,11 +95,14 @@ pub fn resolve(node: &Node, raw: Vec<DenialEntry>) -> Vec<Denial> {
         .collect()
 }
 
-/// Every denial record of this node's fence, resolved.
+/// Every denial record of this node's fence, resolved; users are named
+/// through a [`Users`] of its own (at most [`crate::host::users::NSS_BUDGET`]
+/// spent waiting on NSS).
 ///
 /// # Errors
 /// [`NodeError`] when the fence's maps cannot be read.
 pub fn list(node: &Node) -> Result<Vec<Denial>, NodeError> {
     let fence = Fence::open(&node.cfg.bpffs_dir)?;
-    Ok(resolve(node, fence.denials()?))
+    let users = Users::new(node.cfg.passwd_file.as_deref());
+    Ok(resolve(node, fence.denials()?, &users))
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::host::users::Passwd;
+use crate::host::users::Users;
 use crate::Node;
 
 /// The entries of a crontab: lines that are not blank, not comments and
@@ -185,18 +185,13 @@ pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
     out
 }
 
-fn unit_entry(
-    kind: &'static str,
-    path: &Path,
-    f: &Fingerprint,
-    users: &Passwd,
-) -> PersistenceEntry {
+fn unit_entry(kind: &'static str, path: &Path, f: &Fingerprint, users: &Users) -> PersistenceEntry {
     let (sha256, content) = file_evidence(path);
     PersistenceEntry {
         kind,
         path: path.to_path_buf(),
         uid: Some(f.uid),
-        user: users.name(f.uid).map(String::from),
+        user: users.name(f.uid),
         entries: Vec::new(),
         sha256,
         link: f.link.clone(),
@@ -205,7 +200,7 @@ fn unit_entry(
 }
 
 /// The crontab of user `name` in the spool, when it has entries.
-fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntry> {
+fn crontab_of(node: &Node, name: &str, users: &Users) -> Option<PersistenceEntry> {
     let path = node.cfg.cron_spool_dir.join(name);
     let bytes = read_prefix(&path)?;
     let entries = cron_entries(&String::from_utf8_lossy(&bytes));
@@ -225,8 +220,8 @@ fn crontab_of(node: &Node, name: &str, users: &Passwd) -> Option<PersistenceEntr
 }
 
 /// The crontabs with entries of users above `protected_uid_max` (a file
-/// named by a user the passwd file does not know counts as such).
-pub fn user_crontabs(node: &Node, users: &Passwd) -> Vec<PersistenceEntry> {
+/// named by a user neither `passwd_file` nor NSS knows counts as such).
+pub fn user_crontabs(node: &Node, users: &Users) -> Vec<PersistenceEntry> {
     let Ok(rd) = std::fs::read_dir(&node.cfg.cron_spool_dir) else {
         return Vec::new();
     };
@@ -249,24 +244,23 @@ fn user_unit_dir(home: &Path) -> PathBuf {
 }
 
 /// The systemd files the sweep watches: `systemd_system_dir` and every
-/// passwd user's `~/.config/systemd/user`. Values: the fingerprint and
-/// `systemd_system` / `systemd_user`.
-pub fn systemd_files(
-    node: &Node,
-    users: &Passwd,
-) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
+/// known user's `~/.config/systemd/user` (the users of [`Users::users`]:
+/// where NSS does not enumerate, local users and those already looked up).
+/// Values: the fingerprint and `systemd_system` / `systemd_user`.
+pub fn systemd_files(node: &Node, users: &Users) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
     let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> =
         unit_files(&node.cfg.systemd_system_dir)
             .into_iter()
             .map(|(p, f)| (p, (f, "systemd_system")))
             .collect();
-    let homes: BTreeSet<&Path> = users
+    let homes: BTreeSet<PathBuf> = users
         .users()
-        .map(|(_, _, h)| h)
+        .into_iter()
+        .map(|u| u.home)
         .filter(|h| h.is_absolute())
         .collect();
     for h in homes {
-        let d = user_unit_dir(h);
+        let d = user_unit_dir(&h);
         if d.starts_with(&node.cfg.systemd_system_dir) {
             continue;
         }
@@ -282,21 +276,21 @@ pub fn systemd_files(
 /// The persistence entries of `uid`: its crontab (whatever the uid), the
 /// files under its `~/.config/systemd/user`, and files it owns under
 /// `systemd_system_dir` (for uids other than root, which owns them all).
-pub fn persistence_of_uid(node: &Node, uid: u32) -> Vec<PersistenceEntry> {
-    let users = Passwd::load(&node.cfg.passwd_file);
+/// The uid's name and home come from `users`.
+pub fn persistence_of_uid(node: &Node, uid: u32, users: &Users) -> Vec<PersistenceEntry> {
     let mut out = Vec::new();
     if let Some(name) = users.name(uid) {
-        out.extend(crontab_of(node, name, &users));
+        out.extend(crontab_of(node, &name, users));
     }
     if let Some(home) = users.home(uid).filter(|h| h.is_absolute()) {
-        for (p, f) in unit_files(&user_unit_dir(home)) {
-            out.push(unit_entry("systemd_user", &p, &f, &users));
+        for (p, f) in unit_files(&user_unit_dir(&home)) {
+            out.push(unit_entry("systemd_user", &p, &f, users));
         }
     }
     if uid != 0 {
         for (p, f) in unit_files(&node.cfg.systemd_system_dir) {
             if f.uid == uid {
-                out.push(unit_entry("systemd_system", &p, &f, &users));
+                out.push(unit_entry("systemd_system", &p, &f, users));
             }
         }
     }

@@ -44,7 +44,7 @@ use crate::holders::cover::exemption;
 use crate::holders::scan::Scanner;
 use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
 use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
-use crate::host::users::Passwd;
+use crate::host::users::Users;
 use crate::response::engine::{exited, pidfd_open, Engine};
 use crate::response::evidence::{self, GpuMemory};
 use crate::{host::drain, Node};
@@ -333,6 +333,8 @@ struct Incident<'a> {
     /// Who asked: every line and the incident file name them.
     by: String,
     fence: Option<Fence>,
+    /// Names and homes of users (NSS).
+    users: Users,
     engine: Engine<'a>,
     /// The members, pinned.
     pinned: BTreeMap<i32, OwnedFd>,
@@ -347,12 +349,12 @@ struct Incident<'a> {
 
 impl<'a> Incident<'a> {
     fn new(node: &'a Node, pid: i32) -> Self {
-        let users = Passwd::load(&node.cfg.passwd_file);
+        let users = Users::new(node.cfg.passwd_file.as_deref());
         let uid = read_uid(pid);
         let out = IncidentOutcome {
             pid,
             uid,
-            user: uid.and_then(|u| users.name(u)).map(String::from),
+            user: uid.and_then(|u| users.name(u)),
             comm: read_stat(pid).map(|(c, _, _)| c),
             ..Default::default()
         };
@@ -361,6 +363,7 @@ impl<'a> Incident<'a> {
             pid,
             by: crate::host::procs::who(),
             fence: Fence::open(&node.cfg.bpffs_dir).ok(),
+            users,
             engine: Engine::new(node),
             pinned: BTreeMap::new(),
             cgroups: BTreeMap::new(),
@@ -563,9 +566,10 @@ impl<'a> Incident<'a> {
         }
         let out = &mut self.out;
         out.notes.extend(budget.summary());
+        out.notes.extend(self.users.note());
         out.persistence = out
             .uid
-            .map(|u| persistence_of_uid(node, u))
+            .map(|u| persistence_of_uid(node, u, &self.users))
             .unwrap_or_default();
         let incident = json!({
             "collected": now_rfc3339(),

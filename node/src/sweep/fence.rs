@@ -207,7 +207,11 @@ impl Sweep<'_> {
         let (fresh, next) = new_denials(&prev, &now);
         self.report.denials_total = next.total;
         let deltas: Vec<u64> = fresh.iter().map(|(_, d)| *d).collect();
-        let resolved = denials::resolve(node, fresh.into_iter().map(|(d, _)| d).collect());
+        let resolved = denials::resolve(
+            node,
+            fresh.into_iter().map(|(d, _)| d).collect(),
+            self.users,
+        );
         for (d, delta) in resolved.into_iter().zip(deltas) {
             let mut fnd = Finding::new(
                 Kind::DeniedOpen,

@@ -77,7 +77,7 @@ use crate::host::persistence::{
     file_evidence, systemd_files, user_crontabs, Fingerprint, UNIT_EVIDENCE_MAX,
 };
 use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
-use crate::host::users::Passwd;
+use crate::host::users::Users;
 use crate::response::evidence::GpuMemory;
 use crate::{host::drain, is_under, Node};
 
@@ -272,7 +272,7 @@ pub struct Finding {
     /// Its (real) uid, or the uid the finding is about.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uid: Option<u32>,
-    /// That uid's name, from `passwd_file`.
+    /// That uid's name, from `passwd_file` or NSS ([`Users`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
     /// The cgroup (`/`-prefixed, relative to the cgroup2 mount).
@@ -434,7 +434,7 @@ fn check_failed(what: &str, e: String) -> Finding {
 /// One sweep's context: the handles every check uses, and what they found.
 struct Sweep<'a> {
     node: &'a Node,
-    users: &'a Passwd,
+    users: &'a Users,
     procs: Procs<'a>,
     scope: Option<String>,
     /// The file of what earlier sweeps reported of the denial records.
@@ -493,7 +493,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     report
         .notes
         .extend(crate::response::engine::finish_interrupted(node));
-    let users = Passwd::load(&node.cfg.passwd_file);
+    let users = Users::new(node.cfg.passwd_file.as_deref());
     let mut s = Sweep {
         node,
         users: &users,
@@ -537,6 +537,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     s.sockets(&walk);
     s.persistence();
     s.shm_leftovers();
+    s.report.notes.extend(users.note());
     let mut r = s.report;
     r.findings = s.findings;
     r.findings.sort_by(|a, b| {
@@ -634,15 +635,6 @@ mod tests {
         ] {
             assert!(auth_disabled(&args(&a)).is_empty(), "{a:?}");
         }
-    }
-
-    #[test]
-    fn passwd_names_uids_and_homes() {
-        let p = Passwd::parse("root:x:0:0:root:/root:/bin/bash\nalice:x:1001:1001::/home/alice:/bin/sh\nbad line\n#c:x:5:5::/:/\n");
-        assert_eq!(p.name(1001), Some("alice"));
-        assert_eq!(p.uid("root"), Some(0));
-        assert_eq!(p.home(1001), Some(Path::new("/home/alice")));
-        assert_eq!(p.users().count(), 2);
     }
 
     fn denial(count: u64, last_ns: u64) -> DenialEntry {

@@ -85,7 +85,7 @@ impl Sweep<'_> {
                 }),
             );
             fnd.uid = Some(f.uid);
-            fnd.user = users.name(f.uid).map(String::from);
+            fnd.user = users.name(f.uid);
             self.findings.push(fnd);
         }
     }

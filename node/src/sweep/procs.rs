@@ -29,7 +29,7 @@ pub(super) fn netns_of(pid: i32) -> Option<u64> {
 /// Reads what findings need about processes, once each.
 pub(super) struct Procs<'a> {
     pub(super) node: &'a Node,
-    pub(super) users: &'a Passwd,
+    pub(super) users: &'a Users,
     pub(super) cache: BTreeMap<i32, ProcMeta>,
 }
 
@@ -43,7 +43,7 @@ impl Procs<'_> {
             pid,
             comm: read_stat(pid).map(|(c, _, _)| c),
             uid,
-            user: uid.and_then(|u| self.users.name(u)).map(String::from),
+            user: uid.and_then(|u| self.users.name(u)),
             cgroup: self.node.cg.cgroup_of(pid).ok(),
             cmdline: read_cmdline(pid),
         };

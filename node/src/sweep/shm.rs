@@ -33,7 +33,7 @@ impl Sweep<'_> {
                 }),
             );
             f.uid = Some(l.uid);
-            f.user = self.users.name(l.uid).map(str::to_string);
+            f.user = self.users.name(l.uid);
             self.findings.push(f);
         }
     }
