@@ -306,6 +306,17 @@ fn at_line(path: &Path, line: Option<usize>) -> String {
     }
 }
 
+/// Builds the error for a bad `key` of the file at `path`; [`Config::parse`]
+/// fills in the line.
+fn key_err_in(path: &Path) -> impl Fn(&str, String) -> ConfigError + '_ {
+    move |key: &str, msg: String| ConfigError::Key {
+        path: path.to_path_buf(),
+        line: None,
+        key: key.to_string(),
+        msg,
+    }
+}
+
 /// Joins the lines of a message into one (toml's messages span several).
 fn one_line(msg: &str) -> String {
     msg.split('\n')
@@ -458,13 +469,26 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Checks what serde cannot, one group of keys at a time in this order,
+    /// and returns the first error found (with `line: None`; [`parse`] fills
+    /// it in).
+    ///
+    /// [`parse`]: Config::parse
     fn validate(&mut self, path: &Path) -> Result<(), ConfigError> {
-        let key_err = |key: &str, msg: String| ConfigError::Key {
-            path: path.to_path_buf(),
-            line: None,
-            key: key.to_string(),
-            msg,
-        };
+        self.validate_cgroup_root_and_exemptions(path)?;
+        self.validate_majors(path)?;
+        self.validate_absolute_paths(path)?;
+        self.validate_exec_cgroup(path)?;
+        self.validate_sweep_fail_severity(path)?;
+        self.validate_exempt_identities(path)?;
+        self.validate_limits(path)
+    }
+
+    /// `cgroup_root` and `exempt_cgroups`, normalised in place; no exempt
+    /// cgroup may be the cgroup2 root, contain the fenced subtree or be where
+    /// job reports are written.
+    fn validate_cgroup_root_and_exemptions(&mut self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         self.cgroup_root =
             normalize_cgroup_path(&self.cgroup_root).map_err(|m| key_err("cgroup_root", m))?;
         for (i, p) in self.exempt_cgroups.iter_mut().enumerate() {
@@ -497,6 +521,12 @@ impl Config {
             }
             *p = n;
         }
+        Ok(())
+    }
+
+    /// `majors`, when set: every major in 1..=[`MAX_MAJOR`], and not empty.
+    fn validate_majors(&self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         if let Some(m) = &self.majors {
             for (name, major) in m {
                 if *major == 0 || *major > MAX_MAJOR {
@@ -513,6 +543,12 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Every directory, file and binary key is an absolute path.
+    fn validate_absolute_paths(&self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         for (key, p) in [
             ("bpffs_dir", &self.bpffs_dir),
             ("state_dir", &self.state_dir),
@@ -535,6 +571,12 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// `exec_cgroup`, normalised in place: a cgroup below `cgroup_root`.
+    fn validate_exec_cgroup(&mut self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         self.exec_cgroup =
             normalize_cgroup_path(&self.exec_cgroup).map_err(|m| key_err("exec_cgroup", m))?;
         if self.exec_cgroup.is_empty() {
@@ -543,6 +585,12 @@ impl Config {
                 "must name a cgroup below cgroup_root".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// `sweep_fail_severity` is one of the sweep's severities.
+    fn validate_sweep_fail_severity(&self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         if !matches!(
             self.sweep_fail_severity.as_str(),
             "info" | "low" | "medium" | "high" | "critical"
@@ -555,6 +603,13 @@ impl Config {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// `protected_uid_max` and `service_uids` fit the fence's exempt
+    /// identities map.
+    fn validate_exempt_identities(&self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         use crate::policy::ExemptIdentities;
         if self.protected_uid_max > ExemptIdentities::MAX_UID {
             return Err(key_err(
@@ -582,6 +637,12 @@ impl Config {
                 format!("{u} is above {}", ExemptIdentities::MAX_UID),
             ));
         }
+        Ok(())
+    }
+
+    /// The evidence sizes, `max_denials` and `max_grants`.
+    fn validate_limits(&self, path: &Path) -> Result<(), ConfigError> {
+        let key_err = key_err_in(path);
         for (key, v) in [
             ("evidence_hash_max_mib", self.evidence_hash_max_mib),
             ("evidence_max_mib", self.evidence_max_mib),
