@@ -142,34 +142,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs one subcommand: those that need no node first, then the root
+/// check, then the node's (one function each).
 fn run(cli: Cli) -> Result<ExitCode, NodeError> {
     // These need no node, no config.
     match &cli.cmd {
-        Cmd::Completions { shell } => {
-            let mut cmd = <Cli as clap::CommandFactory>::command();
-            let mut buf = Vec::new();
-            clap_complete::generate(*shell, &mut cmd, "gpufence", &mut buf);
-            let _ = std::io::Write::write_all(&mut std::io::stdout(), &buf);
-            return Ok(ExitCode::SUCCESS);
-        }
-        Cmd::Man { dir } => {
-            let cmd = <Cli as clap::CommandFactory>::command();
-            std::fs::create_dir_all(dir).map_err(|e| NodeError::io("create", dir, e))?;
-            clap_mangen::generate_to(cmd, dir)
-                .map_err(|e| NodeError::io("write man pages", dir, e))?;
-            return Ok(ExitCode::SUCCESS);
-        }
+        Cmd::Completions { shell } => return Ok(run_completions(*shell)),
+        Cmd::Man { dir } => return run_man(dir),
+        Cmd::Mig {
+            op:
+                MigOp::Check {
+                    gpu,
+                    profiles,
+                    json,
+                },
+        } => return Ok(mig_check(gpu, profiles, *json)),
         _ => {}
-    }
-    if let Cmd::Mig {
-        op: MigOp::Check {
-            gpu,
-            profiles,
-            json,
-        },
-    } = &cli.cmd
-    {
-        return Ok(mig_check(gpu, profiles, *json));
     }
     // Everything below reads pinned maps, /proc of other users or the
     // state dir: without root the answers would be wrong, not just short.
@@ -189,240 +177,286 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         Cmd::Mig { .. } | Cmd::Completions { .. } | Cmd::Man { .. } => Ok(ExitCode::SUCCESS),
         Cmd::Sweep(args) => Ok(sweep_cmd::run_sweep(&node, &args)),
         Cmd::Respond(args) => Ok(sweep_cmd::run_respond(&node, &args)),
-        Cmd::Exec { cmd } => {
-            let code = gpufence_node::admin::exec::exec(&node, &cmd)?;
-            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
-        }
-        Cmd::Doctor { pid, cgroup, json } => {
-            let d = gpufence_node::admin::doctor::doctor(&node, pid, cgroup.as_deref())?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
-            } else {
-                print_doctor(&d);
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Denials { json } => {
-            let d = gpufence_node::host::denials::list(&node)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
-            } else if d.is_empty() {
-                println!("no denied opens recorded");
-            } else {
-                let mut rows = vec!["count\tuser\tdevice\tpid\tcomm\tlast\tcgroup".to_string()];
-                for x in d {
-                    rows.push(format!(
-                        "{}\t{}\t{}\t{}\t{}\t{}\t{}",
-                        x.count,
-                        x.user.unwrap_or_else(|| x.uid.to_string()),
-                        x.device,
-                        x.last_pid,
-                        cell(&x.last_comm),
-                        x.last_time,
-                        x.cgroup
-                            .map(|c| cell(&gpufence_node::host::cgpath::abs(&c)))
-                            .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
-                    ));
-                }
-                print_table(&rows);
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Devices { json } => {
-            let d = gpufence_node::host::inventory::devices(&node);
-            if json {
-                println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
-            } else {
-                print_devices(&d);
-            }
-            Ok(if d.errors.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
-        }
+        Cmd::Exec { cmd } => run_exec(&node, &cmd),
+        Cmd::Doctor { pid, cgroup, json } => run_doctor(&node, pid, cgroup.as_deref(), json),
+        Cmd::Denials { json } => run_denials(&node, json),
+        Cmd::Devices { json } => Ok(run_devices(&node, json)),
         Cmd::Fence {
             op: FenceOp::Install,
-        } => {
-            let r = fence_ops::install(&node)?;
-            println!(
-                "fence {} at /{} (program {}, link {}); protected majors {:?}",
-                if r.replaced_program {
-                    "updated"
-                } else {
-                    "installed"
-                },
-                node.cfg.cgroup_root,
-                r.prog_id,
-                r.link_id,
-                r.majors
-            );
-            for (p, id) in &r.exempt_applied {
-                println!("exempt: /{p} (cgroup id {id})");
-            }
-            for p in &r.exempt_missing {
-                println!(
-                    "exempt cgroup /{p} does not exist yet: not exempt until the next install"
-                );
-            }
-            if r.mount_root_level > 0 {
-                println!(
-                    "cgroup namespace: paths here start {} level(s) below the hierarchy's root; grants are recorded at kernel levels",
-                    r.mount_root_level
-                );
-            }
-            for (p, id, from, to) in &r.relevelled {
-                println!(
-                    "corrected: /{p} (cgroup id {id}) was recorded at level {from}, the kernel has it at level {to}"
-                );
-            }
-            for n in &r.notes {
-                println!("note: {n}");
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => run_fence_install(&node),
         Cmd::Fence {
             op: FenceOp::Status { json },
-        } => {
-            let (st, mode) = fence_ops::status_with_mode(&node);
-            // Each configured exemption: its id now, and whether the fence has it.
-            let exempt: Vec<serde_json::Value> = node
-                .cfg
-                .exempt_cgroups
-                .iter()
-                .cloned()
-                .chain(std::iter::once(node.exec_cgroup()))
-                .map(|p| {
-                    let p = &p;
-                    let id = node.cg.id(p).ok();
-                    json!({
-                        "cgroup": gpufence_node::host::cgpath::abs(p),
-                        "id": id,
-                        "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
-                    })
-                })
-                .collect();
-            let jobs: std::collections::BTreeSet<u32> = grants::list(&node)
-                .map(|g| g.into_iter().map(|c| c.job_id).collect())
-                .unwrap_or_default();
-            let io_uring =
-                gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
-            if json {
-                let v = json!({
-                    "installed": st.installed,
-                    "mode": mode,
-                    "cgroup_root": format!("/{}", st.cgroup_root),
-                    "cgroup_root_id": st.root_cgroup_id,
-                    "bpffs_dir": node.cfg.bpffs_dir,
-                    "link_id": st.link_id,
-                    "prog_id": st.prog_id,
-                    "protected_majors": st.protected_majors,
-                    "grants": st.grants,
-                    "grant_jobs": jobs.len(),
-                    "mount_root_level": st.mount_root_level,
-                    "exempt": exempt,
-                    "problems": st.problems,
-                    "io_uring": io_uring,
-                    "config": node.origin.to_string(),
-                });
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            } else {
-                println!(
-                    "fence: {}\nmode: {mode}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
-                    if st.installed { "installed" } else { "NOT INSTALLED" },
-                    st.cgroup_root,
-                    st.protected_majors,
-                    st.grants,
-                    jobs.len(),
-                    node.origin
-                );
-                if let Some(n) = st.mount_root_level.filter(|n| *n > 0) {
-                    println!(
-                        "cgroup namespace: paths here start {n} level(s) below the hierarchy's root (cgroup_root /{} is at kernel level {})",
-                        st.cgroup_root,
-                        n + gpufence_cgroup::hierarchy::level_of(&st.cgroup_root)
-                    );
-                }
-                for e in &exempt {
-                    println!(
-                        "exempt: {} {}",
-                        e["cgroup"].as_str().unwrap_or(""),
-                        match (e["id"].as_u64(), e["exempt"].as_bool()) {
-                            (None, _) => "(does not exist: not exempt)".to_string(),
-                            (Some(id), Some(true)) => format!("(id {id})"),
-                            (Some(id), _) =>
-                                format!("(id {id}, NOT in the fence: run `gpufence fence install`)"),
-                        }
-                    );
-                }
-                for p in &st.problems {
-                    println!("problem: {}", gpufence_model::text::printable(p));
-                }
-                if let Some(n) = &io_uring {
-                    println!("note: {n}");
-                }
-            }
-            Ok(if st.installed {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
-        }
+        } => Ok(run_fence_status(&node, json)),
         Cmd::Fence {
             op: FenceOp::Remove { force },
-        } => {
-            let jobs: std::collections::BTreeSet<u32> = grants::list(&node)
-                .map(|g| g.into_iter().map(|c| c.job_id).collect())
-                .unwrap_or_default();
-            if !jobs.is_empty() && !force {
-                eprintln!(
-                    "gpufence: {} running job(s) hold grants (job {}); removing the fence ends their isolation. Drain the node first, or pass --force",
-                    jobs.len(),
-                    jobs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
-                );
-                return Ok(ExitCode::from(2));
-            }
-            let found = fence_ops::remove(&node)?;
+        } => run_fence_remove(&node, force),
+        Cmd::Grants { json } => run_grants(&node, json),
+    }
+}
+
+/// `gpufence completions SHELL`: the completion script on stdout.
+fn run_completions(shell: clap_complete::Shell) -> ExitCode {
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    let mut buf = Vec::new();
+    clap_complete::generate(shell, &mut cmd, "gpufence", &mut buf);
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), &buf);
+    ExitCode::SUCCESS
+}
+
+/// `gpufence man DIR`: one man page per command into `dir`.
+fn run_man(dir: &std::path::Path) -> Result<ExitCode, NodeError> {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    std::fs::create_dir_all(dir).map_err(|e| NodeError::io("create", dir, e))?;
+    clap_mangen::generate_to(cmd, dir).map_err(|e| NodeError::io("write man pages", dir, e))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpufence exec -- CMD...`: the command in the exempt cgroup; its exit
+/// status (1 when it does not fit a byte).
+fn run_exec(node: &Node, cmd: &[std::ffi::OsString]) -> Result<ExitCode, NodeError> {
+    let code = gpufence_node::admin::exec::exec(node, cmd)?;
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// `gpufence doctor [PID | --cgroup CG]`.
+fn run_doctor(
+    node: &Node,
+    pid: Option<i32>,
+    cgroup: Option<&str>,
+    json: bool,
+) -> Result<ExitCode, NodeError> {
+    let d = gpufence_node::admin::doctor::doctor(node, pid, cgroup)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+    } else {
+        print_doctor(&d);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpufence denials`: the denied opens, one row per cgroup, user and device.
+fn run_denials(node: &Node, json: bool) -> Result<ExitCode, NodeError> {
+    let d = gpufence_node::host::denials::list(node)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+    } else if d.is_empty() {
+        println!("no denied opens recorded");
+    } else {
+        let mut rows = vec!["count\tuser\tdevice\tpid\tcomm\tlast\tcgroup".to_string()];
+        for x in d {
+            rows.push(format!(
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                x.count,
+                x.user.unwrap_or_else(|| x.uid.to_string()),
+                x.device,
+                x.last_pid,
+                cell(&x.last_comm),
+                x.last_time,
+                x.cgroup
+                    .map(|c| cell(&gpufence_node::host::cgpath::abs(&c)))
+                    .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id))
+            ));
+        }
+        print_table(&rows);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpufence devices`: exit 1 when some driver file could not be read.
+fn run_devices(node: &Node, json: bool) -> ExitCode {
+    let d = gpufence_node::host::inventory::devices(node);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+    } else {
+        print_devices(&d);
+    }
+    if d.errors.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `gpufence fence install`: what was attached, exempt and corrected.
+fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
+    let r = fence_ops::install(node)?;
+    println!(
+        "fence {} at /{} (program {}, link {}); protected majors {:?}",
+        if r.replaced_program {
+            "updated"
+        } else {
+            "installed"
+        },
+        node.cfg.cgroup_root,
+        r.prog_id,
+        r.link_id,
+        r.majors
+    );
+    for (p, id) in &r.exempt_applied {
+        println!("exempt: /{p} (cgroup id {id})");
+    }
+    for p in &r.exempt_missing {
+        println!("exempt cgroup /{p} does not exist yet: not exempt until the next install");
+    }
+    if r.mount_root_level > 0 {
+        println!(
+            "cgroup namespace: paths here start {} level(s) below the hierarchy's root; grants are recorded at kernel levels",
+            r.mount_root_level
+        );
+    }
+    for (p, id, from, to) in &r.relevelled {
+        println!(
+            "corrected: /{p} (cgroup id {id}) was recorded at level {from}, the kernel has it at level {to}"
+        );
+    }
+    for n in &r.notes {
+        println!("note: {n}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpufence fence status`: exit 1 when the fence is not installed.
+fn run_fence_status(node: &Node, json: bool) -> ExitCode {
+    let (st, mode) = fence_ops::status_with_mode(node);
+    // Each configured exemption: its id now, and whether the fence has it.
+    let exempt: Vec<serde_json::Value> = node
+        .cfg
+        .exempt_cgroups
+        .iter()
+        .cloned()
+        .chain(std::iter::once(node.exec_cgroup()))
+        .map(|p| {
+            let p = &p;
+            let id = node.cg.id(p).ok();
+            json!({
+                "cgroup": gpufence_node::host::cgpath::abs(p),
+                "id": id,
+                "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
+            })
+        })
+        .collect();
+    let jobs: std::collections::BTreeSet<u32> = grants::list(node)
+        .map(|g| g.into_iter().map(|c| c.job_id).collect())
+        .unwrap_or_default();
+    let io_uring =
+        gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
+    if json {
+        let v = json!({
+            "installed": st.installed,
+            "mode": mode,
+            "cgroup_root": format!("/{}", st.cgroup_root),
+            "cgroup_root_id": st.root_cgroup_id,
+            "bpffs_dir": node.cfg.bpffs_dir,
+            "link_id": st.link_id,
+            "prog_id": st.prog_id,
+            "protected_majors": st.protected_majors,
+            "grants": st.grants,
+            "grant_jobs": jobs.len(),
+            "mount_root_level": st.mount_root_level,
+            "exempt": exempt,
+            "problems": st.problems,
+            "io_uring": io_uring,
+            "config": node.origin.to_string(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        println!(
+            "fence: {}\nmode: {mode}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
+            if st.installed { "installed" } else { "NOT INSTALLED" },
+            st.cgroup_root,
+            st.protected_majors,
+            st.grants,
+            jobs.len(),
+            node.origin
+        );
+        if let Some(n) = st.mount_root_level.filter(|n| *n > 0) {
             println!(
-                "{}",
-                if found {
-                    "fence removed: NVIDIA devices are no longer guarded on this node"
-                } else {
-                    "no fence was installed"
+                "cgroup namespace: paths here start {n} level(s) below the hierarchy's root (cgroup_root /{} is at kernel level {})",
+                st.cgroup_root,
+                n + gpufence_cgroup::hierarchy::level_of(&st.cgroup_root)
+            );
+        }
+        for e in &exempt {
+            println!(
+                "exempt: {} {}",
+                e["cgroup"].as_str().unwrap_or(""),
+                match (e["id"].as_u64(), e["exempt"].as_bool()) {
+                    (None, _) => "(does not exist: not exempt)".to_string(),
+                    (Some(id), Some(true)) => format!("(id {id})"),
+                    (Some(id), _) =>
+                        format!("(id {id}, NOT in the fence: run `gpufence fence install`)"),
                 }
             );
-            Ok(ExitCode::SUCCESS)
         }
-        Cmd::Grants { json } => {
-            let g = grants::list(&node)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&g).unwrap_or_default());
-            } else if g.is_empty() {
-                println!("no live grants");
-            } else {
-                let mut rows = vec!["job\tcgroup_id\talive\tcgroup\tdevices".to_string()];
-                for c in g {
-                    let devs: Vec<String> = c
-                        .devices
-                        .iter()
-                        .map(|d| format!("{} {}", d.dev, d.access))
-                        .collect();
-                    rows.push(format!(
-                        "{}\t{}\t{}\t{}\t{}",
-                        c.job_id,
-                        c.cgroup_id,
-                        c.cgroup_alive,
-                        c.cgroup_path
-                            .map(|p| cell(&gpufence_node::host::cgpath::abs(&p)))
-                            .unwrap_or_else(|| "?".into()),
-                        devs.join(", ")
-                    ));
-                }
-                print_table(&rows);
-            }
-            Ok(ExitCode::SUCCESS)
+        for p in &st.problems {
+            println!("problem: {}", gpufence_model::text::printable(p));
+        }
+        if let Some(n) = &io_uring {
+            println!("note: {n}");
         }
     }
+    if st.installed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `gpufence fence remove`: refused (exit 2) while jobs hold grants, unless
+/// `force`.
+fn run_fence_remove(node: &Node, force: bool) -> Result<ExitCode, NodeError> {
+    let jobs: std::collections::BTreeSet<u32> = grants::list(node)
+        .map(|g| g.into_iter().map(|c| c.job_id).collect())
+        .unwrap_or_default();
+    if !jobs.is_empty() && !force {
+        eprintln!(
+            "gpufence: {} running job(s) hold grants (job {}); removing the fence ends their isolation. Drain the node first, or pass --force",
+            jobs.len(),
+            jobs.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        );
+        return Ok(ExitCode::from(2));
+    }
+    let found = fence_ops::remove(node)?;
+    println!(
+        "{}",
+        if found {
+            "fence removed: NVIDIA devices are no longer guarded on this node"
+        } else {
+            "no fence was installed"
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpufence grants`: one row per job's cgroup with its devices.
+fn run_grants(node: &Node, json: bool) -> Result<ExitCode, NodeError> {
+    let g = grants::list(node)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&g).unwrap_or_default());
+    } else if g.is_empty() {
+        println!("no live grants");
+    } else {
+        let mut rows = vec!["job\tcgroup_id\talive\tcgroup\tdevices".to_string()];
+        for c in g {
+            let devs: Vec<String> = c
+                .devices
+                .iter()
+                .map(|d| format!("{} {}", d.dev, d.access))
+                .collect();
+            rows.push(format!(
+                "{}\t{}\t{}\t{}\t{}",
+                c.job_id,
+                c.cgroup_id,
+                c.cgroup_alive,
+                c.cgroup_path
+                    .map(|p| cell(&gpufence_node::host::cgpath::abs(&p)))
+                    .unwrap_or_else(|| "?".into()),
+                devs.join(", ")
+            ));
+        }
+        print_table(&rows);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A value for a table cell: control characters (a tab, a newline in a
