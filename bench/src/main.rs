@@ -136,129 +136,159 @@ fn main() -> ExitCode {
             burst_jobs,
             releases,
             smoke,
-        } => {
-            let (runs, bursts, burst_jobs, releases) = if smoke {
-                (1, 1, 10, vec!["host".to_string()])
-            } else {
-                (runs, bursts, burst_jobs, releases)
-            };
-            let mut results = Vec::new();
-            for name in &releases {
-                match job::Release::named(name) {
-                    Ok(rel) => {
-                        results.push(job::run(&rel, runs, bursts, burst_jobs));
-                        eprintln!("{name} done");
-                    }
-                    Err(e) => {
-                        eprintln!("gpufence-bench job: {e}");
-                        return ExitCode::from(2);
-                    }
-                }
-            }
-            print_job(&results, cli.json);
-        }
+        } => return bench_job(runs, bursts, burst_jobs, releases, smoke, cli.json),
         Cmd::Growth {
             procs,
             fds,
             grants,
             runs,
             smoke,
-        } => {
-            let (procs, fds, grants, runs) = if smoke {
-                (vec![50], vec![1000], vec![1, 100], 1)
-            } else {
-                (procs, fds, grants, runs)
-            };
-            let r = growth::run(&procs, &fds, &grants, runs);
-            growth::print(&r, runs);
-            if let Some(p) = cli.json {
-                let rows: Vec<serde_json::Value> = r
-                    .iter()
-                    .map(|x| serde_json::json!({"axis": x.axis, "value": x.value, "total_procs": x.total_procs, "prolog_s": x.prolog_s, "epilog_s": x.epilog_s, "scan_s": x.scan_s}))
-                    .collect();
-                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
-            }
-        }
+        } => bench_growth(procs, fds, grants, runs, smoke, cli.json),
         Cmd::Scan {
             crowds,
             runs,
             smoke,
         } => print_scan(crowds, runs, smoke, cli.json),
-        Cmd::Respond { holders, smoke } => {
-            let r = respond::run(if smoke { &[20] } else { &holders });
-            respond::print(&r);
-            if let Some(p) = cli.json {
-                let rows: Vec<serde_json::Value> = r
-                    .iter()
-                    .map(|x| serde_json::json!({"holders": x.holders, "budget": x.budget, "epilog_s": x.epilog_s, "left": x.left, "files": x.files, "bytes": x.bytes, "all_recorded": x.all_recorded}))
-                    .collect();
-                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
-            }
-        }
+        Cmd::Respond { holders, smoke } => bench_respond(holders, smoke, cli.json),
         Cmd::Open {
             rounds,
             iters,
             smoke,
-        } => {
-            use open::{Config::*, Target};
-            let (configs, depths, rounds, iters) = if smoke {
-                (vec![Floor, Empty, Slurm(8), Fence(1000)], vec![8], 1, 500)
-            } else {
-                (
-                    vec![
-                        Floor,
-                        Empty,
-                        Slurm(8),
-                        Slurm(64),
-                        Fence(1),
-                        Fence(1000),
-                        Fence(100_000),
-                    ],
-                    vec![3, 8, 16],
-                    rounds,
-                    iters,
-                )
-            };
-            let r = open::run(&configs, &depths, rounds, iters);
-            println!("open()+close() per call, median of {rounds} rounds x {iters} calls, ns; ratios to the floor, to the empty program and to Slurm-style 8 devices at the same depth and device:\n");
-            println!("| configuration | depth | /dev/null | granted (ENXIO) | denied (EPERM) |");
-            println!("|---|---|---|---|---|");
-            for c in &configs {
-                for d in &depths {
-                    let cell = |t: Target| {
-                        let v = r[&(*c, *d, t)];
-                        let floor = r[&(Floor, *d, t)];
-                        let slurm = r.get(&(Slurm(8), *d, t)).copied();
-                        let empty = r.get(&(Empty, *d, t)).copied();
-                        format!(
-                            "{v:.0} ({:.3}x floor{}{})",
-                            v / floor,
-                            empty
-                                .map(|s| format!(", {:.3}x empty", v / s))
-                                .unwrap_or_default(),
-                            slurm
-                                .map(|s| format!(", {:.3}x slurm8", v / s))
-                                .unwrap_or_default()
-                        )
-                    };
-                    println!(
-                        "| {c} | {d} | {} | {} | {} |",
-                        cell(Target::Null),
-                        cell(Target::Granted),
-                        cell(Target::Denied)
-                    );
-                }
+        } => bench_open(rounds, iters, smoke, cli.json),
+    }
+    ExitCode::SUCCESS
+}
+
+/// `gpufence-bench job`: each release in turn, then one table per release;
+/// exit 2 for a release that cannot be set up.
+fn bench_job(
+    runs: usize,
+    bursts: usize,
+    burst_jobs: usize,
+    releases: Vec<String>,
+    smoke: bool,
+    json: Option<std::path::PathBuf>,
+) -> ExitCode {
+    let (runs, bursts, burst_jobs, releases) = if smoke {
+        (1, 1, 10, vec!["host".to_string()])
+    } else {
+        (runs, bursts, burst_jobs, releases)
+    };
+    let mut results = Vec::new();
+    for name in &releases {
+        match job::Release::named(name) {
+            Ok(rel) => {
+                results.push(job::run(&rel, runs, bursts, burst_jobs));
+                eprintln!("{name} done");
             }
-            if let Some(p) = cli.json {
-                let rows: Vec<serde_json::Value> = r
-                    .iter()
-                    .map(|((c, d, t), v)| serde_json::json!({"config": c.to_string(), "depth": d, "target": format!("{t:?}"), "ns": v}))
-                    .collect();
-                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+            Err(e) => {
+                eprintln!("gpufence-bench job: {e}");
+                return ExitCode::from(2);
             }
         }
     }
+    print_job(&results, json);
     ExitCode::SUCCESS
+}
+
+/// `gpufence-bench growth`: Prolog and Epilog cost as processes,
+/// descriptors and grants grow.
+fn bench_growth(
+    procs: Vec<usize>,
+    fds: Vec<usize>,
+    grants: Vec<usize>,
+    runs: usize,
+    smoke: bool,
+    json: Option<std::path::PathBuf>,
+) {
+    let (procs, fds, grants, runs) = if smoke {
+        (vec![50], vec![1000], vec![1, 100], 1)
+    } else {
+        (procs, fds, grants, runs)
+    };
+    let r = growth::run(&procs, &fds, &grants, runs);
+    growth::print(&r, runs);
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|x| serde_json::json!({"axis": x.axis, "value": x.value, "total_procs": x.total_procs, "prolog_s": x.prolog_s, "epilog_s": x.epilog_s, "scan_s": x.scan_s}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
+}
+
+/// `gpufence-bench respond`: the Epilog's response to N holders.
+fn bench_respond(holders: Vec<usize>, smoke: bool, json: Option<std::path::PathBuf>) {
+    let r = respond::run(if smoke { &[20] } else { &holders });
+    respond::print(&r);
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|x| serde_json::json!({"holders": x.holders, "budget": x.budget, "epilog_s": x.epilog_s, "left": x.left, "files": x.files, "bytes": x.bytes, "all_recorded": x.all_recorded}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
+}
+
+/// `gpufence-bench open`: open() cost per configuration and cgroup depth,
+/// as a Markdown table with ratios.
+fn bench_open(rounds: usize, iters: u32, smoke: bool, json: Option<std::path::PathBuf>) {
+    use open::{Config::*, Target};
+    let (configs, depths, rounds, iters) = if smoke {
+        (vec![Floor, Empty, Slurm(8), Fence(1000)], vec![8], 1, 500)
+    } else {
+        (
+            vec![
+                Floor,
+                Empty,
+                Slurm(8),
+                Slurm(64),
+                Fence(1),
+                Fence(1000),
+                Fence(100_000),
+            ],
+            vec![3, 8, 16],
+            rounds,
+            iters,
+        )
+    };
+    let r = open::run(&configs, &depths, rounds, iters);
+    println!("open()+close() per call, median of {rounds} rounds x {iters} calls, ns; ratios to the floor, to the empty program and to Slurm-style 8 devices at the same depth and device:\n");
+    println!("| configuration | depth | /dev/null | granted (ENXIO) | denied (EPERM) |");
+    println!("|---|---|---|---|---|");
+    for c in &configs {
+        for d in &depths {
+            let cell = |t: Target| {
+                let v = r[&(*c, *d, t)];
+                let floor = r[&(Floor, *d, t)];
+                let slurm = r.get(&(Slurm(8), *d, t)).copied();
+                let empty = r.get(&(Empty, *d, t)).copied();
+                format!(
+                    "{v:.0} ({:.3}x floor{}{})",
+                    v / floor,
+                    empty
+                        .map(|s| format!(", {:.3}x empty", v / s))
+                        .unwrap_or_default(),
+                    slurm
+                        .map(|s| format!(", {:.3}x slurm8", v / s))
+                        .unwrap_or_default()
+                )
+            };
+            println!(
+                "| {c} | {d} | {} | {} | {} |",
+                cell(Target::Null),
+                cell(Target::Granted),
+                cell(Target::Denied)
+            );
+        }
+    }
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|((c, d, t), v)| serde_json::json!({"config": c.to_string(), "depth": d, "target": format!("{t:?}"), "ns": v}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
 }
 
 /// `PROCESSESxDESCRIPTORS`, e.g. `1000x1000`.
