@@ -167,6 +167,122 @@ fn complete_indices(
 /// `kernel-open/nvidia/nv-caps.c`).
 pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
 
+/// A MIG capability `dev` (`file`) of a GRES index, by what
+/// `mig-minors` says it is: a GPU instance's or a compute instance's cap
+/// goes into `gi` / `ci`; the config capability is never granted, the
+/// monitor capability only with `grant_mig_monitor` (a note says so).
+/// Returns whether to grant it.
+///
+/// # Errors
+/// [`NodeError::Mig`] for a capability that is not a MIG instance's or
+/// that `mig-minors` does not list.
+fn mig_cap(
+    node: &Node,
+    mm: &MigMinors,
+    file: &std::path::Path,
+    dev: DevNum,
+    notes: &mut Vec<String>,
+    gi: &mut Option<(u32, u32, DevNum)>,
+    ci: &mut Option<(u32, DevNum)>,
+) -> Result<bool, NodeError> {
+    match mm.kind_of(dev.minor) {
+        Some(CapKind::Config) => {
+            notes.push(format!(
+                "{} is the MIG config capability: never granted (it reconfigures MIG for every job)",
+                file.display()
+            ));
+            Ok(false)
+        }
+        Some(CapKind::Monitor) if !node.cfg.grant_mig_monitor => {
+            notes.push(format!(
+                "{} is the MIG monitor capability: not granted (grant_mig_monitor = false)",
+                file.display()
+            ));
+            Ok(false)
+        }
+        Some(CapKind::Monitor) => Ok(true),
+        Some(CapKind::GpuInstance { gpu, gi: g }) => {
+            *gi = Some((*gpu, *g, dev));
+            Ok(true)
+        }
+        Some(CapKind::ComputeInstance { gpu, gi: g, ci: c }) => {
+            *ci = Some((*c, dev));
+            if gi.is_none() {
+                // The GI cap by number, for the record; it is granted only
+                // if the GRES lists it too.
+                let m = mm.gi_minor(*gpu, *g).unwrap_or(dev.minor);
+                *gi = Some((*gpu, *g, DevNum::new(dev.major, m)));
+            }
+            Ok(true)
+        }
+        Some(CapKind::Other(name)) => Err(NodeError::Mig(format!(
+            "{} is the capability {name:?}, not a MIG instance: not granted; fix gres.conf",
+            file.display()
+        ))),
+        None => Err(NodeError::Mig(format!(
+            "{} ({dev}) is not listed in {}: cannot tell which MIG capability it is",
+            file.display(),
+            node.cfg.proc_dir.join(MIG_MINORS).display()
+        ))),
+    }
+}
+
+/// The MIG side of GRES index `index` once its files are read: its slice
+/// (`parent` with the `gi` / `ci` caps) into the record, or a note when it
+/// grants a MIG-partitioned GPU's parent alone.
+///
+/// # Errors
+/// [`NodeError::Mig`] when caps come without their parent, or with
+/// another GPU's.
+fn index_mig(
+    node: &Node,
+    index: u32,
+    parent: Option<DevNum>,
+    gi: Option<(u32, u32, DevNum)>,
+    ci: Option<(u32, DevNum)>,
+    rec: &mut JobRecord,
+) -> Result<(), NodeError> {
+    if let (Some(parent), None) = (parent, gi) {
+        let instances = mig_instances(node, parent.minor);
+        if !instances.is_empty() {
+            rec.notes.push(format!(
+                "GRES index {index} grants /dev/nvidia{m} ({parent}) alone, but GPU {m} is MIG-partitioned \
+                 (GPU instances {}): the parent alone runs no CUDA work and is shared with the jobs holding its \
+                 instances; gres.conf should give each MIG instance as the parent with its caps \
+                 (MultipleFiles=, Slurm's gres.conf(5))",
+                instances
+                    .iter()
+                    .map(|g| format!("gi{g}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                m = parent.minor,
+            ));
+        }
+    }
+    if let Some((gpu_minor, g, gi_cap)) = gi {
+        let parent = parent.ok_or_else(|| {
+            NodeError::Mig(format!(
+                "GRES index {index} holds MIG caps of gpu{gpu_minor} but not its parent /dev/nvidia{gpu_minor}"
+            ))
+        })?;
+        if parent.minor != gpu_minor {
+            return Err(NodeError::Mig(format!(
+                "GRES index {index}: caps of gpu{gpu_minor} listed with /dev/nvidia{}",
+                parent.minor
+            )));
+        }
+        rec.mig.push(MigSlice {
+            parent,
+            gpu: gpu_minor,
+            gi: g,
+            ci: ci.map(|(c, _)| c),
+            gi_cap,
+            ci_cap: ci.map(|(_, d)| d),
+        });
+    }
+    Ok(())
+}
+
 /// The GPU instances that exist on the GPU of device minor `gpu`: the
 /// `gi<N>` directories of the driver's capability tree,
 /// `<proc_dir>/driver/nvidia/capabilities/gpu<gpu>/mig/` (NVIDIA MIG user
@@ -265,45 +381,8 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
                 let mm = mig_minors
                     .as_ref()
                     .ok_or_else(|| NodeError::Mig("mig-minors unread".into()))?;
-                match mm.kind_of(dev.minor) {
-                    Some(CapKind::Config) => {
-                        rec.notes.push(format!(
-                            "{} is the MIG config capability: never granted (it reconfigures MIG for every job)",
-                            file.display()
-                        ));
-                        continue;
-                    }
-                    Some(CapKind::Monitor) if !node.cfg.grant_mig_monitor => {
-                        rec.notes.push(format!(
-                            "{} is the MIG monitor capability: not granted (grant_mig_monitor = false)",
-                            file.display()
-                        ));
-                        continue;
-                    }
-                    Some(CapKind::Monitor) => {}
-                    Some(CapKind::GpuInstance { gpu, gi: g }) => gi = Some((*gpu, *g, dev)),
-                    Some(CapKind::ComputeInstance { gpu, gi: g, ci: c }) => {
-                        ci = Some((*c, dev));
-                        if gi.is_none() {
-                            // The GI cap by number, for the record; it is
-                            // granted only if the GRES lists it too.
-                            let m = mm.gi_minor(*gpu, *g).unwrap_or(dev.minor);
-                            gi = Some((*gpu, *g, DevNum::new(dev.major, m)));
-                        }
-                    }
-                    Some(CapKind::Other(name)) => {
-                        return Err(NodeError::Mig(format!(
-                            "{} is the capability {name:?}, not a MIG instance: not granted; fix gres.conf",
-                            file.display()
-                        )))
-                    }
-                    None => {
-                        return Err(NodeError::Mig(format!(
-                            "{} ({dev}) is not listed in {}: cannot tell which MIG capability it is",
-                            file.display(),
-                            node.cfg.proc_dir.join(MIG_MINORS).display()
-                        )))
-                    }
+                if !mig_cap(node, mm, file, dev, &mut rec.notes, &mut gi, &mut ci)? {
+                    continue;
                 }
             } else if dev.major == gpu_major {
                 parent = Some(dev);
@@ -324,44 +403,7 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
                 });
             }
         }
-        if let (Some(parent), None) = (parent, gi) {
-            let instances = mig_instances(node, parent.minor);
-            if !instances.is_empty() {
-                rec.notes.push(format!(
-                    "GRES index {index} grants /dev/nvidia{m} ({parent}) alone, but GPU {m} is MIG-partitioned \
-                     (GPU instances {}): the parent alone runs no CUDA work and is shared with the jobs holding its \
-                     instances; gres.conf should give each MIG instance as the parent with its caps \
-                     (MultipleFiles=, Slurm's gres.conf(5))",
-                    instances
-                        .iter()
-                        .map(|g| format!("gi{g}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    m = parent.minor,
-                ));
-            }
-        }
-        if let Some((gpu_minor, g, gi_cap)) = gi {
-            let parent = parent.ok_or_else(|| {
-                NodeError::Mig(format!(
-                    "GRES index {index} holds MIG caps of gpu{gpu_minor} but not its parent /dev/nvidia{gpu_minor}"
-                ))
-            })?;
-            if parent.minor != gpu_minor {
-                return Err(NodeError::Mig(format!(
-                    "GRES index {index}: caps of gpu{gpu_minor} listed with /dev/nvidia{}",
-                    parent.minor
-                )));
-            }
-            rec.mig.push(MigSlice {
-                parent,
-                gpu: gpu_minor,
-                gi: g,
-                ci: ci.map(|(c, _)| c),
-                gi_cap,
-                ci_cap: ci.map(|(_, d)| d),
-            });
-        }
+        index_mig(node, index, parent, gi, ci, &mut rec)?;
     }
     let (control, missing) = protected.control_devices();
     for (name, dev) in control {

@@ -238,50 +238,8 @@ pub fn respond(
     budget: &mut evidence::Budget,
 ) -> (Vec<Lingering>, Vec<String>) {
     let mut errors = Vec::new();
-    // 1. Pin identities. System accounts are kept alive: a user could hand a
-    //    job's descriptor to a root daemon (dbus keeps passed descriptors)
-    //    to have it killed. They get evidence and make the node unclean.
-    let mut spared_out = Vec::new();
-    let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
-    for c in cands {
-        let uid = uid_of(c.pid);
-        if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
-            let why = format!(
-                "system account (uid {} <= protected_uid_max {}): not killed",
-                uid.unwrap_or(0),
-                node.cfg.protected_uid_max
-            );
-            let ev = evidence::collect(c.pid, job_id, reason, c.found(), None, budget);
-            let mut l = Lingering {
-                pid: c.pid,
-                comm: ev.comm.clone(),
-                cgroup: c.cgroup.clone(),
-                devices: c.devices.iter().copied().collect(),
-                evidence: None,
-                frozen: None,
-                ended_by: None,
-                spared: Some(why.clone()),
-            };
-            match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
-                Ok(p) => l.evidence = p,
-                Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
-            }
-            for name in [events::LINGERING_PROCESS, events::SURVIVOR] {
-                if let Err(e) = node.audit(
-                    audit_line(name, job_id, phase, &l, ev.uid).field("not_killed", why.clone()),
-                ) {
-                    errors.push(e.to_string());
-                }
-            }
-            spared_out.push(l);
-            continue;
-        }
-        match still_holding(&c) {
-            Ok(Some(fd)) => pinned.push((c, fd)),
-            Ok(None) => {}
-            Err(e) => errors.push(e),
-        }
-    }
+    // 1. Pin identities; system accounts are spared.
+    let (spared_out, pinned) = pin(node, job_id, phase, reason, cands, budget, &mut errors);
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
     // Noted before they are stopped: a response killed from here on
     // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
@@ -367,6 +325,65 @@ pub fn respond(
         result.push(l);
     }
     (result, errors)
+}
+
+/// Step 1 of [`respond`]: pins each candidate still holding what made it
+/// one ([`still_holding`]). System accounts are kept alive: a user could
+/// hand a job's descriptor to a root daemon (dbus keeps passed
+/// descriptors) to have it killed. They get evidence, their audit lines
+/// (`lingering_process`, `survivor` with `not_killed`) and make the node
+/// unclean. Returns the spared and the pinned.
+fn pin(
+    node: &Node,
+    job_id: u32,
+    phase: &str,
+    reason: &str,
+    cands: Vec<Candidate>,
+    budget: &mut evidence::Budget,
+    errors: &mut Vec<String>,
+) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
+    let mut spared_out = Vec::new();
+    let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
+    for c in cands {
+        let uid = uid_of(c.pid);
+        if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
+            let why = format!(
+                "system account (uid {} <= protected_uid_max {}): not killed",
+                uid.unwrap_or(0),
+                node.cfg.protected_uid_max
+            );
+            let ev = evidence::collect(c.pid, job_id, reason, c.found(), None, budget);
+            let mut l = Lingering {
+                pid: c.pid,
+                comm: ev.comm.clone(),
+                cgroup: c.cgroup.clone(),
+                devices: c.devices.iter().copied().collect(),
+                evidence: None,
+                frozen: None,
+                ended_by: None,
+                spared: Some(why.clone()),
+            };
+            match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
+                Ok(p) => l.evidence = p,
+                Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
+            }
+            for name in [events::LINGERING_PROCESS, events::SURVIVOR] {
+                if let Err(e) = node.audit(
+                    audit_line(name, job_id, phase, &l, ev.uid).field("not_killed", why.clone()),
+                ) {
+                    errors.push(e.to_string());
+                }
+            }
+            spared_out.push(l);
+            continue;
+        }
+        match still_holding(&c) {
+            Ok(Some(fd)) => pinned.push((c, fd)),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    (spared_out, pinned)
 }
 
 fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u32>) -> AuditEvent {
