@@ -1,0 +1,231 @@
+//! What `/proc` shows of a process's holds: descriptors, threads' tables, mappings, io_uring rings and their registered files.
+
+use super::*;
+
+pub(super) fn char_rdev(p: &Path) -> Option<DevNum> {
+    // metadata() follows the magic links of /proc/<pid>/fd and map_files to
+    // the open file itself.
+    let md = std::fs::metadata(p).ok()?;
+    md.file_type()
+        .is_char_device()
+        .then(|| DevNum::from_rdev(md.rdev()))
+}
+
+/// What one `stat` of a descriptor says: a character device, a socket (by
+/// inode, as the kernel's socket tables name it), or something else.
+pub(super) enum FdKind {
+    Char(DevNum),
+    Socket(u64),
+    /// An anonymous inode (no file type: io_uring, eventfd, epoll, ...), a
+    /// regular file (kernels may yet give anonymous inodes `S_IFREG`), or
+    /// one `stat` could not read: worth a `readlink` for io_uring.
+    Anon,
+    Other,
+}
+
+pub(super) fn fd_kind(p: &Path) -> FdKind {
+    match std::fs::metadata(p) {
+        Ok(md) => {
+            let t = md.file_type();
+            if t.is_char_device() {
+                FdKind::Char(DevNum::from_rdev(md.rdev()))
+            } else if t.is_socket() {
+                FdKind::Socket(md.ino())
+            } else if t.is_dir() || t.is_symlink() || t.is_block_device() || t.is_fifo() {
+                FdKind::Other
+            } else {
+                FdKind::Anon
+            }
+        }
+        Err(_) => FdKind::Anon,
+    }
+}
+
+/// `kcmp(pid1, pid2, KCMP_FILES)`: whether two tasks share one descriptor
+/// table. `None` when the kernel cannot say (no kcmp, no permission).
+pub(super) fn same_fd_table(a: i32, b: i32) -> Option<bool> {
+    const KCMP_FILES: libc::c_long = 2;
+    // SAFETY: kcmp(2) compares kernel objects of two tasks; no memory is passed.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, a, b, KCMP_FILES, 0, 0) };
+    (r >= 0).then_some(r == 0)
+}
+
+impl Scanner {
+    /// Rings kept alive by a mapping alone: their descriptor closed and
+    /// not registered, the mapped rings hold the file (and an SQPOLL thread
+    /// still runs what is written to them). A ring file cannot be opened
+    /// again by path (`map_files` answers ENXIO for an anonymous inode), so
+    /// their fixed files cannot be read: each `anon_inode:[io_uring]`
+    /// mapping whose inode is not `known` (rings in the process's tables,
+    /// rings its tasks registered) is taken to hold the devices
+    /// [`Scanner::holders`] looks for (fail closed), or, in a scan for a
+    /// predicate, listed in [`Scanner::unread_rings`] with slot -1.
+    pub(super) fn mapped_rings(
+        &mut self,
+        base: &Path,
+        pid: i32,
+        out: &mut Vec<HeldFd>,
+        known: &BTreeSet<u64>,
+    ) {
+        let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
+            return;
+        };
+        let mut seen = known.clone();
+        for line in maps.lines() {
+            let mut it = line.split_whitespace();
+            let (Some(_), _, _, _, Some(inode)) =
+                (it.next(), it.next(), it.next(), it.next(), it.next())
+            else {
+                continue;
+            };
+            if it.collect::<Vec<_>>().join(" ") != "anon_inode:[io_uring]" {
+                continue;
+            }
+            let Ok(ino) = inode.parse::<u64>() else {
+                continue;
+            };
+            if !seen.insert(ino) {
+                continue;
+            }
+            match &self.unread_means {
+                Some(devs) => out.extend(devs.iter().map(|dev| HeldFd {
+                    fd: -1,
+                    path: PathBuf::from(format!(
+                        "io_uring ring (inode {ino}) kept by a mapping alone: its files cannot be read"
+                    )),
+                    dev: *dev,
+                    via: Via::IoUring,
+                    tid: None,
+                    unread: true,
+                })),
+                None => self.unread_rings.push((pid, pid, -1, 0)),
+            }
+        }
+    }
+}
+
+/// Drops the same hold seen through the main table and a thread sharing
+/// it (or two threads sharing one table), then orders the holds.
+pub(super) fn finish(pid: i32, mut fds: Vec<HeldFd>) -> Option<Holder> {
+    let mut seen = BTreeSet::new();
+    fds.retain(|f| seen.insert((f.fd, f.dev, f.via == Via::Mmap, f.via == Via::IoUring)));
+    (!fds.is_empty()).then(|| {
+        fds.sort_by_key(|f| (f.via, f.fd));
+        Holder { pid, fds }
+    })
+}
+
+pub(super) fn fd_table(
+    dir: &Path,
+    want: DevicePredicate<'_>,
+    via: Via,
+    tid: Option<i32>,
+    out: &mut Vec<HeldFd>,
+    mut sockets: Option<&mut BTreeSet<u64>>,
+    mut anon: Option<&mut Vec<i32>>,
+) {
+    let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let p = e.path();
+        match fd_kind(&p) {
+            FdKind::Char(dev) if want(dev) => out.push(HeldFd {
+                fd,
+                path: std::fs::read_link(&p).unwrap_or_default(),
+                dev,
+                via,
+                tid,
+                unread: false,
+            }),
+            FdKind::Socket(ino) => {
+                if let Some(s) = sockets.as_deref_mut() {
+                    s.insert(ino);
+                }
+            }
+            FdKind::Anon => {
+                if let Some(a) = anon.as_deref_mut() {
+                    a.push(fd);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Files registered with an io_uring: the `UserFiles:` section of the
+/// ring's fdinfo lists them as `<index>: <path>` (`io_uring_show_fdinfo`,
+/// `io_uring/fdinfo.c`). Paths are resolved with `stat`. `candidates` are
+/// anonymous inodes in the process's tables: (the thread whose own table
+/// holds it, `None` for the leader's; fd). A ring kept only in a thread's
+/// private table (after `unshare(CLONE_FILES)`) is read there
+/// (`/proc/<pid>/task/<tid>/fd{,info}`). Returns the inodes of the rings
+/// found in the tables.
+pub(super) fn io_uring_files(
+    base: &Path,
+    want: DevicePredicate<'_>,
+    out: &mut Vec<HeldFd>,
+    candidates: &[(Option<i32>, i32)],
+) -> BTreeSet<u64> {
+    let mut rings = BTreeSet::new();
+    for &(tid, fd) in candidates {
+        let table = match tid {
+            Some(t) => base.join("task").join(t.to_string()),
+            None => base.to_path_buf(),
+        };
+        let link = table.join("fd").join(fd.to_string());
+        let Ok(target) = std::fs::read_link(&link) else {
+            continue;
+        };
+        if target.as_os_str() != "anon_inode:[io_uring]" {
+            continue;
+        }
+        if let Ok(md) = std::fs::metadata(&link) {
+            rings.insert(md.ino());
+        }
+        let Ok(info) = std::fs::read_to_string(table.join("fdinfo").join(fd.to_string())) else {
+            continue;
+        };
+        for (path, dev) in ring_user_files(&info, want) {
+            out.push(HeldFd {
+                fd,
+                path,
+                dev,
+                via: Via::IoUring,
+                tid,
+                unread: false,
+            });
+        }
+    }
+    rings
+}
+
+/// The `UserFiles:` of a ring's fdinfo text that are devices `want` selects.
+pub(super) fn ring_user_files(info: &str, want: DevicePredicate<'_>) -> Vec<(PathBuf, DevNum)> {
+    let mut out = Vec::new();
+    let mut in_files = false;
+    for line in info.lines() {
+        if line.starts_with("UserFiles:") {
+            in_files = true;
+            continue;
+        }
+        if in_files {
+            let Some((idx, path)) = line.trim_start().split_once(": ") else {
+                in_files = false;
+                continue;
+            };
+            if idx.bytes().any(|b| !b.is_ascii_digit()) {
+                in_files = false;
+                continue;
+            }
+            let path = path.trim();
+            if let Some(dev) = char_rdev(Path::new(path)).filter(|d| want(*d)) {
+                out.push((PathBuf::from(path), dev));
+            }
+        }
+    }
+    out
+}
