@@ -4,7 +4,7 @@
 //! `Block devices:`, one `<major> <name>` per line, right-aligned majors.
 //! Several names may share one major: driver 550 prints `195 nvidia` and
 //! `195 nvidiactl` where older drivers printed `195 nvidia-frontend`
-//! (`../shared/cases/proc-devices-*.txt`).
+//! (`testdata/cases/proc-devices-driver550.txt`, `proc-devices-legacy.txt`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

@@ -3,8 +3,11 @@
 //!
 //! GPUs are matched by minor number (`/dev/nvidia<minor>`, from
 //! `nvmlDeviceGetMinorNumber`), never by NVML index: NVML orders devices by
-//! PCI bus id, Slurm by its GRES list, and the two disagree
-//! (`../shared/cases/README.md`). UUID and PCI bus id are reported with each.
+//! PCI bus id (`nvmlDeviceGetHandleByIndex`, NVML API reference), Slurm by
+//! its GRES list (the order of gres.conf's `File=` lines, as `slurmd -G`
+//! prints them), and the two disagree when gres.conf does not list GPUs in
+//! bus order (`testdata/cases/slurmd-G-plain.txt` lists `nvidia3` before
+//! `nvidia1`). UUID and PCI bus id are reported with each.
 //!
 //! A node without the library or driver is not an error: [`Gpus::open`]
 //! returns a view that says why it is unavailable, and callers fall back to
