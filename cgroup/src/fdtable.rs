@@ -730,3 +730,48 @@ pub(crate) mod live {
         }
     }
 }
+
+#[cfg(test)]
+mod bytes {
+    use super::*;
+    use crate::iter::tests::{field, insn_hash};
+
+    fn synthetic_layout() -> FdTableLayout {
+        FdTableLayout {
+            task: 103,
+            rdonly_cast: 104,
+            file: 105,
+            vma_new: 106,
+            vma_next: 107,
+            vma_destroy: 108,
+            ctx_task: field(8, 8, true),
+            meta_seq: field(0, 8, true),
+            tgid: field(1240, 4, false),
+            pid: field(1236, 4, false),
+            files: field(1900, 8, true),
+            group_leader: field(1300, 8, true),
+            mm: field(900, 8, true),
+            vm_file: field(160, 8, true),
+            fdt: field(32, 8, true),
+            max_fds: field(0, 4, false),
+            fd: field(8, 8, true),
+            f_inode: field(32, 8, true),
+            i_mode: field(0, 2, false),
+            i_rdev: field(76, 4, false),
+            i_ino: field(64, 8, false),
+            i_sb: field(40, 8, true),
+            s_magic: field(96, 8, false),
+            f_path_dentry: 24,
+            d_name_name: 40,
+        }
+    }
+
+    /// The fd-table program emits exactly the instructions it emitted
+    /// when this fingerprint was recorded.
+    #[test]
+    fn program_keeps_its_bytes() {
+        let got = insn_hash(&fdtable_program(&synthetic_layout(), 7).unwrap());
+        assert_eq!(got, RECORDED, "{got:?}");
+    }
+    const RECORDED: (usize, u64) = (738, 18350818569060539144);
+}

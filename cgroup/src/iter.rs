@@ -1074,8 +1074,109 @@ pub fn in_initial_pid_ns() -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// FNV-1a over the encoded instructions: a stable fingerprint of a
+    /// program's bytes, to check that a refactor emits the same program.
+    pub(crate) fn insn_hash(p: &Program) -> (usize, u64) {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for i in &p.insns {
+            let mut b = vec![i.code, i.regs];
+            b.extend_from_slice(&i.off.to_le_bytes());
+            b.extend_from_slice(&i.imm.to_le_bytes());
+            for x in b {
+                h ^= u64::from(x);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        (p.insns.len(), h)
+    }
+
+    /// A field at `offset` of `size` bytes, for the synthetic layouts.
+    pub(crate) fn field(offset: u32, size: u32, is_ptr: bool) -> Field {
+        Field {
+            offset,
+            size,
+            is_ptr,
+        }
+    }
+
+    fn synthetic_layout() -> Layout {
+        Layout {
+            task_file: 101,
+            task_vma: 102,
+            ctx_file_task: field(8, 8, true),
+            ctx_file_fd: field(16, 4, false),
+            ctx_file_file: field(24, 8, true),
+            ctx_vma_task: field(8, 8, true),
+            ctx_vma_vma: field(16, 8, true),
+            meta_seq: field(0, 8, true),
+            tgid: field(1240, 4, false),
+            pid: field(1236, 4, false),
+            f_inode: field(32, 8, true),
+            i_mode: field(0, 2, false),
+            i_rdev: field(76, 4, false),
+            i_ino: field(64, 8, false),
+            i_sb: field(40, 8, true),
+            s_magic: field(96, 8, false),
+            vm_file: field(160, 8, true),
+        }
+    }
+
+    fn synthetic_ring_layout(table: FileTable) -> RingLayout {
+        RingLayout {
+            task: 103,
+            ctx_task: field(8, 8, true),
+            meta_seq: field(0, 8, true),
+            tgid: field(1240, 4, false),
+            pid: field(1236, 4, false),
+            io_uring: field(2000, 8, true),
+            rings: field(24, 8, true),
+            private_data: field(200, 8, true),
+            file_inode: field(32, 8, true),
+            i_ino: field(64, 8, false),
+            f_inode: 32,
+            i_mode: 0,
+            i_rdev: 76,
+            table,
+        }
+    }
+
+    /// The task_file, task_vma and ring programs emit exactly the
+    /// instructions they emitted when these fingerprints were recorded.
+    #[test]
+    fn programs_keep_their_bytes() {
+        let l = synthetic_layout();
+        let got = [
+            insn_hash(&file_program(&l, false).unwrap()),
+            insn_hash(&file_program(&l, true).unwrap()),
+            insn_hash(&vma_program(&l).unwrap()),
+            insn_hash(
+                &ring_program(&synthetic_ring_layout(FileTable::Nodes {
+                    nr: 300,
+                    nodes: 308,
+                    file_ptr: 16,
+                }))
+                .unwrap(),
+            ),
+            insn_hash(
+                &ring_program(&synthetic_ring_layout(FileTable::Files {
+                    nr: 300,
+                    files: 308,
+                }))
+                .unwrap(),
+            ),
+        ];
+        assert_eq!(got, RECORDED, "{got:?}");
+    }
+    const RECORDED: [(usize, u64); 5] = [
+        (38, 9939681305795814215),
+        (43, 4217678228567470338),
+        (40, 155947109649395413),
+        (1529, 3812654082418059763),
+        (1520, 1997594485595387644),
+    ];
 
     #[test]
     fn records_decode() {

@@ -716,4 +716,30 @@ mod tests {
             prop_assert_eq!(audit_updates.len(), usize::from(!want));
         }
     }
+
+    /// The fence program for several depths, modes and identity sets
+    /// emits exactly the instructions it emitted when these fingerprints
+    /// were recorded (the listing test covers depth 2, enforcing).
+    #[test]
+    fn programs_keep_their_bytes() {
+        let mut got = Vec::new();
+        for (max_level, audit, uids) in [
+            (1, false, vec![]),
+            (2, true, vec![1500]),
+            (MAX_LEVEL, false, vec![1500, 2000, 3000]),
+            (MAX_LEVEL, true, vec![]),
+        ] {
+            let mut s = spec(max_level);
+            s.audit = audit;
+            s.identities.uids = uids.into_iter().collect();
+            got.push(crate::iter::tests::insn_hash(&build(&s).unwrap()));
+        }
+        assert_eq!(got, RECORDED, "{got:?}");
+    }
+    const RECORDED: [(usize, u64); 4] = [
+        (110, 354059585950829215),
+        (146, 7137658757053397087),
+        (668, 978492259158555102),
+        (620, 10568325590587574397),
+    ];
 }
