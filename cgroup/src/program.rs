@@ -108,14 +108,18 @@ pub struct FenceProgramSpec {
     pub identities: ExemptIdentities,
 }
 
-/// Builds the fence program.
+/// Builds the fence program, in the blocks runc's device filter has
+/// (`libcontainer/cgroups/devices/devicefilter.go`: a prologue, one block
+/// per rule, an epilogue): `init` (the context loads and the
+/// protected-major check), `levels_mask`, one `level_block` per cgroup
+/// level walked, then `finalize` (the denial record and the verdict).
+/// Each emits into the same [`Asm`], in that order.
 ///
 /// # Errors
 /// [`AsmError::Identities`] when `spec.identities` is out of range (the
 /// config refuses such values); otherwise only if the builder itself is
 /// wrong.
 pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
-    use Reg::*;
     let ids = &spec.identities;
     if ids.uid_max > ExemptIdentities::MAX_UID
         || ids.uids.len() > ExemptIdentities::MAX_UIDS
@@ -124,6 +128,21 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
         return Err(AsmError::Identities(format!("{ids:?}")));
     }
     let mut a = Asm::new();
+    init(&mut a, spec);
+    levels_mask(&mut a, spec);
+    for level in 1..=spec.max_level {
+        level_block(&mut a, spec, level);
+    }
+    finalize(&mut a, spec);
+    a.assemble()
+}
+
+/// The prologue: a character device, else allow; `r7` the access, `r8`
+/// the major, `r9` the minor (`struct bpf_cgroup_dev_ctx`); a major the
+/// `majors` map does not protect is allowed; the grant key's major and
+/// minor.
+fn init(a: &mut Asm, spec: &FenceProgramSpec) {
+    use Reg::*;
     a.comment("u32 t = ctx->access_type; if ((t & 0xffff) != BPF_DEVCG_DEV_CHAR) return 1;")
         .load(Size::W, R2, R1, CTX_ACCESS_TYPE)
         .mov64_reg(R3, R2)
@@ -146,6 +165,12 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
         .comment("key.major = major; key.minor = minor;")
         .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MAJOR, R8)
         .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MINOR, R9);
+}
+
+/// `r6`, the populated-levels mask (`levels[0]`): levels where no cgroup
+/// has an entry are skipped without a helper call; no mask, deny.
+fn levels_mask(a: &mut Asm, spec: &FenceProgramSpec) {
+    use Reg::*;
     a.comment(
         "r6 = mask = levels[0]; if (!p) goto deny;  /* levels where some cgroup has an entry */",
     )
@@ -156,59 +181,74 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
     .call(Helper::MapLookupElem)
     .jmp_imm(JmpOp::Eq, R0, 0, "deny")
     .load(Size::W, R6, R0, 0);
-    for level in 1..=spec.max_level {
-        let next = format!("level_{}", level + 1);
-        let body = format!("walk_{level}");
-        a.label(&format!("level_{level}"))
-            .comment(&format!("if (!(mask & 1 << {level})) continue;"))
-            .jmp_imm(JmpOp::Set, R6, 1 << level, &body)
-            .ja(&next)
-            .label(&body)
-            .comment(&format!(
-                "id = ancestor_cgroup_id({level}); if (!id) goto deny; f = cgroups[id]; if (!f) continue;"
-            ))
-            .mov64_imm(R1, level as i32)
-            .call(Helper::GetCurrentAncestorCgroupId)
-            .jmp_imm(JmpOp::Eq, R0, 0, "deny")
-            .store(Size::DW, R10, STACK_CGROUP_KEY, R0)
-            .store(Size::DW, R10, STACK_GRANT_KEY + GrantKey::OFF_CGROUP_ID, R0)
-            .ld_map_fd(R1, spec.cgroups_fd, "cgroups")
-            .mov64_reg(R2, R10)
-            .alu64_imm(AluOp::Add, R2, STACK_CGROUP_KEY as i32)
-            .call(Helper::MapLookupElem)
-            .jmp_imm(JmpOp::Eq, R0, 0, &next)
-            .comment("if (*f & EXEMPT) goto exempt; if (!(*f & GRANTED)) continue;")
-            .load(Size::W, R1, R0, CgroupValue::OFF_FLAGS)
-            .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, &format!("exempt_{level}"))
-            .label(&format!("grant_{level}"))
-            .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
-            .jmp_imm(JmpOp::Eq, R1, 0, &next)
-            .comment("g = grants[{id, major, minor}]; if (g && !(access & ~g->access)) return 1;")
-            .ld_map_fd(R1, spec.grants_fd, "grants")
-            .mov64_reg(R2, R10)
-            .alu64_imm(AluOp::Add, R2, STACK_GRANT_KEY as i32)
-            .call(Helper::MapLookupElem)
-            .jmp_imm(JmpOp::Eq, R0, 0, &next)
-            .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
-            .alu32_imm(AluOp::Xor, R1, -1)
-            .alu64_reg(AluOp::And, R1, R7)
-            .jmp_imm(JmpOp::Eq, R1, 0, "allow")
-            .ja(&next)
-            .label(&format!("exempt_{level}"))
-            .comment(&format!(
-                "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; else its grants, as for any cgroup",
-                ids.uid_max, ids.uids
-            ))
-            .store(Size::W, R10, STACK_FLAGS, R1)
-            .call(Helper::GetCurrentUidGid)
-            .alu32_imm(AluOp::And, R0, -1)
-            .jmp_imm(JmpOp::Le, R0, ids.uid_max as i32, "allow");
-        for uid in &ids.uids {
-            a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
-        }
-        a.load(Size::W, R1, R10, STACK_FLAGS)
-            .ja(&format!("grant_{level}"));
+}
+
+/// One rule: cgroup level `level` of the task's ancestry. Skipped when
+/// the mask has no entry there; the ancestor's `cgroups` flags; an
+/// exempt cgroup allows a system account (uid up to `uid_max`, or one of
+/// `uids`), and goes on to its grants otherwise; a granted cgroup allows
+/// an access its `grants` entry for the device covers.
+fn level_block(a: &mut Asm, spec: &FenceProgramSpec, level: usize) {
+    use Reg::*;
+    let ids = &spec.identities;
+    let next = format!("level_{}", level + 1);
+    let body = format!("walk_{level}");
+    a.label(&format!("level_{level}"))
+        .comment(&format!("if (!(mask & 1 << {level})) continue;"))
+        .jmp_imm(JmpOp::Set, R6, 1 << level, &body)
+        .ja(&next)
+        .label(&body)
+        .comment(&format!(
+            "id = ancestor_cgroup_id({level}); if (!id) goto deny; f = cgroups[id]; if (!f) continue;"
+        ))
+        .mov64_imm(R1, level as i32)
+        .call(Helper::GetCurrentAncestorCgroupId)
+        .jmp_imm(JmpOp::Eq, R0, 0, "deny")
+        .store(Size::DW, R10, STACK_CGROUP_KEY, R0)
+        .store(Size::DW, R10, STACK_GRANT_KEY + GrantKey::OFF_CGROUP_ID, R0)
+        .ld_map_fd(R1, spec.cgroups_fd, "cgroups")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_CGROUP_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, R0, 0, &next)
+        .comment("if (*f & EXEMPT) goto exempt; if (!(*f & GRANTED)) continue;")
+        .load(Size::W, R1, R0, CgroupValue::OFF_FLAGS)
+        .jmp_imm(JmpOp::Set, R1, CGROUP_EXEMPT as i32, &format!("exempt_{level}"))
+        .label(&format!("grant_{level}"))
+        .alu64_imm(AluOp::And, R1, CGROUP_GRANTED as i32)
+        .jmp_imm(JmpOp::Eq, R1, 0, &next)
+        .comment("g = grants[{id, major, minor}]; if (g && !(access & ~g->access)) return 1;")
+        .ld_map_fd(R1, spec.grants_fd, "grants")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_GRANT_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, R0, 0, &next)
+        .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
+        .alu32_imm(AluOp::Xor, R1, -1)
+        .alu64_reg(AluOp::And, R1, R7)
+        .jmp_imm(JmpOp::Eq, R1, 0, "allow")
+        .ja(&next)
+        .label(&format!("exempt_{level}"))
+        .comment(&format!(
+            "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; else its grants, as for any cgroup",
+            ids.uid_max, ids.uids
+        ))
+        .store(Size::W, R10, STACK_FLAGS, R1)
+        .call(Helper::GetCurrentUidGid)
+        .alu32_imm(AluOp::And, R0, -1)
+        .jmp_imm(JmpOp::Le, R0, ids.uid_max as i32, "allow");
+    for uid in &ids.uids {
+        a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
     }
+    a.load(Size::W, R1, R10, STACK_FLAGS)
+        .ja(&format!("grant_{level}"));
+}
+
+/// The epilogue: at `deny`, the denial recorded in the `denials` LRU map
+/// (a new entry, or the count, time, pid and comm of an existing one),
+/// then the verdict (0, or 1 in audit mode); at `allow`, 1.
+fn finalize(a: &mut Asm, spec: &FenceProgramSpec) {
+    use Reg::*;
     a.label(&format!("level_{}", spec.max_level + 1))
         .label("deny")
         .comment("k = { cgroup_id(), uid, major, minor, 0 };")
@@ -295,7 +335,6 @@ pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
         .comment("return 1;")
         .mov64_imm(R0, 1)
         .exit();
-    a.assemble()
 }
 
 /// The feature probe: a device program that calls every helper the fence
