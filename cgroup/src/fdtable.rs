@@ -225,6 +225,17 @@ fn io_uring_name(a: &mut Asm, at: i16, yes: &str, no: &str) {
 /// [`AsmError`] (a bug here).
 pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, AsmError> {
     let mut a = Asm::new();
+    task_state(&mut a, l);
+    table_walk(&mut a, l);
+    vma_walk(&mut a, l);
+    vma_record(&mut a, l, majors_fd);
+    read_slots(&mut a, l, majors_fd);
+    a.assemble()
+}
+
+/// The task (`r7`) and its table (`r8`), else out; the loop state's
+/// `seq`, `tgid | tid << 32`, and `records` and `more` as unknown zeros.
+fn task_state(a: &mut Asm, l: &FdTableLayout) {
     a.comment("task: ctx = { meta, task }")
         .mov64_reg(Reg::R6, Reg::R1)
         .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_task))
@@ -241,8 +252,14 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
         .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
         .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
-    zero_unknown(&mut a, TMP, STATE + ST_RECORDS, "out");
-    zero_unknown(&mut a, TMP, STATE + ST_MORE, "out");
+    zero_unknown(a, TMP, STATE + ST_RECORDS, "out");
+    zero_unknown(a, TMP, STATE + ST_MORE, "out");
+}
+
+/// The descriptor table, read by the leader's run (or a thread's of its
+/// own): `bpf_loop` of `read_slots` over its slots, 8 at a time; a table
+/// past `BPF_MAX_LOOPS` or past [`FD_RECORDS`] is said not read whole.
+fn table_walk(a: &mut Asm, l: &FdTableLayout) {
     a.comment("a thread sharing its leader's table: the leader's run reads it")
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
@@ -275,7 +292,14 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .label("unread")
         .comment("rec = { tgid, tid, -1, TABLE_UNREAD, max_fds }")
         .load(size(&l.max_fds), Reg::R3, Reg::R9, off(&l.max_fds));
-    main_record(&mut a, Some(KIND_TABLE_UNREAD), -1);
+    main_record(a, Some(KIND_TABLE_UNREAD), -1);
+}
+
+/// The mappings, walked by the leader's run (or each thread's once the
+/// leader's mm is gone) with the open-coded vma iterator: a mapped
+/// character device goes to `vchr`, an anonymous inode named
+/// `[io_uring]` (a ring's mapping) to `vanon`.
+fn vma_walk(a: &mut Asm, l: &FdTableLayout) {
     a.label("vmas")
         .comment("mappings: the leader's run walks them (or each thread's once the leader's mm is gone)")
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
@@ -322,7 +346,13 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vanon")
         .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
         .jmp_imm(JmpOp::Eq, Reg::R3, 0, "vanon");
-    io_uring_name(&mut a, NAME, "vanon", "vma");
+    io_uring_name(a, NAME, "vanon", "vma");
+}
+
+/// A mapping's record: an io_uring ring's inode number, or a character
+/// device on a protected major; past [`FD_RECORDS`], or when the walk
+/// could not start, not read whole; then the iterator destroyed.
+fn vma_record(a: &mut Asm, l: &FdTableLayout, majors_fd: i32) {
     a.label("vanon")
         .load(size(&l.i_ino), Reg::R3, Reg::R9, off(&l.i_ino))
         .mov64_imm(Reg::R2, KIND_ANON_MAP)
@@ -350,14 +380,14 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "vfull")
         .alu64_imm(AluOp::Add, Reg::R4, 1)
         .store(Size::DW, Reg::R10, STATE + ST_RECORDS, Reg::R4);
-    main_record(&mut a, None, 0);
+    main_record(a, None, 0);
     a.ja("vma")
         .label("vfull")
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
         .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
         .mov64_imm(Reg::R3, 0);
-    main_record(&mut a, Some(KIND_TABLE_UNREAD), -1);
+    main_record(a, Some(KIND_TABLE_UNREAD), -1);
     a.ja("out")
         .label("vdone")
         .mov64_reg(Reg::R1, Reg::R10)
@@ -366,7 +396,11 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .label("out")
         .mov64_imm(Reg::R0, 0)
         .exit();
+}
 
+/// The `bpf_loop` callback `read_slots`: eight slots of the table read
+/// at once, then one `slot` block each.
+fn read_slots(a: &mut Asm, l: &FdTableLayout, majors_fd: i32) {
     // long read_slots(u64 j, struct state *st): slots 8j..8j+7, read in
     // one bpf_probe_read_kernel; each file is cast to a BTF pointer
     // (bpf_rdonly_cast, which the verifier turns into a move) so that its
@@ -381,89 +415,9 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .alu64_imm(AluOp::Lsh, Reg::R3, 3)
         .load(Size::DW, Reg::R1, Reg::R6, ST_TABLE)
         .alu64_reg(AluOp::Add, Reg::R3, Reg::R1);
-    probe_read(&mut a, CB_BATCH, Size::DW, 8 * SLOTS, Reg::R1, "next");
+    probe_read(a, CB_BATCH, Size::DW, 8 * SLOTS, Reg::R1, "next");
     for k in 0..SLOTS {
-        let next = if k + 1 < SLOTS {
-            format!("slot_{}", k + 1)
-        } else {
-            "next".to_string()
-        };
-        let (chr, chr_emit, anon, emit) = (
-            format!("chr_{k}"),
-            format!("chr_emit_{k}"),
-            format!("anon_{k}"),
-            format!("emit_{k}"),
-        );
-        a.label(&format!("slot_{k}"))
-            .comment(&format!(
-                "file = batch[{k}]; inode = file->f_inode; mode = inode->i_mode & S_IFMT"
-            ))
-            .load(Size::DW, Reg::R1, Reg::R10, CB_BATCH + 8 * k as i16)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
-            .mov64_imm(Reg::R2, l.file as i32)
-            .call_kfunc(l.rdonly_cast, "bpf_rdonly_cast")
-            .mov64_reg(Reg::R7, Reg::R0)
-            .load(Size::DW, Reg::R8, Reg::R7, off(&l.f_inode))
-            .jmp_imm(JmpOp::Eq, Reg::R8, 0, &next)
-            .load(size(&l.i_mode), Reg::R1, Reg::R8, off(&l.i_mode))
-            .alu64_imm(AluOp::And, Reg::R1, S_IFMT)
-            .jmp_imm(JmpOp::Eq, Reg::R1, S_IFCHR, &chr)
-            .jmp_imm(JmpOp::Ne, Reg::R1, 0, &next)
-            .comment(
-                "no type bits: an anonymous inode if inode->i_sb->s_magic == ANON_INODE_FS_MAGIC",
-            )
-            .load(Size::DW, Reg::R1, Reg::R8, off(&l.i_sb))
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
-            .load(size(&l.s_magic), Reg::R1, Reg::R1, off(&l.s_magic))
-            .jmp_imm(JmpOp::Ne, Reg::R1, ANON_INODE_FS_MAGIC as i32, &next)
-            .comment("file->f_path.dentry->d_name.name == \"[io_uring]\" (unreadable: let through)")
-            .load(Size::DW, Reg::R1, Reg::R7, l.f_path_dentry)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &anon)
-            .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
-            .jmp_imm(JmpOp::Eq, Reg::R3, 0, &anon);
-        io_uring_name(&mut a, CB_NAME, &anon, &next);
-        a.label(&anon)
-            .load(size(&l.i_ino), Reg::R3, Reg::R8, off(&l.i_ino))
-            .mov64_imm(Reg::R2, KIND_ANON)
-            .ja(&emit)
-            .label(&chr)
-            .comment("rdev = inode->i_rdev; majors[rdev >> MINORBITS] != 0, else nothing to say")
-            .load(size(&l.i_rdev), Reg::R3, Reg::R8, off(&l.i_rdev))
-            .store(Size::DW, Reg::R10, CB_TMP, Reg::R3)
-            .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
-            .jmp_imm(JmpOp::Ge, Reg::R3, MAJORS_ENTRIES, &chr_emit)
-            .store(Size::W, Reg::R10, CB_KEY, Reg::R3)
-            .ld_map_fd(Reg::R1, majors_fd, "majors")
-            .mov64_reg(Reg::R2, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R2, CB_KEY as i32)
-            .call(Helper::MapLookupElem)
-            .jmp_imm(JmpOp::Eq, Reg::R0, 0, &next)
-            .load(Size::W, Reg::R1, Reg::R0, 0)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
-            .label(&chr_emit)
-            .load(Size::DW, Reg::R3, Reg::R10, CB_TMP)
-            .mov64_imm(Reg::R2, KIND_CHAR)
-            .label(&emit)
-            .comment("if (st->records >= FD_RECORDS) { st->more = 1; stop }")
-            .load(Size::DW, Reg::R4, Reg::R6, ST_RECORDS)
-            .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "full")
-            .alu64_imm(AluOp::Add, Reg::R4, 1)
-            .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
-            .comment(&format!(
-                "rec = {{ tgid, tid, 8j + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
-            ))
-            .store(Size::DW, Reg::R10, -8, Reg::R3)
-            .store(Size::W, Reg::R10, -12, Reg::R2)
-            .mov64_reg(Reg::R1, Reg::R9)
-            .alu64_imm(AluOp::Add, Reg::R1, k as i32)
-            .store(Size::W, Reg::R10, -16, Reg::R1)
-            .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-            .store(Size::DW, Reg::R10, -24, Reg::R1)
-            .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
-            .mov64_reg(Reg::R2, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-            .mov64_imm(Reg::R3, RECORD_LEN as i32)
-            .call_id(FUNC_SEQ_WRITE, "seq_write");
+        slot(a, l, majors_fd, k);
     }
     a.label("next")
         .mov64_imm(Reg::R0, 0)
@@ -472,7 +426,91 @@ pub fn fdtable_program(l: &FdTableLayout, majors_fd: i32) -> Result<Program, Asm
         .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
         .mov64_imm(Reg::R0, 1)
         .exit();
-    a.assemble()
+}
+
+/// Slot `k` of the batch: a character device on a protected major, or an
+/// anonymous inode named `[io_uring]`, is written as a record (up to
+/// [`FD_RECORDS`], then `more` and stop).
+fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
+    let next = if k + 1 < SLOTS {
+        format!("slot_{}", k + 1)
+    } else {
+        "next".to_string()
+    };
+    let (chr, chr_emit, anon, emit) = (
+        format!("chr_{k}"),
+        format!("chr_emit_{k}"),
+        format!("anon_{k}"),
+        format!("emit_{k}"),
+    );
+    a.label(&format!("slot_{k}"))
+        .comment(&format!(
+            "file = batch[{k}]; inode = file->f_inode; mode = inode->i_mode & S_IFMT"
+        ))
+        .load(Size::DW, Reg::R1, Reg::R10, CB_BATCH + 8 * k as i16)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+        .mov64_imm(Reg::R2, l.file as i32)
+        .call_kfunc(l.rdonly_cast, "bpf_rdonly_cast")
+        .mov64_reg(Reg::R7, Reg::R0)
+        .load(Size::DW, Reg::R8, Reg::R7, off(&l.f_inode))
+        .jmp_imm(JmpOp::Eq, Reg::R8, 0, &next)
+        .load(size(&l.i_mode), Reg::R1, Reg::R8, off(&l.i_mode))
+        .alu64_imm(AluOp::And, Reg::R1, S_IFMT)
+        .jmp_imm(JmpOp::Eq, Reg::R1, S_IFCHR, &chr)
+        .jmp_imm(JmpOp::Ne, Reg::R1, 0, &next)
+        .comment("no type bits: an anonymous inode if inode->i_sb->s_magic == ANON_INODE_FS_MAGIC")
+        .load(Size::DW, Reg::R1, Reg::R8, off(&l.i_sb))
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+        .load(size(&l.s_magic), Reg::R1, Reg::R1, off(&l.s_magic))
+        .jmp_imm(JmpOp::Ne, Reg::R1, ANON_INODE_FS_MAGIC as i32, &next)
+        .comment("file->f_path.dentry->d_name.name == \"[io_uring]\" (unreadable: let through)")
+        .load(Size::DW, Reg::R1, Reg::R7, l.f_path_dentry)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &anon)
+        .load(Size::DW, Reg::R3, Reg::R1, l.d_name_name)
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, &anon);
+    io_uring_name(a, CB_NAME, &anon, &next);
+    a.label(&anon)
+        .load(size(&l.i_ino), Reg::R3, Reg::R8, off(&l.i_ino))
+        .mov64_imm(Reg::R2, KIND_ANON)
+        .ja(&emit)
+        .label(&chr)
+        .comment("rdev = inode->i_rdev; majors[rdev >> MINORBITS] != 0, else nothing to say")
+        .load(size(&l.i_rdev), Reg::R3, Reg::R8, off(&l.i_rdev))
+        .store(Size::DW, Reg::R10, CB_TMP, Reg::R3)
+        .alu64_imm(AluOp::Rsh, Reg::R3, MINORBITS as i32)
+        .jmp_imm(JmpOp::Ge, Reg::R3, MAJORS_ENTRIES, &chr_emit)
+        .store(Size::W, Reg::R10, CB_KEY, Reg::R3)
+        .ld_map_fd(Reg::R1, majors_fd, "majors")
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, CB_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, &next)
+        .load(Size::W, Reg::R1, Reg::R0, 0)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next)
+        .label(&chr_emit)
+        .load(Size::DW, Reg::R3, Reg::R10, CB_TMP)
+        .mov64_imm(Reg::R2, KIND_CHAR)
+        .label(&emit)
+        .comment("if (st->records >= FD_RECORDS) { st->more = 1; stop }")
+        .load(Size::DW, Reg::R4, Reg::R6, ST_RECORDS)
+        .jmp_imm(JmpOp::Ge, Reg::R4, FD_RECORDS, "full")
+        .alu64_imm(AluOp::Add, Reg::R4, 1)
+        .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
+        .comment(&format!(
+            "rec = {{ tgid, tid, 8j + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
+        ))
+        .store(Size::DW, Reg::R10, -8, Reg::R3)
+        .store(Size::W, Reg::R10, -12, Reg::R2)
+        .mov64_reg(Reg::R1, Reg::R9)
+        .alu64_imm(AluOp::Add, Reg::R1, k as i32)
+        .store(Size::W, Reg::R10, -16, Reg::R1)
+        .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
+        .store(Size::DW, Reg::R10, -24, Reg::R1)
+        .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
+        .mov64_reg(Reg::R2, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
+        .mov64_imm(Reg::R3, RECORD_LEN as i32)
+        .call_id(FUNC_SEQ_WRITE, "seq_write");
 }
 
 /// The fd-table program, loaded and linked; each
