@@ -587,6 +587,21 @@ fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
 /// [`AsmError`] (a bug here).
 pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
     let mut a = Asm::new();
+    ring_task(&mut a, l);
+    for i in 0..RING_FDS {
+        ring_slot(&mut a, l, i);
+    }
+    a.label(&format!("ring_{RING_FDS}"))
+        .label("out")
+        .mov64_imm(Reg::R0, 0)
+        .exit();
+    read_file(&mut a, l);
+    a.assemble()
+}
+
+/// The task (`r7`) and its io_uring context (`r8`), else out; the loop
+/// state's `seq` and `tgid | tid << 32`.
+fn ring_task(a: &mut Asm, l: &RingLayout) {
     a.comment("task: ctx = { meta, task }")
         .mov64_reg(Reg::R6, Reg::R1)
         .load(Size::DW, Reg::R7, Reg::R6, off(&l.ctx_task))
@@ -603,62 +618,72 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
         .alu64_reg(AluOp::Or, Reg::R1, Reg::R2)
         .store(Size::DW, Reg::R10, STATE + ST_TASK, Reg::R1);
+}
+
+/// Registered ring slot `i` of the task: a [`Object::RingSeen`] record
+/// for the ring, then its fixed files walked with `bpf_loop` of
+/// `read_file`; a ring whose table cannot be read, or not read whole, gets
+/// an [`Object::RingTruncated`] record.
+fn ring_slot(a: &mut Asm, l: &RingLayout, i: usize) {
     let (nr_off, base_off) = match l.table {
         FileTable::Nodes { nr, nodes, .. } => (nr, nodes),
         FileTable::Files { nr, files } => (nr, files),
     };
-    for i in 0..RING_FDS {
-        let next_ring = format!("ring_{}", i + 1);
-        let truncated = format!("truncated_{i}");
-        a.label(&format!("ring_{i}"))
-            .comment(&format!(
-                "file = io_uring->registered_rings[{i}]; if (!file) next ring; ctx = file->private_data"
-            ))
-            .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
-            .comment("rec = { tgid, tid, slot, RING_SEEN, file->f_inode->i_ino }")
-            .load(Size::DW, Reg::R3, Reg::R1, off(&l.file_inode))
-            .jmp_imm(JmpOp::Eq, Reg::R3, 0, &format!("seen_{i}"))
-            .load(Size::DW, Reg::R3, Reg::R3, off(&l.i_ino));
-        emit_ring_record(&mut a, l, KIND_RING_SEEN, i);
-        a.label(&format!("seen_{i}"))
-            .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
-            .load(Size::DW, Reg::R9, Reg::R1, off(&l.private_data))
-            .jmp_imm(JmpOp::Eq, Reg::R9, 0, &next_ring)
-            .comment("nr = the ring's count of fixed files; state.table = their table (unreadable: say so)")
-            .store_imm(Size::DW, Reg::R10, RING_NR, 0)
-            .mov64_reg(Reg::R3, Reg::R9)
-            .alu64_imm(AluOp::Add, Reg::R3, nr_off);
-        probe_read(&mut a, RING_TMP, Size::W, 4, Reg::R1, &truncated);
-        a.store(Size::DW, Reg::R10, RING_NR, Reg::R1)
-            .mov64_reg(Reg::R3, Reg::R9)
-            .alu64_imm(AluOp::Add, Reg::R3, base_off);
-        probe_read(&mut a, RING_TMP, Size::DW, 8, Reg::R1, &truncated);
-        a.jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
-            .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
-            .store_imm(Size::DW, Reg::R10, STATE + ST_SLOT, i as i32)
-            .store_imm(Size::DW, Reg::R10, STATE + ST_LAST, 0);
-        zero_unknown(&mut a, RING_TMP, STATE + ST_RECORDS, &truncated);
-        zero_unknown(&mut a, RING_TMP, STATE + ST_MORE, &truncated);
-        a.comment("bpf_loop(nr, read_file, &state, 0): past BPF_MAX_LOOPS it refuses")
-            .load(Size::DW, Reg::R1, Reg::R10, RING_NR)
-            .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, &truncated)
-            .ld_func(Reg::R2, "read_file")
-            .mov64_reg(Reg::R3, Reg::R10)
-            .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
-            .mov64_imm(Reg::R4, 0)
-            .call_id(FUNC_LOOP, "loop")
-            .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
-            .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
-            .label(&truncated)
-            .load(Size::DW, Reg::R3, Reg::R10, RING_NR);
-        emit_ring_record(&mut a, l, KIND_RING_TRUNC, i);
-    }
-    a.label(&format!("ring_{RING_FDS}"))
-        .label("out")
-        .mov64_imm(Reg::R0, 0)
-        .exit();
+    let next_ring = format!("ring_{}", i + 1);
+    let truncated = format!("truncated_{i}");
+    a.label(&format!("ring_{i}"))
+        .comment(&format!(
+            "file = io_uring->registered_rings[{i}]; if (!file) next ring; ctx = file->private_data"
+        ))
+        .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+        .comment("rec = { tgid, tid, slot, RING_SEEN, file->f_inode->i_ino }")
+        .load(Size::DW, Reg::R3, Reg::R1, off(&l.file_inode))
+        .jmp_imm(JmpOp::Eq, Reg::R3, 0, &format!("seen_{i}"))
+        .load(Size::DW, Reg::R3, Reg::R3, off(&l.i_ino));
+    emit_ring_record(a, l, KIND_RING_SEEN, i);
+    a.label(&format!("seen_{i}"))
+        .load(Size::DW, Reg::R1, Reg::R8, off(&l.rings) + (8 * i) as i16)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+        .load(Size::DW, Reg::R9, Reg::R1, off(&l.private_data))
+        .jmp_imm(JmpOp::Eq, Reg::R9, 0, &next_ring)
+        .comment(
+            "nr = the ring's count of fixed files; state.table = their table (unreadable: say so)",
+        )
+        .store_imm(Size::DW, Reg::R10, RING_NR, 0)
+        .mov64_reg(Reg::R3, Reg::R9)
+        .alu64_imm(AluOp::Add, Reg::R3, nr_off);
+    probe_read(a, RING_TMP, Size::W, 4, Reg::R1, &truncated);
+    a.store(Size::DW, Reg::R10, RING_NR, Reg::R1)
+        .mov64_reg(Reg::R3, Reg::R9)
+        .alu64_imm(AluOp::Add, Reg::R3, base_off);
+    probe_read(a, RING_TMP, Size::DW, 8, Reg::R1, &truncated);
+    a.jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+        .store(Size::DW, Reg::R10, STATE + ST_TABLE, Reg::R1)
+        .store_imm(Size::DW, Reg::R10, STATE + ST_SLOT, i as i32)
+        .store_imm(Size::DW, Reg::R10, STATE + ST_LAST, 0);
+    zero_unknown(a, RING_TMP, STATE + ST_RECORDS, &truncated);
+    zero_unknown(a, RING_TMP, STATE + ST_MORE, &truncated);
+    a.comment("bpf_loop(nr, read_file, &state, 0): past BPF_MAX_LOOPS it refuses")
+        .load(Size::DW, Reg::R1, Reg::R10, RING_NR)
+        .jmp_imm(JmpOp::Gt, Reg::R1, MAX_LOOPS, &truncated)
+        .ld_func(Reg::R2, "read_file")
+        .mov64_reg(Reg::R3, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
+        .mov64_imm(Reg::R4, 0)
+        .call_id(FUNC_LOOP, "loop")
+        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
+        .label(&truncated)
+        .load(Size::DW, Reg::R3, Reg::R10, RING_NR);
+    emit_ring_record(a, l, KIND_RING_TRUNC, i);
+}
+
+/// The `bpf_loop` callback `read_file(j, st)`: fixed file `j` of the
+/// ring (through its node on 6.13+), read with `bpf_probe_read_kernel`;
+/// a character device is a record, unless it repeats the last one, up
+/// to [`RING_RECORDS`] (then `more` and stop).
+fn read_file(a: &mut Asm, l: &RingLayout) {
     // The callback: long read_file(u64 j, struct state *st).
     a.label("read_file")
         .comment("read_file(j, st): st->table[j] -> file; a character device: a record, unless it repeats the last")
@@ -668,25 +693,25 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
         .alu64_reg(AluOp::Add, Reg::R3, Reg::R1);
     if let FileTable::Nodes { file_ptr, .. } = l.table {
         a.comment("node = nodes[j]; r3 = &node->file_ptr");
-        probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+        probe_read(a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
         a.jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
             .alu64_imm(AluOp::Add, Reg::R3, file_ptr);
     }
     a.comment("file = file_ptr & ~(FFS_NOWAIT|FFS_ISREG); inode = file->f_inode");
-    probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+    probe_read(a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
     a.alu64_imm(AluOp::And, Reg::R3, !FFS_FLAGS)
         .jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
         .alu64_imm(AluOp::Add, Reg::R3, l.f_inode);
-    probe_read(&mut a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
+    probe_read(a, CB_TMP, Size::DW, 8, Reg::R3, "cb_next");
     a.jmp_imm(JmpOp::Eq, Reg::R3, 0, "cb_next")
         .store(Size::DW, Reg::R10, CB_INODE, Reg::R3)
         .alu64_imm(AluOp::Add, Reg::R3, l.i_mode);
-    probe_read(&mut a, CB_TMP, Size::H, 2, Reg::R2, "cb_next");
+    probe_read(a, CB_TMP, Size::H, 2, Reg::R2, "cb_next");
     a.alu64_imm(AluOp::And, Reg::R2, S_IFMT)
         .jmp_imm(JmpOp::Ne, Reg::R2, S_IFCHR, "cb_next")
         .load(Size::DW, Reg::R3, Reg::R10, CB_INODE)
         .alu64_imm(AluOp::Add, Reg::R3, l.i_rdev);
-    probe_read(&mut a, CB_TMP, Size::W, 4, Reg::R3, "cb_next");
+    probe_read(a, CB_TMP, Size::W, 4, Reg::R3, "cb_next");
     a.comment(
         "if (rdev == st->last) next; if (st->records >= RING_RECORDS) { st->more = 1; stop }",
     )
@@ -716,7 +741,6 @@ pub fn ring_program(l: &RingLayout) -> Result<Program, AsmError> {
     .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
     .mov64_imm(Reg::R0, 1)
     .exit();
-    a.assemble()
 }
 
 /// Why the iterators could not run.
