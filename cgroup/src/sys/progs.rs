@@ -1,0 +1,276 @@
+//! Loading programs (device programs, iterator programs with their BTF),
+//! attaching and detaching them at cgroups, and opening them by id.
+
+use super::*;
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+pub(super) struct ProgLoadAttr {
+    pub(super) prog_type: u32,
+    pub(super) insn_cnt: u32,
+    pub(super) insns: u64,
+    pub(super) license: u64,
+    pub(super) log_level: u32,
+    pub(super) log_size: u32,
+    pub(super) log_buf: u64,
+    pub(super) kern_version: u32,
+    pub(super) prog_flags: u32,
+    pub(super) prog_name: [u8; 16],
+    pub(super) prog_ifindex: u32,
+    pub(super) expected_attach_type: u32,
+}
+
+/// A refused `BPF_PROG_LOAD`: errno and the verifier's log.
+#[derive(Debug)]
+pub struct LoadError {
+    /// errno.
+    pub errno: io::Error,
+    /// The verifier log (empty when the kernel wrote none).
+    pub log: String,
+}
+
+/// Runs `attempt` (one `BPF_PROG_LOAD`, with the verifier log buffer when
+/// given one); on failure, runs it again with a 1 MiB log so the error
+/// carries the verifier's reason. The first errno is the one returned.
+fn load_with_log(
+    attempt: impl Fn(Option<&mut Vec<u8>>) -> io::Result<OwnedFd>,
+) -> Result<OwnedFd, LoadError> {
+    match attempt(None) {
+        Ok(fd) => Ok(fd),
+        Err(errno) => {
+            let mut buf = vec![0u8; 1 << 20];
+            let second = attempt(Some(&mut buf));
+            let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+            let log = String::from_utf8_lossy(&buf[..end]).into_owned();
+            match second {
+                // Loading with a log succeeded where the first did not:
+                // transient; use it.
+                Ok(fd) => Ok(fd),
+                Err(_) => Err(LoadError { errno, log }),
+            }
+        }
+    }
+}
+
+/// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_CGROUP_DEVICE` program. On failure,
+/// loads again with the verifier log on, so the error carries the reason.
+///
+/// # Errors
+/// [`LoadError`].
+pub fn prog_load_cgroup_device(insns: &[RawInsn], name: &str) -> Result<OwnedFd, LoadError> {
+    let license = c"GPL";
+    let attempt = |log: Option<&mut Vec<u8>>| {
+        let mut a = ProgLoadAttr {
+            prog_type: PROG_TYPE_CGROUP_DEVICE,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            prog_name: name16(name),
+            expected_attach_type: ATTACH_CGROUP_DEVICE,
+            ..Default::default()
+        };
+        if let Some(buf) = log {
+            a.log_level = 1;
+            a.log_size = buf.len() as u32;
+            a.log_buf = buf.as_mut_ptr() as u64;
+        }
+        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+    };
+    load_with_log(attempt)
+}
+
+const BPF_PROG_ATTACH: i32 = 8;
+const BPF_PROG_DETACH: i32 = 9;
+const BPF_PROG_GET_FD_BY_ID: i32 = 13;
+/// `BPF_F_QUERY_EFFECTIVE`.
+pub const F_QUERY_EFFECTIVE: u32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct AttachAttr {
+    pub(super) target_fd: u32,
+    pub(super) attach_bpf_fd: u32,
+    pub(super) attach_type: u32,
+    pub(super) attach_flags: u32,
+}
+
+/// `BPF_PROG_ATTACH` of a device program on a cgroup with `flags`
+/// (0, `BPF_F_ALLOW_OVERRIDE` or `BPF_F_ALLOW_MULTI`), as Slurm, systemd
+/// and runc attach theirs. gpufence itself attaches through a link; this is
+/// for tests that put a foreign program beside the fence.
+///
+/// # Errors
+/// errno.
+pub fn prog_attach_cgroup_device(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    flags: u32,
+) -> io::Result<()> {
+    let mut a = AttachAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_bpf_fd: prog.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        attach_flags: flags,
+    };
+    bpf(BPF_PROG_ATTACH, &mut a).map(|_| ())
+}
+
+/// `BPF_PROG_DETACH` of `prog` from a cgroup's device hook.
+///
+/// # Errors
+/// errno.
+pub fn prog_detach_cgroup_device(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>) -> io::Result<()> {
+    let mut a = AttachAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_bpf_fd: prog.as_raw_fd() as u32,
+        attach_type: ATTACH_CGROUP_DEVICE,
+        attach_flags: 0,
+    };
+    bpf(BPF_PROG_DETACH, &mut a).map(|_| ())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct GetIdAttr {
+    pub(super) id: u32,
+    pub(super) next_id: u32,
+    pub(super) open_flags: u32,
+}
+
+/// `BPF_PROG_GET_FD_BY_ID`.
+///
+/// # Errors
+/// errno (`ENOENT` when the program is gone).
+pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    let mut a = GetIdAttr {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    bpf(BPF_PROG_GET_FD_BY_ID, &mut a).map(fd_result)
+}
+
+/// `union bpf_attr` for `BPF_PROG_LOAD` up to `attach_btf_obj_fd`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+pub(super) struct ProgLoadBtfAttr {
+    pub(super) prog_type: u32,
+    pub(super) insn_cnt: u32,
+    pub(super) insns: u64,
+    pub(super) license: u64,
+    pub(super) log_level: u32,
+    pub(super) log_size: u32,
+    pub(super) log_buf: u64,
+    pub(super) kern_version: u32,
+    pub(super) prog_flags: u32,
+    pub(super) prog_name: [u8; 16],
+    pub(super) prog_ifindex: u32,
+    pub(super) expected_attach_type: u32,
+    pub(super) prog_btf_fd: u32,
+    pub(super) func_info_rec_size: u32,
+    pub(super) func_info: u64,
+    pub(super) func_info_cnt: u32,
+    pub(super) line_info_rec_size: u32,
+    pub(super) line_info: u64,
+    pub(super) line_info_cnt: u32,
+    pub(super) attach_btf_id: u32,
+    pub(super) attach_btf_obj_fd: u32,
+    pub(super) _pad: u32,
+}
+
+/// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_TRACING` program with
+/// `expected_attach_type` `BPF_TRACE_ITER`, attached to the vmlinux BTF
+/// function `attach_btf_id` (a `bpf_iter_<target>` from
+/// `DEFINE_BPF_ITER_FUNC`). License "GPL": `bpf_seq_write` is GPL-only
+/// (`kernel/trace/bpf_trace.c`) and gpufence is GPL-2.0-or-later. On
+/// failure, loads again with the verifier log on.
+///
+/// # Errors
+/// [`LoadError`] (`EPERM` without CAP_BPF and CAP_PERFMON, `ESRCH`/`EINVAL`
+/// for an id that is not an iterator target, `EACCES` from the verifier).
+pub fn prog_load_iter(
+    insns: &[RawInsn],
+    name: &str,
+    attach_btf_id: u32,
+) -> Result<OwnedFd, LoadError> {
+    prog_load_iter_funcs(insns, name, attach_btf_id, None)
+}
+
+/// One `struct bpf_func_info` (`include/uapi/linux/bpf.h`): where a
+/// function starts and its `BTF_KIND_FUNC` type id in the program's BTF.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FuncInfo {
+    /// Its first instruction.
+    pub insn_off: u32,
+    /// Its `BTF_KIND_FUNC` id.
+    pub type_id: u32,
+}
+
+/// [`prog_load_iter`] of a program with subprograms (a `bpf_loop`
+/// callback): `funcs` is the program's BTF (from [`btf_load`]) and one
+/// [`FuncInfo`] per function, the first at instruction 0 (the verifier
+/// wants `func_info` for callbacks: "missing btf func_info").
+///
+/// # Errors
+/// As [`prog_load_iter`].
+pub fn prog_load_iter_funcs(
+    insns: &[RawInsn],
+    name: &str,
+    attach_btf_id: u32,
+    funcs: Option<(BorrowedFd<'_>, &[FuncInfo])>,
+) -> Result<OwnedFd, LoadError> {
+    let license = c"GPL";
+    let attempt = |log: Option<&mut Vec<u8>>| {
+        let mut a = ProgLoadBtfAttr {
+            prog_type: PROG_TYPE_TRACING,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            prog_name: name16(name),
+            expected_attach_type: ATTACH_TRACE_ITER,
+            attach_btf_id,
+            ..Default::default()
+        };
+        if let Some((btf, info)) = funcs {
+            a.prog_btf_fd = btf.as_raw_fd() as u32;
+            a.func_info_rec_size = size_of::<FuncInfo>() as u32;
+            a.func_info = info.as_ptr() as u64;
+            a.func_info_cnt = info.len() as u32;
+        }
+        if let Some(buf) = log {
+            a.log_level = 1;
+            a.log_size = buf.len() as u32;
+            a.log_buf = buf.as_mut_ptr() as u64;
+        }
+        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+    };
+    load_with_log(attempt)
+}
+
+const BPF_BTF_LOAD: i32 = 18;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct BtfLoadAttr {
+    pub(super) btf: u64,
+    pub(super) btf_log_buf: u64,
+    pub(super) btf_size: u32,
+    pub(super) btf_log_size: u32,
+    pub(super) btf_log_level: u32,
+    pub(super) _pad: u32,
+}
+
+/// `BPF_BTF_LOAD` of a BTF blob (`struct btf_header`, types, strings:
+/// `include/uapi/linux/btf.h`), for a program's `func_info`.
+///
+/// # Errors
+/// errno (`EINVAL` for a malformed blob).
+pub fn btf_load(data: &[u8]) -> io::Result<OwnedFd> {
+    let mut a = BtfLoadAttr {
+        btf: data.as_ptr() as u64,
+        btf_size: data.len() as u32,
+        ..Default::default()
+    };
+    bpf(BPF_BTF_LOAD, &mut a).map(fd_result)
+}
