@@ -442,6 +442,71 @@ fn raise_memlock() {
     let _ = setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY);
 }
 
+/// Attaches program `prog_fd` at `root_dir` through the link pinned in
+/// `spec.bpffs_dir`: the pinned link's program swapped in place
+/// (`BPF_LINK_UPDATE`) when it is attached there; else a new link made
+/// and pinned (first, so there is no moment without a fence) and the old
+/// one retired. The link's id and what was done go to `report`.
+fn attach_link(
+    spec: &FenceSpec,
+    root_dir: &Path,
+    root_fd: &File,
+    prog_fd: &OwnedFd,
+    report: &mut InstallReport,
+) -> Result<()> {
+    let link_pin = spec.bpffs_dir.join(PIN_LINK);
+    match sys::obj_get(&link_pin) {
+        Ok(link) => {
+            let info = sys::link_info(link.as_fd()).map_err(bpf_err(
+                "BPF_OBJ_GET_INFO_BY_FD",
+                link_pin.display().to_string(),
+            ))?;
+            if info.cgroup_id == report.root_cgroup_id && info.prog_id != 0 {
+                sys::link_update(link.as_fd(), prog_fd.as_fd())
+                    .map_err(bpf_err("BPF_LINK_UPDATE", link_pin.display().to_string()))?;
+                report.replaced_program = true;
+                report.link_id = info.id;
+            } else {
+                // Pinned link detached by someone, or attached at another
+                // root: attach the new one first, then retire the old
+                // one, so there is no moment without a fence.
+                let new = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                    .map_err(|e| link_create_err(root_dir, root_fd, e))?;
+                let _ = sys::link_detach(link.as_fd());
+                fs::remove_file(&link_pin).map_err(|e| Error::Cgroup {
+                    op: "unlink",
+                    path: link_pin.clone(),
+                    source: e,
+                })?;
+                sys::obj_pin(new.as_fd(), &link_pin)
+                    .map_err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string()))?;
+                report.link_id = sys::link_info(new.as_fd()).map(|i| i.id).unwrap_or(0);
+                report.notes.push(format!(
+                    "replaced a pinned link that was {}",
+                    if info.prog_id == 0 {
+                        "detached".to_string()
+                    } else {
+                        format!("attached to cgroup id {}", info.cgroup_id)
+                    }
+                ));
+            }
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            let link = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                .map_err(|e| link_create_err(root_dir, root_fd, e))?;
+            if let Err(e) = sys::obj_pin(link.as_fd(), &link_pin) {
+                // Unpinned, the link would vanish with this process:
+                // say so rather than pretend.
+                let _ = sys::link_detach(link.as_fd());
+                return Err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string())(e));
+            }
+            report.link_id = sys::link_info(link.as_fd()).map(|i| i.id).unwrap_or(0);
+        }
+        Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
+    }
+    Ok(())
+}
+
 impl Fence {
     /// Installs (or re-installs) the fence: probe, maps, majors, exemptions,
     /// program, link. Fails closed: on any error the previous state stays
@@ -471,6 +536,8 @@ impl Fence {
         r
     }
 
+    /// [`Fence::install`]'s steps, under the directory lock: the probe,
+    /// the maps, what they hold, the program, the link, the iterators.
     fn install_here(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
         let mut report = InstallReport::default();
         if spec.protected.is_empty() {
@@ -500,6 +567,22 @@ impl Fence {
         // iterator), no fence whose grants would all be refused.
         report.mount_root_level = cg.root_level()?;
 
+        let fence = Self::open_or_create_maps(spec, &mut report)?;
+        fence.fill_maps(cg, spec, &mut report)?;
+        let prog_fd = fence.load_program(spec.audit, &spec.identities, &mut report)?;
+        attach_link(spec, &root_dir, &root_fd, &prog_fd, &mut report)?;
+        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors).err();
+        if let Some(why) = &report.iterators_unpinned {
+            report.notes.push(format!(
+                "scan iterators not pinned ({why}): each Prolog and Epilog scan loads its own (slower, not less safe)"
+            ));
+        }
+        Ok((fence, report))
+    }
+
+    /// The pinned maps, opened, or made and pinned where missing; whether
+    /// the grants were kept goes to `report`.
+    fn open_or_create_maps(spec: &FenceSpec, report: &mut InstallReport) -> Result<Fence> {
         let [majors_spec, cgroups_spec, grants_spec, denials_spec, levels_spec] =
             map_specs(spec.max_grants, spec.max_denials);
         let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
@@ -511,7 +594,7 @@ impl Fence {
         let max_entries = sys::map_info(grants.as_fd())
             .map(|i| i.max_entries)
             .unwrap_or(spec.max_grants);
-        let fence = Fence {
+        Ok(Fence {
             dir: spec.bpffs_dir.clone(),
             majors,
             cgroups,
@@ -519,27 +602,41 @@ impl Fence {
             denials,
             levels,
             max_entries,
-        };
+        })
+    }
 
-        fence.set_majors(&spec.protected)?;
+    /// What the maps hold at install: the protected majors, the exempt
+    /// cgroups (this call holds the directory lock already: the unlocked
+    /// variants), the entries' levels, then the mask the program reads to
+    /// skip empty levels.
+    fn fill_maps(&self, cg: &Cgroup2, spec: &FenceSpec, report: &mut InstallReport) -> Result<()> {
+        self.set_majors(&spec.protected)?;
         report.majors = spec.protected.majors().collect();
-        // This call holds the directory lock already: the unlocked variant,
-        // then the mask the program reads to skip empty levels.
-        let (applied, missing) = fence.set_exempt_unlocked(cg, &spec.exempt)?;
-        report.relevelled = fence.relevel_unlocked(cg)?;
-        fence.refresh_levels()?;
+        let (applied, missing) = self.set_exempt_unlocked(cg, &spec.exempt)?;
+        report.relevelled = self.relevel_unlocked(cg)?;
+        self.refresh_levels()?;
         report.exempt_applied = applied;
         report.exempt_missing = missing;
+        Ok(())
+    }
 
+    /// The fence program built against these maps and loaded through the
+    /// verifier; its id goes to `report`.
+    fn load_program(
+        &self,
+        audit: bool,
+        identities: &ExemptIdentities,
+        report: &mut InstallReport,
+    ) -> Result<OwnedFd> {
         let prog = program::build(&FenceProgramSpec {
-            majors_fd: fence.majors.as_raw_fd(),
-            cgroups_fd: fence.cgroups.as_raw_fd(),
-            grants_fd: fence.grants.as_raw_fd(),
-            denials_fd: fence.denials.as_raw_fd(),
-            levels_fd: fence.levels.as_raw_fd(),
+            majors_fd: self.majors.as_raw_fd(),
+            cgroups_fd: self.cgroups.as_raw_fd(),
+            grants_fd: self.grants.as_raw_fd(),
+            denials_fd: self.denials.as_raw_fd(),
+            levels_fd: self.levels.as_raw_fd(),
             max_level: MAX_LEVEL,
-            audit: spec.audit,
-            identities: spec.identities.clone(),
+            audit,
+            identities: identities.clone(),
         })?;
         let prog_fd =
             sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
@@ -549,64 +646,7 @@ impl Fence {
         report.prog_id = sys::prog_info(prog_fd.as_fd())
             .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", "fence program"))?
             .id;
-
-        let link_pin = spec.bpffs_dir.join(PIN_LINK);
-        match sys::obj_get(&link_pin) {
-            Ok(link) => {
-                let info = sys::link_info(link.as_fd()).map_err(bpf_err(
-                    "BPF_OBJ_GET_INFO_BY_FD",
-                    link_pin.display().to_string(),
-                ))?;
-                if info.cgroup_id == report.root_cgroup_id && info.prog_id != 0 {
-                    sys::link_update(link.as_fd(), prog_fd.as_fd())
-                        .map_err(bpf_err("BPF_LINK_UPDATE", link_pin.display().to_string()))?;
-                    report.replaced_program = true;
-                    report.link_id = info.id;
-                } else {
-                    // Pinned link detached by someone, or attached at another
-                    // root: attach the new one first, then retire the old
-                    // one, so there is no moment without a fence.
-                    let new = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
-                        .map_err(|e| link_create_err(&root_dir, &root_fd, e))?;
-                    let _ = sys::link_detach(link.as_fd());
-                    fs::remove_file(&link_pin).map_err(|e| Error::Cgroup {
-                        op: "unlink",
-                        path: link_pin.clone(),
-                        source: e,
-                    })?;
-                    sys::obj_pin(new.as_fd(), &link_pin)
-                        .map_err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string()))?;
-                    report.link_id = sys::link_info(new.as_fd()).map(|i| i.id).unwrap_or(0);
-                    report.notes.push(format!(
-                        "replaced a pinned link that was {}",
-                        if info.prog_id == 0 {
-                            "detached".to_string()
-                        } else {
-                            format!("attached to cgroup id {}", info.cgroup_id)
-                        }
-                    ));
-                }
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                let link = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
-                    .map_err(|e| link_create_err(&root_dir, &root_fd, e))?;
-                if let Err(e) = sys::obj_pin(link.as_fd(), &link_pin) {
-                    // Unpinned, the link would vanish with this process:
-                    // say so rather than pretend.
-                    let _ = sys::link_detach(link.as_fd());
-                    return Err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string())(e));
-                }
-                report.link_id = sys::link_info(link.as_fd()).map(|i| i.id).unwrap_or(0);
-            }
-            Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
-        }
-        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors).err();
-        if let Some(why) = &report.iterators_unpinned {
-            report.notes.push(format!(
-                "scan iterators not pinned ({why}): each Prolog and Epilog scan loads its own (slower, not less safe)"
-            ));
-        }
-        Ok((fence, report))
+        Ok(prog_fd)
     }
 
     /// Whether every major of `majors` is protected by the fence pinned in
