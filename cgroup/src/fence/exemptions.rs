@@ -1,0 +1,218 @@
+//! The `cgroups` map (exempt and granted cgroups, at their kernel
+//! levels) and the populated-levels mask.
+
+use super::*;
+
+impl Fence {
+    /// The `cgroups` entry of `cgroup_id`: `(flags, level)`.
+    pub(super) fn entry_of(&self, cgroup_id: u64) -> Result<Option<(u32, u32)>> {
+        Ok(maps::lookup::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?
+            .map(|v| (v.flags, v.level)))
+    }
+
+    pub(super) fn flags_of(&self, cgroup_id: u64) -> Result<u32> {
+        Ok(self.entry_of(cgroup_id)?.map_or(0, |(f, _)| f))
+    }
+
+    /// Writes the flags of `cgroup_id` (deleting the entry at 0); `level`
+    /// is the cgroup's level, kept from the existing entry when `None`.
+    /// The level's bit is set in the `levels` mask before the entry is
+    /// written (the program must not skip it); a deletion leaves the mask
+    /// as it is (the next install recomputes it: [`Fence::refresh_levels`]).
+    /// Callers hold the fence lock.
+    pub(super) fn write_flags(&self, cgroup_id: u64, flags: u32, level: Option<u32>) -> Result<()> {
+        if flags == 0 {
+            maps::delete::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
+                .map_err(bpf_err("BPF_MAP_DELETE_ELEM", "cgroups"))?;
+            return Ok(());
+        }
+        let level = match level {
+            Some(l) => l,
+            None => self.entry_of(cgroup_id)?.map_or(0, |(_, l)| l),
+        };
+        if (1..=MAX_LEVEL as u32).contains(&level) {
+            let mask = self.levels_mask()?;
+            if mask & (1 << level) == 0 {
+                maps::update::<LevelsMap>(self.levels.as_fd(), &0, &(mask | 1 << level))
+                    .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))?;
+            }
+        }
+        maps::update::<CgroupsMap>(
+            self.cgroups.as_fd(),
+            &cgroup_id,
+            &CgroupValue { flags, level },
+        )
+        .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
+        Ok(())
+    }
+
+    /// Recomputes the populated-levels mask from the `cgroups` entries (a
+    /// walk of the whole map): at install, under the fence lock, after the
+    /// exemptions are written. Between installs the mask only gains bits
+    /// ([`Fence::write_flags`]), so the program never skips a level that
+    /// matters.
+    pub(super) fn refresh_levels(&self) -> Result<()> {
+        let mut mask = 0u32;
+        for (_, (_, level)) in self.cgroup_entries()? {
+            if (1..=MAX_LEVEL as u32).contains(&level) {
+                mask |= 1 << level;
+            }
+        }
+        maps::update::<LevelsMap>(self.levels.as_fd(), &0, &mask)
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))
+    }
+
+    /// The populated-levels mask, from the map.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn levels_mask(&self) -> Result<u32> {
+        Ok(maps::lookup::<LevelsMap>(self.levels.as_fd(), &0)
+            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "levels"))?
+            .unwrap_or(0))
+    }
+
+    /// Every entry of the `cgroups` map: id → (flags, level).
+    pub(super) fn cgroup_entries(&self) -> Result<BTreeMap<u64, (u32, u32)>> {
+        if let Some(all) = maps::entries_batch::<CgroupsMap>(self.cgroups.as_fd())
+            .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "cgroups"))?
+        {
+            return Ok(all
+                .into_iter()
+                .map(|(id, v)| (id, (v.flags, v.level)))
+                .collect());
+        }
+        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
+        let mut out = BTreeMap::new();
+        for id in keys {
+            if let Some(e) = self.entry_of(id)? {
+                out.insert(id, e);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every entry of the `cgroups` map: id → flags.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn cgroup_flags(&self) -> Result<BTreeMap<u64, u32>> {
+        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
+            .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
+        let mut out = BTreeMap::new();
+        for id in keys {
+            let f = self.flags_of(id)?;
+            if f != 0 {
+                out.insert(id, f);
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Fence::add_exempt_in`] with `path` relative to the cgroup2 mount
+    /// this process finds ([`Cgroup2::discover`]).
+    ///
+    /// # Errors
+    /// As [`Fence::add_exempt_in`], and [`Error::NoCgroup2`].
+    pub fn add_exempt(&self, cgroup_id: u64, path: &str) -> Result<()> {
+        self.add_exempt_in(&Cgroup2::discover()?, cgroup_id, path)
+    }
+
+    /// Makes cgroup `cgroup_id` (at `path`, relative to `cg`'s mount)
+    /// exempt now, without a reinstall, at its kernel level
+    /// ([`Cgroup2::kernel_level`]).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`]; [`Error::KernelLevelUnknown`] (nothing is written);
+    /// [`Error::Cgroup`] when `path` is not cgroup `cgroup_id`.
+    pub fn add_exempt_in(&self, cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<()> {
+        let level = located_level(cg, cgroup_id, path)?;
+        self.locked(|| {
+            let f = self.flags_of(cgroup_id)?;
+            self.write_flags(cgroup_id, f | CGROUP_EXEMPT, Some(level as u32))
+        })
+    }
+
+    /// Whether cgroup `id` is exempt.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn is_exempt(&self, cgroup_id: u64) -> Result<bool> {
+        Ok(self.flags_of(cgroup_id)? & CGROUP_EXEMPT != 0)
+    }
+
+    /// Whether cgroup `cgroup_id` holds a grant of some device (its
+    /// `GRANTED` flag).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`] when the map cannot be read.
+    pub fn is_granted(&self, cgroup_id: u64) -> Result<bool> {
+        Ok(self.flags_of(cgroup_id)? & CGROUP_GRANTED != 0)
+    }
+
+    /// Makes exactly the existing cgroups of `paths` exempt: adds the
+    /// missing flags, then clears the flag from cgroups no longer listed.
+    /// Returns `(applied, missing)`.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn set_exempt(&self, cg: &Cgroup2, paths: &[String]) -> Result<ExemptSplit> {
+        self.locked(|| self.set_exempt_unlocked(cg, paths))
+    }
+
+    pub(super) fn set_exempt_unlocked(
+        &self,
+        cg: &Cgroup2,
+        paths: &[String],
+    ) -> Result<ExemptSplit> {
+        let mut applied = Vec::new();
+        let mut missing = Vec::new();
+        for p in paths {
+            match cg.id(p) {
+                Ok(id) => applied.push((p.clone(), id)),
+                Err(_) => missing.push(p.clone()),
+            }
+        }
+        let want: BTreeSet<u64> = applied.iter().map(|(_, id)| *id).collect();
+        let levels = applied
+            .iter()
+            .map(|(p, _)| cg.kernel_level(p))
+            .collect::<Result<Vec<_>>>()?;
+        for ((_, id), level) in applied.iter().zip(levels) {
+            let f = self.flags_of(*id)?;
+            self.write_flags(*id, f | CGROUP_EXEMPT, Some(level as u32))?;
+        }
+        for (id, f) in self.cgroup_flags()? {
+            if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {
+                self.write_flags(id, f & !CGROUP_EXEMPT, None)?;
+            }
+        }
+        Ok((applied, missing))
+    }
+
+    /// Rewrites the level of every entry whose recorded level is not the
+    /// kernel's level of its cgroup (entries an earlier version recorded
+    /// at a cgroup namespace's depth). Cgroups this mount does not show
+    /// (gone, or outside the namespace) are left alone. Callers hold the
+    /// lock and refresh the mask after.
+    pub(super) fn relevel_unlocked(&self, cg: &Cgroup2) -> Result<Vec<(String, u64, u32, usize)>> {
+        let entries = self.cgroup_entries()?;
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let levels = cg.kernel_levels()?;
+        let mut out = Vec::new();
+        for (id, (flags, recorded)) in entries {
+            let Some((path, level)) = levels.get(&id) else {
+                continue;
+            };
+            if *level as u32 != recorded && flags != 0 {
+                self.write_flags(id, flags, Some(*level as u32))?;
+                out.push((path.clone(), id, recorded, *level));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,431 @@
+//! Install: the probe, the maps, what they hold, the program, the link
+//! and the scan iterators.
+
+use super::bpffs::raise_memlock;
+use super::*;
+
+/// **Test-only switch.** When this variable is `1` in the environment of
+/// the process, [`probe_ancestor_helper`] answers as a kernel without the
+/// helper does (before 6.1), so tests can check what gpufence does on such
+/// a host. It can only make gpufence refuse to install (fail closed), never
+/// weaken a fence; production configs never set it (slurmd builds the
+/// Prolog's environment, and jobs cannot reach slurmd's).
+pub const FORCE_NO_HELPER_ENV: &str = "GPUFENCE_TEST_FORCE_NO_HELPER";
+
+/// Checks that the kernel lets device programs call
+/// `bpf_get_current_ancestor_cgroup_id` by loading a 4-instruction program
+/// that does (`../shared/domain/bpf.md`: probe, do not trust versions).
+///
+/// # Errors
+/// [`Error::HelperUnsupported`] naming the requirement (also when the
+/// test-only [`FORCE_NO_HELPER_ENV`] is `1`), or [`Error::Bpf`] when
+/// loading fails for another reason (no CAP_BPF).
+pub fn probe_ancestor_helper() -> Result<()> {
+    if std::env::var_os(FORCE_NO_HELPER_ENV).is_some_and(|v| v == "1") {
+        return Err(Error::HelperUnsupported {
+            detail: format!("forced by {FORCE_NO_HELPER_ENV}=1 (a test switch)"),
+        });
+    }
+    let p = program::probe()?;
+    match sys::prog_load_cgroup_device(&p.insns, "gpufence_probe") {
+        Ok(_fd) => Ok(()),
+        Err(e) if e.errno.raw_os_error() == Some(libc::EINVAL) => Err(Error::HelperUnsupported {
+            detail: format!(
+                "{}: {}",
+                e.errno,
+                e.log
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("")
+            ),
+        }),
+        Err(e) => Err(Error::Bpf {
+            op: "BPF_PROG_LOAD",
+            what: format!("probe program ({})", e.log.trim()),
+            source: e.errno,
+        }),
+    }
+}
+
+/// The error of `BPF_LINK_CREATE` at `root_dir`: `E2BIG` is the kernel's
+/// per-cgroup program limit, said as such with the count and the fix.
+fn link_create_err(root_dir: &Path, root_fd: &File, e: io::Error) -> Error {
+    if e.raw_os_error() == Some(libc::E2BIG) {
+        let count = sys::prog_query_cgroup_device(root_fd.as_fd())
+            .map(|(_, ids)| ids.len())
+            .unwrap_or(64);
+        return Error::TooManyPrograms {
+            path: root_dir.to_path_buf(),
+            count,
+        };
+    }
+    bpf_err("BPF_LINK_CREATE", root_dir.display().to_string())(e)
+}
+
+fn open_or_create_map(
+    dir: &Path,
+    spec: &MapSpec,
+    notes: &mut Vec<String>,
+) -> Result<(OwnedFd, bool)> {
+    let pin = dir.join(spec.name);
+    for _ in 0..3 {
+        match sys::obj_get(&pin) {
+            Ok(fd) => {
+                check_map(&fd, &pin, spec, notes)?;
+                return Ok((fd, true));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(bpf_err("BPF_OBJ_GET", pin.display().to_string())(e)),
+        }
+        let fd = sys::map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            spec.name,
+        )
+        .map_err(bpf_err("BPF_MAP_CREATE", spec.name))?;
+        match sys::obj_pin(fd.as_fd(), &pin) {
+            Ok(()) => return Ok((fd, false)),
+            // Another installer pinned first: use theirs.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+            Err(e) => return Err(bpf_err("BPF_OBJ_PIN", pin.display().to_string())(e)),
+        }
+    }
+    Err(Error::Bpf {
+        op: "BPF_OBJ_GET",
+        what: pin.display().to_string(),
+        source: io::Error::other("pin appeared and vanished repeatedly"),
+    })
+}
+
+/// Checks that the map pinned at `pin` has the layout of `spec`: its
+/// type, key size and value size, and its capacity where the layout fixes
+/// it ([`MapSpec::fixed_entries`]). A configured capacity that differs is
+/// kept, with a note (the map holds live grants).
+///
+/// # Errors
+/// [`Error::MapMismatch`] naming the pin, what it has and what this
+/// version needs; [`Error::Bpf`] when the kernel cannot say.
+fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) -> Result<()> {
+    let info = sys::map_info(fd.as_fd())
+        .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", pin.display().to_string()))?;
+    let found = (info.map_type, info.key_size, info.value_size);
+    let wanted = (spec.map_type, spec.key_size, spec.value_size);
+    if found != wanted || (spec.fixed_entries && info.max_entries != spec.max_entries) {
+        let shape =
+            |t: u32, k: u32, v: u32, n: u32| format!("type {t} key {k} value {v} max_entries {n}");
+        return Err(Error::MapMismatch {
+            path: pin.to_path_buf(),
+            found: shape(
+                info.map_type,
+                info.key_size,
+                info.value_size,
+                info.max_entries,
+            ),
+            expected: if spec.fixed_entries {
+                shape(
+                    spec.map_type,
+                    spec.key_size,
+                    spec.value_size,
+                    spec.max_entries,
+                )
+            } else {
+                format!(
+                    "type {} key {} value {}",
+                    spec.map_type, spec.key_size, spec.value_size
+                )
+            },
+        });
+    }
+    if info.max_entries != spec.max_entries {
+        notes.push(format!(
+            "{} keeps its capacity {} (config asks {}): it holds live grants; `gpufence fence remove` then install to resize",
+            pin.display(),
+            info.max_entries,
+            spec.max_entries
+        ));
+    }
+    Ok(())
+}
+
+/// Attaches program `prog_fd` at `root_dir` through the link pinned in
+/// `spec.bpffs_dir`: the pinned link's program swapped in place
+/// (`BPF_LINK_UPDATE`) when it is attached there; else a new link made
+/// and pinned (first, so there is no moment without a fence) and the old
+/// one retired. The link's id and what was done go to `report`.
+fn attach_link(
+    spec: &FenceSpec,
+    root_dir: &Path,
+    root_fd: &File,
+    prog_fd: &OwnedFd,
+    report: &mut InstallReport,
+) -> Result<()> {
+    let link_pin = spec.bpffs_dir.join(PIN_LINK);
+    match sys::obj_get(&link_pin) {
+        Ok(link) => {
+            let info = sys::link_info(link.as_fd()).map_err(bpf_err(
+                "BPF_OBJ_GET_INFO_BY_FD",
+                link_pin.display().to_string(),
+            ))?;
+            if info.cgroup_id == report.root_cgroup_id && info.prog_id != 0 {
+                sys::link_update(link.as_fd(), prog_fd.as_fd())
+                    .map_err(bpf_err("BPF_LINK_UPDATE", link_pin.display().to_string()))?;
+                report.replaced_program = true;
+                report.link_id = info.id;
+            } else {
+                // Pinned link detached by someone, or attached at another
+                // root: attach the new one first, then retire the old
+                // one, so there is no moment without a fence.
+                let new = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                    .map_err(|e| link_create_err(root_dir, root_fd, e))?;
+                let _ = sys::link_detach(link.as_fd());
+                fs::remove_file(&link_pin).map_err(|e| Error::Cgroup {
+                    op: "unlink",
+                    path: link_pin.clone(),
+                    source: e,
+                })?;
+                sys::obj_pin(new.as_fd(), &link_pin)
+                    .map_err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string()))?;
+                report.link_id = sys::link_info(new.as_fd()).map(|i| i.id).unwrap_or(0);
+                report.notes.push(format!(
+                    "replaced a pinned link that was {}",
+                    if info.prog_id == 0 {
+                        "detached".to_string()
+                    } else {
+                        format!("attached to cgroup id {}", info.cgroup_id)
+                    }
+                ));
+            }
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            let link = sys::link_create_cgroup_device(prog_fd.as_fd(), root_fd.as_fd())
+                .map_err(|e| link_create_err(root_dir, root_fd, e))?;
+            if let Err(e) = sys::obj_pin(link.as_fd(), &link_pin) {
+                // Unpinned, the link would vanish with this process:
+                // say so rather than pretend.
+                let _ = sys::link_detach(link.as_fd());
+                return Err(bpf_err("BPF_OBJ_PIN", link_pin.display().to_string())(e));
+            }
+            report.link_id = sys::link_info(link.as_fd()).map(|i| i.id).unwrap_or(0);
+        }
+        Err(e) => return Err(bpf_err("BPF_OBJ_GET", link_pin.display().to_string())(e)),
+    }
+    Ok(())
+}
+
+impl Fence {
+    /// Installs (or re-installs) the fence: probe, maps, majors, exemptions,
+    /// program, link. Fails closed: on any error the previous state stays
+    /// (a previously attached program keeps running) and the error says why.
+    ///
+    /// # Errors
+    /// [`Error`]: no bpffs, no helper, no CAP_BPF, a cgroup_root that does
+    /// not exist, a pinned map of another layout, an empty majors set.
+    ///
+    /// A failed install leaves nothing of its own behind: every pin it made
+    /// in `bpffs_dir` (maps, iterator links) is removed, so its maps are
+    /// freed with its descriptors, and the directory too when this install
+    /// made it; pins that were there before (an earlier fence's) stay.
+    /// bpffs stays mounted when this install mounted it.
+    pub fn install(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
+        let existed = spec.bpffs_dir.is_dir();
+        let before: BTreeSet<std::ffi::OsString> = pin_names(&spec.bpffs_dir);
+        let r = Self::install_here(cg, spec);
+        if r.is_err() && spec.bpffs_dir.is_dir() {
+            for name in pin_names(&spec.bpffs_dir).difference(&before) {
+                let _ = fs::remove_file(spec.bpffs_dir.join(name));
+            }
+            if !existed {
+                let _ = fs::remove_dir(&spec.bpffs_dir);
+            }
+        }
+        r
+    }
+
+    /// [`Fence::install`]'s steps, under the directory lock: the probe,
+    /// the maps, what they hold, the program, the link, the iterators.
+    pub(super) fn install_here(cg: &Cgroup2, spec: &FenceSpec) -> Result<(Fence, InstallReport)> {
+        let mut report = InstallReport::default();
+        if spec.protected.is_empty() {
+            return Err(Error::Bpf {
+                op: "install",
+                what: "protected majors".into(),
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "no NVIDIA major in /proc/devices and no [majors] table: nothing to protect (is the driver loaded?)",
+                ),
+            });
+        }
+        raise_memlock();
+        report.mounted_bpffs = ensure_bpffs(&spec.bpffs_dir)?;
+        let _lock = DirLock::take(&spec.bpffs_dir)?;
+        probe_ancestor_helper()?;
+
+        let root_dir = cg.path(&spec.cgroup_root);
+        let root_fd = File::open(&root_dir).map_err(|e| Error::Cgroup {
+            op: "open",
+            path: root_dir.clone(),
+            source: e,
+        })?;
+        report.root_cgroup_id = cg.id(&spec.cgroup_root)?;
+        // Every level the fence records is the kernel's: where that cannot
+        // be told (a cgroup namespace on a kernel without the cgroup
+        // iterator), no fence whose grants would all be refused.
+        report.mount_root_level = cg.root_level()?;
+
+        let fence = Self::open_or_create_maps(spec, &mut report)?;
+        fence.fill_maps(cg, spec, &mut report)?;
+        let prog_fd = fence.load_program(spec.audit, &spec.identities, &mut report)?;
+        attach_link(spec, &root_dir, &root_fd, &prog_fd, &mut report)?;
+        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors).err();
+        if let Some(why) = &report.iterators_unpinned {
+            report.notes.push(format!(
+                "scan iterators not pinned ({why}): each Prolog and Epilog scan loads its own (slower, not less safe)"
+            ));
+        }
+        Ok((fence, report))
+    }
+
+    /// The pinned maps, opened, or made and pinned where missing; whether
+    /// the grants were kept goes to `report`.
+    pub(super) fn open_or_create_maps(
+        spec: &FenceSpec,
+        report: &mut InstallReport,
+    ) -> Result<Fence> {
+        let [majors_spec, cgroups_spec, grants_spec, denials_spec, levels_spec] =
+            map_specs(spec.max_grants, spec.max_denials);
+        let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
+        let (cgroups, r2) = open_or_create_map(&spec.bpffs_dir, &cgroups_spec, &mut report.notes)?;
+        let (grants, r3) = open_or_create_map(&spec.bpffs_dir, &grants_spec, &mut report.notes)?;
+        let (denials, _) = open_or_create_map(&spec.bpffs_dir, &denials_spec, &mut report.notes)?;
+        let (levels, _) = open_or_create_map(&spec.bpffs_dir, &levels_spec, &mut report.notes)?;
+        report.reused_maps = r1 && r2 && r3;
+        let max_entries = sys::map_info(grants.as_fd())
+            .map(|i| i.max_entries)
+            .unwrap_or(spec.max_grants);
+        Ok(Fence {
+            dir: spec.bpffs_dir.clone(),
+            majors,
+            cgroups,
+            grants,
+            denials,
+            levels,
+            max_entries,
+        })
+    }
+
+    /// What the maps hold at install: the protected majors, the exempt
+    /// cgroups (this call holds the directory lock already: the unlocked
+    /// variants), the entries' levels, then the mask the program reads to
+    /// skip empty levels.
+    pub(super) fn fill_maps(
+        &self,
+        cg: &Cgroup2,
+        spec: &FenceSpec,
+        report: &mut InstallReport,
+    ) -> Result<()> {
+        self.set_majors(&spec.protected)?;
+        report.majors = spec.protected.majors().collect();
+        let (applied, missing) = self.set_exempt_unlocked(cg, &spec.exempt)?;
+        report.relevelled = self.relevel_unlocked(cg)?;
+        self.refresh_levels()?;
+        report.exempt_applied = applied;
+        report.exempt_missing = missing;
+        Ok(())
+    }
+
+    /// The fence program built against these maps and loaded through the
+    /// verifier; its id goes to `report`.
+    pub(super) fn load_program(
+        &self,
+        audit: bool,
+        identities: &ExemptIdentities,
+        report: &mut InstallReport,
+    ) -> Result<OwnedFd> {
+        let prog = program::build(&FenceProgramSpec {
+            majors_fd: self.majors.as_raw_fd(),
+            cgroups_fd: self.cgroups.as_raw_fd(),
+            grants_fd: self.grants.as_raw_fd(),
+            denials_fd: self.denials.as_raw_fd(),
+            levels_fd: self.levels.as_raw_fd(),
+            max_level: MAX_LEVEL,
+            audit,
+            identities: identities.clone(),
+        })?;
+        let prog_fd =
+            sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
+                source: e.errno,
+                log: e.log,
+            })?;
+        report.prog_id = sys::prog_info(prog_fd.as_fd())
+            .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", "fence program"))?
+            .id;
+        Ok(prog_fd)
+    }
+
+    /// The tag (SHA-1 prefix over the instructions, map references zeroed;
+    /// `bpf_prog_calc_tag`) of the program this version would install now
+    /// in mode `audit`: loaded against the pinned maps, never attached.
+    /// Compared with the attached program's tag, it says whether the fence
+    /// is current.
+    ///
+    /// # Errors
+    /// [`Error`] when it cannot be built or loaded.
+    pub fn fresh_program_tag(&self, audit: bool, identities: &ExemptIdentities) -> Result<[u8; 8]> {
+        let prog = program::build(&FenceProgramSpec {
+            majors_fd: self.majors.as_raw_fd(),
+            cgroups_fd: self.cgroups.as_raw_fd(),
+            grants_fd: self.grants.as_raw_fd(),
+            denials_fd: self.denials.as_raw_fd(),
+            levels_fd: self.levels.as_raw_fd(),
+            max_level: MAX_LEVEL,
+            audit,
+            identities: identities.clone(),
+        })?;
+        let fd =
+            sys::prog_load_cgroup_device(&prog.insns, PROG_NAME).map_err(|e| Error::Verifier {
+                source: e.errno,
+                log: e.log,
+            })?;
+        Ok(sys::prog_info(fd.as_fd())
+            .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", "fresh program"))?
+            .tag)
+    }
+}
+
+/// The names in `dir` (none when it cannot be read).
+fn pin_names(dir: &Path) -> BTreeSet<std::ffi::OsString> {
+    fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .unwrap_or_default()
+}
+
+/// Loads the scan iterators (the descriptor tables' and mappings'
+/// [`crate::fdtable`] program, filtered by the fence's `majors` map, and
+/// the ring iterator) and pins their links in `dir` (replacing older
+/// pins). On failure, removes what this call pinned so that no stale
+/// iterator outlives the fence it was made for, and says why.
+fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String> {
+    use crate::iter::{RingIterator, RingLayout};
+    let r = (|| -> std::result::Result<(), String> {
+        let btf = crate::btf::Btf::vmlinux().map_err(|e| e.to_string())?;
+        let rings = RingLayout::from_btf(&btf)
+            .map_err(|e| e.to_string())
+            .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))?;
+        let tables = crate::fdtable::FdTableLayout::from_btf(&btf)
+            .map_err(|e| e.to_string())
+            .and_then(|l| {
+                crate::fdtable::FdTableIterator::load(&l, majors).map_err(|e| e.to_string())
+            })?;
+        tables.pin(dir).map_err(|e| e.to_string())?;
+        rings.pin(dir).map_err(|e| e.to_string())
+    })();
+    if r.is_err() {
+        for n in crate::iter::PINS {
+            let _ = fs::remove_file(dir.join(n));
+        }
+    }
+    r
+}

@@ -1,0 +1,82 @@
+//! The `majors` map: which majors the fence protects.
+
+use super::*;
+
+impl Fence {
+    /// Whether every major of `majors` is protected by the fence pinned in
+    /// `bpffs_dir` (its `majors` map, one lookup each): what a scan asks
+    /// before it reads the pinned iterators, which write only protected
+    /// majors ([`crate::fdtable`]).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`]: no pinned map, or a lookup failed.
+    pub fn majors_protected(bpffs_dir: &Path, majors: &[u32]) -> Result<bool> {
+        let pin = bpffs_dir.join(PIN_MAJORS);
+        let fd = sys::obj_get(&pin).map_err(bpf_err("BPF_OBJ_GET", pin.display().to_string()))?;
+        for m in majors {
+            if *m >= MAJORS_ENTRIES
+                || maps::lookup::<MajorsMap>(fd.as_fd(), m)
+                    .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
+                    .unwrap_or(0)
+                    == 0
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Protects each of `majors` that is not protected yet (never
+    /// unprotects). Returns the ones added. A few lookups: cheap enough for
+    /// every prolog, which heals a driver loaded after the install.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn add_majors(&self, majors: &[u32]) -> Result<Vec<u32>> {
+        let mut added = Vec::new();
+        for m in majors {
+            let on = maps::lookup::<MajorsMap>(self.majors.as_fd(), m)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", format!("majors[{m}]")))?
+                .is_some_and(|v| v != 0);
+            if !on {
+                maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+                    .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+                added.push(*m);
+            }
+        }
+        Ok(added)
+    }
+
+    pub(super) fn set_majors(&self, protected: &ProtectedMajors) -> Result<()> {
+        let want: BTreeSet<u32> = protected.majors().collect();
+        let current: BTreeSet<u32> = self.protected_majors()?.into_iter().collect();
+        // Protect new majors before unprotecting old ones: no moment in
+        // which a major that should be closed is open.
+        for m in want.difference(&current) {
+            maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+        }
+        for m in current.difference(&want) {
+            maps::update::<MajorsMap>(self.majors.as_fd(), m, &0)
+                .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
+        }
+        Ok(())
+    }
+
+    /// The protected majors, from the map.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`].
+    pub fn protected_majors(&self) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for m in 0..MAJORS_ENTRIES {
+            if maps::lookup::<MajorsMap>(self.majors.as_fd(), &m)
+                .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
+                .is_some_and(|v| v != 0)
+            {
+                out.push(m);
+            }
+        }
+        Ok(out)
+    }
+}
