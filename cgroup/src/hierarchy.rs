@@ -6,7 +6,9 @@
 //! controllers) cgroup2 is at `/sys/fs/cgroup/unified`. The mount is read
 //! from `/proc/self/mountinfo`. The device check always runs against the
 //! task's cgroup2 cgroup, even on hybrid hosts where that hierarchy has no
-//! controllers (`../shared/domain/bpf.md`).
+//! controllers: `__cgroup_bpf_check_dev_permission` in
+//! `kernel/bpf/cgroup.c` runs the programs of `task_dfl_cgroup(current)`,
+//! the task's cgroup in the default (v2) hierarchy.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};

@@ -16,8 +16,8 @@
 //! - [`verdict`]: the fence program's answer for a task, computed by
 //!   running the program over the live maps (for `doctor` and `status`).
 //!
-//! Facts this rests on are in `../shared/domain/bpf.md` (kernel
-//! `kernel/bpf/cgroup.c`): a `BPF_F_ALLOW_MULTI` program (or a cgroup
+//! The kernel facts this rests on (`kernel/bpf/cgroup.c`,
+//! `compute_effective_progs` and `__cgroup_bpf_attach`): a `BPF_F_ALLOW_MULTI` program (or a cgroup
 //! `bpf_link`, which has MULTI semantics) at a cgroup runs for every task
 //! below it, ANDed with whatever Slurm, systemd or a container runtime
 //! attach lower down.

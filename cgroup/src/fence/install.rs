@@ -14,7 +14,10 @@ pub const FORCE_NO_HELPER_ENV: &str = "GPUFENCE_TEST_FORCE_NO_HELPER";
 
 /// Checks that the kernel lets device programs call
 /// `bpf_get_current_ancestor_cgroup_id` by loading a 4-instruction program
-/// that does (`../shared/domain/bpf.md`: probe, do not trust versions).
+/// that does: probe, do not trust version numbers (the helper reached
+/// device programs through `cgroup_current_func_proto` in
+/// `kernel/bpf/cgroup.c` in 6.1; distribution kernels backport it, e.g.
+/// RHEL 9.3's BPF rebase).
 ///
 /// # Errors
 /// [`Error::HelperUnsupported`] naming the requirement (also when the
