@@ -502,7 +502,7 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .store(Size::DW, Reg::R10, -8, Reg::R3)
         .store(Size::W, Reg::R10, -12, Reg::R2)
         .mov64_reg(Reg::R1, Reg::R9)
-        .alu64_imm(AluOp::Add, Reg::R1, k as i32)
+        .alu64_imm(AluOp::Add, Reg::R1, k)
         .store(Size::W, Reg::R10, -16, Reg::R1)
         .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
         .store(Size::DW, Reg::R10, -24, Reg::R1)

@@ -755,7 +755,7 @@ mod tests {
     #[test]
     fn paths_leaving_the_mount_have_no_ancestry() {
         let d = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(d.path().join("a/x")).unwrap();
+        fs::create_dir_all(d.path().join("a/x")).unwrap();
         let cg = Cgroup2::at(d.path().join("a"));
         assert_eq!(cg.ancestry("x").len(), 1);
         for rel in ["../a/x", "./x", "x/..", "x/../x"] {

@@ -60,11 +60,8 @@ pub fn lock_node() -> std::fs::File {
     let _ = std::fs::create_dir_all("/run/lock");
     let lock = std::fs::File::create(LOCK).expect("v2node lock");
     // SAFETY: flock on a descriptor we own.
-    assert_eq!(
-        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) },
-        0,
-        "flock {LOCK}"
-    );
+    let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(locked, 0, "flock {LOCK}");
     lock
 }
 

@@ -349,8 +349,7 @@ fn exec_runs_admin_commands_exempt_and_audited() {
     let end: Value = audit
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|e| e["event"] == "exec_end")
-        .last()
+        .rfind(|e| e["event"] == "exec_end")
         .unwrap();
     assert_eq!(end["exit_code"], 127, "{end}");
     assert!(

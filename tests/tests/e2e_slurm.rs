@@ -504,7 +504,7 @@ fn real_slurm_cluster_end_to_end() {
     // 7e. A holder that cannot be killed (frozen by the cgroup v1 freezer:
     //     SIGKILL stays pending): the epilog exits non-zero and drains the
     //     node with a reason naming gpufence, the job and the pid.
-    let freezer = std::path::PathBuf::from(format!("/sys/fs/cgroup/freezer/{}", env.root));
+    let freezer = PathBuf::from(format!("/sys/fs/cgroup/freezer/{}", env.root));
     std::fs::create_dir_all(&freezer)
         .expect("cgroup v1 freezer (this test simulates an unkillable process with it)");
     let sock2 = env.path("jobs/handoff2.sock");

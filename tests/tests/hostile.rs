@@ -197,7 +197,7 @@ fn hostile_jobs_on_a_real_cluster() {
     }
     for pin in ["grants", "cgroups", "majors", "link"] {
         assert_eq!(
-            verdict(&out, &format!("{bpffs}/{pin}")),
+            verdict(&out, format!("{bpffs}/{pin}")),
             "EACCES",
             "pinned {pin} (bpffs_dir 0700):\n{out}"
         );
@@ -220,7 +220,7 @@ fn hostile_jobs_on_a_real_cluster() {
     let ev = env.path("evidence/x");
     assert!(
         matches!(
-            verdict(&out, &ev.display().to_string()).as_str(),
+            verdict(&out, ev.display().to_string()).as_str(),
             "EACCES" | "errno 2"
         ) && !ev.exists(),
         "{out}"
@@ -256,7 +256,7 @@ fn hostile_jobs_on_a_real_cluster() {
     let count_open = |out: &str| {
         by_index
             .iter()
-            .filter(|p| verdict(out, &p.display().to_string()) == "ENXIO")
+            .filter(|p| verdict(out, p.display().to_string()) == "ENXIO")
             .count()
     };
     // - another job's id (its own job A): srun runs a step *in job A*,
@@ -278,16 +278,8 @@ fn hostile_jobs_on_a_real_cluster() {
     let out = stdout(&o);
     assert!(o.status.success(), "{}", both(&o));
     assert_eq!(field(&out, "JOB"), Some(job_a.to_string()), "{out}");
-    assert_eq!(
-        verdict(&out, &a_gpu.display().to_string()),
-        "ENXIO",
-        "{out}"
-    );
-    assert_eq!(
-        verdict(&out, &b_gpu.display().to_string()),
-        "EPERM",
-        "{out}"
-    );
+    assert_eq!(verdict(&out, a_gpu.display().to_string()), "ENXIO", "{out}");
+    assert_eq!(verdict(&out, b_gpu.display().to_string()), "EPERM", "{out}");
     // - a job id that does not exist: refused by Slurm, nothing runs;
     let o = user_env_cmd(&cluster, &[("SLURM_JOB_ID", os("999999"))], "srun")
         .args(["--export=ALL", "--gres=gpu:sim:1", "sh", "-c", &open_cmd])

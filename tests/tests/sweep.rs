@@ -280,7 +280,7 @@ fn slurm_listeners_are_not_findings_but_open_notebooks_are() {
     assert_eq!(nb[0].pid, Some(notebook));
     // The defaults name Slurm's binaries, not the probe: the first test
     // sees the same listener reported.
-    let d = gpufence_model::config::Config::default();
+    let d = Config::default();
     assert!(d.slurm_listeners.contains(&"/usr/bin/srun".into()));
     assert!(!d.slurm_listeners.contains(&probe));
 }

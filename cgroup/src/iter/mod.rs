@@ -494,7 +494,7 @@ mod live {
                     1u32,
                 )
             };
-            assert_eq!(r, 1, "{}", std::io::Error::last_os_error());
+            assert_eq!(r, 1, "{}", io::Error::last_os_error());
             // SAFETY: closes the ring's descriptor and /dev/null's: the
             // ring lives on in the task's registered slots only.
             unsafe { libc::close(ring as i32) };

@@ -213,12 +213,12 @@ pub fn prog_query_cgroup_device_flags(
 ///
 /// # Errors
 /// errno (`EPERM` without CAP_SYS_ADMIN / CAP_PERFMON).
-pub fn prog_xlated(fd: BorrowedFd<'_>) -> io::Result<Vec<crate::asm::RawInsn>> {
+pub fn prog_xlated(fd: BorrowedFd<'_>) -> io::Result<Vec<RawInsn>> {
     let first: ProgInfo = info_by_fd(fd)?;
-    let n = first.xlated_prog_len as usize / size_of::<crate::asm::RawInsn>();
-    let mut insns = vec![crate::asm::RawInsn::default(); n];
+    let n = first.xlated_prog_len as usize / size_of::<RawInsn>();
+    let mut insns = vec![RawInsn::default(); n];
     let mut info = ProgInfo {
-        xlated_prog_len: (n * size_of::<crate::asm::RawInsn>()) as u32,
+        xlated_prog_len: (n * size_of::<RawInsn>()) as u32,
         xlated_prog_insns: insns.as_mut_ptr() as u64,
         ..Default::default()
     };
@@ -229,7 +229,7 @@ pub fn prog_xlated(fd: BorrowedFd<'_>) -> io::Result<Vec<crate::asm::RawInsn>> {
     };
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
     // The program cannot change; a shorter answer is kept as given.
-    let got = (info.xlated_prog_len as usize / size_of::<crate::asm::RawInsn>()).min(n);
+    let got = (info.xlated_prog_len as usize / size_of::<RawInsn>()).min(n);
     insns.truncate(got);
     Ok(insns)
 }

@@ -155,6 +155,9 @@ pub(super) struct BatchAttr {
     pub(super) flags: u64,
 }
 
+/// A map's entries as raw bytes: `(key, value)` pairs.
+pub type RawEntries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Every `(key, value)` of hash map `map` with `BPF_MAP_LOOKUP_BATCH`, up
 /// to 4,096 entries per call: one pass over the map's buckets in the
 /// kernel instead of a `BPF_MAP_GET_NEXT_KEY` and a `BPF_MAP_LOOKUP_ELEM`
@@ -169,7 +172,7 @@ pub fn map_entries_batch(
     map: BorrowedFd<'_>,
     key_size: usize,
     value_size: usize,
-) -> io::Result<Option<Vec<(Vec<u8>, Vec<u8>)>>> {
+) -> io::Result<Option<RawEntries>> {
     const CHUNK: usize = 4096;
     // `ENOTSUPP` (524) is kernel-internal; it reaches user space as is.
     const ENOTSUPP: i32 = 524;

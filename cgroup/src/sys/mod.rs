@@ -86,7 +86,7 @@ fn bpf<T: Copy>(cmd: i32, attr: &mut T) -> io::Result<i64> {
 /// [`bpf`] with the caller's buffer (tests look at what the kernel wrote
 /// past `T`).
 fn bpf_raw<T: Copy>(cmd: i32, attr: &mut T, buf: &mut [u8; ATTR_SIZE]) -> io::Result<i64> {
-    const { assert!(size_of::<T>() <= ATTR_SIZE && std::mem::align_of::<T>() <= 8) };
+    const { assert!(size_of::<T>() <= ATTR_SIZE && align_of::<T>() <= 8) };
     let at = buf.as_mut_ptr().cast::<T>();
     // SAFETY: `buf` holds ATTR_SIZE >= size_of::<T>() bytes; `T` is plain
     // data (integers, arrays, pointers as u64), so unaligned reads and

@@ -123,6 +123,14 @@
 //! * No function panics across the FFI boundary: every body runs under
 //!   `catch_unwind` and a panic becomes `NVML_ERROR_UNKNOWN`.
 
+// The exported functions are the C ABI that NVML and glibc NSS define
+// (their headers document each); the bodies read and write through the
+// caller's pointers under that contract. This is a test double.
+#![allow(
+    missing_docs,
+    unsafe_op_in_unsafe_fn,
+    clippy::undocumented_unsafe_blocks
+)]
 #![allow(clippy::missing_safety_doc)]
 
 use std::collections::BTreeMap;
@@ -953,7 +961,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                 return INVALID_ARGUMENT;
             }
             // NVML_STRUCT_VERSION(Memory, 2), as nvml.h defines nvmlMemory_v2.
-            let want = (std::mem::size_of::<nvmlMemory_v2_t>() as u32) | (2 << 24);
+            let want = (size_of::<nvmlMemory_v2_t>() as u32) | (2 << 24);
             if (*memory).version != want {
                 return ARGUMENT_VERSION_MISMATCH;
             }

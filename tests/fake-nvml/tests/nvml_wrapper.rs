@@ -234,6 +234,8 @@ fn every_method_returns_the_scripted_values() {
     ));
 
     // nvmlErrorString.
+    // SAFETY: nvmlErrorString returns a static NUL-terminated string for
+    // any code (the fake's table, as NVML's).
     let text = |code| unsafe { CStr::from_ptr(nvml.lib().nvmlErrorString(code)) };
     assert_eq!(text(9).to_str().unwrap(), "Driver Not Loaded");
     assert_eq!(text(0).to_str().unwrap(), "Success");
