@@ -211,7 +211,7 @@ impl Cgroup2 {
         }
         let walk = crate::level::ancestors_up(dir.as_fd()).map_err(|e| unknown(e.to_string()))?;
         let chain: Arc<[u64]> = crate::level::chain_by_level(&walk, id)
-            .map_err(unknown)?
+            .map_err(|e| unknown(e.to_string()))?
             .into();
         if let Ok(mut m) = ROOT_CHAINS.lock() {
             m.insert(id, chain.clone());

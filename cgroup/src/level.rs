@@ -182,44 +182,87 @@ pub fn ancestors_up(dir: BorrowedFd<'_>) -> Result<Vec<KernelCgroup>, IterError>
     decode(&iter::read_raw(&link)?)
 }
 
+/// Why a walk up the cgroup tree is not one cgroup's chain of ancestors
+/// ([`chain_by_level`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// The iterator reported nothing.
+    #[error("the cgroup iterator reported no cgroup")]
+    Empty,
+    /// It started at another cgroup.
+    #[error("the cgroup iterator reported cgroup id {got}, not {id}")]
+    OtherCgroup {
+        /// The cgroup it reported first.
+        got: u64,
+        /// The cgroup asked about.
+        id: u64,
+    },
+    /// It is not one cgroup per level up to the root.
+    #[error("cgroup id {id} is at level {level} but the walk up has {len} cgroups")]
+    Length {
+        /// The cgroup asked about.
+        id: u64,
+        /// Its level.
+        level: u32,
+        /// Cgroups in the walk.
+        len: usize,
+    },
+    /// It does not end at the hierarchy's root.
+    #[error(
+        "the walk up from cgroup id {id} ends at cgroup id {root}, not the root's {}",
+        crate::hierarchy::ROOT_CGROUP_ID
+    )]
+    NotAtRoot {
+        /// The cgroup asked about.
+        id: u64,
+        /// Where the walk ended.
+        root: u64,
+    },
+    /// A level is skipped or repeated.
+    #[error("the walk up from cgroup id {id} has level {level} at step {step}")]
+    Gap {
+        /// The cgroup asked about.
+        id: u64,
+        /// The level found.
+        level: u32,
+        /// Where in the walk.
+        step: usize,
+    },
+}
+
 /// Checks that `walk` is what [`ancestors_up`] gives for the cgroup `id`:
 /// that cgroup first, each next one level up, ending at the root (level 0,
 /// [`crate::hierarchy::ROOT_CGROUP_ID`]). Returns the ids by level: index
 /// 0 the root, the last `id`.
 ///
 /// # Errors
-/// A sentence saying what does not fit.
-pub fn chain_by_level(walk: &[KernelCgroup], id: u64) -> Result<Vec<u64>, String> {
+/// [`ChainError`]: what does not fit.
+pub fn chain_by_level(walk: &[KernelCgroup], id: u64) -> Result<Vec<u64>, ChainError> {
     let Some(first) = walk.first() else {
-        return Err("the cgroup iterator reported no cgroup".into());
+        return Err(ChainError::Empty);
     };
     if first.id != id {
-        return Err(format!(
-            "the cgroup iterator reported cgroup id {}, not {id}",
-            first.id
-        ));
+        return Err(ChainError::OtherCgroup { got: first.id, id });
     }
     if walk.len() != first.level as usize + 1 {
-        return Err(format!(
-            "cgroup id {id} is at level {} but the walk up has {} cgroups",
-            first.level,
-            walk.len()
-        ));
+        return Err(ChainError::Length {
+            id,
+            level: first.level,
+            len: walk.len(),
+        });
     }
     for (i, c) in walk.iter().enumerate() {
         if c.level as usize != first.level as usize - i {
-            return Err(format!(
-                "the walk up from cgroup id {id} has level {} at step {i}",
-                c.level
-            ));
+            return Err(ChainError::Gap {
+                id,
+                level: c.level,
+                step: i,
+            });
         }
     }
     let root = walk[walk.len() - 1].id;
     if root != crate::hierarchy::ROOT_CGROUP_ID {
-        return Err(format!(
-            "the walk up from cgroup id {id} ends at cgroup id {root}, not the root's {}",
-            crate::hierarchy::ROOT_CGROUP_ID
-        ));
+        return Err(ChainError::NotAtRoot { id, root });
     }
     Ok(walk.iter().rev().map(|c| c.id).collect())
 }

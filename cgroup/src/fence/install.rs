@@ -282,7 +282,9 @@ impl Fence {
         fence.fill_maps(cg, spec, &mut report)?;
         let prog_fd = fence.load_program(spec.audit, &spec.identities, &mut report)?;
         attach_link(spec, &root_dir, &root_fd, &prog_fd, &mut report)?;
-        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors).err();
+        report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors)
+            .err()
+            .map(|e| e.to_string());
         if let Some(why) = &report.iterators_unpinned {
             report.notes.push(format!(
                 "scan iterators not pinned ({why}): each Prolog and Epilog scan loads its own (slower, not less safe)"
@@ -410,20 +412,17 @@ fn pin_names(dir: &Path) -> BTreeSet<std::ffi::OsString> {
 /// the ring iterator) and pins their links in `dir` (replacing older
 /// pins). On failure, removes what this call pinned so that no stale
 /// iterator outlives the fence it was made for, and says why.
-fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), String> {
+fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), crate::iter::IterError> {
     use crate::iter::{RingIterator, RingLayout};
-    let r = (|| -> std::result::Result<(), String> {
-        let btf = crate::btf::Btf::vmlinux().map_err(|e| e.to_string())?;
-        let rings = RingLayout::from_btf(&btf)
-            .map_err(|e| e.to_string())
-            .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()))?;
-        let tables = crate::fdtable::FdTableLayout::from_btf(&btf)
-            .map_err(|e| e.to_string())
-            .and_then(|l| {
-                crate::fdtable::FdTableIterator::load(&l, majors).map_err(|e| e.to_string())
-            })?;
-        tables.pin(dir).map_err(|e| e.to_string())?;
-        rings.pin(dir).map_err(|e| e.to_string())
+    let r = (|| -> std::result::Result<(), crate::iter::IterError> {
+        let btf = crate::btf::Btf::vmlinux()?;
+        let rings = RingIterator::load(&RingLayout::from_btf(&btf)?)?;
+        let tables = crate::fdtable::FdTableIterator::load(
+            &crate::fdtable::FdTableLayout::from_btf(&btf)?,
+            majors,
+        )?;
+        tables.pin(dir)?;
+        rings.pin(dir)
     })();
     if r.is_err() {
         for n in crate::iter::PINS {
