@@ -9,10 +9,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cgpath::{CgroupPath, CgroupPathError};
 use crate::device::MAX_MAJOR;
 
 /// Where the config lives when nothing else names it.
@@ -489,12 +490,15 @@ impl Config {
     /// job reports are written.
     fn validate_cgroup_root_and_exemptions(&mut self, path: &Path) -> Result<(), ConfigError> {
         let key_err = key_err_in(path);
-        self.cgroup_root =
-            normalize_cgroup_path(&self.cgroup_root).map_err(|m| key_err("cgroup_root", m))?;
+        let root = CgroupPath::parse(&self.cgroup_root)
+            .map_err(|e| key_err("cgroup_root", e.to_string()))?;
+        // The report writers run the user's own process there: an
+        // exemption would hand it every GPU.
+        let reports = root.join_path(&CgroupPath::parse(REPORT_CGROUP).expect("a cgroup name"));
         for (i, p) in self.exempt_cgroups.iter_mut().enumerate() {
-            let n = normalize_cgroup_path(p)
-                .map_err(|m| key_err(&format!("exempt_cgroups[{i}]"), m))?;
-            if n.is_empty() {
+            let n = CgroupPath::parse(p)
+                .map_err(|e| key_err(&format!("exempt_cgroups[{i}]"), e.to_string()))?;
+            if n.is_root() {
                 return Err(key_err(
                     &format!("exempt_cgroups[{i}]"),
                     "the cgroup2 root cannot be exempt: that would open every GPU to every process"
@@ -503,24 +507,21 @@ impl Config {
             }
             // An exempt cgroup at or above the fenced subtree's root would
             // exempt every process the fence is meant to stop.
-            let root = &self.cgroup_root;
-            if *root == n || root.starts_with(&format!("{n}/")) {
+            if root.is_under(&n) {
                 return Err(key_err(
                     &format!("exempt_cgroups[{i}]"),
-                    format!("/{n} contains the fenced subtree /{root}: exempting it would open every GPU to every process"),
+                    format!("{n} contains the fenced subtree {root}: exempting it would open every GPU to every process"),
                 ));
             }
-            // The report writers run the user's own process there: an
-            // exemption would hand it every GPU.
-            let reports = join_rel(root, REPORT_CGROUP);
-            if n == reports || n.starts_with(&format!("{reports}/")) {
+            if n.is_under(&reports) {
                 return Err(key_err(
                     &format!("exempt_cgroups[{i}]"),
-                    format!("/{n} is where job reports are written as the job's user: it is never exempt"),
+                    format!("{n} is where job reports are written as the job's user: it is never exempt"),
                 ));
             }
-            *p = n;
+            *p = n.into_string();
         }
+        self.cgroup_root = root.into_string();
         Ok(())
     }
 
@@ -577,8 +578,8 @@ impl Config {
     /// `exec_cgroup`, normalised in place: a cgroup below `cgroup_root`.
     fn validate_exec_cgroup(&mut self, path: &Path) -> Result<(), ConfigError> {
         let key_err = key_err_in(path);
-        self.exec_cgroup =
-            normalize_cgroup_path(&self.exec_cgroup).map_err(|m| key_err("exec_cgroup", m))?;
+        self.exec_cgroup = normalize_cgroup_path(&self.exec_cgroup)
+            .map_err(|e| key_err("exec_cgroup", e.to_string()))?;
         if self.exec_cgroup.is_empty() {
             return Err(key_err(
                 "exec_cgroup",
@@ -665,36 +666,15 @@ impl Config {
 /// the job's user: fenced, never granted, never exempt.
 pub const REPORT_CGROUP: &str = "gpufence-report";
 
-/// `a` joined with `b`, both relative cgroup paths (`""` is the root).
-fn join_rel(a: &str, b: &str) -> String {
-    if a.is_empty() {
-        b.to_string()
-    } else {
-        format!("{a}/{b}")
-    }
-}
-
 /// Normalises a cgroup path relative to the cgroup2 mount: strips leading and
 /// trailing `/`, collapses `//` and `.`; `..` is refused (it could name a
-/// cgroup outside the intended subtree).
+/// cgroup outside the intended subtree). The relative form of
+/// [`CgroupPath::parse`].
 ///
 /// # Errors
-/// A message when the path holds `..`.
-pub fn normalize_cgroup_path(p: &str) -> Result<String, String> {
-    let mut parts = Vec::new();
-    for c in Path::new(p).components() {
-        match c {
-            Component::RootDir | Component::CurDir => {}
-            Component::Normal(s) => parts.push(
-                s.to_str()
-                    .ok_or_else(|| format!("{p:?} is not UTF-8"))?
-                    .to_string(),
-            ),
-            Component::ParentDir => return Err(format!("{p:?} contains `..`")),
-            Component::Prefix(_) => return Err(format!("{p:?} is not a cgroup path")),
-        }
-    }
-    Ok(parts.join("/"))
+/// [`CgroupPathError`] when the path holds `..`.
+pub fn normalize_cgroup_path(p: &str) -> Result<String, CgroupPathError> {
+    CgroupPath::parse(p).map(CgroupPath::into_string)
 }
 
 #[cfg(test)]

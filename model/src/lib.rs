@@ -9,6 +9,7 @@
 //! log ([`audit`]). Nothing here loads BPF or touches cgroups.
 
 pub mod audit;
+pub mod cgpath;
 pub mod config;
 pub mod device;
 pub mod error;
@@ -25,4 +26,5 @@ pub mod record;
 pub mod text;
 pub mod visible;
 
+pub use cgpath::{CgroupPath, CgroupPathError};
 pub use error::ParseError;

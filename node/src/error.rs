@@ -148,6 +148,9 @@ pub enum NodeError {
         /// What status found.
         detail: String,
     },
+    /// A cgroup path given by the admin is not one (`..`).
+    #[error(transparent)]
+    CgroupPath(#[from] gpufence_model::CgroupPathError),
     /// The job's cgroup cannot be found or made.
     #[error("{0}")]
     JobCgroup(String),

@@ -177,18 +177,33 @@ impl Node {
     }
 }
 
-/// Joins cgroup path parts, `""` being the root.
+/// Joins cgroup path parts, `""` being the root: [`CgroupPath::join`]
+/// (both normalised first). Text that is not a cgroup path (`..`) is
+/// joined as text.
+///
+/// [`CgroupPath::join`]: gpufence_model::CgroupPath::join
 pub fn join_cgroup(a: &str, b: &str) -> String {
-    match (a.is_empty(), b.is_empty()) {
-        (true, _) => b.to_string(),
-        (_, true) => a.to_string(),
-        _ => format!("{a}/{b}"),
+    match gpufence_model::CgroupPath::parse(a).and_then(|a| a.join(b)) {
+        Ok(p) => p.into_string(),
+        Err(_) => match (a.is_empty(), b.is_empty()) {
+            (true, _) => b.to_string(),
+            (_, true) => a.to_string(),
+            _ => format!("{a}/{b}"),
+        },
     }
 }
 
-/// Whether cgroup `path` is `root` or below it.
+/// Whether cgroup `path` is `root` or below it, component by component:
+/// [`CgroupPath::is_under`] (both normalised first). A text that is not a
+/// cgroup path (`..`) is under nothing but the root.
+///
+/// [`CgroupPath::is_under`]: gpufence_model::CgroupPath::is_under
 pub fn is_under(path: &str, root: &str) -> bool {
-    root.is_empty() || path == root || path.starts_with(&format!("{root}/"))
+    use gpufence_model::CgroupPath;
+    match (CgroupPath::parse(path), CgroupPath::parse(root)) {
+        (Ok(p), Ok(r)) => p.is_under(&r),
+        _ => root.is_empty(),
+    }
 }
 
 /// slurmd's short options (`opt_string` in `_process_cmdline`,

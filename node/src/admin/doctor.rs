@@ -32,6 +32,7 @@ use gpufence_cgroup::verdict::{Evaluation, Reason, Task};
 use gpufence_model::config::Mode;
 use gpufence_model::device::{Access, DevNum};
 
+use crate::host::cgpath::abs;
 use crate::host::inventory::char_devices;
 use crate::{Node, NodeError};
 
@@ -255,8 +256,7 @@ fn target_cgroup(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<
     Ok(match (pid, cgroup) {
         (Some(p), _) => node.cg.cgroup_of(p)?,
         (None, Some(c)) => {
-            let c =
-                gpufence_model::config::normalize_cgroup_path(c).map_err(NodeError::JobCgroup)?;
+            let c = gpufence_model::config::normalize_cgroup_path(c)?;
             node.cg.id(&c)?;
             c
         }
@@ -291,15 +291,15 @@ fn programs_on_path(node: &Node, cg: &str, ours: Option<u32>) -> (Vec<Level>, Ve
         .and_then(|f| sys::prog_query_cgroup_device_flags(f.as_fd(), sys::F_QUERY_EFFECTIVE).ok())
         .map(|(_, ids)| ids)
         .unwrap_or_default();
-    let mut path = vec![String::new()];
-    let mut cur = String::new();
-    for part in cg.split('/').filter(|s| !s.is_empty()) {
-        if !cur.is_empty() {
-            cur.push('/');
-        }
-        cur.push_str(part);
-        path.push(cur.clone());
-    }
+    let path: Vec<String> = match gpufence_model::CgroupPath::parse(cg) {
+        Ok(p) => p
+            .ancestors()
+            .into_iter()
+            .map(gpufence_model::CgroupPath::into_string)
+            .collect(),
+        // Not a cgroup path (`..`): only the root can be looked at.
+        Err(_) => vec![String::new()],
+    };
     let mut levels = Vec::new();
     let mut runs: Vec<Effective> = Vec::new();
     for at in &path {
@@ -403,8 +403,9 @@ fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, Strin
         return (
             "allowed",
             format!(
-                "/{} is outside the fenced subtree /{}",
-                t.cg, node.cfg.cgroup_root
+                "{} is outside the fenced subtree {}",
+                abs(t.cg),
+                abs(&node.cfg.cgroup_root)
             ),
         );
     }
@@ -415,7 +416,7 @@ fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, Strin
         Err(e) => {
             return (
                 "unknown",
-                format!("the kernel levels of /{} cannot be told: {e}", t.cg),
+                format!("the kernel levels of {} cannot be told: {e}", abs(t.cg)),
             )
         }
         Ok(a) => *a,
@@ -545,7 +546,7 @@ fn combine(
 /// level where this cgroup namespace does not show it.
 fn name_of(anc: &[Ancestor], level: usize, id: u64) -> String {
     match anc.get(level).and_then(|a| a.path.as_deref()) {
-        Some(p) => format!("/{p}"),
+        Some(p) => abs(p),
         None => format!("cgroup id {id} (level {level}, above this cgroup namespace's root)"),
     }
 }

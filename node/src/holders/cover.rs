@@ -31,7 +31,7 @@ pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>)
         .ancestry(cg)
         .into_iter()
         .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
-        .map(|(p, id)| format!("/{p} (fence-exempt id {id})"))
+        .map(|(p, id)| format!("{} (fence-exempt id {id})", crate::host::cgpath::abs(&p)))
 }
 
 /// Whether a process of real uid `uid` in `cgroup` may hold `dev`: an

@@ -3,13 +3,21 @@
 //! mount, `/` for its root, as `gpufence sweep`, `fence status` and the
 //! audit log write them. Inside gpufence they stay relative (`a/b`, `""`
 //! for the root), as [`gpufence_cgroup::hierarchy::Cgroup2::path`] takes
-//! them.
+//! them. Thin wrappers of [`gpufence_model::CgroupPath`], the one place
+//! cgroup paths are normalised, joined and compared, for code that still
+//! holds them as `String`s.
 
+use gpufence_model::CgroupPath;
 use serde::Serializer;
 
-/// `a/b` → `/a/b`; `""` → `/`.
+/// `a/b` → `/a/b`; `""` → `/`: [`CgroupPath::abs`] of the normalised path
+/// (a text that is not a cgroup path, `..`, keeps its components as they
+/// are).
 pub fn abs(rel: &str) -> String {
-    format!("/{}", rel.trim_matches('/'))
+    match CgroupPath::parse(rel) {
+        Ok(p) => p.abs(),
+        Err(_) => format!("/{}", rel.trim_matches('/')),
+    }
 }
 
 /// `#[serde(serialize_with = "crate::host::cgpath::serialize")]` for a relative
@@ -61,5 +69,7 @@ mod tests {
             r#"{"a":"/","b":"/gpufence-demo/job_4","c":null}"#
         );
         assert_eq!(super::abs("/x/y/"), "/x/y");
+        assert_eq!(super::abs("x//y"), "/x/y");
+        assert_eq!(super::abs("/x/../y"), "/x/../y");
     }
 }

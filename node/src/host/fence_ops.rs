@@ -50,7 +50,10 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
             let _ = node.audit(
                 AuditEvent::new(events::ERROR)
                     .field("component", "fence install")
-                    .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+                    .field(
+                        "cgroup_root",
+                        crate::host::cgpath::abs(&node.cfg.cgroup_root),
+                    )
                     .field("bpffs_dir", node.cfg.bpffs_dir.display().to_string())
                     .field("reason", e.to_string()),
             );
@@ -58,7 +61,10 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
         }
     };
     let mut ev = AuditEvent::new(events::FENCE_INSTALLED)
-        .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+        .field(
+            "cgroup_root",
+            crate::host::cgpath::abs(&node.cfg.cgroup_root),
+        )
         .field("protected_majors", report.majors.clone())
         .field("prog_id", report.prog_id)
         .field("link_id", report.link_id)
@@ -230,7 +236,10 @@ pub fn remove(node: &Node) -> Result<bool, NodeError> {
     if found {
         node.audit(
             AuditEvent::new(events::FENCE_REMOVED)
-                .field("cgroup_root", format!("/{}", node.cfg.cgroup_root))
+                .field(
+                    "cgroup_root",
+                    crate::host::cgpath::abs(&node.cfg.cgroup_root),
+                )
                 .field("bpffs_dir", node.cfg.bpffs_dir.display().to_string()),
         )?;
     }
@@ -254,7 +263,7 @@ pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String>
         .cfg
         .exempt_cgroups
         .iter()
-        .any(|e| crate::is_under(slurmd_cgroup, e.trim_matches('/')))
+        .any(|e| crate::is_under(slurmd_cgroup, e))
     {
         return None;
     }

@@ -17,7 +17,7 @@ impl Sweep<'_> {
                     node.cfg.cgroup_root
                 ),
                 json!({
-                    "cgroup_root": format!("/{}", node.cfg.cgroup_root),
+                    "cgroup_root": crate::host::cgpath::abs(&node.cfg.cgroup_root),
                     "bpffs_dir": node.cfg.bpffs_dir, "detail": detail,
                 }),
             ));
