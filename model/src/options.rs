@@ -45,24 +45,42 @@ pub struct JobOptions {
     pub report: Option<Option<PathBuf>>,
 }
 
+/// Why a job option's value is refused ([`check_report_path`],
+/// [`JobOptions::from_env`]). Each message is one line for the user,
+/// starting with the option (`--gpufence-report=PATH: empty path`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    /// `--gpufence-report=` with an empty path.
+    #[error("--gpufence-report=PATH: empty path")]
+    EmptyPath,
+    /// A report path longer than [`MAX_PATH`] bytes.
+    #[error("--gpufence-report=PATH: longer than {MAX_PATH} bytes")]
+    PathTooLong,
+    /// A report path holding a control character (a newline...).
+    #[error("--gpufence-report=PATH: control characters in the path")]
+    ControlChars,
+    /// `--gpu-exclusive` given a value other than the flag's (empty,
+    /// `(null)`, `1`).
+    #[error("--{OPT_GPU_EXCLUSIVE} takes no value (got {0:?})")]
+    ExclusiveValue(String),
+}
+
 /// Checks a report path given by the user: non-empty, at most [`MAX_PATH`]
 /// bytes, one line of printable characters. Relative paths are relative to
 /// the job's working directory. Where it may be written is decided by the
 /// user's own permissions: the report is written as the user.
 ///
 /// # Errors
-/// A one-line message for the user.
-pub fn check_report_path(p: &str) -> Result<PathBuf, String> {
+/// [`OptionsError`], one line for the user.
+pub fn check_report_path(p: &str) -> Result<PathBuf, OptionsError> {
     if p.is_empty() {
-        return Err("--gpufence-report=PATH: empty path".into());
+        return Err(OptionsError::EmptyPath);
     }
     if p.len() > MAX_PATH {
-        return Err(format!(
-            "--gpufence-report=PATH: longer than {MAX_PATH} bytes"
-        ));
+        return Err(OptionsError::PathTooLong);
     }
     if p.chars().any(|c| c.is_control()) {
-        return Err("--gpufence-report=PATH: control characters in the path".into());
+        return Err(OptionsError::ControlChars);
     }
     Ok(PathBuf::from(p))
 }
@@ -103,15 +121,15 @@ impl JobOptions {
     /// Reads the options from a Prolog/Epilog environment (`get`).
     ///
     /// # Errors
-    /// A message when a value does not parse (the Prolog then records no
-    /// options and says why; it never guesses).
-    pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
+    /// [`OptionsError`] when a value does not parse (the Prolog then records
+    /// no options and says why; it never guesses).
+    pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, OptionsError> {
         let mut o = JobOptions::default();
         let value = |opt: &str| get(&env_name(opt, true)).or_else(|| get(&env_name(opt, false)));
         if let Some(v) = value(OPT_GPU_EXCLUSIVE) {
             // a flag: Slurm passes an empty value (or "(null)")
             if !(v.is_empty() || v == "(null)" || v == "1") {
-                return Err(format!("--{OPT_GPU_EXCLUSIVE} takes no value (got {v:?})"));
+                return Err(OptionsError::ExclusiveValue(v));
             }
             o.gpu_exclusive = true;
         }
@@ -224,7 +242,10 @@ mod tests {
                     }
                     proptest::prop_assert_eq!(o.gpu_exclusive, excl.is_some());
                 }
-                Err(m) => proptest::prop_assert!(!m.contains('\n') && m.starts_with("--"), "{}", m),
+                Err(e) => {
+                    let m = e.to_string();
+                    proptest::prop_assert!(!m.contains('\n') && m.starts_with("--"), "{}", m)
+                }
             }
         }
     }

@@ -119,16 +119,16 @@ fn hook(
 thread_local! {
     /// The plugstack.conf arguments of the callback running on this thread,
     /// read by [`hook`] ([`raw_plugin_args`]).
-    static ARGS: std::cell::RefCell<Result<PluginArgs, String>> =
+    static ARGS: std::cell::RefCell<Result<PluginArgs, PluginArgsError>> =
         std::cell::RefCell::new(Ok(PluginArgs::default()));
 }
 
 /// The plugstack.conf arguments of the running callback.
 ///
 /// # Errors
-/// The message of [`PluginArgs::parse`], or for an argument that is not
-/// UTF-8.
-fn plugin_args() -> Result<PluginArgs, String> {
+/// [`PluginArgsError`]: an unknown or malformed argument, or one that is
+/// not UTF-8.
+fn plugin_args() -> Result<PluginArgs, PluginArgsError> {
     ARGS.with(|a| a.borrow().clone())
 }
 
@@ -141,7 +141,10 @@ fn plugin_args() -> Result<PluginArgs, String> {
 /// # Safety
 /// `argv` is NULL or points to `ac` pointers, each NULL or to a
 /// NUL-terminated string, valid for the call.
-unsafe fn raw_plugin_args(ac: c_int, argv: *const *const c_char) -> Result<PluginArgs, String> {
+unsafe fn raw_plugin_args(
+    ac: c_int,
+    argv: *const *const c_char,
+) -> Result<PluginArgs, PluginArgsError> {
     if ac <= 0 || argv.is_null() {
         return Ok(PluginArgs::default());
     }
@@ -156,7 +159,7 @@ unsafe fn raw_plugin_args(ac: c_int, argv: *const *const c_char) -> Result<Plugi
         let w = unsafe { std::ffi::CStr::from_ptr(p) };
         words.push(
             w.to_str()
-                .map_err(|_| format!("plugstack.conf argument {w:?} is not UTF-8"))?
+                .map_err(|_| PluginArgsError::NotUtf8(w.to_owned()))?
                 .to_string(),
         );
     }
@@ -219,13 +222,26 @@ unsafe extern "C" fn option_cb(val: c_int, optarg: *const c_char, _remote: c_int
                 return 0;
             }
             if let Err(e) = gpufence_model::options::check_report_path(&s) {
-                log(LogLevel::Error, &e);
+                log(LogLevel::Error, &e.to_string());
                 return -1;
             }
         }
         0
     });
     r.unwrap_or(-1)
+}
+
+/// Why the plugstack.conf arguments are refused; the plugin then fails the
+/// callback with this message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PluginArgsError {
+    /// An argument that is not `config=PATH` (PATH not empty),
+    /// `mode=audit` or `mode=enforce`.
+    #[error("unknown plugstack.conf argument {0:?} (known: config=PATH, mode=audit|enforce)")]
+    Unknown(String),
+    /// An argument that is not UTF-8.
+    #[error("plugstack.conf argument {0:?} is not UTF-8")]
+    NotUtf8(std::ffi::CString),
 }
 
 /// Arguments from plugstack.conf.
@@ -242,19 +258,15 @@ impl PluginArgs {
     /// Parses `key=value` arguments.
     ///
     /// # Errors
-    /// A message naming an unknown or malformed argument.
-    pub fn parse<'a>(argv: impl IntoIterator<Item = &'a str>) -> Result<Self, String> {
+    /// [`PluginArgsError::Unknown`] naming an unknown or malformed argument.
+    pub fn parse<'a>(argv: impl IntoIterator<Item = &'a str>) -> Result<Self, PluginArgsError> {
         let mut a = PluginArgs::default();
         for arg in argv {
             match arg.split_once('=') {
                 Some(("config", v)) if !v.is_empty() => a.config = Some(PathBuf::from(v)),
                 Some(("mode", "audit")) => a.mode = Some(gpufence_model::config::Mode::Audit),
                 Some(("mode", "enforce")) => a.mode = Some(gpufence_model::config::Mode::Enforce),
-                _ => {
-                    return Err(format!(
-                        "unknown plugstack.conf argument {arg:?} (known: config=PATH, mode=audit|enforce)"
-                    ))
-                }
+                _ => return Err(PluginArgsError::Unknown(arg.to_string())),
             }
         }
         Ok(a)

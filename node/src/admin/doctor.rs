@@ -210,10 +210,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         uid,
         under_fence,
         attached: attached.is_ok(),
-        kernel: kernel
-            .as_ref()
-            .map(|a| a.as_slice())
-            .map_err(|e| e.to_string()),
+        kernel: kernel.as_ref().map(|a| a.as_slice()),
         fence: fence.as_ref(),
         audit,
     };
@@ -392,7 +389,7 @@ struct Target<'a> {
     under_fence: bool,
     attached: bool,
     /// Its ancestry at the kernel's levels, or why it cannot be told.
-    kernel: Result<&'a [Ancestor], String>,
+    kernel: Result<&'a [Ancestor], &'a gpufence_cgroup::Error>,
     fence: Option<&'a Fence>,
     audit: bool,
 }
