@@ -554,7 +554,7 @@ fn reports_are_written_whole_and_as_the_user() {
     assert!(names(&mine.join("adir")).is_empty());
     assert_eq!(names(&mine), ["adir", "r.txt"]);
     // Where the user may not write (root's 0755 directory): nothing.
-    let e = write("x\n", "pwned", d.path()).unwrap_err();
+    let e = write("x\n", "pwned", d.path()).unwrap_err().to_string();
     assert!(e.contains(&format!("uid {uid} cannot write")), "{e}");
     assert_eq!(names(d.path()), ["mine"]);
     // A working directory behind one the user cannot search (root's 0700)
@@ -564,7 +564,9 @@ fn reports_are_written_whole_and_as_the_user() {
     std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::fs::create_dir(hidden.join("open")).unwrap();
     std::fs::set_permissions(hidden.join("open"), std::fs::Permissions::from_mode(0o777)).unwrap();
-    let e = write("x\n", "r.txt", &hidden.join("open")).unwrap_err();
+    let e = write("x\n", "r.txt", &hidden.join("open"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cannot start the report writer"), "{e}");
     assert!(names(&hidden.join("open")).is_empty());
     assert!(
@@ -629,7 +631,7 @@ fn reports_are_written_whole_and_as_the_user() {
         opened, "EPERM",
         "the writer's cgroup is fenced and not exempt"
     );
-    assert!(e.contains("did not finish"), "{e}");
+    assert!(e.to_string().contains("did not finish"), "{e}");
     assert!(t0.elapsed() >= WRITE_TIMEOUT, "{:?}", t0.elapsed());
     assert!(gpufence_tests::gone(pid), "the stopped writer was killed");
     assert!(!env.cg.path(&writer_cg).exists(), "and its cgroup removed");
@@ -685,7 +687,7 @@ fn reports_are_written_whole_and_as_the_user() {
     let (took, mut tracer, r) = caught.expect("the writer was never seen in 20 tries");
     let _ = tracer.kill();
     let _ = tracer.wait();
-    let e = r.unwrap_err();
+    let e = r.unwrap_err().to_string();
     assert!(e.contains("did not finish"), "{e}");
     assert!(
         took < WRITE_TIMEOUT + std::time::Duration::from_secs(4),

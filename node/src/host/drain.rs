@@ -3,6 +3,7 @@
 //! `sinfo -R` says what gpufence found. A failing scontrol is reported but
 //! never hides the epilog's own non-zero exit.
 
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,11 +36,41 @@ pub fn clean_reason(reason: &str) -> String {
     r
 }
 
+/// Why the node could not be drained ([`drain`]); callers report it as
+/// `could not drain <node>: <message>`.
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    /// scontrol (`scontrol_bin`) could not be started.
+    #[error("{}: {source}", bin.display())]
+    Spawn {
+        /// The scontrol binary.
+        bin: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// scontrol exited non-zero.
+    #[error("scontrol update nodename={node_name} state=drain: {status}: {stderr}")]
+    Failed {
+        /// The node.
+        node_name: String,
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// Its stderr, trimmed.
+        stderr: String,
+    },
+    /// scontrol did not exit within 20 s: killed.
+    #[error("scontrol did not answer within 20 s")]
+    Timeout,
+    /// Waiting for scontrol failed.
+    #[error(transparent)]
+    Wait(std::io::Error),
+}
+
 /// Drains `node_name` with `reason`.
 ///
 /// # Errors
-/// A message when scontrol cannot run, times out or exits non-zero.
-pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), String> {
+/// [`DrainError`] when scontrol cannot run, times out or exits non-zero.
+pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), DrainError> {
     let reason = clean_reason(reason);
     let mut child = Command::new(&node.cfg.scontrol_bin)
         .args([
@@ -52,7 +83,10 @@ pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), String> {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("{}: {e}", node.cfg.scontrol_bin.display()))?;
+        .map_err(|source| DrainError::Spawn {
+            bin: node.cfg.scontrol_bin.clone(),
+            source,
+        })?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match child.try_wait() {
@@ -62,18 +96,19 @@ pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), String> {
                 if let Some(mut e) = child.stderr.take() {
                     let _ = std::io::Read::read_to_string(&mut e, &mut msg);
                 }
-                return Err(format!(
-                    "scontrol update nodename={node_name} state=drain: {st}: {}",
-                    msg.trim()
-                ));
+                return Err(DrainError::Failed {
+                    node_name: node_name.to_string(),
+                    status: st,
+                    stderr: msg.trim().to_string(),
+                });
             }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err("scontrol did not answer within 20 s".into());
+                return Err(DrainError::Timeout);
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(DrainError::Wait(e)),
         }
     }
 }

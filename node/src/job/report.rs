@@ -120,6 +120,53 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITER: &str = "umask 077; t=$(mktemp -- \"$1.XXXXXX\") || exit 1; \
      if cat > \"$t\" && mv -fT -- \"$t\" \"$1\"; then exit 0; fi; rm -f -- \"$t\"; exit 1";
 
+/// Why the report was not written ([`write_as_user`]); the Epilog audits
+/// the message (`report_failed`) and notes it for the job.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// The writer's cgroup `<cgroup_root>/gpufence-report/job_<id>` could
+    /// not be made.
+    #[error("cannot make the report writer's cgroup: {0}")]
+    MakeCgroup(#[source] gpufence_cgroup::Error),
+    /// The writer could not be set to join its cgroup.
+    #[error("report writer's cgroup: {0}")]
+    JoinCgroup(#[source] gpufence_cgroup::Error),
+    /// The job's working directory holds a NUL byte (it cannot be entered).
+    #[error("working directory {} holds a NUL byte", .0.display())]
+    WorkDirNul(PathBuf),
+    /// The anonymous files carrying the report and the writer's stderr.
+    #[error("report buffer: {0}")]
+    Buffer(#[source] std::io::Error),
+    /// The writer did not finish in [`WRITE_TIMEOUT`]: it was killed.
+    #[error("the report writer (uid {uid}) did not finish in {secs} s: killed")]
+    Timeout {
+        /// The job's user.
+        uid: u32,
+        /// [`WRITE_TIMEOUT`] in seconds.
+        secs: u64,
+    },
+    /// The writer could not start (the user cannot enter `work_dir`).
+    #[error("cannot start the report writer as uid {uid} in {}: {source}", work_dir.display())]
+    Start {
+        /// The job's user.
+        uid: u32,
+        /// The job's working directory.
+        work_dir: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The writer failed: the user cannot write the path.
+    #[error("uid {uid} cannot write {}: {stderr}", path.display())]
+    Write {
+        /// The job's user.
+        uid: u32,
+        /// The report path, as the user gave it (expanded).
+        path: PathBuf,
+        /// The writer's stderr, trimmed.
+        stderr: String,
+    },
+}
+
 /// Writes `text` to `path` (relative to `work_dir`) as `uid:gid`, with the
 /// user's own permissions, and returns the path written.
 ///
@@ -132,8 +179,8 @@ const WRITER: &str = "umask 077; t=$(mktemp -- \"$1.XXXXXX\") || exit 1; \
 /// its cgroup is killed and the cgroup removed.
 ///
 /// # Errors
-/// A message when the cgroup cannot be made, the writer cannot start (the
-/// user cannot enter `work_dir`), the user cannot write there, or the
+/// [`ReportError`] when the cgroup cannot be made, the writer cannot start
+/// (the user cannot enter `work_dir`), the user cannot write there, or the
 /// writer timed out.
 pub fn write_as_user(
     node: &Node,
@@ -143,16 +190,14 @@ pub fn write_as_user(
     work_dir: &Path,
     uid: u32,
     gid: u32,
-) -> Result<PathBuf, String> {
+) -> Result<PathBuf, ReportError> {
     let cg = join_cgroup(
         &join_cgroup(&node.cfg.cgroup_root, REPORT_CGROUP),
         &format!("job_{job_id}"),
     );
     // A writer of an earlier, killed epilog of this job: gone first.
     let _ = node.cg.kill(&cg);
-    node.cg
-        .create(&cg)
-        .map_err(|e| format!("cannot make the report writer's cgroup: {e}"))?;
+    node.cg.create(&cg).map_err(ReportError::MakeCgroup)?;
     let r = run_writer(node, &cg, text, path, work_dir, uid, gid);
     // Whatever the writer left (a process it forked) goes with its cgroup.
     let _ = node.cg.kill(&cg);
@@ -181,9 +226,9 @@ fn run_writer(
     work_dir: &Path,
     uid: u32,
     gid: u32,
-) -> Result<(), String> {
+) -> Result<(), ReportError> {
     let wd = CString::new(work_dir.as_os_str().as_bytes())
-        .map_err(|_| format!("working directory {} holds a NUL byte", work_dir.display()))?;
+        .map_err(|_| ReportError::WorkDirNul(work_dir.to_path_buf()))?;
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
         .arg(WRITER)
@@ -194,7 +239,7 @@ fn run_writer(
     // First, as root: into the writer's cgroup.
     node.cg
         .join_at_exec(cg, &mut cmd)
-        .map_err(|e| format!("report writer's cgroup: {e}"))?;
+        .map_err(ReportError::JoinCgroup)?;
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -217,11 +262,9 @@ fn run_writer(
             f.seek(SeekFrom::Start(0))?;
             Ok(f)
         })
-        .map_err(|e| format!("report buffer: {e}"))?;
-    let mut errors = memfd("gpufence-report-err").map_err(|e| format!("report buffer: {e}"))?;
-    let errors_for_child = errors
-        .try_clone()
-        .map_err(|e| format!("report buffer: {e}"))?;
+        .map_err(ReportError::Buffer)?;
+    let mut errors = memfd("gpufence-report-err").map_err(ReportError::Buffer)?;
+    let errors_for_child = errors.try_clone().map_err(ReportError::Buffer)?;
     cmd.stdin(Stdio::from(input))
         .stderr(Stdio::from(errors_for_child));
     // The user can stop or trace the writer from the moment it has their
@@ -249,20 +292,21 @@ fn run_writer(
         let _ = (&mut errors).take(4096).read_to_string(&mut err);
     }
     match answer {
-        None => Err(format!(
-            "the report writer (uid {uid}) did not finish in {} s: killed",
-            WRITE_TIMEOUT.as_secs()
-        )),
-        Some(Err(e)) => Err(format!(
-            "cannot start the report writer as uid {uid} in {}: {e}",
-            work_dir.display()
-        )),
+        None => Err(ReportError::Timeout {
+            uid,
+            secs: WRITE_TIMEOUT.as_secs(),
+        }),
+        Some(Err(source)) => Err(ReportError::Start {
+            uid,
+            work_dir: work_dir.to_path_buf(),
+            source,
+        }),
         Some(Ok(s)) if s.success() => Ok(()),
-        Some(Ok(_)) => Err(format!(
-            "uid {uid} cannot write {}: {}",
-            path.display(),
-            err.trim()
-        )),
+        Some(Ok(_)) => Err(ReportError::Write {
+            uid,
+            path: path.to_path_buf(),
+            stderr: err.trim().to_string(),
+        }),
     }
 }
 

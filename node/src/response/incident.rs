@@ -587,7 +587,7 @@ impl<'a> Incident<'a> {
         });
         match write_incident(node, self.pid, &incident) {
             Ok(p) => out.incident_file = Some(p),
-            Err(e) => out.errors.push(e),
+            Err(e) => out.errors.push(e.to_string()),
         }
         let ev = AuditEvent::new("respond_evidence")
             .pid(self.pid)
@@ -683,7 +683,7 @@ impl<'a> Incident<'a> {
                 let ev = AuditEvent::new("respond_drain_failed")
                     .pid(self.pid)
                     .field("node", name.to_string())
-                    .field("error", e);
+                    .field("error", e.to_string());
                 self.audit(ev, false);
             }
         }
@@ -697,13 +697,20 @@ fn with_uid(ev: AuditEvent, uid: Option<u32>) -> AuditEvent {
     }
 }
 
-fn write_incident(node: &Node, pid: i32, v: &serde_json::Value) -> Result<PathBuf, String> {
+/// Writes the incident file into the evidence directory.
+///
+/// # Errors
+/// [`evidence::write_file`]'s ([`crate::NodeError::Io`]).
+fn write_incident(
+    node: &Node,
+    pid: i32,
+    v: &serde_json::Value,
+) -> Result<PathBuf, crate::NodeError> {
     evidence::write_file(
         &node.cfg.evidence_dir,
         &format!("incident-pid{pid}"),
         &serde_json::to_vec_pretty(v).unwrap_or_default(),
     )
-    .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

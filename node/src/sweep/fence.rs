@@ -200,7 +200,7 @@ impl Sweep<'_> {
         let prev = match read_json::<DenialState>(&state_path) {
             Ok(p) => p.unwrap_or_default(),
             Err(e) => {
-                self.report.errors.push(e);
+                self.report.errors.push(e.to_string());
                 DenialState::default()
             }
         };
@@ -237,7 +237,7 @@ impl Sweep<'_> {
             self.findings.push(fnd);
         }
         if let Err(e) = write_json(&state_path, &next) {
-            self.report.errors.push(e);
+            self.report.errors.push(e.to_string());
         }
     }
 }

@@ -96,6 +96,49 @@ use procs::*;
 pub use state::baseline_path;
 use state::*;
 
+/// Why a sweep could not run, or could not keep its state
+/// (`state_dir/sweep`). [`sweep`] returns the first two; the others land in
+/// [`SweepReport::errors`] (or a [`Kind::CheckFailed`] finding) as text.
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// `--cursor` is not 1 to 64 letters, digits, `_` or `-`.
+    #[error("--cursor {0:?}: 1 to 64 letters, digits, '_' or '-'")]
+    BadCursor(String),
+    /// `--cgroup` names no cgroup (relative, as given without its slashes).
+    #[error("--cgroup /{cgroup}: no such cgroup under {}", mount.display())]
+    NoSuchCgroup {
+        /// The cgroup, relative to the mount.
+        cgroup: String,
+        /// The cgroup2 mount.
+        mount: PathBuf,
+    },
+    /// A state file (a baseline, a denial cursor) is not the JSON it should be.
+    #[error("{}: corrupt: {source}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// A state file or directory (or the lock) cannot be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Another sweep kept the lock (`state_dir/sweep/lock`) for 30 s.
+    #[error("another sweep has held {} for 30 s", .0.display())]
+    Locked(PathBuf),
+}
+
+/// A severity that is none of `info`, `low`, `medium`, `high`, `critical`
+/// (any case), as `--fail-on` or `sweep_fail_severity` gave it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a severity (info, low, medium, high, critical)")]
+pub struct SeverityError(pub String);
+
 /// How bad a finding is. Ordered: `Info < Low < Medium < High < Critical`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -132,17 +175,15 @@ impl fmt::Display for Severity {
 }
 
 impl FromStr for Severity {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = SeverityError;
+    fn from_str(s: &str) -> Result<Self, SeverityError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "info" => Ok(Severity::Info),
             "low" => Ok(Severity::Low),
             "medium" => Ok(Severity::Medium),
             "high" => Ok(Severity::High),
             "critical" => Ok(Severity::Critical),
-            _ => Err(format!(
-                "{s:?} is not a severity (info, low, medium, high, critical)"
-            )),
+            _ => Err(SeverityError(s.to_string())),
         }
     }
 }
@@ -458,9 +499,10 @@ impl Sweep<'_> {
 /// [`SweepReport::errors`].
 ///
 /// # Errors
-/// Only when there is nothing to sweep: `opts.cgroup` names no cgroup, or
-/// `opts.cursor` is not a valid name.
-pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
+/// Only when there is nothing to sweep: `opts.cgroup` names no cgroup
+/// ([`SweepError::NoSuchCgroup`]), or `opts.cursor` is not a valid name
+/// ([`SweepError::BadCursor`]).
+pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
     let t0 = Instant::now();
     let scope = opts
         .cgroup
@@ -470,21 +512,19 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, String> {
     let denial_state = match opts.cursor.as_deref() {
         None => sweep_dir(node).join("denials.json"),
         Some(c) if valid_cursor(c) => sweep_dir(node).join(format!("denials-{c}.json")),
-        Some(c) => {
-            return Err(format!(
-                "--cursor {c:?}: 1 to 64 letters, digits, '_' or '-'"
-            ))
-        }
+        Some(c) => return Err(SweepError::BadCursor(c.to_string())),
     };
     if let Some(s) = &scope {
         if !node.cg.path(s).is_dir() {
-            return Err(format!(
-                "--cgroup /{s}: no such cgroup under {}",
-                node.cg.mount().display()
-            ));
+            return Err(SweepError::NoSuchCgroup {
+                cgroup: s.clone(),
+                mount: node.cg.mount().to_path_buf(),
+            });
         }
     }
-    let _lock = lock(node).map_err(|e| report.errors.push(e)).ok();
+    let _lock = lock(node)
+        .map_err(|e| report.errors.push(e.to_string()))
+        .ok();
     report
         .notes
         .extend(crate::holders::scan::io_uring_exposure(Path::new(

@@ -116,8 +116,8 @@ pub struct SweepOutcome {
 /// The severity that fails a sweep: `fail_on` (CLI), else the config's.
 ///
 /// # Errors
-/// A message naming the bad value.
-pub fn threshold(node: &Node, fail_on: Option<&str>) -> Result<Severity, String> {
+/// [`SeverityError`] naming the bad value.
+pub fn threshold(node: &Node, fail_on: Option<&str>) -> Result<Severity, SeverityError> {
     match fail_on {
         Some(s) => s.parse(),
         None => node.cfg.sweep_fail_severity.parse(),
@@ -144,7 +144,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
                 report: SweepReport::default(),
                 threshold,
                 drained: None,
-                errors: vec![e],
+                errors: vec![e.to_string()],
                 exit: 2,
             }
         }

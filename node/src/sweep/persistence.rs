@@ -47,7 +47,7 @@ impl Sweep<'_> {
                         b.files.len(),
                         bpath.display()
                     )),
-                    Err(e) => self.report.errors.push(e),
+                    Err(e) => self.report.errors.push(e.to_string()),
                 }
                 return;
             }

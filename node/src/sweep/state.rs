@@ -79,34 +79,51 @@ pub fn baseline_path(node: &Node) -> PathBuf {
     sweep_dir(node).join("systemd-baseline.json")
 }
 
-pub(super) fn read_json<T: for<'de> Deserialize<'de>>(p: &Path) -> Result<Option<T>, String> {
+/// A sweep state file as `T`; `None` when it is not there.
+pub(super) fn read_json<T: for<'de> Deserialize<'de>>(p: &Path) -> Result<Option<T>, SweepError> {
     match std::fs::read(p) {
         Ok(b) => serde_json::from_slice(&b)
             .map(Some)
-            .map_err(|e| format!("{}: corrupt: {e}", p.display())),
+            .map_err(|source| SweepError::Corrupt {
+                path: p.to_path_buf(),
+                source,
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("{}: {e}", p.display())),
+        Err(source) => Err(SweepError::Io {
+            path: p.to_path_buf(),
+            source,
+        }),
     }
 }
 
-pub(super) fn write_json<T: Serialize>(p: &Path, v: &T) -> Result<(), String> {
+/// Replaces a sweep state file with `v` (0600).
+pub(super) fn write_json<T: Serialize>(p: &Path, v: &T) -> Result<(), SweepError> {
     let bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
-    write_atomic(p, &bytes, 0o600).map_err(|e| format!("{}: {e}", p.display()))
+    write_atomic(p, &bytes, 0o600).map_err(|source| SweepError::Io {
+        path: p.to_path_buf(),
+        source,
+    })
 }
 
 /// Holds an exclusive `flock` on `state_dir/sweep/lock` while alive.
 pub(super) struct SweepLock(#[allow(dead_code)] std::fs::File);
 
-pub(super) fn lock(node: &Node) -> Result<SweepLock, String> {
+pub(super) fn lock(node: &Node) -> Result<SweepLock, SweepError> {
     let dir = sweep_dir(node);
-    create_dir_all_mode(&dir, 0o700).map_err(|e| format!("{}: {e}", dir.display()))?;
+    create_dir_all_mode(&dir, 0o700).map_err(|source| SweepError::Io {
+        path: dir.clone(),
+        source,
+    })?;
     let p = dir.join("lock");
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&p)
-        .map_err(|e| format!("{}: {e}", p.display()))?;
+        .map_err(|source| SweepError::Io {
+            path: p.clone(),
+            source,
+        })?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         // SAFETY: flock on a descriptor we own; released when it closes.
@@ -114,7 +131,7 @@ pub(super) fn lock(node: &Node) -> Result<SweepLock, String> {
             return Ok(SweepLock(f));
         }
         if Instant::now() > deadline {
-            return Err(format!("another sweep has held {} for 30 s", p.display()));
+            return Err(SweepError::Locked(p));
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -116,7 +116,7 @@ pub struct Scanner {
     proc_only: bool,
     /// The snapshot [`Scanner::process_fds`] answers from, taken at its
     /// first call (`Err`: the iterators failed; walk `/proc`).
-    snapshot: Option<Result<Snapshot, String>>,
+    snapshot: Option<Result<Snapshot, SnapshotError>>,
     source: Option<Source>,
     /// While [`Scanner::holders`] runs: the devices a registered ring that
     /// was not read whole is taken to hold (fail closed).
@@ -271,7 +271,7 @@ impl Scanner {
                 h
             }
             Err(why) => {
-                self.source = Some(Source::Proc((!why.is_empty()).then_some(why)));
+                self.source = Some(Source::Proc(why.reason()));
                 self.holders_proc_parallel(&want)
             }
         };
@@ -284,9 +284,9 @@ impl Scanner {
         &mut self,
         want: DevicePredicate<'_>,
         pins: Option<&Path>,
-    ) -> Result<Vec<Holder>, String> {
+    ) -> Result<Vec<Holder>, SnapshotError> {
         if self.proc_only {
-            return Err(String::new());
+            return Err(SnapshotError::ProcWalkAsked);
         }
         let snap = take_snapshot(&self.btf, false, false, pins)?;
         self.read_pins = snap.pinned;
@@ -432,7 +432,7 @@ impl Scanner {
                 h
             }
             Err(why) => {
-                self.source = Some(Source::Proc((!why.is_empty()).then_some(why)));
+                self.source = Some(Source::Proc(why.reason()));
                 self.holders_proc(want)
             }
         }
@@ -504,13 +504,13 @@ impl Scanner {
     pub fn process_fds(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
         if self.snapshot.is_none() {
             let s = if self.proc_only {
-                Err(String::new())
+                Err(SnapshotError::ProcWalkAsked)
             } else {
                 take_snapshot(&self.btf, true, true, None)
             };
             self.source = Some(match &s {
                 Ok(_) => Source::Iterators,
-                Err(why) => Source::Proc((!why.is_empty()).then(|| why.clone())),
+                Err(why) => Source::Proc(why.reason()),
             });
             self.ring_error = match &s {
                 Ok(snap) => snap.ring_error.clone(),

@@ -43,6 +43,38 @@ pub(super) struct Snapshot {
     pub(super) pinned: bool,
 }
 
+/// Why no snapshot was taken: the reason the scan walks `/proc` instead
+/// ([`Source::Proc`]).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum SnapshotError {
+    /// The scanner was told to walk `/proc` ([`Scanner::proc_walk`],
+    /// [`set_proc_only`]): no failure, no reason to show.
+    #[error("the /proc walk was asked for")]
+    ProcWalkAsked,
+    /// In a pid namespace other than the initial one: the iterators give
+    /// global ids, which mean other processes here.
+    #[error("not in the initial pid namespace (task ids are global ids)")]
+    PidNamespace,
+    /// The BTF could not be read or lacks something, or an iterator could
+    /// not be loaded or read.
+    #[error(transparent)]
+    Iter(#[from] iter::IterError),
+    /// The thread reading the mappings (`task_vma`) panicked.
+    #[error("the task_vma reader panicked")]
+    VmaReaderPanicked,
+}
+
+impl SnapshotError {
+    /// The reason to show with [`Source::Proc`]: none when the walk was
+    /// asked for.
+    pub(super) fn reason(&self) -> Option<String> {
+        match self {
+            SnapshotError::ProcWalkAsked => None,
+            e => Some(e.to_string()),
+        }
+    }
+}
+
 /// The descriptor tables' and mappings' readers of one snapshot.
 pub(super) enum Readers {
     /// Loaded by this scan: every character device, anonymous inode (and
@@ -85,18 +117,18 @@ pub(super) fn take_snapshot(
     sockets: bool,
     list: bool,
     pins: Option<&Path>,
-) -> Result<Snapshot, String> {
+) -> Result<Snapshot, SnapshotError> {
     if !iter::in_initial_pid_ns() {
-        return Err("not in the initial pid namespace (task ids are global ids)".into());
+        return Err(SnapshotError::PidNamespace);
     }
     let pinned = pins.filter(|_| !sockets).and_then(open_pins);
     let was_pinned = pinned.is_some();
     let (it, rings) = match pinned {
         Some((it, rings)) => (it, Ok(rings)),
         None => {
-            let btf = Btf::from_file(btf_path).map_err(|e| e.to_string())?;
-            let layout = Layout::from_btf(&btf).map_err(|e| e.to_string())?;
-            let it = Iterators::load(&layout, sockets).map_err(|e| e.to_string())?;
+            let btf = Btf::from_file(btf_path).map_err(iter::IterError::from)?;
+            let layout = Layout::from_btf(&btf).map_err(iter::IterError::from)?;
+            let it = Iterators::load(&layout, sockets)?;
             // Loaded (and verified) before any read, so that the three
             // reads follow each other closely.
             let rings = RingLayout::from_btf(&btf)
@@ -120,10 +152,8 @@ pub(super) fn take_snapshot(
             (files, maps.join())
         }),
     };
-    let files = files.map_err(|e| e.to_string())?;
-    let maps = maps
-        .map_err(|_| "the task_vma reader panicked".to_string())?
-        .map_err(|e| e.to_string())?;
+    let files = files?;
+    let maps = maps.map_err(|_| SnapshotError::VmaReaderPanicked)??;
     // Rings registered with IORING_REGISTER_RING_FDS (in no descriptor
     // table, maybe): read from the kernel where it can be; where it cannot
     // (no io_uring in the kernel, no bpf_loop), the snapshot says why.
