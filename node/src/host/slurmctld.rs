@@ -420,21 +420,74 @@ pub fn gpu_indices_from_json(
         .map_err(|e| format!("job {job_id} on {node_name}: gres_detail {detail:?}: {e}"))
 }
 
+/// Why a `gres_detail` string ([`parse_gres_detail`]) or its `gpu` entries
+/// ([`gpu_indices`]) cannot be used. [`gpu_indices_from_json`] puts the
+/// message after the job, node and string it is about.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GresDetailError {
+    /// An item with none of the three bodies (from where it starts).
+    #[error("no (IDX:...), (CNT:...) or (a/b,...) part after {0:?}")]
+    NoBody(String),
+    /// A `,` with no item after it.
+    #[error("trailing ','")]
+    TrailingComma,
+    /// An item whose name, type or counts do not parse (`why`: "bad GRES
+    /// name", "bad CNT", ...).
+    #[error("{why} in {header:?}{body}")]
+    Item {
+        /// What is wrong.
+        why: &'static str,
+        /// The item before its parenthesis (`gpu:sim:2`).
+        header: String,
+        /// Its parenthesis (`(IDX:0-1)`).
+        body: String,
+    },
+    /// An item whose index list does not parse.
+    #[error("{source} in {header:?}{body}")]
+    ItemIndices {
+        /// Why the list does not parse.
+        source: Box<GresDetailError>,
+        /// The item before its parenthesis.
+        header: String,
+        /// Its parenthesis.
+        body: String,
+    },
+    /// An index list as long as Slurm's cut ([`IDX_TRUNCATED_LEN`]).
+    #[error("the index list is {0} characters long: Slurm cuts it at {IDX_TRUNCATED_LEN}, so it cannot be trusted")]
+    Truncated(usize),
+    /// A part of an index list that is not a number or range of `u32`.
+    #[error("bad index {0:?}")]
+    BadIndex(String),
+    /// A range `b-a` with `b > a`.
+    #[error("descending range {0:?}")]
+    Descending(String),
+    /// A part not above the part before it.
+    #[error("{0:?} is not after the previous index")]
+    NotAscending(String),
+    /// More than [`MAX_INDICES`] indices.
+    #[error("more than {MAX_INDICES} indices")]
+    TooMany,
+    /// A `gpu` entry by count (`(CNT:n)`): GPUs without device files.
+    #[error("{0} GPU(s) allocated by count, without indices (gres.conf has no File= for them)")]
+    ByCount(u64),
+    /// A `gpu` entry in the shared form.
+    #[error("a gpu entry in the shared-GRES form")]
+    Shared,
+}
+
 /// The indices of the `gpu` entries, ascending, without duplicates.
 ///
 /// # Errors
-/// A message for a `gpu` entry without indices (`(CNT:n)`: GPUs without
-/// device files, which cannot be fenced) or in the shared form.
-pub fn gpu_indices(entries: &[GresDetailEntry]) -> Result<Vec<u32>, String> {
+/// [`GresDetailError::ByCount`] for a `gpu` entry without indices
+/// (`(CNT:n)`: GPUs without device files, which cannot be fenced),
+/// [`GresDetailError::Shared`] for one in the shared form.
+pub fn gpu_indices(entries: &[GresDetailEntry]) -> Result<Vec<u32>, GresDetailError> {
     let mut out = Vec::new();
     for e in entries.iter().filter(|e| e.name == "gpu") {
         match &e.alloc {
             GresAlloc::Idx(v) => out.extend_from_slice(v),
-            GresAlloc::Cnt(n) => {
-                let msg = format!("{n} GPU(s) allocated by count, without indices");
-                return Err(format!("{msg} (gres.conf has no File= for them)"));
-            }
-            GresAlloc::Shared(_) => return Err("a gpu entry in the shared-GRES form".into()),
+            GresAlloc::Cnt(n) => return Err(GresDetailError::ByCount(*n)),
+            GresAlloc::Shared(_) => return Err(GresDetailError::Shared),
         }
     }
     out.sort_unstable();
@@ -462,9 +515,10 @@ pub fn gpu_indices(entries: &[GresDetailEntry]) -> Result<Vec<u32>, String> {
 /// `(CNT:` cannot occur inside TYPE at all.
 ///
 /// # Errors
-/// A message for anything else, for an index list Slurm may have truncated
-/// ([`IDX_TRUNCATED_LEN`]) and for more than [`MAX_INDICES`] indices.
-pub fn parse_gres_detail(s: &str) -> Result<Vec<GresDetailEntry>, String> {
+/// [`GresDetailError`] for anything else, for an index list Slurm may have
+/// truncated ([`IDX_TRUNCATED_LEN`]) and for more than [`MAX_INDICES`]
+/// indices.
+pub fn parse_gres_detail(s: &str) -> Result<Vec<GresDetailEntry>, GresDetailError> {
     let mut out = Vec::new();
     if s.is_empty() {
         return Ok(out);
@@ -475,12 +529,7 @@ pub fn parse_gres_detail(s: &str) -> Result<Vec<GresDetailEntry>, String> {
         let (q, body, end) = (p..b.len())
             .filter(|&q| b[q] == b'(')
             .find_map(|q| match_body(b, q).map(|(body, end)| (q, body, end)))
-            .ok_or_else(|| {
-                format!(
-                    "no (IDX:...), (CNT:...) or (a/b,...) part after {:?}",
-                    &s[p..]
-                )
-            })?;
+            .ok_or_else(|| GresDetailError::NoBody(s[p..].to_string()))?;
         let header = &s[p..q];
         out.push(entry(header, body, &s[q..end])?);
         if end == b.len() {
@@ -489,7 +538,7 @@ pub fn parse_gres_detail(s: &str) -> Result<Vec<GresDetailEntry>, String> {
         // match_body guarantees a ',' here.
         p = end + 1;
         if p == b.len() {
-            return Err("trailing ','".into());
+            return Err(GresDetailError::TrailingComma);
         }
     }
 }
@@ -545,8 +594,16 @@ fn parse_u64(s: &str) -> Option<u64> {
     s.parse().ok()
 }
 
-fn entry(header: &str, body: Body<'_>, whole_body: &str) -> Result<GresDetailEntry, String> {
-    let bad = |why: &str| format!("{why} in {header:?}{whole_body}");
+fn entry(
+    header: &str,
+    body: Body<'_>,
+    whole_body: &str,
+) -> Result<GresDetailEntry, GresDetailError> {
+    let bad = |why: &'static str| GresDetailError::Item {
+        why,
+        header: header.to_string(),
+        body: whole_body.to_string(),
+    };
     let (name, rest) = match header.find(':') {
         Some(i) => (&header[..i], Some(&header[i + 1..])),
         None => (header, None),
@@ -554,7 +611,7 @@ fn entry(header: &str, body: Body<'_>, whole_body: &str) -> Result<GresDetailEnt
     if name.is_empty() || name.bytes().any(|c| matches!(c, b'(' | b')' | b',' | b' ')) {
         return Err(bad("bad GRES name"));
     }
-    let typ = |t: &str| -> Result<Option<String>, String> {
+    let typ = |t: &str| -> Result<Option<String>, GresDetailError> {
         if t.is_empty() || t.contains(':') {
             return Err(bad("bad GRES type"));
         }
@@ -577,7 +634,13 @@ fn entry(header: &str, body: Body<'_>, whole_body: &str) -> Result<GresDetailEnt
             };
             let c = parse_u64(c).ok_or_else(|| bad("bad count"))?;
             let alloc = match body {
-                Body::Idx(list) => GresAlloc::Idx(parse_idx_list(list).map_err(|e| bad(&e))?),
+                Body::Idx(list) => GresAlloc::Idx(parse_idx_list(list).map_err(|e| {
+                    GresDetailError::ItemIndices {
+                        source: Box::new(e),
+                        header: header.to_string(),
+                        body: whole_body.to_string(),
+                    }
+                })?),
                 Body::Shared(list) => {
                     let mut v = Vec::new();
                     for part in list.split(',') {
@@ -604,12 +667,9 @@ fn entry(header: &str, body: Body<'_>, whole_body: &str) -> Result<GresDetailEnt
 }
 
 /// Parses a `bit_fmt` list (`0-1,3`; empty for no bit) into ascending indices.
-fn parse_idx_list(list: &str) -> Result<Vec<u32>, String> {
+fn parse_idx_list(list: &str) -> Result<Vec<u32>, GresDetailError> {
     if list.len() >= IDX_TRUNCATED_LEN {
-        return Err(format!(
-            "the index list is {} characters long: Slurm cuts it at {IDX_TRUNCATED_LEN}, so it cannot be trusted",
-            list.len()
-        ));
+        return Err(GresDetailError::Truncated(list.len()));
     }
     let mut out: Vec<u32> = Vec::new();
     if list.is_empty() {
@@ -620,21 +680,48 @@ fn parse_idx_list(list: &str) -> Result<Vec<u32>, String> {
         let num = |s: &str| {
             parse_u64(s)
                 .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| format!("bad index {part:?}"))
+                .ok_or_else(|| GresDetailError::BadIndex(part.to_string()))
         };
         let (a, b) = (num(lo)?, num(hi)?);
         if b < a {
-            return Err(format!("descending range {part:?}"));
+            return Err(GresDetailError::Descending(part.to_string()));
         }
         if out.last().is_some_and(|&l| a <= l) {
-            return Err(format!("{part:?} is not after the previous index"));
+            return Err(GresDetailError::NotAscending(part.to_string()));
         }
         if (b - a) as usize >= MAX_INDICES || out.len() + (b - a) as usize >= MAX_INDICES {
-            return Err(format!("more than {MAX_INDICES} indices"));
+            return Err(GresDetailError::TooMany);
         }
         out.extend(a..=b);
     }
     Ok(out)
+}
+
+/// Why a hostlist expression ([`hostlist_find`], [`expand_hostlist`]) does
+/// not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HostlistError {
+    /// An empty item (`a,,b`).
+    #[error("empty host name")]
+    EmptyName,
+    /// A `[` inside brackets.
+    #[error("nested '['")]
+    Nested,
+    /// A `[` or `]` without its other half.
+    #[error("unbalanced '{0}'")]
+    Unbalanced(char),
+    /// `[]`.
+    #[error("empty brackets")]
+    EmptyBrackets,
+    /// A part of a bracket that is not a number or a range of numbers.
+    #[error("bad range {0:?}")]
+    BadRange(String),
+    /// A range `b-a` with `b > a`.
+    #[error("descending range {0:?}")]
+    Descending(String),
+    /// More than [`MAX_HOSTS`] names.
+    #[error("more than {MAX_HOSTS} hosts")]
+    TooMany,
 }
 
 /// Where `name` is in the hostlist expression `list` (Slurm's
@@ -643,9 +730,9 @@ fn parse_idx_list(list: &str) -> Result<Vec<u32>, String> {
 /// Slurm's `hostlist_find`.
 ///
 /// # Errors
-/// A message for unbalanced brackets, bad ranges and lists longer than
-/// [`MAX_HOSTS`].
-pub fn hostlist_find(list: &str, name: &str) -> Result<(Option<usize>, usize), String> {
+/// [`HostlistError`] for unbalanced brackets, bad ranges and lists longer
+/// than [`MAX_HOSTS`].
+pub fn hostlist_find(list: &str, name: &str) -> Result<(Option<usize>, usize), HostlistError> {
     let mut count = 0usize;
     let mut pos = None;
     if list.is_empty() {
@@ -654,7 +741,7 @@ pub fn hostlist_find(list: &str, name: &str) -> Result<(Option<usize>, usize), S
     let mut buf = String::new();
     for item in split_hostlist(list)? {
         if item.is_empty() {
-            return Err("empty host name".into());
+            return Err(HostlistError::EmptyName);
         }
         visit_hosts(item, &mut buf, &mut |h| {
             if pos.is_none() && h == name {
@@ -662,7 +749,7 @@ pub fn hostlist_find(list: &str, name: &str) -> Result<(Option<usize>, usize), S
             }
             count += 1;
             if count > MAX_HOSTS {
-                return Err(format!("more than {MAX_HOSTS} hosts"));
+                return Err(HostlistError::TooMany);
             }
             Ok(())
         })?;
@@ -674,7 +761,7 @@ pub fn hostlist_find(list: &str, name: &str) -> Result<(Option<usize>, usize), S
 ///
 /// # Errors
 /// As [`hostlist_find`].
-pub fn expand_hostlist(list: &str) -> Result<Vec<String>, String> {
+pub fn expand_hostlist(list: &str) -> Result<Vec<String>, HostlistError> {
     let mut out = Vec::new();
     if list.is_empty() {
         return Ok(out);
@@ -682,11 +769,11 @@ pub fn expand_hostlist(list: &str) -> Result<Vec<String>, String> {
     let mut buf = String::new();
     for item in split_hostlist(list)? {
         if item.is_empty() {
-            return Err("empty host name".into());
+            return Err(HostlistError::EmptyName);
         }
         visit_hosts(item, &mut buf, &mut |h| {
             if out.len() >= MAX_HOSTS {
-                return Err(format!("more than {MAX_HOSTS} hosts"));
+                return Err(HostlistError::TooMany);
             }
             out.push(h.to_string());
             Ok(())
@@ -696,16 +783,16 @@ pub fn expand_hostlist(list: &str) -> Result<Vec<String>, String> {
 }
 
 /// Splits on commas outside brackets; brackets do not nest.
-fn split_hostlist(s: &str) -> Result<Vec<&str>, String> {
+fn split_hostlist(s: &str) -> Result<Vec<&str>, HostlistError> {
     let mut parts = Vec::new();
     let mut open = false;
     let mut start = 0;
     for (i, c) in s.char_indices() {
         match c {
             '[' if !open => open = true,
-            '[' => return Err("nested '['".into()),
+            '[' => return Err(HostlistError::Nested),
             ']' if open => open = false,
-            ']' => return Err("unbalanced ']'".into()),
+            ']' => return Err(HostlistError::Unbalanced(']')),
             ',' if !open => {
                 parts.push(&s[start..i]);
                 start = i + 1;
@@ -714,7 +801,7 @@ fn split_hostlist(s: &str) -> Result<Vec<&str>, String> {
         }
     }
     if open {
-        return Err("unbalanced '['".into());
+        return Err(HostlistError::Unbalanced('['));
     }
     parts.push(&s[start..]);
     Ok(parts)
@@ -726,11 +813,11 @@ fn split_hostlist(s: &str) -> Result<Vec<&str>, String> {
 fn visit_hosts(
     item: &str,
     buf: &mut String,
-    f: &mut dyn FnMut(&str) -> Result<(), String>,
-) -> Result<(), String> {
+    f: &mut dyn FnMut(&str) -> Result<(), HostlistError>,
+) -> Result<(), HostlistError> {
     let Some(open) = item.find('[') else {
         if item.contains(']') {
-            return Err("unbalanced ']'".into());
+            return Err(HostlistError::Unbalanced(']'));
         }
         let len = buf.len();
         buf.push_str(item);
@@ -741,25 +828,25 @@ fn visit_hosts(
     let close = item[open..]
         .find(']')
         .map(|c| c + open)
-        .ok_or("unbalanced '['")?;
+        .ok_or(HostlistError::Unbalanced('['))?;
     let (prefix, body, suffix) = (&item[..open], &item[open + 1..close], &item[close + 1..]);
     if prefix.contains(']') {
-        return Err("unbalanced ']'".into());
+        return Err(HostlistError::Unbalanced(']'));
     }
     if body.is_empty() {
-        return Err("empty brackets".into());
+        return Err(HostlistError::EmptyBrackets);
     }
     let len = buf.len();
     buf.push_str(prefix);
     for part in body.split(',') {
         let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        let num = |s: &str| parse_u64(s).ok_or_else(|| format!("bad range {part:?}"));
+        let num = |s: &str| parse_u64(s).ok_or_else(|| HostlistError::BadRange(part.to_string()));
         let (a, b) = (num(lo)?, num(hi)?);
         if b < a {
-            return Err(format!("descending range {part:?}"));
+            return Err(HostlistError::Descending(part.to_string()));
         }
         if b - a >= MAX_HOSTS as u64 {
-            return Err(format!("more than {MAX_HOSTS} hosts"));
+            return Err(HostlistError::TooMany);
         }
         let width = lo.len();
         for n in a..=b {
@@ -1100,7 +1187,9 @@ mod tests {
         let long: Vec<String> = (0..64).map(|i| (i * 2).to_string()).collect();
         let list = long.join(",");
         let cut = &list[..IDX_TRUNCATED_LEN];
-        let e = parse_gres_detail(&format!("gpu:64(IDX:{cut})")).unwrap_err();
+        let e = parse_gres_detail(&format!("gpu:64(IDX:{cut})"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot be trusted"), "{e}");
         let ok = &list[..list[..IDX_TRUNCATED_LEN - 1].rfind(',').unwrap()];
         assert!(parse_gres_detail(&format!("gpu:1(IDX:{ok})")).is_ok());
