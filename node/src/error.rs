@@ -169,7 +169,7 @@ pub enum NodeError {
     Mig(String),
     /// NVML answered with an error: the GPUs cannot be shown clean.
     #[error("NVML query failed, the job's GPUs cannot be shown clean: {0}")]
-    Nvml(String),
+    Nvml(#[source] crate::host::gpus::GpuError),
     /// The job record belongs to someone else.
     #[error("job {job_id}: the record in {path} is for uid {record_uid}, the step runs as uid {step_uid}: stale record of an earlier job with this id; no GPU access granted")]
     RecordMismatch {

@@ -18,6 +18,7 @@ use std::collections::BTreeSet;
 use std::ffi::OsStr;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use serde::Serialize;
 
@@ -100,6 +101,65 @@ impl std::fmt::Debug for Gpus {
     }
 }
 
+/// Where an NVML call was aimed, as its message names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NvmlAt {
+    /// The library or a device already named (`nvmlDeviceGetCount: ...`).
+    Node,
+    /// A device by NVML's index (`nvmlDeviceGetHandleByIndex(0): ...`).
+    Index(u32),
+    /// A device by its minor (`nvmlDeviceGetMemoryInfo (minor 0): ...`).
+    Minor(u32),
+}
+
+impl std::fmt::Display for NvmlAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NvmlAt::Node => Ok(()),
+            NvmlAt::Index(i) => write!(f, "({i})"),
+            NvmlAt::Minor(m) => write!(f, " (minor {m})"),
+        }
+    }
+}
+
+/// Why [`Gpus`] could not answer: an NVML error with the call that failed,
+/// or a compute mode that cannot be set.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// An NVML call failed: `nvmlDeviceGetMemoryInfo (minor 0): <NVML's words>`.
+    #[error("{call}{at}: {source}")]
+    Nvml {
+        /// The NVML function (`nvmlDeviceGetComputeRunningProcesses`).
+        call: String,
+        /// Which device.
+        at: NvmlAt,
+        /// NVML's error.
+        source: NvmlError,
+    },
+    /// An NVML error named by itself (reading a minor while looking for one).
+    #[error(transparent)]
+    Bare(NvmlError),
+    /// NVML is not loaded (the reason [`Gpus::open`] kept).
+    #[error("NVML unavailable: {0}")]
+    Unavailable(String),
+    /// A compute mode number NVML does not have.
+    #[error("unknown compute mode {0}")]
+    UnknownMode(ComputeModeNum),
+    /// No GPU NVML lists has this minor.
+    #[error("NVML lists no GPU with minor {0}")]
+    NoSuchMinor(u32),
+}
+
+impl GpuError {
+    fn nvml(call: &str, at: NvmlAt, source: NvmlError) -> Self {
+        GpuError::Nvml {
+            call: call.to_string(),
+            at,
+            source,
+        }
+    }
+}
+
 impl Gpus {
     /// Loads NVML as the config says. Never fails.
     pub fn open(cfg: &Config) -> Gpus {
@@ -138,22 +198,22 @@ impl Gpus {
     fn each_device<T>(
         &self,
         minors: &BTreeSet<u32>,
-        mut f: impl FnMut(u32, &nvml_wrapper::Device<'_>) -> Result<T, String>,
-    ) -> Result<Vec<T>, String> {
+        mut f: impl FnMut(u32, &nvml_wrapper::Device<'_>) -> Result<T, GpuError>,
+    ) -> Result<Vec<T>, GpuError> {
         let Some(nvml) = &self.nvml else {
             return Ok(Vec::new());
         };
         let n = nvml
             .device_count()
-            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+            .map_err(|e| GpuError::nvml("nvmlDeviceGetCount", NvmlAt::Node, e))?;
         let mut out = Vec::new();
         for i in 0..n {
             let d = nvml
                 .device_by_index(i)
-                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+                .map_err(|e| GpuError::nvml("nvmlDeviceGetHandleByIndex", NvmlAt::Index(i), e))?;
             let minor = d
                 .minor_number()
-                .map_err(|e| format!("nvmlDeviceGetMinorNumber({i}): {e}"))?;
+                .map_err(|e| GpuError::nvml("nvmlDeviceGetMinorNumber", NvmlAt::Index(i), e))?;
             if minors.contains(&minor) {
                 out.push(f(minor, &d)?);
             }
@@ -166,11 +226,9 @@ impl Gpus {
     ///
     /// # Errors
     /// The first NVML error, with the call that failed.
-    pub fn query(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuInfo>, String> {
+    pub fn query(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuInfo>, GpuError> {
         self.each_device(minors, |minor, d| {
-            let err = |what: &str, e: nvml_wrapper::error::NvmlError| {
-                format!("{what} (minor {minor}): {e}")
-            };
+            let err = |what: &str, e: NvmlError| GpuError::nvml(what, NvmlAt::Minor(minor), e);
             let mem = d
                 .memory_info()
                 .map_err(|e| err("nvmlDeviceGetMemoryInfo", e))?;
@@ -210,21 +268,21 @@ impl Gpus {
     ///
     /// # Errors
     /// The first NVML error.
-    pub fn minors(&self) -> Result<BTreeSet<u32>, String> {
+    pub fn minors(&self) -> Result<BTreeSet<u32>, GpuError> {
         let Some(nvml) = &self.nvml else {
             return Ok(BTreeSet::new());
         };
         let n = nvml
             .device_count()
-            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+            .map_err(|e| GpuError::nvml("nvmlDeviceGetCount", NvmlAt::Node, e))?;
         let mut out = BTreeSet::new();
         for i in 0..n {
             let d = nvml
                 .device_by_index(i)
-                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
+                .map_err(|e| GpuError::nvml("nvmlDeviceGetHandleByIndex", NvmlAt::Index(i), e))?;
             out.insert(
                 d.minor_number()
-                    .map_err(|e| format!("nvmlDeviceGetMinorNumber({i}): {e}"))?,
+                    .map_err(|e| GpuError::nvml("nvmlDeviceGetMinorNumber", NvmlAt::Index(i), e))?,
             );
         }
         Ok(out)
@@ -236,20 +294,22 @@ impl Gpus {
     ///
     /// # Errors
     /// The first other NVML error.
-    pub fn utilization(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuUtilization>, String> {
+    pub fn utilization(&self, minors: &BTreeSet<u32>) -> Result<Vec<GpuUtilization>, GpuError> {
         self.each_device(minors, |minor, d| match d.utilization_rates() {
             Ok(u) => Ok(GpuUtilization {
                 minor,
                 gpu: Some(u.gpu),
                 memory: Some(u.memory),
             }),
-            Err(nvml_wrapper::error::NvmlError::NotSupported) => Ok(GpuUtilization {
+            Err(NvmlError::NotSupported) => Ok(GpuUtilization {
                 minor,
                 gpu: None,
                 memory: None,
             }),
-            Err(e) => Err(format!(
-                "nvmlDeviceGetUtilizationRates (minor {minor}): {e}"
+            Err(e) => Err(GpuError::nvml(
+                "nvmlDeviceGetUtilizationRates",
+                NvmlAt::Minor(minor),
+                e,
             )),
         })
     }
@@ -258,11 +318,11 @@ impl Gpus {
     ///
     /// # Errors
     /// The first NVML error.
-    pub fn memory_used(&self, minors: &BTreeSet<u32>) -> Result<Vec<(u32, u64)>, String> {
+    pub fn memory_used(&self, minors: &BTreeSet<u32>) -> Result<Vec<(u32, u64)>, GpuError> {
         self.each_device(minors, |minor, d| {
             d.memory_info()
                 .map(|m| (minor, m.used))
-                .map_err(|e| format!("nvmlDeviceGetMemoryInfo (minor {minor}): {e}"))
+                .map_err(|e| GpuError::nvml("nvmlDeviceGetMemoryInfo", NvmlAt::Minor(minor), e))
         })
     }
 
@@ -277,11 +337,9 @@ impl Gpus {
         minors: &BTreeSet<u32>,
         since_us: u64,
         until_us: u64,
-    ) -> Result<Vec<(u32, Vec<AccountedProcess>)>, String> {
+    ) -> Result<Vec<(u32, Vec<AccountedProcess>)>, GpuError> {
         let all = self.each_device(minors, |minor, d| {
-            let err = |what: &str, e: nvml_wrapper::error::NvmlError| {
-                format!("{what} (minor {minor}): {e}")
-            };
+            let err = |what: &str, e: NvmlError| GpuError::nvml(what, NvmlAt::Minor(minor), e);
             if !d
                 .is_accounting_enabled()
                 .map_err(|e| err("nvmlDeviceGetAccountingMode", e))?
@@ -346,37 +404,38 @@ impl Gpus {
     /// mode it had (needs root).
     ///
     /// # Errors
-    /// The NVML error, or "no GPU with minor N".
+    /// The NVML error ([`GpuError::Nvml`], [`GpuError::Bare`]),
+    /// [`GpuError::Unavailable`], [`GpuError::UnknownMode`] or
+    /// [`GpuError::NoSuchMinor`].
     pub fn swap_compute_mode(
         &self,
         minor: u32,
         mode: ComputeModeNum,
-    ) -> Result<ComputeModeNum, String> {
+    ) -> Result<ComputeModeNum, GpuError> {
         let Some(nvml) = &self.nvml else {
-            return Err(format!(
-                "NVML unavailable: {}",
-                self.unavailable.clone().unwrap_or_default()
+            return Err(GpuError::Unavailable(
+                self.unavailable.clone().unwrap_or_default(),
             ));
         };
-        let want = mode_to(mode).ok_or_else(|| format!("unknown compute mode {mode}"))?;
+        let want = mode_to(mode).ok_or(GpuError::UnknownMode(mode))?;
         let n = nvml
             .device_count()
-            .map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+            .map_err(|e| GpuError::nvml("nvmlDeviceGetCount", NvmlAt::Node, e))?;
         for i in 0..n {
             let mut d = nvml
                 .device_by_index(i)
-                .map_err(|e| format!("nvmlDeviceGetHandleByIndex({i}): {e}"))?;
-            if d.minor_number().map_err(|e| e.to_string())? != minor {
+                .map_err(|e| GpuError::nvml("nvmlDeviceGetHandleByIndex", NvmlAt::Index(i), e))?;
+            if d.minor_number().map_err(GpuError::Bare)? != minor {
                 continue;
             }
             let old = mode_from(
                 d.compute_mode()
-                    .map_err(|e| format!("nvmlDeviceGetComputeMode: {e}"))?,
+                    .map_err(|e| GpuError::nvml("nvmlDeviceGetComputeMode", NvmlAt::Node, e))?,
             );
             d.set_compute_mode(want)
-                .map_err(|e| format!("nvmlDeviceSetComputeMode (minor {minor}): {e}"))?;
+                .map_err(|e| GpuError::nvml("nvmlDeviceSetComputeMode", NvmlAt::Minor(minor), e))?;
             return Ok(old);
         }
-        Err(format!("NVML lists no GPU with minor {minor}"))
+        Err(GpuError::NoSuchMinor(minor))
     }
 }

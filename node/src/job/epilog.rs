@@ -112,7 +112,7 @@ fn accounting_fields(
         Ok(_) => ev,
         Err(e) => {
             let _ = node;
-            ev.field("accounting_error", e)
+            ev.field("accounting_error", e.to_string())
         }
     }
 }

@@ -66,7 +66,7 @@ impl Sweep<'_> {
         let (info, util) = match queried {
             Ok(q) => q,
             Err(e) => {
-                self.findings.push(check_failed("NVML", e));
+                self.findings.push(check_failed("NVML", e.to_string()));
                 return;
             }
         };
