@@ -59,14 +59,41 @@ pub struct Release {
     plugin: Option<PathBuf>,
 }
 
+/// Why a release cannot be benchmarked ([`Release::named`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    /// This executable's path is unknown.
+    #[error(transparent)]
+    CurrentExe(std::io::Error),
+    /// This executable is not in a cargo target directory.
+    #[error("no target directory")]
+    NoTargetDir,
+    /// The release's root or plugin is missing: how to make them.
+    #[error("release {name}: needs {} (contrib/v2node/make-root.sh {name} {}) and {} (PROFILE=release contrib/v2node/build-plugin.sh {} {})", root.display(), root.display(), plugin.display(), root.display(), plugin.display())]
+    Missing {
+        /// The suite.
+        name: String,
+        /// Its root (made by `make-root.sh`).
+        root: PathBuf,
+        /// Its plugin (built by `build-plugin.sh`).
+        plugin: PathBuf,
+    },
+}
+
+/// The audit log does not hold one `grant_recorded` and one
+/// `grant_revoked` line per job: each problem as `job N: COUNT EVENT`.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .0.join(", "))]
+pub struct AuditMismatch(pub Vec<String>);
+
 impl Release {
     /// `host`: this machine's Slurm; a suite: the root under
     /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`) and
     /// its plugin at `target/v2node/<suite>.gpufence.so`.
     ///
     /// # Errors
-    /// What is missing and how to make it.
-    pub fn named(name: &str) -> Result<Release, String> {
+    /// [`ReleaseError`]: what is missing and how to make it.
+    pub fn named(name: &str) -> Result<Release, ReleaseError> {
         if name == "host" {
             return Ok(Release {
                 name: name.into(),
@@ -78,21 +105,18 @@ impl Release {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
         let root = roots.join(name);
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let exe = std::env::current_exe().map_err(ReleaseError::CurrentExe)?;
         let target = exe
             .parent()
             .and_then(Path::parent)
-            .ok_or("no target directory")?;
+            .ok_or(ReleaseError::NoTargetDir)?;
         let plugin = target.join(format!("v2node/{name}.gpufence.so"));
         if !root.join(".gpufence-root").exists() || !plugin.exists() {
-            return Err(format!(
-                "release {name}: needs {} (contrib/v2node/make-root.sh {name} {}) and {} (PROFILE=release contrib/v2node/build-plugin.sh {} {})",
-                root.display(),
-                root.display(),
-                plugin.display(),
-                root.display(),
-                plugin.display()
-            ));
+            return Err(ReleaseError::Missing {
+                name: name.into(),
+                root,
+                plugin,
+            });
         }
         Ok(Release {
             name: name.into(),
@@ -299,7 +323,7 @@ fn burst(c: &Cluster, n: usize) -> (f64, u32) {
 /// and one `grant_revoked` line for each task of each array `(id, n)`:
 /// on an otherwise idle controller an array's tasks get job ids `id` to
 /// `id + n - 1` (the last task to run keeps the array's id).
-fn check_audit(audit: &Path, ids: &[(u32, usize)]) -> Result<(), String> {
+fn check_audit(audit: &Path, ids: &[(u32, usize)]) -> Result<(), AuditMismatch> {
     let lines = gpufence_tests::audit_log_settled(audit);
     let mut problems = Vec::new();
     for &(first, n) in ids {
@@ -324,7 +348,7 @@ fn check_audit(audit: &Path, ids: &[(u32, usize)]) -> Result<(), String> {
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(problems.join(", "))
+        Err(AuditMismatch(problems))
     }
 }
 
@@ -513,7 +537,9 @@ pub fn run(release: &Release, runs: usize, bursts: usize, burst_jobs: usize) -> 
         r.burst_prolog_s[i] = median(burst("prolog"));
         r.burst_epilog_s[i] = median(burst("epilog"));
     }
-    r.audit_once = check_audit(&env.path("log/audit.jsonl"), &audited).err();
+    r.audit_once = check_audit(&env.path("log/audit.jsonl"), &audited)
+        .err()
+        .map(|e| e.to_string());
     node.set_mode(Mode::Gpufence);
     let with = stepd_rss(&c);
     node.set_mode(Mode::Empty);

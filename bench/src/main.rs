@@ -291,12 +291,33 @@ fn bench_open(rounds: usize, iters: u32, smoke: bool, json: Option<std::path::Pa
     }
 }
 
+/// Why a `--crowd` value is refused ([`parse_crowd`]).
+#[derive(Debug, thiserror::Error)]
+enum CrowdError {
+    /// No `x` between the two numbers.
+    #[error("{0}: expected PROCESSESxDESCRIPTORS, e.g. 1000x1000")]
+    Shape(String),
+    /// A number that does not parse.
+    #[error("{value}: {source}")]
+    Number {
+        /// The whole value.
+        value: String,
+        /// Why.
+        source: std::num::ParseIntError,
+    },
+}
+
 /// `PROCESSESxDESCRIPTORS`, e.g. `1000x1000`.
-fn parse_crowd(s: &str) -> Result<(usize, usize), String> {
+fn parse_crowd(s: &str) -> Result<(usize, usize), CrowdError> {
     let (p, f) = s
         .split_once('x')
-        .ok_or_else(|| format!("{s}: expected PROCESSESxDESCRIPTORS, e.g. 1000x1000"))?;
-    let n = |v: &str| v.parse::<usize>().map_err(|e| format!("{s}: {e}"));
+        .ok_or_else(|| CrowdError::Shape(s.to_string()))?;
+    let n = |v: &str| {
+        v.parse::<usize>().map_err(|source| CrowdError::Number {
+            value: s.to_string(),
+            source,
+        })
+    };
     Ok((n(p)?, n(f)?))
 }
 
