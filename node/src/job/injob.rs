@@ -63,7 +63,7 @@ pub const SLUID_ENV: &str = "SLURM_JOB_SLUID";
 /// SLUID job dir must be it.
 ///
 /// # Errors
-/// A message when `own_cgroup` is the extern step of another job (a
+/// [`WrongJob`] when `own_cgroup` is the extern step of another job (a
 /// `job_<n>` of another id, or a SLUID other than `sluid`): Slurm ran the
 /// script of one job in another's cgroup, and granting there would give
 /// this job's GPUs to the other.
@@ -71,15 +71,13 @@ pub fn script_job_cgroup(
     own_cgroup: &str,
     job_id: u32,
     sluid: Option<&str>,
-) -> Result<Option<SlurmJobCgroup>, String> {
+) -> Result<Option<SlurmJobCgroup>, WrongJob> {
     let sluid = sluid.map(str::trim).filter(|s| !s.is_empty());
-    let other = |dir: &str| {
-        format!(
-            "the Prolog/Epilog of job {job_id}{} runs in cgroup {}, the extern step of another job ({dir}): \
-             Slurm ran it in the wrong job, whose cgroup gets nothing of this job's",
-            sluid.map_or_else(String::new, |s| format!(" ({SLUID_ENV}={s})")),
-            crate::host::cgpath::abs(own_cgroup)
-        )
+    let other = |dir: &str| WrongJob {
+        job_id,
+        sluid: sluid.map(str::to_string),
+        cgroup: own_cgroup.to_string(),
+        dir: dir.to_string(),
     };
     if let Some(j) = find_job_cgroup(own_cgroup, job_id, "extern") {
         if is_sluid(&j.dir) && sluid.is_some_and(|s| s != j.dir) {
@@ -100,6 +98,27 @@ pub fn script_job_cgroup(
     Ok(None)
 }
 
+/// The Prolog or Epilog runs in the extern step of another job
+/// ([`script_job_cgroup`]): granting there would give this job's GPUs to
+/// the other.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the Prolog/Epilog of job {job_id}{} runs in cgroup {}, the extern step of another job ({dir}): \
+     Slurm ran it in the wrong job, whose cgroup gets nothing of this job's",
+    .sluid.as_deref().map_or_else(String::new, |s| format!(" ({SLUID_ENV}={s})")),
+    crate::host::cgpath::abs(.cgroup)
+)]
+pub struct WrongJob {
+    /// The job the script is for.
+    pub job_id: u32,
+    /// Its `SLURM_JOB_SLUID`, trimmed, when set.
+    pub sluid: Option<String>,
+    /// The script's own cgroup (relative).
+    pub cgroup: String,
+    /// The other job's directory (`job_<n>` or its SLUID).
+    pub dir: String,
+}
+
 /// [`script_job_cgroup`] for this process, with `layout = "slurm"`; `None`
 /// with `layout = "own"`.
 ///
@@ -116,7 +135,9 @@ pub fn locate_script(
         return Ok(None);
     }
     let own = node.cg.cgroup_of(std::process::id() as i32)?;
-    let Some(job) = script_job_cgroup(&own, job_id, sluid).map_err(NodeError::JobCgroup)? else {
+    let Some(job) =
+        script_job_cgroup(&own, job_id, sluid).map_err(|e| NodeError::JobCgroup(e.to_string()))?
+    else {
         return Ok(None);
     };
     apply::fenced(node, &job.path)?;
@@ -205,7 +226,9 @@ mod tests {
     const SCOPE: &str = "system.slice/node1_slurmstepd.scope";
 
     fn found(own: &str, job: u32, sluid: Option<&str>) -> Result<Option<(String, String)>, String> {
-        script_job_cgroup(own, job, sluid).map(|o| o.map(|j| (j.path, j.dir)))
+        script_job_cgroup(own, job, sluid)
+            .map(|o| o.map(|j| (j.path, j.dir)))
+            .map_err(|e| e.to_string())
     }
 
     /// 24.11 (and 26.05 with `CgroupJobIdPaths=yes`): `job_<id>`, with or

@@ -161,13 +161,23 @@ fn start_ticks(pid: i32) -> Option<u64> {
         .map(|s| s.starttime)
 }
 
+/// The note of a stopped holder ([`note_stopped`]) could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", path.display())]
+pub(crate) struct NoteError {
+    /// The note file (or where it would have gone).
+    path: PathBuf,
+    /// Why.
+    source: std::io::Error,
+}
+
 pub(crate) fn note_stopped(
     node: &Node,
     job_id: u32,
     pid: i32,
     cgroup: Option<&str>,
     froze_cgroup: bool,
-) -> Result<Option<PathBuf>, String> {
+) -> Result<Option<PathBuf>, NoteError> {
     let dir = responding_dir(node);
     // Gone already: nothing to note (the kill finds it exited).
     let Some(start) = start_ticks(pid) else {
@@ -192,7 +202,10 @@ pub(crate) fn note_stopped(
                 0o600,
             )
         })
-        .map_err(|e| format!("{}: {e}", p.display()))?;
+        .map_err(|source| NoteError {
+            path: p.clone(),
+            source,
+        })?;
     Ok(Some(p))
 }
 

@@ -175,6 +175,18 @@ pub fn uncovered(
         .collect()
 }
 
+/// A holder that is there but cannot be pinned ([`still_holding`]).
+#[derive(Debug, thiserror::Error)]
+#[error("pid {pid} holds {devices} but cannot be pinned (pidfd_open: {source})")]
+struct Unpinnable {
+    /// The holder.
+    pid: i32,
+    /// What it holds, comma-separated.
+    devices: String,
+    /// Why `pidfd_open` failed.
+    source: std::io::Error,
+}
+
 /// The pidfd of `c` (taken when it was found) when the process is still
 /// there and still holds what made it a candidate: one of its devices by
 /// descriptor, or (listed by NVML, or in a registered ring) nothing to
@@ -184,25 +196,25 @@ pub fn uncovered(
 /// `Ok(None)`: gone, or let go of the device.
 ///
 /// # Errors
-/// A message when the process is there but cannot be pinned (no pidfd:
-/// out of descriptors): it cannot be acted on safely, and the node is not
-/// clean.
-fn still_holding(c: &Candidate) -> Result<Option<PidFd>, String> {
+/// [`Unpinnable`] when the process is there but cannot be pinned (no
+/// pidfd: out of descriptors): it cannot be acted on safely, and the node
+/// is not clean.
+fn still_holding(c: &Candidate) -> Result<Option<PidFd>, Unpinnable> {
     let fd = match &c.pidfd {
         Some(fd) => fd.clone(),
         None => match PidFd::open(c.pid) {
             Some(fd) => fd,
             None if std::path::Path::new(&format!("/proc/{}", c.pid)).exists() => {
-                return Err(format!(
-                    "pid {} holds {} but cannot be pinned (pidfd_open: {})",
-                    c.pid,
-                    c.devices
+                return Err(Unpinnable {
+                    pid: c.pid,
+                    devices: c
+                        .devices
                         .iter()
                         .map(|d| d.to_string())
                         .collect::<Vec<_>>()
                         .join(","),
-                    std::io::Error::last_os_error()
-                ));
+                    source: std::io::Error::last_os_error(),
+                });
             }
             None => return Ok(None),
         },
@@ -250,7 +262,7 @@ pub fn respond(
             |(c, _)| match note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), false) {
                 Ok(p) => p,
                 Err(e) => {
-                    errors.push(e);
+                    errors.push(e.to_string());
                     None
                 }
             },
@@ -266,7 +278,7 @@ pub fn respond(
     for (c, _) in &pinned {
         if c.cgroup.as_deref().is_some_and(|cg| engine.froze(cg)) {
             if let Err(e) = note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), true) {
-                errors.push(e);
+                errors.push(e.to_string());
             }
         }
     }
@@ -380,7 +392,7 @@ fn pin(
         match still_holding(&c) {
             Ok(Some(fd)) => pinned.push((c, fd)),
             Ok(None) => {}
-            Err(e) => errors.push(e),
+            Err(e) => errors.push(e.to_string()),
         }
     }
     (spared_out, pinned)
