@@ -120,7 +120,7 @@ pub fn parse_slurmd_g(text: &str, source: &Path) -> Result<Vec<GresDevice>, Pars
         let file = file.filter(|f| *f != "(null)").ok_or_else(|| {
             err("gpu record without File=: the fence cannot grant a GPU it cannot name".into())
         })?;
-        let files = expand_file_list(file).map_err(err)?;
+        let files = expand_file_list(file).map_err(|e| err(e.to_string()))?;
         let next = |out: &Vec<GresDevice>| -> Result<u32, ParseError> {
             u32::try_from(out.len()).map_err(|_| err("too many GPUs".into()))
         };
@@ -257,51 +257,96 @@ fn find_name_gpu(line: &str) -> Option<usize> {
     })
 }
 
+/// Why a `File=` value ([`expand_file_list`]) cannot be expanded. The
+/// `slurmd -G` parser puts the message after the file and line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FileListError {
+    /// An empty item (`/dev/a,,/dev/b`), with the whole value.
+    #[error("empty file name in {0:?}")]
+    EmptyName(String),
+    /// A `[` or `]` without its other half, with the item (or the whole
+    /// value, for a stray `]`).
+    #[error("unbalanced '{bracket}' in {text:?}")]
+    Unbalanced {
+        /// `[` or `]`.
+        bracket: char,
+        /// Where.
+        text: String,
+    },
+    /// An item with a second bracket.
+    #[error("more than one bracket in {0:?}")]
+    MoreThanOneBracket(String),
+    /// A bracket whose numbers do not parse, with the item.
+    #[error("{source} in {item:?}")]
+    Item {
+        /// What is wrong in the bracket.
+        source: Box<FileListError>,
+        /// The item.
+        item: String,
+    },
+    /// A bracket part that is not a number.
+    #[error("bad number {0:?}")]
+    BadNumber(String),
+    /// A range `b-a` with `b > a`.
+    #[error("descending range {0:?}")]
+    Descending(String),
+    /// A range of more than [`MAX_FILES_PER_RECORD`] numbers.
+    #[error("range {0:?} is longer than {MAX_FILES_PER_RECORD}")]
+    RangeTooLong(String),
+    /// A bracket that takes the value past [`MAX_FILES_PER_RECORD`] files.
+    #[error("{0:?} expands to more than {MAX_FILES_PER_RECORD} files")]
+    ExpandsTooMany(String),
+    /// A value of more than [`MAX_FILES_PER_RECORD`] files.
+    #[error("{0:?} names more than {MAX_FILES_PER_RECORD} files")]
+    NamesTooMany(String),
+}
+
 /// Expands a `File=` value: a comma list whose items may hold one hostlist
 /// bracket (`/dev/nvidia[0-1,3]`), in order.
 ///
 /// # Errors
-/// A message for an unbalanced bracket, a bad range, or more than
+/// [`FileListError`] for an unbalanced bracket, a bad range, or more than
 /// [`MAX_FILES_PER_RECORD`] files.
-pub fn expand_file_list(s: &str) -> Result<Vec<PathBuf>, String> {
+pub fn expand_file_list(s: &str) -> Result<Vec<PathBuf>, FileListError> {
     let mut out = Vec::new();
     for item in split_top_level(s)? {
         if item.is_empty() {
-            return Err(format!("empty file name in {s:?}"));
+            return Err(FileListError::EmptyName(s.to_string()));
         }
         match item.find('[') {
             None => out.push(PathBuf::from(item)),
             Some(open) => {
-                let close = item[open..]
-                    .find(']')
-                    .map(|c| c + open)
-                    .ok_or_else(|| format!("unbalanced '[' in {item:?}"))?;
+                let close = item[open..].find(']').map(|c| c + open).ok_or_else(|| {
+                    FileListError::Unbalanced {
+                        bracket: '[',
+                        text: item.to_string(),
+                    }
+                })?;
                 let (prefix, body, suffix) =
                     (&item[..open], &item[open + 1..close], &item[close + 1..]);
                 if suffix.contains('[') || suffix.contains(']') {
-                    return Err(format!("more than one bracket in {item:?}"));
+                    return Err(FileListError::MoreThanOneBracket(item.to_string()));
                 }
-                for n in expand_numbers(body).map_err(|e| format!("{e} in {item:?}"))? {
+                for n in expand_numbers(body).map_err(|e| FileListError::Item {
+                    source: Box::new(e),
+                    item: item.to_string(),
+                })? {
                     out.push(PathBuf::from(format!("{prefix}{n}{suffix}")));
                     if out.len() > MAX_FILES_PER_RECORD {
-                        return Err(format!(
-                            "{s:?} expands to more than {MAX_FILES_PER_RECORD} files"
-                        ));
+                        return Err(FileListError::ExpandsTooMany(s.to_string()));
                     }
                 }
             }
         }
         if out.len() > MAX_FILES_PER_RECORD {
-            return Err(format!(
-                "{s:?} names more than {MAX_FILES_PER_RECORD} files"
-            ));
+            return Err(FileListError::NamesTooMany(s.to_string()));
         }
     }
     Ok(out)
 }
 
 /// Splits on commas outside brackets.
-fn split_top_level(s: &str) -> Result<Vec<&str>, String> {
+fn split_top_level(s: &str) -> Result<Vec<&str>, FileListError> {
     let mut parts = Vec::new();
     let mut depth = 0usize;
     let mut start = 0;
@@ -311,7 +356,10 @@ fn split_top_level(s: &str) -> Result<Vec<&str>, String> {
             ']' => {
                 depth = depth
                     .checked_sub(1)
-                    .ok_or_else(|| format!("unbalanced ']' in {s:?}"))?
+                    .ok_or_else(|| FileListError::Unbalanced {
+                        bracket: ']',
+                        text: s.to_string(),
+                    })?
             }
             ',' if depth == 0 => {
                 parts.push(&s[start..i]);
@@ -321,27 +369,32 @@ fn split_top_level(s: &str) -> Result<Vec<&str>, String> {
         }
     }
     if depth != 0 {
-        return Err(format!("unbalanced '[' in {s:?}"));
+        return Err(FileListError::Unbalanced {
+            bracket: '[',
+            text: s.to_string(),
+        });
     }
     parts.push(&s[start..]);
     Ok(parts)
 }
 
 /// Expands `0-2,5` into numbers, keeping zero padding (`01-03` → `01 02 03`).
-fn expand_numbers(body: &str) -> Result<Vec<String>, String> {
+fn expand_numbers(body: &str) -> Result<Vec<String>, FileListError> {
     let mut out = Vec::new();
     for part in body.split(',') {
         let (lo, hi) = part.split_once('-').unwrap_or((part, part));
         let width = lo.len();
-        let a: u32 = lo.parse().map_err(|_| format!("bad number {lo:?}"))?;
-        let b: u32 = hi.parse().map_err(|_| format!("bad number {hi:?}"))?;
+        let a: u32 = lo
+            .parse()
+            .map_err(|_| FileListError::BadNumber(lo.to_string()))?;
+        let b: u32 = hi
+            .parse()
+            .map_err(|_| FileListError::BadNumber(hi.to_string()))?;
         if b < a {
-            return Err(format!("descending range {part:?}"));
+            return Err(FileListError::Descending(part.to_string()));
         }
         if (b - a) as usize >= MAX_FILES_PER_RECORD {
-            return Err(format!(
-                "range {part:?} is longer than {MAX_FILES_PER_RECORD}"
-            ));
+            return Err(FileListError::RangeTooLong(part.to_string()));
         }
         for n in a..=b {
             out.push(format!("{n:0width$}"));
