@@ -110,7 +110,10 @@ pub fn job_gpu_indices(
     timeout: Duration,
 ) -> Result<Vec<u32>, NodeError> {
     let (cmd, json) = query_job_json(scontrol, slurm_conf, job_id, timeout)?;
-    gpu_indices_from_json(&json, job_id, node_name).map_err(|msg| NodeError::SlurmdG { cmd, msg })
+    gpu_indices_from_json(&json, job_id, node_name).map_err(|e| NodeError::SlurmdG {
+        cmd,
+        msg: e.to_string(),
+    })
 }
 
 /// Runs the query and returns the command line used and its stdout.
@@ -347,77 +350,180 @@ fn json_u64(v: &Value) -> Option<u64> {
     }
 }
 
+/// Why slurmctld's answer ([`gpu_indices_from_json`]) does not give the
+/// job's GPU indices on this node. [`job_gpu_indices`] reports it as
+/// [`NodeError::SlurmdG`] with the command line.
+#[derive(Debug, thiserror::Error)]
+pub enum JobJsonError {
+    /// The output is not JSON.
+    #[error("the output is not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    /// slurmctld's `errors` list is not empty (clipped).
+    #[error("slurmctld answered with errors: {0}")]
+    Errors(String),
+    /// No `jobs` list.
+    #[error("the output has no \"jobs\" list")]
+    NoJobs,
+    /// The job is not in the list (it ended).
+    #[error("job {0} is not in slurmctld's answer (has it ended?)")]
+    JobMissing(u32),
+    /// The job is in the list twice.
+    #[error("job {0} is in slurmctld's answer twice")]
+    JobTwice(u32),
+    /// The job's `nodes` is not a string.
+    #[error("job {job_id}: \"nodes\" is not a string: {value}")]
+    NodesNotString {
+        /// The job.
+        job_id: u32,
+        /// What `nodes` is.
+        value: Value,
+    },
+    /// The job has no `gres_detail` list.
+    #[error("job {0}: no \"gres_detail\" list in the output")]
+    NoGresDetail(u32),
+    /// The job's node list does not parse.
+    #[error("job {job_id}: node list {nodes:?}: {source}")]
+    NodeList {
+        /// The job.
+        job_id: u32,
+        /// Its node list.
+        nodes: String,
+        /// Why.
+        source: HostlistError,
+    },
+    /// The job does not run on this node.
+    #[error("job {job_id} runs on {nodes:?}, which does not include this node ({node_name})")]
+    NotOnNode {
+        /// The job.
+        job_id: u32,
+        /// Its node list.
+        nodes: String,
+        /// This node.
+        node_name: String,
+    },
+    /// `gres_detail` has not one entry per node.
+    #[error("job {job_id}: {entries} gres_detail entries for {count} node(s) in {nodes:?}")]
+    DetailCount {
+        /// The job.
+        job_id: u32,
+        /// How many entries.
+        entries: usize,
+        /// How many nodes.
+        count: usize,
+        /// Its node list.
+        nodes: String,
+    },
+    /// This node's `gres_detail` entry is neither a string nor null.
+    #[error("job {job_id}: gres_detail entry {pos} is not a string: {value}")]
+    DetailNotString {
+        /// The job.
+        job_id: u32,
+        /// This node's position in the node list.
+        pos: usize,
+        /// What the entry is.
+        value: Value,
+    },
+    /// This node's `gres_detail` string does not parse, or its `gpu`
+    /// entries have no indices.
+    #[error("job {job_id} on {node_name}: gres_detail {detail:?}: {source}")]
+    Detail {
+        /// The job.
+        job_id: u32,
+        /// This node.
+        node_name: String,
+        /// The string.
+        detail: String,
+        /// Why.
+        source: GresDetailError,
+    },
+}
+
 /// The GPU indices of `job_id` on `node_name` in the output of
 /// `scontrol --json show job` or `squeue --json` (any version 22.05-25.11).
 ///
 /// # Errors
-/// A message for output that is not the expected JSON, a job that is not in
-/// it (or is in it twice), a node the job does not list, a `gres_detail`
-/// list whose length is not the job's node count, and the errors of
-/// [`parse_gres_detail`] and [`gpu_indices`].
+/// [`JobJsonError`]: output that is not the expected JSON, a job that is
+/// not in it (or is in it twice), a node the job does not list, a
+/// `gres_detail` list whose length is not the job's node count, and the
+/// errors of [`parse_gres_detail`] and [`gpu_indices`].
 pub fn gpu_indices_from_json(
     json: &[u8],
     job_id: u32,
     node_name: &str,
-) -> Result<Vec<u32>, String> {
+) -> Result<Vec<u32>, JobJsonError> {
     // User-controlled strings (job names, comments) may be invalid UTF-8:
     // 22.05 copies their bytes into the JSON unchanged.
     let text = String::from_utf8_lossy(json);
-    let doc: Value =
-        serde_json::from_str(&text).map_err(|e| format!("the output is not JSON: {e}"))?;
+    let doc: Value = serde_json::from_str(&text).map_err(JobJsonError::NotJson)?;
     if let Some(e) = json_errors(&doc) {
-        return Err(format!("slurmctld answered with errors: {e}"));
+        return Err(JobJsonError::Errors(e));
     }
     let jobs = doc
         .get("jobs")
         .and_then(Value::as_array)
-        .ok_or("the output has no \"jobs\" list")?;
+        .ok_or(JobJsonError::NoJobs)?;
     let mut found = jobs
         .iter()
         .filter(|j| j.get("job_id").and_then(json_u64) == Some(u64::from(job_id)));
-    let job = found
-        .next()
-        .ok_or_else(|| format!("job {job_id} is not in slurmctld's answer (has it ended?)"))?;
+    let job = found.next().ok_or(JobJsonError::JobMissing(job_id))?;
     if found.next().is_some() {
-        return Err(format!("job {job_id} is in slurmctld's answer twice"));
+        return Err(JobJsonError::JobTwice(job_id));
     }
     let nodes = match job.get("nodes") {
         Some(Value::String(s)) => s.as_str(),
         Some(Value::Null) | None => "",
-        Some(other) => return Err(format!("job {job_id}: \"nodes\" is not a string: {other}")),
+        Some(other) => {
+            return Err(JobJsonError::NodesNotString {
+                job_id,
+                value: other.clone(),
+            })
+        }
     };
     let details = job
         .get("gres_detail")
         .and_then(Value::as_array)
-        .ok_or_else(|| format!("job {job_id}: no \"gres_detail\" list in the output"))?;
-    let (pos, count) = hostlist_find(nodes, node_name)
-        .map_err(|e| format!("job {job_id}: node list {nodes:?}: {e}"))?;
-    let pos = pos.ok_or_else(|| {
-        format!("job {job_id} runs on {nodes:?}, which does not include this node ({node_name})")
+        .ok_or(JobJsonError::NoGresDetail(job_id))?;
+    let (pos, count) =
+        hostlist_find(nodes, node_name).map_err(|source| JobJsonError::NodeList {
+            job_id,
+            nodes: nodes.to_string(),
+            source,
+        })?;
+    let pos = pos.ok_or_else(|| JobJsonError::NotOnNode {
+        job_id,
+        nodes: nodes.to_string(),
+        node_name: node_name.to_string(),
     })?;
     if details.is_empty() {
         // No GRES with indices (or the job has not started or has ended).
         return Ok(Vec::new());
     }
     if details.len() != count {
-        return Err(format!(
-            "job {job_id}: {} gres_detail entries for {count} node(s) in {nodes:?}",
-            details.len()
-        ));
+        return Err(JobJsonError::DetailCount {
+            job_id,
+            entries: details.len(),
+            count,
+            nodes: nodes.to_string(),
+        });
     }
     let detail = match &details[pos] {
         Value::Null => return Ok(Vec::new()),
         Value::String(s) => s.as_str(),
         other => {
-            return Err(format!(
-                "job {job_id}: gres_detail entry {pos} is not a string: {other}"
-            ))
+            return Err(JobJsonError::DetailNotString {
+                job_id,
+                pos,
+                value: other.clone(),
+            })
         }
     };
-    let entries = parse_gres_detail(detail)
-        .map_err(|e| format!("job {job_id} on {node_name}: gres_detail {detail:?}: {e}"))?;
-    gpu_indices(&entries)
-        .map_err(|e| format!("job {job_id} on {node_name}: gres_detail {detail:?}: {e}"))
+    let in_detail = |source| JobJsonError::Detail {
+        job_id,
+        node_name: node_name.to_string(),
+        detail: detail.to_string(),
+        source,
+    };
+    gpu_indices(&parse_gres_detail(detail).map_err(in_detail)?).map_err(in_detail)
 }
 
 /// Why a `gres_detail` string ([`parse_gres_detail`]) or its `gpu` entries
@@ -928,12 +1034,15 @@ mod tests {
     fn real_2205_errors() {
         let f = fixture("squeue-22.05-shard2.json");
         // Never started: nodes "".
-        let e = gpu_indices_from_json(&f, 6, "gf1").unwrap_err();
+        let e = gpu_indices_from_json(&f, 6, "gf1").unwrap_err().to_string();
         assert!(e.contains("does not include this node"), "{e}");
-        let e = gpu_indices_from_json(&f, 4242, "gf1").unwrap_err();
+        let e = gpu_indices_from_json(&f, 4242, "gf1")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not in slurmctld's answer"), "{e}");
-        let e =
-            gpu_indices_from_json(&fixture("squeue-22.05-sim1-held1.json"), 2, "gf2").unwrap_err();
+        let e = gpu_indices_from_json(&fixture("squeue-22.05-sim1-held1.json"), 2, "gf2")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not include this node (gf2)"), "{e}");
     }
 
@@ -997,7 +1106,9 @@ mod tests {
             gpu_indices_from_json(&f, 5150, "gpu10").unwrap(),
             Vec::<u32>::new()
         );
-        let e = gpu_indices_from_json(&f, 5150, "gpu03").unwrap_err();
+        let e = gpu_indices_from_json(&f, 5150, "gpu03")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not include"), "{e}");
         // 25.11, v0.0.44: two array tasks in the answer; pick by job_id.
         let f = fixture("scontrol-25.11-v0.0.44.json");
@@ -1008,7 +1119,9 @@ mod tests {
         );
         // An answer with errors (job not found, 24.05+).
         let f = fixture("scontrol-25.11-errors.json");
-        let e = gpu_indices_from_json(&f, 99, "gpu01").unwrap_err();
+        let e = gpu_indices_from_json(&f, 99, "gpu01")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("Unable to find job"), "{e}");
     }
 
@@ -1046,7 +1159,7 @@ mod tests {
                 "unbalanced",
             ),
         ] {
-            let e = gpu_indices_from_json(doc, 1, "n1").unwrap_err();
+            let e = gpu_indices_from_json(doc, 1, "n1").unwrap_err().to_string();
             assert!(e.contains(want), "{e} (wanted {want})");
         }
         // data_parser's number wrapper, and a job_id that is not ours.
