@@ -128,13 +128,10 @@ impl World {
             let p = tmp.path().join(name);
             let c = CString::new(p.to_str().unwrap()).unwrap();
             // SAFETY: mknod(2) with a NUL-terminated path.
-            assert_eq!(
-                unsafe {
-                    libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(195, minor))
-                },
-                0,
-                "mknod"
-            );
+            let made = unsafe {
+                libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(195, minor))
+            };
+            assert_eq!(made, 0, "mknod");
             p
         };
         World {
@@ -239,6 +236,8 @@ impl World {
         // SAFETY: the child only makes syscalls and exits with _exit.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
+            // SAFETY: in the forked child: raw syscalls on NUL-terminated
+            // paths and buffers we own, then _exit.
             unsafe {
                 let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
                 if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {

@@ -58,6 +58,8 @@ fn spawn_holders(n: usize, dev_path: &std::path::Path) -> Vec<i32> {
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
         if pid == 0 {
+            // SAFETY: in the forked child: raw syscalls on descriptors and
+            // buffers we own, then _exit.
             unsafe {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 if libc::open(dev.as_ptr(), libc::O_RDONLY) < 0

@@ -89,6 +89,8 @@ pub(crate) fn spawn_crowd(
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
         if pid == 0 {
+            // SAFETY: in the forked child: raw syscalls on descriptors and
+            // buffers we own, then _exit.
             unsafe {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 let mut lim = libc::rlimit {

@@ -206,7 +206,7 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
         assert_eq!(lines[1], "{\"ts\":\"2026-");
-        let second: serde_json::Value = serde_json::from_str(lines[2]).unwrap();
+        let second: Value = serde_json::from_str(lines[2]).unwrap();
         assert_eq!(second["event"], "second");
         assert!(text.ends_with('\n'));
     }

@@ -472,6 +472,12 @@ impl GpuFence {
     }
 }
 
+// SAFETY: the trait's contract (slurm-spank 0.2.4, `Plugin`): task
+// callbacks run in children slurmstepd forks from itself, where a
+// multi-threaded plugin could deadlock. This plugin starts no thread, and
+// its task callbacks (`task_init_privileged`, `task_init`) only write lines
+// already built in `init` to stderr. The crate catches panics at every
+// hook (`catch_unwind`), so none unwinds into Slurm.
 unsafe impl Plugin for GpuFence {
     fn setup(&self, _spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
         // No tracing subscriber: messages go through spank_log directly.

@@ -44,7 +44,7 @@ mod status;
 
 pub use bpffs::ensure_bpffs;
 pub use install::{probe_ancestor_helper, FORCE_NO_HELPER_ENV};
-pub use status::programs_at;
+pub use status::{programs_at, NotAttached};
 
 use bpffs::DirLock;
 

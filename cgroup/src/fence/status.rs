@@ -206,34 +206,39 @@ impl Fence {
     /// full [`Fence::status`] walks every map).
     ///
     /// # Errors
-    /// A one-line reason when it is not.
+    /// [`NotAttached`]: why it is not, in one line.
     pub fn check_attached(
         cg: &Cgroup2,
         cgroup_root: &str,
         bpffs_dir: &Path,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), NotAttached> {
         let link_pin = bpffs_dir.join(PIN_LINK);
         let link = sys::obj_get(&link_pin).map_err(|e| {
             if e.raw_os_error() == Some(libc::ENOENT) {
-                format!("no pinned link at {}", link_pin.display())
+                NotAttached::NoPin(link_pin.clone())
             } else {
-                format!("pinned link {}: {e}", link_pin.display())
+                NotAttached::Pin {
+                    path: link_pin.clone(),
+                    source: e,
+                }
             }
         })?;
-        let info =
-            sys::link_info(link.as_fd()).map_err(|e| format!("{}: {e}", link_pin.display()))?;
+        let info = sys::link_info(link.as_fd()).map_err(|e| NotAttached::Info {
+            path: link_pin.clone(),
+            source: e,
+        })?;
         if info.prog_id == 0 {
-            return Err(format!(
-                "{} is detached from its cgroup",
-                link_pin.display()
-            ));
+            return Err(NotAttached::Detached(link_pin));
         }
-        let root = cg.id(cgroup_root).map_err(|e| e.to_string())?;
+        let root = cg
+            .id(cgroup_root)
+            .map_err(|e| NotAttached::Root(Box::new(e)))?;
         if info.cgroup_id != root {
-            return Err(format!(
-                "the link is attached to cgroup id {}, not to cgroup_root /{cgroup_root} (id {root})",
-                info.cgroup_id
-            ));
+            return Err(NotAttached::Elsewhere {
+                cgroup_id: info.cgroup_id,
+                cgroup_root: cgroup_root.to_string(),
+                root,
+            });
         }
         Ok(())
     }
@@ -363,4 +368,45 @@ pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
     })?;
     sys::prog_query_cgroup_device(f.as_fd())
         .map_err(bpf_err("BPF_PROG_QUERY", p.display().to_string()))
+}
+
+/// Why the fence's link is not attached at `cgroup_root`
+/// ([`Fence::check_attached`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NotAttached {
+    /// Nothing is pinned: never installed, or removed.
+    #[error("no pinned link at {}", .0.display())]
+    NoPin(PathBuf),
+    /// The pin cannot be opened.
+    #[error("pinned link {}: {source}", path.display())]
+    Pin {
+        /// The pin.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The link cannot be asked about.
+    #[error("{}: {source}", path.display())]
+    Info {
+        /// The pin.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The link was detached (`BPF_LINK_DETACH`).
+    #[error("{} is detached from its cgroup", .0.display())]
+    Detached(PathBuf),
+    /// `cgroup_root` cannot be found.
+    #[error("{0}")]
+    Root(#[source] Box<Error>),
+    /// The link is attached to another cgroup.
+    #[error("the link is attached to cgroup id {cgroup_id}, not to cgroup_root /{cgroup_root} (id {root})")]
+    Elsewhere {
+        /// Where it is attached.
+        cgroup_id: u64,
+        /// The configured `cgroup_root`.
+        cgroup_root: String,
+        /// `cgroup_root`'s id.
+        root: u64,
+    },
 }

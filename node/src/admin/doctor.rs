@@ -230,7 +230,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         uid,
         cgroup: cg.clone(),
         fence_attached: attached.is_ok(),
-        fence_problem: attached.err(),
+        fence_problem: attached.err().map(|e| e.to_string()),
         fence_current,
         running_mode: crate::host::fence_ops::running_mode(node),
         mode: if audit {
@@ -481,7 +481,7 @@ fn combine(
                 id: r.id,
                 name: r.name.clone(),
                 owner: r.owner.clone(),
-                attached_at: r.attached_at.as_ref().map(|c| crate::host::cgpath::abs(c)),
+                attached_at: r.attached_at.as_ref().map(|c| abs(c)),
                 answer: answer.into(),
                 why,
             }

@@ -208,8 +208,11 @@ pub fn status_with_mode(node: &Node) -> (FenceStatus, RunningMode) {
 /// # Errors
 /// [`NodeError::FenceMissing`].
 pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
-    Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
-        .map_err(|detail| NodeError::FenceMissing { detail })?;
+    Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir).map_err(|e| {
+        NodeError::FenceMissing {
+            detail: e.to_string(),
+        }
+    })?;
     let fence = Fence::open(&node.cfg.bpffs_dir)?;
     let want: Vec<u32> = node.protected_majors()?.majors().collect();
     let added = fence.add_majors(&want)?;

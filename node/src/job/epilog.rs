@@ -372,7 +372,7 @@ impl<'a> Run<'a> {
             &self.minors,
         );
         let out = &mut self.out;
-        let mut cands = respond::uncovered(node, fence.as_ref(), &devs, &info, gpu_major, &mig);
+        let mut cands = respond::uncovered(node, fence.as_ref(), devs, &info, gpu_major, mig);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
         let responded = !cands.is_empty();
         let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
@@ -404,8 +404,8 @@ impl<'a> Run<'a> {
             handled.extend(lingering.iter().map(|l| l.pid));
             out.lingering.extend(lingering);
             out.errors.extend(errs);
-            let again = gpus.query(&minors).unwrap_or_default();
-            cands = respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig);
+            let again = gpus.query(minors).unwrap_or_default();
+            cands = respond::uncovered(node, fence.as_ref(), devs, &again, gpu_major, mig);
         }
         if let Some(s) = budget.summary() {
             let _ = node.audit(
@@ -420,8 +420,8 @@ impl<'a> Run<'a> {
             out.notes.push(s);
         }
         if responded {
-            let again = gpus.query(&minors).unwrap_or_default();
-            for c in respond::uncovered(node, fence.as_ref(), &devs, &again, gpu_major, &mig) {
+            let again = gpus.query(minors).unwrap_or_default();
+            for c in respond::uncovered(node, fence.as_ref(), devs, &again, gpu_major, mig) {
                 if out
                     .lingering
                     .iter()
@@ -548,7 +548,7 @@ impl<'a> Run<'a> {
                 } else {
                     Some(node.open_gpus())
                 };
-                let gpus_ref = g.as_ref().unwrap_or(&gpus);
+                let gpus_ref = g.as_ref().unwrap_or(gpus);
                 for (minor, old) in &r.saved_compute_modes {
                     match gpus_ref.swap_compute_mode(*minor, *old) {
                         Ok(_) => out.exclusive.push(format!(
@@ -599,7 +599,7 @@ impl<'a> Run<'a> {
                         .collect();
                     let accounting = match (&rec, start) {
                         (Some(_), Some(s)) if gpus.available() => gpus
-                            .accounting(&minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
+                            .accounting(minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
                             .unwrap_or_default()
                             .into_iter()
                             .map(|(m, procs)| {

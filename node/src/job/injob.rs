@@ -327,7 +327,7 @@ mod tests {
                 d.path().display()
             );
             let node = Node::new(
-                Config::parse(&text, std::path::Path::new("t")).unwrap(),
+                Config::parse(&text, Path::new("t")).unwrap(),
                 ConfigOrigin::Defaults,
             )
             .unwrap();

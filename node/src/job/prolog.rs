@@ -179,7 +179,7 @@ pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
 fn mig_cap(
     node: &Node,
     mm: &MigMinors,
-    file: &std::path::Path,
+    file: &Path,
     dev: DevNum,
     notes: &mut Vec<String>,
     gi: &mut Option<(u32, u32, DevNum)>,

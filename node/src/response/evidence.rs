@@ -523,7 +523,7 @@ mod tests {
             if ev.cmdline.len() == 4 {
                 break;
             }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(10));
             ev = collect(pid, 1, "test", Found::default(), None, &mut b);
         }
         let _ = child.kill();

@@ -18,7 +18,7 @@ impl Sweep<'_> {
                 ),
                 json!({
                     "cgroup_root": crate::host::cgpath::abs(&node.cfg.cgroup_root),
-                    "bpffs_dir": node.cfg.bpffs_dir, "detail": detail,
+                    "bpffs_dir": node.cfg.bpffs_dir, "detail": detail.to_string(),
                 }),
             ));
         }
