@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 bash contrib/setup.sh
 export CI="${CI:-true}"
 cargo build --workspace --all-targets --locked
+# The workspace's lints ([workspace.lints]) and clippy's, as errors.
+cargo clippy --workspace --all-targets --locked -- -D warnings
 # Real cgroup/v2 nodes of the Slurm releases GPU sites run besides the
 # host's 22.05 (tests/tests/e2e_v2node.rs): Debian 13 (24.11) and sid
 # (26.05) roots, made once per machine (about half a minute each) and kept
