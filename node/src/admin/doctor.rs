@@ -211,7 +211,16 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         under_fence,
         attached: attached.is_ok(),
         kernel: kernel.as_ref().map(|a| a.as_slice()),
+        ids: kernel
+            .as_ref()
+            .map(|a| a.iter().map(|x| x.id).collect())
+            .unwrap_or_default(),
         fence: fence.as_ref(),
+        entries: fence
+            .as_ref()
+            .and_then(|f| f.entries().ok())
+            .unwrap_or_default(),
+        identities: node.cfg.exempt_identities(),
         audit,
     };
     let devices = nvidia_devices(node)
@@ -312,32 +321,22 @@ fn programs_on_path(node: &Node, cg: &str, ours: Option<u32>) -> (Vec<Level>, Ve
         let programs = ids
             .iter()
             .map(|id| {
-                let (info, insns) = program_of(*id);
-                let name = info
-                    .as_ref()
-                    .map(|i| sys::name_str(&i.name))
-                    .unwrap_or_default();
-                let owner = owner_of(*id, &name, &insns, ours);
-                if effective.contains(id) {
-                    runs.push(Effective {
-                        id: *id,
-                        name: name.clone(),
-                        owner: owner.clone(),
-                        attached_at: Some(at.clone()),
-                        insns,
-                    });
-                }
-                AttachedProgram {
+                let (info, run) = effective_program(*id, Some(at.clone()), ours);
+                let attached = AttachedProgram {
                     id: *id,
                     tag: info
                         .as_ref()
                         .map(|i| i.tag.iter().map(|b| format!("{b:02x}")).collect())
                         .unwrap_or_default(),
                     loaded_by_uid: info.as_ref().map(|i| i.created_by_uid).unwrap_or(0),
-                    owner,
-                    name,
+                    owner: run.owner.clone(),
+                    name: run.name.clone(),
                     effective: effective.contains(id),
+                };
+                if effective.contains(id) {
+                    runs.push(run);
                 }
+                attached
             })
             .collect();
         levels.push(Level {
@@ -349,21 +348,32 @@ fn programs_on_path(node: &Node, cg: &str, ours: Option<u32>) -> (Vec<Level>, Ve
     runs.sort_by_key(|r| effective.iter().position(|e| *e == r.id));
     for id in &effective {
         if !runs.iter().any(|r| r.id == *id) {
-            let (info, insns) = program_of(*id);
-            let name = info
-                .as_ref()
-                .map(|i| sys::name_str(&i.name))
-                .unwrap_or_default();
-            runs.push(Effective {
-                id: *id,
-                owner: owner_of(*id, &name, &insns, ours),
-                name,
-                attached_at: None,
-                insns,
-            });
+            runs.push(effective_program(*id, None, ours).1);
         }
     }
     (levels, runs)
+}
+
+/// Program `id` read back from the kernel (its info, when it can be
+/// read) as an [`Effective`] attached at `at`, its owner named where known.
+fn effective_program(
+    id: u32,
+    at: Option<String>,
+    ours: Option<u32>,
+) -> (Option<sys::ProgInfo>, Effective) {
+    let (info, insns) = program_of(id);
+    let name = info
+        .as_ref()
+        .map(|i| sys::name_str(&i.name))
+        .unwrap_or_default();
+    let run = Effective {
+        id,
+        owner: owner_of(id, &name, &insns, ours),
+        name,
+        attached_at: at,
+        insns,
+    };
+    (info, run)
 }
 
 /// Every NVIDIA device node in `dev_dir` on a protected major, and the
@@ -390,7 +400,12 @@ struct Target<'a> {
     attached: bool,
     /// Its ancestry at the kernel's levels, or why it cannot be told.
     kernel: Result<&'a [Ancestor], &'a gpufence_cgroup::Error>,
+    /// The ids of that ancestry, root first (what the program walks).
+    ids: Vec<u64>,
     fence: Option<&'a Fence>,
+    /// The fence's grant entries, read once for every device.
+    entries: Vec<gpufence_cgroup::fence::GrantEntry>,
+    identities: gpufence_model::policy::ExemptIdentities,
     audit: bool,
 }
 
@@ -421,8 +436,6 @@ fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, Strin
     let Some(f) = t.fence else {
         return ("unknown", "the fence's maps cannot be opened".to_string());
     };
-    let ids: Vec<u64> = anc.iter().map(|x| x.id).collect();
-    let entries = f.entries().unwrap_or_default();
     let audit_note = if t.audit {
         " (audit mode: recorded, allowed)"
     } else {
@@ -430,15 +443,15 @@ fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, Strin
     };
     match f.evaluate(
         Task {
-            ancestry: &ids,
+            ancestry: &t.ids,
             uid: t.uid,
         },
-        &node.cfg.exempt_identities(),
+        &t.identities,
         d,
         Access::RW,
     ) {
         Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
-        Ok(ev) => explain(&ev, anc, t.cg, d, &entries, t.audit, audit_note),
+        Ok(ev) => explain(&ev, anc, t.cg, d, &t.entries, t.audit, audit_note),
     }
 }
 

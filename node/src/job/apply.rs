@@ -532,6 +532,19 @@ pub fn verdict_with(
 mod tests {
     use super::*;
 
+    /// A node with the defaults and its audit log at `dir/a.jsonl`.
+    fn audited_node(dir: &std::path::Path) -> (Node, std::path::PathBuf) {
+        use gpufence_model::config::{Config, ConfigOrigin};
+        let audit = dir.join("a.jsonl");
+        let text = format!("audit_log = \"{}\"\n", audit.display());
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        (node, audit)
+    }
+
     #[test]
     fn special_step_names() {
         assert_eq!(step_name(0xffff_fffc), "extern");
@@ -590,15 +603,8 @@ mod tests {
     /// The audit lines of a step carry its name in `step`.
     #[test]
     fn refusal_audit_line_names_the_extern_step() {
-        use gpufence_model::config::{Config, ConfigOrigin};
         let d = tempfile::tempdir().unwrap();
-        let audit = d.path().join("a.jsonl");
-        let text = format!("audit_log = \"{}\"\n", audit.display());
-        let node = Node::new(
-            Config::parse(&text, std::path::Path::new("t")).unwrap(),
-            ConfigOrigin::Defaults,
-        )
-        .unwrap();
+        let (node, audit) = audited_node(d.path());
         let req = StepRequest {
             job_id: 9,
             step_id: EXTERN_STEP_ID,
@@ -659,14 +665,8 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        use gpufence_model::config::{Config, ConfigOrigin};
         let d = tempfile::tempdir().unwrap();
-        let text = format!("audit_log = \"{}/a.jsonl\"\n", d.path().display());
-        let node = Node::new(
-            Config::parse(&text, std::path::Path::new("t")).unwrap(),
-            ConfigOrigin::Defaults,
-        )
-        .unwrap();
+        let (node, _) = audited_node(d.path());
         let req = StepRequest {
             job_id: 3,
             step_id: 0,
@@ -739,15 +739,8 @@ mod tests {
     /// refused extern step still is, RunInJob or not.
     #[test]
     fn refused_extern_step_is_audited_under_run_in_job() {
-        use gpufence_model::config::{Config, ConfigOrigin};
         let d = tempfile::tempdir().unwrap();
-        let audit = d.path().join("a.jsonl");
-        let text = format!("audit_log = \"{}\"\n", audit.display());
-        let node = Node::new(
-            Config::parse(&text, std::path::Path::new("t")).unwrap(),
-            ConfigOrigin::Defaults,
-        )
-        .unwrap();
+        let (node, audit) = audited_node(d.path());
         let req = StepRequest {
             job_id: 4,
             step_id: EXTERN_STEP_ID,

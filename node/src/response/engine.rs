@@ -314,28 +314,29 @@ impl<'a> Engine<'a> {
         if let Some(h) = self.how.get(&pid) {
             return h.clone();
         }
-        let how = match cgroup.filter(|c| !c.is_empty()) {
-            Some(cg) if self.frozen.contains(cg) => STOPPED_BY_FREEZE,
-            Some(cg) => {
-                let inside = self.node.cg.procs_recursive(cg);
-                if !inside.is_empty()
-                    && inside.iter().all(|q| members.contains(q))
-                    && set_frozen(self.node, cg, true, FREEZE_WAIT)
-                {
-                    self.frozen.insert(cg.to_string());
-                    STOPPED_BY_FREEZE
-                } else {
-                    signal(fd, libc::SIGSTOP);
-                    STOPPED_BY_SIGSTOP
-                }
-            }
-            None => {
-                signal(fd, libc::SIGSTOP);
-                STOPPED_BY_SIGSTOP
-            }
+        let frozen = cgroup
+            .filter(|c| !c.is_empty())
+            .is_some_and(|cg| self.frozen.contains(cg) || self.freeze_if_only(cg, members));
+        let how = if frozen {
+            STOPPED_BY_FREEZE
+        } else {
+            signal(fd, libc::SIGSTOP);
+            STOPPED_BY_SIGSTOP
         };
         self.how.insert(pid, how.to_string());
         how.to_string()
+    }
+
+    /// Freezes `cg` whole when every process in it is one of `members`;
+    /// returns whether it did.
+    fn freeze_if_only(&mut self, cg: &str, members: &BTreeSet<i32>) -> bool {
+        let inside = self.node.cg.procs_recursive(cg);
+        let only = !inside.is_empty() && inside.iter().all(|q| members.contains(q));
+        if only && set_frozen(self.node, cg, true, FREEZE_WAIT) {
+            self.frozen.insert(cg.to_string());
+            return true;
+        }
+        false
     }
 
     /// How `pid` was stopped, if it was.
