@@ -312,6 +312,9 @@ fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
     for n in &r.notes {
         println!("note: {n}");
     }
+    for w in gpufence_node::host::accounts::host_range_warnings(&node.cfg) {
+        println!("warning: {w}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -340,6 +343,7 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
         .unwrap_or_default();
     let io_uring =
         gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
+    let warnings = gpufence_node::host::accounts::host_range_warnings(&node.cfg);
     if json {
         let v = json!({
             "installed": st.installed,
@@ -355,6 +359,7 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
             "mount_root_level": st.mount_root_level,
             "exempt": exempt,
             "problems": st.problems,
+            "warnings": warnings,
             "io_uring": io_uring,
             "config": node.origin.to_string(),
         });
@@ -390,6 +395,9 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
         }
         for p in &st.problems {
             println!("problem: {}", gpufence_model::text::printable(p));
+        }
+        for w in &warnings {
+            println!("warning: {}", gpufence_model::text::printable(w));
         }
         if let Some(n) = &io_uring {
             println!("note: {n}");
@@ -669,5 +677,8 @@ fn print_doctor(d: &gpufence_node::admin::doctor::Doctor) {
     }
     if let Some(n) = &d.io_uring {
         say!("note: {n}");
+    }
+    for w in &d.warnings {
+        say!("warning: {w}");
     }
 }

@@ -123,6 +123,11 @@ pub struct Config {
     /// could otherwise hand a job's descriptor to such a daemon to have it
     /// killed. Evidence is kept and the node drained instead.
     pub protected_uid_max: u32,
+    /// Where the system's account ranges are read (`UID_MIN`,
+    /// login.defs(5)): `fence install`, `fence status`, `doctor` and
+    /// `sweep` warn when `protected_uid_max` reaches `UID_MIN` (users would
+    /// be taken for system accounts). A missing file is no warning.
+    pub login_defs: PathBuf,
     /// Service accounts above `protected_uid_max` that exemptions cover
     /// too (a monitoring daemon's uid), at most 16, each at most
     /// 2147483647. An exempt cgroup covers only processes of uids up to
@@ -240,6 +245,7 @@ impl Default for Config {
             drain: true,
             scontrol_bin: "/usr/bin/scontrol".into(),
             protected_uid_max: 999,
+            login_defs: "/etc/login.defs".into(),
             service_uids: Vec::new(),
             evidence_hash_max_mib: 256,
             evidence_time_ms: 2000,
@@ -561,6 +567,7 @@ impl Config {
             ("proc_dir", &self.proc_dir),
             ("cron_spool_dir", &self.cron_spool_dir),
             ("systemd_system_dir", &self.systemd_system_dir),
+            ("login_defs", &self.login_defs),
         ]
         .into_iter()
         .chain(self.passwd_file.as_ref().map(|p| ("passwd_file", p)))

@@ -164,6 +164,19 @@ pub enum NodeError {
         /// The processes.
         pids: Vec<i32>,
     },
+    /// The job runs as a uid gpufence takes for a system account
+    /// ([`crate::host::accounts::is_system_job_uid`]).
+    #[error("job {job_id} runs as uid {uid}, at or below protected_uid_max ({max}) in {config}: gpufence takes such uids for system accounts (exempt in exempt cgroups such as slurmd's, never ended), so it runs no job of theirs; admin: set protected_uid_max below your users' uids (UID_MIN in /etc/login.defs) and list service accounts above it in service_uids")]
+    SystemUidJob {
+        /// The job.
+        job_id: u32,
+        /// Its uid.
+        uid: u32,
+        /// `protected_uid_max`.
+        max: u32,
+        /// The gpufence config.
+        config: String,
+    },
     /// A MIG capability in a GRES cannot be identified or is not grantable.
     #[error("MIG: {0}")]
     Mig(String),

@@ -986,13 +986,23 @@ fn real_slurm_cluster_end_to_end() {
         .map(|l| serde_json::from_str::<Value>(l).expect("one JSON object per line"))
         .filter(|f| f["kind"] == "shm_leftover")
         .collect();
-    assert_eq!(found.len(), 2, "{}", both(&sw));
+    // One finding for the user, naming both files, with the oldest's age.
+    assert_eq!(found.len(), 1, "{}", both(&sw));
     assert!(
         found
             .iter()
-            .all(|f| f["evidence"]["age_seconds"].is_u64() && f["uid"] == test_uid()),
+            .all(|f| f["evidence"]["oldest_age_seconds"].is_u64()
+                && f["evidence"]["files"] == 2
+                && f["evidence"]["bytes"] == 8192
+                && f["uid"] == test_uid()),
         "{found:?}"
     );
+    assert_eq!(
+        found[0]["evidence"]["names"],
+        serde_json::json!([format!("psm_shm-{job}"), format!("vllm-{job}")])
+    );
+    assert_eq!(line["files_total"], 2);
+    assert_eq!(line["bytes_total"], 8192);
     // Removal switched on: the next job's leftovers go (the earlier job's,
     // older than this job, are not its own and stay).
     let cfg = env.path("gpufence.toml");

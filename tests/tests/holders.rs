@@ -211,6 +211,19 @@ fn forked(what: &str, set_up: impl FnOnce() -> bool) -> i32 {
     pid
 }
 
+/// Waits (5 s at most) until `pid`'s main thread has exited while the
+/// process lives on: its leader a zombie, another thread alive.
+fn wait_leader_gone(pid: i32) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs() < 5 {
+        if gpufence_node::host::procs::leader_exited(pid) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    false
+}
+
 fn ours(h: Vec<Holder>, pids: &[i32]) -> Vec<Holder> {
     h.into_iter().filter(|h| pids.contains(&h.pid)).collect()
 }
@@ -232,36 +245,44 @@ fn iterators_find_what_the_proc_walk_finds() {
     let zero = DevNum::new(1, 5);
     let node_path = env.mknod("held", real.major, real.minor);
     let mut pids = Vec::new();
-    let mut leader_exit = None;
-    let mut expect = vec![(Via::Mmap, zero)];
-    for (via, kind) in [
-        ("fd", Via::Fd),
-        ("thread", Via::ThreadFd),
-        ("leader-exit", Via::ThreadFd),
-        ("mmap", Via::Mmap),
-        ("io_uring", Via::IoUring),
-        ("io_uring-thread", Via::IoUring),
+    let mut leader_exits = Vec::new();
+    // (holder, how, device): each holder must be found holding that way.
+    let mut expect = Vec::new();
+    let dev_zero = std::path::Path::new("/dev/zero");
+    for (via, kind, path, d) in [
+        ("fd", Via::Fd, node_path.as_path(), dev),
+        ("thread", Via::ThreadFd, &node_path, dev),
+        ("leader-exit", Via::ThreadFd, &node_path, dev),
+        ("mmap", Via::Mmap, &node_path, dev),
+        ("io_uring", Via::IoUring, &node_path, dev),
+        ("io_uring-thread", Via::IoUring, &node_path, dev),
+        // Mapped, closed, main thread gone: only a live thread's view
+        // shows the mapping (a private /dev/zero mapping stands in).
+        ("mmap-leader-exit", Via::Mmap, dev_zero, zero),
+        // A ring kept by its mapping alone, main thread gone.
+        ("io_uring-mapped-leader-exit", Via::IoUring, &node_path, dev),
     ] {
-        match hold_via(&mut env, &node_path, via) {
+        match hold_via(&mut env, path, via) {
             Some(pid) => {
                 pids.push(pid);
-                expect.push((kind, dev));
-                if via == "leader-exit" {
-                    leader_exit = Some(pid);
+                expect.push((pid, kind, d));
+                if via.ends_with("leader-exit") {
+                    leader_exits.push((via, pid));
                 }
             }
+            None if via == "mmap-leader-exit" => panic!("{via}: /dev/zero maps everywhere"),
             None => eprintln!("{via}: cannot hold that way here"),
         }
     }
     let mapper = map_dev_zero();
     pids.push(mapper);
-    // The leader-exit holder's main thread leaves right after "held".
-    let t0 = std::time::Instant::now();
-    while leader_exit
-        .is_some_and(|p| std::fs::read_dir(format!("/proc/{p}/fd")).is_ok_and(|d| d.count() > 0))
-        && t0.elapsed().as_secs() < 5
-    {
-        std::thread::sleep(std::time::Duration::from_millis(10));
+    expect.push((mapper, Via::Mmap, zero));
+    // The leader-exit holders' main threads leave right after "held".
+    for (via, p) in &leader_exits {
+        assert!(
+            wait_leader_gone(*p),
+            "{via}: the main thread of {p} did not exit"
+        );
     }
     let want: BTreeSet<DevNum> = [dev, zero].into();
     let mut fast = Scanner::new();
@@ -299,11 +320,11 @@ fn iterators_find_what_the_proc_walk_finds() {
         !other.read_pins(),
         "major 5 is not protected: not from the pins"
     );
-    for (via, d) in &expect {
+    for (pid, via, d) in &expect {
         assert!(
             got.iter()
-                .any(|h| h.fds.iter().any(|f| f.via == *via && f.dev == *d)),
-            "{via:?} {d}: {got:#?}"
+                .any(|h| h.pid == *pid && h.fds.iter().any(|f| f.via == *via && f.dev == *d)),
+            "pid {pid} {via:?} {d}: {got:#?}"
         );
     }
     let sel = |d: DevNum| d == dev || d == zero;

@@ -34,6 +34,16 @@ fn config(env: &TestEnv, extra: &str, majors: &str, nvml: Option<&PathBuf>) -> N
     for d in ["cron", "systemd", "home/gt/.config/systemd/user"] {
         std::fs::create_dir_all(env.path(d)).unwrap();
     }
+    // The test user's home is theirs, as a real home is: the sweep reads a
+    // user's tree only below directories the user owns.
+    for d in [
+        "home/gt",
+        "home/gt/.config",
+        "home/gt/.config/systemd",
+        "home/gt/.config/systemd/user",
+    ] {
+        std::os::unix::fs::chown(env.path(d), Some(test_uid()), Some(test_uid())).unwrap();
+    }
     std::fs::write(
         env.path("passwd"),
         format!(
@@ -65,6 +75,13 @@ fn config(env: &TestEnv, extra: &str, majors: &str, nvml: Option<&PathBuf>) -> N
         scontrol.display(),
     ));
     Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+}
+
+/// Writes `text` to `path` in the test user's home, as the user would:
+/// owned by them.
+fn user_file(path: &std::path::Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::os::unix::fs::chown(path, Some(test_uid()), Some(test_uid())).unwrap();
 }
 
 fn world(tag: &str, extra: &str, majors: &str, fence: bool) -> World {
@@ -414,7 +431,7 @@ fn new_systemd_units_after_the_baseline() {
     )
     .unwrap();
     let user_unit = w.env.path("home/gt/.config/systemd/user/notebook.service");
-    std::fs::write(&user_unit, "[Service]\nExecStart=jupyter lab\n").unwrap();
+    user_file(&user_unit, "[Service]\nExecStart=jupyter lab\n");
     for _ in 0..2 {
         let o = w.sweep();
         let s = of_kind(&o, Kind::PersistenceSystemd);
@@ -981,7 +998,7 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     let cron = w.env.path(&format!("cron/{TEST_USER}"));
     std::fs::write(&cron, "* * * * * /tmp/.x/miner\n").unwrap();
     let unit = w.env.path("home/gt/.config/systemd/user/miner.service");
-    std::fs::write(&unit, "[Service]\nExecStart=/tmp/.x/miner\n").unwrap();
+    user_file(&unit, "[Service]\nExecStart=/tmp/.x/miner\n");
     let cg = w.env.cgroup("incident");
     let (mut child, tree) = spawn_tree(&w.env, &cg);
     let o = incident::respond_pid(&w.node, tree[0], Some("node9")).unwrap();
@@ -1084,6 +1101,224 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     assert!(respond_lines.len() >= 5);
     for l in &respond_lines {
         assert_eq!(l["by"], who.as_str(), "{l}");
+    }
+}
+
+/// respond PID on a process whose main thread exited while another thread
+/// keeps a device mapped (its descriptor closed): `/proc/<pid>` shows no
+/// `exe`, `maps` or `cmdline` and the leader reads as a zombie, yet the
+/// process lives. It is responded to like any other: frozen, evidence with
+/// its executable and mapping (read through the live thread), killed.
+#[test]
+fn respond_acts_on_a_process_whose_leader_exited() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("respond-leader", "", "", false);
+    let cg = w.env.cgroup("leaderless");
+    let pid = w.env.spawn_user_probe(
+        &cg,
+        &["hold", "--via=mmap-leader-exit", "/dev/zero"],
+        "held",
+    );
+    let t0 = Instant::now();
+    while !gpufence_node::host::procs::leader_exited(pid) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the main thread of {pid} did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let o = incident::respond_pid(&w.node, pid, None).unwrap();
+    assert!(o.complete(), "{o:#?}");
+    assert_eq!(o.killed, vec![pid], "{o:#?}");
+    // Gone: at most the leader's zombie is left (this test is its parent).
+    let dead = || {
+        gone(pid) && std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count()) <= 1
+    };
+    let t0 = Instant::now();
+    while !dead() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(dead(), "a thread of {pid} survived");
+    assert_eq!(o.evidence.len(), 1, "{o:#?}");
+    let v: Value = serde_json::from_slice(&std::fs::read(&o.evidence[0]).unwrap()).unwrap();
+    assert_eq!(v["pid"], pid);
+    assert_eq!(
+        v["exe"],
+        gpufence_tests::probe_bin().display().to_string(),
+        "exe read through the live thread: {v}"
+    );
+    assert!(
+        v["cmdline"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|x| x == "mmap-leader-exit" || x == "--via=mmap-leader-exit")),
+        "cmdline read through the live thread: {v}"
+    );
+}
+
+/// Root reads nothing for a user that the user could not read: with the
+/// user's `~/.config/systemd/user` a symlink to a root-only directory, and
+/// then with a root-only file put in the user's real unit directory, no
+/// byte of those files reaches the sweep's findings, its baseline or an
+/// incident file, and their names are not listed as the user's units.
+#[test]
+fn a_users_links_and_others_files_are_not_read() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("userlinks", "", "", false);
+    const SECRET: &str = "ROOT-ONLY-0f5e1d";
+    let secret = w.env.path("root-only");
+    std::fs::create_dir_all(&secret).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(secret.join("id_rsa.service"), format!("{SECRET}\n")).unwrap();
+    std::fs::set_permissions(
+        secret.join("id_rsa.service"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let units = w.env.path("home/gt/.config/systemd/user");
+    std::fs::remove_dir(&units).unwrap();
+    std::os::unix::fs::symlink(&secret, &units).unwrap();
+    let leaks = |what: &str, text: &str| {
+        assert!(
+            !text.contains(SECRET) && !text.contains("id_rsa.service"),
+            "{what} shows the root-only file:\n{text}"
+        );
+    };
+    // Twice: the first records the baseline, the second reports changes.
+    for _ in 0..2 {
+        let o = w.sweep();
+        leaks("the sweep", &format!("{o:?}"));
+    }
+    leaks(
+        "the baseline",
+        &std::fs::read_to_string(sweep::baseline_path(&w.node)).unwrap_or_default(),
+    );
+    let cg = w.env.cgroup("incident");
+    let pid = w.env.spawn_user_sleeper(&cg);
+    let o = incident::respond_pid(&w.node, pid, None).unwrap();
+    assert!(o.complete(), "{o:#?}");
+    let inc = std::fs::read_to_string(o.incident_file.as_ref().unwrap()).unwrap();
+    leaks("the incident file", &inc);
+    // A real directory of the user's again, with a root-only file put in it
+    // (and one of the user's own beside it, which is read).
+    std::fs::remove_file(&units).unwrap();
+    std::fs::create_dir(&units).unwrap();
+    std::os::unix::fs::chown(&units, Some(test_uid()), Some(test_uid())).unwrap();
+    std::fs::copy(secret.join("id_rsa.service"), units.join("id_rsa.service")).unwrap();
+    user_file(
+        &units.join("own.service"),
+        "[Service]\nExecStart=/bin/own\n",
+    );
+    let pid = w.env.spawn_user_sleeper(&cg);
+    let o = incident::respond_pid(&w.node, pid, None).unwrap();
+    let inc = std::fs::read_to_string(o.incident_file.as_ref().unwrap()).unwrap();
+    leaks("the incident file", &inc);
+    assert!(
+        inc.contains("ExecStart=/bin/own"),
+        "the user's own unit is read:\n{inc}"
+    );
+    let o = w.sweep();
+    leaks("the sweep", &format!("{o:?}"));
+    assert!(
+        of_kind(&o, Kind::PersistenceSystemd)
+            .iter()
+            .any(|f| f.evidence["file"] == units.join("own.service").display().to_string()),
+        "{o:#?}"
+    );
+}
+
+/// A job that leaves 100,000 long-named files in the shared-memory
+/// directory: the Epilog's `shm_leftovers` line stays under 64 KiB (the
+/// first names, then the counts and the total), and the sweep's output
+/// under 1 MiB (one finding for the user, with a count), in text and JSON.
+#[test]
+fn a_flood_of_shm_files_stays_bounded() {
+    if !privileged() {
+        return;
+    }
+    let w = world("shmflood", "", "", true);
+    let uid = test_uid();
+    let job = 48;
+    w.node
+        .state
+        .write_record(&gpufence_model::record::JobRecord {
+            version: gpufence_model::record::RECORD_VERSION,
+            job_id: job,
+            uid,
+            gres_indices: vec![],
+            devices: vec![],
+            created: gpufence_model::record::now_rfc3339(),
+            notes: vec![],
+            gpu_idle: vec![],
+            mig: vec![],
+            cuda_visible_devices: vec![],
+            saved_compute_modes: Vec::new(),
+        })
+        .unwrap();
+    // File times come from the kernel's coarse clock (a tick behind).
+    std::thread::sleep(Duration::from_millis(50));
+    let shm = w.node.cfg.shm_dir.clone();
+    let long = "x".repeat(200);
+    for i in 0..100_000 {
+        let p = shm.join(format!("{long}-{i:06}"));
+        std::fs::write(&p, b"0123456789").unwrap();
+        std::os::unix::fs::chown(&p, Some(uid), Some(uid)).unwrap();
+    }
+    let cfg = w.env.path("gpufence.toml");
+    let o = std::process::Command::new(workspace_bin("gpufence-epilog"))
+        .args(["--config", cfg.to_str().unwrap()])
+        .env("SLURM_JOB_ID", job.to_string())
+        .env("SLURM_JOB_UID", uid.to_string())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let text = std::fs::read_to_string(&w.node.cfg.audit_log).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("\"shm_leftovers\""))
+        .expect("a shm_leftovers line");
+    assert!(line.len() <= 64 << 10, "{} bytes", line.len());
+    let v: Value = serde_json::from_str(line).unwrap();
+    let examined = gpufence_node::holders::shm::EXAMINED_MAX as u64;
+    assert_eq!(
+        v["files_total"], examined,
+        "at most that many entries examined"
+    );
+    assert_eq!(v["examined_all"], false);
+    assert_eq!(v["bytes_total"], examined * 10);
+    let listed = v["files"].as_array().unwrap().len();
+    assert!(
+        listed > 100 && listed as u64 == v["files_listed"],
+        "{listed}"
+    );
+    let run = |args: &[&str]| {
+        std::process::Command::new(workspace_bin("gpufence"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    for args in [&["sweep"][..], &["sweep", "--json"][..]] {
+        let o = run(args);
+        assert!(
+            o.stdout.len() <= 1 << 20,
+            "{args:?}: {} bytes",
+            o.stdout.len()
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(
+            out.lines().filter(|l| l.contains("shm_leftover")).count(),
+            1,
+            "{args:?}: one finding for the user"
+        );
+        assert!(
+            out.contains(&format!("at least {examined} file(s)")),
+            "{args:?}"
+        );
     }
 }
 
@@ -1288,12 +1523,11 @@ fn respond_prints_no_escape_sequences() {
         format!("* * * * * /tmp/x {esc}\n"),
     )
     .unwrap();
-    std::fs::write(
-        w.env
+    user_file(
+        &w.env
             .path(&format!("home/gt/.config/systemd/user/m{esc}.service")),
         "[Service]\n",
-    )
-    .unwrap();
+    );
     // A program whose file name (its process name) carries an escape.
     let bin = w.env.path("bin");
     std::fs::create_dir_all(&bin).unwrap();

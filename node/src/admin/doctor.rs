@@ -145,6 +145,9 @@ pub struct Doctor {
     /// where no scan sees it ([`crate::holders::scan::io_uring_exposure`]); `None`
     /// when io_uring is closed to them.
     pub io_uring: Option<String>,
+    /// Warnings about the uids taken for system accounts
+    /// ([`crate::host::accounts::range_warnings`]).
+    pub warnings: Vec<String>,
 }
 
 fn flags_name(f: u32) -> &'static str {
@@ -253,6 +256,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
         levels,
         devices,
         io_uring: crate::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys")),
+        warnings: crate::host::accounts::host_range_warnings(&node.cfg),
     })
 }
 

@@ -6,7 +6,7 @@
 //! reboot. The Epilog reports those of the job's user that no process
 //! holds; `gpufence sweep` reports every user's with their age.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -39,17 +39,40 @@ impl Leftover {
     }
 }
 
+/// How many entries of the shared-memory directory one call of
+/// [`leftovers`] examines (one `lstat` each): a user who leaves 100,000
+/// files there costs every Epilog and sweep this much, no more. Entries
+/// past it are left for a later call; [`Leftovers::complete`] says so.
+pub const EXAMINED_MAX: usize = 20_000;
+
+/// What [`leftovers`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// The leftovers, by name.
+    pub files: Vec<Leftover>,
+    /// Whether every entry of the directory was examined (at most
+    /// [`EXAMINED_MAX`] are).
+    pub complete: bool,
+}
+
+impl Leftovers {
+    /// Their total size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size_bytes).sum()
+    }
+}
+
 /// Regular files in `dir` (not followed: a symbolic link or a directory is
 /// never one) owned by a uid `owner` accepts and changed at or after
-/// `since`, that no live process holds open or mapped ([`held`]).
-/// Nothing when `dir` cannot be read.
-pub fn leftovers(
-    dir: &Path,
-    owner: &dyn Fn(u32) -> bool,
-    since: Option<SystemTime>,
-) -> Vec<Leftover> {
+/// `since`, that no live process holds open or mapped ([`held`]). At most
+/// [`EXAMINED_MAX`] entries are examined. Nothing when `dir` cannot be
+/// read.
+pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTime>) -> Leftovers {
     let Ok(rd) = std::fs::read_dir(dir) else {
-        return Vec::new();
+        return Leftovers {
+            files: Vec::new(),
+            complete: true,
+        };
     };
     // In nanoseconds: a job's files and the next job's start often fall in
     // one second.
@@ -59,60 +82,85 @@ pub fn leftovers(
             .map(|d| d.as_nanos() as i128)
             .unwrap_or(0)
     });
-    let mut out: Vec<Leftover> = rd
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let md = std::fs::symlink_metadata(e.path()).ok()?;
-            let name = e.file_name().into_string().ok()?;
-            (md.file_type().is_file()
-                && owner(md.uid())
-                && since.is_none_or(|s| {
-                    ns(md.mtime(), md.mtime_nsec()) >= s || ns(md.ctime(), md.ctime_nsec()) >= s
-                }))
-            .then(|| Leftover {
+    let mut out: Vec<Leftover> = Vec::new();
+    let mut complete = true;
+    for (examined, e) in rd.filter_map(|e| e.ok()).enumerate() {
+        if examined >= EXAMINED_MAX {
+            complete = false;
+            break;
+        }
+        let Ok(md) = std::fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        if md.file_type().is_file()
+            && owner(md.uid())
+            && since.is_none_or(|s| {
+                ns(md.mtime(), md.mtime_nsec()) >= s || ns(md.ctime(), md.ctime_nsec()) >= s
+            })
+        {
+            out.push(Leftover {
                 name,
                 size_bytes: md.size(),
                 mode: format!("{:04o}", md.mode() & 0o7777),
                 uid: md.uid(),
                 modified: md.mtime(),
                 ino: md.ino(),
-            })
-        })
-        .collect();
-    if out.is_empty() {
-        return out;
+            });
+        }
     }
-    let held = held(dir);
-    out.retain(|l| !held.contains(&l.name));
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    out
+    if !out.is_empty() {
+        let candidates: HashSet<&str> = out.iter().map(|l| l.name.as_str()).collect();
+        let held = held(dir, &candidates);
+        out.retain(|l| !held.contains(&l.name));
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+    Leftovers {
+        files: out,
+        complete,
+    }
 }
 
-/// Names of files directly in `dir` that a live process holds: a
-/// descriptor (`/proc/<pid>/fd/*`, the link's target) or a mapping
-/// (`/proc/<pid>/maps`, its path column). Read only when there are
-/// candidates, so an Epilog with nothing left pays one directory read.
-pub fn held(dir: &Path) -> BTreeSet<String> {
+/// Those of `candidates` (names of files directly in `dir`) that a live
+/// process holds: a descriptor (`/proc/<pid>/fd/*`, the link's target) or
+/// a mapping (`maps`, its path column; through a live thread's view when
+/// the leader exited, [`crate::host::procs::live_view`]). Read only when
+/// there are candidates, so an Epilog with nothing left pays one
+/// directory read; what is kept is bounded by the candidates, whatever
+/// the processes hold.
+pub fn held(dir: &Path, candidates: &HashSet<&str>) -> BTreeSet<String> {
     let prefix = format!("{}/", dir.display().to_string().trim_end_matches('/'));
     let name_of = |p: &str| -> Option<String> {
         let rest = p.strip_prefix(&prefix)?;
-        (!rest.contains('/')).then(|| rest.trim_end_matches(" (deleted)").to_string())
+        let name = rest.trim_end_matches(" (deleted)");
+        (!rest.contains('/') && candidates.contains(name)).then(|| name.to_string())
     };
     let mut out = BTreeSet::new();
     for pid in crate::holders::scan::pids() {
-        if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        let mut base = std::path::PathBuf::from(format!("/proc/{pid}"));
+        let maps = match std::fs::read_to_string(base.join("maps")) {
+            Ok(m) if m.is_empty() => {
+                // A kernel thread, or a leader that exited: its live
+                // threads show the process's descriptors and mappings.
+                base = crate::host::procs::live_view(pid);
+                std::fs::read_to_string(base.join("maps")).unwrap_or_default()
+            }
+            Ok(m) => m,
+            Err(_) => continue,
+        };
+        if let Ok(rd) = std::fs::read_dir(base.join("fd")) {
             for e in rd.filter_map(|e| e.ok()) {
                 if let Ok(t) = std::fs::read_link(e.path()) {
                     out.extend(t.to_str().and_then(name_of));
                 }
             }
         }
-        if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
-            for line in maps.lines() {
-                // address perms offset dev inode path (the path may hold spaces)
-                if let Some(at) = line.find(&prefix) {
-                    out.extend(name_of(&line[at..]));
-                }
+        for line in maps.lines() {
+            // address perms offset dev inode path (the path may hold spaces)
+            if let Some(at) = line.find(&prefix) {
+                out.extend(name_of(&line[at..]));
             }
         }
     }
@@ -174,16 +222,16 @@ mod tests {
         };
         assert_ne!(map, libc::MAP_FAILED);
         drop(m);
-        let got = leftovers(d.path(), &|u| u == me, None);
+        let got = leftovers(d.path(), &|u| u == me, None).files;
         let names: Vec<&str> = got.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, ["psm_shm.abc", "vllm-1234"]);
         assert_eq!(
             (got[1].size_bytes, got[1].mode.as_str(), got[1].uid),
             (4096, "0644", me)
         );
-        assert!(leftovers(d.path(), &|u| u != me, None).is_empty());
+        assert!(leftovers(d.path(), &|u| u != me, None).files.is_empty());
         let later = SystemTime::now() + Duration::from_secs(3600);
-        assert!(leftovers(d.path(), &|_| true, Some(later)).is_empty());
+        assert!(leftovers(d.path(), &|_| true, Some(later)).files.is_empty());
         assert!(remove(d.path(), &got).is_empty());
         assert!(!d.path().join("vllm-1234").exists());
         assert!(d.path().join("held-open").exists() && d.path().join("link").exists());

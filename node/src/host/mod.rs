@@ -1,5 +1,6 @@
 //! What the node is made of: processes, users, GPUs, Slurm, the fence.
 
+pub mod accounts;
 pub mod cgpath;
 pub mod denials;
 pub mod drain;

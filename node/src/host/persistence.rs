@@ -2,11 +2,24 @@
 //! (system and user), read for the sweep's persistence checks and for an
 //! incident's evidence. Users' files are only read for evidence, and then
 //! only regular files, opened without following links or blocking on
-//! FIFOs, 64 KiB at most.
+//! FIFOs, 64 KiB at most. Root reads nothing for a user that the user
+//! could not read: a user's tree is walked from the home one component at
+//! a time (`openat` with `O_NOFOLLOW`), every directory and file must be
+//! the home owner's, and a file of another uid's is neither listed nor
+//! read ([`UnitRoot`]); a crontab is read only when it is the user's or
+//! root's.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use nix::dir::Dir;
+use nix::fcntl::{openat, readlinkat, AtFlags, OFlag};
+use nix::sys::stat::{fstatat, Mode, SFlag};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -98,26 +111,86 @@ const UNIT_FILES_MAX: usize = 20_000;
 /// thousands of files: each is reported, only these many are read).
 pub(crate) const UNIT_EVIDENCE_MAX: usize = 100;
 
-/// Opens `p` for reading only if it is a regular file, without following
-/// a symlink and without blocking on a FIFO swapped in by its owner.
-fn open_regular(p: &Path) -> Option<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(p)
-        .ok()?;
-    f.metadata().ok()?.is_file().then_some(f)
+/// Opens `name` in the directory `dir` for reading only if it is a
+/// regular file (owned by `owner`, when given), without following a
+/// symlink and without blocking on a FIFO swapped in by its owner.
+fn open_regular_at(dir: BorrowedFd<'_>, name: &Path, owner: Option<u32>) -> Option<File> {
+    let fd = openat(
+        dir,
+        name,
+        OFlag::O_RDONLY
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_NONBLOCK
+            | OFlag::O_NOCTTY
+            | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let f = File::from(fd);
+    let md = f.metadata().ok()?;
+    (md.is_file() && owner.is_none_or(|o| md.uid() == o)).then_some(f)
 }
 
-/// The first [`EVIDENCE_MAX`] bytes of a regular file.
-fn read_prefix(p: &Path) -> Option<Vec<u8>> {
-    use std::io::Read;
-    let mut buf = Vec::new();
-    open_regular(p)?
-        .take(EVIDENCE_MAX)
-        .read_to_end(&mut buf)
+/// Opens the directory `name` in `dir` without following a symlink; it
+/// must be owned by `owner` when given.
+fn open_dir_at(dir: BorrowedFd<'_>, name: &Path, owner: Option<u32>) -> Option<OwnedFd> {
+    let fd = openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let md = File::from(fd.try_clone().ok()?).metadata().ok()?;
+    owner.is_none_or(|o| md.uid() == o).then_some(fd)
+}
+
+/// Opens the directory `path` as given (an admin's path: the system unit
+/// directory, the cron spool, a home as NSS names it), owned by `owner`
+/// when given.
+fn open_dir(path: &Path, owner: Option<u32>) -> Option<OwnedFd> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(path)
         .ok()?;
+    let md = f.metadata().ok()?;
+    (md.is_dir() && owner.is_none_or(|o| md.uid() == o)).then(|| OwnedFd::from(f))
+}
+
+/// Walks `rel` (plain components only) below the directory `root`, one
+/// component at a time, never following a symlink, each directory owned
+/// by `owner` when given; the last component is opened as a directory
+/// (`dir`) or as a regular file of `owner`'s.
+fn open_beneath(root: OwnedFd, rel: &Path, owner: Option<u32>, dir: bool) -> Option<OpenedAt> {
+    let parts: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let mut cur = root;
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        if last && !dir {
+            return open_regular_at(cur.as_fd(), Path::new(part), owner).map(OpenedAt::File);
+        }
+        cur = open_dir_at(cur.as_fd(), Path::new(part), owner)?;
+    }
+    dir.then_some(OpenedAt::Dir(cur))
+}
+
+/// What [`open_beneath`] opened.
+enum OpenedAt {
+    Dir(OwnedFd),
+    File(File),
+}
+
+/// The first [`EVIDENCE_MAX`] bytes of an open file.
+fn read_prefix(f: File) -> Option<Vec<u8>> {
+    let mut buf = Vec::new();
+    f.take(EVIDENCE_MAX).read_to_end(&mut buf).ok()?;
     Some(buf)
 }
 
@@ -129,64 +202,162 @@ fn sha256_hex(b: &[u8]) -> String {
 }
 
 /// SHA-256 and (when it is text) the content of the first
-/// [`EVIDENCE_MAX`] bytes of a regular file.
-pub(crate) fn file_evidence(p: &Path) -> (Option<String>, Option<String>) {
-    match read_prefix(p) {
+/// [`EVIDENCE_MAX`] bytes.
+fn evidence_of(b: Option<Vec<u8>>) -> (Option<String>, Option<String>) {
+    match b {
         Some(b) => (Some(sha256_hex(&b)), String::from_utf8(b).ok()),
         None => (None, None),
     }
 }
 
-fn fingerprint(p: &Path) -> Option<Fingerprint> {
-    let md = std::fs::symlink_metadata(p).ok()?;
-    let ft = md.file_type();
-    if !ft.is_symlink() && !ft.is_file() {
-        return None;
-    }
-    Some(Fingerprint {
-        link: ft
-            .is_symlink()
-            .then(|| std::fs::read_link(p).ok())
-            .flatten()
-            .map(|t| t.display().to_string()),
-        uid: md.uid(),
-        mode: md.mode() & 0o7777,
-        size: md.size(),
-        ino: md.ino(),
-        mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
-        ctime_ns: md.ctime() * 1_000_000_000 + md.ctime_nsec(),
-    })
+/// Where a tree of unit files is read from, and whose files in it are
+/// read at all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitRoot {
+    /// The tree's directory (`systemd_system_dir`,
+    /// `~/.config/systemd/user`).
+    pub path: PathBuf,
+    /// A user's tree: the home (as NSS names it, opened as given) and its
+    /// owner. Below the home every component is opened without following
+    /// a symlink and must be a directory or file of the owner's: root never
+    /// reads, through a user's link or a file someone else put there,
+    /// what the user could not. `None`: the system tree, an admin's.
+    pub user: Option<(PathBuf, u32)>,
 }
 
-/// Every regular file and symlink under `dir` (not following links), with
-/// its fingerprint.
-pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(dir.to_path_buf(), 0usize)];
-    while let Some((d, depth)) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            if out.len() >= UNIT_FILES_MAX {
-                return out;
-            }
-            let Ok(ft) = e.file_type() else { continue };
-            let p = e.path();
-            if ft.is_dir() {
-                if depth < UNIT_DEPTH {
-                    stack.push((p, depth + 1));
+impl UnitRoot {
+    /// The system unit directory.
+    pub fn system(path: &Path) -> UnitRoot {
+        UnitRoot {
+            path: path.to_path_buf(),
+            user: None,
+        }
+    }
+
+    /// `uid`'s `~/.config/systemd/user` under `home`.
+    pub fn user(home: &Path, uid: u32) -> UnitRoot {
+        UnitRoot {
+            path: user_unit_dir(home),
+            user: Some((home.to_path_buf(), uid)),
+        }
+    }
+
+    /// Whose files count: the user's, or anyone's in the system tree.
+    fn owner(&self) -> Option<u32> {
+        self.user.as_ref().map(|(_, u)| *u)
+    }
+
+    /// The tree's directory, opened as [`UnitRoot::user`] says.
+    fn open(&self) -> Option<OwnedFd> {
+        match &self.user {
+            None => open_dir(&self.path, None),
+            Some((home, uid)) => {
+                let rel = self.path.strip_prefix(home).ok()?;
+                match open_beneath(open_dir(home, Some(*uid))?, rel, Some(*uid), true)? {
+                    OpenedAt::Dir(d) => Some(d),
+                    OpenedAt::File(_) => None,
                 }
-            } else if let Some(f) = fingerprint(&p) {
-                out.insert(p, f);
             }
         }
     }
-    out
+
+    /// SHA-256 and text content of the file `path` in this tree, opened
+    /// from the tree's root one component at a time as [`UnitRoot::open`]
+    /// does (never through a link; a user's file only if it is theirs).
+    pub fn evidence(&self, path: &Path) -> (Option<String>, Option<String>) {
+        let file = path.strip_prefix(&self.path).ok().and_then(|rel| {
+            match open_beneath(self.open()?, rel, self.owner(), false)? {
+                OpenedAt::File(f) => Some(f),
+                OpenedAt::Dir(_) => None,
+            }
+        });
+        evidence_of(file.and_then(read_prefix))
+    }
+
+    /// Every regular file and symlink of the tree (not following links;
+    /// in a user's tree only the owner's files, below the owner's
+    /// directories), with its fingerprint. [`UNIT_DEPTH`] levels and
+    /// [`UNIT_FILES_MAX`] files at most. Nothing when the tree cannot be
+    /// opened as [`UnitRoot::open`] says.
+    pub fn files(&self) -> BTreeMap<PathBuf, Fingerprint> {
+        let mut out = BTreeMap::new();
+        let Some(root) = self.open() else {
+            return out;
+        };
+        let owner = self.owner();
+        let mut stack = vec![(root, self.path.clone(), 0usize)];
+        while let Some((fd, dir_path, depth)) = stack.pop() {
+            let Ok(mut dir) = fd
+                .try_clone()
+                .map_err(drop)
+                .and_then(|d| Dir::from_fd(d).map_err(drop))
+            else {
+                continue;
+            };
+            let names: Vec<std::ffi::OsString> = dir
+                .iter()
+                .flatten()
+                .map(|e| std::ffi::OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
+                .filter(|n| n != "." && n != "..")
+                .take(UNIT_FILES_MAX)
+                .collect();
+            for name in names {
+                if out.len() >= UNIT_FILES_MAX {
+                    return out;
+                }
+                let Ok(st) = fstatat(&fd, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
+                    continue;
+                };
+                if owner.is_some_and(|o| st.st_uid != o) {
+                    continue;
+                }
+                let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+                let p = dir_path.join(&name);
+                if kind == SFlag::S_IFDIR {
+                    if depth < UNIT_DEPTH {
+                        if let Some(sub) = open_dir_at(fd.as_fd(), Path::new(&name), owner) {
+                            stack.push((sub, p, depth + 1));
+                        }
+                    }
+                } else if kind == SFlag::S_IFREG || kind == SFlag::S_IFLNK {
+                    let link = (kind == SFlag::S_IFLNK)
+                        .then(|| readlinkat(&fd, name.as_os_str()).ok())
+                        .flatten()
+                        .map(|t| PathBuf::from(t).display().to_string());
+                    out.insert(
+                        p,
+                        Fingerprint {
+                            link,
+                            uid: st.st_uid,
+                            mode: st.st_mode & 0o7777,
+                            size: st.st_size as u64,
+                            ino: st.st_ino,
+                            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+                            ctime_ns: st.st_ctime * 1_000_000_000 + st.st_ctime_nsec,
+                        },
+                    );
+                }
+            }
+        }
+        out
+    }
 }
 
-fn unit_entry(kind: &'static str, path: &Path, f: &Fingerprint, users: &Users) -> PersistenceEntry {
-    let (sha256, content) = file_evidence(path);
+/// Every regular file and symlink under the admin's directory `dir` (not
+/// following links), with its fingerprint ([`UnitRoot::files`] of the
+/// system tree).
+pub fn unit_files(dir: &Path) -> BTreeMap<PathBuf, Fingerprint> {
+    UnitRoot::system(dir).files()
+}
+
+fn unit_entry(
+    kind: &'static str,
+    root: &UnitRoot,
+    path: &Path,
+    f: &Fingerprint,
+    users: &Users,
+) -> PersistenceEntry {
+    let (sha256, content) = root.evidence(path);
     PersistenceEntry {
         kind,
         path: path.to_path_buf(),
@@ -199,17 +370,27 @@ fn unit_entry(kind: &'static str, path: &Path, f: &Fingerprint, users: &Users) -
     }
 }
 
-/// The crontab of user `name` in the spool, when it has entries.
+/// The crontab of user `name` in the spool, when it has entries. Read
+/// only when it is a regular file (never a link) owned by that user or by
+/// root (cronie's spool files are root's, Debian's the user's): never a
+/// file of another uid's.
 fn crontab_of(node: &Node, name: &str, users: &Users) -> Option<PersistenceEntry> {
     let path = node.cfg.cron_spool_dir.join(name);
-    let bytes = read_prefix(&path)?;
+    let uid = users.uid(name);
+    let spool = open_dir(&node.cfg.cron_spool_dir, None)?;
+    let f = open_regular_at(spool.as_fd(), Path::new(name), None)?;
+    let owner = f.metadata().ok()?.uid();
+    if owner != 0 && Some(owner) != uid {
+        return None;
+    }
+    let bytes = read_prefix(f)?;
     let entries = cron_entries(&String::from_utf8_lossy(&bytes));
     if entries.is_empty() {
         return None;
     }
     Some(PersistenceEntry {
         kind: "cron",
-        uid: users.uid(name),
+        uid,
         user: Some(name.to_string()),
         entries,
         sha256: Some(sha256_hex(&bytes)),
@@ -245,29 +426,35 @@ fn user_unit_dir(home: &Path) -> PathBuf {
 
 /// The systemd files the sweep watches: `systemd_system_dir` and every
 /// known user's `~/.config/systemd/user` (the users of [`Users::users`]:
-/// where NSS does not enumerate, local users and those already looked up).
-/// Values: the fingerprint and `systemd_system` / `systemd_user`.
-pub fn systemd_files(node: &Node, users: &Users) -> BTreeMap<PathBuf, (Fingerprint, &'static str)> {
-    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str)> =
-        unit_files(&node.cfg.systemd_system_dir)
-            .into_iter()
-            .map(|(p, f)| (p, (f, "systemd_system")))
-            .collect();
-    let homes: BTreeSet<PathBuf> = users
+/// where NSS does not enumerate, local users and those already looked up),
+/// read as [`UnitRoot::files`] says. Values: the fingerprint,
+/// `systemd_system` / `systemd_user`, and the tree it is in (for
+/// [`UnitRoot::evidence`]).
+pub fn systemd_files(
+    node: &Node,
+    users: &Users,
+) -> BTreeMap<PathBuf, (Fingerprint, &'static str, UnitRoot)> {
+    let system = UnitRoot::system(&node.cfg.systemd_system_dir);
+    let mut out: BTreeMap<PathBuf, (Fingerprint, &'static str, UnitRoot)> = system
+        .files()
+        .into_iter()
+        .map(|(p, f)| (p, (f, "systemd_system", system.clone())))
+        .collect();
+    let homes: BTreeSet<(PathBuf, u32)> = users
         .users()
         .into_iter()
-        .map(|u| u.home)
-        .filter(|h| h.is_absolute())
+        .map(|u| (u.home, u.uid))
+        .filter(|(h, _)| h.is_absolute())
         .collect();
-    for h in homes {
-        let d = user_unit_dir(&h);
-        if d.starts_with(&node.cfg.systemd_system_dir) {
+    for (h, uid) in homes {
+        let root = UnitRoot::user(&h, uid);
+        if root.path.starts_with(&node.cfg.systemd_system_dir) {
             continue;
         }
         out.extend(
-            unit_files(&d)
+            root.files()
                 .into_iter()
-                .map(|(p, f)| (p, (f, "systemd_user"))),
+                .map(|(p, f)| (p, (f, "systemd_user", root.clone()))),
         );
     }
     out
@@ -283,14 +470,16 @@ pub fn persistence_of_uid(node: &Node, uid: u32, users: &Users) -> Vec<Persisten
         out.extend(crontab_of(node, &name, users));
     }
     if let Some(home) = users.home(uid).filter(|h| h.is_absolute()) {
-        for (p, f) in unit_files(&user_unit_dir(&home)) {
-            out.push(unit_entry("systemd_user", &p, &f, users));
+        let root = UnitRoot::user(&home, uid);
+        for (p, f) in root.files() {
+            out.push(unit_entry("systemd_user", &root, &p, &f, users));
         }
     }
     if uid != 0 {
-        for (p, f) in unit_files(&node.cfg.systemd_system_dir) {
+        let system = UnitRoot::system(&node.cfg.systemd_system_dir);
+        for (p, f) in system.files() {
             if f.uid == uid {
-                out.push(unit_entry("systemd_system", &p, &f, users));
+                out.push(unit_entry("systemd_system", &system, &p, &f, users));
             }
         }
     }

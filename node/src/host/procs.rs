@@ -22,10 +22,66 @@ pub fn read_uid(pid: i32) -> Option<u32> {
     uid_of(pid)
 }
 
-/// The command line of `pid`, split at NULs.
+/// The `/proc` directory that shows `pid`'s memory, executable and
+/// command line: `/proc/<pid>`, or, when its leader (main thread) has
+/// exited while other threads live on, `/proc/<tid>` of a live thread.
+///
+/// A leader that calls `exit(2)` (not `exit_group(2)`) stays a zombie
+/// until the last thread of its group exits (`delay_group_leader`,
+/// `kernel/exit.c`), and its mm is gone: `/proc/<pid>/maps`,
+/// `map_files`, `exe` and `cmdline` read the leader's mm and show
+/// nothing, while every live thread shares the process's mm. A thread's
+/// directory is reachable by its id although `/proc` does not list it
+/// (`proc_pid_lookup`, `fs/proc/base.c`), and there `maps`, `map_files`,
+/// `exe` and `cmdline` read that thread's (the process's) mm.
+pub fn live_view(pid: i32) -> std::path::PathBuf {
+    live_view_at(std::path::Path::new("/proc"), pid)
+}
+
+/// [`live_view`] under a `/proc`-shaped directory `proc_root` (tests use
+/// fixture trees).
+pub fn live_view_at(proc_root: &std::path::Path, pid: i32) -> std::path::PathBuf {
+    let base = proc_root.join(pid.to_string());
+    if state_at(&base) != Some('Z') {
+        return base;
+    }
+    let Ok(tasks) = std::fs::read_dir(base.join("task")) else {
+        return base;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| t.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|t| *t != pid)
+        .map(|t| proc_root.join(t.to_string()))
+        .find(|d| !matches!(state_at(d), Some('Z' | 'X') | None))
+        .unwrap_or(base)
+}
+
+/// The state letter of the task whose `/proc` directory is `dir`.
+fn state_at(dir: &std::path::Path) -> Option<char> {
+    let s = std::fs::read_to_string(dir.join("stat")).ok()?;
+    s.get(s.rfind(')')? + 1..)?.trim_start().chars().next()
+}
+
+/// The state letter of `pid` (`R`, `S`, `Z`, ...; `/proc/<pid>/stat`).
+pub fn state_of(pid: i32) -> Option<char> {
+    state_at(std::path::Path::new(&format!("/proc/{pid}")))
+}
+
+/// Whether `pid` is a process whose leader has exited while another of
+/// its threads lives: a zombie leader whose [`live_view`] is a thread.
+pub fn leader_exited(pid: i32) -> bool {
+    live_view(pid) != std::path::Path::new(&format!("/proc/{pid}"))
+}
+
+/// The command line of `pid`, split at NULs (read through [`live_view`]:
+/// a process whose leader exited still has one).
 pub fn read_cmdline(pid: i32) -> Vec<String> {
-    let Ok(b) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return Vec::new();
+    let b = match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        // Empty: a kernel thread, or a leader that exited.
+        Ok(b) if b.is_empty() => std::fs::read(live_view(pid).join("cmdline")).unwrap_or(b),
+        Ok(b) => b,
+        Err(_) => return Vec::new(),
     };
     let mut v: Vec<String> = b
         .split(|c| *c == 0)

@@ -37,14 +37,46 @@ pub struct UserEntry {
     /// Home directory, as NSS or the file gives it (may be relative or
     /// missing on disk).
     pub home: PathBuf,
+    /// Login shell, as NSS or the file gives it (empty: `/bin/sh`,
+    /// passwd(5)).
+    pub shell: PathBuf,
+}
+
+impl UserEntry {
+    /// Whether this looks like a person's account rather than a service's:
+    /// a shell one can log in with (not `nologin`, `false`, `true`,
+    /// `sync`, `shutdown` or `halt`; empty is `/bin/sh`, passwd(5)) and a
+    /// home outside the system's directories (`/`, `/nonexistent`, and
+    /// anything under `/bin`, `/dev`, `/etc`, `/opt`, `/proc`, `/run`,
+    /// `/sbin`, `/srv`, `/sys`, `/usr`, `/var`: where daemons such as
+    /// PostgreSQL, which has a shell, keep theirs).
+    pub fn is_login_account(&self) -> bool {
+        const NO_LOGIN: [&str; 6] = ["nologin", "false", "true", "sync", "shutdown", "halt"];
+        const SYSTEM_HOMES: [&str; 11] = [
+            "/bin", "/dev", "/etc", "/opt", "/proc", "/run", "/sbin", "/srv", "/sys", "/usr",
+            "/var",
+        ];
+        let shell_ok = self
+            .shell
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_none_or(|n| !NO_LOGIN.contains(&n));
+        let home = &self.home;
+        let home_ok = home.is_absolute()
+            && home != Path::new("/")
+            && home != Path::new("/nonexistent")
+            && !SYSTEM_HOMES.iter().any(|d| home.starts_with(d));
+        shell_ok && home_ok
+    }
 }
 
 /// The users of a passwd-format file (`name:x:uid:gid:gecos:home:shell`),
 /// parsed once; no NSS. [`Users`] reads `passwd_file` through it.
 #[derive(Clone, Debug, Default)]
 pub struct Passwd {
-    by_uid: BTreeMap<u32, (String, PathBuf)>,
-    by_name: BTreeMap<String, (u32, PathBuf)>,
+    entries: Vec<UserEntry>,
+    by_uid: BTreeMap<u32, usize>,
+    by_name: BTreeMap<String, usize>,
 }
 
 impl Passwd {
@@ -66,51 +98,53 @@ impl Passwd {
             let Ok(uid) = f[2].parse::<u32>() else {
                 continue;
             };
-            let home = PathBuf::from(f[5]);
-            p.by_uid
-                .entry(uid)
-                .or_insert_with(|| (f[0].to_string(), home.clone()));
-            p.by_name.entry(f[0].to_string()).or_insert((uid, home));
+            let i = p.entries.len();
+            p.entries.push(UserEntry {
+                name: f[0].to_string(),
+                uid,
+                home: PathBuf::from(f[5]),
+                shell: PathBuf::from(f.get(6).copied().unwrap_or("")),
+            });
+            p.by_uid.entry(uid).or_insert(i);
+            p.by_name.entry(f[0].to_string()).or_insert(i);
         }
         p
     }
 
     /// The name of `uid`.
     pub fn name(&self, uid: u32) -> Option<&str> {
-        self.by_uid.get(&uid).map(|(n, _)| n.as_str())
+        self.entry_of_uid(uid).map(|e| e.name.as_str())
     }
 
     /// The uid of `name`.
     pub fn uid(&self, name: &str) -> Option<u32> {
-        self.by_name.get(name).map(|(u, _)| *u)
+        self.entry_of_name(name).map(|e| e.uid)
     }
 
     /// The home of `uid`.
     pub fn home(&self, uid: u32) -> Option<&Path> {
-        self.by_uid.get(&uid).map(|(_, h)| h.as_path())
+        self.entry_of_uid(uid).map(|e| e.home.as_path())
     }
 
     /// Every `(name, uid, home)`, by name.
     pub fn users(&self) -> impl Iterator<Item = (&str, u32, &Path)> {
-        self.by_name
-            .iter()
-            .map(|(n, (u, h))| (n.as_str(), *u, h.as_path()))
-    }
-
-    fn entry_of_uid(&self, uid: u32) -> Option<UserEntry> {
-        self.by_uid.get(&uid).map(|(n, h)| UserEntry {
-            name: n.clone(),
-            uid,
-            home: h.clone(),
+        self.by_name.iter().map(|(n, i)| {
+            let e = &self.entries[*i];
+            (n.as_str(), e.uid, e.home.as_path())
         })
     }
 
-    fn entry_of_name(&self, name: &str) -> Option<UserEntry> {
-        self.by_name.get(name).map(|(u, h)| UserEntry {
-            name: name.to_string(),
-            uid: *u,
-            home: h.clone(),
-        })
+    /// Every entry, one per name, by name.
+    fn entries(&self) -> impl Iterator<Item = &UserEntry> {
+        self.by_name.values().map(|i| &self.entries[*i])
+    }
+
+    fn entry_of_uid(&self, uid: u32) -> Option<&UserEntry> {
+        self.by_uid.get(&uid).map(|i| &self.entries[*i])
+    }
+
+    fn entry_of_name(&self, name: &str) -> Option<&UserEntry> {
+        self.by_name.get(name).map(|i| &self.entries[*i])
     }
 }
 
@@ -256,7 +290,7 @@ impl Users {
 
     fn by_uid(&self, uid: u32) -> Option<UserEntry> {
         if let Some(e) = self.file.entry_of_uid(uid) {
-            return Some(e);
+            return Some(e.clone());
         }
         let mut st = self.state();
         if let Some(e) = st.by_uid.get(&uid) {
@@ -328,11 +362,7 @@ impl Users {
         }
         let mut seen = BTreeSet::new();
         let mut out: Vec<UserEntry> = Vec::new();
-        let file = self.file.users().map(|(n, u, h)| UserEntry {
-            name: n.to_string(),
-            uid: u,
-            home: h.to_path_buf(),
-        });
+        let file = self.file.entries().cloned();
         let nss = st.enumerated.iter().flatten().cloned();
         let looked_up = st
             .by_uid
@@ -361,7 +391,7 @@ impl Users {
 impl std::fmt::Debug for Users {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Users")
-            .field("file_users", &self.file.by_uid.len())
+            .field("file_users", &self.file.entries.len())
             .field("budget", &self.budget)
             .finish_non_exhaustive()
     }
@@ -372,6 +402,7 @@ fn entry(u: nix::unistd::User) -> UserEntry {
         name: u.name,
         uid: u.uid.as_raw(),
         home: u.dir,
+        shell: u.shell,
     }
 }
 
@@ -424,7 +455,8 @@ fn enumerate(max: usize, until: Instant) -> (Vec<UserEntry>, Option<String>) {
         }
         // SAFETY: a non-NULL getpwent result points to a valid passwd whose
         // strings are NUL-terminated (or NULL), valid until the next call.
-        let (name, dir, uid) = unsafe { ((*p).pw_name, (*p).pw_dir, (*p).pw_uid) };
+        let (name, dir, uid, shell) =
+            unsafe { ((*p).pw_name, (*p).pw_dir, (*p).pw_uid, (*p).pw_shell) };
         if name.is_null() {
             continue;
         }
@@ -439,7 +471,19 @@ fn enumerate(max: usize, until: Instant) -> (Vec<UserEntry>, Option<String>) {
             let d = unsafe { CStr::from_ptr(dir) };
             PathBuf::from(std::ffi::OsStr::from_bytes(d.to_bytes()))
         };
-        out.push(UserEntry { name, uid, home });
+        let shell = if shell.is_null() {
+            PathBuf::new()
+        } else {
+            // SAFETY: see above.
+            let s = unsafe { CStr::from_ptr(shell) };
+            PathBuf::from(std::ffi::OsStr::from_bytes(s.to_bytes()))
+        };
+        out.push(UserEntry {
+            name,
+            uid,
+            home,
+            shell,
+        });
     }
     // SAFETY: as above.
     unsafe { libc::endpwent() };
@@ -461,6 +505,27 @@ mod tests {
         assert_eq!(p.users().count(), 2);
     }
 
+    #[test]
+    fn login_accounts_have_a_shell_and_a_home_of_their_own() {
+        let p = Passwd::parse(
+            "root:x:0:0:root:/root:/bin/bash\n\
+             postgres:x:101:104::/var/lib/postgresql:/bin/bash\n\
+             daemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n\
+             sync:x:4:65534:sync:/bin:/bin/sync\n\
+             _apt:x:42:65534::/nonexistent:/usr/sbin/nologin\n\
+             olduser:x:600:600::/home/olduser:/bin/bash\n\
+             ldapuser:x:700:700::/u/ldapuser:\n\
+             locked:x:800:800::/home/locked:/bin/false\n",
+        );
+        let login: Vec<&str> = p
+            .entries()
+            .filter(|e| e.is_login_account())
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(login, ["ldapuser", "olduser", "root"]);
+        assert_eq!(p.entry_of_uid(700).unwrap().shell, PathBuf::new());
+    }
+
     fn slow(_: Ask) -> Answer {
         std::thread::sleep(Duration::from_secs(5));
         Answer::One(None)
@@ -471,6 +536,7 @@ mod tests {
             name: "bob".into(),
             uid: 5000,
             home: "/home/bob".into(),
+            shell: "/bin/sh".into(),
         };
         match q {
             Ask::Uid(5000) => Answer::One(Some(bob)),

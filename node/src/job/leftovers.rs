@@ -12,12 +12,16 @@ use crate::Node;
 /// files of the job's user, changed since its record was made, held by no
 /// process: [`crate::holders::shm::leftovers`]) go into one `shm_leftovers` audit
 /// line, and with `shm_remove_leftovers` are removed, unless another job
-/// of the user has a record on the node (its files look the same).
+/// of the user has a record on the node (its files look the same). The
+/// line lists the first files by name within [`LISTED_BYTES`], then
+/// counts them all (`files_total`, `bytes_total`; `examined_all` false
+/// when the directory had more entries than one Epilog examines).
 pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
     let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
         .ok()
         .map(std::time::SystemTime::from);
-    let files = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
+    let found = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
+    let files = &found.files;
     if files.is_empty() {
         return;
     }
@@ -32,39 +36,39 @@ pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
             )),
         )
     } else {
-        let failed = crate::holders::shm::remove(&node.cfg.shm_dir, &files);
-        for (name, e) in &failed {
+        let failed = crate::holders::shm::remove(&node.cfg.shm_dir, files);
+        // One error line for all of them: a user decides how many there are.
+        if let Some((name, e)) = failed.first() {
             out.errors.push(format!(
-                "removing {}: {e}",
-                node.cfg.shm_dir.join(name).display()
+                "removing {}: {e}{}",
+                node.cfg.shm_dir.join(name).display(),
+                if failed.len() > 1 {
+                    format!(" (and {} more not removed)", failed.len() - 1)
+                } else {
+                    String::new()
+                }
             ));
         }
         (failed.is_empty(), None)
     };
-    let total: u64 = files.iter().map(|f| f.size_bytes).sum();
+    let total = found.bytes();
     out.notes.push(format!(
-        "{} file(s) ({total} bytes) left in {}{}",
+        "{}{} file(s) ({total} bytes) left in {}{}",
+        if found.complete { "" } else { "at least " },
         files.len(),
         node.cfg.shm_dir.display(),
         if removed { ": removed" } else { "" }
     ));
+    let listed = listed_within(files, LISTED_BYTES);
     let mut ev = AuditEvent::new(events::SHM_LEFTOVERS)
         .job(rec.job_id)
         .uid(rec.uid)
         .field("dir", node.cfg.shm_dir.display().to_string())
-        .field(
-            "files",
-            files
-                .iter()
-                .map(|f| {
-                    serde_json::json!({
-                        "name": gpufence_model::text::printable(&f.name),
-                        "size_bytes": f.size_bytes,
-                        "mode": f.mode,
-                    })
-                })
-                .collect::<Vec<_>>(),
-        )
+        .field("files_total", files.len())
+        .field("bytes_total", total)
+        .field("files_listed", listed.len())
+        .field("examined_all", found.complete)
+        .field("files", listed)
         .field("removed", removed);
     if let Some(w) = why_not {
         ev = ev.field("note", w);
@@ -72,6 +76,33 @@ pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
     if let Err(e) = node.audit(ev) {
         out.errors.push(e.to_string());
     }
+}
+
+/// How many bytes of file entries one `shm_leftovers` line lists: the line
+/// stays under 64 KiB however many files a job leaves (the rest of it is
+/// a few hundred bytes; the counts and total cover what is not listed).
+pub const LISTED_BYTES: usize = 60 << 10;
+
+/// The first of `files` (by name) as audit entries, as many as fit in
+/// `budget` bytes of JSON.
+fn listed_within(files: &[crate::holders::shm::Leftover], budget: usize) -> Vec<serde_json::Value> {
+    let mut used = 0;
+    let mut out = Vec::new();
+    for f in files {
+        let v = serde_json::json!({
+            "name": gpufence_model::text::printable(&f.name),
+            "size_bytes": f.size_bytes,
+            "mode": f.mode,
+        });
+        // The entry and its separating comma.
+        let len = v.to_string().len() + 1;
+        if used + len > budget {
+            break;
+        }
+        used += len;
+        out.push(v);
+    }
+    out
 }
 
 /// Jobs other than `rec`'s with a record on this node for the same user.

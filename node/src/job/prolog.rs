@@ -674,6 +674,16 @@ pub fn run_with_sluid(
     env: &PrologEnv,
     sluid: Option<&str>,
 ) -> Result<JobRecord, NodeError> {
+    // No job of a uid taken for a system account (crate::host::accounts):
+    // before anything of the job's user runs on the node.
+    if crate::host::accounts::is_system_job_uid(&node.cfg, env.uid) {
+        return Err(NodeError::SystemUidJob {
+            job_id: env.job_id,
+            uid: env.uid,
+            max: node.cfg.protected_uid_max,
+            config: node.origin.to_string(),
+        });
+    }
     // A job must not start on a node whose GPUs nobody guards.
     let fence = open_installed(node)?;
     crashpoint::reached(crashpoint::PROLOG_FENCE_CHECKED);

@@ -139,7 +139,7 @@ impl Budget {
     /// The hash of `pid`'s executable: from an earlier holder of the same
     /// file, or read now while time is left.
     fn exe_hash(&mut self, pid: i32, left_out: &mut Vec<String>) -> Option<(String, u64)> {
-        let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+        let exe = crate::host::procs::live_view(pid).join("exe");
         let md = std::fs::metadata(&exe).ok()?;
         let key = (md.dev(), md.ino());
         if let Some(h) = self.hashed.get(&key) {
@@ -239,7 +239,8 @@ pub fn container_of(cgroup: &str) -> Option<ContainerRef> {
 
 /// The sockets of `pid`, from its fd table and its network namespace's tables.
 pub fn sockets_of(pid: i32) -> Vec<SocketInfo> {
-    let Ok(p) = procfs::process::Process::new(pid) else {
+    // A live thread's view when the leader exited: its table is gone.
+    let Ok(p) = procfs::process::Process::new_with_root(crate::host::procs::live_view(pid)) else {
         return Vec::new();
     };
     let inodes: std::collections::BTreeSet<u64> = match p.fd() {
@@ -338,9 +339,13 @@ pub fn collect(
     budget: &mut Budget,
 ) -> Evidence {
     let mut left_out = Vec::new();
-    let exe_path = PathBuf::from(format!("/proc/{pid}/exe"));
+    // `exe`, the command line and sockets through a live thread when the
+    // leader exited (its own directory shows none of them).
+    let view = crate::host::procs::live_view(pid);
+    let exe_path = view.join("exe");
     let hashed = budget.exe_hash(pid, &mut left_out);
     let proc = procfs::process::Process::new(pid).ok();
+    let proc_view = procfs::process::Process::new_with_root(view).ok();
     let stat = proc.as_ref().and_then(|p| p.stat().ok());
     let status = proc.as_ref().and_then(|p| p.status().ok());
     // Bytes that are not UTF-8 are replaced, never the whole list lost.
@@ -379,7 +384,7 @@ pub fn collect(
         uid: status.as_ref().map(|s| s.ruid),
         comm: stat.as_ref().map(|s| s.comm.clone()),
         cmdline,
-        exe: proc
+        exe: proc_view
             .as_ref()
             .and_then(|p| p.exe().ok())
             .map(|e| e.display().to_string()),

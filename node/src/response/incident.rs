@@ -43,7 +43,9 @@ use gpufence_model::record::now_rfc3339;
 use crate::holders::cover::exemption;
 use crate::holders::scan::Scanner;
 use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
-use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
+use crate::host::procs::{
+    leader_exited, live_view, read_cmdline, read_stat, read_uid, state_of, PF_KTHREAD,
+};
 use crate::host::users::Users;
 use crate::response::engine::{exited, pidfd_open, Engine};
 use crate::response::evidence::{self, GpuMemory};
@@ -179,11 +181,6 @@ impl IncidentOutcome {
     }
 }
 
-fn state_of(pid: i32) -> Option<char> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    s.get(s.rfind(')')? + 1..)?.trim_start().chars().next()
-}
-
 fn tgid_of(pid: i32) -> Option<i32> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()?
@@ -254,13 +251,15 @@ pub fn check(node: &Node, pid: i32) -> Result<(), Refusal> {
     if flags & PF_KTHREAD != 0 {
         return Err(Refusal::KernelThread(pid));
     }
-    if state_of(pid) == Some('Z') {
+    // A zombie is gone, unless only its leader exited and other threads
+    // live on (they keep the process's descriptors and mappings).
+    if state_of(pid) == Some('Z') && !leader_exited(pid) {
         return Err(Refusal::NotFound(pid));
     }
     if let Some(tgid) = tgid_of(pid).filter(|t| *t != pid) {
         return Err(Refusal::Thread { tid: pid, tgid });
     }
-    if std::fs::read_link(format!("/proc/{pid}/exe"))
+    if std::fs::read_link(live_view(pid).join("exe"))
         .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
     {
         return Err(Refusal::KernelThread(pid));

@@ -19,6 +19,7 @@
 //! | `unauthenticated_notebook` | high | a wildcard listener whose command line disables its token or password (Jupyter, code-server) |
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
+//! | `system_uid_range` | medium | `protected_uid_max` reaches `UID_MIN` of login.defs, or login accounts have uids at or below it: they would be taken for system accounts (their jobs are refused) |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
 //! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
 //! | `wildcard_listener` | low | a TCP listener on 0.0.0.0 or :: owned by a user above `protected_uid_max`, unless every owner runs one of `slurm_listeners` |
@@ -73,14 +74,13 @@ use gpufence_model::record::now_rfc3339;
 use crate::holders::cover::covered;
 use crate::holders::scan::{HeldFd, Scanner, Via};
 use crate::host::denials;
-use crate::host::persistence::{
-    file_evidence, systemd_files, user_crontabs, Fingerprint, UNIT_EVIDENCE_MAX,
-};
+use crate::host::persistence::{systemd_files, user_crontabs, Fingerprint, UNIT_EVIDENCE_MAX};
 use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
 use crate::host::users::Users;
 use crate::response::evidence::GpuMemory;
 use crate::{host::drain, is_under, Node};
 
+mod accounts;
 mod cmdline;
 mod fence;
 mod holders;
@@ -226,11 +226,14 @@ pub enum Kind {
     StaleMajor,
     /// A user's file in the shared-memory directory that no process holds.
     ShmLeftover,
+    /// `protected_uid_max` reaches `UID_MIN`, or login accounts sit at or
+    /// below it ([`crate::host::accounts::range_warnings`]).
+    SystemUidRange,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 16] = [
+    pub const ALL: [Kind; 17] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
@@ -247,6 +250,7 @@ impl Kind {
         Kind::StaleGrant,
         Kind::StaleMajor,
         Kind::ShmLeftover,
+        Kind::SystemUidRange,
     ];
 
     /// Its name (as in JSON and metrics).
@@ -268,6 +272,7 @@ impl Kind {
             Kind::StaleGrant => "stale_grant",
             Kind::StaleMajor => "stale_major",
             Kind::ShmLeftover => "shm_leftover",
+            Kind::SystemUidRange => "system_uid_range",
         }
     }
 
@@ -282,9 +287,10 @@ impl Kind {
             | Kind::GpuBusyWithoutGrant
             | Kind::UnauthenticatedNotebook
             | Kind::FenceNotEnforcing => Severity::High,
-            Kind::PersistenceCron | Kind::PersistenceSystemd | Kind::CheckFailed => {
-                Severity::Medium
-            }
+            Kind::PersistenceCron
+            | Kind::PersistenceSystemd
+            | Kind::CheckFailed
+            | Kind::SystemUidRange => Severity::Medium,
             Kind::DeniedOpen
             | Kind::WildcardListener
             | Kind::StaleGrant
@@ -577,6 +583,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
     s.sockets(&walk);
     s.persistence();
     s.shm_leftovers();
+    s.uid_range();
     s.report.notes.extend(users.note());
     let mut r = s.report;
     r.findings = s.findings;
@@ -596,7 +603,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::persistence::{cron_entries, unit_files};
+    use crate::host::persistence::{cron_entries, unit_files, UnitRoot};
 
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()
@@ -772,6 +779,8 @@ mod tests {
         )
         .unwrap();
         let f = unit_files(d.path());
+        let root = UnitRoot::system(d.path());
+        let file_evidence = |p: &Path| root.evidence(p);
         assert_eq!(f.len(), 2);
         let a = &f[&d.path().join("a.service")];
         assert!(a.link.is_none() && a.size > 0 && a.ctime_ns > 0);

@@ -38,7 +38,7 @@ impl Sweep<'_> {
                     recorded: now_rfc3339(),
                     files: current
                         .iter()
-                        .map(|(p, (f, _))| (p.clone(), f.clone()))
+                        .map(|(p, (f, _, _))| (p.clone(), f.clone()))
                         .collect(),
                 };
                 match write_json(&bpath, &b) {
@@ -53,7 +53,7 @@ impl Sweep<'_> {
             }
         };
         let mut read = 0;
-        for (p, (f, scope_kind)) in &current {
+        for (p, (f, scope_kind, root)) in &current {
             let change = match b.files.get(p) {
                 None => "new",
                 Some(old) if old != f => "changed",
@@ -61,7 +61,7 @@ impl Sweep<'_> {
             };
             let (sha256, content) = if read < UNIT_EVIDENCE_MAX {
                 read += 1;
-                file_evidence(p)
+                root.evidence(p)
             } else {
                 (None, None)
             };

@@ -16,7 +16,7 @@ pub(super) struct ProcMeta {
 /// Whether `pid` runs one of `slurm_listeners` (by `/proc/<pid>/exe`: a
 /// deleted or replaced binary reads `... (deleted)` and does not match).
 pub(super) fn slurm_exe(node: &Node, pid: i32) -> bool {
-    std::fs::read_link(format!("/proc/{pid}/exe"))
+    std::fs::read_link(crate::host::procs::live_view(pid).join("exe"))
         .is_ok_and(|exe| node.cfg.slurm_listeners.contains(&exe))
 }
 

@@ -6,7 +6,8 @@
 //! ```text
 //! gpufence-probe open [--ro] PATH...     one line per PATH: "PATH ok|ENXIO|EPERM|errno N"
 //! gpufence-probe mknod PATH MAJOR MINOR  "PATH ok|EPERM|errno N"
-//! gpufence-probe hold [--ignore-term] [--daemon] [--via=fd|thread|leader-exit|mmap|io_uring] PATH
+//! gpufence-probe hold [--ignore-term] [--daemon] [--via=fd|thread|leader-exit|mmap|io_uring|
+//!                     mmap-leader-exit|io_uring-mapped-leader-exit|...] PATH
 //!                                        --pass-on-term=SOCK: on SIGTERM, send the descriptor to
 //!                                        SOCK (an accomplice) and exit
 //!                                        --via hides the hold where /proc/<pid>/fd does not show it:
@@ -16,6 +17,8 @@
 //!                                        setsid, print "held PID" from the grandchild, which
 //!                                        keeps the device; the command returns), sleep until killed
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
+//! gpufence-probe recvfd --map-leader-exit SOCKET  the same, then map it privately, close it,
+//!                                        and end the main thread (a thread keeps the mapping)
 //! gpufence-probe trace PID               PTRACE_SEIZE PID, print "traced", sleep, never wait for it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
@@ -227,6 +230,64 @@ fn register_and_close(ring: i32) -> Result<(), String> {
     Ok(())
 }
 
+/// Maps `fd` privately (a private mapping of a character device keeps the
+/// device file: what a GPU mapping looks like after `close()`; `/dev/zero`
+/// stands in where no GPU is) and closes it.
+fn map_and_close(fd: OwnedFd) -> Result<(), String> {
+    // SAFETY: a private read mapping of a descriptor we own.
+    let m = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if m == libc::MAP_FAILED {
+        return Err(format!("mmap failed: {}", std::io::Error::last_os_error()));
+    }
+    drop(fd);
+    Ok(())
+}
+
+/// Maps ring `ring`'s submission ring and closes its descriptor: the
+/// mapping alone keeps the ring (and its fixed files).
+fn map_ring_and_close(ring: i32) -> Result<(), String> {
+    // IORING_OFF_SQ_RING = 0.
+    // SAFETY: a shared mapping of the ring's first page.
+    let m = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            ring,
+            0,
+        )
+    };
+    if m == libc::MAP_FAILED {
+        return Err(format!("mmap failed: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: closes the ring's descriptor; the mapping keeps it.
+    unsafe { libc::close(ring) };
+    Ok(())
+}
+
+/// Starts a thread that sleeps for ever, prints `msg`, and ends the main
+/// thread alone: the process lives on in the other thread, and
+/// `/proc/<pid>/{fd,maps,map_files,exe,cmdline}` show nothing of it.
+fn leader_leaves(msg: &str) -> ExitCode {
+    std::thread::spawn(|| sleep_forever());
+    say(msg);
+    // exit(2), not exit_group(2) and not pthread_exit (whose forced
+    // unwind Rust's runtime aborts on).
+    // SAFETY: ends only the calling thread.
+    unsafe { libc::syscall(libc::SYS_exit, 0) };
+    ExitCode::FAILURE
+}
+
 /// Holds `path` somewhere `/proc/<pid>/fd` does not show, prints "held",
 /// sleeps. For the scanner's tests.
 fn hold_hidden(path: &str, via: &str) -> ExitCode {
@@ -300,6 +361,27 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
             say("held");
             sleep_forever();
         }
+        // Mapped, closed, and the main thread gone: only a thread's view
+        // (`/proc/<tid>/maps`) shows the mapping.
+        "mmap-leader-exit" => match open(&path, false)
+            .or_else(|_| open(&path, true))
+            .map_err(|e| format!("{path} {}", word(Err(e))))
+            .and_then(map_and_close)
+        {
+            Ok(()) => leader_leaves("held"),
+            Err(e) => {
+                say(&e);
+                ExitCode::FAILURE
+            }
+        },
+        // A ring kept by its mapping alone, and the main thread gone.
+        "io_uring-mapped-leader-exit" => match ring_holding(&path).and_then(map_ring_and_close) {
+            Ok(()) => leader_leaves("held"),
+            Err(e) => {
+                say(&e);
+                ExitCode::FAILURE
+            }
+        },
         "io_uring" => match ring_holding(&path) {
             Ok(_ring) => {
                 say("held");
@@ -328,35 +410,16 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
         }
         // The ring kept alive by its mapped submission ring alone: its
         // descriptor closed, never registered.
-        "io_uring-mapped" => {
-            let ring = match ring_holding(&path) {
-                Ok(r) => r,
-                Err(e) => {
-                    say(&e);
-                    return ExitCode::FAILURE;
-                }
-            };
-            // IORING_OFF_SQ_RING = 0.
-            // SAFETY: a shared mapping of the ring's first page.
-            let m = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    4096,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_POPULATE,
-                    ring,
-                    0,
-                )
-            };
-            if m == libc::MAP_FAILED {
-                say(&format!("mmap failed: {}", std::io::Error::last_os_error()));
-                return ExitCode::FAILURE;
+        "io_uring-mapped" => match ring_holding(&path).and_then(map_ring_and_close) {
+            Ok(()) => {
+                say("held");
+                sleep_forever();
             }
-            // SAFETY: closes the ring's descriptor; the mapping keeps it.
-            unsafe { libc::close(ring) };
-            say("held");
-            sleep_forever();
-        }
+            Err(e) => {
+                say(&e);
+                ExitCode::FAILURE
+            }
+        },
         // The ring only in a thread's private table (unshare(CLONE_FILES)):
         // the leader's table has neither the device nor the ring.
         "io_uring-thread" => {
@@ -558,6 +621,20 @@ fn main() -> ExitCode {
         // (IORING_REGISTER_RING_FDS) and closed; `--ring=thread`: into a
         // ring kept only in a thread's private table. Then it is closed:
         // the ring alone holds it.
+        // Receives a descriptor, maps it, closes it, and the main thread
+        // leaves: the mapping is seen through a live thread only.
+        ["recvfd", "--map-leader-exit", sock] => {
+            let Some(fd) = receive_one(sock) else {
+                return ExitCode::FAILURE;
+            };
+            match map_and_close(fd) {
+                Ok(()) => return leader_leaves("received"),
+                Err(e) => {
+                    say(&e);
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         ["recvfd", ring, sock] if ring.starts_with("--ring=") => {
             let Some(fd) = receive_one(sock) else {
                 return ExitCode::FAILURE;

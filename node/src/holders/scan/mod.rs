@@ -82,8 +82,9 @@ pub struct HeldFd {
     /// The thread, for [`Via::ThreadFd`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tid: Option<i32>,
-    /// A registered ring not read whole ([`Via::IoUringRegisteredRing`]):
-    /// the device is assumed, not seen.
+    /// The device is assumed, not seen in `/proc`: a registered ring not
+    /// read whole ([`Via::IoUringRegisteredRing`]), or a mapping the
+    /// kernel's iterator saw that `/proc` no longer shows ([`Via::Mmap`]).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unread: bool,
 }
@@ -373,7 +374,24 @@ impl Scanner {
             });
         }
         if hit_map {
-            self.mappings(&base, want, &mut fds);
+            self.mappings(&base, pid, want, &mut fds);
+            // The kernel saw the mapping; `/proc` may not show it (the
+            // process unmapped it meanwhile, or hides it somewhere this
+            // reader does not look): taken as held, never dropped.
+            for &d in r.maps.iter().filter(|d| want(**d)) {
+                if !fds.iter().any(|f| f.via == Via::Mmap && f.dev == d) {
+                    fds.push(HeldFd {
+                        fd: -1,
+                        path: PathBuf::from(
+                            "a mapping the kernel's iterator saw; /proc shows none",
+                        ),
+                        dev: d,
+                        via: Via::Mmap,
+                        tid: None,
+                        unread: true,
+                    });
+                }
+            }
         }
         let mut known = io_uring_files(&base, want, &mut fds, &r.anon);
         if r.anon_maps {
@@ -593,15 +611,24 @@ impl Scanner {
                 walked.push(tid);
             }
         }
-        self.mappings(&base, want, &mut fds);
+        self.mappings(&base, pid, want, &mut fds);
         // Only anonymous inodes can be rings: just those are readlinked.
         let known = io_uring_files(&base, want, &mut fds, &anon);
         self.mapped_rings(&base, pid, &mut fds, &known);
         finish(pid, fds)
     }
 
-    fn mappings(&mut self, base: &Path, want: DevicePredicate<'_>, out: &mut Vec<HeldFd>) {
-        let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
+    /// The process's mappings of devices `want` selects, read from
+    /// `maps` and resolved through `map_files` ([`read_maps`]: a live
+    /// thread's view when the leader exited).
+    fn mappings(
+        &mut self,
+        base: &Path,
+        pid: i32,
+        want: DevicePredicate<'_>,
+        out: &mut Vec<HeldFd>,
+    ) {
+        let Some((view, maps)) = read_maps(base, pid) else {
             return;
         };
         for line in maps.lines() {
@@ -623,7 +650,7 @@ impl Scanner {
             let dev = match self.mapped.get(&key) {
                 Some(d) => *d,
                 None => {
-                    let d = char_rdev(&base.join("map_files").join(range));
+                    let d = char_rdev(&view.join("map_files").join(range));
                     self.mapped.insert(key, d);
                     d
                 }

@@ -67,7 +67,7 @@ impl Scanner {
         out: &mut Vec<HeldFd>,
         known: &BTreeSet<u64>,
     ) {
-        let Ok(maps) = std::fs::read_to_string(base.join("maps")) else {
+        let Some((_, maps)) = read_maps(base, pid) else {
             return;
         };
         let mut seen = known.clone();
@@ -102,6 +102,29 @@ impl Scanner {
             }
         }
     }
+}
+
+/// The process's memory map (`maps`) and the directory whose `map_files`
+/// resolve it: `base` (`/proc/<pid>`), or, when `base/maps` is empty
+/// because the leader exited while other threads live, that of a live
+/// thread ([`crate::host::procs::live_view_at`]): the leader's directory
+/// reads the leader's mm, which is gone, while every thread shares the
+/// process's. `None` when neither can be read. A `base` not named after
+/// `pid` (a fixture tree) is read as it is.
+pub(super) fn read_maps(base: &Path, pid: i32) -> Option<(PathBuf, String)> {
+    let text = std::fs::read_to_string(base.join("maps")).ok();
+    if text.as_deref().is_some_and(|t| !t.is_empty()) {
+        return Some((base.to_path_buf(), text.unwrap_or_default()));
+    }
+    let root = base
+        .parent()
+        .filter(|_| base.file_name().and_then(|n| n.to_str()) == Some(&pid.to_string()))?;
+    let view = crate::host::procs::live_view_at(root, pid);
+    if view == base {
+        return text.map(|t| (view, t));
+    }
+    let t = std::fs::read_to_string(view.join("maps")).ok()?;
+    Some((view, t))
 }
 
 /// Drops the same hold seen through the main table and a thread sharing
