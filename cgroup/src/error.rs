@@ -61,6 +61,25 @@ pub enum Error {
         /// What this version needs, in the same words.
         expected: String,
     },
+    /// A gpufence program is already attached at `cgroup_root`, but not
+    /// through the link pinned in `bpffs_dir` (its pins live in another
+    /// mount namespace's bpffs, or under another `bpffs_dir`): a second
+    /// fence would stack on it.
+    #[error(
+        "a gpufence fence program (id {prog_ids}) is already attached at {path}, but its pins are \
+         not in {bpffs_dir} (bpffs mounted elsewhere, a private mount namespace, or another \
+         bpffs_dir in the config): it still enforces. Not attaching a second one: run gpufence \
+         where that fence's pins are visible (the host's mount namespace, the bpffs_dir it was \
+         installed with). The fence is NOT (re)installed."
+    )]
+    FenceElsewhere {
+        /// The cgroup directory.
+        path: PathBuf,
+        /// The pinned link's directory this config names.
+        bpffs_dir: PathBuf,
+        /// The programs' ids, comma-separated.
+        prog_ids: String,
+    },
     /// No cgroup2 hierarchy is mounted.
     #[error("no cgroup2 filesystem in /proc/self/mountinfo: gpufence needs the unified hierarchy (mount -t cgroup2 none /sys/fs/cgroup/unified, or boot with systemd.unified_cgroup_hierarchy)")]
     NoCgroup2,

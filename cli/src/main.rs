@@ -47,6 +47,8 @@ enum Cmd {
         json: bool,
     },
     /// Why a process (or every process of a cgroup) can or cannot open each NVIDIA device.
+    /// Exit 0 every device is allowed; 1 at least one is denied, may be
+    /// denied or unknown (or doctor could not answer); 2 not root.
     Doctor {
         /// The process (default: this shell's process).
         pid: Option<i32>,
@@ -112,12 +114,20 @@ enum MigOp {
 enum FenceOp {
     /// Attach the fence (or swap in the current program); safe to repeat.
     Install,
-    /// Whether the fence is attached at cgroup_root, and what it holds. Exit 1 when not installed.
+    /// Whether the fence is attached at cgroup_root, and what it holds. Exit 0
+    /// installed as the config says; 1 not installed, or any `problem:` line
+    /// (audit mode where the config says enforce, an exemption missing, an
+    /// unprotected major, pins not visible); 2 not root.
     Status {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
+    /// Keep the configured exemptions in the fence: when an exempt service's
+    /// cgroup is made anew (`systemctl restart nvidia-persistenced`), its new
+    /// id is exempt within a second. Runs until SIGTERM or SIGINT
+    /// (gpufence-watch.service).
+    Watch,
     /// Detach the fence and remove every pin: GPUs are then open to every process.
     /// Refused while jobs hold grants, unless --force.
     Remove {
@@ -190,6 +200,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         Cmd::Fence {
             op: FenceOp::Remove { force },
         } => run_fence_remove(&node, force),
+        Cmd::Fence { op: FenceOp::Watch } => Ok(run_fence_watch(&node)),
         Cmd::Grants { json } => run_grants(&node, json),
     }
 }
@@ -231,7 +242,12 @@ fn run_doctor(
     } else {
         print_doctor(&d);
     }
-    Ok(ExitCode::SUCCESS)
+    // 0 only when every device opens: a script can ask `doctor PID && ...`.
+    Ok(if d.devices.iter().all(|v| v.verdict == "allowed") {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `gpufence denials`: the denied opens, one row per cgroup, user and device.
@@ -318,26 +334,32 @@ fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
     Ok(ExitCode::SUCCESS)
 }
 
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_stop(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// `gpufence fence watch`: [`fence_ops::watch_exemptions`] until SIGTERM
+/// or SIGINT; exit 0.
+fn run_fence_watch(node: &Node) -> ExitCode {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: a handler that only stores to an atomic.
+        unsafe { libc::signal(sig, on_stop as *const () as libc::sighandler_t) };
+    }
+    fence_ops::watch_exemptions(node, &|| STOP.load(std::sync::atomic::Ordering::SeqCst));
+    ExitCode::SUCCESS
+}
+
 /// `gpufence fence status`: exit 1 when the fence is not installed.
 fn run_fence_status(node: &Node, json: bool) -> ExitCode {
     let (st, mode) = fence_ops::status_with_mode(node);
     // Each configured exemption: its id now, and whether the fence has it.
-    let exempt: Vec<serde_json::Value> = node
-        .cfg
-        .exempt_cgroups
-        .iter()
-        .cloned()
-        .chain(std::iter::once(node.exec_cgroup()))
-        .map(|p| {
-            let p = &p;
-            let id = node.cg.id(p).ok();
-            json!({
-                "cgroup": gpufence_node::host::cgpath::abs(p),
-                "id": id,
-                "exempt": id.is_some_and(|i| st.exempt_cgroup_ids.contains(&i)),
-            })
-        })
-        .collect();
+    let exempt: Vec<serde_json::Value> =
+        fence_ops::exemption_states(node, &st.exempt_cgroup_ids)
+            .into_iter()
+            .map(|e| json!({"cgroup": gpufence_node::host::cgpath::abs(&e.cgroup), "id": e.id, "exempt": e.exempt}))
+            .collect();
     let jobs: std::collections::BTreeSet<u32> = grants::list(node)
         .map(|g| g.into_iter().map(|c| c.job_id).collect())
         .unwrap_or_default();
@@ -347,6 +369,7 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
     if json {
         let v = json!({
             "installed": st.installed,
+            "unpinned_programs": st.unpinned_programs,
             "mode": mode,
             "cgroup_root": format!("/{}", st.cgroup_root),
             "cgroup_root_id": st.root_cgroup_id,
@@ -367,7 +390,20 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
     } else {
         println!(
             "fence: {}\nmode: {mode}\ncgroup_root: /{}\nprotected majors: {:?}\ngrants: {} device entries for {} job(s)\nconfig: {}",
-            if st.installed { "installed" } else { "NOT INSTALLED" },
+            if st.installed {
+                "installed".to_string()
+            } else if st.prog_id.is_none() && !st.unpinned_programs.is_empty() {
+                format!(
+                    "ATTACHED (program {}), but its pins are not visible here",
+                    st.unpinned_programs
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            } else {
+                "NOT INSTALLED".to_string()
+            },
             st.cgroup_root,
             st.protected_majors,
             st.grants,
@@ -388,8 +424,7 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
                 match (e["id"].as_u64(), e["exempt"].as_bool()) {
                     (None, _) => "(does not exist: not exempt)".to_string(),
                     (Some(id), Some(true)) => format!("(id {id})"),
-                    (Some(id), _) =>
-                        format!("(id {id}, NOT in the fence: run `gpufence fence install`)"),
+                    (Some(id), _) => format!("(id {id}, NOT in the fence: see the problem below)"),
                 }
             );
         }
@@ -403,7 +438,9 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
             println!("note: {n}");
         }
     }
-    if st.installed {
+    // NHC and monitoring read the code: 0 only for a fence installed as
+    // the config says.
+    if st.installed && st.problems.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

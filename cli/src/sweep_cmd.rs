@@ -5,7 +5,8 @@
 //! per line) on stdout, notes and errors on stderr, and exits 0 when clean,
 //! 1 when a finding is at or above `--fail-on` (default: the config's
 //! `sweep_fail_severity`), 2 when nothing fails but the sweep could not do
-//! all it was asked (textfile, drain, state) or the arguments are wrong.
+//! all it was asked (textfile, state) or the arguments are wrong, and 2
+//! whatever it found when a drain it was asked for (`--drain`) failed.
 //! That fits Slurm's `HealthCheckProgram` (with `--drain`, since slurmd
 //! does not act on the exit status) and NHC (which does).
 //!

@@ -39,6 +39,13 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(line) = gpufence_node::host::procs::not_root_line(
+        "gpufence-epilog",
+        "slurmd runs its Epilog as root",
+    ) {
+        eprintln!("{line}");
+        return ExitCode::FAILURE;
+    }
     let node = match Node::load(args.config.as_deref()) {
         Ok(n) => n,
         Err(e) => {

@@ -43,6 +43,10 @@ pub mod events {
     /// A job left files in the shared-memory directory that no process
     /// holds (name, size, mode; removed or not).
     pub const SHM_LEFTOVERS: &str = "shm_leftovers";
+    /// Configured exemptions were put (back) into the fence without a
+    /// reinstall: an exempt service's cgroup was recreated with a new id
+    /// (`gpufence fence watch`).
+    pub const EXEMPTION_APPLIED: &str = "exemption_applied";
 }
 
 /// One audit event, built with the setters and written by [`AuditLog::append`].

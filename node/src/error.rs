@@ -68,6 +68,14 @@ pub enum NodeError {
         /// What is wrong.
         msg: String,
     },
+    /// slurm.conf cannot be read: `slurmd -G` would retry it for a minute.
+    #[error("slurm.conf {path} cannot be read ({source}): gpufence maps GRES indices to devices with `slurmd -G`, which needs it; SLURM_CONF in the Prolog's environment (slurmd sets it; configless nodes: slurmd's cached copy) or /etc/slurm/slurm.conf must name a readable file")]
+    SlurmConf {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
     /// `slurmd -G` could not be run or failed.
     #[error("`{cmd}` failed: {msg}")]
     SlurmdG {
@@ -175,6 +183,32 @@ pub enum NodeError {
         /// `protected_uid_max`.
         max: u32,
         /// The gpufence config.
+        config: String,
+    },
+    /// `fence remove` found the fence's link attached somewhere else than
+    /// `cgroup_root` (or `cgroup_root` missing): it may be the node's
+    /// working fence, which a wrong config must not take down.
+    #[error("the fence pinned in {bpffs_dir} is attached at {attached}, not at cgroup_root /{cgroup_root} of {config} ({why}): not removed, it may be this node's working fence; fix cgroup_root in {config}, or remove it with the config it was installed with")]
+    FenceNotHere {
+        /// The bpffs directory.
+        bpffs_dir: PathBuf,
+        /// Where the link is attached (a path, or the cgroup id).
+        attached: String,
+        /// The configured attach point.
+        cgroup_root: String,
+        /// The config.
+        config: String,
+        /// What the check said.
+        why: String,
+    },
+    /// `cgroup_root` does not exist.
+    #[error("cgroup_root = {cgroup_root:?} in {config}: {path} does not exist; the fence attaches there: set cgroup_root to an existing cgroup2 directory (\"/\" for the whole node)")]
+    NoCgroupRoot {
+        /// The configured value.
+        cgroup_root: String,
+        /// The directory it names.
+        path: PathBuf,
+        /// The config.
         config: String,
     },
     /// A MIG capability in a GRES cannot be identified or is not grantable.

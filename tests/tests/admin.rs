@@ -53,7 +53,13 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         .unwrap();
     let pid = env.spawn_sleeper(&task);
     let o = gpufence(&cfg, &["doctor", &pid.to_string(), "--json"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Exit 1: some device (nvidia1, nvidiactl) is denied to it.
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let d: Value = serde_json::from_slice(&o.stdout).unwrap();
     // JSON cgroup paths are absolute, as sweep and the audit log write them.
     assert_eq!(d["cgroup"], format!("/{task}"));
@@ -213,8 +219,21 @@ fn doctor_names_the_program_that_denies() {
 
     let doctor = |task: &str| -> Value {
         let o = gpufence(&cfg, &["doctor", "--cgroup", task, "--json"]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).unwrap()
+        let d: Value = serde_json::from_slice(&o.stdout).unwrap();
+        // Exit 0 only when every device is allowed.
+        let all_allowed = d["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["verdict"] == "allowed");
+        assert_eq!(
+            o.status.code(),
+            Some(if all_allowed { 0 } else { 1 }),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!all_allowed, "each task here has a device it cannot open");
+        d
     };
     let dev = |d: &Value, n: &str| -> Value {
         d["devices"]
@@ -765,5 +784,274 @@ fn tables_line_up() {
             .iter()
             .all(|x| x["cgroup"] == format!("/{out}")),
         "{d}"
+    );
+}
+
+/// A copy of `cfg` at `name` in the temp dir with `key` set to `value`
+/// (a TOML value), for a second view of the same fence.
+fn variant(
+    env: &TestEnv,
+    cfg: &std::path::Path,
+    name: &str,
+    key: &str,
+    value: &str,
+) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(cfg).unwrap();
+    let mut out: Vec<String> = text
+        .lines()
+        .filter(|l| !l.starts_with(&format!("{key} =")))
+        .map(String::from)
+        .collect();
+    out.insert(0, format!("{key} = {value}"));
+    let p = env.path(name);
+    std::fs::write(&p, out.join("\n") + "\n").unwrap();
+    p
+}
+
+/// An exempt service restarted: systemd makes its cgroup anew, with a new
+/// id. Until the exemptions are written again, `fence status` has a
+/// `problem:` line and exits 1, and the sweep reports `exemption_missing`
+/// (exit 1: an NHC failure); `gpufence fence watch` puts the new id into
+/// the fence within a second, audited, and a process there opens a GPU.
+#[test]
+fn an_exempt_cgroup_made_anew_is_exempt_again_within_a_second() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("exempt-anew");
+    let svc = format!("{}/persistenced", env.root);
+    let cfg = env.config(&format!(
+        "exempt_cgroups = [\"{svc}\"]\nnvml = false\n{MAJORS}"
+    ));
+    env.cgroup("persistenced");
+    let gpu = env.mknod("nvidia0", 195, 0);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let st = gpufence(&cfg, &["fence", "status"]);
+    assert_eq!(st.status.code(), Some(0), "{st:?}");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let first = env.cg.id(&svc).unwrap();
+    assert!(fence.is_exempt(first).unwrap());
+    // The service restarts: its cgroup is removed and made again.
+    let remake = |env: &TestEnv| {
+        std::fs::remove_dir(env.cg.path(&svc)).unwrap();
+        env.cg.create(&svc).unwrap();
+        env.cg.id(&svc).unwrap()
+    };
+    let second = remake(&env);
+    assert_ne!(first, second, "a new cgroup, a new id");
+    assert!(!fence.is_exempt(second).unwrap());
+    assert_eq!(
+        env.probe_in(&svc, &["open", gpu.to_str().unwrap()]),
+        [format!("{} EPERM", gpu.display())],
+        "the restarted service is fenced"
+    );
+    let st = gpufence(&cfg, &["fence", "status"]);
+    let text = String::from_utf8_lossy(&st.stdout);
+    assert_eq!(st.status.code(), Some(1), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("problem: exempt cgroup /")
+                && l.contains(&format!("/persistenced (id {second}) is not in the fence"))),
+        "{text}"
+    );
+    let sw = gpufence(&cfg, &["sweep", "--json", "--cgroup", &env.root]);
+    assert_eq!(sw.status.code(), Some(1), "{sw:?}");
+    assert!(
+        String::from_utf8_lossy(&sw.stdout)
+            .lines()
+            .any(|l| l.contains("\"exemption_missing\"") && l.contains(&second.to_string())),
+        "{}",
+        String::from_utf8_lossy(&sw.stdout)
+    );
+    // The watch: exempt again within a second of each restart.
+    let mut watch = Command::new(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(&cfg)
+        .args(["fence", "watch"])
+        .spawn()
+        .unwrap();
+    let exempt_within = |id: u64| {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_secs(1) {
+            if fence.is_exempt(id).unwrap() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    };
+    assert!(exempt_within(second), "the watch put back the exemption");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let third = remake(&env);
+    assert!(exempt_within(third), "and again after the next restart");
+    assert!(gpufence(&cfg, &["fence", "status"]).status.success());
+    let open = |env: &TestEnv| env.probe_in(&svc, &["open", gpu.to_str().unwrap()]);
+    assert_eq!(
+        open(&env),
+        [format!("{} ENXIO", gpu.display())],
+        "exempt: allowed"
+    );
+    // SAFETY: signals our own child.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    let code = watch.wait().unwrap();
+    assert!(code.success(), "the watch ends on SIGTERM: {code:?}");
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    let applied: Vec<&Value> = audit
+        .iter()
+        .filter(|e| e["event"] == "exemption_applied")
+        .collect();
+    assert!(applied.len() >= 2, "{applied:?}");
+    assert!(applied.iter().any(|e| e["exempt"][0]["cgroup_id"] == third));
+}
+
+/// Commands that could act on the wrong fence: a config whose
+/// `cgroup_root` names another cgroup (or none) never removes the working
+/// fence, and says where it is; where the fence's pins are not visible (a
+/// private mount namespace with its own bpffs), `fence status` says the
+/// fence is attached with its pins out of sight, and `fence install`
+/// refuses to attach a second fence.
+#[test]
+fn a_wrong_config_never_acts_on_the_working_fence() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("wrong-root");
+    let cfg = env.config(&format!("nvml = false\n{MAJORS}"));
+    env.cgroup("elsewhere");
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let prog = Fence::linked_prog_id(&env.bpffs).expect("attached");
+    // Another cgroup_root, the same pins.
+    let other = variant(
+        &env,
+        &cfg,
+        "other.toml",
+        "cgroup_root",
+        &format!("\"{}/elsewhere\"", env.root),
+    );
+    let o = gpufence(&other, &["fence", "remove", "--force"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        err.contains(&format!(
+            "is attached at /{}, not at cgroup_root /{}/elsewhere",
+            env.root, env.root
+        )) && err.contains("not removed"),
+        "{err}"
+    );
+    assert_eq!(
+        Fence::linked_prog_id(&env.bpffs),
+        Some(prog),
+        "still attached"
+    );
+    // A cgroup_root that does not exist: said with the setting and the fix.
+    let missing = variant(
+        &env,
+        &cfg,
+        "missing.toml",
+        "cgroup_root",
+        "\"gpufence-no-such-cgroup\"",
+    );
+    let o = gpufence(&missing, &["fence", "install"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        err.contains("cgroup_root = \"gpufence-no-such-cgroup\" in ")
+            && err.contains("does not exist")
+            && err.contains("set cgroup_root to an existing cgroup2 directory"),
+        "{err}"
+    );
+    let o = gpufence(&missing, &["fence", "status"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stdout)
+        .contains("problem: cgroup_root = \"gpufence-no-such-cgroup\""));
+    let o = gpufence(&missing, &["fence", "remove", "--force"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert_eq!(
+        Fence::linked_prog_id(&env.bpffs),
+        Some(prog),
+        "still attached"
+    );
+    // The pins hidden: a fresh bpffs mounted over them in a private mount
+    // namespace, as a container or a unit with PrivateMounts= sees it.
+    let hidden = |args: &str| {
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount -t bpf bpf {} && {} --config {} {args}",
+                env.bpffs.display(),
+                workspace_bin("gpufence").display(),
+                cfg.display()
+            ))
+            .output()
+            .unwrap()
+    };
+    let o = hidden("fence status");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        out.contains(&format!(
+            "fence: ATTACHED (program {prog}), but its pins are not visible here"
+        )),
+        "{out}"
+    );
+    let o = hidden("fence install");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(err.contains("Not attaching a second one"), "{err}");
+    let (_, progs) = gpufence_cgroup::fence::programs_at(&env.cg, &env.root).unwrap();
+    assert_eq!(progs, vec![prog], "one fence program at the root");
+    // The right config still removes it.
+    assert!(gpufence(&cfg, &["fence", "remove", "--force"])
+        .status
+        .success());
+    assert_eq!(Fence::linked_prog_id(&env.bpffs), None);
+}
+
+/// The Prolog and the Epilog say first, in one line, when they do not run
+/// as root; the Prolog says at once when slurm.conf cannot be read (not
+/// after `slurmd -G`'s minute of retries).
+#[test]
+fn prolog_and_epilog_say_why_at_once() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("why-at-once");
+    let cfg = env.config(&format!("nvml = false\n{MAJORS}"));
+    for bin in ["gpufence-prolog", "gpufence-epilog"] {
+        let o = gpufence_tests::as_test_user(workspace_bin(bin))
+            .args(["--config", cfg.to_str().unwrap()])
+            .env("SLURM_JOB_ID", "7")
+            .env("SLURM_JOB_UID", "1001")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{bin}: {o:?}");
+        assert_eq!(err.lines().count(), 1, "{bin}: one line: {err}");
+        assert!(
+            err.starts_with(&format!("{bin}: must run as root")),
+            "{bin}: {err}"
+        );
+    }
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let t0 = std::time::Instant::now();
+    let o = Command::new(workspace_bin("gpufence-prolog"))
+        .args(["--config", cfg.to_str().unwrap()])
+        .env_clear()
+        .env("SLURM_JOB_ID", "7")
+        .env("SLURM_JOB_UID", "61000")
+        .env("SLURM_JOB_GPUS", "0")
+        .env("SLURM_CONF", env.path("no/slurm.conf"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(10),
+        "said after {:?}: {err}",
+        t0.elapsed()
+    );
+    assert!(
+        err.contains("cannot be read") && err.contains("SLURM_CONF"),
+        "{err}"
     );
 }

@@ -158,6 +158,26 @@ fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) 
 /// (`BPF_LINK_UPDATE`) when it is attached there; else a new link made
 /// and pinned (first, so there is no moment without a fence) and the old
 /// one retired. The link's id and what was done go to `report`.
+/// Refuses to attach when a gpufence program is attached at
+/// `cgroup_root` that the link pinned in `bpffs_dir` does not run: its
+/// pins are out of this process's sight, and a second fence would stack
+/// on the first ([`Error::FenceElsewhere`]).
+fn refuse_second_fence(cg: &Cgroup2, spec: &FenceSpec) -> Result<()> {
+    let ours = Fence::linked_prog_id(&spec.bpffs_dir);
+    let others: Vec<u32> = fence_programs_at(cg, &spec.cgroup_root)?
+        .into_iter()
+        .filter(|id| Some(*id) != ours)
+        .collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    Err(Error::FenceElsewhere {
+        path: cg.path(&spec.cgroup_root),
+        bpffs_dir: spec.bpffs_dir.clone(),
+        prog_ids: join_ids(&others),
+    })
+}
+
 fn attach_link(
     spec: &FenceSpec,
     root_dir: &Path,
@@ -278,6 +298,7 @@ impl Fence {
         // iterator), no fence whose grants would all be refused.
         report.mount_root_level = cg.root_level()?;
 
+        refuse_second_fence(cg, spec)?;
         let fence = Self::open_or_create_maps(spec, &mut report)?;
         fence.fill_maps(cg, spec, &mut report)?;
         let prog_fd = fence.load_program(spec.audit, &spec.identities, &mut report)?;

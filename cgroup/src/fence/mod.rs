@@ -44,7 +44,8 @@ mod status;
 
 pub use bpffs::ensure_bpffs;
 pub use install::{probe_ancestor_helper, FORCE_NO_HELPER_ENV};
-pub use status::{programs_at, NotAttached};
+use status::join_ids;
+pub use status::{fence_programs_at, programs_at, NotAttached};
 
 use bpffs::DirLock;
 
@@ -130,6 +131,11 @@ pub struct FenceStatus {
     pub grants: usize,
     /// Exempt cgroup ids.
     pub exempt_cgroup_ids: Vec<u64>,
+    /// gpufence programs ([`PROG_NAME`]) attached directly at
+    /// `cgroup_root` that the pinned link does not run: a fence whose pins
+    /// this process cannot see (another mount namespace's bpffs, another
+    /// `bpffs_dir`), which still enforces.
+    pub unpinned_programs: Vec<u32>,
     /// Why it is not installed, or what looks wrong.
     pub problems: Vec<String>,
     /// The kernel level of the cgroup2 mount's root (`Some(0)` outside a

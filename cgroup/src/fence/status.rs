@@ -87,6 +87,21 @@ impl Fence {
                 .problems
                 .push(format!("pinned link {}: {e}", link_pin.display())),
         }
+        // What the kernel says is attached at cgroup_root: a gpufence
+        // program the pins do not name is a fence this process cannot see.
+        if let Ok(ids) = fence_programs_at(cg, cgroup_root) {
+            st.unpinned_programs = ids
+                .into_iter()
+                .filter(|id| Some(*id) != st.prog_id)
+                .collect();
+        }
+        if !st.unpinned_programs.is_empty() && st.prog_id.is_none() {
+            st.problems.push(format!(
+                "a gpufence program (id {}) is attached at cgroup_root /{cgroup_root} and enforces, but its pins are not visible in {} (bpffs mounted elsewhere, a private mount namespace, or another bpffs_dir): run gpufence where they are",
+                join_ids(&st.unpinned_programs),
+                bpffs_dir.display()
+            ));
+        }
         // Grants and exemptions are recorded at kernel levels: in a cgroup
         // namespace where the level of the mount's root cannot be read,
         // every grant is refused.
@@ -368,6 +383,32 @@ pub fn programs_at(cg: &Cgroup2, rel: &str) -> Result<(u32, Vec<u32>)> {
     })?;
     sys::prog_query_cgroup_device(f.as_fd())
         .map_err(bpf_err("BPF_PROG_QUERY", p.display().to_string()))
+}
+
+/// The gpufence fence programs (named [`PROG_NAME`]) attached directly at
+/// cgroup `rel`, by id: what the kernel says is there, whatever pins this
+/// process can see (`BPF_PROG_QUERY`, then each program's name).
+///
+/// # Errors
+/// [`Error`] when the cgroup cannot be opened or queried.
+pub fn fence_programs_at(cg: &Cgroup2, rel: &str) -> Result<Vec<u32>> {
+    let (_, ids) = programs_at(cg, rel)?;
+    Ok(ids
+        .into_iter()
+        .filter(|id| {
+            sys::prog_fd_by_id(*id)
+                .and_then(|fd| sys::prog_info(fd.as_fd()))
+                .is_ok_and(|i| sys::name_str(&i.name) == PROG_NAME)
+        })
+        .collect())
+}
+
+/// Ids as `1, 2, 3`.
+pub(super) fn join_ids(ids: &[u32]) -> String {
+    ids.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Why the fence's link is not attached at `cgroup_root`

@@ -14,18 +14,147 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
         cgroup_root: node.cfg.cgroup_root.clone(),
         bpffs_dir: node.cfg.bpffs_dir.clone(),
         protected: node.protected_majors()?,
-        exempt: node
-            .cfg
-            .exempt_cgroups
-            .iter()
-            .cloned()
-            .chain(std::iter::once(node.exec_cgroup()))
-            .collect(),
+        exempt: exempt_paths(node),
         max_grants: node.cfg.max_grants,
         max_denials: node.cfg.max_denials,
         audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
         identities: node.cfg.exempt_identities(),
     })
+}
+
+/// `cgroup_root` names an existing directory of the cgroup2 mount.
+///
+/// # Errors
+/// [`NodeError::NoCgroupRoot`], naming the setting and the fix.
+pub fn check_cgroup_root(node: &Node) -> Result<(), NodeError> {
+    let path = node.cg.path(&node.cfg.cgroup_root);
+    if path.is_dir() {
+        return Ok(());
+    }
+    Err(NodeError::NoCgroupRoot {
+        cgroup_root: node.cfg.cgroup_root.clone(),
+        path,
+        config: node.origin.to_string(),
+    })
+}
+
+/// The exemptions the config asks for (`exempt_cgroups` and the exec
+/// cgroup), relative to the cgroup2 mount.
+pub fn exempt_paths(node: &Node) -> Vec<String> {
+    node.cfg
+        .exempt_cgroups
+        .iter()
+        .cloned()
+        .chain(std::iter::once(node.exec_cgroup()))
+        .collect()
+}
+
+/// One configured exemption as the node has it now.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ExemptionState {
+    /// The cgroup (relative to the mount; absolute in JSON).
+    #[serde(serialize_with = "crate::host::cgpath::serialize")]
+    pub cgroup: String,
+    /// Its id now, when it exists.
+    pub id: Option<u64>,
+    /// Whether the fence holds that id as exempt.
+    pub exempt: bool,
+}
+
+/// Each configured exemption: its id now, and whether `exempt_ids` (the
+/// fence's exempt cgroup ids) holds it. A cgroup that exists but is not
+/// exempt was made (or made again, with a new id: a restarted service)
+/// after the fence learnt the exemptions.
+pub fn exemption_states(node: &Node, exempt_ids: &[u64]) -> Vec<ExemptionState> {
+    exempt_paths(node)
+        .into_iter()
+        .map(|p| {
+            let id = node.cg.id(&p).ok();
+            ExemptionState {
+                exempt: id.is_some_and(|i| exempt_ids.contains(&i)),
+                cgroup: p,
+                id,
+            }
+        })
+        .collect()
+}
+
+/// The problem line of an exemption that exists but is not in the fence.
+pub fn missing_exemption_problem(e: &ExemptionState) -> String {
+    format!(
+        "exempt cgroup {} (id {}) is not in the fence (made or restarted since the fence learnt its exemptions): its processes are fenced; `gpufence fence watch` (gpufence-watch.service) puts it back within a second, or run `gpufence fence install`",
+        crate::host::cgpath::abs(&e.cgroup),
+        e.id.unwrap_or(0)
+    )
+}
+
+/// How often [`watch_exemptions`] looks at the configured exemptions.
+pub const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Keeps the configured exemptions in the fence: every [`WATCH_PERIOD`],
+/// each configured exempt cgroup's id is read (one `stat` each); when one
+/// that exists is not exempt in the fence (a service restarted: systemd
+/// made its cgroup anew, with a new id), the exemptions are written again
+/// ([`Fence::set_exempt`], the install's own step) and an
+/// `exemption_applied` line says which. Runs until `stop` says so (checked
+/// every period); a fence that is not attached is waited for. Errors are
+/// audited once per kind and the watch goes on.
+pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
+    let paths = exempt_paths(node);
+    let mut seen: Option<Vec<Option<u64>>> = None;
+    let mut last_error: Option<String> = None;
+    while !stop() {
+        let ids: Vec<Option<u64>> = paths.iter().map(|p| node.cg.id(p).ok()).collect();
+        if seen.as_ref() != Some(&ids) {
+            match reapply_exemptions(node, &paths) {
+                Ok(()) => {
+                    seen = Some(ids);
+                    last_error = None;
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    if last_error.as_ref() != Some(&e) {
+                        let _ = node.audit(
+                            AuditEvent::new(events::ERROR)
+                                .field("component", "fence watch")
+                                .field("reason", e.clone()),
+                        );
+                        last_error = Some(e);
+                    }
+                }
+            }
+        }
+        std::thread::sleep(WATCH_PERIOD);
+    }
+}
+
+/// One pass of [`watch_exemptions`]: writes the exemptions again when an
+/// existing configured cgroup is not exempt in the fence.
+///
+/// # Errors
+/// [`NodeError`]: the fence is not attached, or its maps cannot be
+/// written.
+pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError> {
+    let fence = open_installed(node)?;
+    let missing: Vec<(String, u64)> = paths
+        .iter()
+        .filter_map(|p| node.cg.id(p).ok().map(|id| (p.clone(), id)))
+        .filter(|(_, id)| !fence.is_exempt(*id).unwrap_or(false))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    fence.set_exempt(&node.cg, paths)?;
+    node.audit(
+        AuditEvent::new(events::EXEMPTION_APPLIED).field(
+            "exempt",
+            missing
+                .iter()
+                .map(|(p, id)| serde_json::json!({"cgroup": crate::host::cgpath::abs(p), "cgroup_id": id}))
+                .collect::<Vec<_>>(),
+        ),
+    )?;
+    Ok(())
 }
 
 /// Installs or re-installs the fence and writes `fence_installed`; when
@@ -37,6 +166,7 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
 /// [`NodeError`]: the fence is not installed (or the old one stays) and the
 /// message says why.
 pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
+    check_cgroup_root(node)?;
     // The exempt cgroup of `gpufence exec` exists from the install on.
     if node.cg.path(&node.cfg.cgroup_root).is_dir() {
         let _ = node.cg.create(&node.exec_cgroup());
@@ -173,6 +303,9 @@ pub fn status(node: &Node) -> FenceStatus {
 /// mode than the config's, or not this version's.
 pub fn status_with_mode(node: &Node) -> (FenceStatus, RunningMode) {
     let mut st = Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
+    if let Err(e) = check_cgroup_root(node) {
+        st.problems.insert(0, e.to_string());
+    }
     let mode = running_mode(node);
     let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
         RunningMode::Audit
@@ -194,6 +327,13 @@ pub fn status_with_mode(node: &Node) -> (FenceStatus, RunningMode) {
                     want.names(m).collect::<Vec<_>>().join(", ")
                 ));
                 st.installed = false;
+            }
+        }
+    }
+    if st.prog_id.is_some() {
+        for e in exemption_states(node, &st.exempt_cgroup_ids) {
+            if e.id.is_some() && !e.exempt {
+                st.problems.push(missing_exemption_problem(&e));
             }
         }
     }
@@ -235,6 +375,35 @@ pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
 /// # Errors
 /// [`NodeError`] when a pin cannot be removed.
 pub fn remove(node: &Node) -> Result<bool, NodeError> {
+    // Only the fence attached where the config says: a link attached at
+    // another cgroup (a wrong cgroup_root) may be the node's working fence.
+    match Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir) {
+        Ok(()) => {}
+        Err(
+            e @ (gpufence_cgroup::fence::NotAttached::Elsewhere { .. }
+            | gpufence_cgroup::fence::NotAttached::Root(_)),
+        ) => {
+            let attached = Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
+                .link_cgroup_id
+                .map(|id| {
+                    node.cg
+                        .kernel_levels()
+                        .ok()
+                        .and_then(|l| l.get(&id).map(|(p, _)| crate::host::cgpath::abs(p)))
+                        .unwrap_or_else(|| format!("cgroup id {id}"))
+                })
+                .unwrap_or_else(|| "another cgroup".into());
+            return Err(NodeError::FenceNotHere {
+                bpffs_dir: node.cfg.bpffs_dir.clone(),
+                attached,
+                cgroup_root: node.cfg.cgroup_root.clone(),
+                config: node.origin.to_string(),
+                why: e.to_string(),
+            });
+        }
+        // No pin, a detached link: what is left is removed.
+        Err(_) => {}
+    }
     let found = Fence::remove(&node.cfg.bpffs_dir)?;
     if found {
         node.audit(

@@ -195,6 +195,14 @@ pub fn refresh(node: &Node, slurm_conf: &Path) -> Result<GresMap, NodeError> {
 }
 
 fn refresh_with(node: &Node, slurm_conf: &Path, run: Runner) -> Result<GresMap, NodeError> {
+    // slurmd -G retries an unreadable slurm.conf for 60 s before it fails
+    // (`s_p_parse_file`: "retrying in 1sec up to 60sec"): say why at once.
+    if let Err(e) = std::fs::File::open(slurm_conf) {
+        return Err(NodeError::SlurmConf {
+            path: slurm_conf.to_path_buf(),
+            source: e,
+        });
+    }
     let key = cache_key(slurm_conf);
     let text = run(node, slurm_conf)?;
     let cmd = format!("{} -G", node.cfg.slurmd_bin.display());
@@ -846,6 +854,7 @@ mod tests {
         );
         let n = node(d.path(), &s);
         let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "").unwrap();
         let e = refresh_here(&n, &conf).unwrap_err();
         assert!(
             matches!(&e, NodeError::Parse(p) if p.line == 1 && p.msg.contains("names Name=gpu")),
@@ -896,12 +905,31 @@ mod tests {
             "echo 'slurmd: fatal: Unable to open gres.conf' >&2; exit 1",
         );
         let n = node(d.path(), &s);
+        std::fs::write(d.path().join("slurm.conf"), "").unwrap();
         let e = load_here(&n, Some(&d.path().join("slurm.conf"))).unwrap_err();
         assert!(
             matches!(&e, NodeError::SlurmdG { msg, .. } if msg.contains("Unable to open gres.conf")),
             "{e}"
         );
         assert!(!n.state.gres_cache_path().exists(), "nothing cached");
+    }
+
+    /// An unreadable slurm.conf is said at once: `slurmd -G` (which would
+    /// retry it for 60 s) is not run.
+    #[test]
+    fn an_unreadable_slurm_conf_is_said_without_running_slurmd() {
+        let d = tempfile::tempdir().unwrap();
+        let ran = d.path().join("ran");
+        let s = fake_slurmd(d.path(), &format!("touch {}; exit 1", ran.display()));
+        let n = node(d.path(), &s);
+        let conf = d.path().join("missing/slurm.conf");
+        let e = load_here(&n, Some(&conf)).unwrap_err();
+        assert!(
+            matches!(&e, NodeError::SlurmConf { path, .. } if *path == conf),
+            "{e}"
+        );
+        assert!(e.to_string().contains("SLURM_CONF"), "{e}");
+        assert!(!ran.exists(), "slurmd -G was not run");
     }
 
     #[test]

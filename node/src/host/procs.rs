@@ -122,6 +122,20 @@ pub fn uid_of(pid: i32) -> Option<u32> {
         .map(|s| s.ruid)
 }
 
+/// The one line a gpufence program prints when it is not running as root
+/// (effective uid 0), before it reads anything: the Prolog and Epilog run
+/// as root under slurmd, and a permission error on `state_dir` or a pin
+/// would send the admin the wrong way. `None` as root.
+pub fn not_root_line(program: &str, role: &str) -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    (euid != 0).then(|| {
+        format!(
+            "{program}: must run as root ({role}); it runs as uid {euid} here: nothing was done"
+        )
+    })
+}
+
 /// Who is running this: `SUDO_USER` (when root via sudo), else the login
 /// name, with the real uid.
 pub fn who() -> String {

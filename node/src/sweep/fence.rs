@@ -9,7 +9,26 @@ impl Sweep<'_> {
         let node = self.node;
         let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
         self.report.fence_installed = attached.is_ok();
-        if let Err(detail) = &attached {
+        // A gpufence program the kernel has at cgroup_root whose pins this
+        // sweep cannot see still enforces: say that, not "every process may
+        // open every GPU".
+        let unseen = attached
+            .as_ref()
+            .err()
+            .and_then(|_| {
+                gpufence_cgroup::fence::fence_programs_at(&node.cg, &node.cfg.cgroup_root).ok()
+            })
+            .filter(|ids| !ids.is_empty());
+        if let Some(ids) = &unseen {
+            self.findings.push(check_failed(
+                "fence pins",
+                format!(
+                    "a gpufence program (id {ids:?}) is attached at /{} and enforces, but its pins are not visible in {} (bpffs mounted elsewhere, a private mount namespace, or another bpffs_dir): run the sweep where they are",
+                    node.cfg.cgroup_root,
+                    node.cfg.bpffs_dir.display()
+                ),
+            ));
+        } else if let Err(detail) = &attached {
             self.findings.push(Finding::new(
                 Kind::FenceNotAttached,
                 format!(
@@ -50,6 +69,26 @@ impl Sweep<'_> {
                 None
             }
         };
+        if let Some(f) = &self.fence {
+            let exempt: Vec<u64> = f
+                .cgroup_flags()
+                .map(|c| {
+                    c.into_iter()
+                        .filter(|(_, fl)| fl & gpufence_cgroup::maps::CGROUP_EXEMPT != 0)
+                        .map(|(id, _)| id)
+                        .collect()
+                })
+                .unwrap_or_default();
+            for e in crate::host::fence_ops::exemption_states(node, &exempt) {
+                if e.id.is_some() && !e.exempt {
+                    self.findings.push(Finding::new(
+                        Kind::ExemptionMissing,
+                        crate::host::fence_ops::missing_exemption_problem(&e),
+                        json!({"cgroup": crate::host::cgpath::abs(&e.cgroup), "cgroup_id": e.id}),
+                    ));
+                }
+            }
+        }
         let want = match node.protected_majors() {
             Ok(p) => p,
             Err(e) => {

@@ -19,6 +19,7 @@
 //! | `unauthenticated_notebook` | high | a wildcard listener whose command line disables its token or password (Jupyter, code-server) |
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
+//! | `exemption_missing` | medium | a configured exempt cgroup exists but the fence does not hold it (its service restarted since the exemptions were written; `gpufence fence watch` puts it back) |
 //! | `system_uid_range` | medium | `protected_uid_max` reaches `UID_MIN` of login.defs, or login accounts have uids at or below it: they would be taken for system accounts (their jobs are refused) |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
 //! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
@@ -229,11 +230,14 @@ pub enum Kind {
     /// `protected_uid_max` reaches `UID_MIN`, or login accounts sit at or
     /// below it ([`crate::host::accounts::range_warnings`]).
     SystemUidRange,
+    /// A configured exempt cgroup exists but the fence does not hold it
+    /// (its service restarted since the exemptions were written).
+    ExemptionMissing,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 17] = [
+    pub const ALL: [Kind; 18] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
@@ -251,6 +255,7 @@ impl Kind {
         Kind::StaleMajor,
         Kind::ShmLeftover,
         Kind::SystemUidRange,
+        Kind::ExemptionMissing,
     ];
 
     /// Its name (as in JSON and metrics).
@@ -273,6 +278,7 @@ impl Kind {
             Kind::StaleMajor => "stale_major",
             Kind::ShmLeftover => "shm_leftover",
             Kind::SystemUidRange => "system_uid_range",
+            Kind::ExemptionMissing => "exemption_missing",
         }
     }
 
@@ -290,7 +296,8 @@ impl Kind {
             Kind::PersistenceCron
             | Kind::PersistenceSystemd
             | Kind::CheckFailed
-            | Kind::SystemUidRange => Severity::Medium,
+            | Kind::SystemUidRange
+            | Kind::ExemptionMissing => Severity::Medium,
             Kind::DeniedOpen
             | Kind::WildcardListener
             | Kind::StaleGrant

@@ -157,6 +157,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
     }
     let failing = report.failing(threshold);
     let mut drained = None;
+    let mut drain_failed = false;
     if let (Some(name), Some(reason)) = (&req.drain_node, drain_reason(&failing)) {
         match drain::drain(node, name, &reason) {
             Ok(()) => {
@@ -168,10 +169,17 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
                 );
                 drained = Some(reason);
             }
-            Err(e) => errors.push(format!("could not drain {name}: {e}")),
+            Err(e) => {
+                drain_failed = true;
+                errors.push(format!("could not drain {name}: {e}"));
+            }
         }
     }
-    let exit = if !failing.is_empty() {
+    // A drain that was asked for and failed is not a finding's code: the
+    // node is not drained, and the caller (NHC, a timer) must hear that.
+    let exit = if drain_failed {
+        2
+    } else if !failing.is_empty() {
         1
     } else if !errors.is_empty() {
         2
