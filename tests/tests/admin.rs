@@ -1033,7 +1033,6 @@ fn prolog_and_epilog_say_why_at_once() {
         );
     }
     assert!(gpufence(&cfg, &["fence", "install"]).status.success());
-    let t0 = std::time::Instant::now();
     let o = Command::new(workspace_bin("gpufence-prolog"))
         .args(["--config", cfg.to_str().unwrap()])
         .env_clear()
@@ -1045,13 +1044,11 @@ fn prolog_and_epilog_say_why_at_once() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
+    // gpufence's own line (slurmd -G, which retries for a minute, never ran).
     assert!(
-        t0.elapsed() < std::time::Duration::from_secs(10),
-        "said after {:?}: {err}",
-        t0.elapsed()
-    );
-    assert!(
-        err.contains("cannot be read") && err.contains("SLURM_CONF"),
+        err.contains("cannot be read")
+            && err.contains("SLURM_CONF")
+            && !err.contains("slurmd -G` failed"),
         "{err}"
     );
 }
