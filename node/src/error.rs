@@ -188,7 +188,7 @@ pub enum NodeError {
     /// `fence remove` found the fence's link attached somewhere else than
     /// `cgroup_root` (or `cgroup_root` missing): it may be the node's
     /// working fence, which a wrong config must not take down.
-    #[error("the fence pinned in {bpffs_dir} is attached at {attached}, not at cgroup_root /{cgroup_root} of {config} ({why}): not removed, it may be this node's working fence; fix cgroup_root in {config}, or remove it with the config it was installed with")]
+    #[error("the fence pinned in {bpffs_dir} is attached at {attached}, not at cgroup_root /{cgroup_root} of {config}: not removed, it may be this node's working fence; fix cgroup_root in {config}, or remove it with the config it was installed with")]
     FenceNotHere {
         /// The bpffs directory.
         bpffs_dir: PathBuf,
@@ -198,8 +198,6 @@ pub enum NodeError {
         cgroup_root: String,
         /// The config.
         config: String,
-        /// What the check said.
-        why: String,
     },
     /// `cgroup_root` does not exist.
     #[error("cgroup_root = {cgroup_root:?} in {config}: {path} does not exist; the fence attaches there: set cgroup_root to an existing cgroup2 directory (\"/\" for the whole node)")]

@@ -1052,3 +1052,86 @@ fn prolog_and_epilog_say_why_at_once() {
         "{err}"
     );
 }
+
+/// `gpufence exec` of a command that leaves a process behind (`cmd &`):
+/// the process is ended when the command returns, said on stderr and in an
+/// `exec_leftover` audit line; its exempt leaf is removed. A leaf whose
+/// gpufence command is gone (killed before it could clean up) with a
+/// process in it is a `problem:` in `fence status` (exit 1) and an
+/// `exec_leftover` finding in the sweep.
+#[test]
+fn exec_leaves_nothing_running_and_stale_leaves_are_reported() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("exec-left");
+    let cfg = env.config(&format!("nvml = false\n{MAJORS}"));
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let marker = env.path("bg.pid");
+    let o = gpufence(
+        &cfg,
+        &[
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            &format!("sleep 1000 & echo $! > {}", marker.display()),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("the command left 1 process(es) running in its exempt cgroup")
+            && err.contains("sleep"),
+        "{err}"
+    );
+    let bg: i32 = std::fs::read_to_string(&marker)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !gpufence_tests::gone(bg) && t0.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(gpufence_tests::gone(bg), "the background process was ended");
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    let left = audit
+        .iter()
+        .find(|e| e["event"] == "exec_leftover")
+        .expect("exec_leftover");
+    assert_eq!(left["processes"][0]["pid"], bg);
+    assert_eq!(left["ended"], true);
+    assert!(audit
+        .iter()
+        .any(|e| e["event"] == "exec_end" && e["left_running"] == 1));
+    let exec = format!("{}/gpufence-exec", env.root);
+    let leaves: Vec<_> = std::fs::read_dir(env.cg.path(&exec))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_type().unwrap().is_dir())
+        .collect();
+    assert!(leaves.is_empty(), "the leaf is removed: {leaves:?}");
+    // A leaf left by a gpufence command that is gone (pid 2^22-1 is
+    // nobody's here: pid_max is at most 2^22), with a process in it.
+    let stale = format!("{exec}/4194303");
+    env.cg.create(&stale).unwrap();
+    let pid = env.spawn_sleeper(&stale);
+    let st = gpufence(&cfg, &["fence", "status"]);
+    let text = String::from_utf8_lossy(&st.stdout);
+    assert_eq!(st.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "problem: /{stale} holds 1 process(es) (pid {pid})"
+        )),
+        "{text}"
+    );
+    let sw = gpufence(&cfg, &["sweep", "--json", "--cgroup", &env.root]);
+    assert!(
+        String::from_utf8_lossy(&sw.stdout)
+            .lines()
+            .any(|l| l.contains("\"exec_leftover\"") && l.contains(&pid.to_string())),
+        "{sw:?}"
+    );
+    env.cg.kill(&stale).unwrap();
+}

@@ -938,6 +938,34 @@ fn drain_names_the_finding() {
     assert_eq!(o.drained.as_deref(), lines[3].strip_prefix("reason="));
     assert!(w.events().contains(&"sweep_drained".to_string()));
     assert!(!gpufence_node::host::procs::node_name().is_empty());
+    // A drain that fails (scontrol exits 1) is not a finding's code: the
+    // node is not drained, and the exit says the sweep could not do all it
+    // was asked.
+    let failing = w.env.path("scontrol-fails");
+    std::fs::write(
+        &failing,
+        "#!/bin/sh\necho 'slurm_update error: Access denied' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut node = Node::new(w.node.cfg.clone(), w.node.origin.clone()).unwrap();
+    node.cfg.scontrol_bin = failing;
+    let o = sweep::execute(
+        &node,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            drain_node: Some("node17".into()),
+            ..Default::default()
+        },
+    );
+    assert_eq!((o.exit, o.drained.clone()), (2, None), "{:?}", o.errors);
+    assert!(
+        o.errors
+            .iter()
+            .any(|e| e.contains("could not drain node17")),
+        "{:?}",
+        o.errors
+    );
 }
 
 /// `sh -c 'sleep & sleep & wait'` as the test user, alone in its cgroup.

@@ -65,7 +65,20 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
     if let Err(e) = &status {
         end = end.field("error", e.to_string());
     }
+    // What the command left running in the exempt leaf (a daemon it
+    // started, `cmd &`) would keep every GPU open to it: ended, named.
+    let left = end_leftovers(node, &mine);
+    if !left.is_empty() {
+        end = end.field("left_running", left.len());
+    }
     let _ = node.audit(end);
+    if !left.is_empty() {
+        eprintln!(
+            "gpufence: exec: the command left {} process(es) running in its exempt cgroup ({}): ended; run daemons as services, not through gpufence exec",
+            left.len(),
+            describe(&left)
+        );
+    }
     let _ = node.cg.remove_tree(&mine);
     if let Err(e) = status {
         eprintln!(
@@ -74,4 +87,58 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         );
     }
     Ok(code)
+}
+
+/// `pid comm` for each of `pids`, comma-separated (the first 20).
+fn describe(pids: &[(i32, String)]) -> String {
+    let mut out: Vec<String> = pids
+        .iter()
+        .take(20)
+        .map(|(p, c)| format!("{p} {}", gpufence_model::text::printable(c)))
+        .collect();
+    if pids.len() > 20 {
+        out.push(format!("and {} more", pids.len() - 20));
+    }
+    out.join(", ")
+}
+
+/// Ends what is left in the exec leaf `leaf` once its command returned
+/// (`cgroup.kill`, then each thread), audits `exec_leftover` with each
+/// process and returns them: `(pid, comm)`.
+fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
+    let left: Vec<(i32, String)> = node
+        .cg
+        .procs_recursive(leaf)
+        .into_iter()
+        .map(|p| {
+            let comm = crate::host::procs::read_stat(p)
+                .map(|(c, _, _)| c)
+                .unwrap_or_default();
+            (p, comm)
+        })
+        .collect();
+    if left.is_empty() {
+        return left;
+    }
+    let _ = node.cg.kill(leaf);
+    let t0 = std::time::Instant::now();
+    while !node.cg.procs_recursive(leaf).is_empty()
+        && t0.elapsed() < std::time::Duration::from_millis(node.cfg.kill_wait_ms)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = node.audit(
+        AuditEvent::new("exec_leftover")
+            .field("cgroup", crate::host::cgpath::abs(leaf))
+            .field(
+                "processes",
+                left.iter()
+                    .take(100)
+                    .map(|(p, c)| serde_json::json!({"pid": p, "comm": gpufence_model::text::printable(c)}))
+                    .collect::<Vec<_>>(),
+            )
+            .field("count", left.len())
+            .field("ended", node.cg.procs_recursive(leaf).is_empty()),
+    );
+    left
 }

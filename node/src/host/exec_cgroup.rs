@@ -37,3 +37,58 @@ pub fn exec_leaf(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<Strin
     node.cg.create(&mine)?;
     Ok(mine)
 }
+
+/// A leaf of the exec cgroup that holds processes while the gpufence
+/// process that made it is gone: what an interrupted `gpufence exec` (or a
+/// killed Prolog, Epilog or `slurmd -G` run) left there, exempt from the
+/// fence.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StaleLeaf {
+    /// The leaf (relative to the mount; absolute in JSON).
+    #[serde(serialize_with = "crate::host::cgpath::serialize")]
+    pub cgroup: String,
+    /// The processes in it.
+    pub pids: Vec<i32>,
+}
+
+/// The leaves of `<cgroup_root>/<exec_cgroup>` that hold processes and
+/// whose maker (the pid their name ends with: `<pid>`, `slurmd-G-<pid>`,
+/// `prolog-<pid>`) is no longer alive.
+pub fn stale_leaves(node: &Node) -> Vec<StaleLeaf> {
+    let base = node.exec_cgroup();
+    let Ok(rd) = std::fs::read_dir(node.cg.path(&base)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<StaleLeaf> = rd
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let maker: i32 = name.rsplit('-').next()?.parse().ok()?;
+            let alive = crate::host::procs::state_of(maker).is_some_and(|s| s != 'Z' && s != 'X');
+            if alive {
+                return None;
+            }
+            let leaf = join_cgroup(&base, &name);
+            let pids = node.cg.procs_recursive(&leaf);
+            (!pids.is_empty()).then_some(StaleLeaf { cgroup: leaf, pids })
+        })
+        .collect();
+    out.sort_by(|a, b| a.cgroup.cmp(&b.cgroup));
+    out
+}
+
+/// The problem line of a [`StaleLeaf`].
+pub fn stale_leaf_problem(l: &StaleLeaf) -> String {
+    format!(
+        "{} holds {} process(es) (pid {}) whose gpufence command is gone: they are exempt from the fence; end them (`gpufence respond PID`, or kill them) and remove the cgroup",
+        crate::host::cgpath::abs(&l.cgroup),
+        l.pids.len(),
+        l.pids
+            .iter()
+            .take(10)
+            .map(i32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}

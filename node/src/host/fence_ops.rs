@@ -330,6 +330,10 @@ pub fn status_with_mode(node: &Node) -> (FenceStatus, RunningMode) {
             }
         }
     }
+    for l in crate::host::exec_cgroup::stale_leaves(node) {
+        st.problems
+            .push(crate::host::exec_cgroup::stale_leaf_problem(&l));
+    }
     if st.prog_id.is_some() {
         for e in exemption_states(node, &st.exempt_cgroup_ids) {
             if e.id.is_some() && !e.exempt {
@@ -380,8 +384,8 @@ pub fn remove(node: &Node) -> Result<bool, NodeError> {
     match Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir) {
         Ok(()) => {}
         Err(
-            e @ (gpufence_cgroup::fence::NotAttached::Elsewhere { .. }
-            | gpufence_cgroup::fence::NotAttached::Root(_)),
+            gpufence_cgroup::fence::NotAttached::Elsewhere { .. }
+            | gpufence_cgroup::fence::NotAttached::Root(_),
         ) => {
             let attached = Fence::status(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir)
                 .link_cgroup_id
@@ -398,7 +402,6 @@ pub fn remove(node: &Node) -> Result<bool, NodeError> {
                 attached,
                 cgroup_root: node.cfg.cgroup_root.clone(),
                 config: node.origin.to_string(),
-                why: e.to_string(),
             });
         }
         // No pin, a detached link: what is left is removed.

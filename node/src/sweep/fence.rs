@@ -69,6 +69,13 @@ impl Sweep<'_> {
                 None
             }
         };
+        for l in crate::host::exec_cgroup::stale_leaves(node) {
+            self.findings.push(Finding::new(
+                Kind::ExecLeftover,
+                crate::host::exec_cgroup::stale_leaf_problem(&l),
+                json!({"cgroup": crate::host::cgpath::abs(&l.cgroup), "pids": l.pids}),
+            ));
+        }
         if let Some(f) = &self.fence {
             let exempt: Vec<u64> = f
                 .cgroup_flags()

@@ -20,6 +20,7 @@
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
 //! | `exemption_missing` | medium | a configured exempt cgroup exists but the fence does not hold it (its service restarted since the exemptions were written; `gpufence fence watch` puts it back) |
+//! | `exec_leftover` | medium | a leaf of gpufence's exempt exec cgroup holds processes whose gpufence command (`exec`, a Prolog or Epilog stepping out, `slurmd -G`) is gone: exempt from the fence |
 //! | `system_uid_range` | medium | `protected_uid_max` reaches `UID_MIN` of login.defs, or login accounts have uids at or below it: they would be taken for system accounts (their jobs are refused) |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
 //! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
@@ -233,11 +234,14 @@ pub enum Kind {
     /// A configured exempt cgroup exists but the fence does not hold it
     /// (its service restarted since the exemptions were written).
     ExemptionMissing,
+    /// A leaf of gpufence's exempt exec cgroup holds processes whose
+    /// gpufence command is gone.
+    ExecLeftover,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 18] = [
+    pub const ALL: [Kind; 19] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
@@ -256,6 +260,7 @@ impl Kind {
         Kind::ShmLeftover,
         Kind::SystemUidRange,
         Kind::ExemptionMissing,
+        Kind::ExecLeftover,
     ];
 
     /// Its name (as in JSON and metrics).
@@ -279,6 +284,7 @@ impl Kind {
             Kind::ShmLeftover => "shm_leftover",
             Kind::SystemUidRange => "system_uid_range",
             Kind::ExemptionMissing => "exemption_missing",
+            Kind::ExecLeftover => "exec_leftover",
         }
     }
 
@@ -297,7 +303,8 @@ impl Kind {
             | Kind::PersistenceSystemd
             | Kind::CheckFailed
             | Kind::SystemUidRange
-            | Kind::ExemptionMissing => Severity::Medium,
+            | Kind::ExemptionMissing
+            | Kind::ExecLeftover => Severity::Medium,
             Kind::DeniedOpen
             | Kind::WildcardListener
             | Kind::StaleGrant
