@@ -1075,7 +1075,11 @@ fn exec_leaves_nothing_running_and_stale_leaves_are_reported() {
             "--",
             "sh",
             "-c",
-            &format!("sleep 1000 & echo $! > {}", marker.display()),
+            // Returns once the child runs `sleep` (not a forked `sh` yet).
+            &format!(
+                "sleep 1000 & echo $! > {}; until grep -qx sleep /proc/$!/comm; do :; done",
+                marker.display()
+            ),
         ],
     );
     assert!(o.status.success(), "{o:?}");

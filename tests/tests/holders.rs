@@ -672,6 +672,7 @@ fn a_holder_that_let_go_is_left_alone() {
     let (done, errors) = gpufence_node::response::respond::respond(
         &node,
         45,
+        None,
         "epilog",
         "test",
         cands,
@@ -723,7 +724,7 @@ fn evidence_stays_within_its_budget() {
     };
     let respond = |budget: &mut Budget| {
         let cands = gpufence_node::response::respond::uncovered(&node, None, &devs, &[], 195, &[]);
-        gpufence_node::response::respond::respond(&node, 46, "epilog", "test", cands, budget)
+        gpufence_node::response::respond::respond(&node, 46, None, "epilog", "test", cands, budget)
     };
     let read = |l: &gpufence_node::response::respond::Lingering| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(l.evidence.as_ref().unwrap()).unwrap()).unwrap()
@@ -1087,4 +1088,114 @@ fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
         libc::kill(pid, libc::SIGKILL);
         libc::waitpid(pid, std::ptr::null_mut(), 0);
     }
+}
+
+/// A user hands their job's GPU descriptor to a process of another user's
+/// job (anything that accepts descriptors on a socket it can reach) and
+/// ends the job: the Epilog keeps evidence of the receiver but does not
+/// end it (one user must not end another's job at will); it is a survivor,
+/// so the node is not clean and is drained for an admin. The same hand-off
+/// to a process of another user outside any job is ended as always.
+#[test]
+fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("xuser");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let socks = env.path("socks");
+    std::fs::create_dir_all(&socks).unwrap();
+    std::fs::set_permissions(&socks, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    // Receivers of uid 23456: one in job 9's step cgroup, one outside jobs.
+    let receiver = |env: &mut TestEnv, cg: &str, name: &str| {
+        let sock = socks.join(name);
+        let mut cmd = env.command_in(cg, "setpriv");
+        cmd.args([
+            "--reuid",
+            "23456",
+            "--regid",
+            "23456",
+            "--clear-groups",
+            "--",
+        ])
+        .arg(gpufence_tests::probe_bin())
+        .arg("recvfd")
+        .arg(&sock);
+        let pid = env.spawn_ready(cmd, "listening");
+        let o = gpufence_tests::as_test_user(gpufence_tests::probe_bin())
+            .arg("sendfd")
+            .arg(&sock)
+            .arg(&gpu)
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&o.stdout).contains("sent"), "{o:?}");
+        let t0 = std::time::Instant::now();
+        while gpufence_node::holders::scan::holder(pid, &[dev].into()).is_none() {
+            assert!(t0.elapsed().as_secs() < 5, "{name} never received it");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        pid
+    };
+    let in_job = env.cgroup("job_9/step_0/user/task_0");
+    let outside = env.cgroup("outside");
+    let other_job = receiver(&mut env, &in_job, "job9");
+    let no_job = receiver(&mut env, &outside, "nojob");
+    node.state
+        .write_record(&JobRecord {
+            version: RECORD_VERSION,
+            job_id: 48,
+            uid: gpufence_tests::cluster::test_uid(),
+            gres_indices: vec![0],
+            devices: vec![DeviceGrant {
+                path: gpu.clone(),
+                dev,
+                access: Access::RW,
+                role: DeviceRole::Gres,
+                gres_index: Some(0),
+            }],
+            created: now_rfc3339(),
+            notes: vec![],
+            gpu_idle: vec![],
+            mig: vec![],
+            cuda_visible_devices: vec![],
+            saved_compute_modes: Vec::new(),
+        })
+        .unwrap();
+    let o = epilog::run(&node, 48, None);
+    assert!(
+        !o.clean(),
+        "a survivor: the node is drained for an admin: {o:?}"
+    );
+    let spared = o
+        .lingering
+        .iter()
+        .find(|l| l.pid == other_job)
+        .expect("the receiver in job 9 is a holder");
+    assert!(
+        spared
+            .spared
+            .as_deref()
+            .is_some_and(|w| w.contains("in another user's job (job_9, uid 23456)")),
+        "{spared:?}"
+    );
+    assert!(spared.evidence.is_some(), "evidence kept");
+    assert!(!gone(other_job), "another user's job is not ended");
+    let ended = o.lingering.iter().find(|l| l.pid == no_job).unwrap();
+    assert!(
+        ended.gone() && gone(no_job),
+        "outside any job: ended ({ended:?})"
+    );
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    assert!(audit.iter().any(|e| e["event"] == "survivor"
+        && e["pid"] == other_job
+        && e["not_killed"]
+            .as_str()
+            .is_some_and(|w| w.contains("another user's job"))));
+    // SAFETY: ends our own child.
+    unsafe { libc::kill(other_job, libc::SIGKILL) };
 }

@@ -1258,6 +1258,75 @@ fn a_users_links_and_others_files_are_not_read() {
     );
 }
 
+/// A user's unit tree with thousands of directories is read whole by a
+/// sweep with few descriptors (64: the walk holds a handful, not one per
+/// directory waiting its turn), and many new files of one user make 20
+/// findings and one that counts the rest, in text and in JSON.
+#[test]
+fn a_users_crowded_unit_tree_is_read_and_counted() {
+    if !privileged() {
+        return;
+    }
+    let w = world("crowded-units", "", "", false);
+    let units = w.env.path("home/gt/.config/systemd/user");
+    let cfg = w.env.path("gpufence.toml");
+    let sweep = || {
+        std::process::Command::new("prlimit")
+            .arg("--nofile=64:64")
+            .arg(workspace_bin("gpufence"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(["sweep", "--json", "--cgroup", &w.env.root])
+            .output()
+            .unwrap()
+    };
+    let o = sweep();
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("systemd baseline recorded"),
+        "{o:?}"
+    );
+    let own = |p: &std::path::Path| {
+        std::os::unix::fs::chown(p, Some(test_uid()), Some(test_uid())).unwrap()
+    };
+    for i in 0..2_000 {
+        let d = units.join(format!("d{i:04}"));
+        std::fs::create_dir(&d).unwrap();
+        own(&d);
+    }
+    // Deep in the walk: a drop-in past the directories.
+    let dropin = units.join("d1999/benign.service.d");
+    std::fs::create_dir(&dropin).unwrap();
+    own(&dropin);
+    user_file(
+        &dropin.join("evil.conf"),
+        "[Service]\nExecStart=/tmp/.x/m\n",
+    );
+    for i in 0..30 {
+        let l = units.join(format!("l{i:02}.service"));
+        std::os::unix::fs::symlink("/dev/null", &l).unwrap();
+        std::os::unix::fs::lchown(&l, Some(test_uid()), Some(test_uid())).unwrap();
+    }
+    let o = sweep();
+    let found: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|f: &Value| f["kind"] == "persistence_systemd")
+        .collect();
+    assert_eq!(found.len(), 21, "20 findings and one count: {found:#?}");
+    let summary = found
+        .iter()
+        .find(|f| f["evidence"]["more"].is_u64())
+        .expect("the count");
+    assert_eq!(
+        summary["evidence"]["more"], 11,
+        "31 new files in all: {summary}"
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("evil.conf"),
+        "the drop-in past 2,000 directories is seen"
+    );
+}
+
 /// A job that leaves 100,000 long-named files in the shared-memory
 /// directory: the Epilog's `shm_leftovers` line stays under 64 KiB (the
 /// first names, then the counts and the total), and the sweep's output

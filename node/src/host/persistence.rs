@@ -236,10 +236,23 @@ impl UnitRoot {
 
     /// `uid`'s `~/.config/systemd/user` under `home`.
     pub fn user(home: &Path, uid: u32) -> UnitRoot {
+        UnitRoot::user_dir(home, uid, USER_UNIT_DIRS[0])
+    }
+
+    /// `uid`'s unit directory `rel` (one of [`USER_UNIT_DIRS`]) under `home`.
+    pub fn user_dir(home: &Path, uid: u32, rel: &str) -> UnitRoot {
         UnitRoot {
-            path: user_unit_dir(home),
+            path: home.join(rel),
             user: Some((home.to_path_buf(), uid)),
         }
+    }
+
+    /// The user trees of `uid` with home `home`: one per [`USER_UNIT_DIRS`].
+    pub fn user_trees(home: &Path, uid: u32) -> Vec<UnitRoot> {
+        USER_UNIT_DIRS
+            .iter()
+            .map(|rel| UnitRoot::user_dir(home, uid, rel))
+            .collect()
     }
 
     /// Whose files count: the user's, or anyone's in the system tree.
@@ -281,12 +294,26 @@ impl UnitRoot {
     /// opened as [`UnitRoot::open`] says.
     pub fn files(&self) -> BTreeMap<PathBuf, Fingerprint> {
         let mut out = BTreeMap::new();
-        let Some(root) = self.open() else {
-            return out;
-        };
         let owner = self.owner();
-        let mut stack = vec![(root, self.path.clone(), 0usize)];
-        while let Some((fd, dir_path, depth)) = stack.pop() {
+        // Directories to read, by their path below the tree's root: each is
+        // opened again from the root when its turn comes, so the walk holds
+        // a handful of descriptors whatever the tree's shape (a user's
+        // thousands of directories cannot run it out of descriptors and
+        // hide a file past them). Directories count toward the cap.
+        let mut stack: Vec<(PathBuf, usize)> = vec![(PathBuf::new(), 0)];
+        let mut seen = 0usize;
+        while let Some((rel, depth)) = stack.pop() {
+            let fd = if rel.as_os_str().is_empty() {
+                self.open()
+            } else {
+                match self.open().and_then(|r| open_beneath(r, &rel, owner, true)) {
+                    Some(OpenedAt::Dir(d)) => Some(d),
+                    _ => None,
+                }
+            };
+            let Some(fd) = fd else {
+                continue;
+            };
             let Ok(mut dir) = fd
                 .try_clone()
                 .map_err(drop)
@@ -301,10 +328,12 @@ impl UnitRoot {
                 .filter(|n| n != "." && n != "..")
                 .take(UNIT_FILES_MAX)
                 .collect();
+            drop(dir);
             for name in names {
-                if out.len() >= UNIT_FILES_MAX {
+                if seen >= UNIT_FILES_MAX {
                     return out;
                 }
+                seen += 1;
                 let Ok(st) = fstatat(&fd, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
                     continue;
                 };
@@ -312,12 +341,9 @@ impl UnitRoot {
                     continue;
                 }
                 let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
-                let p = dir_path.join(&name);
                 if kind == SFlag::S_IFDIR {
                     if depth < UNIT_DEPTH {
-                        if let Some(sub) = open_dir_at(fd.as_fd(), Path::new(&name), owner) {
-                            stack.push((sub, p, depth + 1));
-                        }
+                        stack.push((rel.join(&name), depth + 1));
                     }
                 } else if kind == SFlag::S_IFREG || kind == SFlag::S_IFLNK {
                     let link = (kind == SFlag::S_IFLNK)
@@ -325,7 +351,7 @@ impl UnitRoot {
                         .flatten()
                         .map(|t| PathBuf::from(t).display().to_string());
                     out.insert(
-                        p,
+                        self.path.join(&rel).join(&name),
                         Fingerprint {
                             link,
                             uid: st.st_uid,
@@ -420,9 +446,15 @@ pub fn user_crontabs(node: &Node, users: &Users) -> Vec<PersistenceEntry> {
         .collect()
 }
 
-fn user_unit_dir(home: &Path) -> PathBuf {
-    home.join(".config/systemd/user")
-}
+/// Where systemd reads a user's own units, below the home
+/// (systemd.unit(5), "User Unit Search Path": `$XDG_CONFIG_HOME/systemd/user`,
+/// `$XDG_CONFIG_HOME/systemd/user.control` for `systemctl --user
+/// set-property`, `$XDG_DATA_HOME/systemd/user`, with their XDG defaults).
+pub const USER_UNIT_DIRS: [&str; 3] = [
+    ".config/systemd/user",
+    ".config/systemd/user.control",
+    ".local/share/systemd/user",
+];
 
 /// The systemd files the sweep watches: `systemd_system_dir` and every
 /// known user's `~/.config/systemd/user` (the users of [`Users::users`]:
@@ -447,15 +479,16 @@ pub fn systemd_files(
         .filter(|(h, _)| h.is_absolute())
         .collect();
     for (h, uid) in homes {
-        let root = UnitRoot::user(&h, uid);
-        if root.path.starts_with(&node.cfg.systemd_system_dir) {
-            continue;
+        for root in UnitRoot::user_trees(&h, uid) {
+            if root.path.starts_with(&node.cfg.systemd_system_dir) {
+                continue;
+            }
+            out.extend(
+                root.files()
+                    .into_iter()
+                    .map(|(p, f)| (p, (f, "systemd_user", root.clone()))),
+            );
         }
-        out.extend(
-            root.files()
-                .into_iter()
-                .map(|(p, f)| (p, (f, "systemd_user", root.clone()))),
-        );
     }
     out
 }
@@ -470,9 +503,10 @@ pub fn persistence_of_uid(node: &Node, uid: u32, users: &Users) -> Vec<Persisten
         out.extend(crontab_of(node, &name, users));
     }
     if let Some(home) = users.home(uid).filter(|h| h.is_absolute()) {
-        let root = UnitRoot::user(&home, uid);
-        for (p, f) in root.files() {
-            out.push(unit_entry("systemd_user", &root, &p, &f, users));
+        for root in UnitRoot::user_trees(&home, uid) {
+            for (p, f) in root.files() {
+                out.push(unit_entry("systemd_user", &root, &p, &f, users));
+            }
         }
     }
     if uid != 0 {

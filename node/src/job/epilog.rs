@@ -371,6 +371,8 @@ impl<'a> Run<'a> {
             &self.gpus,
             &self.minors,
         );
+        // The job's user: slurmd's SLURM_JOB_UID, or the record's.
+        let job_uid = self.rec.as_ref().map(|r| r.uid).or(self.env.uid);
         let out = &mut self.out;
         let mut cands = respond::uncovered(node, fence.as_ref(), devs, &info, gpu_major, mig);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
@@ -394,6 +396,7 @@ impl<'a> Run<'a> {
             let (lingering, errs) = respond::respond(
                 node,
                 job_id,
+                job_uid,
                 "epilog",
                 "holds a device of an ended job outside any grant",
                 fresh,

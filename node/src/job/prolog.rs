@@ -485,6 +485,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
                 let (done, errors) = respond::respond(
                     node,
                     rec.job_id,
+                    Some(rec.uid),
                     "prolog",
                     "held the job's GPU before it started",
                     cands,

@@ -238,12 +238,15 @@ fn still_holding(c: &Candidate) -> Result<Option<PidFd>, Unpinnable> {
 }
 
 /// Responds to `cands` as the module says, with evidence within `budget`
-/// (one per Epilog or Prolog, over all its rounds). `phase`
+/// (one per Epilog or Prolog, over all its rounds). `job_uid` is the
+/// job's user: a holder of another uid inside another job's cgroup is
+/// spared ([`other_users_job`]). `phase`
 /// (`prolog`/`epilog`) goes into evidence and audit lines. Audit failures
 /// are returned as errors beside the outcome.
 pub fn respond(
     node: &Node,
     job_id: u32,
+    job_uid: Option<u32>,
     phase: &str,
     reason: &str,
     cands: Vec<Candidate>,
@@ -251,7 +254,16 @@ pub fn respond(
 ) -> (Vec<Lingering>, Vec<String>) {
     let mut errors = Vec::new();
     // 1. Pin identities; system accounts are spared.
-    let (spared_out, pinned) = pin(node, job_id, phase, reason, cands, budget, &mut errors);
+    let (spared_out, pinned) = pin(
+        node,
+        job_id,
+        job_uid,
+        phase,
+        reason,
+        cands,
+        budget,
+        &mut errors,
+    );
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
     // Noted before they are stopped: a response killed from here on
     // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
@@ -345,9 +357,11 @@ pub fn respond(
 /// descriptors) to have it killed. They get evidence, their audit lines
 /// (`lingering_process`, `survivor` with `not_killed`) and make the node
 /// unclean. Returns the spared and the pinned.
+#[allow(clippy::too_many_arguments)]
 fn pin(
     node: &Node,
     job_id: u32,
+    job_uid: Option<u32>,
     phase: &str,
     reason: &str,
     cands: Vec<Candidate>,
@@ -358,12 +372,21 @@ fn pin(
     let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
     for c in cands {
         let uid = uid_of(c.pid);
-        if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
-            let why = format!(
+        let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
+            Some(format!(
                 "system account (uid {} <= protected_uid_max {}): not killed",
                 uid.unwrap_or(0),
                 node.cfg.protected_uid_max
-            );
+            ))
+        } else {
+            other_users_job(c.cgroup.as_deref(), job_id, job_uid, uid).map(|dir| {
+                format!(
+                    "in another user's job ({dir}, uid {}): gpufence does not end another user's job for a descriptor handed to it; evidence kept, node drained for an admin",
+                    uid.unwrap_or(0)
+                )
+            })
+        };
+        if let Some(why) = spare {
             let ev = evidence::collect(c.pid, job_id, reason, c.found(), None, budget);
             let mut l = Lingering {
                 pid: c.pid,
@@ -396,6 +419,38 @@ fn pin(
         }
     }
     (spared_out, pinned)
+}
+
+/// The Slurm job cgroup directory (`job_<id>` of another job, or a SLUID:
+/// 26.05 names job cgroups by it) that `cgroup` is in, when the holder's
+/// real uid `uid` is not the ending job's `job_uid`: a process of another
+/// user's job. A user can hand their job's descriptor to any process that
+/// accepts descriptors (NCCL's abstract unix sockets need no permission);
+/// ending the receiver would let one user end another's job at will, so
+/// such a holder is spared like a system account (evidence, survivor, the
+/// node drained for an admin). Outside any job a holder is ended as
+/// always: no job holds a GPU there. `None` when the job's uid or the
+/// holder's is unknown, or the uids are the same.
+pub fn other_users_job(
+    cgroup: Option<&str>,
+    job_id: u32,
+    job_uid: Option<u32>,
+    uid: Option<u32>,
+) -> Option<String> {
+    let (Some(job_uid), Some(uid), Some(cg)) = (job_uid, uid, cgroup) else {
+        return None;
+    };
+    if uid == job_uid {
+        return None;
+    }
+    cg.split('/')
+        .find(|d| {
+            d.strip_prefix("job_")
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_some_and(|n| n != job_id)
+                || gpufence_cgroup::hierarchy::is_sluid(d)
+        })
+        .map(str::to_string)
 }
 
 fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u32>) -> AuditEvent {

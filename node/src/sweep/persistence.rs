@@ -53,12 +53,23 @@ impl Sweep<'_> {
             }
         };
         let mut read = 0;
+        // Per owner: the first PER_OWNER files get a finding each, the rest
+        // one summary (a user can make thousands of files every sweep).
+        let mut per_owner: BTreeMap<u32, (usize, Vec<String>)> = BTreeMap::new();
         for (p, (f, scope_kind, root)) in &current {
             let change = match b.files.get(p) {
                 None => "new",
                 Some(old) if old != f => "changed",
                 Some(_) => continue,
             };
+            let seen = per_owner.entry(f.uid).or_default();
+            seen.0 += 1;
+            if seen.0 > PER_OWNER {
+                if seen.1.len() < PER_OWNER {
+                    seen.1.push(p.display().to_string());
+                }
+                continue;
+            }
             let (sha256, content) = if read < UNIT_EVIDENCE_MAX {
                 read += 1;
                 root.evidence(p)
@@ -88,5 +99,25 @@ impl Sweep<'_> {
             fnd.user = users.name(f.uid);
             self.findings.push(fnd);
         }
+        for (uid, (n, more)) in per_owner.into_iter().filter(|(_, (n, _))| *n > PER_OWNER) {
+            let mut fnd = Finding::new(
+                Kind::PersistenceSystemd,
+                format!(
+                    "and {} more new or changed systemd files of uid {uid} since the baseline of {} (first: {})",
+                    n - PER_OWNER,
+                    b.recorded,
+                    more.first().map(String::as_str).unwrap_or("")
+                ),
+                json!({"owner_uid": uid, "more": n - PER_OWNER, "files": more, "baseline": bpath}),
+            );
+            fnd.uid = Some(uid);
+            fnd.user = users.name(uid);
+            self.findings.push(fnd);
+        }
     }
 }
+
+/// How many new or changed systemd files of one owner get a finding of
+/// their own in one sweep; the rest are counted in one more finding that
+/// names the next [`PER_OWNER`] paths.
+pub(super) const PER_OWNER: usize = 20;
