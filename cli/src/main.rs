@@ -331,6 +331,12 @@ fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
     for w in gpufence_node::host::accounts::host_range_warnings(&node.cfg) {
         println!("warning: {w}");
     }
+    // Once, where the admin sets the node up (not on every status or sweep).
+    if let Some(n) =
+        gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"))
+    {
+        println!("note: {n}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -434,9 +440,8 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
         for w in &warnings {
             println!("warning: {}", gpufence_model::text::printable(w));
         }
-        if let Some(n) = &io_uring {
-            println!("note: {n}");
-        }
+        // The io_uring note is said by `fence install` and `doctor`, not on
+        // every status (a timer's journal); JSON keeps it.
     }
     // NHC and monitoring read the code: 0 only for a fence installed as
     // the config says.

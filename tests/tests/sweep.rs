@@ -185,14 +185,13 @@ fn a_clean_node_has_no_finding() {
             "{:?}",
             o.report.notes
         );
-        // Whether users may create io_uring rings is said on every sweep.
-        assert_eq!(
-            o.report
+        // Whether users may create io_uring rings is said by `fence
+        // install` and `doctor`, not on every sweep (a timer's journal).
+        assert!(
+            !o.report
                 .notes
                 .iter()
                 .any(|n| n.starts_with("io_uring is open")),
-            gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"))
-                .is_some(),
             "{:?}",
             o.report.notes
         );

@@ -547,11 +547,6 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
         .ok();
     report
         .notes
-        .extend(crate::holders::scan::io_uring_exposure(Path::new(
-            "/proc/sys",
-        )));
-    report
-        .notes
         .extend(crate::response::engine::finish_interrupted(node));
     let users = Users::new(node.cfg.passwd_file.as_deref());
     let mut s = Sweep {
