@@ -8,6 +8,7 @@ use serde_json::json;
 
 use gpufence_node::{admin::grants, host::fence_ops, Node, NodeError};
 
+mod man_pages;
 mod sweep_cmd;
 
 /// Admin tool of gpufence, the node-wide GPU fence for Slurm.
@@ -47,6 +48,7 @@ enum Cmd {
         json: bool,
     },
     /// Why a process (or every process of a cgroup) can or cannot open each NVIDIA device.
+    ///
     /// Exit 0 every device is allowed; 1 at least one is denied, may be
     /// denied or unknown (or doctor could not answer); 2 not root.
     Doctor {
@@ -61,10 +63,14 @@ enum Cmd {
     },
     /// Look for GPU misuse now: unfenced holders, busy GPUs without a grant,
     /// denied opens, mining, exposed notebooks, persistence, fence drift.
-    /// Exit 0 clean, 1 findings at or above --fail-on, 2 incomplete.
+    ///
+    /// Exit 0 clean, 1 findings at or above --fail-on, 2 incomplete (or a
+    /// drain asked for failed).
     Sweep(sweep_cmd::SweepArgs),
     /// Stop a misusing process tree: freeze, keep evidence, kill, audit
-    /// (and drain with --drain). Exit 0 gone, 1 survived, 2 refused.
+    /// (and drain with --drain).
+    ///
+    /// Exit 0 gone, 1 survived, 2 refused.
     Respond(sweep_cmd::RespondArgs),
     /// Run an admin command (e.g. nvidia-smi) in the exempt cgroup, audited (root only).
     Exec {
@@ -77,9 +83,9 @@ enum Cmd {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Write the man pages of gpufence and its subcommands into DIR
-    /// (made if missing; gpufence-prolog and gpufence-epilog write theirs
-    /// with --generate-man DIR).
+    /// Write the man pages into DIR (made if missing): gpufence(8), one
+    /// page per subcommand in section 8, and gpufence.toml(5);
+    /// gpufence-prolog and gpufence-epilog write theirs with --generate-man DIR.
     Man {
         /// Output directory.
         dir: PathBuf,
@@ -93,7 +99,9 @@ enum Cmd {
 
 #[derive(Subcommand, Debug)]
 enum MigOp {
-    /// Whether MIG profiles fit on one GPU together, and where: draws the
+    /// Whether MIG profiles fit on one GPU together, and where.
+    ///
+    /// Draws the
     /// GPU's memory slices with a box per instance, then lists each as
     /// PROFILE at START:SIZE. When they do not all fit, draws the best
     /// partial packing and lists what is left over. Exit 0 fits, 1 does not
@@ -114,7 +122,9 @@ enum MigOp {
 enum FenceOp {
     /// Attach the fence (or swap in the current program); safe to repeat.
     Install,
-    /// Whether the fence is attached at cgroup_root, and what it holds. Exit 0
+    /// Whether the fence is attached at cgroup_root, and what it holds.
+    ///
+    /// Exit 0
     /// installed as the config says; 1 not installed, or any `problem:` line
     /// (audit mode where the config says enforce, an exemption missing, an
     /// unprotected major, pins not visible); 2 not root.
@@ -214,11 +224,21 @@ fn run_completions(shell: clap_complete::Shell) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `gpufence man DIR`: one man page per command into `dir`.
+/// `gpufence man DIR`: gpufence(8), one page per subcommand (section 8)
+/// and gpufence.toml(5), into `dir`.
 fn run_man(dir: &std::path::Path) -> Result<ExitCode, NodeError> {
     let cmd = <Cli as clap::CommandFactory>::command();
-    std::fs::create_dir_all(dir).map_err(|e| NodeError::io("create", dir, e))?;
-    clap_mangen::generate_to(cmd, dir).map_err(|e| NodeError::io("write man pages", dir, e))?;
+    let err = |e| NodeError::io("write man pages", dir, e);
+    gpufence_man::write_pages(
+        cmd,
+        gpufence_man::ADMIN_SECTION,
+        &man_pages::top(),
+        &man_pages::sub,
+        dir,
+    )
+    .map_err(err)?;
+    gpufence_man::write_config_page(include_str!("../../contrib/gpufence.toml"), dir)
+        .map_err(err)?;
     Ok(ExitCode::SUCCESS)
 }
 

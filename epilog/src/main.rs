@@ -30,9 +30,14 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(dir) = &args.generate_man {
         let cmd = <Args as clap::CommandFactory>::command();
-        return match std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(cmd, dir))
-        {
-            Ok(()) => ExitCode::SUCCESS,
+        return match gpufence_man::write_pages(
+            cmd,
+            gpufence_man::ADMIN_SECTION,
+            &man_extra(),
+            &|_| None,
+            dir,
+        ) {
+            Ok(_) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("gpufence-epilog: {e}");
                 ExitCode::FAILURE
@@ -91,5 +96,35 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// What gpufence-epilog(8) says besides its options.
+fn man_extra() -> gpufence_man::Extra {
+    gpufence_man::Extra {
+        exit_status: &[
+            ("0", "The job's grant is revoked and nothing still holds its devices."),
+            ("1", "Something survived the response (or a system account's or another user's job's process holds a device), an NVML query failed, or not root: the node is drained with a reason naming gpufence, the job and the pid."),
+        ],
+        files: &[
+            ("/etc/slurm/gpufence.toml", "The configuration, gpufence.toml(5)."),
+            ("/run/gpufence/jobs/<job>.json", "The job's record (state_dir)."),
+            ("/var/log/gpufence/audit.jsonl", "The audit log (audit_log)."),
+            ("/var/lib/gpufence/evidence/", "Evidence of processes a response acted on (evidence_dir)."),
+        ],
+        environment: &[
+            ("SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GID", "The job and its user (set by slurmd: trusted)."),
+            ("SLURMD_NODENAME", "This node as Slurm names it (the drain)."),
+            ("SLURM_JOB_WORK_DIR", "Where --gpufence-report writes its report when given a relative path (as the user)."),
+            ("SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive, SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report", "The job's --gpu-exclusive (its compute modes are restored) and --gpufence-report options."),
+            ("GPUFENCE_CONFIG", "The configuration file when --config is not given."),
+        ],
+        examples: &[
+            ("Epilog=/usr/sbin/gpufence-epilog", "In slurm.conf (or a script that runs it, with --config)."),
+        ],
+        see_also: ["gpufence(8)", "gpufence.toml(5)", "gpufence-prolog(8)", "slurm.conf(5)"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
     }
 }

@@ -27,9 +27,14 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(dir) = &args.generate_man {
         let cmd = <Args as clap::CommandFactory>::command();
-        return match std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(cmd, dir))
-        {
-            Ok(()) => ExitCode::SUCCESS,
+        return match gpufence_man::write_pages(
+            cmd,
+            gpufence_man::ADMIN_SECTION,
+            &man_extra(),
+            &|_| None,
+            dir,
+        ) {
+            Ok(_) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("gpufence-prolog: {e}");
                 ExitCode::FAILURE
@@ -77,5 +82,38 @@ fn main() -> ExitCode {
             let _ = node.audit(ev.field("slurm_job_id", job));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// What gpufence-prolog(8) says besides its options.
+fn man_extra() -> gpufence_man::Extra {
+    gpufence_man::Extra {
+        exit_status: &[
+            ("0", "The job's devices are recorded (and, under PrologFlags=RunInJob, granted): it may start."),
+            ("1", "Refused, with one line saying why (no fence, a GRES index slurmd does not list, a uid taken for a system account, holders that survived the clean start, not root, an unreadable slurm.conf): Slurm drains the node and holds the job."),
+        ],
+        files: &[
+            ("/etc/slurm/gpufence.toml", "The configuration, gpufence.toml(5)."),
+            ("/run/gpufence/jobs/<job>.json", "The job's record (state_dir)."),
+            ("/var/log/gpufence/audit.jsonl", "The audit log (audit_log)."),
+            ("/var/lib/gpufence/evidence/", "Evidence of processes a response acted on (evidence_dir)."),
+        ],
+        environment: &[
+            ("SLURM_JOB_ID, SLURM_JOB_UID", "The job and its user (set by slurmd: trusted)."),
+            ("SLURM_JOB_GPUS", "The job's GRES indices on this node, mapped to device files by their position in `slurmd -G`'s list (never a minor or an NVML index)."),
+            ("CUDA_VISIBLE_DEVICES", "As slurmd set it: recorded, never granted from."),
+            ("SLURM_CONF", "slurm.conf for `slurmd -G` and, on nodes with several GPU types, for asking slurmctld the job's allocation (configless nodes: slurmd's cached copy)."),
+            ("SLURMD_NODENAME", "This node as Slurm names it (`slurmd -G -N`, the drain)."),
+            ("SLURM_JOB_SLUID", "The job's SLUID (Slurm 25.11+): the job cgroup's name from 26.05, checked under PrologFlags=RunInJob."),
+            ("SPANK__SLURM_SPANK_OPTION_gpufence_gpu_exclusive, SPANK__SLURM_SPANK_OPTION_gpufence_gpufence_report", "The job's --gpu-exclusive and --gpufence-report options (the user's input: never a grant)."),
+            ("GPUFENCE_CONFIG", "The configuration file when --config is not given."),
+        ],
+        examples: &[
+            ("Prolog=/usr/sbin/gpufence-prolog", "In slurm.conf (or a script that runs it, with --config)."),
+        ],
+        see_also: ["gpufence(8)", "gpufence.toml(5)", "gpufence-epilog(8)", "slurm.conf(5)"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
     }
 }
