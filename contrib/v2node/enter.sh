@@ -35,9 +35,19 @@ fstype() { stat -f -c %T "$1" 2>/dev/null; }
 # the kernel counts cgroup levels from the true root), and slurmd runs in
 # system.slice/slurmd.service below it, as systemd would run it in the
 # container.
+#
+# Slurm 23.11+ also reads /proc/1/cgroup for the root of its tree; pid 1
+# (this host's init) is outside the namespace, where a container's init
+# would be at its root: SHIM then answers it as the root (see
+# proc-cgroup-v2only.c), on a pure cgroup v2 host too.
 if [[ ${GPUFENCE_V2NODE_CGROUPNS:-} == 1 ]]; then
     if [[ ${GPUFENCE_V2NODE_INSIDE:-} != 1 ]]; then
-        exec env GPUFENCE_V2NODE_INSIDE=1 unshare --mount --cgroup --propagation private -- "$0" "$shim" "$@"
+        # In v2node/chroot.sh's root, / is no mount point, so unshare cannot
+        # make it private (EINVAL); the namespace chroot.sh made is private
+        # already, and the new one copies it.
+        prop=private
+        [[ ${GPUFENCE_CHROOTED:-} == 1 ]] && prop=unchanged
+        exec env GPUFENCE_V2NODE_INSIDE=1 unshare --mount --cgroup --propagation "$prop" -- "$0" "$shim" "$@"
     fi
     unset GPUFENCE_V2NODE_INSIDE GPUFENCE_V2NODE_CGROUPNS
     mapfile -t mounts < <(awk '$5 == "/sys/fs/cgroup" || index($5, "/sys/fs/cgroup/") == 1 { print $5 }' /proc/self/mountinfo | sort -r -u)
@@ -48,7 +58,7 @@ if [[ ${GPUFENCE_V2NODE_CGROUPNS:-} == 1 ]]; then
     mkdir -p /sys/fs/cgroup/system.slice/slurmd.service
     echo $$ >/sys/fs/cgroup/system.slice/slurmd.service/cgroup.procs
     invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-    if grep -qv '^0::' /proc/self/cgroup; then
+    if grep -qv '^0::' /proc/self/cgroup || grep -q '^0::/\.\.' /proc/1/cgroup; then
         [[ -r $shim ]] || { echo "enter.sh: $shim is missing" >&2; exit 1; }
         exec env INVOCATION_ID="$invocation" LD_PRELOAD="$shim" "$@"
     fi

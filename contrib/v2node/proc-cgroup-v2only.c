@@ -13,6 +13,16 @@
  * /proc/.../cgroup file with a copy that holds only the "0::" line: the
  * cgroup2 path, which is all a pure cgroup v2 node would show.
  *
+ * In a cgroup namespace (slurmd in a container, enter.sh with
+ * GPUFENCE_V2NODE_CGROUPNS=1) a process outside the namespace's root shows
+ * a path that starts with "/.." (e.g. "0::/../../init.scope" for the host's
+ * init). 23.11+ takes the directory of /proc/1/cgroup's path for the root
+ * of its tree (_get_init_cg_path) and then fails to make its scope in
+ * /sys/fs/cgroup/../.. ("Could not create scope directory", seen on
+ * 24.11). In a container, pid 1 is the container's init, at the
+ * namespace's root: such a path is answered as "0::/", what it would be.
+ * Outside a cgroup namespace no path starts with "/..".
+ *
  * Test and demo harness only: it never ships in a package, and gpufence
  * itself reads only the "0::" line and needs none of this.
  *
@@ -68,8 +78,14 @@ static int v2only_fd(int real_fd)
     }
     buf[len] = '\0';
     for (line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        size_t l = strlen(line);
-        if (strncmp(line, "0::", 3) != 0 || o + l + 1 > sizeof(out))
+        size_t l;
+        if (strncmp(line, "0::", 3) != 0)
+            continue;
+        /* Outside this cgroup namespace: its root (see the top). */
+        if (strcmp(line + 3, "/..") == 0 || strncmp(line + 3, "/../", 4) == 0)
+            line[4] = '\0';
+        l = strlen(line);
+        if (o + l + 1 > sizeof(out))
             continue;
         memcpy(out + o, line, l);
         out[o + l] = '\n';

@@ -279,14 +279,16 @@ impl Cluster {
                 // The Prolog runs `slurmd -G` with the environment slurmd
                 // gives it, which holds no LD_PRELOAD: on a hybrid host
                 // that slurmd -G would die on the v1 lines of
-                // /proc/self/cgroup. A wrapper adds the library there
-                // (a harness matter: on a pure v2 node it just execs).
+                // /proc/self/cgroup, and 23.11+ in a cgroup namespace on
+                // the path of /proc/1/cgroup, outside it
+                // (v2node/enter.sh). A wrapper adds the library there (a
+                // harness matter: elsewhere it just execs).
                 let wrapper = bin.join("slurmd-v2node");
                 std::fs::write(
                     &wrapper,
                     format!(
                         "#!/bin/sh
-if grep -qv '^0::' /proc/self/cgroup; then
+if grep -qv '^0::' /proc/self/cgroup || grep -q '^0::/\\.\\.' /proc/1/cgroup; then
                              LD_PRELOAD={}/proc-cgroup-v2only.so exec /usr/sbin/slurmd \"$@\"
 fi
                          exec /usr/sbin/slurmd \"$@\"

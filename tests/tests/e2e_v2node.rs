@@ -1462,19 +1462,34 @@ fn two_nodes_each_grant_their_own_share_22_05_host() {
 /// does.
 #[test]
 fn slurmd_in_a_cgroup_namespace_22_05_host() {
-    if !privileged() {
-        return;
+    if privileged() {
+        slurmd_in_a_cgroup_namespace(&Release {
+            root: None,
+            plugin: None,
+        });
     }
+}
+
+/// [`slurmd_in_a_cgroup_namespace_22_05_host`] on 24.11 (Debian 13's
+/// Slurm), which also reads `/proc/1/cgroup` for the root of its tree:
+/// pid 1 is outside the namespace, as it is for `contrib/demo.sh` on a
+/// Debian 13 host (`contrib/v2node/enter.sh` shows it at the root, as a
+/// container's init would be).
+#[test]
+fn slurmd_in_a_cgroup_namespace_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        slurmd_in_a_cgroup_namespace(&r);
+    }
+}
+
+fn slurmd_in_a_cgroup_namespace(release: &Release) {
     let _node = gpufence_tests::v2node::lock_node();
     let env = TestEnv::new("cgroupns");
     let d = Devices::make(&env);
     let container = env.cgroup("container");
     let host = hostname();
     let mut spec = spec(
-        &Release {
-            root: None,
-            plugin: None,
-        },
+        release,
         // (only its spec() is used: the node lives in the container)
         &V2Slice::unclaimed(),
         &d,
@@ -1492,10 +1507,11 @@ fn slurmd_in_a_cgroup_namespace_22_05_host() {
     let cluster = Cluster::start_with(&env, &spec);
     let slurmd = cluster.slurmd_pid().expect("slurmd");
     // What an admin runs in the container (kubectl exec): the CLI in
-    // slurmd's cgroup and mount namespaces.
+    // slurmd's cgroup and mount namespaces (and its root: a release's
+    // root is chrooted).
     let in_container = |args: &[&str]| {
         std::process::Command::new("nsenter")
-            .args(["-t", &slurmd.to_string(), "-m", "-C", "--"])
+            .args(["-t", &slurmd.to_string(), "-m", "-C", "-r", "--"])
             .arg(cluster.bin.join("gpufence"))
             .arg("--config")
             .arg(&cluster.config)
