@@ -375,26 +375,38 @@ fn exec_runs_admin_commands_exempt_and_audited() {
         end["error"].as_str().is_some_and(|e| !e.is_empty()),
         "{end}"
     );
-    // Man pages: the directory is made; one page per subcommand.
-    let man = env.path("man/man1");
+    // Man pages: the directory is made; section 8, one page per
+    // subcommand, and gpufence.toml(5).
+    let man = env.path("man/all");
     let o = Command::new(workspace_bin("gpufence"))
         .arg("man")
         .arg(&man)
         .output()
         .unwrap();
     assert!(o.status.success(), "{o:?}");
-    for page in ["gpufence.1", "gpufence-sweep.1", "gpufence-exec.1"] {
+    for page in [
+        "gpufence.8",
+        "gpufence-sweep.8",
+        "gpufence-exec.8",
+        "gpufence-fence-status.8",
+        "gpufence.toml.5",
+    ] {
         assert!(man.join(page).exists(), "{page}");
     }
+    let status = std::fs::read_to_string(man.join("gpufence-fence-status.8")).unwrap();
+    assert!(status.contains(".SH \"EXIT STATUS\""), "{status}");
     for b in ["gpufence-prolog", "gpufence-epilog"] {
-        let d = env.path(&format!("man-{b}/man1"));
+        let d = env.path(&format!("man-{b}/man8"));
         let o = Command::new(workspace_bin(b))
             .arg("--generate-man")
             .arg(&d)
             .output()
             .unwrap();
         assert!(o.status.success(), "{b}: {o:?}");
-        assert!(d.join(format!("{b}.1")).exists(), "{b}");
+        let page = std::fs::read_to_string(d.join(format!("{b}.8"))).unwrap();
+        for section in ["EXIT STATUS", "FILES", "ENVIRONMENT", "SEE ALSO"] {
+            assert!(page.contains(section), "{b}: {section}");
+        }
     }
     // Not for users.
     let o = gpufence_tests::as_test_user(workspace_bin("gpufence"))
