@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
 # Checks that the packages built by contrib/package.sh contain what the
-# README's deploy section says they install.
+# README's deploy section says they install, that each package's plugstack
+# line names the plugin path of that package, and that dpkg resolves the
+# .deb's dependencies as they mean:
+#   - in a Debian root of the package's Slurm series (SLURM_ROOT) with
+#     slurmd alone (a compute node) and with slurm-client alone (a login
+#     node), dpkg -i installs it, and the root's plugstack.conf includes its
+#     /etc/slurm/plugstack.conf.d/gpufence.conf;
+#   - in a root of each other series at hand (this host's, those made by
+#     contrib/v2node/make-root.sh under GPUFENCE_SLURM_ROOTS), dpkg -i
+#     refuses it on account of slurmd or slurm-client.
+# Each dpkg run is the root's own dpkg, chrooted in a throwaway overlay of
+# the root (a private mount namespace, writes in a tmpfs): no root changes.
+# The dpkg checks need root and a root of another series; where they cannot
+# run they fail with CI=true and are skipped otherwise (with a line saying so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deb=$(ls target/packages/gpufence_*.deb)
@@ -10,36 +23,72 @@ num=$(awk '$1 == "#define" && $2 == "SLURM_VERSION_NUMBER" { print $3 }' "${SLUR
 major=$(((num >> 16) & 0xff)) minor=$(((num >> 8) & 0xff))
 series=$(printf '%d.%02d' "$major" "$minor")
 next=$(printf '%d.%02d' "$major" $((minor + 1)))
+fail=0
+# A check that cannot run here: a failure in CI, a note elsewhere.
+cannot() {
+    if [[ ${CI:-} == true ]]; then
+        echo "check-packages.sh: $1" >&2
+        fail=1
+    else
+        echo "check-packages.sh: skipped: $1" >&2
+    fi
+}
+# check_plugstack PKG TEXT PATHS: TEXT, the plugstack.conf lines PKG
+# installs, has one plugin line, naming a gpufence.so that is among PATHS
+# (the files PKG installs), and commented out (installing enables nothing).
+check_plugstack() {
+    local line path ok=0
+    line=$(grep -E '^#?[[:space:]]*(required|optional)[[:space:]]' <<<"$2") || true
+    if [[ -z $line || $line == *$'\n'* ]]; then
+        echo "$1: its plugstack.conf lines hold no single plugin line" >&2
+        return 1
+    fi
+    path=$(awk '{ print $2 }' <<<"${line#\#}")
+    grep -qxF "$path" <<<"$3" || { echo "$1: its plugstack.conf line names $path, which it does not install" >&2; ok=1; }
+    [[ $line == '#'* ]] || { echo "$1: its plugstack.conf line is not commented out: $line" >&2; ok=1; }
+    return $ok
+}
+
 want_deb=(
     ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog
     ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so
     ./lib/systemd/system/gpufence.service
     ./etc/slurm/gpufence.toml ./etc/logrotate.d/gpufence
+    ./etc/slurm/plugstack.conf.d/gpufence.conf
     ./usr/share/man/man1/gpufence.1.gz ./usr/share/man/man1/gpufence-prolog.1.gz ./usr/share/man/man1/gpufence-epilog.1.gz
     ./usr/share/man/man1/gpufence-sweep.1.gz
     ./usr/share/bash-completion/completions/gpufence
     ./usr/share/doc/gpufence/README.md ./usr/share/doc/gpufence/SECURITY.md
+    ./usr/share/doc/gpufence/examples/slurm.conf.snippet
 )
 list=$(dpkg-deb -c "$deb" | awk '{print $6}')
-fail=0
 for f in "${want_deb[@]}"; do
     # cargo-deb places units in /lib or /usr/lib depending on its version
     g=${f/.\/lib\/systemd/.\/usr\/lib\/systemd}
     grep -qxF "$f" <<<"$list" || grep -qxF "$g" <<<"$list" || { echo "missing in $deb: $f" >&2; fail=1; }
 done
-[[ $(dpkg-deb -f "$deb" Depends) == "slurmd (>= $series), slurmd (<< $next) | slurm-client (>= $series), slurm-client (<< $next)" ]] \
-    || { echo "$deb does not depend on slurmd or slurm-client of series $series only: $(dpkg-deb -f "$deb" Depends)" >&2; fail=1; }
+# slurmd or slurm-client of the series, none of another (see cli/Cargo.toml).
+[[ ", $(dpkg-deb -f "$deb" Depends)," == *", slurmd (>= $series~) | slurm-client (>= $series~),"* ]] ||
+    { echo "$deb does not depend on slurmd or slurm-client >= $series: $(dpkg-deb -f "$deb" Depends)" >&2; fail=1; }
+[[ $(dpkg-deb -f "$deb" Breaks) == "slurmd (<< $series~), slurmd (>= $next~), slurm-client (<< $series~), slurm-client (>= $next~)" ]] ||
+    { echo "$deb does not break slurmd and slurm-client outside $series: $(dpkg-deb -f "$deb" Breaks)" >&2; fail=1; }
 [[ $(dpkg-deb -f "$deb" Version) == *"+slurm$series" ]] || { echo "$deb: version does not name Slurm $series" >&2; fail=1; }
 # The plugin inside declares the series (plugin_version, checked by slurmd).
 pv=$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so | od -An -tx1 -v | tr -s ' \n' '  ' |
     grep -o "$(printf ' %02x %02x 00' "$minor" "$major")" | head -1) || true
 [[ -n $pv ]] || { echo "$deb: its gpufence.so holds no Slurm $series version word" >&2; fail=1; }
-grep -qx '/etc/slurm/gpufence.toml' <(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles) || { echo "config is not a conffile" >&2; fail=1; }
+conffiles=$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)
+for f in /etc/slurm/gpufence.toml /etc/slurm/plugstack.conf.d/gpufence.conf; do
+    grep -qxF "$f" <<<"$conffiles" || { echo "$deb: $f is not a conffile" >&2; fail=1; }
+done
+check_plugstack "$deb" "$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./etc/slurm/plugstack.conf.d/gpufence.conf 2>/dev/null)" "$(sed 's|^\.||' <<<"$list")" || fail=1
+
 if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
     rpm=$(ls target/packages/x86_64/gpufence-*.rpm)
     rlist=$(rpm -qlp "$rpm" 2>/dev/null)
     for f in /usr/sbin/gpufence /usr/sbin/gpufence-prolog /usr/sbin/gpufence-epilog /usr/lib64/slurm/gpufence.so \
-        /usr/lib/systemd/system/gpufence.service /usr/lib/systemd/system/gpufence-sweep.timer /etc/slurm/gpufence.toml /usr/share/man/man1/gpufence.1; do
+        /usr/lib/systemd/system/gpufence.service /usr/lib/systemd/system/gpufence-sweep.timer /etc/slurm/gpufence.toml \
+        /usr/share/man/man1/gpufence.1.gz /usr/share/doc/gpufence/examples/plugstack.conf; do
         grep -qxF "$f" <<<"$rlist" || { echo "missing in $rpm: $f" >&2; fail=1; }
     done
     rpm -qcp "$rpm" 2>/dev/null | grep -qx /etc/slurm/gpufence.toml || { echo "config is not %config in $rpm" >&2; fail=1; }
@@ -48,7 +97,98 @@ if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
     rpm -qRp "$rpm" 2>/dev/null | grep -qx "slurm < $next" || { echo "$rpm does not require slurm < $next" >&2; fail=1; }
     [[ $(rpm -qp --qf '%{RELEASE}' "$rpm" 2>/dev/null) == 1.slurm"$series"* ]] || { echo "$rpm: release does not name Slurm $series" >&2; fail=1; }
     ! rpm -qRp "$rpm" 2>/dev/null | grep -q slurmd || { echo "$rpm requires slurmd (login nodes have none)" >&2; fail=1; }
+    # The example names the RPM's plugin path (Slurm's RPMs: /usr/lib64/slurm).
+    check_plugstack "$rpm" "$(rpm2archive -n - <"$rpm" | tar -xO ./usr/share/doc/gpufence/examples/plugstack.conf 2>/dev/null)" "$rlist" || fail=1
 fi
-((fail == 0)) && echo "packages: ok ($(basename "$deb")${rpm:+, $(basename "$rpm")})"
-exit $fail
 
+# root_series ROOT: the Slurm series of ROOT's slurmd and slurm-client when
+# dpkg has both installed there, else nothing.
+root_series() {
+    local v s=() p
+    for p in slurmd slurm-client; do
+        v=$(dpkg-query --admindir="${1%/}/var/lib/dpkg" -W -f '${db:Status-Status} ${Version}' "$p" 2>/dev/null) || return 0
+        [[ $v =~ ^installed\ ([0-9]+:)?([0-9]+)\.([0-9]+) ]] || return 0
+        s+=("$(printf '%d.%02d' "${BASH_REMATCH[2]}" "$((10#${BASH_REMATCH[3]}))")")
+    done
+    if [[ ${s[0]} == "${s[1]}" ]]; then echo "${s[0]}"; fi
+}
+# deb_install ROOT KEEP LOG: dpkg -i of the .deb in a throwaway overlay of
+# ROOT, chrooted, after dpkg has removed those of slurmctld, slurmd and
+# slurm-client that KEEP (one of them, or "all") does not name. Their
+# maintainer scripts are not run: they would stop daemons and cancel jobs,
+# and only dpkg's record of what is installed matters here. After an install,
+# also checks that dpkg calls gpufence installed and that the root's
+# plugstack.conf includes gpufence.conf. Output in LOG; fails as dpkg does.
+deb_install() {
+    local tmp rc=0
+    tmp=$(mktemp -d)
+    unshare --mount --propagation private -- bash -euo pipefail -c '
+        root=$1 keep=$2 deb=$3 top=$4 m=$4/root
+        mount -t tmpfs -o mode=0755 gpufence-check "$top"
+        mkdir "$top/upper" "$top/work" "$m"
+        mount -t overlay overlay -o "lowerdir=$root,upperdir=$top/upper,workdir=$top/work" "$m"
+        mount --rbind /dev "$m/dev"
+        mount -t proc proc "$m/proc"
+        drop=()
+        for p in slurmctld slurmd slurm-client; do
+            [[ $keep == all || $p == "$keep" ]] || drop+=("$p")
+        done
+        if ((${#drop[@]})); then
+            for p in "${drop[@]}"; do rm -f "$m/var/lib/dpkg/info/$p.prerm" "$m/var/lib/dpkg/info/$p.postrm"; done
+            chroot "$m" dpkg --no-triggers --remove "${drop[@]}" >/dev/null
+        fi
+        cp "$deb" "$m/tmp/gpufence.deb"
+        chroot "$m" dpkg --no-triggers -i /tmp/gpufence.deb
+        [[ $(chroot "$m" dpkg-query -W -f "\${db:Status-Status}" gpufence) == installed ]] ||
+            { echo "dpkg does not call gpufence installed"; exit 1; }
+        chroot "$m" bash -c "
+            while read -r word paths; do
+                [[ \$word == include ]] || continue
+                for f in \$paths; do [[ \$f == /etc/slurm/plugstack.conf.d/gpufence.conf ]] && exit 0; done
+            done </etc/slurm/plugstack.conf
+            exit 1" || { echo "/etc/slurm/plugstack.conf includes no /etc/slurm/plugstack.conf.d/gpufence.conf"; exit 1; }
+    ' _ "$1" "$2" "$PWD/$deb" "$tmp" >"$3" 2>&1 || rc=$?
+    rmdir "$tmp"
+    return $rc
+}
+dpkg_checks=
+if ((EUID != 0)); then
+    cannot "dpkg checks need root (they mount an overlay of each Debian root)"
+elif [[ $(root_series "$SLURM_ROOT") != "$series" ]]; then
+    cannot "dpkg checks: $SLURM_ROOT has no slurmd and slurm-client of Slurm $series installed"
+else
+    logs=$(mktemp -d)
+    trap 'rm -rf "$logs"' EXIT
+    for keep in slurmd slurm-client; do
+        deb_install "$SLURM_ROOT" "$keep" "$logs/$keep" ||
+            { echo "$deb: dpkg -i failed in $SLURM_ROOT with $keep $series alone:" >&2; tail -n 15 "$logs/$keep" >&2; fail=1; }
+    done
+    # Roots of other series: this host and make-root.sh's.
+    others=() refused=()
+    declare -A seen=(["$(realpath "$SLURM_ROOT")"]=1)
+    for r in / "${GPUFENCE_SLURM_ROOTS:-/var/cache/gpufence/roots}"/*/; do
+        [[ -d $r ]] || continue
+        r=$(realpath "$r")
+        [[ -z ${seen[$r]:-} ]] || continue
+        seen[$r]=1
+        other=$(root_series "$r")
+        [[ -n $other && $other != "$series" ]] || continue
+        others+=("$other")
+        if deb_install "$r" all "$logs/other"; then
+            echo "$deb: dpkg -i installed it in $r, with Slurm $other" >&2
+            fail=1
+        elif ! grep -qE 'slurmd|slurm-client' "$logs/other"; then
+            echo "$deb: dpkg -i in $r (Slurm $other) failed, but not on account of slurmd or slurm-client:" >&2
+            tail -n 15 "$logs/other" >&2
+            fail=1
+        else
+            refused+=("$other")
+        fi
+    done
+    if ((${#others[@]} == 0)); then
+        cannot "dpkg checks: no Debian root of another Slurm series (contrib/v2node/make-root.sh)"
+    fi
+    dpkg_checks="; dpkg: installs with slurmd $series alone and slurm-client $series alone, refused with Slurm ${refused[*]:-(none)}"
+fi
+((fail == 0)) && echo "packages: ok ($(basename "$deb")${rpm:+, $(basename "$rpm")}$dpkg_checks)"
+exit $fail

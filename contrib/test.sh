@@ -29,8 +29,10 @@ target/debug/gpufence-bench job --smoke >/dev/null
 target/debug/gpufence-bench respond --smoke >/dev/null
 target/debug/gpufence-bench growth --smoke >/dev/null
 # Packages, one per tested Slurm series (the host's 22.05, then each root's):
-# build the .deb and .rpm from this tree and check their contents and their
-# dependency on that series only.
+# build the .deb and .rpm from this tree and check their contents, their
+# plugstack lines, and dpkg installing the .deb with slurmd alone and with
+# slurm-client alone of that series and refusing it with the other series
+# (a few seconds per series: throwaway overlays of the roots).
 for r in / "$roots/trixie" "$roots/sid"; do
     SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null 2>&1 ||
         { SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null; exit 1; }
