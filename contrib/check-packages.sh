@@ -52,11 +52,11 @@ check_plugstack() {
 want_deb=(
     ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog
     ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so
-    ./lib/systemd/system/gpufence.service
+    ./lib/systemd/system/gpufence.service ./lib/systemd/system/gpufence-watch.service
     ./etc/slurm/gpufence.toml ./etc/logrotate.d/gpufence
     ./etc/slurm/plugstack.conf.d/gpufence.conf
-    ./usr/share/man/man1/gpufence.1.gz ./usr/share/man/man1/gpufence-prolog.1.gz ./usr/share/man/man1/gpufence-epilog.1.gz
-    ./usr/share/man/man1/gpufence-sweep.1.gz
+    ./usr/share/man/man8/gpufence.8.gz ./usr/share/man/man8/gpufence-prolog.8.gz ./usr/share/man/man8/gpufence-epilog.8.gz
+    ./usr/share/man/man8/gpufence-sweep.8.gz ./usr/share/man/man5/gpufence.toml.5.gz
     ./usr/share/bash-completion/completions/gpufence
     ./usr/share/doc/gpufence/README.md ./usr/share/doc/gpufence/SECURITY.md
     ./usr/share/doc/gpufence/examples/slurm.conf.snippet
@@ -88,7 +88,7 @@ if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
     rlist=$(rpm -qlp "$rpm" 2>/dev/null)
     for f in /usr/sbin/gpufence /usr/sbin/gpufence-prolog /usr/sbin/gpufence-epilog /usr/lib64/slurm/gpufence.so \
         /usr/lib/systemd/system/gpufence.service /usr/lib/systemd/system/gpufence-sweep.timer /etc/slurm/gpufence.toml \
-        /usr/share/man/man1/gpufence.1.gz /usr/share/doc/gpufence/examples/plugstack.conf; do
+        /usr/share/man/man8/gpufence.8.gz /usr/share/man/man5/gpufence.toml.5.gz /usr/share/doc/gpufence/examples/plugstack.conf; do
         grep -qxF "$f" <<<"$rlist" || { echo "missing in $rpm: $f" >&2; fail=1; }
     done
     rpm -qcp "$rpm" 2>/dev/null | grep -qx /etc/slurm/gpufence.toml || { echo "config is not %config in $rpm" >&2; fail=1; }

@@ -55,7 +55,7 @@ fi
 "$T/gpufence-prolog" --generate-man "$stage/man"
 "$T/gpufence-epilog" --generate-man "$stage/man"
 # cargo-deb compresses man pages only outside the build's output directory.
-gzip -9n "$stage"/man/*.1
+gzip -9n "$stage"/man/*.8 "$stage"/man/*.5
 "$T/gpufence" completions bash >"$stage/completions/gpufence.bash"
 "$T/gpufence" completions zsh >"$stage/completions/_gpufence"
 "$T/gpufence" completions fish >"$stage/completions/gpufence.fish"
