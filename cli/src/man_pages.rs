@@ -1,7 +1,7 @@
 //! What gpufence's man pages say besides the command line
 //! ([`gpufence_man::Extra`]): exit codes, files, environment, examples.
 
-use gpufence_man::Extra;
+use gpufence_man::{see_also, Extra};
 
 /// The files every gpufence program reads or writes (defaults; each is a
 /// key of gpufence.toml(5)).
@@ -37,10 +37,6 @@ pub fn top() -> Extra {
         ],
         see_also: see_also(&["gpufence.toml(5)", "gpufence-prolog(8)", "gpufence-epilog(8)", "slurm.conf(5)", "spank(8)"]),
     }
-}
-
-fn see_also(pages: &[&str]) -> Vec<String> {
-    pages.iter().map(|s| s.to_string()).collect()
 }
 
 /// A subcommand's page, by its full name (`gpufence-fence-status`).

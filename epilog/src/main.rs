@@ -106,12 +106,7 @@ fn man_extra() -> gpufence_man::Extra {
             ("0", "The job's grant is revoked and nothing still holds its devices."),
             ("1", "Something survived the response (or a system account's or another user's job's process holds a device), an NVML query failed, or not root: the node is drained with a reason naming gpufence, the job and the pid."),
         ],
-        files: &[
-            ("/etc/slurm/gpufence.toml", "The configuration, gpufence.toml(5)."),
-            ("/run/gpufence/jobs/<job>.json", "The job's record (state_dir)."),
-            ("/var/log/gpufence/audit.jsonl", "The audit log (audit_log)."),
-            ("/var/lib/gpufence/evidence/", "Evidence of processes a response acted on (evidence_dir)."),
-        ],
+        files: gpufence_man::JOB_SCRIPT_FILES,
         environment: &[
             ("SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_GID", "The job and its user (set by slurmd: trusted)."),
             ("SLURMD_NODENAME", "This node as Slurm names it (the drain)."),
@@ -122,9 +117,11 @@ fn man_extra() -> gpufence_man::Extra {
         examples: &[
             ("Epilog=/usr/sbin/gpufence-epilog", "In slurm.conf (or a script that runs it, with --config)."),
         ],
-        see_also: ["gpufence(8)", "gpufence.toml(5)", "gpufence-prolog(8)", "slurm.conf(5)"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+        see_also: gpufence_man::see_also(&[
+            "gpufence(8)",
+            "gpufence.toml(5)",
+            "gpufence-prolog(8)",
+            "slurm.conf(5)",
+        ]),
     }
 }

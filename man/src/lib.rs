@@ -17,6 +17,32 @@ use roff::{bold, italic, roman, Roff};
 /// The admin commands' section (man-pages(7): system administration).
 pub const ADMIN_SECTION: &str = "8";
 
+/// The files the Prolog and the Epilog read and write (the defaults;
+/// each is a key of gpufence.toml(5)).
+pub const JOB_SCRIPT_FILES: &[(&str, &str)] = &[
+    (
+        "/etc/slurm/gpufence.toml",
+        "The configuration, gpufence.toml(5).",
+    ),
+    (
+        "/run/gpufence/jobs/<job>.json",
+        "The job's record (state_dir).",
+    ),
+    (
+        "/var/log/gpufence/audit.jsonl",
+        "The audit log (audit_log).",
+    ),
+    (
+        "/var/lib/gpufence/evidence/",
+        "Evidence of processes a response acted on (evidence_dir).",
+    ),
+];
+
+/// `pages` as a SEE ALSO list.
+pub fn see_also(pages: &[&str]) -> Vec<String> {
+    pages.iter().map(|s| s.to_string()).collect()
+}
+
 /// What a page says besides its command line: each a list of (term,
 /// description) pairs, in the order `man` shows them.
 #[derive(Clone, Debug, Default)]

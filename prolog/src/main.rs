@@ -92,12 +92,7 @@ fn man_extra() -> gpufence_man::Extra {
             ("0", "The job's devices are recorded (and, under PrologFlags=RunInJob, granted): it may start."),
             ("1", "Refused, with one line saying why (no fence, a GRES index slurmd does not list, a uid taken for a system account, holders that survived the clean start, not root, an unreadable slurm.conf): Slurm drains the node and holds the job."),
         ],
-        files: &[
-            ("/etc/slurm/gpufence.toml", "The configuration, gpufence.toml(5)."),
-            ("/run/gpufence/jobs/<job>.json", "The job's record (state_dir)."),
-            ("/var/log/gpufence/audit.jsonl", "The audit log (audit_log)."),
-            ("/var/lib/gpufence/evidence/", "Evidence of processes a response acted on (evidence_dir)."),
-        ],
+        files: gpufence_man::JOB_SCRIPT_FILES,
         environment: &[
             ("SLURM_JOB_ID, SLURM_JOB_UID", "The job and its user (set by slurmd: trusted)."),
             ("SLURM_JOB_GPUS", "The job's GRES indices on this node, mapped to device files by their position in `slurmd -G`'s list (never a minor or an NVML index)."),
@@ -111,9 +106,11 @@ fn man_extra() -> gpufence_man::Extra {
         examples: &[
             ("Prolog=/usr/sbin/gpufence-prolog", "In slurm.conf (or a script that runs it, with --config)."),
         ],
-        see_also: ["gpufence(8)", "gpufence.toml(5)", "gpufence-epilog(8)", "slurm.conf(5)"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+        see_also: gpufence_man::see_also(&[
+            "gpufence(8)",
+            "gpufence.toml(5)",
+            "gpufence-epilog(8)",
+            "slurm.conf(5)",
+        ]),
     }
 }

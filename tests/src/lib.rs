@@ -464,3 +464,36 @@ fn test_user_args(cmd: &mut Command, program: impl AsRef<std::ffi::OsStr>) {
     ])
     .arg(program);
 }
+
+/// A job record as the Prolog writes it: job `job_id` of `uid`, granted
+/// `dev` (file `path`) as GRES index 0, or nothing with `dev` `None`;
+/// made now.
+pub fn job_record(
+    job_id: u32,
+    uid: u32,
+    dev: Option<(gpufence_model::device::DevNum, &Path)>,
+) -> gpufence_model::record::JobRecord {
+    use gpufence_model::device::{Access, DeviceGrant, DeviceRole};
+    gpufence_model::record::JobRecord {
+        version: gpufence_model::record::RECORD_VERSION,
+        job_id,
+        uid,
+        gres_indices: dev.map_or_else(Vec::new, |_| vec![0]),
+        devices: dev
+            .map(|(dev, path)| DeviceGrant {
+                path: path.to_path_buf(),
+                dev,
+                access: Access::RW,
+                role: DeviceRole::Gres,
+                gres_index: Some(0),
+            })
+            .into_iter()
+            .collect(),
+        created: gpufence_model::record::now_rfc3339(),
+        notes: vec![],
+        gpu_idle: vec![],
+        mig: vec![],
+        cuda_visible_devices: vec![],
+        saved_compute_modes: Vec::new(),
+    }
+}

@@ -9,8 +9,7 @@ use std::collections::BTreeSet;
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::config::{Config, ConfigOrigin};
-use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
-use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
+use gpufence_model::device::DevNum;
 use gpufence_node::holders::scan::{Holder, Scanner, Source, Via};
 use gpufence_node::{host::fence_ops, job::epilog, Node};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
@@ -402,25 +401,11 @@ fn node(env: &TestEnv, major: u32) -> Node {
 
 fn record(node: &Node, job: u32, dev: DevNum) {
     node.state
-        .write_record(&JobRecord {
-            version: RECORD_VERSION,
-            job_id: job,
-            uid: 0,
-            gres_indices: vec![0],
-            devices: vec![DeviceGrant {
-                path: "/dev/x".into(),
-                dev,
-                access: Access::RW,
-                role: DeviceRole::Gres,
-                gres_index: Some(0),
-            }],
-            created: now_rfc3339(),
-            notes: vec![],
-            gpu_idle: vec![],
-            mig: vec![],
-            cuda_visible_devices: vec![],
-            saved_compute_modes: Vec::new(),
-        })
+        .write_record(&gpufence_tests::job_record(
+            job,
+            0,
+            Some((dev, std::path::Path::new("/dev/x"))),
+        ))
         .unwrap();
 }
 
@@ -1146,25 +1131,11 @@ fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
     let other_job = receiver(&mut env, &in_job, "job9");
     let no_job = receiver(&mut env, &outside, "nojob");
     node.state
-        .write_record(&JobRecord {
-            version: RECORD_VERSION,
-            job_id: 48,
-            uid: gpufence_tests::cluster::test_uid(),
-            gres_indices: vec![0],
-            devices: vec![DeviceGrant {
-                path: gpu.clone(),
-                dev,
-                access: Access::RW,
-                role: DeviceRole::Gres,
-                gres_index: Some(0),
-            }],
-            created: now_rfc3339(),
-            notes: vec![],
-            gpu_idle: vec![],
-            mig: vec![],
-            cuda_visible_devices: vec![],
-            saved_compute_modes: Vec::new(),
-        })
+        .write_record(&gpufence_tests::job_record(
+            48,
+            gpufence_tests::cluster::test_uid(),
+            Some((dev, &gpu)),
+        ))
         .unwrap();
     let o = epilog::run(&node, 48, None);
     assert!(

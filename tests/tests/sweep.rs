@@ -1340,19 +1340,7 @@ fn a_flood_of_shm_files_stays_bounded() {
     let job = 48;
     w.node
         .state
-        .write_record(&gpufence_model::record::JobRecord {
-            version: gpufence_model::record::RECORD_VERSION,
-            job_id: job,
-            uid,
-            gres_indices: vec![],
-            devices: vec![],
-            created: gpufence_model::record::now_rfc3339(),
-            notes: vec![],
-            gpu_idle: vec![],
-            mig: vec![],
-            cuda_visible_devices: vec![],
-            saved_compute_modes: Vec::new(),
-        })
+        .write_record(&gpufence_tests::job_record(job, uid, None))
         .unwrap();
     // File times come from the kernel's coarse clock (a tick behind).
     std::thread::sleep(Duration::from_millis(50));
