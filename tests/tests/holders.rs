@@ -238,6 +238,9 @@ fn iterators_find_what_the_proc_walk_finds() {
     if !privileged() {
         return;
     }
+    // A ring kept by its mapping alone (below) is taken to hold every
+    // device any scan looks for: no other test's scan may run meanwhile.
+    let _serial = responses();
     let mut env = TestEnv::new("iterparity");
     let real = HoldableDevice::claim();
     let dev = DevNum::new(real.major, real.minor);
@@ -1167,6 +1170,13 @@ fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
         && e["not_killed"]
             .as_str()
             .is_some_and(|w| w.contains("another user's job"))));
-    // SAFETY: ends our own child.
-    unsafe { libc::kill(other_job, libc::SIGKILL) };
+    // The spared holder is ended here, and gone, before the device is
+    // released for another test to claim.
+    env.cg.kill(&in_job).unwrap();
+    let t0 = std::time::Instant::now();
+    while !gpufence_node::holders::scan::holders(&[dev].into()).is_empty() {
+        assert!(t0.elapsed().as_secs() < 5, "the spared holder did not end");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    drop(real);
 }
