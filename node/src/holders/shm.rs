@@ -126,7 +126,7 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
 /// Those of `candidates` (names of files directly in `dir`) that a live
 /// process holds: a descriptor (`/proc/<pid>/fd/*`, the link's target) or
 /// a mapping (`maps`, its path column; through a live thread's view when
-/// the leader exited, [`crate::host::procs::live_view`]). Read only when
+/// the leader exited, [`crate::holders::scan::read_maps`]). Read only when
 /// there are candidates, so an Epilog with nothing left pays one
 /// directory read; what is kept is bounded by the candidates, whatever
 /// the processes hold.
@@ -139,16 +139,12 @@ pub fn held(dir: &Path, candidates: &HashSet<&str>) -> BTreeSet<String> {
     };
     let mut out = BTreeSet::new();
     for pid in crate::holders::scan::pids() {
-        let mut base = std::path::PathBuf::from(format!("/proc/{pid}"));
-        let maps = match std::fs::read_to_string(base.join("maps")) {
-            Ok(m) if m.is_empty() => {
-                // A kernel thread, or a leader that exited: its live
-                // threads show the process's descriptors and mappings.
-                base = crate::host::procs::live_view(pid);
-                std::fs::read_to_string(base.join("maps")).unwrap_or_default()
-            }
-            Ok(m) => m,
-            Err(_) => continue,
+        // A live thread's view when the leader exited: it shows the
+        // process's descriptors and mappings.
+        let Some((base, maps)) =
+            crate::holders::scan::read_maps(Path::new(&format!("/proc/{pid}")), pid)
+        else {
+            continue;
         };
         if let Ok(rd) = std::fs::read_dir(base.join("fd")) {
             for e in rd.filter_map(|e| e.ok()) {

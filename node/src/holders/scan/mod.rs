@@ -46,6 +46,7 @@ use serde::Serialize;
 
 mod proc_walk;
 mod snapshot;
+pub(crate) use proc_walk::read_maps;
 use proc_walk::*;
 use snapshot::*;
 
@@ -373,8 +374,12 @@ impl Scanner {
                 unread: false,
             });
         }
+        // Read once, for the mappings and the rings they keep.
+        let maps = (hit_map || r.anon_maps)
+            .then(|| read_maps(&base, pid))
+            .flatten();
         if hit_map {
-            self.mappings(&base, pid, want, &mut fds);
+            self.mappings(maps.as_ref(), want, &mut fds);
             // The kernel saw the mapping; `/proc` may not show it (the
             // process unmapped it meanwhile, or hides it somewhere this
             // reader does not look): taken as held, never dropped.
@@ -396,7 +401,7 @@ impl Scanner {
         let mut known = io_uring_files(&base, want, &mut fds, &r.anon);
         if r.anon_maps {
             known.extend(r.ring_inos.iter().copied());
-            self.mapped_rings(&base, pid, &mut fds, &known);
+            self.mapped_rings(maps.as_ref(), pid, &mut fds, &known);
         }
         for &(tid, slot, dev) in r.rings.iter().filter(|(_, _, d)| want(*d)) {
             fds.push(HeldFd {
@@ -611,24 +616,25 @@ impl Scanner {
                 walked.push(tid);
             }
         }
-        self.mappings(&base, pid, want, &mut fds);
+        // One read of the memory map, for the mappings and the rings.
+        let maps = read_maps(&base, pid);
+        self.mappings(maps.as_ref(), want, &mut fds);
         // Only anonymous inodes can be rings: just those are readlinked.
         let known = io_uring_files(&base, want, &mut fds, &anon);
-        self.mapped_rings(&base, pid, &mut fds, &known);
+        self.mapped_rings(maps.as_ref(), pid, &mut fds, &known);
         finish(pid, fds)
     }
 
-    /// The process's mappings of devices `want` selects, read from
-    /// `maps` and resolved through `map_files` ([`read_maps`]: a live
-    /// thread's view when the leader exited).
+    /// The process's mappings of devices `want` selects, from its memory
+    /// map resolved through `map_files` ([`read_maps`]: a live thread's
+    /// view when the leader exited).
     fn mappings(
         &mut self,
-        base: &Path,
-        pid: i32,
+        maps: Option<&MapsView>,
         want: DevicePredicate<'_>,
         out: &mut Vec<HeldFd>,
     ) {
-        let Some((view, maps)) = read_maps(base, pid) else {
+        let Some((view, maps)) = maps else {
             return;
         };
         for line in maps.lines() {

@@ -62,12 +62,12 @@ impl Scanner {
     /// predicate, listed in [`Scanner::unread_rings`] with slot -1.
     pub(super) fn mapped_rings(
         &mut self,
-        base: &Path,
+        maps: Option<&MapsView>,
         pid: i32,
         out: &mut Vec<HeldFd>,
         known: &BTreeSet<u64>,
     ) {
-        let Some((_, maps)) = read_maps(base, pid) else {
+        let Some((_, maps)) = maps else {
             return;
         };
         let mut seen = known.clone();
@@ -104,6 +104,10 @@ impl Scanner {
     }
 }
 
+/// A process's memory map: the `/proc` directory it was read in (whose
+/// `map_files` and `fd` show the same process) and the text of `maps`.
+pub(crate) type MapsView = (PathBuf, String);
+
 /// The process's memory map (`maps`) and the directory whose `map_files`
 /// resolve it: `base` (`/proc/<pid>`), or, when `base/maps` is empty
 /// because the leader exited while other threads live, that of a live
@@ -111,7 +115,7 @@ impl Scanner {
 /// reads the leader's mm, which is gone, while every thread shares the
 /// process's. `None` when neither can be read. A `base` not named after
 /// `pid` (a fixture tree) is read as it is.
-pub(super) fn read_maps(base: &Path, pid: i32) -> Option<(PathBuf, String)> {
+pub(crate) fn read_maps(base: &Path, pid: i32) -> Option<MapsView> {
     let text = std::fs::read_to_string(base.join("maps")).ok();
     if text.as_deref().is_some_and(|t| !t.is_empty()) {
         return Some((base.to_path_buf(), text.unwrap_or_default()));
