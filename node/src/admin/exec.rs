@@ -103,7 +103,7 @@ fn describe(pids: &[(i32, String)]) -> String {
 }
 
 /// Ends what is left in the exec leaf `leaf` once its command returned
-/// (`cgroup.kill`, then each thread), audits `exec_leftover` with each
+/// and removes the leaf ([`crate::host::exec_cgroup::kill_and_remove`]), audits `exec_leftover` with each
 /// process and returns them: `(pid, comm)`.
 fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
     let left: Vec<(i32, String)> = node
@@ -120,13 +120,12 @@ fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
     if left.is_empty() {
         return left;
     }
-    let _ = node.cg.kill(leaf);
-    let t0 = std::time::Instant::now();
-    while !node.cg.procs_recursive(leaf).is_empty()
-        && t0.elapsed() < std::time::Duration::from_millis(node.cfg.kill_wait_ms)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let ended = crate::host::exec_cgroup::kill_and_remove(
+        node,
+        leaf,
+        std::time::Duration::from_millis(node.cfg.kill_wait_ms),
+    )
+    .is_ok();
     let _ = node.audit(
         AuditEvent::new("exec_leftover")
             .field("cgroup", crate::host::cgpath::abs(leaf))
@@ -138,7 +137,7 @@ fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
                     .collect::<Vec<_>>(),
             )
             .field("count", left.len())
-            .field("ended", node.cg.procs_recursive(leaf).is_empty()),
+            .field("ended", ended),
     );
     left
 }

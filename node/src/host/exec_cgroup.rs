@@ -51,9 +51,36 @@ pub struct StaleLeaf {
     pub pids: Vec<i32>,
 }
 
+/// A pid as a leaf's name writes it: decimal, no sign, no leading zero,
+/// not 0; `None` for anything else.
+pub fn pid_in_name(n: &str) -> Option<u32> {
+    if n.is_empty() || n.starts_with('0') || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    n.parse().ok()
+}
+
+/// Kills whatever is in cgroup `rel` and below
+/// ([`gpufence_cgroup::Cgroup2::kill`]) and removes the tree, killing
+/// again while killed processes are still leaving, for up to `wait`.
+///
+/// # Errors
+/// [`NodeError::Kernel`] when the tree is still there after `wait`.
+pub fn kill_and_remove(node: &Node, rel: &str, wait: std::time::Duration) -> Result<(), NodeError> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        node.cg.kill(rel)?;
+        match node.cg.remove_tree(rel) {
+            Ok(()) => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e.into()),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+}
+
 /// The leaves of `<cgroup_root>/<exec_cgroup>` that hold processes and
 /// whose maker (the pid their name ends with: `<pid>`, `slurmd-G-<pid>`,
-/// `prolog-<pid>`) is no longer alive.
+/// `prolog-<pid>`, [`pid_in_name`]) is no longer alive.
 pub fn stale_leaves(node: &Node) -> Vec<StaleLeaf> {
     let base = node.exec_cgroup();
     let Ok(rd) = std::fs::read_dir(node.cg.path(&base)) else {
@@ -64,8 +91,9 @@ pub fn stale_leaves(node: &Node) -> Vec<StaleLeaf> {
         .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
-            let maker: i32 = name.rsplit('-').next()?.parse().ok()?;
-            let alive = crate::host::procs::state_of(maker).is_some_and(|s| s != 'Z' && s != 'X');
+            let maker = pid_in_name(name.rsplit('-').next()?)?;
+            let alive =
+                crate::host::procs::state_of(maker as i32).is_some_and(|s| s != 'Z' && s != 'X');
             if alive {
                 return None;
             }

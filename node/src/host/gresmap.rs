@@ -65,6 +65,7 @@ use gpufence_model::audit::AuditEvent;
 use gpufence_model::config::{ConfigOrigin, DEFAULT_CONFIG_PATH};
 use gpufence_model::gres::{expand_file_list, parse_slurmd_g, GresDevice};
 
+use crate::host::exec_cgroup::kill_and_remove;
 use crate::{join_cgroup, Node, NodeError};
 
 /// Default slurm.conf when `SLURM_CONF` is unset (Debian's and Slurm's default).
@@ -295,11 +296,7 @@ pub fn slurmd_g_cgroup(node: &Node, pid: u32) -> String {
 /// `slurmd-G-<pid>` as [`slurmd_g_leaf`] writes it (decimal, no sign, no
 /// leading zero, not 0), `None` for any other name.
 pub fn slurmd_g_leaf_pid(name: &str) -> Option<u32> {
-    let n = name.strip_prefix(SLURMD_G_LEAF_PREFIX)?;
-    if n.is_empty() || n.starts_with('0') || !n.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    n.parse().ok()
+    crate::host::exec_cgroup::pid_in_name(name.strip_prefix(SLURMD_G_LEAF_PREFIX)?)
 }
 
 /// Whether `name`, a cgroup in the exec cgroup, was left by an earlier
@@ -376,21 +373,6 @@ fn cgroup_error(node: &Node, op: &'static str, rel: &str, msg: String) -> NodeEr
     }
 }
 
-/// Kills whatever is in cgroup `rel` and below ([`gpufence_cgroup::Cgroup2::kill`])
-/// and removes the tree, killing again while killed processes are still
-/// leaving, for up to [`CLEANUP_WAIT`].
-fn kill_and_remove(node: &Node, rel: &str) -> Result<(), NodeError> {
-    let deadline = Instant::now() + CLEANUP_WAIT;
-    loop {
-        node.cg.kill(rel)?;
-        match node.cg.remove_tree(rel) {
-            Ok(()) => return Ok(()),
-            Err(e) if Instant::now() >= deadline => return Err(e.into()),
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    }
-}
-
 /// Removes the cgroups earlier runs left in the exec cgroup
 /// ([`is_stale_leaf`]), killing what is in them. Best effort: one that
 /// cannot be removed now is tried again by the next run.
@@ -402,7 +384,7 @@ fn remove_stale_leaves(node: &Node, me: u32) {
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if e.file_type().is_ok_and(|t| t.is_dir()) && is_stale_leaf(&name, me, pid_alive) {
-            let _ = kill_and_remove(node, &join_cgroup(&base, &name));
+            let _ = kill_and_remove(node, &join_cgroup(&base, &name), CLEANUP_WAIT);
         }
     }
 }
@@ -481,7 +463,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     let out = spawn_and_collect(cmd, &cmdline, timeout, &start_note, &|| {
         let _ = node.cg.kill(&rel);
     });
-    if let Err(e) = kill_and_remove(node, &rel) {
+    if let Err(e) = kill_and_remove(node, &rel, CLEANUP_WAIT) {
         let _ = node.audit(
             AuditEvent::new("slurmd_g_cgroup_left")
                 .field("cgroup", crate::host::cgpath::abs(&rel))
@@ -1055,7 +1037,7 @@ mod tests {
 
     impl Drop for Removed {
         fn drop(&mut self) {
-            let _ = kill_and_remove(&self.0, &self.1);
+            let _ = kill_and_remove(&self.0, &self.1, CLEANUP_WAIT);
         }
     }
 
