@@ -10,10 +10,13 @@
 //!                                                         srun/Prolog/Epilog/bursts on real cgroup/v2 nodes, RSS, map memory
 //! gpufence-bench growth [--procs N,..] [--fds N,..] [--grants N,..] [--smoke]  Prolog/Epilog cost as the node grows
 //! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
+//! gpufence-bench flood [--procs N,..] [--fds N,..] [--runs N] [--smoke]
+//!                                                         a co-tenant's scan while another job floods its tables
 //! ```
 //!
 //! See BENCHMARKS.md for the commands and the last results.
 
+mod flood;
 mod growth;
 mod job;
 mod open;
@@ -107,6 +110,34 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// A co-tenant's scan for its GPU while another job floods descriptor tables (copies of its GPU; bare io_uring rings), now and before further passes.
+    Flood {
+        /// Flooding processes.
+        #[arg(long, value_delimiter = ',', default_values_t = [20usize, 64])]
+        procs: Vec<usize>,
+        /// Descriptors in each flooding process's table.
+        #[arg(long, value_delimiter = ',', default_values_t = [19_002usize, 131_072])]
+        fds: Vec<usize>,
+        /// Runs per row (median).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// 2 processes of 2,500 descriptors, one run (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
+    /// Where a pinned scan's time goes (pieces timed alone).
+    #[command(hide = true)]
+    ScanProfile {
+        /// Extra processes.
+        #[arg(long, default_value_t = 10_000)]
+        procs: usize,
+        /// Descriptors each.
+        #[arg(long, default_value_t = 20)]
+        fds: usize,
+        /// Runs (median).
+        #[arg(long, default_value_t = 7)]
+        runs: usize,
+    },
     /// Run a command and append its wall time in ns to FILE (the job benchmark's Prolog/Epilog wrapper).
     #[command(hide = true)]
     TimeExec {
@@ -150,6 +181,13 @@ fn main() -> ExitCode {
             smoke,
         } => print_scan(crowds, runs, smoke, cli.json),
         Cmd::Respond { holders, smoke } => bench_respond(holders, smoke, cli.json),
+        Cmd::ScanProfile { procs, fds, runs } => scan::profile(procs, fds, runs),
+        Cmd::Flood {
+            procs,
+            fds,
+            runs,
+            smoke,
+        } => bench_flood(procs, fds, runs, smoke, cli.json),
         Cmd::Open {
             rounds,
             iters,
@@ -333,6 +371,7 @@ fn print_scan(
         (crowds, runs)
     };
     let r = scan::run(&crowds, runs);
+    scan::print_pinned(&r, runs);
     scan::print_side_by_side(&r, runs);
     println!("Epilog descriptor scan and full sweep (iterators), median of {runs} runs:\n");
     println!("| extra processes x descriptors | processes on the node | epilog scan (pinned) | full sweep | holders found | sweep findings |");
@@ -352,7 +391,7 @@ fn print_scan(
     if let Some(p) = json {
         let rows: Vec<serde_json::Value> = r
             .iter()
-            .map(|s| serde_json::json!({"procs": s.procs, "fds": s.fds, "epilog_scan_pinned_s": s.epilog_scan_pinned_s, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "epilog_scan_proc_s": s.epilog_scan_proc_s, "sweep_proc_s": s.sweep_proc_s, "epilog_scan_serial_s": s.epilog_scan_serial_s, "source": s.source, "same_holders": s.same_holders, "holders": s.holders, "sweep_findings": s.sweep_findings, "sweep_findings_proc": s.sweep_findings_proc}))
+            .map(|s| serde_json::json!({"procs": s.procs, "fds": s.fds, "epilog_scan_pinned_s": s.epilog_scan_pinned_s, "epilog_scan_v1_s": s.epilog_scan_v1_s, "pinned_by_cpus": s.pinned_by_cpus, "total_procs": s.total_procs, "epilog_scan_s": s.epilog_scan_s, "sweep_s": s.sweep_s, "epilog_scan_proc_s": s.epilog_scan_proc_s, "sweep_proc_s": s.sweep_proc_s, "epilog_scan_serial_s": s.epilog_scan_serial_s, "source": s.source, "same_holders": s.same_holders, "holders": s.holders, "sweep_findings": s.sweep_findings, "sweep_findings_proc": s.sweep_findings_proc}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
     }
@@ -457,5 +496,28 @@ fn print_job(results: &[job::JobResult], json: Option<std::path::PathBuf>) {
             })
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&v).unwrap_or_default());
+    }
+}
+
+fn bench_flood(
+    procs: Vec<usize>,
+    fds: Vec<usize>,
+    runs: usize,
+    smoke: bool,
+    json: Option<std::path::PathBuf>,
+) {
+    let (procs, fds, runs) = if smoke {
+        (vec![2], vec![2500], 1)
+    } else {
+        (procs, fds, runs.max(1))
+    };
+    let r = flood::run(&procs, &fds, runs);
+    flood::print(&r, runs);
+    if let Some(p) = json {
+        let v: Vec<serde_json::Value> = r
+            .iter()
+            .map(|x| serde_json::json!({"kind": x.kind, "procs": x.procs, "fds": x.fds, "now_s": x.now_s, "before_s": x.before_s, "passes": x.passes, "over_budget": x.over_budget, "before_walked": x.before_walked, "holders_now": x.holders.0, "holders_before": x.holders.1}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_string_pretty(&v).unwrap_or_default());
     }
 }

@@ -39,6 +39,14 @@ pub struct ScanResult {
     pub epilog_scan_pinned_s: f64,
     /// Processes on the machine during the measurement.
     pub total_procs: usize,
+    /// Median wall time of the same scan with the first fd-table program
+    /// (before further passes and split readers:
+    /// [`gpufence_cgroup::fdtable::baseline`]), same runs, seconds.
+    pub epilog_scan_v1_s: f64,
+    /// Median wall time of the pinned scan with this process given 1, 2
+    /// and all of the machine's CPUs (its affinity; the scan splits its
+    /// readers by the CPUs it may use), same runs: `(cpus, seconds)`.
+    pub pinned_by_cpus: Vec<(usize, f64)>,
     /// Median wall time of the epilog's descriptor scan, seconds (default
     /// scanner: the iterators).
     pub epilog_scan_s: f64,
@@ -164,6 +172,34 @@ pub(crate) fn kill_crowd(pids: &[i32]) {
     }
 }
 
+/// Runs `f` with this thread (and the threads it starts) allowed on the
+/// first `n` CPUs of its affinity mask only, then restores the mask.
+fn on_cpus<T>(n: usize, f: impl FnOnce() -> T) -> T {
+    // SAFETY: sched_getaffinity/sched_setaffinity of this thread into and
+    // from cpu_set_t values we own.
+    unsafe {
+        let mut all: libc::cpu_set_t = std::mem::zeroed();
+        libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut all);
+        let mut some: libc::cpu_set_t = std::mem::zeroed();
+        let mut k = 0;
+        for c in 0..libc::CPU_SETSIZE as usize {
+            if k < n && libc::CPU_ISSET(c, &all) {
+                libc::CPU_SET(c, &mut some);
+                k += 1;
+            }
+        }
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &some);
+        let out = f();
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &all);
+        out
+    }
+}
+
+/// The CPUs this thread may run on.
+fn cpus_allowed() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -188,11 +224,32 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
         eprintln!("scan iterators not pinned: {why}");
     }
     let devs: BTreeSet<DevNum> = [DevNum::new(dev.major, dev.minor)].into();
+    // The first fd-table program, pinned beside today's as its install did.
+    {
+        use gpufence_cgroup::fdtable::{baseline::BaselineIterator, FdTableLayout};
+        let btf = gpufence_cgroup::btf::Btf::vmlinux().expect("vmlinux BTF");
+        let majors = gpufence_cgroup::sys::obj_get(
+            &node.cfg.bpffs_dir.join(gpufence_cgroup::maps::PIN_MAJORS),
+        )
+        .expect("the fence's majors map");
+        BaselineIterator::load(&FdTableLayout::from_btf(&btf).expect("layout"), &majors)
+            .expect("the first fd-table program")
+            .pin(&node.cfg.bpffs_dir)
+            .expect("pinned");
+    }
+    let all_cpus = cpus_allowed();
+    let mut cpu_counts: Vec<usize> = [1, 2, all_cpus]
+        .into_iter()
+        .filter(|n| *n <= all_cpus)
+        .collect();
+    cpu_counts.dedup();
     let mut out = Vec::new();
     for &(n, fds) in counts {
         let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), &node_path);
         let walks = n * fds <= 200_000;
         let mut scans_pinned = Vec::new();
+        let mut scans_v1 = Vec::new();
+        let mut by_cpus: Vec<Vec<f64>> = vec![Vec::new(); cpu_counts.len()];
         let total_procs = scan::pids().len();
         let (mut scans, mut scans_proc) = (Vec::new(), Vec::new());
         let mut scans_serial = Vec::new();
@@ -205,12 +262,38 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
             // Alternate which goes first, so neither always finds the
             // other's dentries warm.
             let mut found = [Vec::new(), Vec::new()];
-            // What the Epilog runs: the fence's pinned iterators.
+            // The scan before further passes and split readers (the first
+            // program and the ring iterator, opened from their pins, each
+            // process it did not read whole walked in /proc) and what the
+            // Epilog runs now, which first alternating.
+            let mut v1 = BTreeSet::new();
+            if run % 2 == 1 {
+                let t = Instant::now();
+                v1 = v1_scan(&node.cfg.bpffs_dir, &devs);
+                scans_v1.push(t.elapsed().as_secs_f64());
+            }
             let mut s = scan::Scanner::with_pins(&node.cfg.bpffs_dir);
             let t = Instant::now();
             let pinned = s.holders(&devs);
             scans_pinned.push(t.elapsed().as_secs_f64());
             assert!(s.read_pins(), "the pinned iterators were not read");
+            if run % 2 == 0 {
+                let t = Instant::now();
+                v1 = v1_scan(&node.cfg.bpffs_dir, &devs);
+                scans_v1.push(t.elapsed().as_secs_f64());
+            }
+            same &= v1 == pinned.iter().map(|h| h.pid).collect::<BTreeSet<i32>>();
+            // Today's, given 1, 2 and all CPUs.
+            let k = cpu_counts.len();
+            for i in (0..k).map(|i| (i + run) % k) {
+                let n = cpu_counts[i];
+                let t = Instant::now();
+                let h = on_cpus(n, || {
+                    scan::Scanner::with_pins(&node.cfg.bpffs_dir).holders(&devs)
+                });
+                by_cpus[i].push(t.elapsed().as_secs_f64());
+                same &= h == pinned;
+            }
             for proc_walk in [run % 2 == 1, run % 2 == 0] {
                 if proc_walk && !walks {
                     continue;
@@ -263,6 +346,12 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
             fds,
             epilog_scan_pinned_s: median(scans_pinned),
             total_procs,
+            epilog_scan_v1_s: median(scans_v1),
+            pinned_by_cpus: cpu_counts
+                .iter()
+                .zip(by_cpus)
+                .map(|(n, v)| (*n, median(v)))
+                .collect(),
             epilog_scan_s: median(scans),
             sweep_s: median(sweeps),
             epilog_scan_proc_s: median(scans_proc),
@@ -277,6 +366,72 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
     }
     drop(env);
     out
+}
+
+/// The holders' pids the scan before further passes found: the first
+/// fd-table program's records and the pinned ring iterator, the processes
+/// it did not read whole walked in `/proc` (as `Scanner::holders` did).
+fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> BTreeSet<i32> {
+    use gpufence_cgroup::iter::{Object, RingIterator};
+    let majors: Vec<u32> = devs.iter().map(|d| d.major).collect();
+    assert!(gpufence_cgroup::Fence::majors_protected(dir, &majors).unwrap_or(false));
+    let it = gpufence_cgroup::fdtable::baseline::BaselineIterator::open_pinned(dir)
+        .expect("the first program's pin");
+    let rings = RingIterator::open_pinned(dir).expect("the pinned ring iterator");
+    let (recs, unread) = it.files().expect("the first program");
+    let _ = rings.files();
+    let me = std::process::id() as i32;
+    let mut out: BTreeSet<i32> = recs
+        .iter()
+        .filter(|r| r.tgid != me)
+        .filter(
+            |r| matches!(r.object, Object::CharFd(ma, mi) if devs.contains(&DevNum::new(ma, mi))),
+        )
+        .map(|r| r.tgid)
+        .collect();
+    for pid in unread.into_iter().filter(|p| *p != me) {
+        if scan::Scanner::proc_walk()
+            .holder_where(pid, &|d| devs.contains(&d))
+            .is_some()
+        {
+            out.insert(pid);
+        }
+    }
+    out
+}
+
+/// Today's pinned scan against the one before it, and by CPUs.
+pub fn print_pinned(r: &[ScanResult], runs: usize) {
+    let cpus: Vec<usize> = r
+        .first()
+        .map(|s| s.pinned_by_cpus.iter().map(|(n, _)| *n).collect())
+        .unwrap_or_default();
+    println!("The Epilog's pinned scan now (further passes, readers split by CPU) against the first fd-table program (one reader, a table past 1,000 records walked in /proc), same runs, median of {runs}; and now with this process given 1, 2, all CPUs:\n");
+    print!("| extra processes x descriptors | now | before | ratio |");
+    for n in &cpus {
+        print!(" {n} CPU{} |", if *n == 1 { "" } else { "s" });
+    }
+    println!();
+    print!("|---|---|---|---|");
+    for _ in &cpus {
+        print!("---|");
+    }
+    println!();
+    for s in r {
+        print!(
+            "| {} x {} | {:.1} ms | {:.1} ms | {:.3}x |",
+            s.procs,
+            s.fds,
+            s.epilog_scan_pinned_s * 1e3,
+            s.epilog_scan_v1_s * 1e3,
+            s.epilog_scan_pinned_s / s.epilog_scan_v1_s
+        );
+        for (_, t) in &s.pinned_by_cpus {
+            print!(" {:.1} ms |", t * 1e3);
+        }
+        println!();
+    }
+    println!();
 }
 
 /// The two scanners side by side, as ratios.
@@ -309,4 +464,89 @@ pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
         );
     }
     println!();
+}
+
+/// Where a pinned scan's time goes on a crowd of `n` x `fds`: each piece
+/// timed alone, `runs` times (median), printed.
+pub fn profile(n: usize, fds: usize, runs: usize) {
+    use gpufence_cgroup::fdtable::{FdTableIterator, Pass};
+    use gpufence_cgroup::iter::RingIterator;
+    let dev = HoldableDevice::claim();
+    let env = TestEnv::new("bench-profile");
+    let node_path = env.mknod("gpu", dev.major, dev.minor);
+    let cfg = env.config(&format!(
+        "nvml = false\n[majors]\nnvidia = 195\nbench-gpu = {}\n",
+        dev.major
+    ));
+    let node =
+        Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
+    fence_ops::install(&node).expect("install");
+    let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), &node_path);
+    let dir = node.cfg.bpffs_dir.clone();
+    let devs: BTreeSet<DevNum> = [DevNum::new(dev.major, dev.minor)].into();
+    let time = |f: &mut dyn FnMut()| {
+        let mut v = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            f();
+            v.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        median(v)
+    };
+    let t = FdTableIterator::open_pinned(&dir).expect("pin");
+    let r = RingIterator::open_pinned(&dir).expect("rings");
+    let open = time(&mut || {
+        let _ = FdTableIterator::open_pinned(&dir).unwrap();
+        let _ = RingIterator::open_pinned(&dir).unwrap();
+    });
+    let one = time(&mut || {
+        let _ = t.pass(&Pass::default()).unwrap();
+    });
+    let rings = time(&mut || {
+        let _ = r.files().unwrap();
+    });
+    let share = |k: u32| Pass {
+        shares: 2,
+        share: k,
+        ..Pass::default()
+    };
+    let half = time(&mut || {
+        let _ = t.pass(&share(0)).unwrap();
+    });
+    let two = time(&mut || {
+        std::thread::scope(|s| {
+            let h = s.spawn(|| t.pass(&share(1)).unwrap());
+            let _ = t.pass(&share(0)).unwrap();
+            let _ = h.join();
+        })
+    });
+    let two_rings = time(&mut || {
+        std::thread::scope(|s| {
+            let h = s.spawn(|| t.pass(&share(1)).unwrap());
+            let g = s.spawn(|| r.files().unwrap());
+            let _ = t.pass(&share(0)).unwrap();
+            let _ = h.join();
+            let _ = g.join();
+        })
+    });
+    let none = time(&mut || {
+        let _ = t
+            .pass(&Pass {
+                shares: u32::MAX,
+                share: u32::MAX - 1,
+                ..Pass::default()
+            })
+            .unwrap();
+    });
+    println!("bare walk (no task in this reader's share) {none:.1} ms");
+    let whole = time(&mut || {
+        let _ = scan::Scanner::with_pins(&dir).holders(&devs);
+    });
+    let whole1 = time(&mut || {
+        let _ = scan::Scanner::with_pins(&dir)
+            .with_readers(1)
+            .holders(&devs);
+    });
+    kill_crowd(&pids);
+    println!("{n} x {fds}, median of {runs} (ms): open pins {open:.2}; fd-table one reader {one:.1}; one of two shares alone {half:.1}; two shares in parallel {two:.1}; ring iterator {rings:.1}; two shares and rings in parallel {two_rings:.1}; holders() default {whole:.1}; holders() one reader {whole1:.1}");
 }

@@ -77,6 +77,8 @@ pub enum AluOp {
     And,
     Lsh,
     Rsh,
+    /// Unsigned remainder (`BPF_MOD`; by 0 the kernel leaves `dst` as it is).
+    Mod,
     Xor,
     Mov,
 }
@@ -90,6 +92,7 @@ impl AluOp {
             AluOp::And => 0x50,
             AluOp::Lsh => 0x60,
             AluOp::Rsh => 0x70,
+            AluOp::Mod => 0x90,
             AluOp::Xor => 0xa0,
             AluOp::Mov => 0xb0,
         }
@@ -102,6 +105,7 @@ impl AluOp {
             AluOp::And => "&=",
             AluOp::Lsh => "<<=",
             AluOp::Rsh => ">>=",
+            AluOp::Mod => "%=",
             AluOp::Xor => "^=",
             AluOp::Mov => "=",
         }

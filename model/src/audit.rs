@@ -47,6 +47,10 @@ pub mod events {
     /// reinstall: an exempt service's cgroup was recreated with a new id
     /// (`gpufence fence watch`).
     pub const EXEMPTION_APPLIED: &str = "exemption_applied";
+    /// A scan for the holders of a job's devices did not read some
+    /// processes to their end within `scan_budget_ms`, outside the job's
+    /// own cgroup: named, left alone.
+    pub const SCAN_OVER_BUDGET: &str = "scan_over_budget";
 }
 
 /// One audit event, built with the setters and written by [`AuditLog::append`].

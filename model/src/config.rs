@@ -152,6 +152,14 @@ pub struct Config {
     /// How many times the epilog looks again for holders after killing
     /// (a holder may hand its descriptor on while it handles SIGTERM).
     pub response_rounds: u32,
+    /// How long one scan for the holders of a job's devices may take, in
+    /// ms (each Prolog and Epilog scan; the kernel's passes stop at it).
+    /// A process whose descriptor table or mappings are not read to their
+    /// end by then counts as holding the job's devices when it is in the
+    /// job's own cgroup (the usual response ends it); anywhere else it is
+    /// named in a `scan_over_budget` audit line and left alone, so that
+    /// one job's table can never fail another job or the node.
+    pub scan_budget_ms: u64,
     /// Where the driver's /proc files are read (`driver/nvidia/gpus/*`,
     /// `driver/nvidia-caps/mig-minors`, capabilities); tests point it at
     /// fixture trees.
@@ -251,6 +259,7 @@ impl Default for Config {
             evidence_time_ms: 2000,
             evidence_max_mib: 16,
             response_rounds: 3,
+            scan_budget_ms: 2000,
             proc_dir: "/proc".into(),
             grant_mig_monitor: false,
             mining_ports: vec![3333, 4444, 5555, 7777, 9999, 14444, 45700],

@@ -232,7 +232,8 @@ fn ours(h: Vec<Holder>, pids: &[i32]) -> Vec<Holder> {
 /// thread's own table, a process whose leader exited, an io_uring
 /// registered file; its `mmap` needs a mappable device, so a private
 /// /dev/zero mapping stands in), through `holders`, `holders_where` and the
-/// sweep's `process_fds` (holds and sockets).
+/// sweep's `process_fds` (holds and sockets); the pinned scan split
+/// between 1, 3 and 7 readers, too.
 #[test]
 fn iterators_find_what_the_proc_walk_finds() {
     if !privileged() {
@@ -313,6 +314,17 @@ fn iterators_find_what_the_proc_walk_finds() {
     let mut pinned = Scanner::with_pins(&env.bpffs);
     assert_eq!(ours(pinned.holders(&want), &pids), walked);
     assert!(pinned.read_pins(), "the pinned iterators were read");
+    // Split between readers (one per CPU by default): one reader, and
+    // more readers than this machine has CPUs, give the same answer.
+    for readers in [1, 3, 7] {
+        let mut split = Scanner::with_pins(&env.bpffs).with_readers(readers);
+        assert_eq!(
+            ours(split.holders(&want), &pids),
+            walked,
+            "split between {readers} readers"
+        );
+        assert!(split.read_pins());
+    }
     // A device on a major the fence does not protect: the scan loads its
     // own iterators (the pinned ones would not show it) and finds it.
     let null: BTreeSet<DevNum> = [DevNum::new(1, 3), DevNum::new(5, 0)].into();
@@ -643,7 +655,7 @@ fn a_holder_that_let_go_is_left_alone() {
     cmd.args(["hold", gpu.to_str().unwrap()]);
     let holder = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
-    let cands = gpufence_node::response::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+    let cands = gpufence_node::response::respond::uncovered(&node, 0, None, &devs, &[], 195, &[]);
     let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
     found.sort();
     let mut want = vec![released, holder];
@@ -711,7 +723,8 @@ fn evidence_stays_within_its_budget() {
             .collect()
     };
     let respond = |budget: &mut Budget| {
-        let cands = gpufence_node::response::respond::uncovered(&node, None, &devs, &[], 195, &[]);
+        let cands =
+            gpufence_node::response::respond::uncovered(&node, 0, None, &devs, &[], 195, &[]);
         gpufence_node::response::respond::respond(&node, 46, None, "epilog", "test", cands, budget)
     };
     let read = |l: &gpufence_node::response::respond::Lingering| -> serde_json::Value {
@@ -1029,23 +1042,32 @@ fn a_ring_in_no_descriptor_table_is_found() {
     assert!(o.lingering.iter().all(|l| l.evidence.is_some()));
 }
 
-/// A table holding more protected descriptors than the fence's fd-table
-/// program writes for one task (`FD_RECORDS`): the program says it did
-/// not read it whole, and the scan reads that process in `/proc`, finding
-/// every descriptor the walk finds (never a silent cut).
+/// Tables one run of the fence's fd-table program cannot write whole
+/// (`FD_RECORDS` records a task): a table alternating two protected
+/// devices past it is read in further passes over that thread alone, in
+/// the kernel, never by a `/proc` walk of the table: every descriptor
+/// found, the same holds as the walk. Copies of one descriptor are one
+/// record (no further pass), and a flood of io_uring rings without fixed
+/// files (which hold nothing) writes nothing.
 #[test]
-fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
+fn tables_past_one_pass_are_read_in_further_passes() {
     if !privileged() {
         return;
     }
-    let env = TestEnv::new("bigtable");
-    let real = HoldableDevice::claim();
-    let dev = DevNum::new(real.major, real.minor);
-    let node_path = env.mknod("held", real.major, real.minor);
+    let mut env = TestEnv::new("bigtable");
+    let (a, b) = (HoldableDevice::claim(), HoldableDevice::claim());
+    let (da, db) = (DevNum::new(a.major, a.minor), DevNum::new(b.major, b.minor));
+    let (pa, pb) = (
+        env.mknod("held-a", a.major, a.minor),
+        env.mknod("held-b", b.major, b.minor),
+    );
     let n = gpufence_cgroup::fdtable::FD_RECORDS as usize + 50;
-    let path = std::ffi::CString::new(node_path.to_str().unwrap()).unwrap();
-    let pid = forked(&format!("opening the device {n} times"), || {
-        // SAFETY: async-signal-safe calls on a NUL-terminated path.
+    let (ca, cb) = (
+        std::ffi::CString::new(pa.to_str().unwrap()).unwrap(),
+        std::ffi::CString::new(pb.to_str().unwrap()).unwrap(),
+    );
+    let raise_nofile = || {
+        // SAFETY: getrlimit/setrlimit on a struct we own.
         unsafe {
             let mut lim = libc::rlimit {
                 rlim_cur: 0,
@@ -1054,28 +1076,123 @@ fn a_table_the_kernel_did_not_read_whole_is_read_in_proc() {
             libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
             lim.rlim_cur = lim.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-            (0..n).all(|_| libc::open(path.as_ptr(), libc::O_RDONLY) >= 0)
         }
+    };
+    let alternating = forked(&format!("opening two devices {n} times each"), || {
+        raise_nofile();
+        // SAFETY: async-signal-safe calls on NUL-terminated paths.
+        (0..n).all(|_| unsafe {
+            libc::open(ca.as_ptr(), libc::O_RDONLY) >= 0
+                && libc::open(cb.as_ptr(), libc::O_RDONLY) >= 0
+        })
     });
+    let mut cmd = std::process::Command::new(gpufence_tests::probe_bin());
+    cmd.args(["flood", pa.to_str().unwrap(), "5000", "2000", "1100"]);
+    let copies = env.spawn_ready(cmd, "flooded");
     let cfg = env.config(&format!(
         "nvml = false\n[majors]\nnvidia = 195\nfake-gpu = {}\n",
-        real.major
+        a.major
     ));
     let node = Node::new(Config::load(&cfg).unwrap(), ConfigOrigin::File(cfg)).unwrap();
     assert_eq!(fence_ops::install(&node).unwrap().iterators_unpinned, None);
-    let want: BTreeSet<DevNum> = [dev].into();
+    let want: BTreeSet<DevNum> = [da, db].into();
     let mut pinned = Scanner::with_pins(&env.bpffs);
-    let got = ours(pinned.holders(&want), &[pid]);
+    let got = ours(pinned.holders(&want), &[alternating, copies]);
     assert!(pinned.read_pins());
-    let walked = ours(Scanner::proc_walk().holders(&want), &[pid]);
-    assert_eq!(got, walked);
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].fds.len(), n, "every descriptor, not the first 1,000");
+    assert!(
+        pinned.passes() >= 2,
+        "{} further passes for {} records",
+        pinned.passes(),
+        2 * n
+    );
+    assert!(pinned.over_budget().is_empty());
+    let walked = ours(Scanner::proc_walk().holders(&want), &[alternating, copies]);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(walked.len(), 2);
+    // The alternating table: every descriptor, as the walk finds them.
+    assert_eq!(got[0].pid.min(got[1].pid), walked[0].pid);
+    let by = |h: &[Holder], pid: i32| h.iter().find(|x| x.pid == pid).cloned().unwrap();
+    assert_eq!(by(&got, alternating), by(&walked, alternating));
+    assert_eq!(by(&got, alternating).fds.len(), 2 * n, "every descriptor");
+    // The copies: one record names the device; the walk lists all 5,001.
+    let (g, w) = (by(&got, copies), by(&walked, copies));
+    assert_eq!(g.devices(), [da].into());
+    assert_eq!(w.devices(), [da].into());
+    assert_eq!(w.fds.len(), 5001);
+    assert_eq!(g.fds.len(), 1, "{g:?}");
+    // The copies and the bare rings alone: one pass, nothing pending.
     // SAFETY: kills and reaps our own child.
     unsafe {
-        libc::kill(pid, libc::SIGKILL);
-        libc::waitpid(pid, std::ptr::null_mut(), 0);
+        libc::kill(alternating, libc::SIGKILL);
+        libc::waitpid(alternating, std::ptr::null_mut(), 0);
     }
+    let mut again = Scanner::with_pins(&env.bpffs);
+    assert_eq!(ours(again.holders(&want), &[copies]).len(), 1);
+    assert_eq!(
+        again.passes(),
+        0,
+        "copies of one descriptor and bare rings need no further pass"
+    );
+}
+
+/// A scan past its budget (`scan_budget_ms`; 0 here, so the kernel's
+/// passes stop at once) fails closed for the job it scans, and only for
+/// it: a process in the job's own cgroup (`job_<id>`) that was not read to
+/// its end counts as holding all of the job's devices (the usual response
+/// ends it); a process anywhere else is named in one `scan_over_budget`
+/// audit line and is no candidate (no kill, no drain). With the default
+/// budget neither is a candidate.
+#[test]
+fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("budget");
+    let job = 4242;
+    let in_job = env.cgroup(&format!("job_{job}/step_0/user/task_0"));
+    let elsewhere = env.cgroup("job_4243/step_0/user/task_0");
+    let (mine, other) = (
+        env.spawn_user_sleeper(&in_job),
+        env.spawn_user_sleeper(&elsewhere),
+    );
+    let devs: BTreeSet<DevNum> = [DevNum::new(195, 0), DevNum::new(195, 1)].into();
+    let cfg_at = |budget: u64| {
+        let p = env.config(&format!(
+            "nvml = false\nscan_budget_ms = {budget}\n[majors]\nnvidia = 195\n"
+        ));
+        Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+    };
+    let node = cfg_at(0);
+    fence_ops::install(&node).unwrap();
+    let cands = gpufence_node::response::respond::uncovered(&node, job, None, &devs, &[], 195, &[]);
+    let c = cands.iter().find(|c| c.pid == mine).unwrap_or_else(|| {
+        panic!("pid {mine} of job {job} not read within the budget is no candidate: {cands:?}")
+    });
+    assert_eq!(c.devices, devs);
+    assert!(c.fds.iter().all(|f| f.unread
+        && f.path
+            .to_string_lossy()
+            .contains("within scan_budget_ms (0 ms)")));
+    assert!(
+        !cands.iter().any(|c| c.pid == other),
+        "another job's process is left alone: {cands:?}"
+    );
+    let lines: Vec<serde_json::Value> = gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "scan_over_budget")
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["job_id"], job);
+    assert_eq!(lines[0]["budget_ms"], 0);
+    assert!(lines[0]["processes"].as_u64().unwrap() >= 1);
+    assert!(lines[0]["pids"].as_array().unwrap().len() <= 20);
+    // The default budget: every table read, neither a candidate.
+    let node = cfg_at(2000);
+    let cands = gpufence_node::response::respond::uncovered(&node, job, None, &devs, &[], 195, &[]);
+    assert!(
+        !cands.iter().any(|c| c.pid == mine || c.pid == other),
+        "{cands:?}"
+    );
 }
 
 /// A user hands their job's GPU descriptor to a process of another user's

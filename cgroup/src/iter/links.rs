@@ -39,8 +39,10 @@ pub(super) fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loa
 /// record format and filter: a gpufence whose programs write something
 /// else uses new names, and never reads an old pin.
 pub const PIN_RINGS: &str = "iter_task_rings_v1";
-/// Every name an iterator pin has had, for removal.
-pub const PINS: [&str; 2] = [crate::fdtable::PIN_FDTABLE, PIN_RINGS];
+/// Every name an iterator pin has had, for removal (`iter_fdtable_v1`:
+/// the fd-table program before further passes, which said "not read
+/// whole" where it now says where to resume).
+pub const PINS: [&str; 3] = [crate::fdtable::PIN_FDTABLE, PIN_RINGS, "iter_fdtable_v1"];
 
 /// Pins `link` at `dir/name`, replacing what is there: pinned as
 /// `name_new`, then renamed over `name` (bpffs renames like any

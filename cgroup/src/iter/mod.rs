@@ -91,11 +91,15 @@ pub enum Object {
     /// record's `fd` is the ring's registered slot. What else the ring
     /// holds is unknown.
     RingTruncated(u64),
-    /// A descriptor table the fd-table program did not read whole (more
-    /// than [`crate::fdtable::FD_RECORDS`] records, more slots than
-    /// `bpf_loop` walks): the value is its `max_fds`, the record's `fd`
-    /// -1. What it holds is unknown: its process is read in `/proc`.
-    TableUnread(u64),
+    /// A task whose run of the fd-table program stopped before its end
+    /// (more than [`crate::fdtable::FD_RECORDS`] records, more slots than
+    /// one `bpf_loop` walks, its mmap lock busy, or the scan's deadline
+    /// passed): where a further pass resumes
+    /// ([`crate::fdtable::FdTableIterator::resume`]). The record's `fd` is
+    /// the batch of 8 slots to resume the descriptor table at (-1: the
+    /// table is read), the value the address to resume the mappings at
+    /// (`u64::MAX`: they are read).
+    Pending(u64),
 }
 
 pub(crate) const KIND_CHAR: i32 = 1;
@@ -106,7 +110,7 @@ const KIND_RING: i32 = 5;
 const KIND_RING_TRUNC: i32 = 6;
 pub(crate) const KIND_ANON_MAP: i32 = 7;
 const KIND_RING_SEEN: i32 = 8;
-pub(crate) const KIND_TABLE_UNREAD: i32 = 9;
+pub(crate) const KIND_PENDING: i32 = 10;
 
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
@@ -174,7 +178,7 @@ impl Record {
             KIND_RING_TRUNC => Object::RingTruncated(value),
             KIND_ANON_MAP => Object::AnonMap(value),
             KIND_RING_SEEN => Object::RingSeen(value),
-            KIND_TABLE_UNREAD => Object::TableUnread(value),
+            KIND_PENDING => Object::Pending(value),
             _ => return None,
         };
         Some(Record {
@@ -410,12 +414,12 @@ pub(crate) mod tests {
         b[12..16].copy_from_slice(&KIND_SOCK.to_ne_bytes());
         b[16..24].copy_from_slice(&12345u64.to_ne_bytes());
         assert_eq!(Record::decode(&b).unwrap().object, Object::Socket(12345));
-        b[12..16].copy_from_slice(&KIND_TABLE_UNREAD.to_ne_bytes());
-        assert_eq!(
-            Record::decode(&b).unwrap().object,
-            Object::TableUnread(12345)
-        );
-        b[12..16].copy_from_slice(&10i32.to_ne_bytes());
+        b[12..16].copy_from_slice(&KIND_PENDING.to_ne_bytes());
+        assert_eq!(Record::decode(&b).unwrap().object, Object::Pending(12345));
+        // 9 was the first fd-table program's "not read whole".
+        b[12..16].copy_from_slice(&9i32.to_ne_bytes());
+        assert_eq!(Record::decode(&b), None);
+        b[12..16].copy_from_slice(&11i32.to_ne_bytes());
         assert_eq!(Record::decode(&b), None);
     }
 }

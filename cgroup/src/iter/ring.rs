@@ -50,7 +50,7 @@ pub struct RingLayout {
     pub(super) f_inode: i32,
     pub(super) i_mode: i32,
     pub(super) i_rdev: i32,
-    pub(super) table: FileTable,
+    pub(crate) table: FileTable,
 }
 
 impl RingLayout {

@@ -108,6 +108,29 @@ pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
     info_by_fd(fd)
 }
 
+/// The ids of the maps program `fd` uses (`bpf_prog_info.map_ids`, filled
+/// by `bpf_prog_get_info_by_fd` in `kernel/bpf/syscall.c`), at most 64.
+///
+/// # Errors
+/// errno.
+pub fn prog_map_ids(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    let mut ids = [0u32; 64];
+    let mut info = ProgInfo {
+        nr_map_ids: ids.len() as u32,
+        map_ids: ids.as_mut_ptr() as u64,
+        ..ProgInfo::default()
+    };
+    let mut a = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<ProgInfo>() as u32,
+        info: &mut info as *mut ProgInfo as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    // The kernel writes the program's count, which may exceed ours.
+    let n = (info.nr_map_ids as usize).min(ids.len());
+    Ok(ids[..n].to_vec())
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(super) struct QueryAttr {

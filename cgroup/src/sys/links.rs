@@ -142,6 +142,42 @@ pub fn link_create_iter(prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
 }
 
+/// The `task` member of `union bpf_iter_link_info`
+/// (`include/uapi/linux/bpf.h`, Linux 6.1): at most one of `tid`, `pid`,
+/// `pid_fd` non-zero.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TaskIterInfo {
+    tid: u32,
+    pid: u32,
+    pid_fd: u32,
+}
+
+/// `BPF_LINK_CREATE` of a `task` iterator program that visits one thread,
+/// `tid` (`BPF_TASK_ITER_TID`, `bpf_iter_attach_task` in
+/// `kernel/bpf/task_iter.c`; a global id: the caller is in the initial
+/// pid namespace).
+///
+/// # Errors
+/// errno (`ENOENT`: no such thread; `EINVAL`: a kernel before 6.1).
+pub fn link_create_iter_task(prog: BorrowedFd<'_>, tid: u32) -> io::Result<OwnedFd> {
+    let info = TaskIterInfo {
+        tid,
+        pid: 0,
+        pid_fd: 0,
+    };
+    let mut a = LinkCreateIterAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: 0,
+        attach_type: ATTACH_TRACE_ITER,
+        flags: 0,
+        iter_info: &info as *const TaskIterInfo as u64,
+        iter_info_len: size_of::<TaskIterInfo>() as u32,
+        _pad: 0,
+    };
+    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+}
+
 /// `BPF_CGROUP_ITER_SELF_ONLY` (`enum bpf_cgroup_iter_order`,
 /// `include/uapi/linux/bpf.h`): the program runs for the start cgroup only.
 pub const CGROUP_ITER_SELF_ONLY: u32 = 1;

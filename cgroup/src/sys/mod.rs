@@ -19,17 +19,18 @@ mod maps;
 mod progs;
 
 pub use info::{
-    link_info, map_info, name_str, prog_info, prog_query_cgroup_device,
+    link_info, map_info, name_str, prog_info, prog_map_ids, prog_query_cgroup_device,
     prog_query_cgroup_device_flags, prog_query_guarded, prog_xlated, LinkInfo, MapInfo, ProgInfo,
     QUERY_REVISION_OFFSET,
 };
 pub use links::{
-    iter_create, link_create_cgroup_device, link_create_iter, link_create_iter_cgroup, link_detach,
-    link_update, obj_get, obj_pin, CGROUP_ITER_ANCESTORS_UP, CGROUP_ITER_SELF_ONLY,
+    iter_create, link_create_cgroup_device, link_create_iter, link_create_iter_cgroup,
+    link_create_iter_task, link_detach, link_update, obj_get, obj_pin, CGROUP_ITER_ANCESTORS_UP,
+    CGROUP_ITER_SELF_ONLY,
 };
 pub use maps::{map_create, map_delete, map_entries_batch, map_keys, map_lookup, map_update};
 pub use progs::{
-    btf_load, prog_attach_cgroup_device, prog_detach_cgroup_device, prog_fd_by_id,
+    btf_load, map_fd_by_id, prog_attach_cgroup_device, prog_detach_cgroup_device, prog_fd_by_id,
     prog_load_cgroup_device, prog_load_iter, prog_load_iter_funcs, FuncInfo, LoadError,
     F_QUERY_EFFECTIVE,
 };

@@ -374,7 +374,8 @@ impl<'a> Run<'a> {
         // The job's user: slurmd's SLURM_JOB_UID, or the record's.
         let job_uid = self.rec.as_ref().map(|r| r.uid).or(self.env.uid);
         let out = &mut self.out;
-        let mut cands = respond::uncovered(node, fence.as_ref(), devs, &info, gpu_major, mig);
+        let mut cands =
+            respond::uncovered(node, job_id, fence.as_ref(), devs, &info, gpu_major, mig);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
         let responded = !cands.is_empty();
         let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
@@ -408,7 +409,7 @@ impl<'a> Run<'a> {
             out.lingering.extend(lingering);
             out.errors.extend(errs);
             let again = gpus.query(minors).unwrap_or_default();
-            cands = respond::uncovered(node, fence.as_ref(), devs, &again, gpu_major, mig);
+            cands = respond::uncovered(node, job_id, fence.as_ref(), devs, &again, gpu_major, mig);
         }
         if let Some(s) = budget.summary() {
             let _ = node.audit(
@@ -424,7 +425,8 @@ impl<'a> Run<'a> {
         }
         if responded {
             let again = gpus.query(minors).unwrap_or_default();
-            for c in respond::uncovered(node, fence.as_ref(), devs, &again, gpu_major, mig) {
+            for c in respond::uncovered(node, job_id, fence.as_ref(), devs, &again, gpu_major, mig)
+            {
                 if out
                     .lingering
                     .iter()

@@ -449,7 +449,15 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         node.open_gpus()
     };
     let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
-    let cands = respond::uncovered(node, Some(fence), &gres, &info, gpu_major, &rec.mig);
+    let cands = respond::uncovered(
+        node,
+        rec.job_id,
+        Some(fence),
+        &gres,
+        &info,
+        gpu_major,
+        &rec.mig,
+    );
     if !cands.is_empty() {
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
         match node.cfg.prolog_strays {
@@ -499,7 +507,15 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
                 // And what holds them now (one that let go before it was
                 // stopped and took the device up again, or was handed it).
                 let again = gpus.query(&minors).unwrap_or_default();
-                for c in respond::uncovered(node, Some(fence), &gres, &again, gpu_major, &rec.mig) {
+                for c in respond::uncovered(
+                    node,
+                    rec.job_id,
+                    Some(fence),
+                    &gres,
+                    &again,
+                    gpu_major,
+                    &rec.mig,
+                ) {
                     if !survived.contains(&c.pid) {
                         survived.push(c.pid);
                     }

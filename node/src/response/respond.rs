@@ -99,8 +99,18 @@ impl Lingering {
 /// per NVML, those on the job's GPU/compute instances; per descriptors,
 /// those holding one of the job's slice caps. A process that holds only the
 /// shared parent is not this job's to judge (the sweep reports it).
+///
+/// The descriptor scan has a time budget (`scan_budget_ms`). A process
+/// not read to its end within it ([`scan::Scanner::over_budget`]) counts
+/// as holding all of `devs` when it is in job `job_id`'s own cgroup
+/// (`job_<id>`): the usual response ends it, as the job has ended. Any
+/// other such process is named in one `scan_over_budget` audit line and
+/// left alone: one job's descriptor table never makes another job's
+/// Prolog or Epilog fail, kill or drain.
+#[allow(clippy::too_many_arguments)]
 pub fn uncovered(
     node: &Node,
+    job_id: u32,
     fence: Option<&Fence>,
     devs: &BTreeSet<DevNum>,
     gpu_info: &[GpuInfo],
@@ -130,10 +140,63 @@ pub fn uncovered(
         fds: Vec::new(),
         gpu_memory: Vec::new(),
     };
-    for h in scan::Scanner::with_pins(&node.cfg.bpffs_dir).holders(devs) {
+    let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir)
+        .with_budget(Duration::from_millis(node.cfg.scan_budget_ms));
+    for h in scanner.holders(devs) {
         let c = by_pid.entry(h.pid).or_insert_with(|| new(h.pid));
         c.fds.extend(h.fds.iter().cloned());
         c.devices.extend(h.devices());
+    }
+    let mut elsewhere: Vec<(i32, Option<String>)> = Vec::new();
+    for &pid in scanner.over_budget() {
+        let cgroup = node.cg.cgroup_of(pid).ok();
+        if cgroup.as_deref().is_some_and(|cg| in_job(cg, job_id)) {
+            let c = by_pid.entry(pid).or_insert_with(|| new(pid));
+            for d in devs {
+                c.devices.insert(*d);
+                c.fds.push(HeldFd {
+                    fd: -1,
+                    path: PathBuf::from(format!(
+                        "not read to its end within scan_budget_ms ({} ms)",
+                        node.cfg.scan_budget_ms
+                    )),
+                    dev: *d,
+                    via: scan::Via::Fd,
+                    tid: None,
+                    unread: true,
+                });
+            }
+        } else {
+            elsewhere.push((pid, cgroup));
+        }
+    }
+    if !elsewhere.is_empty() {
+        let _ = node.audit(
+            AuditEvent::new(events::SCAN_OVER_BUDGET)
+                .job(job_id)
+                .field("budget_ms", node.cfg.scan_budget_ms)
+                .field("processes", elsewhere.len())
+                .field(
+                    "pids",
+                    elsewhere
+                        .iter()
+                        .take(OVER_BUDGET_LISTED)
+                        .map(|(p, _)| *p)
+                        .collect::<Vec<_>>(),
+                )
+                .field(
+                    "cgroups",
+                    elsewhere
+                        .iter()
+                        .take(OVER_BUDGET_LISTED)
+                        .map(|(_, c)| {
+                            c.as_deref()
+                                .map(crate::host::cgpath::abs)
+                                .unwrap_or_default()
+                        })
+                        .collect::<Vec<_>>(),
+                ),
+        );
     }
     for g in gpu_info {
         let dev = DevNum::new(gpu_major, g.minor);
@@ -173,6 +236,16 @@ pub fn uncovered(
             (!c.devices.is_empty()).then_some(c)
         })
         .collect()
+}
+
+/// How many processes a `scan_over_budget` line names (it counts all).
+const OVER_BUDGET_LISTED: usize = 20;
+
+/// Whether cgroup path `cg` is in job `job_id`'s cgroup (a `job_<id>`
+/// component, Slurm's `job_%u`, `src/plugins/cgroup/v2/cgroup_v2.c`).
+fn in_job(cg: &str, job_id: u32) -> bool {
+    cg.split('/')
+        .any(|d| d.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok()) == Some(job_id))
 }
 
 /// A holder that is there but cannot be pinned ([`still_holding`]).

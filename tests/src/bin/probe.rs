@@ -32,6 +32,11 @@
 //!                                        sleep; ARGs are ignored (they shape the command line
 //!                                        the sweep reads, e.g. a notebook's flags)
 //! gpufence-probe connect ADDR PORT [ARG...] connect to ADDR:PORT (TCP), print "connected", sleep
+//! gpufence-probe flood PATH|- COPIES FILLERS RINGS  fill the descriptor table (soft NOFILE raised to
+//!                                        the hard limit): PATH opened and dup'ed COPIES times,
+//!                                        /dev/null opened and dup'ed FILLERS times, RINGS io_uring
+//!                                        rings without fixed files; print "flooded", then
+//!                                        "N descriptors", sleep until killed
 //! ```
 
 use std::ffi::CString;
@@ -443,10 +448,90 @@ fn hold_hidden(path: &str, via: &str) -> ExitCode {
     }
 }
 
+/// `flood`: a descriptor table as large as the user may make it, of
+/// copies of one device, `/dev/null` and bare rings.
+fn flood(path: &str, copies: usize, fillers: usize, rings: usize) -> ExitCode {
+    let need = (copies + fillers + rings + 64) as libc::rlim_t;
+    // SAFETY: getrlimit/setrlimit on a struct we own. Root may raise the
+    // hard limit (up to fs.nr_open); anyone the soft one to the hard.
+    unsafe {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        if lim.rlim_max < need {
+            let raised = libc::rlimit {
+                rlim_cur: need,
+                rlim_max: need,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &raised);
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        }
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+    }
+    let mut made = 0usize;
+    let dup_n = |fd: RawFd, n: usize| -> Option<usize> {
+        for _ in 0..n {
+            // SAFETY: dup(2) of a descriptor we hold; the copy is kept.
+            if unsafe { libc::dup(fd) } < 0 {
+                return None;
+            }
+        }
+        Some(n)
+    };
+    if path != "-" {
+        let Ok(dev) = open(path, false) else {
+            say(&format!("{path} not opened"));
+            return ExitCode::FAILURE;
+        };
+        let Some(n) = dup_n(dev.as_raw_fd(), copies) else {
+            say("dup failed");
+            return ExitCode::FAILURE;
+        };
+        made += n + 1;
+        std::mem::forget(dev);
+    }
+    if fillers > 0 {
+        let Ok(null) = open("/dev/null", true) else {
+            return ExitCode::FAILURE;
+        };
+        let Some(n) = dup_n(null.as_raw_fd(), fillers) else {
+            say("dup failed");
+            return ExitCode::FAILURE;
+        };
+        made += n + 1;
+        std::mem::forget(null);
+    }
+    for _ in 0..rings {
+        let mut params = [0u8; 120];
+        // SAFETY: io_uring_setup(2) with a zeroed params struct; the ring
+        // is kept.
+        if unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) } < 0 {
+            say(&format!(
+                "io_uring_setup: {}",
+                std::io::Error::last_os_error()
+            ));
+            return ExitCode::FAILURE;
+        }
+        made += 1;
+    }
+    say("flooded");
+    say(&format!("{made} descriptors"));
+    sleep_forever();
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     match a.as_slice() {
+        ["flood", path, copies, fillers, rings] => {
+            match (copies.parse(), fillers.parse(), rings.parse()) {
+                (Ok(c), Ok(f), Ok(r)) => return flood(path, c, f, r),
+                _ => return ExitCode::from(2),
+            }
+        }
         ["open", rest @ ..] => {
             let (ro, paths) = match rest {
                 ["--ro", p @ ..] => (true, p),

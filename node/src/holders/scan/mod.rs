@@ -37,9 +37,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
-use gpufence_cgroup::fdtable::FdTableIterator;
+use gpufence_cgroup::fdtable::{FdTableIterator, Pass};
 use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
 use gpufence_model::device::DevNum;
 use serde::Serialize;
@@ -133,6 +134,19 @@ pub struct Scanner {
     pins: Option<PathBuf>,
     /// The last whole-machine scan read the pinned iterators.
     read_pins: bool,
+    /// How long a whole-machine scan of the pinned iterators may take
+    /// ([`Scanner::with_budget`]).
+    budget: Option<Duration>,
+    /// Processes the last scan did not read to their end within its
+    /// budget.
+    over_budget: BTreeSet<i32>,
+    /// Further passes the last scan made over tables and mappings that
+    /// one pass did not read whole.
+    passes: usize,
+    /// Readers a pinned scan splits the tasks between (`None`: one per
+    /// CPU this process may use on a crowded machine,
+    /// [`snapshot::default_readers`]).
+    readers: Option<usize>,
 }
 
 impl Default for Scanner {
@@ -148,6 +162,10 @@ impl Default for Scanner {
             unread_rings: Vec::new(),
             pins: None,
             read_pins: false,
+            budget: None,
+            over_budget: BTreeSet::new(),
+            passes: 0,
+            readers: None,
         }
     }
 }
@@ -223,6 +241,37 @@ impl Scanner {
         }
     }
 
+    /// A time budget for each whole-machine scan through the pinned
+    /// iterators ([`Scanner::holders`]): the kernel's passes stop at it
+    /// (each task's run looks at the clock), and what is not read to its
+    /// end by then is listed in [`Scanner::over_budget`], never taken as
+    /// "holds nothing" silently. What to do about those is the caller's
+    /// (the response: [`crate::response::respond::uncovered`]).
+    pub fn with_budget(mut self, budget: Duration) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Splits a pinned scan between `n` readers (threads; at least 1)
+    /// instead of one per CPU this process may use: tests and benchmarks.
+    pub fn with_readers(mut self, n: usize) -> Self {
+        self.readers = Some(n.max(1));
+        self
+    }
+
+    /// The processes (pids) the last scan could not read to their end
+    /// within its budget: they may hold more than the scan says.
+    pub fn over_budget(&self) -> &BTreeSet<i32> {
+        &self.over_budget
+    }
+
+    /// How many further passes the last scan made over descriptor tables
+    /// and mappings one pass did not read whole (more than
+    /// [`gpufence_cgroup::fdtable::FD_RECORDS`] records, a busy mmap lock).
+    pub fn passes(&self) -> usize {
+        self.passes
+    }
+
     /// Whether the last whole-machine scan read the fence's pinned
     /// iterators ([`Scanner::with_pins`]).
     pub fn read_pins(&self) -> bool {
@@ -290,8 +339,16 @@ impl Scanner {
         if self.proc_only {
             return Err(SnapshotError::ProcWalkAsked);
         }
-        let snap = take_snapshot(&self.btf, false, false, pins)?;
+        let deadline = self.budget.map(|b| Instant::now() + b);
+        let snap = take_snapshot(&self.btf, false, false, pins, deadline, self.readers)?;
         self.read_pins = snap.pinned;
+        self.passes = snap.passes;
+        self.over_budget = snap
+            .procs
+            .iter()
+            .filter(|(_, r)| r.over_budget)
+            .map(|(p, _)| *p)
+            .collect();
         self.ring_error = snap.ring_error.clone();
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = Vec::new();
@@ -334,20 +391,12 @@ impl Scanner {
             && unread.is_none()
             && r.anon.is_empty()
             && !r.anon_maps
-            && !r.table_unread
+            && !r.maps_unread
         {
             return None;
         }
         let base = PathBuf::from(format!("/proc/{pid}"));
         let mut fds = Vec::new();
-        if r.table_unread {
-            // More protected descriptors than one kernel read holds, or a
-            // table past bpf_loop's reach: the /proc walk of the fallback
-            // reads this process (its tables, mappings, rings' fdinfo).
-            if let Some(h) = self.walk(&base, pid, want, None) {
-                fds.extend(h.fds);
-            }
-        }
         let mut chars: Vec<&(i32, i32, DevNum)> =
             r.chars.iter().filter(|(_, _, d)| want(*d)).collect();
         // The leader's table first, then threads by id, as the walk does.
@@ -374,10 +423,14 @@ impl Scanner {
                 unread: false,
             });
         }
-        // Read once, for the mappings and the rings they keep.
-        let maps = (hit_map || r.anon_maps)
+        // Read once, for the mappings and the rings they keep (and where
+        // the kernel could not walk them: its mmap lock stayed busy).
+        let maps = (hit_map || r.anon_maps || r.maps_unread)
             .then(|| read_maps(&base, pid))
             .flatten();
+        if r.maps_unread {
+            self.mappings(maps.as_ref(), want, &mut fds);
+        }
         if hit_map {
             self.mappings(maps.as_ref(), want, &mut fds);
             // The kernel saw the mapping; `/proc` may not show it (the
@@ -529,7 +582,7 @@ impl Scanner {
             let s = if self.proc_only {
                 Err(SnapshotError::ProcWalkAsked)
             } else {
-                take_snapshot(&self.btf, true, true, None)
+                take_snapshot(&self.btf, true, true, None, None, None)
             };
             self.source = Some(match &s {
                 Ok(_) => Source::Iterators,
