@@ -87,6 +87,12 @@ pub struct GpuIdle {
     pub minor: u32,
     /// Used memory, bytes.
     pub used_bytes: u64,
+    /// Another job's live grant covered this GPU at job start (a shard or
+    /// MPS co-tenant): its used memory then is no idle level (the
+    /// co-tenant's memory is in it), so the Epilog checks this GPU per
+    /// process instead. Absent in records of earlier versions: `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 /// A grant the plugin applied to a cgroup for a job.

@@ -434,6 +434,17 @@ impl Demo {
     /// sends `signal` to the demo's bash alone, as `kill` or the OOM
     /// killer would, and waits for it to exit.
     fn interrupt(&mut self, what: &str, signal: i32, limit: Duration) -> Run {
+        self.interrupt_when(what, &|| true, signal, limit)
+    }
+
+    /// [`Demo::interrupt`], once `ready()` holds too (after `what`).
+    fn interrupt_when(
+        &mut self,
+        what: &str,
+        ready: &dyn Fn() -> bool,
+        signal: i32,
+        limit: Duration,
+    ) -> Run {
         let (mut child, out, err) = self.spawn(&[]);
         let deadline = Instant::now() + limit;
         loop {
@@ -443,7 +454,7 @@ impl Demo {
                     read(&out) + &read(&err)
                 );
             }
-            if read(&out).contains(what) {
+            if read(&out).contains(what) && ready() {
                 break;
             }
             assert!(
@@ -643,7 +654,16 @@ fn an_interrupted_demo_is_cleaned_up_touching_nothing_it_did_not_start() {
 
     // Stopped with SIGTERM (as Ctrl-C or `kill` would) while its node
     // starts: the trap stops everything it started and keeps the logs.
-    let termed = demo.interrupt("== 3.", libc::SIGTERM, Duration::from_secs(120));
+    // (Once its cluster has a log directory: the header is printed before
+    // the cluster starts, and a run stopped before that has no logs to
+    // keep.)
+    let logs = demo.dir.join("cluster/log");
+    let termed = demo.interrupt_when(
+        "== 3.",
+        &|| logs.exists(),
+        libc::SIGTERM,
+        Duration::from_secs(120),
+    );
     println!("SIGTERM:\n{}", termed.both());
     assert_eq!(termed.status.code(), Some(143), "{}", termed.both());
     assert!(

@@ -549,3 +549,112 @@ fn the_fake_nvml_is_fenced_like_the_driver() {
         "the grant's GPU only"
     );
 }
+
+/// A client of an MPS server is listed by NVML apart from the processes
+/// (`nvmlDeviceGetMPSComputeRunningProcesses_v3`): one of the ended job's
+/// user outside every grant, holding no descriptor, is found by that list
+/// alone, and ended with evidence of its kind.
+#[test]
+fn an_mps_client_outside_every_grant_is_found_and_ended() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("mps-client", "");
+    let out_cg = w.env.cgroup("outside");
+    let client = w.env.spawn_user_sleeper(&out_cg);
+    w.scenario(json!({"gpus": [gpu(0, json!([{"pid": client, "used_mib": 700, "kind": "mps"}]))]}));
+    w.record(32, &[0]);
+    let o = epilog::run(&w.node, 32, None);
+    assert!(o.clean(), "{o:?}");
+    assert_eq!(o.lingering.len(), 1, "{o:?}");
+    assert_eq!((o.lingering[0].pid, o.lingering[0].gone()), (client, true));
+    let ev: Value =
+        serde_json::from_slice(&std::fs::read(o.lingering[0].evidence.as_ref().unwrap()).unwrap())
+            .unwrap();
+    assert_eq!(ev["gpu_memory"][0]["used_bytes"], 700u64 << 20, "{ev}");
+}
+
+/// gres/shard and gres/mps put several jobs on one GPU. The Prolog marks a
+/// GPU another job's live grant covers as shared (its used memory then is
+/// the co-tenant's, no idle level); the Epilog checks such a GPU per
+/// process: a process NVML lists there outside every grant, which the
+/// response left alive (root's, spared), is a survivor by name, though the
+/// GPU's total is below the level measured at start; the co-tenant's own
+/// process, covered by its grant, is not.
+#[test]
+fn a_shared_gpu_is_checked_per_process() {
+    if !privileged() {
+        return;
+    }
+    let mut w = world("shared-gpu", "idle_memory_mib = 0");
+    let co_job = w.env.cgroup("job_41");
+    let co_tenant = w.env.spawn_user_sleeper(&co_job);
+    Fence::open(&w.env.bpffs)
+        .unwrap()
+        .grant(
+            w.env.cg.id(&co_job).unwrap(),
+            &co_job,
+            41,
+            &[(DevNum::new(195, 3), Access::RW)],
+        )
+        .unwrap();
+    w.scenario(json!({"gpus": [gpu(3, json!([{"pid": co_tenant, "used_mib": 3000}]))]}));
+    // The Prolog of job 40 on that GPU: shared.
+    let slurmd_g = w.env.path("slurmd-G.txt");
+    let n3 = w.env.mknod("nvidia3", 195, 3);
+    std::fs::write(
+        &slurmd_g,
+        format!("Gres Name=gpu Count=1 File={}\n", n3.display()),
+    )
+    .unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nmemory_wait_ms = 500\nidle_memory_mib = 0\n[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        slurmd_g.display()
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let env = PrologEnv {
+        job_id: 40,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+        cuda_visible_devices: vec![],
+        options: Default::default(),
+    };
+    let rec = prolog::run(&node, &env).unwrap();
+    assert_eq!(rec.gpu_idle.len(), 1);
+    assert!(rec.gpu_idle[0].shared, "{:?}", rec.gpu_idle);
+    assert_eq!(rec.gpu_idle[0].used_bytes, 3500u64 << 20);
+    // The job leaves a root process on the GPU (spared: never killed),
+    // holding 1,000 MiB: 1,500 MiB in all, below the 3,500 at start.
+    let out_cg = w.env.cgroup("outside");
+    let left = w.env.spawn_sleeper(&out_cg);
+    w.scenario(json!({"gpus": [gpu(3, json!([
+        {"pid": co_tenant, "used_mib": 3000},
+        {"pid": left, "used_mib": 1000}
+    ]))]}));
+    let o = epilog::run(&node, 40, None);
+    assert!(!o.clean(), "{o:?}");
+    assert!(
+        o.survivors.iter().any(|s| s.contains(&format!(
+            "GPU /dev/nvidia3 (shared with another job) still has 1000 MiB of pid {left}, which no grant covers"
+        ))),
+        "{:?}",
+        o.survivors
+    );
+    assert!(
+        !o.survivors
+            .iter()
+            .any(|s| s.contains(&format!("pid {co_tenant}"))),
+        "the co-tenant's process is covered by its grant: {:?}",
+        o.survivors
+    );
+    assert!(!gone(co_tenant) && !gone(left));
+    // Alone on the GPU now, with the job's leftover gone: clean, whatever
+    // the level measured at start.
+    w.scenario(json!({"gpus": [gpu(3, json!([{"pid": co_tenant, "used_mib": 3000}]))]}));
+    let rec = prolog::run(&node, &PrologEnv { job_id: 42, ..env }).unwrap();
+    assert!(rec.gpu_idle[0].shared);
+    assert!(epilog::run(&node, 42, None).clean());
+}

@@ -31,7 +31,7 @@ pub struct GpuProcess {
     pub pid: u32,
     /// GPU memory it uses, bytes, when the driver says.
     pub used_memory: Option<u64>,
-    /// `compute` or `graphics`.
+    /// `compute`, `graphics`, or `mps` (a client of an MPS server).
     pub kind: &'static str,
     /// MIG GPU instance id, when MIG is on.
     pub gpu_instance_id: Option<u32>,
@@ -233,12 +233,25 @@ impl Gpus {
                 .memory_info()
                 .map_err(|e| err("nvmlDeviceGetMemoryInfo", e))?;
             let mut processes = Vec::new();
-            for (kind, list) in [
-                ("compute", d.running_compute_processes()),
-                ("graphics", d.running_graphics_processes()),
+            // MPS clients are listed apart from the server, which is a
+            // compute process (`nvmlDeviceGetMPSComputeRunningProcesses_v3`,
+            // NVML API reference); a driver or library without the call
+            // has no MPS clients to list.
+            let mps = match d.mps_running_compute_processes() {
+                Err(
+                    NvmlError::NotSupported
+                    | NvmlError::FunctionNotFound
+                    | NvmlError::FailedToLoadSymbol(_),
+                ) => Ok(Vec::new()),
+                r => r,
+            };
+            for (kind, call, list) in [
+                ("compute", "Compute", d.running_compute_processes()),
+                ("graphics", "Graphics", d.running_graphics_processes()),
+                ("mps", "MPSCompute", mps),
             ] {
                 let list =
-                    list.map_err(|e| err(&format!("nvmlDeviceGet{kind}RunningProcesses"), e))?;
+                    list.map_err(|e| err(&format!("nvmlDeviceGet{call}RunningProcesses"), e))?;
                 processes.extend(list.into_iter().map(|p| GpuProcess {
                     pid: p.pid,
                     used_memory: match p.used_gpu_memory {

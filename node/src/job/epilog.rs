@@ -447,7 +447,11 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Step 4: each job GPU's used memory comes back to its idle level (a GPU another live grant still covers is not checked).
+    /// Step 4: each job GPU's used memory comes back to its idle level; on
+    /// a GPU shared with another job (another live grant covers it now, or
+    /// did at job start: gres/shard, gres/mps) the level says nothing about
+    /// this job, so there no process the driver lists (compute, graphics,
+    /// MPS client) may keep memory outside every live grant and exemption.
     fn memory_back(&mut self) {
         let (node, rec, fence, gpus, minors, gpu_major) = (
             self.node,
@@ -459,8 +463,7 @@ impl<'a> Run<'a> {
         );
         let out = &mut self.out;
         if gpus.available() && !minors.is_empty() {
-            // A GPU another live grant still covers (shared) is not checked.
-            let shared: BTreeSet<u32> = fence
+            let shared_now: BTreeSet<u32> = fence
                 .as_ref()
                 .and_then(|f| f.entries().ok())
                 .unwrap_or_default()
@@ -468,7 +471,22 @@ impl<'a> Run<'a> {
                 .filter(|e| e.dev.major == gpu_major)
                 .map(|e| e.dev.minor)
                 .collect();
-            let check: BTreeSet<u32> = minors.difference(&shared).copied().collect();
+            let shared_at_start: BTreeSet<u32> = rec
+                .as_ref()
+                .map(|r| {
+                    r.gpu_idle
+                        .iter()
+                        .filter(|g| g.shared)
+                        .map(|g| g.minor)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let per_process: BTreeSet<u32> = minors
+                .iter()
+                .filter(|m| shared_now.contains(m) || shared_at_start.contains(m))
+                .copied()
+                .collect();
+            let check: BTreeSet<u32> = minors.difference(&per_process).copied().collect();
             let idle = |minor: u32| -> u64 {
                 rec.as_ref()
                     .and_then(|r| r.gpu_idle.iter().find(|g| g.minor == minor))
@@ -476,13 +494,41 @@ impl<'a> Run<'a> {
                     .unwrap_or(node.cfg.idle_memory_mib << 20)
                     + (node.cfg.memory_tolerance_mib << 20)
             };
+            // What the driver lists on the shared GPUs outside every grant:
+            // (minor, pid, bytes).
+            let outside = |info: &[crate::host::gpus::GpuInfo]| -> Vec<(u32, u32, u64)> {
+                let me = std::process::id();
+                info.iter()
+                    .flat_map(|g| g.processes.iter().map(move |p| (g.minor, p)))
+                    .filter(|(_, p)| p.pid != me && p.used_memory != Some(0))
+                    .filter(|(m, p)| {
+                        let pid = p.pid as i32;
+                        !crate::holders::cover::covered(
+                            node,
+                            fence.as_ref(),
+                            node.cg.cgroup_of(pid).ok().as_deref(),
+                            crate::host::procs::uid_of(pid),
+                            DevNum::new(gpu_major, *m),
+                        )
+                    })
+                    .map(|(m, p)| (m, p.pid, p.used_memory.unwrap_or(0)))
+                    .collect()
+            };
             let deadline = Instant::now() + Duration::from_millis(node.cfg.memory_wait_ms);
             loop {
-                match gpus.memory_used(&check) {
-                    Ok(used) => {
-                        let high: Vec<(u32, u64)> =
-                            used.into_iter().filter(|(m, u)| *u > idle(*m)).collect();
-                        if high.is_empty() {
+                let high = gpus.memory_used(&check).map(|used| {
+                    used.into_iter()
+                        .filter(|(m, u)| *u > idle(*m))
+                        .collect::<Vec<(u32, u64)>>()
+                });
+                let left = if per_process.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    gpus.query(&per_process).map(|info| outside(&info))
+                };
+                match (high, left) {
+                    (Ok(high), Ok(left)) => {
+                        if high.is_empty() && left.is_empty() {
                             break;
                         }
                         if Instant::now() >= deadline {
@@ -494,10 +540,17 @@ impl<'a> Run<'a> {
                                     node.cfg.memory_wait_ms
                                 ));
                             }
+                            for (m, pid, u) in left {
+                                out.survivors.push(format!(
+                                    "GPU /dev/nvidia{m} (shared with another job) still has {} MiB of pid {pid}, which no grant covers, after {} ms",
+                                    u >> 20,
+                                    node.cfg.memory_wait_ms
+                                ));
+                            }
                             break;
                         }
                     }
-                    Err(e) => {
+                    (Err(e), _) | (_, Err(e)) => {
                         out.errors.push(format!("NVML memory query failed: {e}"));
                         break;
                     }

@@ -74,16 +74,17 @@
 //!     process frees its memory; `stuck_used_mib` never comes back.
 //!   * `processes` (default `[]`): `pid`, `used_mib` (default 0; `null` means
 //!     NVML's "not available"), `kind` (`"compute"`, the default, or
-//!     `"graphics"`), `gi` / `ci` (MIG GPU / compute instance ids; absent:
-//!     not on a MIG instance). A process is listed by
-//!     `nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3` only while
+//!     `"graphics"`, or `"mps"`: a client of an MPS server, listed by
+//!     `nvmlDeviceGetMPSComputeRunningProcesses_v3`), `gi` / `ci` (MIG GPU /
+//!     compute instance ids; absent: not on a MIG instance). A process is
+//!     listed by `nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses_v3` only while
 //!     `/proc/<pid>` exists and is not a zombie, as with the real driver.
 //!   * `fail` (default: nothing fails): per query, an NVML return code that
 //!     query returns instead of its answer (`null` or 0: answer normally).
 //!     Keys: `handle` (get handle by index/UUID/PCI bus id), `minor`, `uuid`,
-//!     `pci_info`, `name`, `processes` (both process lists),
-//!     `compute_processes`, `graphics_processes` (one list; wins over
-//!     `processes`), `memory`, `accounting_mode`, `accounting_pids`,
+//!     `pci_info`, `name`, `processes` (every process list),
+//!     `compute_processes`, `graphics_processes`, `mps_processes` (one
+//!     list; wins over `processes`), `memory`, `accounting_mode`, `accounting_pids`,
 //!     `accounting_stats`, `compute_mode`, `set_compute_mode`, `utilization`.
 //!   * `accounting` (default: disabled): `enabled` (default `false`) is
 //!     `nvmlDeviceGetAccountingMode`; while disabled, the pid and stats
@@ -271,6 +272,10 @@ enum Kind {
     #[default]
     Compute,
     Graphics,
+    /// A client of an MPS server: listed by
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3` only (the server
+    /// itself is a `compute` process).
+    Mps,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -284,6 +289,7 @@ struct Fail {
     processes: Option<u32>,
     compute_processes: Option<u32>,
     graphics_processes: Option<u32>,
+    mps_processes: Option<u32>,
     memory: Option<u32>,
     accounting_mode: Option<u32>,
     accounting_pids: Option<u32>,
@@ -903,6 +909,7 @@ unsafe fn running_processes(
         |f| match kind {
             Kind::Compute => f.compute_processes.or(f.processes),
             Kind::Graphics => f.graphics_processes.or(f.processes),
+            Kind::Mps => f.mps_processes.or(f.processes),
         },
         |_, gpu, _| {
             if count.is_null() {
@@ -946,6 +953,15 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     running_processes(device, Kind::Graphics, count, infos)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    running_processes(device, Kind::Mps, count, infos)
 }
 
 #[no_mangle]
