@@ -69,8 +69,8 @@ use crate::iter::{
 /// directory (see [`crate::iter::PIN_RINGS`] for the suffix).
 pub const PIN_FDTABLE: &str = "iter_fdtable_v2";
 
-/// The most records one table's run writes; a table with more says so
-/// ([`Object::TableUnread`](crate::iter::Object::TableUnread)). What one program run writes must fit the
+/// The most records one task's run writes; a task with more says where it
+/// stopped ([`Object::Pending`](crate::iter::Object::Pending)). What one program run writes must fit the
 /// iterator's buffer (8 pages, else `E2BIG`, `bpf_seq_read` in
 /// `kernel/bpf/bpf_iter.c`): 1,000 records of 24 bytes and the closing
 /// one do.
@@ -230,13 +230,14 @@ const SLOTS: i32 = 8;
 /// `bpf_ktime_get_ns` per 1,024 descriptors.
 const CLOCK_EVERY: i32 = 128;
 
-/// The fd-table program's control map (`BPF_MAP_TYPE_LRU_HASH`, key the
+/// The fd-table program's control map (`BPF_MAP_TYPE_HASH`, key the
 /// reader's `bpf_get_current_pid_tgid()`, value [`Pass`] as 32 bytes):
 /// each reader thread says which share of the tasks it reads, which task
-/// it resumes and by when it must be done. Full, it evicts the oldest
-/// entry (a reader killed before it removed its own); an evicted
-/// reader's pass reads every task to its end, which is slower, never
-/// less.
+/// it resumes and by when it must be done. A plain hash never drops a
+/// live reader's entry (an LRU map may, before it is full, from another
+/// CPU's free list); full of entries of readers killed before they
+/// removed theirs, a reader removes those of threads that are gone
+/// ([`FdTableIterator::read`]).
 const CTL_ENTRIES: u32 = 1024;
 /// The control map's name, as [`FdTableIterator::open_pinned`] finds it
 /// among the program's maps.
@@ -278,16 +279,6 @@ fn pending_record(a: &mut Asm) {
         .store(Size::W, Reg::R10, -16, Reg::R4);
     seq_write_main(a);
     a.ja("out");
-}
-
-/// `if (state.deadline && bpf_ktime_get_ns() > state.deadline) goto late`
-/// in the main frame.
-fn past_deadline(a: &mut Asm, late: &str, on_time: &str) {
-    a.load(Size::DW, Reg::R1, Reg::R10, STATE + ST_DEADLINE)
-        .jmp_imm(JmpOp::Eq, Reg::R1, 0, on_time)
-        .call(Helper::KtimeGetNs)
-        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_DEADLINE)
-        .jmp_reg(JmpOp::Gt, Reg::R0, Reg::R1, late);
 }
 
 /// With the name pointer in `r3`: reads 11 bytes of it into `fp+at` and
@@ -452,7 +443,6 @@ fn table_walk(a: &mut Asm, l: &FdTableLayout) {
         .alu64_imm(AluOp::Rsh, Reg::R1, 3)
         .load(Size::DW, Reg::R2, Reg::R10, STATE + ST_START)
         .jmp_reg(JmpOp::Ge, Reg::R2, Reg::R1, "vmas");
-    past_deadline(a, "table_late", "table_loop");
     a.label("table_loop")
         .comment("n = min(batches - start, BPF_MAX_LOOPS); bpf_loop(n, read_slots, &state, 0)")
         .load(size(&l.max_fds), Reg::R1, Reg::R9, off(&l.max_fds))
@@ -483,9 +473,6 @@ fn table_walk(a: &mut Asm, l: &FdTableLayout) {
         .alu64_imm(AluOp::Add, Reg::R1, SLOTS - 1)
         .alu64_imm(AluOp::Rsh, Reg::R1, 3)
         .jmp_reg(JmpOp::Ge, Reg::R4, Reg::R1, "vmas")
-        .ja("table_pending")
-        .label("table_late")
-        .load(Size::DW, Reg::R4, Reg::R10, STATE + ST_START)
         .label("table_pending")
         .comment("rec = { tgid, tid, batch, PENDING, vstart }: the mappings not read yet either")
         .load(Size::DW, Reg::R5, Reg::R10, VSTART);
@@ -513,7 +500,6 @@ fn vma_walk(a: &mut Asm, l: &FdTableLayout) {
         .comment("vstart == ~0: the mappings were read by an earlier pass")
         .load(Size::DW, Reg::R1, Reg::R10, VSTART)
         .jmp_imm(JmpOp::Eq, Reg::R1, -1, "out");
-    past_deadline(a, "vma_late", "vma_start");
     a.label("vma_start")
         .comment("bpf_iter_task_vma_new(&it, task, vstart): destroyed whatever it returns")
         .mov64_reg(Reg::R1, Reg::R10)
@@ -530,7 +516,6 @@ fn vma_walk(a: &mut Asm, l: &FdTableLayout) {
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
         .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
-        .label("vma_late")
         .mov64_imm(Reg::R4, -1)
         .load(Size::DW, Reg::R5, Reg::R10, VSTART);
     pending_record(a);
@@ -638,7 +623,8 @@ fn read_slots(a: &mut Asm, l: &FdTableLayout, majors_fd: i32) {
     a.label("read_slots")
         .mov64_reg(Reg::R6, Reg::R2)
         .mov64_reg(Reg::R9, Reg::R1)
-        .comment("every CLOCK_EVERY batches: past st->deadline, stop (st->more = 2) at this batch")
+        .comment("every CLOCK_EVERY batches after the first: past st->deadline, stop (st->more = 2) at this batch")
+        .jmp_imm(JmpOp::Eq, Reg::R1, 0, "batch")
         .alu64_imm(AluOp::And, Reg::R1, CLOCK_EVERY - 1)
         .jmp_imm(JmpOp::Ne, Reg::R1, 0, "batch")
         .load(Size::DW, Reg::R1, Reg::R6, ST_DEADLINE)
@@ -950,19 +936,47 @@ impl FdTableIterator {
 
     /// Reads `link` with `pass` in the control map under this thread's
     /// id (`bpf_get_current_pid_tgid`: tgid high, tid low), removed after.
+    /// A full map (entries of readers killed before they removed theirs)
+    /// loses the entries of threads that are gone, once, and is written
+    /// again.
     fn read(&self, link: &OwnedFd, pass: &Pass) -> Result<Vec<Record>, IterError> {
         use std::os::fd::AsFd;
         let key =
             ((std::process::id() as u64) << 32) | nix::unistd::gettid().as_raw() as u32 as u64;
-        crate::sys::map_update(self.ctl.as_fd(), &key.to_ne_bytes(), &pass.bytes()).map_err(
-            |err| IterError::Sys {
-                what: "BPF_MAP_UPDATE_ELEM (the fd-table program's control map)",
-                err,
-            },
-        )?;
+        let write = || crate::sys::map_update(self.ctl.as_fd(), &key.to_ne_bytes(), &pass.bytes());
+        let written = match write() {
+            Err(e) if e.raw_os_error() == Some(libc::E2BIG) => {
+                self.remove_gone_readers();
+                write()
+            }
+            r => r,
+        };
+        written.map_err(|err| IterError::Sys {
+            what: "BPF_MAP_UPDATE_ELEM (the fd-table program's control map)",
+            err,
+        })?;
         let out = iter::read_all(link);
         let _ = crate::sys::map_delete(self.ctl.as_fd(), &key.to_ne_bytes());
         out
+    }
+
+    /// Removes the control map's entries of threads that no longer exist
+    /// (`/proc/<tgid>/task/<tid>`).
+    fn remove_gone_readers(&self) {
+        use std::os::fd::AsFd;
+        let Ok(keys) = crate::sys::map_keys(self.ctl.as_fd(), 8, CTL_ENTRIES) else {
+            return;
+        };
+        for k in keys {
+            let Ok(b) = <[u8; 8]>::try_from(k.as_slice()) else {
+                continue;
+            };
+            let id = u64::from_ne_bytes(b);
+            let (tgid, tid) = (id >> 32, id & 0xffff_ffff);
+            if !Path::new(&format!("/proc/{tgid}/task/{tid}")).exists() {
+                let _ = crate::sys::map_delete(self.ctl.as_fd(), &b);
+            }
+        }
     }
 }
 
@@ -1262,21 +1276,53 @@ pub(crate) mod live {
             fds.intersection(&seen).count(),
             fds.len()
         );
-        // A deadline already past: every task of this reader's pass stops
-        // at once and says where it stands.
+        drop(many);
+        // A deadline already past: a table is read up to its first clock
+        // check (CLOCK_EVERY batches, 1,024 slots) and says where it
+        // stopped; a task whose table ends before that is read whole (a
+        // deadline never cuts the many small tasks that come late).
+        let copies: Vec<std::fs::File> = (0..2000).map(|_| null.try_clone().unwrap()).collect();
         let late = it
             .pass(&Pass {
                 deadline_ns: 1,
                 ..Pass::default()
             })
             .unwrap();
+        let mine: Vec<&Record> = late.iter().filter(|r| r.tgid == me).collect();
         assert!(
-            late.iter()
-                .any(|r| r.tgid == me && r.object == Object::Pending(0) && r.fd == 0),
-            "{:?}",
-            late.iter().filter(|r| r.tgid == me).collect::<Vec<_>>()
+            mine.iter()
+                .any(|r| r.tid == me && r.object == Object::Pending(0) && r.fd == CLOCK_EVERY),
+            "{mine:?}"
         );
-        assert!(!late.iter().any(|r| matches!(r.object, Object::CharFd(..))));
+        assert!(
+            mine.iter()
+                .any(|r| r.tid == me && r.object == Object::CharFd(1, 3)),
+            "read up to the clock check: {mine:?}"
+        );
+        // Any other task stopped has a table past the first clock check
+        // (`FDSize:`, its max_fds, above 1,024 slots).
+        let fd_size = |tid: i32| {
+            std::fs::read_to_string(format!("/proc/{tid}/status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("FDSize:"))
+                        .and_then(|v| v.trim().parse::<i32>().ok())
+                })
+        };
+        for r in late
+            .iter()
+            .filter(|r| r.tgid != me && matches!(r.object, Object::Pending(_)))
+        {
+            if let Some(n) = fd_size(r.tid) {
+                assert!(
+                    n > 8 * CLOCK_EVERY,
+                    "pid {} with {n} slots stopped: {r:?}",
+                    r.tid
+                );
+            }
+        }
+        drop(copies);
         // Two shares of the machine: each task in exactly one.
         let halves: Vec<Vec<Record>> = (0..2)
             .map(|share| {
@@ -1290,7 +1336,6 @@ pub(crate) mod live {
             .collect();
         let mine_in = |h: &Vec<Record>| h.iter().any(|r| r.tgid == me);
         assert!(mine_in(&halves[me as usize % 2]) && !mine_in(&halves[1 - me as usize % 2]));
-        drop(many);
         // SAFETY: unmaps and closes what this test made.
         unsafe {
             libc::munmap(zmap, 4096);
@@ -1357,5 +1402,5 @@ mod bytes {
         let got = insn_hash(&fdtable_program(&synthetic_layout(), 7, 8).unwrap());
         assert_eq!(got, RECORDED, "{got:?}");
     }
-    const RECORDED: (usize, u64) = (981, 2646635513624949819);
+    const RECORDED: (usize, u64) = (970, 1279765977476487771);
 }

@@ -1135,13 +1135,17 @@ fn tables_past_one_pass_are_read_in_further_passes() {
     );
 }
 
-/// A scan past its budget (`scan_budget_ms`; 0 here, so the kernel's
-/// passes stop at once) fails closed for the job it scans, and only for
-/// it: a process in the job's own cgroup (`job_<id>`) that was not read to
-/// its end counts as holding all of the job's devices (the usual response
-/// ends it); a process anywhere else is named in one `scan_over_budget`
-/// audit line and is no candidate (no kill, no drain). With the default
-/// budget neither is a candidate.
+/// A scan past its budget (`scan_budget_ms`; 0 here) fails closed for the
+/// job it scans, and only for it. The kernel's passes stop at a table's
+/// first clock check (1,024 slots): a process whose table is larger is not
+/// read to its end. One of the job's own user in the job's cgroup
+/// (`job_<id>`) then counts as holding all of the job's devices (the usual
+/// response ends it); one of root there (a job's slurmstepd) never does (it
+/// would only fail the job and drain the node); one anywhere else is named
+/// in one `scan_over_budget` audit line and is no candidate (no kill, no
+/// drain). A process with a small table is read whole however late it
+/// comes, so the job's own small processes are never taken for holders.
+/// With the default budget none is a candidate.
 #[test]
 fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     if !privileged() {
@@ -1150,11 +1154,13 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     let mut env = TestEnv::new("budget");
     let job = 4242;
     let in_job = env.cgroup(&format!("job_{job}/step_0/user/task_0"));
+    let step = env.cgroup(&format!("job_{job}/step_extern/slurm"));
     let elsewhere = env.cgroup("job_4243/step_0/user/task_0");
-    let (mine, other) = (
-        env.spawn_user_sleeper(&in_job),
-        env.spawn_user_sleeper(&elsewhere),
-    );
+    let big = ["flood", "-", "0", "2000", "0"];
+    let mine = env.spawn_user_probe(&in_job, &big, "flooded");
+    let small = env.spawn_user_sleeper(&in_job);
+    let stepd = env.spawn_probe(&step, &big, "flooded");
+    let other = env.spawn_user_probe(&elsewhere, &big, "flooded");
     let devs: BTreeSet<DevNum> = [DevNum::new(195, 0), DevNum::new(195, 1)].into();
     let cfg_at = |budget: u64| {
         let p = env.config(&format!(
@@ -1173,10 +1179,16 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
         && f.path
             .to_string_lossy()
             .contains("within scan_budget_ms (0 ms)")));
-    assert!(
-        !cands.iter().any(|c| c.pid == other),
-        "another job's process is left alone: {cands:?}"
-    );
+    for (pid, who) in [
+        (small, "the job's small process"),
+        (stepd, "root's process in the job"),
+        (other, "another job's process"),
+    ] {
+        assert!(
+            !cands.iter().any(|c| c.pid == pid),
+            "{who} ({pid}) is no candidate: {cands:?}"
+        );
+    }
     let lines: Vec<serde_json::Value> = gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
         .into_iter()
         .filter(|e| e["event"] == "scan_over_budget")
@@ -1184,13 +1196,15 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(lines[0]["job_id"], job);
     assert_eq!(lines[0]["budget_ms"], 0);
-    assert!(lines[0]["processes"].as_u64().unwrap() >= 1);
+    assert!(lines[0]["processes"].as_u64().unwrap() >= 2, "{lines:?}");
     assert!(lines[0]["pids"].as_array().unwrap().len() <= 20);
-    // The default budget: every table read, neither a candidate.
+    // The default budget: every table read, none a candidate.
     let node = cfg_at(2000);
     let cands = gpufence_node::response::respond::uncovered(&node, job, None, &devs, &[], 195, &[]);
     assert!(
-        !cands.iter().any(|c| c.pid == mine || c.pid == other),
+        !cands
+            .iter()
+            .any(|c| [mine, small, stepd, other].contains(&c.pid)),
         "{cands:?}"
     );
 }

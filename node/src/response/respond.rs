@@ -150,7 +150,10 @@ pub fn uncovered(
     let mut elsewhere: Vec<(i32, Option<String>)> = Vec::new();
     for &pid in scanner.over_budget() {
         let cgroup = node.cg.cgroup_of(pid).ok();
-        if cgroup.as_deref().is_some_and(|cg| in_job(cg, job_id)) {
+        // A system account's process (a job's slurmstepd) is never ended:
+        // as a candidate it would only fail the job and drain the node.
+        let system = uid_of(pid).is_none_or(|u| u <= node.cfg.protected_uid_max);
+        if !system && cgroup.as_deref().is_some_and(|cg| in_job(cg, job_id)) {
             let c = by_pid.entry(pid).or_insert_with(|| new(pid));
             for d in devs {
                 c.devices.insert(*d);
@@ -241,11 +244,48 @@ pub fn uncovered(
 /// How many processes a `scan_over_budget` line names (it counts all).
 const OVER_BUDGET_LISTED: usize = 20;
 
-/// Whether cgroup path `cg` is in job `job_id`'s cgroup (a `job_<id>`
-/// component, Slurm's `job_%u`, `src/plugins/cgroup/v2/cgroup_v2.c`).
+/// Whether cgroup path `cg` is in job `job_id`'s cgroup: its first
+/// component that names a job (`job_<n>`, Slurm's `job_%u` in
+/// `src/plugins/cgroup/v2/cgroup_v2.c`, or a SLUID) is `job_<job_id>`. A
+/// `job_<id>` below another job's cgroup (a lookalike a container runtime
+/// made in a delegated subtree) is that other job's, as
+/// `find_job_cgroup` holds too; a SLUID is never taken for a job id.
 fn in_job(cg: &str, job_id: u32) -> bool {
     cg.split('/')
-        .any(|d| d.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok()) == Some(job_id))
+        .find(|d| {
+            d.strip_prefix("job_")
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+                || gpufence_cgroup::hierarchy::is_sluid(d)
+        })
+        .is_some_and(|d| d.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok()) == Some(job_id))
+}
+
+#[cfg(test)]
+mod in_job_tests {
+    use super::in_job;
+
+    /// The job's own cgroup and below; never a lookalike inside another
+    /// job's, one below a SLUID, another job's, or a name that only
+    /// starts like one.
+    #[test]
+    fn in_job_is_anchored_at_the_first_job_dir() {
+        assert!(in_job(
+            "system.slice/slurmstepd.scope/job_42/step_0/user/task_0",
+            42
+        ));
+        assert!(in_job("gpufence-test/job_42", 42));
+        assert!(!in_job("system.slice/slurmstepd.scope/job_43/step_0", 42));
+        assert!(!in_job(
+            "system.slice/slurmstepd.scope/job_7/step_0/user/task_0/job_42/step_0",
+            42
+        ));
+        assert!(!in_job(
+            "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/job_42",
+            42
+        ));
+        assert!(!in_job("user.slice/user-1000.slice/session-1.scope", 42));
+        assert!(!in_job("system.slice/job_42x", 42));
+    }
 }
 
 /// A holder that is there but cannot be pinned ([`still_holding`]).

@@ -355,7 +355,19 @@ impl Scanner {
         let mut pids: Vec<&i32> = snap.procs.keys().filter(|p| **p != me).collect();
         pids.sort();
         for pid in pids {
-            if let Some(h) = self.holder_from_records(*pid, &snap.procs[pid], want) {
+            let r = &snap.procs[pid];
+            // Past the budget, a ring's fdinfo (one read each, a table may
+            // hold thousands) is not read: that process is not read whole.
+            let late = deadline.is_some_and(|d| Instant::now() >= d) && !r.anon.is_empty();
+            let h = if late {
+                self.over_budget.insert(*pid);
+                let mut cut = r.clone();
+                cut.anon.clear();
+                self.holder_from_records(*pid, &cut, want)
+            } else {
+                self.holder_from_records(*pid, r, want)
+            };
+            if let Some(h) = h {
                 out.push(h);
             }
         }
@@ -452,7 +464,9 @@ impl Scanner {
             }
         }
         let mut known = io_uring_files(&base, want, &mut fds, &r.anon);
-        if r.anon_maps {
+        // A memory map the kernel could not walk may keep a ring alive
+        // with no descriptor: looked for as where the kernel saw one.
+        if r.anon_maps || r.maps_unread {
             known.extend(r.ring_inos.iter().copied());
             self.mapped_rings(maps.as_ref(), pid, &mut fds, &known);
         }

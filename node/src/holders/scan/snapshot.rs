@@ -279,7 +279,14 @@ fn read_pinned(
             Ok(more) => {
                 for r in more {
                     if matches!(r.object, Object::Pending(_)) {
-                        queue.push(r);
+                        // A pass that ends where it began (its control
+                        // entry lost, a kernel that stops at once) would
+                        // loop: not read, said so.
+                        if r.tid == p.tid && r.fd == p.fd && r.object == p.object && p.fd >= 0 {
+                            over.insert(p.tgid);
+                        } else {
+                            queue.push(r);
+                        }
                     } else {
                         files.push(r);
                     }
