@@ -185,6 +185,9 @@ pub struct ClusterSpec {
     /// The plugin built for that release's series
     /// (`contrib/v2node/build-plugin.sh`); `None`: the workspace's build.
     pub plugin: Option<PathBuf>,
+    /// A plugstack.conf line put before gpufence's (another SPANK plugin,
+    /// as a site stacks Pyxis); `None`: gpufence's line alone.
+    pub plugstack_first: Option<String>,
 }
 
 /// The cgroup/v2 part of a [`ClusterSpec`].
@@ -318,7 +321,11 @@ fi
                 String::new()
             } else {
                 format!(
-                    "required {} config={}\n",
+                    "{}required {} config={}\n",
+                    spec.plugstack_first
+                        .as_ref()
+                        .map(|l| format!("{l}\n"))
+                        .unwrap_or_default(),
                     bin.join("gpufence.so").display(),
                     config.display()
                 )
@@ -606,4 +613,32 @@ pub fn user_command(slurm_conf: &Path, dir: &Path, program: &str) -> Command {
     .arg(program)
     .current_dir(dir);
     c
+}
+
+/// Builds `tests/spank-probe/order_probe.c` (a SPANK plugin that opens
+/// devices from its `slurm_spank_task_init`) into `out`, against the
+/// `<slurm/spank.h>` of the release in Debian root `root` (`None`: this
+/// host's), with this host's compiler and C headers otherwise (a plugin of
+/// the older glibc loads under the roots' newer one).
+pub fn build_order_probe(root: Option<&Path>, out: &Path) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("spank-probe/order_probe.c");
+    let mut c = Command::new("cc");
+    c.args(["-shared", "-fPIC", "-Wall", "-Werror", "-o"])
+        .arg(out)
+        .arg(&src);
+    let inc = out.with_extension("include");
+    if let Some(r) = root {
+        std::fs::create_dir_all(&inc).expect("include dir");
+        let link = inc.join("slurm");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(r.join("usr/include/slurm"), &link).expect("symlink");
+        c.arg(format!("-I{}", inc.display()));
+    }
+    let o = c.output().expect("cc");
+    assert!(
+        o.status.success(),
+        "building the probe plugin: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

@@ -2025,3 +2025,99 @@ fn io_uring_holds_outside_the_job_are_ended_22_05_host() {
     );
     drop(cluster);
 }
+
+/// Another SPANK plugin listed *before* gpufence.so in plugstack.conf opens
+/// the GPUs from its own `slurm_spank_task_init`, as Pyxis (Enroot) starts
+/// a job's container from there (`tests/spank-probe/order_probe.c`, built
+/// against the release's own `<slurm/spank.h>`). The job's grant is in
+/// place by then, whatever the order: gpufence grants in
+/// `slurm_spank_init`, which slurmstepd runs for every plugin before any
+/// task callback. The job's GPU opens (ENXIO), the other GPU and the
+/// held device are denied (EPERM).
+fn plugin_before_gpufence(release: &Release) {
+    let env = TestEnv::new("v2order");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let plugin = env.path("order_probe.so");
+    gpufence_tests::cluster::build_order_probe(release.root.as_deref(), &plugin);
+    let opened = env.path("jobs/order-probe.txt");
+    let cluster = Cluster::start_with(
+        &env,
+        &ClusterSpec {
+            plugstack_first: Some(format!(
+                "optional {} out={} dev={} dev={} dev={}",
+                plugin.display(),
+                opened.display(),
+                d.n3.display(),
+                d.n1.display(),
+                d.held.display()
+            )),
+            ..spec(release, &slice, &d, "", false, "Alloc,Contain")
+        },
+    );
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:sim:1",
+            "sh",
+            "-c",
+            "echo GPUS=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}",
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        both(&o),
+        cluster.log_tail("slurmd.log")
+    );
+    let index: usize = field(&stdout(&o), "GPUS")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("one GPU index: {}", stdout(&o)));
+    let said = std::fs::read_to_string(&opened).unwrap_or_default();
+    let (mine, other) = if index == 0 {
+        (&d.n3, &d.n1)
+    } else {
+        (&d.n1, &d.n3)
+    };
+    for (dev, want) in [(mine, "ENXIO"), (other, "EPERM"), (&d.held, "EPERM")] {
+        assert!(
+            said.lines()
+                .any(|l| l == format!("{} {want}", dev.display())),
+            "{}: {} should be {want} in a plugin's task_init before gpufence's:\n{said}\n{}",
+            release.slurm_version(),
+            dev.display(),
+            cluster.log_tail("slurmd.log")
+        );
+    }
+}
+
+#[test]
+fn plugin_before_gpufence_sees_the_grant_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    plugin_before_gpufence(&Release {
+        root: None,
+        plugin: None,
+    });
+}
+
+#[test]
+fn plugin_before_gpufence_sees_the_grant_24_11_debian_trixie() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("trixie") {
+        plugin_before_gpufence(&r);
+    }
+}
+
+#[test]
+fn plugin_before_gpufence_sees_the_grant_26_05_debian_sid() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("sid") {
+        plugin_before_gpufence(&r);
+    }
+}
