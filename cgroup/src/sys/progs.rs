@@ -29,12 +29,31 @@ pub struct LoadError {
     pub log: String,
 }
 
+/// How many times a `BPF_PROG_LOAD` that says `EAGAIN` is made: the
+/// verifier stops with `EAGAIN` when a signal is pending for the loading
+/// task (`do_check` in `kernel/bpf/verifier.c`), which says nothing about
+/// the program; libbpf retries as often (`PROG_LOAD_ATTEMPTS`,
+/// `tools/lib/bpf/bpf.c`).
+const LOAD_ATTEMPTS: usize = 5;
+
 /// Runs `attempt` (one `BPF_PROG_LOAD`, with the verifier log buffer when
-/// given one); on failure, runs it again with a 1 MiB log so the error
-/// carries the verifier's reason. The first errno is the one returned.
+/// given one), again while it says `EAGAIN` ([`LOAD_ATTEMPTS`] in all); on
+/// failure, runs it again with a 1 MiB log so the error carries the
+/// verifier's reason. The first errno is the one returned.
 fn load_with_log(
     attempt: impl Fn(Option<&mut Vec<u8>>) -> io::Result<OwnedFd>,
 ) -> Result<OwnedFd, LoadError> {
+    let attempt = |mut log: Option<&mut Vec<u8>>| {
+        let mut tries = 1;
+        loop {
+            match attempt(log.as_deref_mut()) {
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && tries < LOAD_ATTEMPTS => {
+                    tries += 1;
+                }
+                r => return r,
+            }
+        }
+    };
     match attempt(None) {
         Ok(fd) => Ok(fd),
         Err(errno) => {
@@ -290,4 +309,48 @@ pub fn btf_load(data: &[u8]) -> io::Result<OwnedFd> {
         ..Default::default()
     };
     bpf(BPF_BTF_LOAD, &mut a).map(fd_result)
+}
+
+#[cfg(test)]
+mod load_tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn some_fd() -> OwnedFd {
+        std::fs::File::open("/dev/null").unwrap().into()
+    }
+
+    /// A load interrupted by a pending signal (`EAGAIN`) is made again, up
+    /// to [`LOAD_ATTEMPTS`] times; a refusal (`EINVAL`) is not, and comes
+    /// back with its errno after one more try with the log.
+    #[test]
+    fn a_load_that_says_eagain_is_made_again() {
+        let calls = Cell::new(0);
+        let r = load_with_log(|_| {
+            calls.set(calls.get() + 1);
+            if calls.get() < 3 {
+                Err(io::Error::from_raw_os_error(libc::EAGAIN))
+            } else {
+                Ok(some_fd())
+            }
+        });
+        assert!(r.is_ok());
+        assert_eq!(calls.get(), 3);
+
+        let calls = Cell::new(0);
+        let r = load_with_log(|_| {
+            calls.set(calls.get() + 1);
+            Err(io::Error::from_raw_os_error(libc::EAGAIN))
+        });
+        assert_eq!(r.unwrap_err().errno.raw_os_error(), Some(libc::EAGAIN));
+        assert_eq!(calls.get(), 2 * LOAD_ATTEMPTS);
+
+        let calls = Cell::new(0);
+        let r = load_with_log(|_| {
+            calls.set(calls.get() + 1);
+            Err(io::Error::from_raw_os_error(libc::EINVAL))
+        });
+        assert_eq!(r.unwrap_err().errno.raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(calls.get(), 2);
+    }
 }
