@@ -16,7 +16,7 @@
 //!   `/dev/null` copies.
 //!
 //! Neither holds the co-tenant's GPU (195:0): both scans must find no
-//! holder. Everything lives in a [`TestEnv`] and the flooding processes
+//! holder. Everything lives in a [`gpufence_tests::TestEnv`] and the flooding processes
 //! are killed at the end of each row.
 
 use std::collections::BTreeSet;
@@ -24,14 +24,8 @@ use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gpufence_cgroup::btf::Btf;
-use gpufence_cgroup::fdtable::baseline::BaselineIterator;
-use gpufence_cgroup::fdtable::FdTableLayout;
-use gpufence_cgroup::iter::RingIterator;
-use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::DevNum;
-use gpufence_node::{holders::scan, host::fence_ops, Node};
-use gpufence_tests::{HoldableDevice, TestEnv};
+use gpufence_node::holders::scan;
 
 /// One row: a flood and both scans' medians.
 #[derive(Debug, Clone)]
@@ -100,34 +94,11 @@ fn flood(n: usize, args: &[String]) -> Vec<Child> {
 /// Runs each flood (`procs` x `fds`, both kinds, and no flood first),
 /// `runs` runs each, the two scans alternating which goes first.
 pub fn run(procs: &[usize], fds: &[usize], runs: usize) -> Vec<FloodResult> {
-    let gpu = HoldableDevice::claim();
-    let env = TestEnv::new("bench-flood");
-    let gpu_path = env.mknod("flood-gpu", gpu.major, gpu.minor);
-    let cfg = env.config(&format!(
-        "nvml = false\n[majors]\nnvidia = 195\nbench-gpu = {}\n",
-        gpu.major
-    ));
-    let node =
-        Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
-    let installed = fence_ops::install(&node).expect("install the bench's fence");
-    assert_eq!(
-        installed.iterators_unpinned, None,
-        "the scan iterators were not pinned"
-    );
+    let b = crate::scan::BenchNode::new("bench-flood");
+    let (gpu_path, node) = (&b.gpu_path, &b.node);
     let budget = Duration::from_millis(node.cfg.scan_budget_ms);
-    // The scan before: the first fd-table program with the fence's majors
-    // map, and the pinned ring iterator.
-    let btf = Btf::vmlinux().expect("vmlinux BTF");
-    let majors =
-        gpufence_cgroup::sys::obj_get(&node.cfg.bpffs_dir.join(gpufence_cgroup::maps::PIN_MAJORS))
-            .expect("the fence's majors map");
-    BaselineIterator::load(&FdTableLayout::from_btf(&btf).expect("layout"), &majors)
-        .expect("the first fd-table program")
-        .pin(&node.cfg.bpffs_dir)
-        .expect("pinned");
     let dir = node.cfg.bpffs_dir.clone();
     let want: BTreeSet<DevNum> = [DevNum::new(195, 0)].into();
-    let me = std::process::id() as i32;
     let mut rows: Vec<(&'static str, usize, usize)> = vec![("none", 0, 0)];
     for kind in ["copies", "rings"] {
         for &p in procs {
@@ -166,36 +137,10 @@ pub fn run(procs: &[usize], fds: &[usize], runs: usize) -> Vec<FloodResult> {
             for old in [run % 2 == 1, run % 2 == 0] {
                 let t = Instant::now();
                 if old {
-                    // As each scan did: the majors checked, both pins
-                    // opened, both read.
-                    let majors: Vec<u32> = want.iter().map(|d| d.major).collect();
-                    assert!(
-                        gpufence_cgroup::Fence::majors_protected(&dir, &majors).unwrap_or(false)
-                    );
-                    let before =
-                        BaselineIterator::open_pinned(&dir).expect("the first program's pin");
-                    let rings = RingIterator::open_pinned(&dir).expect("the pinned ring iterator");
-                    let (recs, unread) = before.files().expect("the first program");
-                    let _ = rings.files().expect("the ring iterator");
-                    let mut h = 0;
-                    for pid in unread.iter().filter(|p| **p != me) {
-                        if scan::Scanner::proc_walk()
-                            .holder_where(*pid, &|d| want.contains(&d))
-                            .is_some()
-                        {
-                            h += 1;
-                        }
-                    }
-                    h += recs
-                        .iter()
-                        .filter(|r| {
-                            matches!(r.object, gpufence_cgroup::iter::Object::CharFd(ma, mi)
-                                if want.contains(&DevNum::new(ma, mi)))
-                        })
-                        .count();
+                    let (h, w) = crate::scan::v1_scan(&dir, &want);
                     then.push(t.elapsed().as_secs_f64());
-                    walked = unread.len();
-                    holders.1 = h;
+                    walked = w;
+                    holders.1 = h.len();
                 } else {
                     let mut s = scan::Scanner::with_pins(&node.cfg.bpffs_dir).with_budget(budget);
                     let h = s.holders(&want);
@@ -224,7 +169,7 @@ pub fn run(procs: &[usize], fds: &[usize], runs: usize) -> Vec<FloodResult> {
             holders,
         });
     }
-    drop(env);
+    drop(b);
     out
 }
 

@@ -210,33 +210,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// and the sweep's) run only up to 200,000 descriptors in all: past that
 /// each takes seconds and says nothing new (their cost is per descriptor).
 pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
-    let dev = HoldableDevice::claim();
-    let env = TestEnv::new("bench-scan");
-    let node_path = env.mknod("gpu", dev.major, dev.minor);
-    let cfg = env.config(&format!(
-        "nvml = false\n[majors]\nnvidia = 195\nbench-gpu = {}\n",
-        dev.major
-    ));
-    let node =
-        Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
-    let installed = fence_ops::install(&node).expect("install the bench's fence");
-    if let Some(why) = &installed.iterators_unpinned {
-        eprintln!("scan iterators not pinned: {why}");
-    }
+    let b = BenchNode::new("bench-scan");
+    let (dev, env, node_path, node) = (&b.dev, &b.env, &b.gpu_path, &b.node);
     let devs: BTreeSet<DevNum> = [DevNum::new(dev.major, dev.minor)].into();
-    // The first fd-table program, pinned beside today's as its install did.
-    {
-        use gpufence_cgroup::fdtable::{baseline::BaselineIterator, FdTableLayout};
-        let btf = gpufence_cgroup::btf::Btf::vmlinux().expect("vmlinux BTF");
-        let majors = gpufence_cgroup::sys::obj_get(
-            &node.cfg.bpffs_dir.join(gpufence_cgroup::maps::PIN_MAJORS),
-        )
-        .expect("the fence's majors map");
-        BaselineIterator::load(&FdTableLayout::from_btf(&btf).expect("layout"), &majors)
-            .expect("the first fd-table program")
-            .pin(&node.cfg.bpffs_dir)
-            .expect("pinned");
-    }
     let all_cpus = cpus_allowed();
     let mut cpu_counts: Vec<usize> = [1, 2, all_cpus]
         .into_iter()
@@ -245,7 +221,7 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
     cpu_counts.dedup();
     let mut out = Vec::new();
     for &(n, fds) in counts {
-        let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), &node_path);
+        let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), node_path);
         let walks = n * fds <= 200_000;
         let mut scans_pinned = Vec::new();
         let mut scans_v1 = Vec::new();
@@ -269,7 +245,7 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
             let mut v1 = BTreeSet::new();
             if run % 2 == 1 {
                 let t = Instant::now();
-                v1 = v1_scan(&node.cfg.bpffs_dir, &devs);
+                v1 = v1_scan(&node.cfg.bpffs_dir, &devs).0;
                 scans_v1.push(t.elapsed().as_secs_f64());
             }
             let mut s = scan::Scanner::with_pins(&node.cfg.bpffs_dir);
@@ -279,7 +255,7 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
             assert!(s.read_pins(), "the pinned iterators were not read");
             if run % 2 == 0 {
                 let t = Instant::now();
-                v1 = v1_scan(&node.cfg.bpffs_dir, &devs);
+                v1 = v1_scan(&node.cfg.bpffs_dir, &devs).0;
                 scans_v1.push(t.elapsed().as_secs_f64());
             }
             same &= v1 == pinned.iter().map(|h| h.pid).collect::<BTreeSet<i32>>();
@@ -319,7 +295,7 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
                     continue;
                 }
                 let t = Instant::now();
-                let o = sweep::execute(&node, &SweepRequest::default());
+                let o = sweep::execute(node, &SweepRequest::default());
                 let dt = t.elapsed().as_secs_f64();
                 if proc_walk {
                     sweeps_proc.push(dt);
@@ -364,14 +340,15 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
             sweep_findings_proc: findings_proc,
         });
     }
-    drop(env);
+    drop(b);
     out
 }
 
-/// The holders' pids the scan before further passes found: the first
-/// fd-table program's records and the pinned ring iterator, the processes
-/// it did not read whole walked in `/proc` (as `Scanner::holders` did).
-fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> BTreeSet<i32> {
+/// What the scan before further passes found: the holders' pids (the
+/// first fd-table program's records and the pinned ring iterator, the
+/// processes it did not read whole walked in `/proc`, as
+/// `Scanner::holders` did), and how many processes it walked in `/proc`.
+pub(crate) fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> (BTreeSet<i32>, usize) {
     use gpufence_cgroup::iter::{Object, RingIterator};
     let majors: Vec<u32> = devs.iter().map(|d| d.major).collect();
     assert!(gpufence_cgroup::Fence::majors_protected(dir, &majors).unwrap_or(false));
@@ -379,7 +356,7 @@ fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> BTreeSet<i32> {
         .expect("the first program's pin");
     let rings = RingIterator::open_pinned(dir).expect("the pinned ring iterator");
     let (recs, unread) = it.files().expect("the first program");
-    let _ = rings.files();
+    let _ = rings.files().expect("the ring iterator");
     let me = std::process::id() as i32;
     let mut out: BTreeSet<i32> = recs
         .iter()
@@ -389,6 +366,7 @@ fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> BTreeSet<i32> {
         )
         .map(|r| r.tgid)
         .collect();
+    let walked = unread.len();
     for pid in unread.into_iter().filter(|p| *p != me) {
         if scan::Scanner::proc_walk()
             .holder_where(pid, &|d| devs.contains(&d))
@@ -397,7 +375,54 @@ fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> BTreeSet<i32> {
             out.insert(pid);
         }
     }
-    out
+    (out, walked)
+}
+
+/// A benchmark's node: a misc device no process holds (the bench's GPU,
+/// on a major the fence protects besides 195), its node `gpu_path` in a
+/// [`TestEnv`], and the fence installed there with its scan iterators
+/// pinned, and the first fd-table program pinned beside them as its
+/// install did ([`v1_scan`]).
+pub(crate) struct BenchNode {
+    pub(crate) dev: HoldableDevice,
+    pub(crate) env: TestEnv,
+    pub(crate) gpu_path: std::path::PathBuf,
+    pub(crate) node: Node,
+}
+
+impl BenchNode {
+    pub(crate) fn new(tag: &str) -> BenchNode {
+        use gpufence_cgroup::fdtable::{baseline::BaselineIterator, FdTableLayout};
+        let dev = HoldableDevice::claim();
+        let env = TestEnv::new(tag);
+        let gpu_path = env.mknod("gpu", dev.major, dev.minor);
+        let cfg = env.config(&format!(
+            "nvml = false\n[majors]\nnvidia = 195\nbench-gpu = {}\n",
+            dev.major
+        ));
+        let node =
+            Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
+        let installed = fence_ops::install(&node).expect("install the bench's fence");
+        assert_eq!(
+            installed.iterators_unpinned, None,
+            "the scan iterators were not pinned"
+        );
+        let btf = gpufence_cgroup::btf::Btf::vmlinux().expect("vmlinux BTF");
+        let majors = gpufence_cgroup::sys::obj_get(
+            &node.cfg.bpffs_dir.join(gpufence_cgroup::maps::PIN_MAJORS),
+        )
+        .expect("the fence's majors map");
+        BaselineIterator::load(&FdTableLayout::from_btf(&btf).expect("layout"), &majors)
+            .expect("the first fd-table program")
+            .pin(&node.cfg.bpffs_dir)
+            .expect("pinned");
+        BenchNode {
+            dev,
+            env,
+            gpu_path,
+            node,
+        }
+    }
 }
 
 /// Today's pinned scan against the one before it, and by CPUs.
@@ -471,17 +496,9 @@ pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
 pub fn profile(n: usize, fds: usize, runs: usize) {
     use gpufence_cgroup::fdtable::{FdTableIterator, Pass};
     use gpufence_cgroup::iter::RingIterator;
-    let dev = HoldableDevice::claim();
-    let env = TestEnv::new("bench-profile");
-    let node_path = env.mknod("gpu", dev.major, dev.minor);
-    let cfg = env.config(&format!(
-        "nvml = false\n[majors]\nnvidia = 195\nbench-gpu = {}\n",
-        dev.major
-    ));
-    let node =
-        Node::new(Config::load(&cfg).expect("config"), ConfigOrigin::File(cfg)).expect("node");
-    fence_ops::install(&node).expect("install");
-    let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), &node_path);
+    let b = BenchNode::new("bench-profile");
+    let (dev, env, node_path, node) = (&b.dev, &b.env, &b.gpu_path, &b.node);
+    let pids = spawn_crowd(n, fds, 5.min(n), &env.path("."), node_path);
     let dir = node.cfg.bpffs_dir.clone();
     let devs: BTreeSet<DevNum> = [DevNum::new(dev.major, dev.minor)].into();
     let time = |f: &mut dyn FnMut()| {

@@ -512,11 +512,9 @@ fn vma_walk(a: &mut Asm, l: &FdTableLayout) {
         .alu32_imm(AluOp::Add, Reg::R0, 0)
         .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vma")
         .alu32_imm(AluOp::Add, Reg::R0, ENOENT)
-        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vdone")
-        .mov64_reg(Reg::R1, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
-        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
-        .mov64_imm(Reg::R4, -1)
+        .jmp_imm(JmpOp::Eq, Reg::R0, 0, "vdone");
+    destroy_vma_iter(a, l);
+    a.mov64_imm(Reg::R4, -1)
         .load(Size::DW, Reg::R5, Reg::R10, VSTART);
     pending_record(a);
     a.label("vma")
@@ -551,6 +549,14 @@ fn vma_walk(a: &mut Asm, l: &FdTableLayout) {
     io_uring_name(a, NAME, "vanon", "vring", "vma");
     a.label("vring");
     ring_has_files(a, l, Reg::R8, TMP, "vanon", "vma");
+}
+
+/// `bpf_iter_task_vma_destroy(&it)`: the vma iterator at fp+IT ended,
+/// as the verifier wants after every `_new`, whatever it returned.
+fn destroy_vma_iter(a: &mut Asm, l: &FdTableLayout) {
+    a.mov64_reg(Reg::R1, Reg::R10)
+        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
+        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy");
 }
 
 /// A mapping's record: the first mapped io_uring ring's inode number (one
@@ -594,21 +600,14 @@ fn vma_record(a: &mut Asm, l: &FdTableLayout, majors_fd: i32) {
         .alu64_imm(AluOp::Add, Reg::R4, 1)
         .store(Size::DW, Reg::R10, STATE + ST_RECORDS, Reg::R4);
     main_record(a, None, 0);
-    a.ja("vma")
-        .label("vfull")
-        .mov64_reg(Reg::R1, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
-        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
-        .mov64_imm(Reg::R4, -1)
+    a.ja("vma").label("vfull");
+    destroy_vma_iter(a, l);
+    a.mov64_imm(Reg::R4, -1)
         .load(Size::DW, Reg::R5, Reg::R10, VCUR);
     pending_record(a);
-    a.label("vdone")
-        .mov64_reg(Reg::R1, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R1, IT as i32)
-        .call_kfunc(l.vma_destroy, "bpf_iter_task_vma_destroy")
-        .label("out")
-        .mov64_imm(Reg::R0, 0)
-        .exit();
+    a.label("vdone");
+    destroy_vma_iter(a, l);
+    a.label("out").mov64_imm(Reg::R0, 0).exit();
 }
 
 /// The `bpf_loop` callback `read_slots`: every [`CLOCK_EVERY`] batches

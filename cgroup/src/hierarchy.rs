@@ -541,6 +541,20 @@ fn is_job_id_dir(name: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The job id of a `job_<digits>` cgroup directory name (Slurm's
+/// `job_%u`), `None` for anything else (a SLUID names no id).
+pub fn job_dir_id(name: &str) -> Option<u32> {
+    is_job_id_dir(name)
+        .then(|| name.strip_prefix("job_").and_then(|n| n.parse().ok()))
+        .flatten()
+}
+
+/// Whether cgroup directory `name` is a Slurm job's: `job_<digits>` or a
+/// SLUID ([`is_sluid`]).
+pub fn is_job_dir(name: &str) -> bool {
+    is_job_id_dir(name) || is_sluid(name)
+}
+
 /// Whether `name` is a SLUID as Slurm prints it (`print_sluid`,
 /// `src/common/sluid.c`, 25.11+): `s`, then 13 characters of Crockford's
 /// base32 upper case (`0-9A-Z` without `I L O U`), most significant first,

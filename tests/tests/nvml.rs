@@ -95,6 +95,38 @@ fn gpu(minor: u32, procs: Value) -> Value {
            "idle_used_mib": 500, "memory_total_mib": 81920, "processes": procs})
 }
 
+/// A node whose `slurmd -G` lists one GPU, `/dev/nvidia<minor>` (a node
+/// made in the test's temp dir), with the world's fake NVML and `extra`
+/// config.
+fn one_gpu_node(w: &World, minor: u32, extra: &str) -> Node {
+    let slurmd_g = w.env.path("slurmd-G.txt");
+    let n = w.env.mknod(&format!("nvidia{minor}"), 195, minor);
+    std::fs::write(
+        &slurmd_g,
+        format!("Gres Name=gpu Count=1 File={}\n", n.display()),
+    )
+    .unwrap();
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\n{extra}[majors]\nnvidia = 195\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        slurmd_g.display()
+    ));
+    Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+}
+
+/// The Prolog's environment of root's job `job_id` on GRES index 0.
+fn prolog_env(job_id: u32) -> PrologEnv {
+    PrologEnv {
+        job_id,
+        uid: 0,
+        gres_indices: vec![0],
+        slurm_conf: None,
+        node_name: None,
+        cuda_visible_devices: vec![],
+        options: Default::default(),
+    }
+}
+
 /// NVML lists a process on the job's GPU that holds no descriptor of it
 /// (e.g. in another mount namespace): found by NVML alone, frozen, evidence
 /// with its GPU memory, killed; its memory comes back, the node is clean.
@@ -221,29 +253,8 @@ fn the_prolog_baseline_is_the_idle_level() {
     let mut g = gpu(3, json!([]));
     g["stuck_used_mib"] = json!(2548);
     w.scenario(json!({"gpus": [g]}));
-    let slurmd_g = w.env.path("slurmd-G.txt");
-    let n3 = w.env.mknod("nvidia3", 195, 3);
-    std::fs::write(
-        &slurmd_g,
-        format!("Gres Name=gpu Count=1 File={}\n", n3.display()),
-    )
-    .unwrap();
-    let p = w.env.config(&format!(
-        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nmemory_wait_ms = 500\n[majors]\nnvidia = 195\n",
-        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
-        slurmd_g.display()
-    ));
-    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
-    let env = PrologEnv {
-        job_id: 23,
-        uid: 0,
-        gres_indices: vec![0],
-        slurm_conf: None,
-        node_name: None,
-        cuda_visible_devices: vec![],
-        options: Default::default(),
-    };
-    let rec = prolog::run(&node, &env).unwrap();
+    let node = one_gpu_node(&w, 3, "memory_wait_ms = 500\n");
+    let rec = prolog::run(&node, &prolog_env(23)).unwrap();
     assert_eq!(rec.gpu_idle.len(), 1);
     assert_eq!(rec.gpu_idle[0].used_bytes, 3048u64 << 20);
     assert!(epilog::run(&node, 23, None).clean());
@@ -267,25 +278,8 @@ fn a_process_on_another_gpu_is_left_to_the_next_prolog() {
     assert!(o.clean() && o.lingering.is_empty(), "{o:?}");
     assert!(!gone(squatter));
 
-    let n1 = w.env.mknod("nvidia1", 195, 1);
-    let g = w.env.path("slurmd-G.txt");
-    std::fs::write(&g, format!("Gres Name=gpu Count=1 File={}\n", n1.display())).unwrap();
-    let p = w.env.config(&format!(
-        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nterm_grace_ms = 300\n[majors]\nnvidia = 195\n",
-        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
-        g.display()
-    ));
-    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
-    let env = PrologEnv {
-        job_id: 25,
-        uid: 0,
-        gres_indices: vec![0],
-        slurm_conf: None,
-        node_name: None,
-        cuda_visible_devices: vec![],
-        options: Default::default(),
-    };
-    let rec = prolog::run(&node, &env).unwrap();
+    let node = one_gpu_node(&w, 1, "term_grace_ms = 300\n");
+    let rec = prolog::run(&node, &prolog_env(25)).unwrap();
     assert!(gone(squatter), "the prolog killed the squatter");
     assert!(
         rec.notes.iter().any(|n| n.contains("clean start: killed")),
@@ -600,29 +594,8 @@ fn a_shared_gpu_is_checked_per_process() {
         .unwrap();
     w.scenario(json!({"gpus": [gpu(3, json!([{"pid": co_tenant, "used_mib": 3000}]))]}));
     // The Prolog of job 40 on that GPU: shared.
-    let slurmd_g = w.env.path("slurmd-G.txt");
-    let n3 = w.env.mknod("nvidia3", 195, 3);
-    std::fs::write(
-        &slurmd_g,
-        format!("Gres Name=gpu Count=1 File={}\n", n3.display()),
-    )
-    .unwrap();
-    let p = w.env.config(&format!(
-        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nmemory_wait_ms = 500\nidle_memory_mib = 0\n[majors]\nnvidia = 195\n",
-        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
-        slurmd_g.display()
-    ));
-    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
-    let env = PrologEnv {
-        job_id: 40,
-        uid: 0,
-        gres_indices: vec![0],
-        slurm_conf: None,
-        node_name: None,
-        cuda_visible_devices: vec![],
-        options: Default::default(),
-    };
-    let rec = prolog::run(&node, &env).unwrap();
+    let node = one_gpu_node(&w, 3, "memory_wait_ms = 500\nidle_memory_mib = 0\n");
+    let rec = prolog::run(&node, &prolog_env(40)).unwrap();
     assert_eq!(rec.gpu_idle.len(), 1);
     assert!(rec.gpu_idle[0].shared, "{:?}", rec.gpu_idle);
     assert_eq!(rec.gpu_idle[0].used_bytes, 3500u64 << 20);
@@ -654,7 +627,7 @@ fn a_shared_gpu_is_checked_per_process() {
     // Alone on the GPU now, with the job's leftover gone: clean, whatever
     // the level measured at start.
     w.scenario(json!({"gpus": [gpu(3, json!([{"pid": co_tenant, "used_mib": 3000}]))]}));
-    let rec = prolog::run(&node, &PrologEnv { job_id: 42, ..env }).unwrap();
+    let rec = prolog::run(&node, &prolog_env(42)).unwrap();
     assert!(rec.gpu_idle[0].shared);
     assert!(epilog::run(&node, 42, None).clean());
 }

@@ -50,7 +50,13 @@ pub struct MapInfo {
 }
 
 fn info_by_fd<T: Default>(fd: BorrowedFd<'_>) -> io::Result<T> {
-    let mut info = T::default();
+    info_into(fd, T::default())
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` into `info` as the caller filled it (buffers
+/// and their lengths for the kernel to fill), returned as the kernel
+/// left it.
+fn info_into<T>(fd: BorrowedFd<'_>, mut info: T) -> io::Result<T> {
     let mut a = InfoAttr {
         bpf_fd: fd.as_raw_fd() as u32,
         info_len: size_of::<T>() as u32,
@@ -115,17 +121,14 @@ pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
 /// errno.
 pub fn prog_map_ids(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     let mut ids = [0u32; 64];
-    let mut info = ProgInfo {
-        nr_map_ids: ids.len() as u32,
-        map_ids: ids.as_mut_ptr() as u64,
-        ..ProgInfo::default()
-    };
-    let mut a = InfoAttr {
-        bpf_fd: fd.as_raw_fd() as u32,
-        info_len: size_of::<ProgInfo>() as u32,
-        info: &mut info as *mut ProgInfo as u64,
-    };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    let info = info_into(
+        fd,
+        ProgInfo {
+            nr_map_ids: ids.len() as u32,
+            map_ids: ids.as_mut_ptr() as u64,
+            ..ProgInfo::default()
+        },
+    )?;
     // The kernel writes the program's count, which may exceed ours.
     let n = (info.nr_map_ids as usize).min(ids.len());
     Ok(ids[..n].to_vec())
@@ -240,17 +243,14 @@ pub fn prog_xlated(fd: BorrowedFd<'_>) -> io::Result<Vec<RawInsn>> {
     let first: ProgInfo = info_by_fd(fd)?;
     let n = first.xlated_prog_len as usize / size_of::<RawInsn>();
     let mut insns = vec![RawInsn::default(); n];
-    let mut info = ProgInfo {
-        xlated_prog_len: (n * size_of::<RawInsn>()) as u32,
-        xlated_prog_insns: insns.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    let mut a = InfoAttr {
-        bpf_fd: fd.as_raw_fd() as u32,
-        info_len: size_of::<ProgInfo>() as u32,
-        info: &mut info as *mut ProgInfo as u64,
-    };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    let info = info_into(
+        fd,
+        ProgInfo {
+            xlated_prog_len: (n * size_of::<RawInsn>()) as u32,
+            xlated_prog_insns: insns.as_mut_ptr() as u64,
+            ..Default::default()
+        },
+    )?;
     // The program cannot change; a shorter answer is kept as given.
     let got = (info.xlated_prog_len as usize / size_of::<RawInsn>()).min(n);
     insns.truncate(got);

@@ -130,13 +130,19 @@ pub(super) struct LinkCreateIterAttr {
 /// # Errors
 /// errno.
 pub fn link_create_iter(prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    link_create_iter_info::<()>(prog, None)
+}
+
+/// `BPF_LINK_CREATE` of an iterator program with `info` as its
+/// `bpf_iter_link_info` (none: `iter_info` 0).
+fn link_create_iter_info<I>(prog: BorrowedFd<'_>, info: Option<&I>) -> io::Result<OwnedFd> {
     let mut a = LinkCreateIterAttr {
         prog_fd: prog.as_raw_fd() as u32,
         target_fd: 0,
         attach_type: ATTACH_TRACE_ITER,
         flags: 0,
-        iter_info: 0,
-        iter_info_len: 0,
+        iter_info: info.map_or(0, |i| i as *const I as u64),
+        iter_info_len: info.map_or(0, |_| size_of::<I>() as u32),
         _pad: 0,
     };
     bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
@@ -166,16 +172,7 @@ pub fn link_create_iter_task(prog: BorrowedFd<'_>, tid: u32) -> io::Result<Owned
         pid: 0,
         pid_fd: 0,
     };
-    let mut a = LinkCreateIterAttr {
-        prog_fd: prog.as_raw_fd() as u32,
-        target_fd: 0,
-        attach_type: ATTACH_TRACE_ITER,
-        flags: 0,
-        iter_info: &info as *const TaskIterInfo as u64,
-        iter_info_len: size_of::<TaskIterInfo>() as u32,
-        _pad: 0,
-    };
-    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+    link_create_iter_info(prog, Some(&info))
 }
 
 /// `BPF_CGROUP_ITER_SELF_ONLY` (`enum bpf_cgroup_iter_order`,
@@ -216,16 +213,7 @@ pub fn link_create_iter_cgroup(
         cgroup_fd: cgroup.as_raw_fd() as u32,
         cgroup_id: 0,
     };
-    let mut a = LinkCreateIterAttr {
-        prog_fd: prog.as_raw_fd() as u32,
-        target_fd: 0,
-        attach_type: ATTACH_TRACE_ITER,
-        flags: 0,
-        iter_info: &info as *const CgroupIterInfo as u64,
-        iter_info_len: size_of::<CgroupIterInfo>() as u32,
-        _pad: 0,
-    };
-    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+    link_create_iter_info(prog, Some(&info))
 }
 
 #[repr(C)]

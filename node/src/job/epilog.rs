@@ -463,14 +463,9 @@ impl<'a> Run<'a> {
         );
         let out = &mut self.out;
         if gpus.available() && !minors.is_empty() {
-            let shared_now: BTreeSet<u32> = fence
-                .as_ref()
-                .and_then(|f| f.entries().ok())
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|e| e.dev.major == gpu_major)
-                .map(|e| e.dev.minor)
-                .collect();
+            // The ending job's grant is revoked by now: all that is left
+            // is other jobs'.
+            let shared_now = super::granted_minors(fence.as_ref(), gpu_major, None);
             let shared_at_start: BTreeSet<u32> = rec
                 .as_ref()
                 .map(|r| {

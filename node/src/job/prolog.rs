@@ -535,13 +535,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
     if gpus.available() {
         // A GPU another job's live grant covers (gres/shard, gres/mps:
         // several jobs on one GPU) idles at no level this job can measure.
-        let shared: BTreeSet<u32> = fence
-            .entries()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| e.job_id != rec.job_id && e.dev.major == gpu_major)
-            .map(|e| e.dev.minor)
-            .collect();
+        let shared = super::granted_minors(Some(fence), gpu_major, Some(rec.job_id));
         rec.gpu_idle = gpus
             .memory_used(&minors)
             .map_err(NodeError::Nvml)?

@@ -251,13 +251,10 @@ const OVER_BUDGET_LISTED: usize = 20;
 /// made in a delegated subtree) is that other job's, as
 /// `find_job_cgroup` holds too; a SLUID is never taken for a job id.
 fn in_job(cg: &str, job_id: u32) -> bool {
+    use gpufence_cgroup::hierarchy::{is_job_dir, job_dir_id};
     cg.split('/')
-        .find(|d| {
-            d.strip_prefix("job_")
-                .is_some_and(|n| n.parse::<u32>().is_ok())
-                || gpufence_cgroup::hierarchy::is_sluid(d)
-        })
-        .is_some_and(|d| d.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok()) == Some(job_id))
+        .find(|d| is_job_dir(d))
+        .is_some_and(|d| job_dir_id(d) == Some(job_id))
 }
 
 #[cfg(test)]
@@ -558,9 +555,7 @@ pub fn other_users_job(
     }
     cg.split('/')
         .find(|d| {
-            d.strip_prefix("job_")
-                .and_then(|n| n.parse::<u32>().ok())
-                .is_some_and(|n| n != job_id)
+            gpufence_cgroup::hierarchy::job_dir_id(d).is_some_and(|n| n != job_id)
                 || gpufence_cgroup::hierarchy::is_sluid(d)
         })
         .map(str::to_string)
