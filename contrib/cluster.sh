@@ -393,6 +393,22 @@ in_root() {
         bash "$HERE/v2node/chroot.sh" "$root" bash "$inner/cluster.sh" "$1" "$DIR"
 }
 
+# subids: the test user's ranges in /etc/subuid and /etc/subgid, which
+# rootless Podman maps into its user namespace through the setuid
+# newuidmap/newgidmap (uidmap package; newuidmap(1), subuid(5)); jobs run
+# containers (tests/tests/e2e_containers.rs). useradd adds them where
+# login.defs gives SUB_UID_COUNT (shadow 4.13+'s default), so this only
+# fills in a range past every other user's where there is none. In a root
+# (GPUFENCE_CLUSTER_ROOT) this runs inside it, on the root's own files.
+subids() {
+    local f start
+    for f in /etc/subuid /etc/subgid; do
+        grep -q "^$TEST_USER:" "$f" 2>/dev/null && continue
+        start=$({ cat "$f" 2>/dev/null || true; } | awk -F: 'BEGIN { m = 100000 } $2 + $3 > m { m = $2 + $3 } END { print m }')
+        printf '%s:%s:65536\n' "$TEST_USER" "$start" >>"$f" || return 1
+    done
+}
+
 # --- commands ------------------------------------------------------------------
 
 start_munged() {
@@ -471,6 +487,7 @@ cmd_start() {
     id -u "$TEST_USER" >/dev/null 2>&1 ||
         useradd --no-create-home --home-dir / --shell /bin/sh --user-group "$TEST_USER" ||
         die "cannot create user $TEST_USER"
+    subids || die "cannot give $TEST_USER subordinate ids"
 
     write_conf
     trap 'fail "interrupted"' INT TERM

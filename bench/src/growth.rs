@@ -80,6 +80,7 @@ fn measure(node: &Node, job: &mut u32, runs: usize) -> (f64, f64, f64) {
             node_name: None,
             cuda_visible_devices: vec![],
             options: Default::default(),
+            mps: false,
         };
         let t = Instant::now();
         prolog::run(node, &env).expect("prolog");

@@ -162,6 +162,7 @@ pub fn run(counts: &[usize]) -> Vec<RespondResult> {
                     mig: vec![],
                     cuda_visible_devices: vec![],
                     saved_compute_modes: Vec::new(),
+                    mps: Vec::new(),
                 })
                 .expect("record");
             let t = Instant::now();

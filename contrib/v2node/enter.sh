@@ -42,9 +42,9 @@ fstype() { stat -f -c %T "$1" 2>/dev/null; }
 # proc-cgroup-v2only.c), on a pure cgroup v2 host too.
 if [[ ${GPUFENCE_V2NODE_CGROUPNS:-} == 1 ]]; then
     if [[ ${GPUFENCE_V2NODE_INSIDE:-} != 1 ]]; then
-        # In v2node/chroot.sh's root, / is no mount point, so unshare cannot
-        # make it private (EINVAL); the namespace chroot.sh made is private
-        # already, and the new one copies it.
+        # In v2node/chroot.sh's root the namespace chroot.sh made is
+        # private already, and the new one copies it: its propagation is
+        # left as it is.
         prop=private
         [[ ${GPUFENCE_CHROOTED:-} == 1 ]] && prop=unchanged
         exec env GPUFENCE_V2NODE_INSIDE=1 unshare --mount --cgroup --propagation "$prop" -- "$0" "$shim" "$@"

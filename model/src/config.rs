@@ -196,6 +196,23 @@ pub struct Config {
     /// The exempt cgroup `gpufence exec` runs admin commands in, relative to
     /// `cgroup_root`; always exempt in the fence.
     pub exec_cgroup: String,
+    /// NVIDIA's MPS control daemon (`/usr/bin/nvidia-cuda-mps-control`).
+    /// Set, gpufence runs one per GPU that gres/mps jobs hold: the Prolog
+    /// of the first such job starts it (`-d`) in `<cgroup_root>/<mps_cgroup>/gpu<minor>`,
+    /// which is granted that GPU and the control devices while any MPS job
+    /// holds it; the Epilog of the last one stops it (`quit`), ends what
+    /// is left in that cgroup and revokes the grant. Jobs get
+    /// `CUDA_MPS_PIPE_DIRECTORY` from the plugin. Unset (default): gpufence
+    /// starts no MPS daemon, and one started elsewhere (Slurm's sample
+    /// Prolog) is a process outside every job, denied the GPU.
+    pub mps_control: Option<PathBuf>,
+    /// Where each MPS daemon's pipe and log directories are made:
+    /// `<mps_dir>/gpu<minor>/pipe` and `.../log`.
+    pub mps_dir: PathBuf,
+    /// The cgroup the MPS daemons run in, relative to `cgroup_root`: one
+    /// leaf `gpu<minor>` per daemon. Never exempt: a leaf is granted its
+    /// GPU only while an MPS job holds that GPU.
+    pub mps_cgroup: String,
 }
 
 /// Whether the fence denies or only records.
@@ -273,6 +290,9 @@ impl Default for Config {
             passwd_file: None,
             sweep_fail_severity: "medium".into(),
             exec_cgroup: "gpufence-exec".into(),
+            mps_control: None,
+            mps_dir: "/run/gpufence/mps".into(),
+            mps_cgroup: "gpufence-mps".into(),
         }
     }
 }
@@ -577,9 +597,11 @@ impl Config {
             ("cron_spool_dir", &self.cron_spool_dir),
             ("systemd_system_dir", &self.systemd_system_dir),
             ("login_defs", &self.login_defs),
+            ("mps_dir", &self.mps_dir),
         ]
         .into_iter()
         .chain(self.passwd_file.as_ref().map(|p| ("passwd_file", p)))
+        .chain(self.mps_control.as_ref().map(|p| ("mps_control", p)))
         {
             if !p.is_absolute() {
                 return Err(key_err(
@@ -591,7 +613,8 @@ impl Config {
         Ok(())
     }
 
-    /// `exec_cgroup`, normalised in place: a cgroup below `cgroup_root`.
+    /// `exec_cgroup` and `mps_cgroup`, normalised in place: two cgroups
+    /// below `cgroup_root`, neither inside the other.
     fn validate_exec_cgroup(&mut self, path: &Path) -> Result<(), ConfigError> {
         let key_err = key_err_in(path);
         self.exec_cgroup = normalize_cgroup_path(&self.exec_cgroup)
@@ -600,6 +623,27 @@ impl Config {
             return Err(key_err(
                 "exec_cgroup",
                 "must name a cgroup below cgroup_root".into(),
+            ));
+        }
+        self.mps_cgroup = normalize_cgroup_path(&self.mps_cgroup)
+            .map_err(|e| key_err("mps_cgroup", e.to_string()))?;
+        if self.mps_cgroup.is_empty() {
+            return Err(key_err(
+                "mps_cgroup",
+                "must name a cgroup below cgroup_root".into(),
+            ));
+        }
+        // Below or above the exempt exec cgroup, a daemon would be exempt,
+        // or the exec cgroup's leaves in the MPS tree.
+        let under = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
+        if under(&self.mps_cgroup, &self.exec_cgroup) || under(&self.exec_cgroup, &self.mps_cgroup)
+        {
+            return Err(key_err(
+                "mps_cgroup",
+                format!(
+                    "{} must not be exec_cgroup ({}), below it or above it (its leaves are exempt)",
+                    self.mps_cgroup, self.exec_cgroup
+                ),
             ));
         }
         Ok(())
@@ -755,7 +799,10 @@ mod tests {
         let all = serde_json::to_value(Config::default()).unwrap();
         for key in all.as_object().unwrap().keys() {
             // optional keys are documented commented out
-            if matches!(key.as_str(), "majors" | "slurmd_gres" | "passwd_file") {
+            if matches!(
+                key.as_str(),
+                "majors" | "slurmd_gres" | "passwd_file" | "mps_control"
+            ) {
                 assert!(
                     text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")),
                     "{key} undocumented"
@@ -882,6 +929,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains(":2: key `exec_cgroup`"), "{e}");
+        // The MPS daemons' cgroup is never exempt: not the exec cgroup, nor
+        // inside it, nor around it.
+        for bad in ["gpufence-exec", "gpufence-exec/mps", "/"] {
+            let e = parse(&format!("mps_cgroup = \"{bad}\""))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(":1: key `mps_cgroup`"), "{bad}: {e}");
+        }
+        let e = parse("exec_cgroup = \"a/b\"\nmps_cgroup = \"a\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `mps_cgroup`"), "{e}");
+        let c =
+            parse("mps_cgroup = \"/x/mps/\"\nmps_control = \"/usr/bin/nvidia-cuda-mps-control\"")
+                .unwrap();
+        assert_eq!(c.mps_cgroup, "x/mps");
+        let e = parse("mps_control = \"nvidia-cuda-mps-control\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `mps_control`"), "{e}");
     }
 
     fn check_error(

@@ -58,6 +58,29 @@ pub struct JobRecord {
     /// `(minor, mode before)`, restored by the epilog.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub saved_compute_modes: Vec<(u32, u32)>,
+    /// The MPS daemons (gpufence's, `mps_control`) this gres/mps job uses,
+    /// one per GPU; empty for every other job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps: Vec<MpsDaemon>,
+}
+
+/// The job id the grants of gpufence's MPS daemons carry in the fence
+/// (`<cgroup_root>/<mps_cgroup>/gpu<minor>`): no Slurm job's, since Slurm
+/// numbers jobs below `MAX_JOB_ID` (`0x03FFFFFF`,
+/// `src/common/slurm_protocol_defs.h`... `src/slurmctld/job_mgr.c` in older
+/// releases). An Epilog's `revoke_job` never takes them; the Epilog of a
+/// GPU's last MPS job revokes them by cgroup.
+pub const MPS_GRANT_JOB_ID: u32 = 0xFFFF_FF00;
+
+/// A gres/mps job's MPS daemon on one of its GPUs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MpsDaemon {
+    /// The GPU (its GRES device: `/dev/nvidia<minor>`).
+    pub dev: crate::device::DevNum,
+    /// Its `CUDA_MPS_PIPE_DIRECTORY` (`<mps_dir>/gpu<minor>/pipe`), what
+    /// the job's clients are told.
+    pub pipe_dir: PathBuf,
 }
 
 /// One MIG slice of a job: the parent GPU (shared with the neighbours on the
@@ -380,6 +403,7 @@ mod tests {
             mig: vec![],
             cuda_visible_devices: vec![],
             saved_compute_modes: vec![],
+            mps: vec![],
         }
     }
 

@@ -293,6 +293,9 @@ pub struct GpuFence {
     /// Lines for the job's output (task 0's stderr), from the Prolog's
     /// notes: a `--gpu-exclusive` that could not be set.
     user_notes: Vec<String>,
+    /// Variables for the tasks' environment, from the job's record
+    /// (`CUDA_MPS_PIPE_DIRECTORY` of gpufence's MPS daemon).
+    job_env: Vec<(String, String)>,
 }
 
 fn log(level: LogLevel, msg: &str) {
@@ -430,10 +433,12 @@ impl GpuFence {
                 cgroup_path,
                 devices,
                 user_notes,
+                job_env,
                 ..
             })),
         ) = (&placed, &granted)
         {
+            self.job_env = job_env.clone();
             self.user_notes = user_notes
                 .iter()
                 .map(|n| apply::user_note_line(&req, n))
@@ -472,11 +477,69 @@ impl GpuFence {
     }
 }
 
+/// The one line for a task that starts a container runtime which puts the
+/// container in a cgroup of its own: outside the job's cgroup the fence
+/// denies every GPU (the job's own included), and the container sees no
+/// GPU with no word why. Podman does so by default where it can (its
+/// systemd cgroup manager makes `user.slice/.../libpod-<id>.scope`,
+/// podman-run(1) `--cgroups`); `--cgroups=disabled` keeps the container in
+/// the cgroup podman runs in. Apptainer does so only when asked for limits
+/// (`--apply-cgroups` and the resource flags, apptainer's "Limiting
+/// container resources" docs); without them it stays in the job's cgroup.
+/// Only a runtime the task runs directly is seen (`srun podman run ...`),
+/// not one started by a script.
+fn container_hint(argv: &[&str]) -> Option<&'static str> {
+    let prog = argv.first()?.rsplit('/').next()?;
+    let args = &argv[1..];
+    match prog {
+        "podman" => {
+            let runs = args
+                .iter()
+                .find(|a| !a.starts_with('-'))
+                .is_some_and(|sub| matches!(*sub, "run" | "create" | "start"));
+            let disabled = args.windows(2).any(|w| w == ["--cgroups", "disabled"])
+                || args.contains(&"--cgroups=disabled");
+            (runs && !disabled).then_some(
+                "gpufence: podman may run this container in a cgroup of its own, outside \
+                 this job, where the job's GPUs are denied; add --cgroups=disabled to \
+                 `podman run` to keep it in the job (the job's limits still apply)",
+            )
+        }
+        "apptainer" | "singularity" => {
+            const OWN_CGROUP: [&str; 11] = [
+                "--apply-cgroups",
+                "--cpus",
+                "--cpu-shares",
+                "--cpuset-cpus",
+                "--cpuset-mems",
+                "--memory",
+                "--memory-reservation",
+                "--memory-swap",
+                "--oom-kill-disable",
+                "--pids-limit",
+                "--blkio-weight",
+            ];
+            let own = args.iter().any(|a| {
+                let flag = a.split('=').next().unwrap_or(a);
+                OWN_CGROUP.contains(&flag)
+            });
+            own.then_some(
+                "gpufence: with --apply-cgroups or a resource-limit flag (--cpus, \
+                 --memory, ...) apptainer runs the container in a cgroup of its own, \
+                 outside this job, where the job's GPUs are denied; drop them to keep \
+                 it in the job (the job's limits still apply)",
+            )
+        }
+        _ => None,
+    }
+}
+
 // SAFETY: the trait's contract (slurm-spank 0.2.4, `Plugin`): task
 // callbacks run in children slurmstepd forks from itself, where a
 // multi-threaded plugin could deadlock. This plugin starts no thread, and
 // its task callbacks (`task_init_privileged`, `task_init`) only write lines
-// already built in `init` to stderr. The crate catches panics at every
+// already built in `init` to stderr and set variables built there
+// (`spank_setenv`). The crate catches panics at every
 // hook (`catch_unwind`), so none unwinds into Slurm.
 unsafe impl Plugin for GpuFence {
     fn setup(&self, _spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
@@ -515,9 +578,33 @@ unsafe impl Plugin for GpuFence {
     }
 
     fn task_init(&mut self, spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {
+        // In the task, before exec: slurmstepd execs the task with the
+        // job's environment as this leaves it (`exec_task`,
+        // src/slurmd/slurmstepd/task.c; a TaskProlog may still change it).
+        for (k, v) in &self.job_env {
+            if let Err(e) = spank.setenv(k, v, true) {
+                let _ = writeln!(std::io::stderr(), "gpufence: cannot set {k}: {e}");
+            }
+        }
         if spank.task_global_id().unwrap_or(0) == 0 {
             for n in &self.user_notes {
                 let _ = writeln!(std::io::stderr(), "{n}");
+            }
+            // S_JOB_ARGV: the task's own command line (slurm/spank.h; in
+            // task_init it is the argv slurmstepd is about to exec).
+            // Only a step that runs with GPUs (Slurm sets SLURM_STEP_GPUS /
+            // SLURM_JOB_GPUS in the task's environment for its GRES gpus).
+            let has_gpus = ["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"].iter().any(|k| {
+                spank
+                    .getenv(k)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|v| !v.is_empty())
+            });
+            if matches!(self.verdict, Some(StepVerdict::Run)) && has_gpus {
+                if let Some(hint) = spank.job_argv().ok().and_then(|a| container_hint(&a)) {
+                    let _ = writeln!(std::io::stderr(), "{hint}");
+                }
             }
         }
         if let (Some(StepVerdict::RunWithoutGpus(_)), Some(line)) =
@@ -548,6 +635,35 @@ mod tests {
         );
         for bad in ["config=", "cfg=/x", "config", "mode=watch", "mode="] {
             assert!(PluginArgs::parse([bad]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn container_hints() {
+        for argv in [
+            &["podman", "run", "--rm", "img", "nvidia-smi"][..],
+            &["/usr/bin/podman", "--log-level=info", "run", "img"],
+            &[
+                "apptainer",
+                "exec",
+                "--apply-cgroups",
+                "l.toml",
+                "x.sif",
+                "true",
+            ],
+            &["apptainer", "run", "--memory=1G", "x.sif"],
+        ] {
+            assert!(container_hint(argv).is_some(), "{argv:?}");
+        }
+        for argv in [
+            &["podman", "run", "--cgroups=disabled", "img"][..],
+            &["podman", "run", "--cgroups", "disabled", "img"],
+            &["podman", "images"],
+            &["apptainer", "exec", "--nv", "x.sif", "true"],
+            &["python", "train.py", "--cpus", "4"],
+            &[],
+        ] {
+            assert!(container_hint(argv).is_none(), "{argv:?}");
         }
     }
 

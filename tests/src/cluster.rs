@@ -267,6 +267,7 @@ impl Cluster {
             "gpufence-epilog",
             "gpufence",
             "gpufence-probe",
+            "gpufence-mps-standin",
         ] {
             copy_exec(&workspace_bin(b), &bin.join(b));
         }
@@ -613,6 +614,131 @@ pub fn user_command(slurm_conf: &Path, dir: &Path, program: &str) -> Command {
     .arg(program)
     .current_dir(dir);
     c
+}
+
+/// A second job user, `gpufence-peer` (uid chosen by `useradd`, 1000 and
+/// up: an ordinary user to gpufence), made on this host and, for a
+/// cluster of a Debian root, in that root with the same uid and gid; both
+/// removed on drop, with whatever still runs as it. For two users' jobs on
+/// one GPU (gres/shard, gres/mps).
+pub struct PeerUser {
+    /// Its name.
+    pub name: &'static str,
+    /// Its uid.
+    pub uid: u32,
+    root: Option<PathBuf>,
+}
+
+impl PeerUser {
+    /// Makes the user (removing a stale one first).
+    pub fn create(root: Option<&Path>) -> PeerUser {
+        let name = "gpufence-peer";
+        let drop_user = |root: Option<&Path>| {
+            let mut c = Command::new("userdel");
+            c.arg(name);
+            let _ = match root {
+                Some(r) => {
+                    let mut c = Command::new("chroot");
+                    c.arg(r).arg("userdel").arg(name);
+                    c.output()
+                }
+                None => c.output(),
+            };
+        };
+        drop_user(root);
+        drop_user(None);
+        let o = Command::new("useradd")
+            .args(["-U", "-M", "-d", "/", "-s", "/bin/sh", name])
+            .output()
+            .expect("useradd");
+        assert!(o.status.success(), "useradd {name}: {o:?}");
+        let id = |flag: &str| -> u32 {
+            let o = Command::new("id").arg(flag).arg(name).output().unwrap();
+            String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+        };
+        let (uid, gid) = (id("-u"), id("-g"));
+        if let Some(r) = root {
+            let _ = Command::new("chroot")
+                .arg(r)
+                .args(["groupdel", name])
+                .output();
+            for args in [
+                vec![
+                    "groupadd".to_string(),
+                    "-g".into(),
+                    gid.to_string(),
+                    name.into(),
+                ],
+                vec![
+                    "useradd".into(),
+                    "-M".into(),
+                    "-d".into(),
+                    "/".into(),
+                    "-s".into(),
+                    "/bin/sh".into(),
+                    "-u".into(),
+                    uid.to_string(),
+                    "-g".into(),
+                    gid.to_string(),
+                    name.into(),
+                ],
+            ] {
+                let o = Command::new("chroot").arg(r).args(&args).output().unwrap();
+                assert!(o.status.success(), "in {}: {args:?}: {o:?}", r.display());
+            }
+        }
+        PeerUser {
+            name,
+            uid,
+            root: root.map(Path::to_path_buf),
+        }
+    }
+
+    /// `program` as this user with the cluster's `SLURM_CONF`, in its
+    /// jobs directory (in the cluster's root, if any).
+    pub fn cmd(&self, cluster: &Cluster, program: &str) -> Command {
+        let mut c = Command::new("setpriv");
+        c.args([
+            "--reuid",
+            self.name,
+            "--regid",
+            self.name,
+            "--init-groups",
+            "--reset-env",
+            "--",
+            "env",
+        ])
+        .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
+        .arg(program)
+        .current_dir(cluster.dir.parent().unwrap().join("jobs"));
+        match &cluster.root {
+            Some(r) => in_root(r, &c),
+            None => c,
+        }
+    }
+
+    /// Runs `program args` as this user; returns the output.
+    pub fn run(&self, cluster: &Cluster, program: &str, args: &[&str]) -> Output {
+        self.cmd(cluster, program)
+            .args(args)
+            .output()
+            .expect("run as peer")
+    }
+}
+
+impl Drop for PeerUser {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-u", &self.uid.to_string()])
+            .output();
+        if let Some(r) = &self.root {
+            let _ = Command::new("chroot")
+                .arg(r)
+                .args(["userdel", self.name])
+                .output();
+        }
+        let _ = Command::new("userdel").arg(self.name).output();
+    }
 }
 
 /// Builds `tests/spank-probe/order_probe.c` (a SPANK plugin that opens

@@ -495,5 +495,6 @@ pub fn job_record(
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        mps: Vec::new(),
     }
 }

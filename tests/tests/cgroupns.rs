@@ -61,6 +61,7 @@ fn record(job_id: u32, minor: u32) -> JobRecord {
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        mps: Vec::new(),
     }
 }
 

@@ -2121,3 +2121,422 @@ fn plugin_before_gpufence_sees_the_grant_26_05_debian_sid() {
         plugin_before_gpufence(&r);
     }
 }
+
+/// A node whose one GRES GPU is the real, holdable stand-in
+/// (`nvidia-held`), shared as `kind` (`shard`: 4 shards; `mps`: 100 MPS
+/// units); `nvidia3` (195:3) is a GPU of the node that no job is given.
+/// `gpufence_extra`: top-level keys only (a `[majors]` table follows).
+/// Six CPUs: several jobs run side by side.
+fn shared_gpu_spec(
+    release: &Release,
+    slice: &V2Slice,
+    d: &Devices,
+    kind: &str,
+    gpufence_extra: &str,
+) -> ClusterSpec {
+    let (count, node_gres) = match kind {
+        "shard" => (4, "gpu:held:1,shard:4"),
+        _ => (100, "gpu:held:1,mps:100"),
+    };
+    // The stand-in's misc major is protected as an NVIDIA major would be
+    // (only in the test's fence, attached at the test's own system.slice).
+    let extra = format!(
+        "nvml = false\n{gpufence_extra}[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let mut s = spec(release, slice, d, &extra, false, "Alloc,Contain");
+    if let Some(v2) = s.v2node.as_mut() {
+        v2.slurm_conf += &format!("GresTypes=gpu,{kind}\n");
+    }
+    ClusterSpec {
+        gres_conf: format!(
+            "Name=gpu Type=held File={held}\nName={kind} Count={count} File={held}\n",
+            held = d.held.display()
+        ),
+        node_gres: node_gres.into(),
+        cpus: Some(6),
+        ..s
+    }
+}
+
+/// `sbatch --parsable -o OUT --wrap SCRIPT ARGS` through `cmd` (a user's
+/// `sbatch`); the job id.
+fn sbatch_as(mut cmd: std::process::Command, args: &[&str], out: &Path, script: &str) -> u32 {
+    let o = cmd
+        .arg("--parsable")
+        .arg("-o")
+        .arg(out)
+        .args(args)
+        .arg("--wrap")
+        .arg(script)
+        .output()
+        .expect("sbatch");
+    assert!(o.status.success(), "sbatch: {}", both(&o));
+    stdout(&o)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or_else(|| panic!("job id in {}", both(&o)))
+}
+
+/// Waits (60 s at most) until file `out` has a line `line`; its text.
+fn wait_output(cluster: &Cluster, out: &Path, line: &str) -> String {
+    let mut text = String::new();
+    let ok = Cluster::wait_for(Duration::from_secs(60), || {
+        text = std::fs::read_to_string(out).unwrap_or_default();
+        text.lines().any(|l| l == line)
+    });
+    assert!(
+        ok,
+        "{} never said {line:?}:\n{text}\n{}",
+        out.display(),
+        cluster.log_tail("slurmd.log")
+    );
+    text
+}
+
+/// A job's state (`squeue -h -o %T`); empty once it has left the queue.
+fn job_state(cluster: &Cluster, job: u32) -> String {
+    stdout(&cluster.admin("squeue", &["-h", "-j", &job.to_string(), "-o", "%T"]))
+        .trim()
+        .to_string()
+}
+
+/// Cancels `job` and waits until its Epilog has run to its end (its record
+/// forgotten) and it has left the queue.
+fn end_job(cluster: &Cluster, env: &TestEnv, job: u32) {
+    let o = cluster.admin("scancel", &[&job.to_string()]);
+    assert!(o.status.success(), "scancel {job}: {}", both(&o));
+    let record = env.path(&format!("state/jobs/{job}.json"));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(60), || !record.exists()
+            && job_state(cluster, job).is_empty()),
+        "job {job} did not end ({}; record {}):\n{}",
+        job_state(cluster, job),
+        if record.exists() { "kept" } else { "gone" },
+        cluster.log_tail("slurmd.log")
+    );
+}
+
+/// The pid a job printed as `PID=` (its batch shell, which then execs the
+/// holder).
+fn printed_pid(text: &str) -> i32 {
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("PID="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("PID= in {text}"))
+}
+
+/// What the Epilog of `job` did to process `pid`: the events naming it.
+fn events_on(audit: &Path, job: u32, pid: i32) -> Vec<String> {
+    gpufence_tests::audit_log(audit)
+        .into_iter()
+        .filter(|e| e["job_id"] == job && e["pid"] == pid)
+        .map(|e| e["event"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// gres/shard: two users' jobs with shards of one GPU each open that GPU
+/// and not the node's other GPU, hold it side by side, and the first to
+/// end leaves the other's holder alone (it is covered by the other job's
+/// grant); then the node is clean and idle.
+fn shard_co_tenants(release: &Release) {
+    let env = TestEnv::new("v2shard");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let peer = gpufence_tests::cluster::PeerUser::create(release.root.as_deref());
+    let cluster = Cluster::start_with(&env, &shared_gpu_spec(release, &slice, &d, "shard", ""));
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe").display().to_string();
+    let script = format!(
+        "echo JOB=$SLURM_JOB_ID PID=$$ GPUS=$SLURM_JOB_GPUS; {probe} open {held} {n3}; exec {probe} hold {held}",
+        held = d.held.display(),
+        n3 = d.n3.display()
+    );
+    let (out_a, out_b) = (env.path("jobs/shard-a.out"), env.path("jobs/shard-b.out"));
+    let a = sbatch_as(
+        cluster.user_cmd("sbatch"),
+        &["--gres=shard:2"],
+        &out_a,
+        &script,
+    );
+    let text_a = wait_output(&cluster, &out_a, "held");
+    let b = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=shard:2"],
+        &out_b,
+        &script,
+    );
+    let text_b = wait_output(&cluster, &out_b, "held");
+    for (who, text) in [("first user", &text_a), ("second user", &text_b)] {
+        assert_eq!(
+            (verdict(text, &d.held), verdict(text, &d.n3)),
+            ("ok".to_string(), "EPERM".to_string()),
+            "{}: the {who}'s shard job opens its GPU and not the other:\n{text}",
+            release.slurm_version()
+        );
+    }
+    let (pid_a, pid_b) = (printed_pid(&text_a), printed_pid(&text_b));
+    assert_eq!(gpufence_node::host::procs::uid_of(pid_b), Some(peer.uid));
+    end_job(&cluster, &env, a);
+    assert!(gone(pid_a), "job {a}'s holder outlived it");
+    assert!(
+        !gone(pid_b) && job_state(&cluster, b) == "RUNNING",
+        "{}: job {a}'s end touched the co-tenant job {b} (holder {pid_b}): {:?}\n{}",
+        release.slurm_version(),
+        events_on(&audit, a, pid_b),
+        cluster.log_tail("slurmd.log")
+    );
+    assert_eq!(events_on(&audit, a, pid_b), Vec::<String>::new());
+    end_job(&cluster, &env, b);
+    assert!(gone(pid_b));
+    assert_node_clean(&cluster, &[a, b], &audit);
+}
+
+/// After shared jobs: the node idle (not drained), no grant left, and no
+/// job's Epilog found anything to end.
+fn assert_node_clean(cluster: &Cluster, jobs: &[u32], audit: &Path) {
+    let mut state = String::new();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || {
+            state = stdout(&cluster.admin("sinfo", &["-h", "-o", "%T"]))
+                .trim()
+                .to_string();
+            state == "idle"
+        }),
+        "node not idle: {state}\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&g.stdout).unwrap_or_default(),
+        serde_json::json!([]),
+        "no grant is left: {}",
+        both(&g)
+    );
+    for job in jobs {
+        let ev = events_for(audit, *job);
+        for bad in ["lingering_process", "process_killed", "survivor"] {
+            assert!(!ev.iter().any(|e| e == bad), "job {job}: {ev:?}");
+        }
+    }
+}
+
+/// gres/mps with gpufence's MPS daemons (`mps_control`; here the stand-in
+/// `gpufence-mps-standin`, which serves clients over its pipe directory
+/// and starts a server per user that holds the GPU): the first MPS job's
+/// Prolog starts the daemon in `<cgroup_root>/gpufence-mps/<gpu>`; jobs get
+/// `CUDA_MPS_PIPE_DIRECTORY`; two jobs of one user reach the same server,
+/// which holds the GPU across the first one's end (its grant lives while an
+/// MPS job holds the GPU); another user's job on the same GPU opens it and
+/// is left alone at the first's end; the last job's Epilog stops the daemon
+/// and its server, and no grant is left.
+fn mps_co_tenants(release: &Release) {
+    let env = TestEnv::new("v2mps");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let peer = gpufence_tests::cluster::PeerUser::create(release.root.as_deref());
+    let bin = env.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let control = env.path("mps-control");
+    std::fs::write(
+        &control,
+        format!(
+            "#!/bin/sh\nexec {} --gpu {} \"$@\"\n",
+            bin.join("gpufence-mps-standin").display(),
+            d.held.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &control,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let extra = format!(
+        "mps_control = \"{}\"\nmps_dir = \"{}\"\n",
+        control.display(),
+        env.path("mps").display()
+    );
+    let cluster = Cluster::start_with(&env, &shared_gpu_spec(release, &slice, &d, "mps", &extra));
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe").display().to_string();
+    let client = cluster
+        .bin
+        .join("gpufence-mps-standin")
+        .display()
+        .to_string();
+    let script = format!(
+        "echo JOB=$SLURM_JOB_ID PID=$$ PIPE=$CUDA_MPS_PIPE_DIRECTORY; {probe} open {held} {n3}; {client} client; exec {probe} hold {held}",
+        held = d.held.display(),
+        n3 = d.n3.display()
+    );
+    let leaf = format!("dev{}.{}", d.real.major, d.real.minor);
+    let pipe = env.path(&format!("mps/{leaf}/pipe"));
+    let outs: Vec<PathBuf> = ["a1", "b", "a2"]
+        .iter()
+        .map(|n| env.path(&format!("jobs/mps-{n}.out")))
+        .collect();
+    let a1 = sbatch_as(
+        cluster.user_cmd("sbatch"),
+        &["--gres=mps:30"],
+        &outs[0],
+        &script,
+    );
+    let t_a1 = wait_output(&cluster, &outs[0], "held");
+    let b = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=mps:30"],
+        &outs[1],
+        &script,
+    );
+    let t_b = wait_output(&cluster, &outs[1], "held");
+    let a2 = sbatch_as(
+        cluster.user_cmd("sbatch"),
+        &["--gres=mps:30"],
+        &outs[2],
+        &script,
+    );
+    let t_a2 = wait_output(&cluster, &outs[2], "held");
+    let v = release.slurm_version();
+    for (who, text) in [("a1", &t_a1), ("b", &t_b), ("a2", &t_a2)] {
+        assert_eq!(
+            (verdict(text, &d.held), verdict(text, &d.n3)),
+            ("ok".to_string(), "EPERM".to_string()),
+            "{v}: MPS job {who} opens its GPU and not the other:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("PIPE={}", pipe.display())),
+            "{v}: job {who} is told the daemon's pipe directory:\n{text}"
+        );
+    }
+    let server = |t: &str| -> i32 {
+        t.lines()
+            .find_map(|l| {
+                l.strip_prefix("MPS server ")?
+                    .strip_suffix(" ok")?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("{v}: the MPS server answered no client:\n{t}"))
+    };
+    let s = server(&t_a1);
+    assert_eq!(
+        server(&t_a2),
+        s,
+        "one server for the user's two jobs:\n{t_a1}\n{t_a2}"
+    );
+    assert!(
+        t_b.contains(&format!("MPS busy {}", test_uid())),
+        "the other user's client finds the first user's server (MPS queues it):\n{t_b}"
+    );
+    let cg = std::fs::read_to_string(format!("/proc/{s}/cgroup")).unwrap_or_default();
+    assert!(
+        cg.lines()
+            .any(|l| l.starts_with("0::") && l.ends_with(&format!("/gpufence-mps/{leaf}"))),
+        "the server runs in the daemon's cgroup: {cg}"
+    );
+    let started = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| e["event"] == "mps_started")
+        .count();
+    assert_eq!(started, 1, "one daemon for three jobs");
+    let holders = [printed_pid(&t_b), printed_pid(&t_a2)];
+    end_job(&cluster, &env, a1);
+    assert!(
+        !gone(s) && holders.iter().all(|p| !gone(*p)),
+        "{v}: job {a1}'s end ended the MPS server {s} or a co-tenant {holders:?}: {:?}\n{}",
+        events_for(&audit, a1),
+        cluster.log_tail("slurmd.log")
+    );
+    for j in [b, a2] {
+        assert_eq!(job_state(&cluster, j), "RUNNING", "job {j}");
+    }
+    end_job(&cluster, &env, b);
+    assert!(!gone(s), "the server outlives the other user's job");
+    end_job(&cluster, &env, a2);
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || gone(s)),
+        "{v}: the last MPS job's Epilog did not stop the daemon's server {s}: {:?}",
+        events_for(&audit, a2)
+    );
+    assert!(
+        events_for(&audit, a2).contains(&"mps_stopped".to_string()),
+        "{:?}",
+        events_for(&audit, a2)
+    );
+    assert!(!pipe.exists(), "the daemon's directory is removed");
+    assert_node_clean(&cluster, &[a1, b, a2], &audit);
+    assert!(
+        !slice
+            .slurmd_cgroup()
+            .parent()
+            .unwrap()
+            .join("gpufence-mps")
+            .exists(),
+        "the daemons' cgroup is removed"
+    );
+}
+
+#[test]
+fn shard_co_tenants_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    shard_co_tenants(&Release {
+        root: None,
+        plugin: None,
+    });
+}
+
+#[test]
+fn shard_co_tenants_slurm_24_11_debian_trixie() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("trixie") {
+        shard_co_tenants(&r);
+    }
+}
+
+#[test]
+fn shard_co_tenants_slurm_26_05_debian_sid() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("sid") {
+        shard_co_tenants(&r);
+    }
+}
+
+#[test]
+fn mps_co_tenants_and_daemon_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    mps_co_tenants(&Release {
+        root: None,
+        plugin: None,
+    });
+}
+
+#[test]
+fn mps_co_tenants_and_daemon_slurm_24_11_debian_trixie() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("trixie") {
+        mps_co_tenants(&r);
+    }
+}
+
+#[test]
+fn mps_co_tenants_and_daemon_slurm_26_05_debian_sid() {
+    if !privileged() {
+        return;
+    }
+    if let Some(r) = Release::debian("sid") {
+        mps_co_tenants(&r);
+    }
+}

@@ -606,6 +606,7 @@ fn a_descriptor_handed_to_another_job_is_caught_at_job_end() {
             mig: vec![],
             cuda_visible_devices: vec![],
             saved_compute_modes: vec![],
+            mps: vec![],
         })
         .unwrap();
     let sock_dir = env.path("sockets");

@@ -50,6 +50,7 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        mps: Vec::new(),
     }
 }
 

@@ -65,6 +65,7 @@ fn prolog_env(job: u32, index: u32) -> PrologEnv {
         node_name: None,
         cuda_visible_devices: vec![],
         options: Default::default(),
+        mps: false,
     }
 }
 

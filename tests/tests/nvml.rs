@@ -75,6 +75,7 @@ impl World {
                 mig: vec![],
                 cuda_visible_devices: vec![],
                 saved_compute_modes: Vec::new(),
+                mps: Vec::new(),
             })
             .unwrap();
     }
@@ -124,6 +125,7 @@ fn prolog_env(job_id: u32) -> PrologEnv {
         node_name: None,
         cuda_visible_devices: vec![],
         options: Default::default(),
+        mps: false,
     }
 }
 
@@ -322,6 +324,7 @@ fn refuse_policy_keeps_evidence_and_refuses() {
         node_name: None,
         cuda_visible_devices: vec![],
         options: Default::default(),
+        mps: false,
     };
     let e = prolog::run(&node, &env).unwrap_err();
     assert!(
@@ -438,6 +441,7 @@ fn nvml_errors_mid_query_are_findings() {
         node_name: None,
         cuda_visible_devices: vec![],
         options: Default::default(),
+        mps: false,
     };
     assert!(matches!(prolog::run(&node, &env), Err(NodeError::Nvml(_))));
 }
@@ -630,4 +634,162 @@ fn a_shared_gpu_is_checked_per_process() {
     let rec = prolog::run(&node, &prolog_env(42)).unwrap();
     assert!(rec.gpu_idle[0].shared);
     assert!(epilog::run(&node, 42, None).clean());
+}
+
+/// The grant entries of gpufence's MPS daemons in the fence.
+fn mps_grants(w: &World) -> Vec<gpufence_cgroup::fence::GrantEntry> {
+    Fence::open(&w.env.bpffs)
+        .unwrap()
+        .entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.job_id == gpufence_model::record::MPS_GRANT_JOB_ID)
+        .collect()
+}
+
+/// `mps_control` that cannot start (`/bin/false -d` exits 1): the gres/mps
+/// job still starts, with one note for its user and an `error` line;
+/// nothing is granted to a daemon cgroup, which is gone; the GPU counts as
+/// shared (per-process memory check); the Epilog is clean.
+#[test]
+fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
+    if !privileged() {
+        return;
+    }
+    let w = world("mps-fail", "");
+    w.scenario(json!({"gpus": [gpu(3, json!([]))]}));
+    let node = one_gpu_node(
+        &w,
+        3,
+        &format!(
+            "mps_control = \"/bin/false\"\nmps_dir = \"{}\"\n",
+            w.env.path("mps").display()
+        ),
+    );
+    let rec = prolog::run(
+        &node,
+        &PrologEnv {
+            mps: true,
+            ..prolog_env(50)
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        rec.notes
+            .iter()
+            .filter(|n| n.starts_with("gres/mps: "))
+            .collect::<Vec<_>>(),
+        vec!["gres/mps: no MPS daemon for 195:3 (/bin/false -d: exited with exit status: 1); the job runs without MPS"],
+        "{:?}",
+        rec.notes
+    );
+    assert!(rec.gpu_idle.iter().all(|g| g.shared), "{:?}", rec.gpu_idle);
+    assert_eq!(
+        rec.mps.iter().map(|d| d.dev).collect::<Vec<_>>(),
+        vec![DevNum::new(195, 3)]
+    );
+    assert!(mps_grants(&w).is_empty());
+    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3");
+    assert!(!node.cg.path(&cg).exists(), "{cg} left behind");
+    let errors: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["job_id"] == 50 && e["event"] == "error")
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0]["mps_daemon"], "gpu3");
+    let o = epilog::run(&node, 50, None);
+    assert!(o.clean(), "{o:?}");
+    assert!(!node.state.root().join("mps/gpu3/50").exists());
+}
+
+/// The daemon (the stand-in, `gpufence-mps-standin -d`) is started once
+/// for two gres/mps jobs on one GPU, in `<cgroup_root>/gpufence-mps/gpu3`,
+/// granted that GPU (and the control devices) under `MPS_GRANT_JOB_ID`;
+/// the first job's Epilog leaves it running and granted; the second's
+/// stops it: no process, no cgroup, no grant.
+#[test]
+fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
+    if !privileged() {
+        return;
+    }
+    let w = world("mps-life", "");
+    w.scenario(json!({"gpus": [gpu(3, json!([]))]}));
+    let control = w.env.path("mps-control");
+    std::fs::write(
+        &control,
+        format!(
+            "#!/bin/sh\nexec {} --gpu /dev/null \"$@\"\n",
+            workspace_bin("gpufence-mps-standin").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &control,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let node = one_gpu_node(
+        &w,
+        3,
+        &format!(
+            "mps_control = \"{}\"\nmps_dir = \"{}\"\n",
+            control.display(),
+            w.env.path("mps").display()
+        ),
+    );
+    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3");
+    for job in [51, 52] {
+        let rec = prolog::run(
+            &node,
+            &PrologEnv {
+                mps: true,
+                ..prolog_env(job)
+            },
+        )
+        .unwrap();
+        assert!(
+            rec.notes.iter().all(|n| !n.starts_with("gres/mps: ")),
+            "{:?}",
+            rec.notes
+        );
+        assert_eq!(
+            gpufence_node::job::apply::job_env(&rec),
+            vec![(
+                "CUDA_MPS_PIPE_DIRECTORY".to_string(),
+                w.env.path("mps/gpu3/pipe").display().to_string()
+            )]
+        );
+    }
+    let daemon = node.cg.procs_recursive(&cg);
+    assert_eq!(daemon.len(), 1, "one daemon: {daemon:?}");
+    let started = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "mps_started")
+        .count();
+    assert_eq!(started, 1);
+    let granted: Vec<DevNum> = mps_grants(&w).iter().map(|e| e.dev).collect();
+    assert!(granted.contains(&DevNum::new(195, 3)), "{granted:?}");
+    assert!(
+        granted.iter().all(|d| d.major == 195 || d.major == 241),
+        "the GPU and control devices only: {granted:?}"
+    );
+    let o = epilog::run(&node, 51, None);
+    assert!(o.clean(), "{o:?}");
+    assert_eq!(node.cg.procs_recursive(&cg), daemon, "still running");
+    assert!(!mps_grants(&w).is_empty(), "still granted");
+    let o = epilog::run(&node, 52, None);
+    assert!(o.clean(), "{o:?}");
+    assert!(
+        o.notes
+            .iter()
+            .any(|n| n.starts_with("MPS daemon gpu3 stopped")),
+        "{:?}",
+        o.notes
+    );
+    assert!(gone(daemon[0]), "the daemon ended");
+    assert!(!node.cg.path(&cg).exists(), "{cg} removed");
+    assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
+    assert!(!w.env.path("mps/gpu3").exists());
 }

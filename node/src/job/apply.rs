@@ -8,7 +8,7 @@
 use gpufence_cgroup::hierarchy::find_job_cgroup;
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
-use gpufence_model::record::{now_rfc3339, AppliedGrant};
+use gpufence_model::record::{now_rfc3339, AppliedGrant, JobRecord};
 
 use gpufence_cgroup::Fence;
 
@@ -100,8 +100,13 @@ pub enum ApplyOutcome {
         /// How many devices.
         devices: usize,
         /// What the Prolog noted for the user (a `--gpu-exclusive` that
-        /// could not be set): the plugin prints these in the job's output.
+        /// could not be set, an MPS daemon that did not start): the plugin
+        /// prints these in the job's output.
         user_notes: Vec<String>,
+        /// Variables the plugin sets in the step's tasks, from the record
+        /// (never from the job's own environment):
+        /// `CUDA_MPS_PIPE_DIRECTORY` for a gres/mps job ([`job_env`]).
+        job_env: Vec<(String, String)>,
     },
     /// The job has a record without GPUs: nothing to grant.
     NoGpus,
@@ -362,10 +367,32 @@ fn grant_at(
         user_notes: rec
             .notes
             .iter()
-            .filter(|n| n.starts_with(crate::job::prolog::USER_NOTE_PREFIX))
+            .filter(|n| {
+                n.starts_with(crate::job::prolog::USER_NOTE_PREFIX)
+                    || n.starts_with(crate::job::mps::MPS_NOTE_PREFIX)
+            })
             .cloned()
             .collect(),
+        job_env: job_env(&rec),
     })
+}
+
+/// The variables a step of job `rec` gets in its tasks: for a gres/mps
+/// job whose MPS daemon gpufence runs, `CUDA_MPS_PIPE_DIRECTORY` (its first
+/// GPU's: one client connects to one daemon; Slurm gives a job MPS on
+/// one GPU unless `MULTIPLE_SHARING_GRES_PJ` is set). Slurm itself sets no
+/// `CUDA_MPS_*` variable but the thread percentage
+/// (`src/plugins/gres/mps/gres_mps.c`).
+pub fn job_env(rec: &JobRecord) -> Vec<(String, String)> {
+    rec.mps
+        .first()
+        .map(|d| {
+            vec![(
+                "CUDA_MPS_PIPE_DIRECTORY".to_string(),
+                d.pipe_dir.display().to_string(),
+            )]
+        })
+        .unwrap_or_default()
 }
 
 /// Removes the grants of `req`'s job keyed by its earlier job cgroups.

@@ -236,6 +236,21 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         }
     }
     crashpoint::reached(crashpoint::EPILOG_REVOKED);
+    // 1b. gres/mps: the job's registrations go; a GPU's last MPS job stops
+    //     its daemon, whose grant goes with it (crate::job::mps).
+    let (released, mps_errors) = crate::job::mps::release(node, fence.as_ref(), job_id);
+    out.errors.extend(mps_errors);
+    for r in released.iter().filter(|r| r.stopped) {
+        out.notes.push(format!(
+            "MPS daemon {} stopped (the GPU's last MPS job){}",
+            r.leaf,
+            if r.killed.is_empty() {
+                String::new()
+            } else {
+                format!("; killed {:?} left after quit", r.killed)
+            }
+        ));
+    }
     let mut run = Run::new(node, env, rec, fence, ended, out);
     run.audit_revoked();
     crashpoint::reached(crashpoint::EPILOG_REVOKE_AUDITED);

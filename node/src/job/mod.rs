@@ -4,6 +4,7 @@ pub mod apply;
 pub mod epilog;
 pub mod injob;
 pub mod leftovers;
+pub mod mps;
 pub mod prolog;
 pub mod report;
 

@@ -42,6 +42,8 @@ pub struct PrologEnv {
     pub cuda_visible_devices: Vec<gpufence_model::visible::VisibleDevice>,
     /// The job's `--gpu-exclusive` / `--gpufence-report` (user input).
     pub options: gpufence_model::options::JobOptions,
+    /// A gres/mps job: slurmd set [`crate::job::mps::MPS_ENV`].
+    pub mps: bool,
 }
 
 /// Parses a numeric variable slurmd always sets.
@@ -88,6 +90,7 @@ impl PrologEnv {
             // User input, already checked by the plugin at submission; a
             // value that still does not parse is ignored, never guessed.
             options: gpufence_model::options::JobOptions::from_env(get).unwrap_or_default(),
+            mps: get(crate::job::mps::MPS_ENV).is_some(),
         })
     }
 }
@@ -338,6 +341,7 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         gpu_idle: Vec::new(),
         mig: Vec::new(),
         saved_compute_modes: Vec::new(),
+        mps: Vec::new(),
         cuda_visible_devices: env
             .cuda_visible_devices
             .iter()
@@ -727,8 +731,22 @@ pub fn run_with_sluid(
         set_exclusive(node, &mut rec);
     }
     crashpoint::reached(crashpoint::PROLOG_CLEAN_STARTED);
+    // A failure from here on leaves no MPS registration of this job (its
+    // Epilog may never run: Slurm drains the node and requeues the job).
+    let undo_mps = |fence: &Fence| {
+        let _ = crate::job::mps::release(node, Some(fence), env.job_id);
+    };
+    if env.mps {
+        if let Err(e) = crate::job::mps::start(node, &fence, &mut rec) {
+            undo_mps(&fence);
+            return Err(e);
+        }
+    }
     let rec = rec;
-    node.state.write_record(&rec)?;
+    if let Err(e) = node.state.write_record(&rec) {
+        undo_mps(&fence);
+        return Err(e.into());
+    }
     crashpoint::reached(crashpoint::PROLOG_RECORD_WRITTEN);
     if !rec.devices.is_empty() {
         let mut ev = AuditEvent::new(events::GRANT_RECORDED)
@@ -742,12 +760,16 @@ pub fn run_with_sluid(
         if let Err(e) = node.audit(ev) {
             // No record of the grant, no grant.
             let _ = node.state.remove_record(rec.job_id);
+            undo_mps(&fence);
             return Err(e);
         }
     }
     crashpoint::reached(crashpoint::PROLOG_AUDITED);
     if let Some(job) = &in_job {
-        grant_job_cgroup(node, &fence, &rec, &job.path)?;
+        if let Err(e) = grant_job_cgroup(node, &fence, &rec, &job.path) {
+            undo_mps(&fence);
+            return Err(e);
+        }
     }
     Ok(rec)
 }
