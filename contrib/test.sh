@@ -10,6 +10,9 @@ export CI="${CI:-true}"
 cargo build --workspace --all-targets --locked
 # The workspace's lints ([workspace.lints]) and clippy's, as errors.
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The fast tier first (docs with warnings denied, unit and property tests
+# run as an unprivileged user): what fails there fails in a minute.
+bash contrib/test-fast.sh
 # Real cgroup/v2 nodes of the Slurm releases GPU sites run besides the
 # host's 22.05 (tests/tests/e2e_v2node.rs): Debian 13 (24.11) and sid
 # (26.05) roots, made once per machine (about half a minute each) and kept

@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use gpufence_cgroup::maps::{GrantKey, GrantValue, PIN_GRANTS};
+use gpufence_cgroup::maps::{GrantKey, GrantValue, GrantsMap};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
 use gpufence_node::job::prolog::{self, PrologEnv};
@@ -53,16 +53,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Writes `n` grants of other jobs (job ids from 1,000,000 on, cgroup ids
 /// no cgroup has) into the fence's `grants` map.
 fn fill_grants(bpffs: &std::path::Path, n: usize) {
-    let grants = gpufence_cgroup::sys::obj_get(&bpffs.join(PIN_GRANTS)).expect("grants pin");
+    let grants = gpufence_cgroup::Fence::open_map::<GrantsMap>(bpffs).expect("grants pin");
     for i in 0..n {
         let key = GrantKey::new((1 << 40) + i as u64, DevNum::new(195, (i % 8) as u32));
         let value = GrantValue::new(Access::RW, 1_000_000 + (i / 8) as u32);
-        gpufence_cgroup::sys::map_update(
-            std::os::fd::AsFd::as_fd(&grants),
-            &key.to_bytes(),
-            &value.to_bytes(),
-        )
-        .expect("fill the grants map");
+        grants.update(&key, &value).expect("fill the grants map");
     }
 }
 

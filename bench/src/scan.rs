@@ -408,8 +408,8 @@ impl BenchNode {
             "the scan iterators were not pinned"
         );
         let btf = gpufence_cgroup::btf::Btf::vmlinux().expect("vmlinux BTF");
-        let majors = gpufence_cgroup::sys::obj_get(
-            &node.cfg.bpffs_dir.join(gpufence_cgroup::maps::PIN_MAJORS),
+        let majors = gpufence_cgroup::Fence::open_map::<gpufence_cgroup::maps::MajorsMap>(
+            &node.cfg.bpffs_dir,
         )
         .expect("the fence's majors map");
         BaselineIterator::load(&FdTableLayout::from_btf(&btf).expect("layout"), &majors)

@@ -814,7 +814,7 @@ pub struct FdTableIterator {
     /// The program (to link it again for one task: [`FdTableIterator::resume`]).
     prog: OwnedFd,
     /// Its control map ([`Pass`] per reader).
-    ctl: OwnedFd,
+    ctl: crate::sys::MapFd,
 }
 
 impl FdTableIterator {
@@ -825,7 +825,10 @@ impl FdTableIterator {
     /// # Errors
     /// [`IterError`]: no permission, no `task` iterator or `bpf_loop`
     /// (5.17+), a verifier refusal.
-    pub fn load(layout: &FdTableLayout, majors: &OwnedFd) -> Result<FdTableIterator, IterError> {
+    pub fn load(
+        layout: &FdTableLayout,
+        majors: &crate::maps::Map<crate::maps::MajorsMap>,
+    ) -> Result<FdTableIterator, IterError> {
         use std::os::fd::AsRawFd;
         let ctl =
             crate::sys::map_create(crate::maps::MAP_TYPE_LRU_HASH, 8, 32, CTL_ENTRIES, CTL_NAME)
@@ -884,7 +887,10 @@ impl FdTableIterator {
             let Ok(mi) = crate::sys::map_info(map.as_fd()) else {
                 continue;
             };
-            if crate::sys::name_str(&mi.name) == CTL_NAME && mi.key_size == 8 && mi.value_size == 32
+            let shape = map.shape();
+            if crate::sys::name_str(&mi.name) == CTL_NAME
+                && shape.key_size == 8
+                && shape.value_size == 32
             {
                 return Ok(FdTableIterator { it, prog, ctl: map });
             }
@@ -939,10 +945,9 @@ impl FdTableIterator {
     /// loses the entries of threads that are gone, once, and is written
     /// again.
     fn read(&self, link: &OwnedFd, pass: &Pass) -> Result<Vec<Record>, IterError> {
-        use std::os::fd::AsFd;
         let key =
             ((std::process::id() as u64) << 32) | nix::unistd::gettid().as_raw() as u32 as u64;
-        let write = || crate::sys::map_update(self.ctl.as_fd(), &key.to_ne_bytes(), &pass.bytes());
+        let write = || crate::sys::map_update(&self.ctl, &key.to_ne_bytes(), &pass.bytes());
         let written = match write() {
             Err(e) if e.raw_os_error() == Some(libc::E2BIG) => {
                 self.remove_gone_readers();
@@ -955,15 +960,14 @@ impl FdTableIterator {
             err,
         })?;
         let out = iter::read_all(link);
-        let _ = crate::sys::map_delete(self.ctl.as_fd(), &key.to_ne_bytes());
+        let _ = crate::sys::map_delete(&self.ctl, &key.to_ne_bytes());
         out
     }
 
     /// Removes the control map's entries of threads that no longer exist
     /// (`/proc/<tgid>/task/<tid>`).
     fn remove_gone_readers(&self) {
-        use std::os::fd::AsFd;
-        let Ok(keys) = crate::sys::map_keys(self.ctl.as_fd(), 8, CTL_ENTRIES) else {
+        let Ok(keys) = crate::sys::map_keys(&self.ctl) else {
             return;
         };
         for k in keys {
@@ -973,7 +977,7 @@ impl FdTableIterator {
             let id = u64::from_ne_bytes(b);
             let (tgid, tid) = (id >> 32, id & 0xffff_ffff);
             if !Path::new(&format!("/proc/{tgid}/task/{tid}")).exists() {
-                let _ = crate::sys::map_delete(self.ctl.as_fd(), &b);
+                let _ = crate::sys::map_delete(&self.ctl, &b);
             }
         }
     }
@@ -983,22 +987,16 @@ impl FdTableIterator {
 pub(crate) mod live {
     use super::*;
     use crate::iter::{in_initial_pid_ns, Object};
-    use std::os::fd::{AsFd, AsRawFd};
+    use crate::maps::{MajorsMap, Map};
+    use std::os::fd::AsRawFd;
 
     /// A `majors` array map like the fence's, with `protected` marked.
-    pub(crate) fn majors(protected: &[u32]) -> OwnedFd {
-        let fd = crate::sys::map_create(
-            crate::maps::MAP_TYPE_ARRAY,
-            4,
-            4,
-            MAJORS_ENTRIES as u32,
-            "test_majors",
-        )
-        .unwrap_or_else(|e| panic!("map_create: {e}"));
+    pub(crate) fn majors(protected: &[u32]) -> Map<MajorsMap> {
+        let map = Map::<MajorsMap>::create(0).unwrap_or_else(|e| panic!("map_create: {e}"));
         for m in protected {
-            crate::sys::map_update(fd.as_fd(), &m.to_ne_bytes(), &1u32.to_ne_bytes()).unwrap();
+            map.update(m, &1).unwrap();
         }
-        fd
+        map
     }
 
     fn layout() -> Option<FdTableLayout> {

@@ -17,7 +17,10 @@
 //! They are encoded and decoded field by field ([`MapPod`]), with no
 //! `unsafe`; each map's types, kind and capacity are one [`MapLayout`],
 //! from which [`map_specs`] derives what an install creates and what a
-//! pinned map must report to be reused.
+//! pinned map must report to be used. A map is read and written only
+//! through a [`Map`] of its layout, made after [`MapSpec::check`] passed
+//! on the shape the kernel reports: at install and at every open of a
+//! pin alike.
 //!
 //! `cgroups` lets the program skip an ancestor with one lookup when it is
 //! neither exempt nor granted; `levels` lets it skip, with one bit test and
@@ -29,8 +32,9 @@
 //! grant or exemption, and no grant or revoke walks the `cgroups` map.
 
 use std::io;
+use std::marker::PhantomData;
 use std::mem::offset_of;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 
 use gpufence_model::device::{Access, DevNum};
 
@@ -473,66 +477,183 @@ pub fn map_specs(max_grants: u32, max_denials: u32) -> [MapSpec; 5] {
     ]
 }
 
-/// `BPF_MAP_LOOKUP_ELEM` of `key` in map `M` open at `fd`: `Ok(None)` when
-/// absent.
-///
-/// # Errors
-/// errno other than `ENOENT`.
-pub fn lookup<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key) -> io::Result<Option<M::Value>> {
-    let mut v = <M::Value as MapPod>::zeroed();
-    if !sys::map_lookup(fd, key.encode().as_ref(), v.as_mut())? {
-        return Ok(None);
+/// A map found with another shape than its layout needs, in the words of
+/// [`sys::MapShape`]'s display (`type T key K value V max_entries N`; the
+/// capacity in `expected` only where the layout fixes it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutMismatch {
+    /// What the kernel reports.
+    pub found: String,
+    /// What the layout needs.
+    pub expected: String,
+}
+
+impl MapSpec {
+    /// Whether a map of `shape` has this layout: its type, key size and
+    /// value size, and its capacity where the layout fixes it
+    /// ([`MapSpec::fixed_entries`]); a configured capacity may differ.
+    /// The one check every map handle passes ([`Map::from_fd`]), at
+    /// install and at every open of a pin.
+    ///
+    /// # Errors
+    /// [`LayoutMismatch`] saying what the map has and what it needs.
+    pub fn check(&self, shape: &sys::MapShape) -> Result<(), LayoutMismatch> {
+        let found = (shape.map_type, shape.key_size, shape.value_size);
+        let wanted = (self.map_type, self.key_size, self.value_size);
+        if found == wanted && (!self.fixed_entries || shape.max_entries == self.max_entries) {
+            return Ok(());
+        }
+        let expected = sys::MapShape {
+            map_type: self.map_type,
+            key_size: self.key_size,
+            value_size: self.value_size,
+            max_entries: self.max_entries,
+        };
+        Err(LayoutMismatch {
+            found: shape.to_string(),
+            expected: if self.fixed_entries {
+                expected.to_string()
+            } else {
+                format!(
+                    "type {} key {} value {}",
+                    self.map_type, self.key_size, self.value_size
+                )
+            },
+        })
     }
-    Ok(M::Value::decode(v.as_ref()))
 }
 
-/// `BPF_MAP_UPDATE_ELEM` (`BPF_ANY`) of `key` → `value` in map `M`.
-///
-/// # Errors
-/// errno (`E2BIG` when a hash map is full).
-pub fn update<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key, value: &M::Value) -> io::Result<()> {
-    sys::map_update(fd, key.encode().as_ref(), value.encode().as_ref())
+/// A map of layout `M`: a [`sys::MapFd`] whose shape, as the kernel
+/// reports it, passed [`MapSpec::check`] for `M` (type, key size, value
+/// size, and capacity where `M` fixes it) when the handle was made, which
+/// is the only way to make one ([`Map::from_fd`], [`Map::create`]). Its
+/// keys and values are `M`'s records, so every call hands the kernel
+/// buffers of the map's sizes.
+pub struct Map<M: MapLayout> {
+    fd: sys::MapFd,
+    layout: PhantomData<fn() -> M>,
 }
 
-/// `BPF_MAP_DELETE_ELEM` of `key` in map `M`: `Ok(false)` when absent.
-///
-/// # Errors
-/// errno other than `ENOENT`.
-pub fn delete<M: MapLayout>(fd: BorrowedFd<'_>, key: &M::Key) -> io::Result<bool> {
-    sys::map_delete(fd, key.encode().as_ref())
+impl<M: MapLayout> std::fmt::Debug for Map<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Map")
+            .field("layout", &M::NAME)
+            .field("fd", &self.fd)
+            .finish()
+    }
 }
 
-/// Every key of hash map `M` ([`sys::map_keys`], at most about
-/// `max_entries`); keys of another size, which a map of this layout never
-/// returns, are skipped.
-///
-/// # Errors
-/// errno.
-pub fn keys<M: MapLayout>(fd: BorrowedFd<'_>, max_entries: u32) -> io::Result<Vec<M::Key>> {
-    Ok(sys::map_keys(fd, M::Key::SIZE, max_entries)?
-        .iter()
-        .filter_map(|k| M::Key::decode(k))
-        .collect())
+impl<M: MapLayout> Map<M> {
+    /// The map open at `fd` as a map of layout `M`, when its shape is
+    /// `M`'s.
+    ///
+    /// # Errors
+    /// [`LayoutMismatch`]: what the map has, and what `M` needs.
+    pub fn from_fd(fd: sys::MapFd) -> Result<Map<M>, LayoutMismatch> {
+        let shape = fd.shape();
+        M::spec(shape.max_entries).check(&shape)?;
+        Ok(Map {
+            fd,
+            layout: PhantomData,
+        })
+    }
+
+    /// A new map of layout `M` (named [`MapLayout::NAME`]) with
+    /// `configured` entries unless `M` fixes its capacity.
+    ///
+    /// # Errors
+    /// errno of `BPF_MAP_CREATE`.
+    pub fn create(configured: u32) -> io::Result<Map<M>> {
+        let spec = M::spec(configured);
+        let fd = sys::map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            spec.name,
+        )?;
+        Map::from_fd(fd).map_err(|m| io::Error::other(format!("{}: {}", m.found, m.expected)))
+    }
+
+    /// The descriptor and its shape.
+    pub fn map_fd(&self) -> &sys::MapFd {
+        &self.fd
+    }
+
+    /// The map's capacity.
+    pub fn max_entries(&self) -> u32 {
+        self.fd.shape().max_entries
+    }
+
+    /// `BPF_MAP_LOOKUP_ELEM` of `key`: `Ok(None)` when absent.
+    ///
+    /// # Errors
+    /// errno other than `ENOENT`.
+    pub fn lookup(&self, key: &M::Key) -> io::Result<Option<M::Value>> {
+        let mut v = <M::Value as MapPod>::zeroed();
+        if !sys::map_lookup(&self.fd, key.encode().as_ref(), v.as_mut())? {
+            return Ok(None);
+        }
+        Ok(M::Value::decode(v.as_ref()))
+    }
+
+    /// `BPF_MAP_UPDATE_ELEM` (`BPF_ANY`) of `key` → `value`.
+    ///
+    /// # Errors
+    /// errno (`E2BIG` when a hash map is full).
+    pub fn update(&self, key: &M::Key, value: &M::Value) -> io::Result<()> {
+        sys::map_update(&self.fd, key.encode().as_ref(), value.encode().as_ref())
+    }
+
+    /// `BPF_MAP_DELETE_ELEM` of `key`: `Ok(false)` when absent.
+    ///
+    /// # Errors
+    /// errno other than `ENOENT`.
+    pub fn delete(&self, key: &M::Key) -> io::Result<bool> {
+        sys::map_delete(&self.fd, key.encode().as_ref())
+    }
+
+    /// Every key of the (hash) map ([`sys::map_keys`], at most about its
+    /// capacity).
+    ///
+    /// # Errors
+    /// errno.
+    pub fn keys(&self) -> io::Result<Vec<M::Key>> {
+        Ok(sys::map_keys(&self.fd)?
+            .iter()
+            .filter_map(|k| M::Key::decode(k))
+            .collect())
+    }
+
+    /// Every entry of the (hash) map in `BPF_MAP_LOOKUP_BATCH` calls
+    /// ([`sys::map_entries_batch`]): `Ok(None)` when the kernel cannot
+    /// batch this map (the caller walks [`Map::keys`] instead).
+    ///
+    /// # Errors
+    /// errno.
+    pub fn entries_batch(&self) -> io::Result<Option<Entries<M>>> {
+        Ok(sys::map_entries_batch(&self.fd)?.map(|all| {
+            all.iter()
+                .filter_map(|(k, v)| Some((M::Key::decode(k)?, M::Value::decode(v)?)))
+                .collect()
+        }))
+    }
+}
+
+impl<M: MapLayout> AsFd for Map<M> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl<M: MapLayout> AsRawFd for Map<M> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
 }
 
 /// The entries of map `M`, decoded.
 pub type Entries<M> = Vec<(<M as MapLayout>::Key, <M as MapLayout>::Value)>;
-
-/// Every entry of hash map `M` in `BPF_MAP_LOOKUP_BATCH` calls
-/// ([`sys::map_entries_batch`]): `Ok(None)` when the kernel cannot batch
-/// this map (the caller walks [`keys`] instead).
-///
-/// # Errors
-/// errno.
-pub fn entries_batch<M: MapLayout>(fd: BorrowedFd<'_>) -> io::Result<Option<Entries<M>>> {
-    Ok(
-        sys::map_entries_batch(fd, M::Key::SIZE, M::Value::SIZE)?.map(|all| {
-            all.iter()
-                .filter_map(|(k, v)| Some((M::Key::decode(k)?, M::Value::decode(v)?)))
-                .collect()
-        }),
-    )
-}
 
 #[cfg(test)]
 mod tests {
@@ -700,5 +821,44 @@ mod tests {
             (PIN_DENIALS, MAP_TYPE_LRU_HASH, 24, 40, 50, false)
         );
         assert_eq!(shape(levels), (PIN_LEVELS, MAP_TYPE_ARRAY, 4, 4, 1, true));
+    }
+
+    /// The one layout check ([`MapSpec::check`]): type, key size and
+    /// value size always; the capacity only where the layout fixes it; the
+    /// mismatch in the words of the install's error.
+    #[test]
+    fn a_shape_is_checked_against_its_layout() {
+        let shape = |map_type, key_size, value_size, max_entries| sys::MapShape {
+            map_type,
+            key_size,
+            value_size,
+            max_entries,
+        };
+        let grants = GrantsMap::spec(1000);
+        assert_eq!(grants.check(&shape(MAP_TYPE_HASH, 16, 8, 1000)), Ok(()));
+        assert_eq!(grants.check(&shape(MAP_TYPE_HASH, 16, 8, 7)), Ok(()));
+        assert_eq!(
+            grants.check(&shape(MAP_TYPE_HASH, 16, 64, 16)),
+            Err(LayoutMismatch {
+                found: "type 1 key 16 value 64 max_entries 16".into(),
+                expected: "type 1 key 16 value 8".into(),
+            })
+        );
+        assert!(grants
+            .check(&shape(MAP_TYPE_LRU_HASH, 16, 8, 1000))
+            .is_err());
+        assert!(grants.check(&shape(MAP_TYPE_HASH, 24, 8, 1000)).is_err());
+        let majors = MajorsMap::spec(0);
+        assert_eq!(
+            majors.check(&shape(MAP_TYPE_ARRAY, 4, 4, MAJORS_ENTRIES)),
+            Ok(())
+        );
+        assert_eq!(
+            majors.check(&shape(MAP_TYPE_ARRAY, 4, 4, 256)),
+            Err(LayoutMismatch {
+                found: "type 2 key 4 value 4 max_entries 256".into(),
+                expected: format!("type 2 key 4 value 4 max_entries {MAJORS_ENTRIES}"),
+            })
+        );
     }
 }

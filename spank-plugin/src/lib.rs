@@ -329,15 +329,6 @@ fn slurm_conf_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(gresmap::DEFAULT_SLURM_CONF))
 }
 
-/// Whether the step finding no record is expected: the extern step under
-/// `PrologFlags=RunInJob`, which starts before the Prolog. slurm.conf is
-/// read only for that step; when it cannot be read, the answer is no (the
-/// step says it has no grant, as any other).
-fn no_record_expected(req: &StepRequest) -> bool {
-    req.step_id == apply::EXTERN_STEP_ID
-        && slurmconf::SlurmConf::load(&slurm_conf_path()).is_ok_and(|c| c.run_in_job())
-}
-
 fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
     let mut node = Node::load(args.config.as_deref())?;
     if let Some(m) = args.mode {
@@ -425,47 +416,18 @@ impl GpuFence {
                 return Ok(());
             }
         };
-        let placed = apply::place(&node, &req);
-        let granted = placed.as_ref().ok().map(|p| apply::grant(&node, &req, p));
-        if let (
-            Ok(p),
-            Some(Ok(apply::ApplyOutcome::Granted {
-                cgroup_path,
-                devices,
-                user_notes,
-                job_env,
-                ..
-            })),
-        ) = (&placed, &granted)
-        {
-            self.job_env = job_env.clone();
-            self.user_notes = user_notes
-                .iter()
-                .map(|n| apply::user_note_line(&req, n))
-                .collect();
-            log(
-                LogLevel::Verbose,
-                &apply::granted_line(&req, *devices, cgroup_path, &p.job_dir),
-            );
+        let g = apply::grant_step(&node, &req, &node_name(), || {
+            slurmconf::SlurmConf::load(&slurm_conf_path()).is_ok_and(|c| c.run_in_job())
+        });
+        if let Some(n) = &g.note {
+            log(LogLevel::Verbose, n);
         }
-        let run_in_job =
-            matches!(granted, Some(Ok(apply::ApplyOutcome::NoRecord))) && no_record_expected(&req);
-        let v = apply::verdict_with(
-            &node,
-            &req,
-            &node_name(),
-            &placed,
-            granted.as_ref(),
-            run_in_job,
-        );
-        match &v {
-            StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) => log(LogLevel::Error, l),
-            StepVerdict::Run if run_in_job => {
-                log(LogLevel::Verbose, &apply::run_in_job_no_record_line(&req))
-            }
-            StepVerdict::Run => {}
+        if let StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) = &g.verdict {
+            log(LogLevel::Error, l);
         }
-        self.verdict = Some(v);
+        self.user_notes = g.user_notes;
+        self.job_env = g.job_env;
+        self.verdict = Some(g.verdict);
         Ok(())
     }
 

@@ -498,3 +498,12 @@ pub fn job_record(
         mps: Vec::new(),
     }
 }
+
+/// The plugin's grant step for `req` ([`gpufence_node::job::apply::grant_step`],
+/// the node named `n1`, no `PrologFlags=RunInJob`): its outcome.
+pub fn grant_step(
+    node: &gpufence_node::Node,
+    req: &gpufence_node::job::apply::StepRequest,
+) -> Result<gpufence_node::job::apply::ApplyOutcome, gpufence_node::NodeError> {
+    gpufence_node::job::apply::grant_step(node, req, "n1", || false).outcome
+}

@@ -1151,3 +1151,47 @@ fn exec_leaves_nothing_running_and_stale_leaves_are_reported() {
     );
     env.cg.kill(&stale).unwrap();
 }
+
+/// Issue 25, as reported: with the fence's `grants` pin replaced by a
+/// hash map of 64-byte values holding one entry, `gpufence fence status`
+/// does not say "installed" (a `problem:` line with the layout and the
+/// remedy, exit 1), and `gpufence grants` fails with that error instead
+/// of printing a row decoded from bytes past its buffer (job 33686018).
+#[test]
+fn status_and_grants_refuse_a_grants_pin_of_another_layout() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_cgroup::maps::{MAP_TYPE_HASH, PIN_GRANTS};
+    let env = TestEnv::new("cli-repin");
+    let cfg = env.config(MAJORS);
+    assert!(gpufence(&cfg, &["fence", "install"]).status.success());
+    let pin = env.bpffs.join(PIN_GRANTS);
+    std::fs::remove_file(&pin).unwrap();
+    let other = sys::map_create(MAP_TYPE_HASH, 16, 64, 16, "grants").unwrap();
+    sys::map_update(&other, &[1; 16], &[2; 64]).unwrap();
+    sys::obj_pin(other.as_fd(), &pin).unwrap();
+    let found = format!(
+        "pinned map {} has type 1 key 16 value 64 max_entries 16",
+        pin.display()
+    );
+
+    let st = gpufence(&cfg, &["fence", "status"]);
+    let text = String::from_utf8_lossy(&st.stdout);
+    assert_eq!(st.status.code(), Some(1), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("problem: ")
+            && l.contains(&found)
+            && l.contains("gpufence fence remove")),
+        "{text}"
+    );
+    eprintln!("{text}");
+
+    let g = gpufence(&cfg, &["grants"]);
+    let out = String::from_utf8_lossy(&g.stdout);
+    let err = String::from_utf8_lossy(&g.stderr);
+    assert!(!g.status.success(), "{out}{err}");
+    assert!(!out.contains("33686018"), "{out}");
+    assert!(err.contains(&found), "{err}");
+    eprintln!("{err}");
+}

@@ -29,7 +29,7 @@ use gpufence_cgroup::{level, sys};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest};
+use gpufence_node::job::apply::{ApplyOutcome, StepRequest};
 use gpufence_node::{admin::doctor, host::fence_ops, Node, NodeError};
 use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
 
@@ -247,11 +247,11 @@ fn grants_made_inside_a_cgroup_namespace_hold_at_kernel_levels() {
 /// straight into the pinned maps: what an earlier gpufence left after
 /// granting in a cgroup namespace at the namespace depth.
 fn write_as_before(bpffs: &Path, id: u64, flags: u32, level: u32, mask: u32) {
-    let cgroups = sys::obj_get(&bpffs.join(PIN_CGROUPS)).unwrap();
+    let cgroups = sys::map_obj_get(&bpffs.join(PIN_CGROUPS)).unwrap();
     let v = [flags.to_ne_bytes(), level.to_ne_bytes()].concat();
-    sys::map_update(cgroups.as_fd(), &id.to_ne_bytes(), &v).unwrap();
-    let levels = sys::obj_get(&bpffs.join(PIN_LEVELS)).unwrap();
-    sys::map_update(levels.as_fd(), &0u32.to_ne_bytes(), &mask.to_ne_bytes()).unwrap();
+    sys::map_update(&cgroups, &id.to_ne_bytes(), &v).unwrap();
+    let levels = sys::map_obj_get(&bpffs.join(PIN_LEVELS)).unwrap();
+    sys::map_update(&levels, &0u32.to_ne_bytes(), &mask.to_ne_bytes()).unwrap();
 }
 
 /// The namespaced side: a no-op unless started by
@@ -320,7 +320,7 @@ fn namespaced_side() {
         uid: 1000,
         stepd_pid: stepd,
     };
-    let out = apply::apply(&node, &req).expect("grant inside the namespace");
+    let out = gpufence_tests::grant_step(&node, &req).expect("grant inside the namespace");
     assert!(
         matches!(&out, ApplyOutcome::Granted { cgroup_path, .. } if *cgroup_path == job),
         "{out:?}"
@@ -465,7 +465,7 @@ fn namespaced_side() {
         .create(&format!("{SCOPE}/job_5/step_0/slurm"))
         .unwrap();
     let stepd5 = sleeper_in(&format!("{SCOPE}/job_5/step_0/slurm"));
-    let e = apply::apply(
+    let e = gpufence_tests::grant_step(
         &node,
         &StepRequest {
             job_id: 5,

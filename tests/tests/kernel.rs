@@ -453,7 +453,7 @@ fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
         uid: 1000,
         stepd_pid: stepd,
     };
-    let out = apply::apply(&node, &req).unwrap();
+    let out = gpufence_tests::grant_step(&node, &req).unwrap();
     let want_cg = format!("{}/{base}/job_42", env.root);
     assert!(
         matches!(&out, ApplyOutcome::Granted { cgroup_path, devices: 1, .. } if *cgroup_path == want_cg),
@@ -468,7 +468,7 @@ fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
     );
 
     // A record for another uid is refused (stale record of a reused job id).
-    let e = apply::apply(
+    let e = gpufence_tests::grant_step(
         &node,
         &StepRequest {
             uid: 1001,
@@ -549,7 +549,7 @@ fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
         uid: 0,
         stepd_pid: stepd,
     };
-    apply::apply(&node, &req).unwrap();
+    gpufence_tests::grant_step(&node, &req).unwrap();
     let job = format!("{}/job_7", env.root);
     assert_eq!(
         env.cg.cgroup_of(stepd).unwrap(),
@@ -560,7 +560,7 @@ fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
     assert_eq!(env.open_from(&slurmd, &n0), "EPERM");
     // No record: placed, but nothing granted.
     let stepd2 = env.spawn_sleeper(&slurmd);
-    let out = apply::apply(
+    let out = gpufence_tests::grant_step(
         &node,
         &StepRequest {
             job_id: 8,
@@ -876,19 +876,17 @@ fn grants_are_read_whole_in_batches() {
     if !privileged() {
         return;
     }
-    use gpufence_cgroup::maps::{GrantKey, GrantValue, PIN_GRANTS};
-    use std::os::fd::AsFd;
+    use gpufence_cgroup::maps::{GrantKey, GrantValue, GrantsMap};
     let env = TestEnv::new("batch");
     let node = node(&env, MAJORS);
     fence_ops::install(&node).expect("install");
     let fence = Fence::open(&env.bpffs).unwrap();
-    let grants = gpufence_cgroup::sys::obj_get(&env.bpffs.join(PIN_GRANTS)).unwrap();
+    let grants = Fence::open_map::<GrantsMap>(&env.bpffs).unwrap();
     let mut want = Vec::new();
     for i in 0..10_000u64 {
         let key = GrantKey::new((1 << 40) + i, DevNum::new(195, (i % 8) as u32));
         let value = GrantValue::new(Access::RW, 500_000 + (i / 100) as u32);
-        gpufence_cgroup::sys::map_update(grants.as_fd(), &key.to_bytes(), &value.to_bytes())
-            .unwrap();
+        grants.update(&key, &value).unwrap();
         want.push((value.job_id, key.cgroup_id, key.dev()));
     }
     want.sort();
@@ -986,4 +984,92 @@ fn a_map_pinned_with_another_layout_is_refused() {
     fence_ops::remove(&node).unwrap();
     fence_ops::install(&node).expect("install after remove");
     assert!(Fence::linked_prog_id(&env.bpffs).is_some());
+}
+
+/// Issue 25: a pin replaced after the install is checked when it is
+/// opened, not only at install. With the fence's `grants` pin replaced by
+/// a hash map of 64-byte values holding one entry, `Fence::open` (and the
+/// typed open of that one map) fails with the install's one-line layout
+/// error naming the pin, what it has, what this version needs and the
+/// remedy; the status is not "installed" and says so as a problem; the
+/// grants listing fails instead of decoding a row read past its buffer
+/// (the reported "job 33686018", 0x02020202); the raw lookup with the
+/// fence's 8-byte value buffer is refused before the kernel writes 64
+/// bytes into it. The remedy (remove, install) works.
+#[test]
+fn a_pin_replaced_after_the_install_is_refused_when_opened() {
+    if !privileged() {
+        return;
+    }
+    use gpufence_cgroup::maps::{GrantKey, GrantValue, GrantsMap, MAP_TYPE_HASH, PIN_GRANTS};
+    use gpufence_cgroup::sys;
+    let env = TestEnv::new("repin");
+    let node = node(&env, MAJORS);
+    fence_ops::install(&node).expect("install");
+    assert!(fence_ops::status(&node).installed);
+
+    let pin = env.bpffs.join(PIN_GRANTS);
+    std::fs::remove_file(&pin).unwrap();
+    let other = sys::map_create(MAP_TYPE_HASH, GrantKey::SIZE as u32, 64, 16, "grants").unwrap();
+    sys::map_update(&other, &[1; 16], &[2; 64]).unwrap();
+    sys::obj_pin(std::os::fd::AsFd::as_fd(&other), &pin).unwrap();
+
+    let found = "type 1 key 16 value 64 max_entries 16";
+    let check = |msg: &str| {
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        assert!(msg.contains(&pin.display().to_string()), "{msg}");
+        assert!(msg.contains(found), "{msg}");
+        assert!(msg.contains("needs type 1 key 16 value 8"), "{msg}");
+        let remove = msg.find("gpufence fence remove").expect(msg);
+        let install = msg.find("gpufence fence install").expect(msg);
+        assert!(remove < install, "remove, then install: {msg}");
+    };
+    let e = Fence::open(&env.bpffs).expect_err("a grants map of another layout");
+    assert!(
+        matches!(e, gpufence_cgroup::Error::MapMismatch { .. }),
+        "{e:?}"
+    );
+    check(&e.to_string());
+    eprintln!("Fence::open: {e}");
+    let e = Fence::open_map::<GrantsMap>(&env.bpffs).unwrap_err();
+    check(&e.to_string());
+
+    let st = fence_ops::status(&node);
+    assert!(!st.installed, "{st:?}");
+    assert!(
+        st.problems.iter().any(|p| p.contains(found)),
+        "{:?}",
+        st.problems
+    );
+    let e = gpufence_node::admin::grants::list(&node).expect_err("no listing of that map");
+    assert!(
+        matches!(
+            e,
+            NodeError::Kernel(gpufence_cgroup::Error::MapMismatch { .. })
+        ),
+        "{e:?}"
+    );
+    check(&e.to_string());
+
+    // The raw calls take their sizes from the map: the fence's 8-byte
+    // value buffer is refused, and nothing is written into it.
+    let raw = sys::map_obj_get(&pin).unwrap();
+    assert_eq!(raw.shape().value_size, 64);
+    let mut v = [0xAAu8; GrantValue::SIZE];
+    let e = sys::map_lookup(&raw, &[1; 16], &mut v).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    assert_eq!(v, [0xAA; GrantValue::SIZE]);
+    let mut v = [0u8; 64];
+    assert!(sys::map_lookup(&raw, &[1; 16], &mut v).unwrap());
+    assert_eq!(v, [2; 64]);
+
+    // The remedy the message gives.
+    fence_ops::remove(&node).unwrap();
+    fence_ops::install(&node).expect("install after remove");
+    assert!(fence_ops::status(&node).installed);
+    assert!(Fence::open(&env.bpffs)
+        .unwrap()
+        .entries()
+        .unwrap()
+        .is_empty());
 }

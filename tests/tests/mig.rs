@@ -10,7 +10,7 @@
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::DevNum;
 use gpufence_model::record::MigSlice;
-use gpufence_node::job::apply::{self, StepRequest};
+use gpufence_node::job::apply::StepRequest;
 use gpufence_node::job::prolog::{self, PrologEnv};
 use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
@@ -105,7 +105,7 @@ fn neighbours_open_their_own_caps_and_the_shared_parent() {
     for (job, rec) in [(61u32, &a), (62, &b)] {
         let slurmd = m.env.cgroup("slurmd");
         let stepd = m.env.spawn_sleeper(&slurmd);
-        apply::apply(
+        gpufence_tests::grant_step(
             &m.node,
             &StepRequest {
                 job_id: job,
@@ -248,7 +248,7 @@ fn the_epilog_kills_only_its_own_slice_holders() {
     let slurmd = m.env.cgroup("slurmd");
     for job in [67, 68] {
         let stepd = m.env.spawn_sleeper(&slurmd);
-        apply::apply(
+        gpufence_tests::grant_step(
             &m.node,
             &StepRequest {
                 job_id: job,

@@ -465,7 +465,14 @@ fn read_only_state_dir_fails_closed() {
         "EPERM",
         "job 62 has no GPU"
     );
-    let v = apply::verdict(&node, &s62.req, "n1", &s62.placed, Some(&s62.granted));
+    let v = apply::verdict_with(
+        &node,
+        &s62.req,
+        "n1",
+        &s62.placed,
+        Some(&s62.granted),
+        false,
+    );
     match v {
         StepVerdict::RunWithoutGpus(l) => {
             assert!(
@@ -536,7 +543,14 @@ fn full_audit_log_fails_closed() {
     );
     assert_eq!(grants_of(&env, 72), 0);
     assert_eq!(env.open_from(&s72.cgroup, &n0), "EPERM");
-    match apply::verdict(&node, &s72.req, "n1", &s72.placed, Some(&s72.granted)) {
+    match apply::verdict_with(
+        &node,
+        &s72.req,
+        "n1",
+        &s72.placed,
+        Some(&s72.granted),
+        false,
+    ) {
         StepVerdict::RunWithoutGpus(l) => {
             assert!(
                 l.contains("fix the audit log") && l.contains("without GPU access"),

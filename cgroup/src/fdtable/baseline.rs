@@ -8,7 +8,6 @@
 //! compiles it.
 
 use std::collections::BTreeSet;
-use std::os::fd::OwnedFd;
 
 use super::{FdTableLayout, FD_RECORDS, MAJORS_ENTRIES};
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
@@ -401,7 +400,10 @@ impl BaselineIterator {
     ///
     /// # Errors
     /// [`IterError`].
-    pub fn load(layout: &FdTableLayout, majors: &OwnedFd) -> Result<BaselineIterator, IterError> {
+    pub fn load(
+        layout: &FdTableLayout,
+        majors: &crate::maps::Map<crate::maps::MajorsMap>,
+    ) -> Result<BaselineIterator, IterError> {
         use std::os::fd::AsRawFd;
         Ok(BaselineIterator {
             it: iter::load_with_callback(

@@ -6,7 +6,9 @@ use super::*;
 impl Fence {
     /// The `cgroups` entry of `cgroup_id`: `(flags, level)`.
     pub(super) fn entry_of(&self, cgroup_id: u64) -> Result<Option<(u32, u32)>> {
-        Ok(maps::lookup::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
+        Ok(self
+            .cgroups
+            .lookup(&cgroup_id)
             .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "cgroups"))?
             .map(|v| (v.flags, v.level)))
     }
@@ -23,7 +25,8 @@ impl Fence {
     /// Callers hold the fence lock.
     pub(super) fn write_flags(&self, cgroup_id: u64, flags: u32, level: Option<u32>) -> Result<()> {
         if flags == 0 {
-            maps::delete::<CgroupsMap>(self.cgroups.as_fd(), &cgroup_id)
+            self.cgroups
+                .delete(&cgroup_id)
                 .map_err(bpf_err("BPF_MAP_DELETE_ELEM", "cgroups"))?;
             return Ok(());
         }
@@ -34,16 +37,14 @@ impl Fence {
         if (1..=MAX_LEVEL as u32).contains(&level) {
             let mask = self.levels_mask()?;
             if mask & (1 << level) == 0 {
-                maps::update::<LevelsMap>(self.levels.as_fd(), &0, &(mask | 1 << level))
+                self.levels
+                    .update(&0, &(mask | 1 << level))
                     .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))?;
             }
         }
-        maps::update::<CgroupsMap>(
-            self.cgroups.as_fd(),
-            &cgroup_id,
-            &CgroupValue { flags, level },
-        )
-        .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
+        self.cgroups
+            .update(&cgroup_id, &CgroupValue { flags, level })
+            .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "cgroups"))?;
         Ok(())
     }
 
@@ -59,7 +60,8 @@ impl Fence {
                 mask |= 1 << level;
             }
         }
-        maps::update::<LevelsMap>(self.levels.as_fd(), &0, &mask)
+        self.levels
+            .update(&0, &mask)
             .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "levels"))
     }
 
@@ -68,14 +70,18 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn levels_mask(&self) -> Result<u32> {
-        Ok(maps::lookup::<LevelsMap>(self.levels.as_fd(), &0)
+        Ok(self
+            .levels
+            .lookup(&0)
             .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "levels"))?
             .unwrap_or(0))
     }
 
     /// Every entry of the `cgroups` map: id → (flags, level).
     pub(super) fn cgroup_entries(&self) -> Result<BTreeMap<u64, (u32, u32)>> {
-        if let Some(all) = maps::entries_batch::<CgroupsMap>(self.cgroups.as_fd())
+        if let Some(all) = self
+            .cgroups
+            .entries_batch()
             .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "cgroups"))?
         {
             return Ok(all
@@ -83,7 +89,9 @@ impl Fence {
                 .map(|(id, v)| (id, (v.flags, v.level)))
                 .collect());
         }
-        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
+        let keys = self
+            .cgroups
+            .keys()
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
         let mut out = BTreeMap::new();
         for id in keys {
@@ -99,7 +107,9 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn cgroup_flags(&self) -> Result<BTreeMap<u64, u32>> {
-        let keys = maps::keys::<CgroupsMap>(self.cgroups.as_fd(), self.max_entries)
+        let keys = self
+            .cgroups
+            .keys()
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "cgroups"))?;
         let mut out = BTreeMap::new();
         for id in keys {

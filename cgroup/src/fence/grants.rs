@@ -59,7 +59,7 @@ impl Fence {
             for (dev, access) in devices {
                 let key = GrantKey::new(cgroup_id, *dev);
                 let val = GrantValue::new(*access, job_id);
-                maps::update::<GrantsMap>(self.grants.as_fd(), &key, &val).map_err(bpf_err(
+                self.grants.update(&key, &val).map_err(bpf_err(
                     "BPF_MAP_UPDATE_ELEM",
                     format!("grants[{cgroup_id}, {dev}]"),
                 ))?;
@@ -70,7 +70,7 @@ impl Fence {
         });
         if result.is_err() {
             for k in &added {
-                let _ = maps::delete::<GrantsMap>(self.grants.as_fd(), k);
+                let _ = self.grants.delete(k);
             }
         }
         result
@@ -90,7 +90,8 @@ impl Fence {
                 let cgroup_id = (1u64 << 48) + i / 8;
                 let key = GrantKey::new(cgroup_id, DevNum::new(195, (i % 8) as u32));
                 let val = GrantValue::new(Access::RW, u32::MAX);
-                maps::update::<GrantsMap>(self.grants.as_fd(), &key, &val)
+                self.grants
+                    .update(&key, &val)
                     .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "grants (bench fill)"))?;
                 if i % 8 == 0 {
                     self.write_flags(cgroup_id, CGROUP_GRANTED, Some(level))?;
@@ -111,16 +112,22 @@ impl Fence {
             access: val.access(),
             job_id: val.job_id,
         };
-        let mut out: Vec<GrantEntry> = match maps::entries_batch::<GrantsMap>(self.grants.as_fd())
+        let mut out: Vec<GrantEntry> = match self
+            .grants
+            .entries_batch()
             .map_err(bpf_err("BPF_MAP_LOOKUP_BATCH", "grants"))?
         {
             Some(all) => all.iter().map(|(k, v)| entry(k, v)).collect(),
             None => {
-                let keys = maps::keys::<GrantsMap>(self.grants.as_fd(), self.max_entries)
+                let keys = self
+                    .grants
+                    .keys()
                     .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "grants"))?;
                 let mut out = Vec::with_capacity(keys.len());
                 for key in keys {
-                    if let Some(val) = maps::lookup::<GrantsMap>(self.grants.as_fd(), &key)
+                    if let Some(val) = self
+                        .grants
+                        .lookup(&key)
                         .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))?
                     {
                         out.push(entry(&key, &val));
@@ -138,7 +145,8 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn lookup(&self, cgroup_id: u64, dev: DevNum) -> Result<Option<GrantValue>> {
-        maps::lookup::<GrantsMap>(self.grants.as_fd(), &GrantKey::new(cgroup_id, dev))
+        self.grants
+            .lookup(&GrantKey::new(cgroup_id, dev))
             .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "grants"))
     }
 
@@ -194,7 +202,7 @@ impl Fence {
         }
         for e in &gone {
             let key = GrantKey::new(e.cgroup_id, e.dev);
-            maps::delete::<GrantsMap>(self.grants.as_fd(), &key).map_err(bpf_err(
+            self.grants.delete(&key).map_err(bpf_err(
                 "BPF_MAP_DELETE_ELEM",
                 format!("grants[{}, {}]", e.cgroup_id, e.dev),
             ))?;

@@ -66,31 +66,39 @@ fn link_create_err(root_dir: &Path, root_fd: &File, e: io::Error) -> Error {
     bpf_err("BPF_LINK_CREATE", root_dir.display().to_string())(e)
 }
 
-fn open_or_create_map(
+/// The map of layout `M` pinned in `dir`, its layout checked
+/// ([`typed_map`]: a pinned map of another layout is refused with
+/// [`Error::MapMismatch`] and nothing is written to it), or made with
+/// `configured` entries and pinned when none is; and whether it was
+/// there. A configured capacity that differs from a kept map's is kept,
+/// with a note (the map holds live grants).
+fn open_or_create_map<M: MapLayout>(
     dir: &Path,
-    spec: &MapSpec,
+    configured: u32,
     notes: &mut Vec<String>,
-) -> Result<(OwnedFd, bool)> {
-    let pin = dir.join(spec.name);
+) -> Result<(Map<M>, bool)> {
+    let pin = dir.join(M::NAME);
     for _ in 0..3 {
         match sys::obj_get(&pin) {
             Ok(fd) => {
-                check_map(&fd, &pin, spec, notes)?;
-                return Ok((fd, true));
+                let map = typed_map::<M>(fd, &pin)?;
+                let spec = M::spec(configured);
+                if map.max_entries() != spec.max_entries {
+                    notes.push(format!(
+                        "{} keeps its capacity {} (config asks {}): it holds live grants; `gpufence fence remove` then install to resize",
+                        pin.display(),
+                        map.max_entries(),
+                        spec.max_entries
+                    ));
+                }
+                return Ok((map, true));
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(bpf_err("BPF_OBJ_GET", pin.display().to_string())(e)),
         }
-        let fd = sys::map_create(
-            spec.map_type,
-            spec.key_size,
-            spec.value_size,
-            spec.max_entries,
-            spec.name,
-        )
-        .map_err(bpf_err("BPF_MAP_CREATE", spec.name))?;
-        match sys::obj_pin(fd.as_fd(), &pin) {
-            Ok(()) => return Ok((fd, false)),
+        let map = Map::<M>::create(configured).map_err(bpf_err("BPF_MAP_CREATE", M::NAME))?;
+        match sys::obj_pin(map.as_fd(), &pin) {
+            Ok(()) => return Ok((map, false)),
             // Another installer pinned first: use theirs.
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
             Err(e) => return Err(bpf_err("BPF_OBJ_PIN", pin.display().to_string())(e)),
@@ -101,56 +109,6 @@ fn open_or_create_map(
         what: pin.display().to_string(),
         source: io::Error::other("pin appeared and vanished repeatedly"),
     })
-}
-
-/// Checks that the map pinned at `pin` has the layout of `spec`: its
-/// type, key size and value size, and its capacity where the layout fixes
-/// it ([`MapSpec::fixed_entries`]). A configured capacity that differs is
-/// kept, with a note (the map holds live grants).
-///
-/// # Errors
-/// [`Error::MapMismatch`] naming the pin, what it has and what this
-/// version needs; [`Error::Bpf`] when the kernel cannot say.
-fn check_map(fd: &OwnedFd, pin: &Path, spec: &MapSpec, notes: &mut Vec<String>) -> Result<()> {
-    let info = sys::map_info(fd.as_fd())
-        .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", pin.display().to_string()))?;
-    let found = (info.map_type, info.key_size, info.value_size);
-    let wanted = (spec.map_type, spec.key_size, spec.value_size);
-    if found != wanted || (spec.fixed_entries && info.max_entries != spec.max_entries) {
-        let shape =
-            |t: u32, k: u32, v: u32, n: u32| format!("type {t} key {k} value {v} max_entries {n}");
-        return Err(Error::MapMismatch {
-            path: pin.to_path_buf(),
-            found: shape(
-                info.map_type,
-                info.key_size,
-                info.value_size,
-                info.max_entries,
-            ),
-            expected: if spec.fixed_entries {
-                shape(
-                    spec.map_type,
-                    spec.key_size,
-                    spec.value_size,
-                    spec.max_entries,
-                )
-            } else {
-                format!(
-                    "type {} key {} value {}",
-                    spec.map_type, spec.key_size, spec.value_size
-                )
-            },
-        });
-    }
-    if info.max_entries != spec.max_entries {
-        notes.push(format!(
-            "{} keeps its capacity {} (config asks {}): it holds live grants; `gpufence fence remove` then install to resize",
-            pin.display(),
-            info.max_entries,
-            spec.max_entries
-        ));
-    }
-    Ok(())
 }
 
 /// Attaches program `prog_fd` at `root_dir` through the link pinned in
@@ -320,17 +278,14 @@ impl Fence {
         spec: &FenceSpec,
         report: &mut InstallReport,
     ) -> Result<Fence> {
-        let [majors_spec, cgroups_spec, grants_spec, denials_spec, levels_spec] =
-            map_specs(spec.max_grants, spec.max_denials);
-        let (majors, r1) = open_or_create_map(&spec.bpffs_dir, &majors_spec, &mut report.notes)?;
-        let (cgroups, r2) = open_or_create_map(&spec.bpffs_dir, &cgroups_spec, &mut report.notes)?;
-        let (grants, r3) = open_or_create_map(&spec.bpffs_dir, &grants_spec, &mut report.notes)?;
-        let (denials, _) = open_or_create_map(&spec.bpffs_dir, &denials_spec, &mut report.notes)?;
-        let (levels, _) = open_or_create_map(&spec.bpffs_dir, &levels_spec, &mut report.notes)?;
+        let dir = &spec.bpffs_dir;
+        let notes = &mut report.notes;
+        let (majors, r1) = open_or_create_map::<MajorsMap>(dir, 0, notes)?;
+        let (cgroups, r2) = open_or_create_map::<CgroupsMap>(dir, spec.max_grants, notes)?;
+        let (grants, r3) = open_or_create_map::<GrantsMap>(dir, spec.max_grants, notes)?;
+        let (denials, _) = open_or_create_map::<DenialsMap>(dir, spec.max_denials, notes)?;
+        let (levels, _) = open_or_create_map::<LevelsMap>(dir, 0, notes)?;
         report.reused_maps = r1 && r2 && r3;
-        let max_entries = sys::map_info(grants.as_fd())
-            .map(|i| i.max_entries)
-            .unwrap_or(spec.max_grants);
         Ok(Fence {
             dir: spec.bpffs_dir.clone(),
             majors,
@@ -338,7 +293,6 @@ impl Fence {
             grants,
             denials,
             levels,
-            max_entries,
         })
     }
 
@@ -433,7 +387,10 @@ fn pin_names(dir: &Path) -> BTreeSet<std::ffi::OsString> {
 /// the ring iterator) and pins their links in `dir` (replacing older
 /// pins). On failure, removes what this call pinned so that no stale
 /// iterator outlives the fence it was made for, and says why.
-fn pin_iterators(dir: &Path, majors: &OwnedFd) -> std::result::Result<(), crate::iter::IterError> {
+fn pin_iterators(
+    dir: &Path,
+    majors: &Map<MajorsMap>,
+) -> std::result::Result<(), crate::iter::IterError> {
     use crate::iter::{RingIterator, RingLayout};
     let r = (|| -> std::result::Result<(), crate::iter::IterError> {
         let btf = crate::btf::Btf::vmlinux()?;

@@ -9,13 +9,14 @@ impl Fence {
     /// majors ([`crate::fdtable`]).
     ///
     /// # Errors
-    /// [`Error::Bpf`]: no pinned map, or a lookup failed.
+    /// [`Error::NotInstalled`]: no pinned map; [`Error::MapMismatch`]: a
+    /// map of another layout; [`Error::Bpf`]: a lookup failed.
     pub fn majors_protected(bpffs_dir: &Path, majors: &[u32]) -> Result<bool> {
-        let pin = bpffs_dir.join(PIN_MAJORS);
-        let fd = sys::obj_get(&pin).map_err(bpf_err("BPF_OBJ_GET", pin.display().to_string()))?;
+        let map = Self::open_map::<MajorsMap>(bpffs_dir)?;
         for m in majors {
             if *m >= MAJORS_ENTRIES
-                || maps::lookup::<MajorsMap>(fd.as_fd(), m)
+                || map
+                    .lookup(m)
                     .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
                     .unwrap_or(0)
                     == 0
@@ -35,11 +36,14 @@ impl Fence {
     pub fn add_majors(&self, majors: &[u32]) -> Result<Vec<u32>> {
         let mut added = Vec::new();
         for m in majors {
-            let on = maps::lookup::<MajorsMap>(self.majors.as_fd(), m)
+            let on = self
+                .majors
+                .lookup(m)
                 .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", format!("majors[{m}]")))?
                 .is_some_and(|v| v != 0);
             if !on {
-                maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+                self.majors
+                    .update(m, &MAJOR_PROTECTED)
                     .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
                 added.push(*m);
             }
@@ -53,11 +57,13 @@ impl Fence {
         // Protect new majors before unprotecting old ones: no moment in
         // which a major that should be closed is open.
         for m in want.difference(&current) {
-            maps::update::<MajorsMap>(self.majors.as_fd(), m, &MAJOR_PROTECTED)
+            self.majors
+                .update(m, &MAJOR_PROTECTED)
                 .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
         }
         for m in current.difference(&want) {
-            maps::update::<MajorsMap>(self.majors.as_fd(), m, &0)
+            self.majors
+                .update(m, &0)
                 .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", format!("majors[{m}]")))?;
         }
         Ok(())
@@ -70,7 +76,9 @@ impl Fence {
     pub fn protected_majors(&self) -> Result<Vec<u32>> {
         let mut out = Vec::new();
         for m in 0..MAJORS_ENTRIES {
-            if maps::lookup::<MajorsMap>(self.majors.as_fd(), &m)
+            if self
+                .majors
+                .lookup(&m)
                 .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "majors"))?
                 .is_some_and(|v| v != 0)
             {

@@ -26,10 +26,9 @@ use nix::unistd::{access, AccessFlags};
 use crate::error::{Error, Result};
 use crate::hierarchy::Cgroup2;
 use crate::maps::{
-    self, map_specs, CgroupValue, CgroupsMap, DenialValue, DenialsMap, GrantKey, GrantValue,
-    GrantsMap, LevelsMap, MajorsMap, MapLayout, MapPod, MapSpec, CGROUP_EXEMPT, CGROUP_GRANTED,
-    MAJORS_ENTRIES, MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS, PIN_LEVELS, PIN_LINK,
-    PIN_MAJORS,
+    CgroupValue, CgroupsMap, DenialValue, DenialsMap, GrantKey, GrantValue, GrantsMap, LevelsMap,
+    MajorsMap, Map, MapLayout, MapPod, CGROUP_EXEMPT, CGROUP_GRANTED, MAJORS_ENTRIES,
+    MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS, PIN_LEVELS, PIN_LINK, PIN_MAJORS,
 };
 use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
 use crate::sys;
@@ -162,16 +161,15 @@ pub struct GrantEntry {
 /// `(cgroup path, cgroup id)`, missing as the paths with no cgroup.
 pub type ExemptSplit = (Vec<(String, u64)>, Vec<String>);
 
-/// The pinned maps, opened.
+/// The pinned maps, opened, each of its layout ([`Map`]).
 #[derive(Debug)]
 pub struct Fence {
     dir: PathBuf,
-    majors: OwnedFd,
-    cgroups: OwnedFd,
-    grants: OwnedFd,
-    denials: OwnedFd,
-    levels: OwnedFd,
-    max_entries: u32,
+    majors: Map<MajorsMap>,
+    cgroups: Map<CgroupsMap>,
+    grants: Map<GrantsMap>,
+    denials: Map<DenialsMap>,
+    levels: Map<LevelsMap>,
 }
 
 /// One denial record.
@@ -216,38 +214,63 @@ fn located_level(cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<usize> {
     cg.kernel_level(path)
 }
 
+/// The map open at `fd`, pinned at `pin`, as a map of layout `M`.
+///
+/// # Errors
+/// [`Error::MapMismatch`] naming the pin, what it has and what this
+/// version needs ([`crate::maps::MapSpec::check`]); [`Error::Bpf`] when the kernel
+/// cannot say.
+fn typed_map<M: MapLayout>(fd: OwnedFd, pin: &Path) -> Result<Map<M>> {
+    let fd = sys::MapFd::from_fd(fd)
+        .map_err(bpf_err("BPF_OBJ_GET_INFO_BY_FD", pin.display().to_string()))?;
+    Map::from_fd(fd).map_err(|m| Error::MapMismatch {
+        path: pin.to_path_buf(),
+        found: m.found,
+        expected: m.expected,
+    })
+}
+
 impl Fence {
-    /// Opens the pinned maps of an installed fence.
+    /// Opens the pinned maps of an installed fence, each checked against
+    /// its layout ([`Fence::open_map`]).
     ///
     /// # Errors
-    /// [`Error::NotInstalled`] when a map is not pinned; [`Error::Bpf`] otherwise.
+    /// [`Error::NotInstalled`] when a map is not pinned;
+    /// [`Error::MapMismatch`] when one has another layout; [`Error::Bpf`]
+    /// otherwise.
     pub fn open(bpffs_dir: &Path) -> Result<Fence> {
-        let get = |name: &'static str| -> Result<OwnedFd> {
-            let p = bpffs_dir.join(name);
-            sys::obj_get(&p).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOENT) {
-                    Error::NotInstalled {
-                        path: bpffs_dir.to_path_buf(),
-                        what: name,
-                    }
-                } else {
-                    bpf_err("BPF_OBJ_GET", p.display().to_string())(e)
-                }
-            })
-        };
-        let grants = get(PIN_GRANTS)?;
-        let max_entries = sys::map_info(grants.as_fd())
-            .map(|i| i.max_entries)
-            .unwrap_or(0);
+        let grants = Self::open_map(bpffs_dir)?;
         Ok(Fence {
             dir: bpffs_dir.to_path_buf(),
-            majors: get(PIN_MAJORS)?,
-            cgroups: get(PIN_CGROUPS)?,
+            majors: Self::open_map(bpffs_dir)?,
+            cgroups: Self::open_map(bpffs_dir)?,
             grants,
-            denials: get(PIN_DENIALS)?,
-            levels: get(PIN_LEVELS)?,
-            max_entries,
+            denials: Self::open_map(bpffs_dir)?,
+            levels: Self::open_map(bpffs_dir)?,
         })
+    }
+
+    /// The map of layout `M` pinned in `bpffs_dir` (as
+    /// [`MapLayout::NAME`]), its shape checked against `M` before any
+    /// element is read or written.
+    ///
+    /// # Errors
+    /// [`Error::NotInstalled`] when it is not pinned;
+    /// [`Error::MapMismatch`] naming the pin, what it has and what this
+    /// version needs; [`Error::Bpf`] otherwise.
+    pub fn open_map<M: MapLayout>(bpffs_dir: &Path) -> Result<Map<M>> {
+        let p = bpffs_dir.join(M::NAME);
+        let fd = sys::obj_get(&p).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOENT) {
+                Error::NotInstalled {
+                    path: bpffs_dir.to_path_buf(),
+                    what: M::NAME,
+                }
+            } else {
+                bpf_err("BPF_OBJ_GET", p.display().to_string())(e)
+            }
+        })?;
+        typed_map(fd, &p)
     }
 
     /// The bpffs directory.
@@ -257,7 +280,7 @@ impl Fence {
 
     /// Capacity of the grants map.
     pub fn max_entries(&self) -> u32 {
-        self.max_entries
+        self.grants.max_entries()
     }
 
     /// Runs a change of the `cgroups`/`grants` maps under the fence lock

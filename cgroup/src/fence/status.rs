@@ -18,14 +18,15 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`].
     pub fn denials(&self) -> Result<Vec<DenialEntry>> {
-        let cap = sys::map_info(self.denials.as_fd())
-            .map(|i| i.max_entries)
-            .unwrap_or(0);
-        let keys = maps::keys::<DenialsMap>(self.denials.as_fd(), cap)
+        let keys = self
+            .denials
+            .keys()
             .map_err(bpf_err("BPF_MAP_GET_NEXT_KEY", "denials"))?;
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
-            let val: Option<DenialValue> = maps::lookup::<DenialsMap>(self.denials.as_fd(), &key)
+            let val: Option<DenialValue> = self
+                .denials
+                .lookup(&key)
                 .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", "denials"))?;
             if let Some(val) = val {
                 out.push(DenialEntry {
@@ -351,14 +352,18 @@ fn value_size<M: MapLayout>() -> usize {
 impl MapView for Fence {
     fn lookup(&self, map: MapRole, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let (fd, size, name) = match map {
-            MapRole::Majors => (&self.majors, value_size::<MajorsMap>(), PIN_MAJORS),
-            MapRole::Cgroups => (&self.cgroups, value_size::<CgroupsMap>(), PIN_CGROUPS),
-            MapRole::Grants => (&self.grants, value_size::<GrantsMap>(), PIN_GRANTS),
-            MapRole::Levels => (&self.levels, value_size::<LevelsMap>(), PIN_LEVELS),
+            MapRole::Majors => (self.majors.map_fd(), value_size::<MajorsMap>(), PIN_MAJORS),
+            MapRole::Cgroups => (
+                self.cgroups.map_fd(),
+                value_size::<CgroupsMap>(),
+                PIN_CGROUPS,
+            ),
+            MapRole::Grants => (self.grants.map_fd(), value_size::<GrantsMap>(), PIN_GRANTS),
+            MapRole::Levels => (self.levels.map_fd(), value_size::<LevelsMap>(), PIN_LEVELS),
         };
         let mut v = vec![0u8; size];
-        let found = sys::map_lookup(fd.as_fd(), key, &mut v)
-            .map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", name))?;
+        let found =
+            sys::map_lookup(fd, key, &mut v).map_err(bpf_err("BPF_MAP_LOOKUP_ELEM", name))?;
         Ok(found.then_some(v))
     }
 }

@@ -178,7 +178,7 @@ pub fn prog_query_cgroup_device(cgroup: BorrowedFd<'_>) -> io::Result<(u32, Vec<
 
 /// Offset of `revision` in the `query` member of `union bpf_attr` (6.6+,
 /// `include/uapi/linux/bpf.h`): after `prog_attach_flags`, `link_ids` and
-/// `link_attach_flags`, past the 32 bytes of [`QueryAttr`].
+/// `link_attach_flags`, past the 32 bytes of `QueryAttr`.
 pub const QUERY_REVISION_OFFSET: usize = 56;
 
 /// `BPF_PROG_QUERY` of a cgroup's device programs through a buffer of

@@ -7,7 +7,7 @@
 use std::ffi::CString;
 use std::io;
 use std::mem::size_of;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -28,7 +28,10 @@ pub use links::{
     link_create_iter_task, link_detach, link_update, obj_get, obj_pin, CGROUP_ITER_ANCESTORS_UP,
     CGROUP_ITER_SELF_ONLY,
 };
-pub use maps::{map_create, map_delete, map_entries_batch, map_keys, map_lookup, map_update};
+pub use maps::{
+    map_create, map_delete, map_entries_batch, map_keys, map_lookup, map_obj_get, map_update,
+    MapFd, MapShape, RawEntries,
+};
 pub use progs::{
     btf_load, map_fd_by_id, prog_attach_cgroup_device, prog_detach_cgroup_device, prog_fd_by_id,
     prog_load_cgroup_device, prog_load_iter, prog_load_iter_funcs, FuncInfo, LoadError,

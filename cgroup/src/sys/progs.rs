@@ -173,17 +173,17 @@ pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
 const BPF_MAP_GET_FD_BY_ID: i32 = 14;
 
 /// `BPF_MAP_GET_FD_BY_ID`: a read-write descriptor of map `id`
-/// (CAP_SYS_ADMIN).
+/// (CAP_SYS_ADMIN), with its shape.
 ///
 /// # Errors
 /// errno (`ENOENT` when the map is gone).
-pub fn map_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+pub fn map_fd_by_id(id: u32) -> io::Result<MapFd> {
     let mut a = GetIdAttr {
         id,
         next_id: 0,
         open_flags: 0,
     };
-    bpf(BPF_MAP_GET_FD_BY_ID, &mut a).map(fd_result)
+    MapFd::from_fd(bpf(BPF_MAP_GET_FD_BY_ID, &mut a).map(fd_result)?)
 }
 
 /// `union bpf_attr` for `BPF_PROG_LOAD` up to `attach_btf_obj_fd`.

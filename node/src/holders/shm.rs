@@ -126,7 +126,7 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
 /// Those of `candidates` (names of files directly in `dir`) that a live
 /// process holds: a descriptor (`/proc/<pid>/fd/*`, the link's target) or
 /// a mapping (`maps`, its path column; through a live thread's view when
-/// the leader exited, [`crate::holders::scan::read_maps`]). Read only when
+/// the leader exited, `read_maps` in `crate::holders::scan`). Read only when
 /// there are candidates, so an Epilog with nothing left pays one
 /// directory read; what is kept is bounded by the candidates, whatever
 /// the processes hold.

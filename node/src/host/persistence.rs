@@ -275,7 +275,7 @@ impl UnitRoot {
     }
 
     /// SHA-256 and text content of the file `path` in this tree, opened
-    /// from the tree's root one component at a time as [`UnitRoot::open`]
+    /// from the tree's root one component at a time as `UnitRoot::open`
     /// does (never through a link; a user's file only if it is theirs).
     pub fn evidence(&self, path: &Path) -> (Option<String>, Option<String>) {
         let file = path.strip_prefix(&self.path).ok().and_then(|rel| {
@@ -289,9 +289,9 @@ impl UnitRoot {
 
     /// Every regular file and symlink of the tree (not following links;
     /// in a user's tree only the owner's files, below the owner's
-    /// directories), with its fingerprint. [`UNIT_DEPTH`] levels and
-    /// [`UNIT_FILES_MAX`] files at most. Nothing when the tree cannot be
-    /// opened as [`UnitRoot::open`] says.
+    /// directories), with its fingerprint. `UNIT_DEPTH` levels and
+    /// `UNIT_FILES_MAX` files at most. Nothing when the tree cannot be
+    /// opened as `UnitRoot::open` says.
     pub fn files(&self) -> BTreeMap<PathBuf, Fingerprint> {
         let mut out = BTreeMap::new();
         let owner = self.owner();

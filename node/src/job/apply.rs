@@ -126,15 +126,6 @@ pub struct JobCgroup {
 }
 
 /// Finds (slurm layout) or makes and enters (own layout) the job cgroup.
-/// The path only; [`locate`] also gives its name.
-///
-/// # Errors
-/// As [`locate`].
-pub fn job_cgroup(node: &Node, req: &StepRequest) -> Result<String, NodeError> {
-    locate(node, req).map(|j| j.path)
-}
-
-/// Finds (slurm layout) or makes and enters (own layout) the job cgroup.
 ///
 /// - `own`: `<cgroup_root>/job_<id>`, with slurmstepd moved into its
 ///   `step_<step>`.
@@ -218,7 +209,7 @@ pub struct Placement {
     pub job_dir: String,
 }
 
-/// First half of [`apply`]: checks the fence and places the step.
+/// First half of [`grant_step`]: checks the fence and places the step.
 ///
 /// # Errors
 /// [`NodeError::FenceMissing`], [`NodeError::JobCgroup`], [`NodeError::Kernel`].
@@ -264,7 +255,7 @@ fn refuse_exempt_ancestor(node: &Node, fence: &Fence, job: &str) -> Result<(), N
     Ok(())
 }
 
-/// Second half of [`apply`]: grants the job's record to the placed step.
+/// Second half of [`grant_step`]: grants the job's record to the placed step.
 ///
 /// Granting a job cgroup that already holds the job's grant (the Prolog
 /// applied it under `PrologFlags=RunInJob`, [`grant_in_prolog`], or an
@@ -450,13 +441,75 @@ fn drop_predecessors(node: &Node, req: &StepRequest, fence: &Fence, keep: u64) {
     }
 }
 
-/// Applies the job's record for one step: [`place`] then [`grant`].
-///
-/// # Errors
-/// As [`place`] and [`grant`].
-pub fn apply(node: &Node, req: &StepRequest) -> Result<ApplyOutcome, NodeError> {
-    let p = place(node, req)?;
-    grant(node, req, &p)
+/// What one step's grant came to ([`grant_step`]).
+#[derive(Debug)]
+pub struct StepGrant {
+    /// The step's fate, with the user's line when it is not a plain run
+    /// (logged as an error by the plugin, printed on task 0's stderr).
+    pub verdict: StepVerdict,
+    /// The plugin's verbose log line: what was granted
+    /// ([`granted_line`]), or the extern step that has no record yet under
+    /// `PrologFlags=RunInJob` ([`run_in_job_no_record_line`]).
+    pub note: Option<String>,
+    /// Lines for the job's output (task 0's stderr), from the record's
+    /// notes for the user ([`user_note_line`]).
+    pub user_notes: Vec<String>,
+    /// Variables for the tasks' environment ([`job_env`]).
+    pub job_env: Vec<(String, String)>,
+    /// What [`place`] then [`grant`] returned: the placement's error, or
+    /// the grant's outcome.
+    pub outcome: Result<ApplyOutcome, NodeError>,
+}
+
+/// The grant step of one slurmstepd, whole: [`place`], [`grant`], the
+/// [`verdict_with`] (and its `grant_refused` line), the log line and the
+/// user's lines. What the plugin's `slurm_spank_init` runs in slurmstepd,
+/// and what the tests and `gpufence-probe apply` call. `node_name` is for
+/// the user's line; `run_in_job` says whether slurm.conf has
+/// `PrologFlags=RunInJob`, asked only for an extern step that found no
+/// record ([`no_record_expected`]).
+pub fn grant_step(
+    node: &Node,
+    req: &StepRequest,
+    node_name: &str,
+    run_in_job: impl FnOnce() -> bool,
+) -> StepGrant {
+    let placed = place(node, req);
+    let granted = placed.as_ref().ok().map(|p| grant(node, req, p));
+    let mut note = None;
+    let (mut user_notes, mut env) = (Vec::new(), Vec::new());
+    if let (
+        Ok(p),
+        Some(Ok(ApplyOutcome::Granted {
+            cgroup_path,
+            devices,
+            user_notes: notes,
+            job_env,
+            ..
+        })),
+    ) = (&placed, &granted)
+    {
+        user_notes = notes.iter().map(|n| user_note_line(req, n)).collect();
+        env = job_env.clone();
+        note = Some(granted_line(req, *devices, cgroup_path, &p.job_dir));
+    }
+    let run_in_job = matches!(granted, Some(Ok(ApplyOutcome::NoRecord)))
+        && no_record_expected(req, req.step_id == EXTERN_STEP_ID && run_in_job());
+    let verdict = verdict_with(node, req, node_name, &placed, granted.as_ref(), run_in_job);
+    if run_in_job && verdict == StepVerdict::Run {
+        note = Some(run_in_job_no_record_line(req));
+    }
+    StepGrant {
+        verdict,
+        note,
+        user_notes,
+        job_env: env,
+        // No grant only when the placement failed: its error.
+        outcome: match granted {
+            Some(g) => g,
+            None => placed.map(|_| ApplyOutcome::NoRecord),
+        },
+    }
 }
 
 /// What the plugin does with a step, and the one line the user sees.
@@ -468,19 +521,6 @@ pub enum StepVerdict {
     RunWithoutGpus(String),
     /// Do not run the step's tasks; tell the user why.
     Refuse(String),
-}
-
-/// Decides the step's fate from the two halves' results, and writes a
-/// `grant_refused` audit line when it is not a plain run. `node_name` is
-/// for the user's message. As [`verdict_with`] without `RunInJob`.
-pub fn verdict(
-    node: &Node,
-    req: &StepRequest,
-    node_name: &str,
-    placed: &Result<Placement, NodeError>,
-    granted: Option<&Result<ApplyOutcome, NodeError>>,
-) -> StepVerdict {
-    verdict_with(node, req, node_name, placed, granted, false)
 }
 
 /// Whether a step that found no record is expected to: the extern step
@@ -520,8 +560,11 @@ fn decide(
     }
 }
 
-/// [`verdict`], knowing whether slurm.conf has `PrologFlags=RunInJob`:
-/// then the extern step without a record ([`no_record_expected`]) runs
+/// Decides the step's fate from the two halves' results ([`place`],
+/// [`grant`]), and writes a `grant_refused` audit line when it is not a
+/// plain run. `node_name` is for the user's message. `run_in_job`:
+/// slurm.conf has `PrologFlags=RunInJob`; then the extern step without a
+/// record ([`no_record_expected`]) runs
 /// with neither a line for the user nor a `grant_refused` line. Every
 /// other step without a record, and any step under other flags, runs
 /// without GPUs and says why.
@@ -639,7 +682,7 @@ mod tests {
             stepd_pid: 1,
         };
         let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
-        let _ = verdict(&node, &req, "n1", &placed, None);
+        let _ = verdict_with(&node, &req, "n1", &placed, None, false);
         let line = std::fs::read_to_string(&audit).unwrap();
         let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
         assert_eq!(v["step"], "extern", "{line}");
@@ -703,7 +746,7 @@ mod tests {
         let refused: Result<Placement, NodeError> =
             Err(NodeError::FenceMissing { detail: "x".into() });
         assert!(
-            matches!(verdict(&node, &req, "n1", &refused, None), StepVerdict::Refuse(l) if l.starts_with("gpufence: job 3 step 0 refused on n1: the GPU fence is not installed"))
+            matches!(verdict_with(&node, &req, "n1", &refused, None, false), StepVerdict::Refuse(l) if l.starts_with("gpufence: job 3 step 0 refused on n1: the GPU fence is not installed"))
         );
         let audit = std::fs::read_to_string(d.path().join("a.jsonl")).unwrap();
         assert!(

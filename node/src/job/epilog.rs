@@ -193,7 +193,7 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     )
 }
 
-/// Runs the epilog: the steps below, in order, each a method of [`Run`].
+/// Runs the epilog: the steps below, in order, each a method of `Run`.
 pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let mut out = EpilogOutcome::default();

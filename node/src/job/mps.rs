@@ -194,7 +194,7 @@ fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
 /// `rec.gpu_idle` (the daemon is a co-tenant until the last job ends). A
 /// daemon that cannot be started is a note for the user and an `error`
 /// line: the job runs with its own grant (MPS clients that find no daemon
-/// run "as [they] normally would without MPS", nvidia-cuda-mps-control(1)),
+/// run "as \[they\] normally would without MPS", nvidia-cuda-mps-control(1)),
 /// and nothing else gains the GPU.
 ///
 /// # Errors

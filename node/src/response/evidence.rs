@@ -427,12 +427,12 @@ pub fn cut(ev: &Evidence) -> Evidence {
     cut
 }
 
-/// Writes `ev` within `budget` ([`write`]): a record that does not fit
+/// Writes `ev` within `budget` ([`write()`]): a record that does not fit
 /// what is left is cut to the process's identity, cgroup and devices, and
 /// not written at all (`Ok(None)`) when even that does not fit.
 ///
 /// # Errors
-/// As [`write`].
+/// As [`write()`].
 pub fn write_within(
     dir: &Path,
     ev: &Evidence,

@@ -77,7 +77,7 @@ unsafe fn fill(pw: *mut libc::passwd, buf: *mut c_char, len: usize, errnop: *mut
 /// `getpwuid_r` of the service.
 ///
 /// # Safety
-/// glibc's arguments (see [`fill`]).
+/// glibc's arguments (see `fill`).
 #[no_mangle]
 pub unsafe extern "C" fn _nss_gpufencetest_getpwuid_r(
     uid: libc::uid_t,
@@ -96,7 +96,7 @@ pub unsafe extern "C" fn _nss_gpufencetest_getpwuid_r(
 /// `getpwnam_r` of the service.
 ///
 /// # Safety
-/// glibc's arguments (see [`fill`]); `name` a NUL-terminated string.
+/// glibc's arguments (see `fill`); `name` a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn _nss_gpufencetest_getpwnam_r(
     name: *const c_char,
@@ -128,7 +128,7 @@ pub extern "C" fn _nss_gpufencetest_endpwent() -> c_int {
 /// `getpwent_r` of the service: the user once, then not found.
 ///
 /// # Safety
-/// glibc's arguments (see [`fill`]).
+/// glibc's arguments (see `fill`).
 #[no_mangle]
 pub unsafe extern "C" fn _nss_gpufencetest_getpwent_r(
     pw: *mut libc::passwd,

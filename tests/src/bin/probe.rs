@@ -561,16 +561,15 @@ fn main() -> ExitCode {
         },
         ["objget", paths @ ..] => {
             use gpufence_cgroup::sys;
-            use std::os::fd::AsFd;
             for p in paths {
                 match sys::obj_get(std::path::Path::new(p)) {
                     Err(e) => say(&format!("{p} {}", word(Err(e.raw_os_error().unwrap_or(0))))),
                     Ok(fd) => {
                         say(&format!("{p} ok"));
-                        if let Ok(info) = sys::map_info(fd.as_fd()) {
-                            let k = vec![0u8; info.key_size as usize];
-                            let v = vec![0u8; info.value_size as usize];
-                            let r = sys::map_update(fd.as_fd(), &k, &v)
+                        if let Ok(map) = sys::MapFd::from_fd(fd) {
+                            let k = vec![0u8; map.shape().key_size as usize];
+                            let v = vec![0u8; map.shape().value_size as usize];
+                            let r = sys::map_update(&map, &k, &v)
                                 .map_err(|e| e.raw_os_error().unwrap_or(0));
                             say(&format!("{p} update {}", word(r)));
                         }
@@ -863,7 +862,9 @@ fn main() -> ExitCode {
                 uid,
                 stepd_pid: pid,
             };
-            match gpufence_node::job::apply::apply(&node, &req) {
+            // The plugin's own step (a CPU-less stand-in for slurmstepd).
+            match gpufence_node::job::apply::grant_step(&node, &req, "this node", || false).outcome
+            {
                 Ok(o) => say(&format!("{o:?}")),
                 Err(e) => {
                     say(&format!("error: {e}"));
