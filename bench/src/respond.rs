@@ -158,6 +158,7 @@ pub fn run(counts: &[usize]) -> Vec<RespondResult> {
                     }],
                     created: now_rfc3339(),
                     notes: vec![],
+                    user_notes: vec![],
                     gpu_idle: vec![],
                     mig: vec![],
                     cuda_visible_devices: vec![],

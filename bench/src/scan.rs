@@ -41,7 +41,7 @@ pub struct ScanResult {
     pub total_procs: usize,
     /// Median wall time of the same scan with the first fd-table program
     /// (before further passes and split readers:
-    /// [`gpufence_cgroup::fdtable::baseline`]), same runs, seconds.
+    /// [`gpufence_cgroup::iter::fdtable::baseline`]), same runs, seconds.
     pub epilog_scan_v1_s: f64,
     /// Median wall time of the pinned scan with this process given 1, 2
     /// and all of the machine's CPUs (its affinity; the scan splits its
@@ -352,7 +352,7 @@ pub(crate) fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> (BTreeS
     use gpufence_cgroup::iter::{Object, RingIterator};
     let majors: Vec<u32> = devs.iter().map(|d| d.major).collect();
     assert!(gpufence_cgroup::Fence::majors_protected(dir, &majors).unwrap_or(false));
-    let it = gpufence_cgroup::fdtable::baseline::BaselineIterator::open_pinned(dir)
+    let it = gpufence_cgroup::iter::fdtable::baseline::BaselineIterator::open_pinned(dir)
         .expect("the first program's pin");
     let rings = RingIterator::open_pinned(dir).expect("the pinned ring iterator");
     let (recs, unread) = it.files().expect("the first program");
@@ -392,7 +392,7 @@ pub(crate) struct BenchNode {
 
 impl BenchNode {
     pub(crate) fn new(tag: &str) -> BenchNode {
-        use gpufence_cgroup::fdtable::{baseline::BaselineIterator, FdTableLayout};
+        use gpufence_cgroup::iter::fdtable::{baseline::BaselineIterator, FdTableLayout};
         let dev = HoldableDevice::claim();
         let env = TestEnv::new(tag);
         let gpu_path = env.mknod("gpu", dev.major, dev.minor);
@@ -494,7 +494,7 @@ pub fn print_side_by_side(r: &[ScanResult], runs: usize) {
 /// Where a pinned scan's time goes on a crowd of `n` x `fds`: each piece
 /// timed alone, `runs` times (median), printed.
 pub fn profile(n: usize, fds: usize, runs: usize) {
-    use gpufence_cgroup::fdtable::{FdTableIterator, Pass};
+    use gpufence_cgroup::iter::fdtable::{FdTableIterator, Pass};
     use gpufence_cgroup::iter::RingIterator;
     let b = BenchNode::new("bench-profile");
     let (dev, env, node_path, node) = (&b.dev, &b.env, &b.gpu_path, &b.node);

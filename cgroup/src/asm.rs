@@ -4,11 +4,14 @@
 //! resolves in one pass (an unknown or duplicate label, or a jump that does
 //! not fit the 16-bit offset, is an [`AsmError`]). [`Asm::comment`] adds a
 //! line to the text listing without emitting code, so each block can carry
-//! the pseudo-C it implements. Encodings are from `include/uapi/linux/bpf.h`
-//! and `bpf_common.h`.
+//! the pseudo-C it implements. Encodings are the kernel's
+//! ([`crate::uapi::opcode`]).
 
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
+
+use crate::uapi::opcode::*;
+use crate::uapi::{helper, PSEUDO_FUNC, PSEUDO_KFUNC_CALL, PSEUDO_MAP_FD};
 
 /// A register. `R0` return value, `R1`..`R5` arguments (clobbered by calls),
 /// `R6`..`R9` callee-saved, `R10` read-only frame pointer.
@@ -51,10 +54,10 @@ pub enum Size {
 impl Size {
     fn code(self) -> u8 {
         match self {
-            Size::W => 0x00,
-            Size::H => 0x08,
-            Size::B => 0x10,
-            Size::DW => 0x18,
+            Size::W => SIZE_W,
+            Size::H => SIZE_H,
+            Size::B => SIZE_B,
+            Size::DW => SIZE_DW,
         }
     }
     fn c_type(self) -> &'static str {
@@ -86,15 +89,15 @@ pub enum AluOp {
 impl AluOp {
     fn code(self) -> u8 {
         match self {
-            AluOp::Add => 0x00,
-            AluOp::Sub => 0x10,
-            AluOp::Or => 0x40,
-            AluOp::And => 0x50,
-            AluOp::Lsh => 0x60,
-            AluOp::Rsh => 0x70,
-            AluOp::Mod => 0x90,
-            AluOp::Xor => 0xa0,
-            AluOp::Mov => 0xb0,
+            AluOp::Add => ALU_ADD,
+            AluOp::Sub => ALU_SUB,
+            AluOp::Or => ALU_OR,
+            AluOp::And => ALU_AND,
+            AluOp::Lsh => ALU_LSH,
+            AluOp::Rsh => ALU_RSH,
+            AluOp::Mod => ALU_MOD,
+            AluOp::Xor => ALU_XOR,
+            AluOp::Mov => ALU_MOV,
         }
     }
     fn sym(self) -> &'static str {
@@ -129,13 +132,13 @@ pub enum JmpOp {
 impl JmpOp {
     fn code(self) -> u8 {
         match self {
-            JmpOp::Eq => 0x10,
-            JmpOp::Gt => 0x20,
-            JmpOp::Ge => 0x30,
-            JmpOp::Set => 0x40,
-            JmpOp::Ne => 0x50,
-            JmpOp::Lt => 0xa0,
-            JmpOp::Le => 0xb0,
+            JmpOp::Eq => JMP_JEQ,
+            JmpOp::Gt => JMP_JGT,
+            JmpOp::Ge => JMP_JGE,
+            JmpOp::Set => JMP_JSET,
+            JmpOp::Ne => JMP_JNE,
+            JmpOp::Lt => JMP_JLT,
+            JmpOp::Le => JMP_JLE,
         }
     }
     fn sym(self) -> &'static str {
@@ -176,14 +179,14 @@ impl Helper {
     /// The helper's number.
     pub const fn id(self) -> i32 {
         match self {
-            Helper::MapLookupElem => 1,
-            Helper::MapUpdateElem => 2,
-            Helper::KtimeGetNs => 5,
-            Helper::GetCurrentPidTgid => 14,
-            Helper::GetCurrentUidGid => 15,
-            Helper::GetCurrentComm => 16,
-            Helper::GetCurrentCgroupId => 80,
-            Helper::GetCurrentAncestorCgroupId => 123,
+            Helper::MapLookupElem => helper::MAP_LOOKUP_ELEM,
+            Helper::MapUpdateElem => helper::MAP_UPDATE_ELEM,
+            Helper::KtimeGetNs => helper::KTIME_GET_NS,
+            Helper::GetCurrentPidTgid => helper::GET_CURRENT_PID_TGID,
+            Helper::GetCurrentUidGid => helper::GET_CURRENT_UID_GID,
+            Helper::GetCurrentComm => helper::GET_CURRENT_COMM,
+            Helper::GetCurrentCgroupId => helper::GET_CURRENT_CGROUP_ID,
+            Helper::GetCurrentAncestorCgroupId => helper::GET_CURRENT_ANCESTOR_CGROUP_ID,
         }
     }
     /// The helper's name without the `bpf_` prefix.
@@ -240,36 +243,6 @@ impl RawInsn {
         self.regs >> 4
     }
 }
-
-/// `BPF_PSEUDO_MAP_FD`: `src_reg` of a `ld_imm64` whose immediate is a map fd.
-pub const PSEUDO_MAP_FD: u8 = 1;
-/// `BPF_PSEUDO_FUNC`: `src_reg` of a `ld_imm64` whose immediate is the
-/// offset, in instructions, from the instruction after it to a subprogram
-/// (`include/uapi/linux/bpf.h`; `find_subprog(env, i + insn->imm + 1)`,
-/// `kernel/bpf/verifier.c`): a callback for helpers such as `bpf_loop`.
-pub const PSEUDO_FUNC: u8 = 4;
-
-/// Opcode fields (`include/uapi/linux/bpf.h`, `bpf_common.h`).
-#[allow(missing_docs)]
-pub mod opcode {
-    pub const CLASS_LD: u8 = 0x00;
-    pub const CLASS_LDX: u8 = 0x01;
-    pub const CLASS_ST: u8 = 0x02;
-    pub const CLASS_STX: u8 = 0x03;
-    pub const CLASS_ALU: u8 = 0x04;
-    pub const CLASS_JMP: u8 = 0x05;
-    pub const CLASS_ALU64: u8 = 0x07;
-    pub const MODE_IMM: u8 = 0x00;
-    pub const MODE_MEM: u8 = 0x60;
-    pub const MODE_ATOMIC: u8 = 0xc0;
-    pub const ATOMIC_ADD: i32 = 0x00;
-    pub const SRC_K: u8 = 0x00;
-    pub const SRC_X: u8 = 0x08;
-    pub const JMP_JA: u8 = 0x00;
-    pub const JMP_CALL: u8 = 0x80;
-    pub const JMP_EXIT: u8 = 0x90;
-}
-use opcode::*;
 
 #[derive(Clone, Debug)]
 enum Item {
@@ -643,14 +616,16 @@ impl Asm {
     /// BTF is `btf_id` (`src_reg = BPF_PSEUDO_KFUNC_CALL`,
     /// `include/uapi/linux/bpf.h`). Clobbers r1-r5.
     pub fn call_kfunc(&mut self, btf_id: u32, name: &str) -> &mut Self {
-        self.push(
-            CLASS_JMP | JMP_CALL,
-            Reg::R0,
-            Reg::R2,
-            0,
-            btf_id as i32,
+        self.items.push(Item::Insn(
+            RawInsn {
+                code: CLASS_JMP | JMP_CALL,
+                regs: PSEUDO_KFUNC_CALL << 4,
+                off: 0,
+                imm: btf_id as i32,
+            },
             format!("call {name} (kfunc)"),
-        )
+        ));
+        self
     }
 
     /// `r0 = helper(r1, ..., r5)` by number, for helpers outside [`Helper`]

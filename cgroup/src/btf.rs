@@ -25,7 +25,7 @@ pub const BTF_MAGIC: u16 = 0xeb9f;
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 
 /// Kinds (`BTF_KIND_*`, `include/uapi/linux/btf.h`).
-mod kind {
+pub(crate) mod kind {
     pub const INT: u32 = 1;
     pub const PTR: u32 = 2;
     pub const ARRAY: u32 = 3;

@@ -14,20 +14,9 @@
 
 use gpufence_model::device::{Access, DevNum};
 
-use crate::asm::{opcode, RawInsn};
-
-/// Opcode fields this module matches beyond [`opcode`]'s
-/// (`include/uapi/linux/bpf_common.h`, `bpf.h`).
-mod op {
-    pub const LD_IMM64: u8 = 0x18;
-    pub const SIZE_W: u8 = 0x00;
-    pub const ALU_AND: u8 = 0x50;
-    pub const ALU_RSH: u8 = 0x70;
-    pub const ALU_MOV: u8 = 0xb0;
-    pub const JMP_JNE: u8 = 0x50;
-}
+use crate::asm::RawInsn;
 use crate::interp::{self, Env};
-use crate::program::DEVCG_DEV_CHAR;
+use crate::uapi::{opcode, DEVCG_DEV_CHAR};
 
 /// What one program answers for one access.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,7 +53,7 @@ fn not_straight(insns: &[RawInsn]) -> Option<String> {
         if i.code == call {
             return Some(format!("it calls the kernel (instruction {pc}): its answer may depend on state doctor cannot see"));
         }
-        if i.code == op::LD_IMM64 {
+        if i.code == opcode::LD_IMM64 {
             return Some(format!(
                 "it reads a map (instruction {pc}): its answer depends on the map's contents"
             ));
@@ -108,7 +97,6 @@ pub const SLURM_PROG_NAME: &str = "Slurm_Cgroup_v2";
 /// default`, `exit`. With its name ([`SLURM_PROG_NAME`]) this names the
 /// owner; neither alone does.
 pub fn slurm_shaped(insns: &[RawInsn]) -> bool {
-    use op::*;
     use opcode::*;
     let ldx_w = CLASS_LDX | MODE_MEM | SIZE_W;
     let alu32_k = |op: u8| CLASS_ALU | op | SRC_K;

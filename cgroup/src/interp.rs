@@ -5,7 +5,9 @@
 //! else is an [`InterpError`], never a guess. It is not a verifier: the
 //! real verifier is exercised by the kernel tests.
 
-use crate::asm::{opcode::*, Helper, RawInsn, PSEUDO_MAP_FD};
+use crate::asm::{Helper, RawInsn};
+use crate::uapi::opcode::*;
+use crate::uapi::PSEUDO_MAP_FD;
 
 /// The world the program sees: map contents and the task's cgroup ancestry.
 pub trait Env {
@@ -102,10 +104,10 @@ pub fn run(insns: &[RawInsn], ctx: [u32; 3], env: &dyn Env) -> Result<u64, Inter
         if dst > 10 || src > 10 {
             return Err(err("bad register".into()));
         }
-        let class = i.code & 0x07;
+        let class = i.code & CLASS_MASK;
         match class {
             CLASS_ALU64 | CLASS_ALU => {
-                let op = i.code & 0xf0;
+                let op = i.code & OP_MASK;
                 let rhs = if i.code & SRC_X != 0 {
                     r[src]
                 } else {
@@ -121,7 +123,7 @@ pub fn run(insns: &[RawInsn], ctx: [u32; 3], env: &dyn Env) -> Result<u64, Inter
                 r[dst] = Val::Scalar(v);
                 pc += 1;
             }
-            CLASS_STX if i.code & 0xe0 == MODE_ATOMIC => {
+            CLASS_STX if i.code & MODE_MASK == MODE_ATOMIC => {
                 if i.imm != ATOMIC_ADD || size_of_code(i.code) != Some(8) {
                     return Err(err(format!("unsupported atomic {:#x}/{}", i.code, i.imm)));
                 }
@@ -149,14 +151,14 @@ pub fn run(insns: &[RawInsn], ctx: [u32; 3], env: &dyn Env) -> Result<u64, Inter
                 pc += 1;
             }
             CLASS_LD => {
-                if i.code != (CLASS_LD | MODE_IMM | 0x18) || i.src() != PSEUDO_MAP_FD {
+                if i.code != LD_IMM64 || i.src() != PSEUDO_MAP_FD {
                     return Err(err(format!("unsupported ld {:#x}", i.code)));
                 }
                 r[dst] = Val::Map(i.imm);
                 pc += 2;
             }
             CLASS_JMP => {
-                let op = i.code & 0xf0;
+                let op = i.code & OP_MASK;
                 match op {
                     JMP_EXIT => {
                         return match r[0] {
@@ -204,18 +206,17 @@ fn jump(pc: usize, off: i16) -> Result<usize, String> {
 }
 
 fn size_of_code(code: u8) -> Option<usize> {
-    Some(match code & 0x18 {
-        0x00 => 4,
-        0x08 => 2,
-        0x10 => 1,
-        0x18 => 8,
+    Some(match code & SIZE_MASK {
+        SIZE_W => 4,
+        SIZE_H => 2,
+        SIZE_B => 1,
+        SIZE_DW => 8,
         _ => return None,
     })
 }
 
 fn alu(op: u8, lhs: Val, rhs: Val, wide: bool) -> Result<Val, String> {
-    if op == 0xb0 {
-        // mov
+    if op == ALU_MOV {
         return Ok(match rhs {
             Val::Scalar(v) if !wide => Val::Scalar(v & 0xffff_ffff),
             other => other,
@@ -224,28 +225,28 @@ fn alu(op: u8, lhs: Val, rhs: Val, wide: bool) -> Result<Val, String> {
     match (lhs, rhs) {
         (Val::Scalar(a), Val::Scalar(b)) => {
             let v = match op {
-                0x00 => a.wrapping_add(b),
-                0x10 => a.wrapping_sub(b),
-                0x40 => a | b,
-                0x50 => a & b,
-                0x60 => a.wrapping_shl(b as u32),
-                0x70 => {
+                ALU_ADD => a.wrapping_add(b),
+                ALU_SUB => a.wrapping_sub(b),
+                ALU_OR => a | b,
+                ALU_AND => a & b,
+                ALU_LSH => a.wrapping_shl(b as u32),
+                ALU_RSH => {
                     if wide {
                         a.wrapping_shr(b as u32)
                     } else {
                         ((a as u32).wrapping_shr(b as u32)) as u64
                     }
                 }
-                0xa0 => a ^ b,
+                ALU_XOR => a ^ b,
                 _ => return Err(format!("unsupported alu op {op:#x}")),
             };
             Ok(Val::Scalar(if wide { v } else { v & 0xffff_ffff }))
         }
-        (Val::Ptr { region, off }, Val::Scalar(b)) if wide && (op == 0x00 || op == 0x10) => {
+        (Val::Ptr { region, off }, Val::Scalar(b)) if wide && (op == ALU_ADD || op == ALU_SUB) => {
             let d = b as i64;
             Ok(Val::Ptr {
                 region,
-                off: if op == 0x00 { off + d } else { off - d },
+                off: if op == ALU_ADD { off + d } else { off - d },
             })
         }
         _ => Err(format!("alu op {op:#x} on pointers")),
@@ -260,13 +261,13 @@ fn cond(op: u8, lhs: Val, rhs: Val) -> Result<bool, String> {
         _ => return Err("compare of non-scalars".into()),
     };
     Ok(match op {
-        0x10 => a == b,
-        0x50 => a != b,
-        0x20 => a > b,
-        0x30 => a >= b,
-        0xa0 => a < b,
-        0xb0 => a <= b,
-        0x40 => a & b != 0,
+        JMP_JEQ => a == b,
+        JMP_JNE => a != b,
+        JMP_JGT => a > b,
+        JMP_JGE => a >= b,
+        JMP_JLT => a < b,
+        JMP_JLE => a <= b,
+        JMP_JSET => a & b != 0,
         _ => return Err(format!("unsupported jump op {op:#x}")),
     })
 }

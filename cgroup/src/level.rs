@@ -31,6 +31,7 @@ use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
 use crate::iter::{self, IterError};
 use crate::sys;
+use crate::uapi::helper;
 
 /// Where the program finds what it reads, from the running kernel's BTF.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,6 +73,14 @@ impl CgroupLayout {
         Self::from_btf(&Btf::vmlinux()?)
     }
 }
+
+/// The id of the root cgroup of the cgroup2 hierarchy: kernfs numbers the
+/// nodes of a root from 1 and the root's own directory comes first
+/// (`kernfs_create_root`, `__kernfs_new_node`: `idr_alloc_cyclic(.., 1, ..)`,
+/// `fs/kernfs/dir.c`), so `stat` of the hierarchy's root says inode 1 and
+/// `bpf_get_current_ancestor_cgroup_id(0)` returns 1. Every other cgroup,
+/// a cgroup namespace's root included, has another id.
+pub const ROOT_CGROUP_ID: u64 = 1;
 
 /// Bytes of one record: `{ u64 id; u32 level; u32 pad; }`.
 pub const LEVEL_RECORD_LEN: usize = 16;
@@ -122,7 +131,7 @@ pub fn level_program(l: &CgroupLayout) -> Result<Program, AsmError> {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(LEVEL_RECORD_LEN as i32))
         .mov64_imm(Reg::R3, LEVEL_RECORD_LEN as i32)
-        .call_id(iter::FUNC_SEQ_WRITE, "seq_write")
+        .call_id(helper::SEQ_WRITE, "seq_write")
         .label("out")
         .mov64_imm(Reg::R0, 0)
         .exit();
@@ -210,7 +219,7 @@ pub enum ChainError {
     /// It does not end at the hierarchy's root.
     #[error(
         "the walk up from cgroup id {id} ends at cgroup id {root}, not the root's {}",
-        crate::hierarchy::ROOT_CGROUP_ID
+        ROOT_CGROUP_ID
     )]
     NotAtRoot {
         /// The cgroup asked about.
@@ -232,7 +241,7 @@ pub enum ChainError {
 
 /// Checks that `walk` is what [`ancestors_up`] gives for the cgroup `id`:
 /// that cgroup first, each next one level up, ending at the root (level 0,
-/// [`crate::hierarchy::ROOT_CGROUP_ID`]). Returns the ids by level: index
+/// [`ROOT_CGROUP_ID`]). Returns the ids by level: index
 /// 0 the root, the last `id`.
 ///
 /// # Errors
@@ -261,7 +270,7 @@ pub fn chain_by_level(walk: &[KernelCgroup], id: u64) -> Result<Vec<u64>, ChainE
         }
     }
     let root = walk[walk.len() - 1].id;
-    if root != crate::hierarchy::ROOT_CGROUP_ID {
+    if root != ROOT_CGROUP_ID {
         return Err(ChainError::NotAtRoot { id, root });
     }
     Ok(walk.iter().rev().map(|c| c.id).collect())

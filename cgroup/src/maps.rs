@@ -40,12 +40,11 @@ use gpufence_model::device::{Access, DevNum};
 
 use crate::sys;
 
-/// `BPF_MAP_TYPE_HASH`.
-pub const MAP_TYPE_HASH: u32 = 1;
-/// `BPF_MAP_TYPE_ARRAY`.
-pub const MAP_TYPE_ARRAY: u32 = 2;
-/// `BPF_MAP_TYPE_LRU_HASH`: full maps evict the least recently used entry.
-pub const MAP_TYPE_LRU_HASH: u32 = 9;
+// The map types of the fence's maps ([`crate::uapi::map_type`]), under
+// the names the layouts give them.
+pub use crate::uapi::map_type::{
+    ARRAY as MAP_TYPE_ARRAY, HASH as MAP_TYPE_HASH, LRU_HASH as MAP_TYPE_LRU_HASH,
+};
 
 /// Pin name of the cgroup link, in `bpffs_dir`.
 pub const PIN_LINK: &str = "link";

@@ -67,8 +67,7 @@ pub struct BpfCgroupDevCtx {
     pub minor: u32,
 }
 
-/// `BPF_DEVCG_DEV_CHAR`.
-pub const DEVCG_DEV_CHAR: i32 = 2;
+pub use crate::uapi::DEVCG_DEV_CHAR;
 
 const CTX_ACCESS_TYPE: i16 = offset_of!(BpfCgroupDevCtx, access_type) as i16;
 const CTX_MAJOR: i16 = offset_of!(BpfCgroupDevCtx, major) as i16;

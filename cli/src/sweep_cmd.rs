@@ -75,7 +75,9 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
     let req = SweepRequest {
         cgroup: args.cgroup.clone(),
         fail_on,
-        drain_node: args.drain.then(gpufence_node::host::procs::node_name),
+        drain_node: args
+            .drain
+            .then(|| gpufence_model::nodename::node_name(None)),
         prometheus: args.prometheus.clone(),
         cursor: args.cursor.clone(),
     };
@@ -106,7 +108,9 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
     // file names under their home, crontab lines): through the one
     // sanitiser, so none of it reaches root's terminal as escapes.
     use gpufence_model::text::printable as p;
-    let name = args.drain.then(gpufence_node::host::procs::node_name);
+    let name = args
+        .drain
+        .then(|| gpufence_model::nodename::node_name(None));
     match incident::respond_pid(node, args.pid, name.as_deref()) {
         Err(r) => {
             if args.json {

@@ -8,14 +8,13 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::fsutil::create_dir_all_mode;
+use crate::fsutil::{create_dir_all_mode, lock_exclusive};
 use crate::record::now_rfc3339;
 
 /// Names of the events gpufence writes.
@@ -51,6 +50,103 @@ pub mod events {
     /// processes to their end within `scan_budget_ms`, outside the job's
     /// own cgroup: named, left alone.
     pub const SCAN_OVER_BUDGET: &str = "scan_over_budget";
+    /// A driver registered an NVIDIA major after the install (uvm loaded
+    /// later): the fence protects it now.
+    pub const MAJORS_ADDED: &str = "majors_added";
+    /// NVML is unavailable: the scans read descriptors only. Said once,
+    /// again only when the reason changes.
+    pub const NVML_UNAVAILABLE: &str = "nvml_unavailable";
+    /// The Prolog removed what an earlier job with the same id left
+    /// behind: grants, applied notes, its `own`-layout cgroup.
+    pub const STALE_JOB_STATE: &str = "stale_job_state";
+    /// gpufence's MPS control daemon for a gres/mps job's GPU started.
+    pub const MPS_STARTED: &str = "mps_started";
+    /// The Epilog of a GPU's last gres/mps job stopped its MPS control
+    /// daemon.
+    pub const MPS_STOPPED: &str = "mps_stopped";
+    /// The evidence of a response outgrew its budget: executables not
+    /// hashed, records cut or left out.
+    pub const EVIDENCE_BUDGET: &str = "evidence_budget";
+    /// A process an interrupted response left stopped was killed (or was
+    /// already gone).
+    pub const INTERRUPTED_RESPONSE: &str = "interrupted_response";
+    /// The job's `--gpufence-report` was written, as the job's user.
+    pub const REPORT_WRITTEN: &str = "report_written";
+    /// The job's `--gpufence-report` could not be written.
+    pub const REPORT_FAILED: &str = "report_failed";
+    /// Processes of `slurmd -G` outlived `SIGKILL`: its cgroup is left to
+    /// the next run.
+    pub const SLURMD_G_CGROUP_LEFT: &str = "slurmd_g_cgroup_left";
+    /// `gpufence exec` started a command in the exempt cgroup.
+    pub const EXEC_START: &str = "exec_start";
+    /// The command of `gpufence exec` ended.
+    pub const EXEC_END: &str = "exec_end";
+    /// Processes the command of `gpufence exec` left in its exempt leaf
+    /// were ended.
+    pub const EXEC_LEFTOVER: &str = "exec_leftover";
+    /// `gpufence sweep` revoked a grant whose cgroup no longer exists.
+    pub const GRANT_COLLECTED: &str = "grant_collected";
+    /// `gpufence sweep --drain` drained the node.
+    pub const SWEEP_DRAINED: &str = "sweep_drained";
+    /// `gpufence respond PID` refused to touch the process: nothing done.
+    pub const RESPOND_REFUSED: &str = "respond_refused";
+    /// `gpufence respond PID` stopped the process tree.
+    pub const RESPOND_FROZEN: &str = "respond_frozen";
+    /// `gpufence respond PID` wrote the evidence and incident files.
+    pub const RESPOND_EVIDENCE: &str = "respond_evidence";
+    /// `gpufence respond PID` sent `SIGKILL` to the tree.
+    pub const RESPOND_KILLED: &str = "respond_killed";
+    /// Members of the tree `gpufence respond PID` killed outlived
+    /// `SIGKILL`.
+    pub const RESPOND_SURVIVOR: &str = "respond_survivor";
+    /// `gpufence respond PID` listed the persistence entries of the
+    /// process's user (never deleted).
+    pub const RESPOND_PERSISTENCE: &str = "respond_persistence";
+    /// `gpufence respond PID --drain` drained the node.
+    pub const RESPOND_DRAINED: &str = "respond_drained";
+    /// `gpufence respond PID --drain` could not drain the node.
+    pub const RESPOND_DRAIN_FAILED: &str = "respond_drain_failed";
+
+    /// Every event name above: the vocabulary SECURITY.md's table of
+    /// audit events names, no more, no less (tested).
+    pub const ALL: &[&str] = &[
+        FENCE_INSTALLED,
+        FENCE_REMOVED,
+        GRANT_RECORDED,
+        GRANT_APPLIED,
+        GRANT_REFUSED,
+        GRANT_REVOKED,
+        LINGERING_PROCESS,
+        PROCESS_KILLED,
+        SURVIVOR,
+        ERROR,
+        SHM_LEFTOVERS,
+        EXEMPTION_APPLIED,
+        SCAN_OVER_BUDGET,
+        MAJORS_ADDED,
+        NVML_UNAVAILABLE,
+        STALE_JOB_STATE,
+        MPS_STARTED,
+        MPS_STOPPED,
+        EVIDENCE_BUDGET,
+        INTERRUPTED_RESPONSE,
+        REPORT_WRITTEN,
+        REPORT_FAILED,
+        SLURMD_G_CGROUP_LEFT,
+        EXEC_START,
+        EXEC_END,
+        EXEC_LEFTOVER,
+        GRANT_COLLECTED,
+        SWEEP_DRAINED,
+        RESPOND_REFUSED,
+        RESPOND_FROZEN,
+        RESPOND_EVIDENCE,
+        RESPOND_KILLED,
+        RESPOND_SURVIVOR,
+        RESPOND_PERSISTENCE,
+        RESPOND_DRAINED,
+        RESPOND_DRAIN_FAILED,
+    ];
 }
 
 /// One audit event, built with the setters and written by [`AuditLog::append`].
@@ -168,10 +264,8 @@ impl AuditLog {
             .custom_flags(libc::O_CLOEXEC)
             .open(&self.path)
             .map_err(with_path)?;
-        // SAFETY: flock on a descriptor we own; released when `f` closes.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(with_path(io::Error::last_os_error()));
-        }
+        // Released when `f` closes.
+        lock_exclusive(&f).map_err(with_path)?;
         // A writer killed in the middle of its write(2) leaves a line
         // without its newline: start on a fresh line, so only that line is
         // lost, not this one too.
@@ -199,6 +293,83 @@ fn ends_with_newline(f: &std::fs::File) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
+
+    fn repo_file(name: &str) -> String {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name);
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    /// The names `pub const X: &str = "name";` gives in `mod events`.
+    fn declared_events() -> Vec<String> {
+        let src = repo_file("model/src/audit.rs");
+        let body = src
+            .split("pub mod events {")
+            .nth(1)
+            .and_then(|b| b.split("\n}\n").next())
+            .expect("mod events");
+        body.lines()
+            .filter_map(|l| {
+                let rest = l.trim().strip_prefix("pub const ")?;
+                let (_, value) = rest.split_once(": &str = \"")?;
+                Some(value.strip_suffix("\";")?.to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_vocabulary_is_every_declared_name_once() {
+        let declared = declared_events();
+        let all: Vec<String> = events::ALL.iter().map(|s| s.to_string()).collect();
+        let unique: BTreeSet<&String> = all.iter().collect();
+        assert_eq!(unique.len(), all.len(), "a name twice in ALL: {all:?}");
+        assert_eq!(
+            declared.iter().collect::<BTreeSet<_>>(),
+            unique,
+            "events::ALL and the constants of mod events differ"
+        );
+        for n in &all {
+            assert!(
+                !n.is_empty() && n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{n:?}"
+            );
+        }
+    }
+
+    /// SECURITY.md's table of audit events (section "The audit log", one
+    /// row per event, the name first in backquotes) names exactly the
+    /// vocabulary; README.md lists none of its own but points there.
+    #[test]
+    fn security_md_names_exactly_the_vocabulary() {
+        let doc = repo_file("SECURITY.md");
+        let section = doc
+            .split("\n## The audit log\n")
+            .nth(1)
+            .expect("SECURITY.md has a section \"## The audit log\"");
+        let section = section.split("\n## ").next().unwrap_or(section);
+        let rows: Vec<&str> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .collect();
+        let listed: BTreeSet<&str> = rows.iter().copied().collect();
+        assert_eq!(listed.len(), rows.len(), "an event listed twice: {rows:?}");
+        let vocabulary: BTreeSet<&str> = events::ALL.iter().copied().collect();
+        assert_eq!(
+            listed.difference(&vocabulary).collect::<Vec<_>>(),
+            Vec::<&&str>::new(),
+            "in SECURITY.md, not in audit::events"
+        );
+        assert_eq!(
+            vocabulary.difference(&listed).collect::<Vec<_>>(),
+            Vec::<&&str>::new(),
+            "in audit::events, not in SECURITY.md"
+        );
+        let readme = repo_file("README.md");
+        assert!(
+            readme.contains("SECURITY.md#the-audit-log"),
+            "README.md's audit log paragraph points to SECURITY.md's table"
+        );
+    }
 
     #[test]
     fn a_torn_last_line_does_not_swallow_the_next() {
@@ -261,7 +432,7 @@ mod tests {
             }
         });
         let text = std::fs::read_to_string(log.path()).unwrap();
-        let mut seen = std::collections::BTreeSet::new();
+        let mut seen = BTreeSet::new();
         for line in text.lines() {
             let v: Value = serde_json::from_str(line).expect("every line is whole JSON");
             assert!(seen.insert((v["job_id"].as_u64().unwrap(), v["pid"].as_i64().unwrap())));

@@ -10,6 +10,19 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// major in `dev_t` for the kernel's internal `MAJOR()`; `include/linux/kdev_t.h`).
 pub const MAX_MAJOR: u32 = (1 << 12) - 1;
 
+/// The GPUs among `devs`: the minors on major `gpu_major` (`/dev/nvidia<N>`),
+/// leaving out `nvidia-modeset` (254) and `nvidiactl` (255). A job's GPU
+/// set is this of its GRES devices ([`crate::record::JobRecord::gpu_minors`]).
+pub fn gpu_minors<'a>(
+    devs: impl IntoIterator<Item = &'a DevNum>,
+    gpu_major: u32,
+) -> std::collections::BTreeSet<u32> {
+    devs.into_iter()
+        .filter(|d| d.major == gpu_major && d.minor < 254)
+        .map(|d| d.minor)
+        .collect()
+}
+
 /// A character device number, `major:minor`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct DevNum {
@@ -159,6 +172,19 @@ mod tests {
             assert_eq!(a.to_string(), s);
         }
         assert!("rx".parse::<Access>().is_err());
+    }
+
+    #[test]
+    fn gpus_are_the_gpu_major_below_the_control_minors() {
+        let devs = [
+            DevNum::new(195, 0),
+            DevNum::new(195, 7),
+            DevNum::new(195, 254),
+            DevNum::new(195, 255),
+            DevNum::new(508, 0),
+        ];
+        assert_eq!(gpu_minors(&devs, 195), [0, 7].into());
+        assert!(gpu_minors(&devs, 196).is_empty());
     }
 
     #[test]

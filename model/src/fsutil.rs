@@ -1,9 +1,12 @@
-//! Small file helpers with the guarantees the state and evidence files need.
+//! Small file helpers with the guarantees the state and evidence files need,
+//! and the one `flock(2)` helper of every lock gpufence takes on a file.
 
-use std::fs::{self, OpenOptions};
+use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 /// Creates `dir` and its missing parents with `mode` (e.g. `0o700`), and sets
 /// `mode` on `dir` itself when this call created it.
@@ -52,4 +55,86 @@ pub fn write_new(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
         .open(path)?;
     f.write_all(bytes)?;
     f.sync_all()
+}
+
+/// Takes an exclusive `flock(2)` on `f`, waiting as long as another
+/// holder keeps it. Held until every descriptor of that open file closes.
+///
+/// # Errors
+/// The `io::Error` of `flock` (not `EINTR`: tried again).
+pub fn lock_exclusive(f: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor `f` owns.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Tries an exclusive `flock(2)` on `f` every `poll` until `wait` has
+/// passed (once when `wait` is zero): `Ok(true)` when held (until `f`
+/// closes), `Ok(false)` when another holder kept it.
+///
+/// # Errors
+/// The `io::Error` of `flock` for anything but "held by another".
+pub fn lock_exclusive_within(f: &File, wait: Duration, poll: Duration) -> io::Result<bool> {
+    let deadline = Instant::now() + wait;
+    loop {
+        // SAFETY: flock on a descriptor `f` owns.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        if !matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        ) {
+            return Err(e);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(poll);
+    }
+}
+
+/// Opens (creating it when absent, never truncating) the lock file `path`
+/// and takes its exclusive `flock(2)` within `wait`
+/// ([`lock_exclusive_within`]): `Ok(Some(file))`, locked until dropped;
+/// `Ok(None)` when another holder kept it.
+///
+/// # Errors
+/// The `io::Error` of `open` or `flock`.
+pub fn lock_file_within(path: &Path, wait: Duration, poll: Duration) -> io::Result<Option<File>> {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)?;
+    Ok(lock_exclusive_within(&f, wait, poll)?.then_some(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_holder_at_a_time() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("lock");
+        let (wait, poll) = (Duration::from_millis(30), Duration::from_millis(5));
+        let first = lock_file_within(&p, wait, poll).unwrap().expect("free");
+        // flock(2) locks belong to the open file: a second open waits.
+        assert!(lock_file_within(&p, wait, poll).unwrap().is_none());
+        let other = File::open(&p).unwrap();
+        assert!(!lock_exclusive_within(&other, Duration::ZERO, poll).unwrap());
+        drop(first);
+        assert!(lock_exclusive_within(&other, Duration::ZERO, poll).unwrap());
+        drop(other);
+        lock_exclusive(&File::open(&p).unwrap()).unwrap();
+    }
 }

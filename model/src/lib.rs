@@ -5,8 +5,10 @@
 //! ([`config`]), device numbers and access bits ([`device`]), the parsers of
 //! node inputs (`/proc/devices` in [`procdevices`], `slurmd -G` and GRES index
 //! lists in [`gres`]), the policy the BPF fence implements ([`policy`]), the
-//! job records kept under `state_dir` ([`record`]) and the JSON Lines audit
-//! log ([`audit`]). Nothing here loads BPF or touches cgroups.
+//! job records kept under `state_dir` ([`record`]), the JSON Lines audit
+//! log and its vocabulary ([`audit`]), file helpers and `flock(2)`
+//! ([`fsutil`]), `/proc/<pid>/stat` ([`procstat`]) and the node's name
+//! ([`nodename`]). Nothing here loads BPF or touches cgroups.
 
 pub mod audit;
 pub mod cgpath;
@@ -17,11 +19,13 @@ pub mod fsutil;
 pub mod gres;
 pub mod mig;
 pub mod migdraw;
+pub mod nodename;
 pub mod nvproc;
 pub mod options;
 pub mod policy;
 pub mod procdevices;
 pub mod procnet;
+pub mod procstat;
 pub mod record;
 pub mod text;
 pub mod visible;

@@ -1,5 +1,7 @@
 //! What the prolog records for a job and what the plugin notes when it
-//! applies a grant, kept as small JSON files under `state_dir`:
+//! applies a grant, kept as small JSON files under `state_dir`, and every
+//! other path there ([`StateDir`] names each one; nothing else joins a
+//! name onto `state_dir`):
 //!
 //! ```text
 //! <state_dir>/jobs/<job_id>.json            JobRecord, written by the prolog
@@ -7,17 +9,25 @@
 //! <state_dir>/slurmd-G.txt                  cached `slurmd -G` output
 //! <state_dir>/slurmd-G-<node>.txt           the same for one Slurm node,
 //!                                           when slurmd names its node (-N)
+//! <state_dir>/nvml-unavailable.txt          why NVML is unavailable, as last audited
+//! <state_dir>/mps.lock                      the MPS lock (flock)
+//! <state_dir>/mps/<gpu>/<job_id>            a gres/mps job registered on a GPU
+//! <state_dir>/responding/<pid>-<start>.json a process a response is stopping
+//! <state_dir>/sweep/lock                    one sweep at a time (flock)
+//! <state_dir>/sweep/denials[-<cursor>].json the denial records the last sweep saw
+//! <state_dir>/sweep/systemd-baseline.json   the systemd units the sweep accepted
 //! ```
 //!
 //! Every write is atomic (temporary file + rename): a reader sees a whole
 //! record or none, even when the writer is killed.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::DeviceGrant;
+use crate::device::{DevNum, DeviceGrant, DeviceRole};
 use crate::fsutil::{create_dir_all_mode, write_atomic};
 
 /// Format version of [`JobRecord`] files.
@@ -40,9 +50,17 @@ pub struct JobRecord {
     pub devices: Vec<DeviceGrant>,
     /// When the prolog wrote it (RFC 3339).
     pub created: String,
-    /// Things the prolog noticed (e.g. a control device with no major on this node).
+    /// Things the prolog noticed for the admin (e.g. a control device
+    /// with no major on this node): its log and `grant_recorded`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// Lines for the job's user, each whole (`--gpu-exclusive: ...`, a
+    /// compute mode not set; `gres/mps: ...`, no MPS daemon): the plugin
+    /// prints each in the job's output after `gpufence: job J step S: `.
+    /// The Prolog's log and `grant_recorded` carry them too, after
+    /// [`JobRecord::notes`] ([`JobRecord::all_notes`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub user_notes: Vec<String>,
     /// Used memory of each job GPU when the job started (after the clean
     /// start), from NVML: the level the epilog waits for memory to return to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -64,6 +82,31 @@ pub struct JobRecord {
     pub mps: Vec<MpsDaemon>,
 }
 
+impl JobRecord {
+    /// The job's GRES devices (its GPUs, shards, MIG parents): what
+    /// `SLURM_JOB_GPUS` named, without the control devices.
+    pub fn gres_devices(&self) -> BTreeSet<DevNum> {
+        self.devices
+            .iter()
+            .filter(|d| d.role == DeviceRole::Gres)
+            .map(|d| d.dev)
+            .collect()
+    }
+
+    /// The job's GPUs: the minors of its GRES devices on `gpu_major`
+    /// ([`crate::device::gpu_minors`]), what NVML is asked about.
+    pub fn gpu_minors(&self, gpu_major: u32) -> BTreeSet<u32> {
+        crate::device::gpu_minors(&self.gres_devices(), gpu_major)
+    }
+
+    /// Every note, the admin's ([`JobRecord::notes`]) then the user's
+    /// ([`JobRecord::user_notes`]): what the Prolog logs and
+    /// `grant_recorded` carries.
+    pub fn all_notes(&self) -> Vec<String> {
+        self.notes.iter().chain(&self.user_notes).cloned().collect()
+    }
+}
+
 /// The job id the grants of gpufence's MPS daemons carry in the fence
 /// (`<cgroup_root>/<mps_cgroup>/gpu<minor>`): no Slurm job's, since Slurm
 /// numbers jobs below `MAX_JOB_ID` (`0x03FFFFFF`,
@@ -77,7 +120,7 @@ pub const MPS_GRANT_JOB_ID: u32 = 0xFFFF_FF00;
 #[serde(deny_unknown_fields)]
 pub struct MpsDaemon {
     /// The GPU (its GRES device: `/dev/nvidia<minor>`).
-    pub dev: crate::device::DevNum,
+    pub dev: DevNum,
     /// Its `CUDA_MPS_PIPE_DIRECTORY` (`<mps_dir>/gpu<minor>/pipe`), what
     /// the job's clients are told.
     pub pipe_dir: PathBuf,
@@ -89,7 +132,7 @@ pub struct MpsDaemon {
 #[serde(deny_unknown_fields)]
 pub struct MigSlice {
     /// `/dev/nvidia<gpu>`: the parent device.
-    pub parent: crate::device::DevNum,
+    pub parent: DevNum,
     /// The parent's minor (`gpu<G>` in `mig-minors`).
     pub gpu: u32,
     /// GPU instance id.
@@ -97,9 +140,9 @@ pub struct MigSlice {
     /// Compute instance id, when the GRES names one.
     pub ci: Option<u32>,
     /// The GI access cap device.
-    pub gi_cap: crate::device::DevNum,
+    pub gi_cap: DevNum,
     /// The CI access cap device.
-    pub ci_cap: Option<crate::device::DevNum>,
+    pub ci_cap: Option<DevNum>,
 }
 
 /// A GPU's used memory at job start.
@@ -179,15 +222,98 @@ impl StateDir {
         &self.root
     }
 
-    fn dir(&self, name: &str) -> Result<PathBuf, StateError> {
-        let d = self.root.join(name);
+    fn made(d: PathBuf) -> Result<PathBuf, StateError> {
         create_dir_all_mode(&d, 0o700).map_err(io_err(&d))?;
         Ok(d)
     }
 
+    /// `<state_dir>/jobs`: the job records.
+    pub fn jobs_dir(&self) -> PathBuf {
+        self.root.join("jobs")
+    }
+
     /// Path of a job's record.
     pub fn record_path(&self, job_id: u32) -> PathBuf {
-        self.root.join("jobs").join(format!("{job_id}.json"))
+        self.jobs_dir().join(format!("{job_id}.json"))
+    }
+
+    /// The jobs that have a record file (readable or not), ascending.
+    pub fn recorded_jobs(&self) -> Vec<u32> {
+        let Ok(rd) = std::fs::read_dir(self.jobs_dir()) else {
+            return Vec::new();
+        };
+        let mut out: Vec<u32> = rd
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse().ok())
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// `<state_dir>/applied`: the applied-grant notes.
+    pub fn applied_dir(&self) -> PathBuf {
+        self.root.join("applied")
+    }
+
+    /// `<state_dir>/nvml-unavailable.txt`: why NVML is unavailable, as
+    /// last audited (`nvml_unavailable` is written again only when it
+    /// changes).
+    pub fn nvml_unavailable_path(&self) -> PathBuf {
+        self.root.join("nvml-unavailable.txt")
+    }
+
+    /// `<state_dir>/mps.lock`: the lock that orders the Prologs and
+    /// Epilogs starting and stopping MPS daemons.
+    pub fn mps_lock_path(&self) -> PathBuf {
+        self.root.join("mps.lock")
+    }
+
+    /// `<state_dir>/mps`: the MPS registry, one directory per daemon.
+    pub fn mps_registry_dir(&self) -> PathBuf {
+        self.root.join("mps")
+    }
+
+    /// `<state_dir>/mps/<daemon>`: the gres/mps jobs registered on the
+    /// daemon (GPU) named `daemon`, one empty file each.
+    pub fn mps_daemon_dir(&self, daemon: &str) -> PathBuf {
+        self.mps_registry_dir().join(daemon)
+    }
+
+    /// `<state_dir>/mps/<daemon>/<job_id>`: job `job_id` registered on
+    /// `daemon`.
+    pub fn mps_registration_path(&self, daemon: &str, job_id: u32) -> PathBuf {
+        self.mps_daemon_dir(daemon).join(job_id.to_string())
+    }
+
+    /// `<state_dir>/responding`: a note per process a response is stopping,
+    /// until it has ended it.
+    pub fn responding_dir(&self) -> PathBuf {
+        self.root.join("responding")
+    }
+
+    /// `<state_dir>/sweep`: the sweep's state.
+    pub fn sweep_dir(&self) -> PathBuf {
+        self.root.join("sweep")
+    }
+
+    /// `<state_dir>/sweep/lock`: one sweep at a time.
+    pub fn sweep_lock_path(&self) -> PathBuf {
+        self.sweep_dir().join("lock")
+    }
+
+    /// `<state_dir>/sweep/systemd-baseline.json`: the systemd units the
+    /// sweep accepted (remove it to accept the current ones).
+    pub fn systemd_baseline_path(&self) -> PathBuf {
+        self.sweep_dir().join("systemd-baseline.json")
+    }
+
+    /// The denial records the last sweep saw: `<state_dir>/sweep/denials.json`,
+    /// or `denials-<cursor>.json` for a named cursor (checked by the caller).
+    pub fn denials_path(&self, cursor: Option<&str>) -> PathBuf {
+        match cursor {
+            None => self.sweep_dir().join("denials.json"),
+            Some(c) => self.sweep_dir().join(format!("denials-{c}.json")),
+        }
     }
 
     /// Path of the cached `slurmd -G` output.
@@ -242,7 +368,7 @@ impl StateDir {
     /// # Errors
     /// [`StateError::Io`].
     pub fn write_record(&self, rec: &JobRecord) -> Result<(), StateError> {
-        self.dir("jobs")?;
+        Self::made(self.jobs_dir())?;
         let p = self.record_path(rec.job_id);
         let bytes = serde_json::to_vec_pretty(rec).map_err(|e| StateError::Corrupt {
             path: p.clone(),
@@ -293,8 +419,7 @@ impl StateDir {
     }
 
     fn applied_path(&self, job_id: u32, cgroup_id: u64) -> PathBuf {
-        self.root
-            .join("applied")
+        self.applied_dir()
             .join(format!("{job_id}-{cgroup_id}.json"))
     }
 
@@ -303,7 +428,7 @@ impl StateDir {
     /// # Errors
     /// [`StateError::Io`].
     pub fn write_applied(&self, a: &AppliedGrant) -> Result<(), StateError> {
-        self.dir("applied")?;
+        Self::made(self.applied_dir())?;
         let p = self.applied_path(a.job_id, a.cgroup_id);
         let bytes = serde_json::to_vec(a).map_err(|e| StateError::Corrupt {
             path: p.clone(),
@@ -315,7 +440,7 @@ impl StateDir {
     /// Every applied-grant note, optionally for one job only. Corrupt notes
     /// are returned as errors beside the good ones, never hidden.
     pub fn applied(&self, job_id: Option<u32>) -> (Vec<AppliedGrant>, Vec<StateError>) {
-        let dir = self.root.join("applied");
+        let dir = self.applied_dir();
         let mut good = Vec::new();
         let mut bad = Vec::new();
         let entries = match std::fs::read_dir(&dir) {
@@ -399,6 +524,7 @@ mod tests {
             }],
             created: now_rfc3339(),
             notes: vec![],
+            user_notes: vec![],
             gpu_idle: vec![],
             mig: vec![],
             cuda_visible_devices: vec![],
@@ -504,6 +630,28 @@ mod tests {
                 proptest::prop_assert!(e.to_string().contains("5-9.json"), "{}", e);
             }
         }
+    }
+
+    #[test]
+    fn every_state_path_is_named_here_and_under_the_root() {
+        let d = tempfile::tempdir().unwrap();
+        let s = StateDir::new(d.path());
+        let r = |p: PathBuf| p.strip_prefix(d.path()).unwrap().display().to_string();
+        assert_eq!(r(s.record_path(3)), "jobs/3.json");
+        assert_eq!(r(s.nvml_unavailable_path()), "nvml-unavailable.txt");
+        assert_eq!(r(s.mps_lock_path()), "mps.lock");
+        assert_eq!(r(s.mps_registration_path("gpu3", 50)), "mps/gpu3/50");
+        assert_eq!(r(s.responding_dir()), "responding");
+        assert_eq!(r(s.sweep_lock_path()), "sweep/lock");
+        assert_eq!(r(s.denials_path(None)), "sweep/denials.json");
+        assert_eq!(r(s.denials_path(Some("a"))), "sweep/denials-a.json");
+        assert_eq!(r(s.systemd_baseline_path()), "sweep/systemd-baseline.json");
+        assert!(s.recorded_jobs().is_empty());
+        for job in [12, 3] {
+            s.write_record(&rec(job)).unwrap();
+        }
+        std::fs::write(s.jobs_dir().join(".gpufence-x.tmp"), b"").unwrap();
+        assert_eq!(s.recorded_jobs(), [3, 12]);
     }
 
     #[test]

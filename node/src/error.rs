@@ -215,6 +215,11 @@ pub enum NodeError {
     /// NVML answered with an error: the GPUs cannot be shown clean.
     #[error("NVML query failed, the job's GPUs cannot be shown clean: {0}")]
     Nvml(#[source] crate::host::gpus::GpuError),
+    /// A step of the response to processes on a job's GPUs failed
+    /// (evidence, a note, a holder that cannot be pinned): the clean start
+    /// cannot be shown.
+    #[error(transparent)]
+    Response(Box<crate::response::respond::ResponseError>),
     /// The job record belongs to someone else.
     #[error("job {job_id}: the record in {path} is for uid {record_uid}, the step runs as uid {step_uid}: stale record of an earlier job with this id; no GPU access granted")]
     RecordMismatch {
@@ -227,6 +232,16 @@ pub enum NodeError {
         /// uid of the step.
         step_uid: u32,
     },
+}
+
+impl From<crate::response::respond::ResponseError> for NodeError {
+    /// An audit line that could not be written stays [`NodeError::Audit`].
+    fn from(e: crate::response::respond::ResponseError) -> Self {
+        match e {
+            crate::response::respond::ResponseError::Audit(e) => e,
+            e => NodeError::Response(Box::new(e)),
+        }
+    }
 }
 
 impl NodeError {

@@ -33,7 +33,7 @@ pub mod response;
 pub mod sweep;
 
 use gpufence_cgroup::Cgroup2;
-use gpufence_model::audit::{AuditEvent, AuditLog};
+use gpufence_model::audit::{events, AuditEvent, AuditLog};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::procdevices::{parse_proc_devices, ProtectedMajors};
 use gpufence_model::record::StateDir;
@@ -136,23 +136,22 @@ impl Node {
     /// `state_dir`.
     pub fn open_gpus(&self) -> host::gpus::Gpus {
         let g = host::gpus::Gpus::open(&self.cfg);
-        let marker = self.state.root().join("nvml-unavailable.txt");
+        let marker = self.state.nvml_unavailable_path();
         match &g.unavailable {
             Some(why) => {
                 let _ = gpufence_model::fsutil::create_dir_all_mode(self.state.root(), 0o700);
                 // Compare and write under an exclusive lock on state_dir:
                 // fifty prologs starting at once otherwise each find no
                 // note and each write the line (issue 8, concurrency test).
+                // Released when `dir` closes at the end of this arm.
                 let dir = std::fs::File::open(self.state.root()).ok();
                 if let Some(d) = &dir {
-                    // SAFETY: flock on a descriptor we own; released when
-                    // `dir` closes at the end of this arm.
-                    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(d), libc::LOCK_EX) };
+                    let _ = gpufence_model::fsutil::lock_exclusive(d);
                 }
                 if std::fs::read_to_string(&marker).ok().as_deref() != Some(why.as_str()) {
                     let _ = gpufence_model::fsutil::write_atomic(&marker, why.as_bytes(), 0o600);
                     let _ = self.audit(
-                        AuditEvent::new("nvml_unavailable")
+                        AuditEvent::new(events::NVML_UNAVAILABLE)
                             .field("reason", why.clone())
                             .field("fallback", "descriptor scan only"),
                     );
@@ -418,6 +417,60 @@ mod layers {
                 "use crate::{host::drain, job::prolog, Node};\nlet x = crate::sweep::f();"
             ),
             ["host", "job", "sweep"]
+        );
+    }
+}
+
+#[cfg(test)]
+mod audit_vocabulary {
+    //! Every audit event the node layer and the programs write is named in
+    //! `gpufence_model::audit::events` (its one vocabulary, which
+    //! SECURITY.md's table names exactly): an event written with a literal
+    //! name (`AuditEvent::new("...")`) must be a name of that vocabulary.
+
+    use std::path::{Path, PathBuf};
+
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    #[test]
+    fn literal_event_names_are_in_the_vocabulary() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        for dir in [
+            "node/src",
+            "cli/src",
+            "prolog/src",
+            "epilog/src",
+            "spank-plugin/src",
+        ] {
+            rust_files(&root.join(dir), &mut files);
+        }
+        assert!(files.len() > 20, "only {} files read", files.len());
+        let mut unknown = Vec::new();
+        for p in &files {
+            let text = std::fs::read_to_string(p).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or("");
+            for (at, _) in code.match_indices("AuditEvent::new(\"") {
+                let rest = &code[at + "AuditEvent::new(\"".len()..];
+                let name = &rest[..rest.find('"').unwrap_or(0)];
+                if !gpufence_model::audit::events::ALL.contains(&name) {
+                    unknown.push(format!("{}: {name}", p.display()));
+                }
+            }
+        }
+        assert!(
+            unknown.is_empty(),
+            "audit events outside gpufence_model::audit::events:\n{}",
+            unknown.join("\n")
         );
     }
 }

@@ -41,6 +41,9 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(line) = gpufence_node::host::procs::regain_root() {
+        eprintln!("gpufence-prolog: {line}");
+    }
     if let Some(line) = gpufence_node::host::procs::not_root_line(
         "gpufence-prolog",
         "slurmd runs its Prolog as root",
@@ -59,7 +62,7 @@ fn main() -> ExitCode {
     let result = PrologEnv::from_env(&get).and_then(|env| prolog::run(&node, &env));
     match result {
         Ok(rec) => {
-            for n in &rec.notes {
+            for n in &rec.all_notes() {
                 eprintln!("gpufence-prolog: job {}: note: {n}", rec.job_id);
             }
             ExitCode::SUCCESS

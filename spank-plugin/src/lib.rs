@@ -290,8 +290,9 @@ impl Error for Refused {}
 #[derive(Default)]
 pub struct GpuFence {
     verdict: Option<StepVerdict>,
-    /// Lines for the job's output (task 0's stderr), from the Prolog's
-    /// notes: a `--gpu-exclusive` that could not be set.
+    /// Lines for the job's output (task 0's stderr), from the record's
+    /// notes for the user: a `--gpu-exclusive` that could not be set, an
+    /// MPS daemon that did not start.
     user_notes: Vec<String>,
     /// Variables for the tasks' environment, from the job's record
     /// (`CUDA_MPS_PIPE_DIRECTORY` of gpufence's MPS daemon).
@@ -306,19 +307,10 @@ fn log(level: LogLevel, msg: &str) {
     }
 }
 
+/// This node in the user's lines, as the drain names it: slurmstepd's
+/// `SLURMD_NODENAME` (Slurm's node name), else the short host name.
 fn node_name() -> String {
-    nix_hostname().unwrap_or_else(|| "this node".into())
-}
-
-fn nix_hostname() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname into a buffer we own, NUL-terminated by the kernel
-    // when it fits.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|b| *b == 0)?;
-    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+    gpufence_model::nodename::node_name(None)
 }
 
 /// slurm.conf: `$SLURM_CONF`, which slurmd sets for its plugins (also with

@@ -306,7 +306,6 @@ pub struct HoldableDevice {
 impl HoldableDevice {
     /// Claims one, or panics naming what holds them all.
     pub fn claim() -> HoldableDevice {
-        use std::os::fd::AsRawFd;
         let candidates = [
             (234, "btrfs-control"),
             (237, "loop-control"),
@@ -322,8 +321,9 @@ impl HoldableDevice {
             let Ok(f) = std::fs::File::create(&lock_path) else {
                 continue;
             };
-            // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            if !gpufence_model::fsutil::lock_exclusive_within(&f, Duration::ZERO, Duration::ZERO)
+                .unwrap_or(false)
+            {
                 why.push(format!("{name}: claimed by another test run"));
                 continue;
             }
@@ -393,13 +393,7 @@ pub fn probe_bin() -> PathBuf {
 
 /// Whether process `pid` is gone or a zombie.
 pub fn gone(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(s) => s
-            .rsplit(')')
-            .next()
-            .is_some_and(|r| r.trim_start().starts_with('Z')),
-    }
+    gpufence_model::procstat::ProcStat::of(pid).is_none_or(|s| s.state == 'Z')
 }
 
 /// The audit log's lines as JSON, read while writers may still append.
@@ -491,6 +485,7 @@ pub fn job_record(
             .collect(),
         created: gpufence_model::record::now_rfc3339(),
         notes: vec![],
+        user_notes: vec![],
         gpu_idle: vec![],
         mig: vec![],
         cuda_visible_devices: vec![],

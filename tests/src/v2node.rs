@@ -25,7 +25,6 @@
 //! live in test binaries of their own (`tests/e2e_v2node.rs`): `cargo test`
 //! runs one test binary at a time, so no other test's fence sees them.
 
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -59,9 +58,7 @@ pub const CGROUP_CONF: &str = "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n\
 pub fn lock_node() -> std::fs::File {
     let _ = std::fs::create_dir_all("/run/lock");
     let lock = std::fs::File::create(LOCK).expect("v2node lock");
-    // SAFETY: flock on a descriptor we own.
-    let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(locked, 0, "flock {LOCK}");
+    gpufence_model::fsutil::lock_exclusive(&lock).unwrap_or_else(|e| panic!("flock {LOCK}: {e}"));
     lock
 }
 
@@ -148,7 +145,7 @@ impl V2Slice {
         rd.flatten()
             .filter(|e| e.path().is_dir())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("job_") || gpufence_cgroup::hierarchy::is_sluid(n))
+            .filter(|n| n.starts_with("job_") || gpufence_node::host::slurm_cgroup::is_sluid(n))
             .collect()
     }
 }

@@ -1044,6 +1044,27 @@ fn prolog_and_epilog_say_why_at_once() {
             "{bin}: {err}"
         );
     }
+    // Started by root with only the effective ids dropped (what Slurm
+    // 24.11's extern slurmstepd can hand its RunInJob Epilog: a thread's
+    // seteuid at fork): root is taken back and the run goes on, saying so.
+    for bin in ["gpufence-prolog", "gpufence-epilog"] {
+        let o = Command::new("setpriv")
+            .args(["--euid=1001", "--egid=1001", "--clear-groups", "--"])
+            .arg(workspace_bin(bin))
+            .args(["--config", cfg.to_str().unwrap()])
+            .env("SLURM_JOB_ID", "7")
+            .env("SLURM_JOB_UID", "1001")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.lines().next().is_some_and(|l| l.starts_with(&format!(
+                "{bin}: started with effective uid 1001 and gid 1001 but real uid 0"
+            )) && l.ends_with("took root back")),
+            "{bin}: {err}"
+        );
+        assert!(!err.contains("must run as root"), "{bin}: {err}");
+    }
     assert!(gpufence(&cfg, &["fence", "install"]).status.success());
     let o = Command::new(workspace_bin("gpufence-prolog"))
         .args(["--config", cfg.to_str().unwrap()])

@@ -57,6 +57,7 @@ fn record(job_id: u32, minor: u32) -> JobRecord {
         }],
         created: now_rfc3339(),
         notes: vec![],
+        user_notes: vec![],
         gpu_idle: vec![],
         mig: vec![],
         cuda_visible_devices: vec![],

@@ -50,10 +50,7 @@ fn repo() -> PathBuf {
 /// Field 22 of `/proc/<pid>/stat` (start time) and the state letter;
 /// `None` when the process is gone.
 fn stat_of(pid: i32) -> Option<(u64, char)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = s.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some((f.get(19)?.parse().ok()?, f.first()?.chars().next()?))
+    gpufence_model::procstat::ProcStat::of(pid).map(|s| (s.starttime, s.state))
 }
 
 /// Every cgroup below `rel` (relative to the mount), `rel` included.

@@ -671,6 +671,7 @@ fn a_holder_that_let_go_is_left_alone() {
     }
     let (done, errors) = gpufence_node::response::respond::respond(
         &node,
+        gpufence_node::response::respond::Mode::End,
         45,
         None,
         "epilog",
@@ -725,7 +726,16 @@ fn evidence_stays_within_its_budget() {
     let respond = |budget: &mut Budget| {
         let cands =
             gpufence_node::response::respond::uncovered(&node, 0, None, &devs, &[], 195, &[]);
-        gpufence_node::response::respond::respond(&node, 46, None, "epilog", "test", cands, budget)
+        gpufence_node::response::respond::respond(
+            &node,
+            gpufence_node::response::respond::Mode::End,
+            46,
+            None,
+            "epilog",
+            "test",
+            cands,
+            budget,
+        )
     };
     let read = |l: &gpufence_node::response::respond::Lingering| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(l.evidence.as_ref().unwrap()).unwrap()).unwrap()
@@ -859,7 +869,7 @@ fn an_interrupted_response_leaves_nothing_stopped() {
         2
     );
     assert_eq!(
-        std::fs::read_dir(node.cfg.state_dir.join("responding"))
+        std::fs::read_dir(node.state.responding_dir())
             .map(|d| d.count())
             .unwrap_or(0),
         0,
@@ -895,7 +905,7 @@ fn a_running_response_is_left_alone() {
             .parse()
             .unwrap()
     };
-    let dir = node.cfg.state_dir.join("responding");
+    let dir = node.state.responding_dir();
     std::fs::create_dir_all(&dir).unwrap();
     let note = dir.join(format!("{victim}-{}.json", start(victim)));
     let write = |by_pid: i32, by_start: u64| {
@@ -1061,7 +1071,7 @@ fn tables_past_one_pass_are_read_in_further_passes() {
         env.mknod("held-a", a.major, a.minor),
         env.mknod("held-b", b.major, b.minor),
     );
-    let n = gpufence_cgroup::fdtable::FD_RECORDS as usize + 50;
+    let n = gpufence_cgroup::iter::fdtable::FD_RECORDS as usize + 50;
     let (ca, cb) = (
         std::ffi::CString::new(pa.to_str().unwrap()).unwrap(),
         std::ffi::CString::new(pb.to_str().unwrap()).unwrap(),

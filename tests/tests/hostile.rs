@@ -602,6 +602,7 @@ fn a_descriptor_handed_to_another_job_is_caught_at_job_end() {
             }],
             created: gpufence_model::record::now_rfc3339(),
             notes: vec![],
+            user_notes: vec![],
             gpu_idle: vec![],
             mig: vec![],
             cuda_visible_devices: vec![],

@@ -46,6 +46,7 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
             .collect(),
         created: now_rfc3339(),
         notes: vec![],
+        user_notes: vec![],
         gpu_idle: vec![],
         mig: vec![],
         cuda_visible_devices: vec![],
@@ -578,7 +579,7 @@ fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
     let o = epilog::run(&node, 7, None);
     assert!(o.clean(), "{:?}", o.errors);
     assert!(!env.cg.path(&job).exists());
-    assert!(std::fs::read_dir(node.cfg.state_dir.join("jobs"))
+    assert!(std::fs::read_dir(node.state.jobs_dir())
         .unwrap()
         .next()
         .is_none());

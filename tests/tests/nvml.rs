@@ -71,6 +71,7 @@ impl World {
                 devices,
                 created: now_rfc3339(),
                 notes: vec![],
+                user_notes: vec![],
                 gpu_idle: vec![],
                 mig: vec![],
                 cuda_visible_devices: vec![],
@@ -675,12 +676,14 @@ fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
     )
     .unwrap();
     assert_eq!(
-        rec.notes
-            .iter()
-            .filter(|n| n.starts_with("gres/mps: "))
-            .collect::<Vec<_>>(),
+        rec.user_notes,
         vec!["gres/mps: no MPS daemon for 195:3 (/bin/false -d: exited with exit status: 1); the job runs without MPS"],
         "{:?}",
+        rec.notes
+    );
+    assert!(
+        rec.notes.iter().all(|n| !n.starts_with("gres/mps: ")),
+        "the user's line is not the admin's too: {:?}",
         rec.notes
     );
     assert!(rec.gpu_idle.iter().all(|g| g.shared), "{:?}", rec.gpu_idle);
@@ -700,7 +703,7 @@ fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
     assert_eq!(errors[0]["mps_daemon"], "gpu3");
     let o = epilog::run(&node, 50, None);
     assert!(o.clean(), "{o:?}");
-    assert!(!node.state.root().join("mps/gpu3/50").exists());
+    assert!(!node.state.mps_registration_path("gpu3", 50).exists());
 }
 
 /// The daemon (the stand-in, `gpufence-mps-standin -d`) is started once
@@ -748,11 +751,7 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
             },
         )
         .unwrap();
-        assert!(
-            rec.notes.iter().all(|n| !n.starts_with("gres/mps: ")),
-            "{:?}",
-            rec.notes
-        );
+        assert!(rec.user_notes.is_empty(), "{:?}", rec.user_notes);
         assert_eq!(
             gpufence_node::job::apply::job_env(&rec),
             vec![(

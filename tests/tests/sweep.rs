@@ -936,7 +936,7 @@ fn drain_names_the_finding() {
     );
     assert_eq!(o.drained.as_deref(), lines[3].strip_prefix("reason="));
     assert!(w.events().contains(&"sweep_drained".to_string()));
-    assert!(!gpufence_node::host::procs::node_name().is_empty());
+    assert!(!gpufence_model::nodename::node_name(None).is_empty());
     // A drain that fails (scontrol exits 1) is not a finding's code: the
     // node is not drained, and the exit says the sweep could not do all it
     // was asked.

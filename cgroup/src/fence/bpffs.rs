@@ -1,6 +1,17 @@
 //! The bpf filesystem the pins live on, and the lock on their directory.
 
-use super::*;
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::Path;
+
+use nix::fcntl::{Flock, FlockArg};
+use nix::mount::{mount, MsFlags};
+use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
+use nix::sys::statfs::{statfs, FsType, BPF_FS_MAGIC};
+use nix::unistd::{access, AccessFlags};
+
+use crate::error::{Error, Result};
 
 /// Where bpffs is conventionally mounted (systemd mounts it there).
 const BPFFS_MOUNT: &str = "/sys/fs/bpf";

@@ -1,7 +1,13 @@
 //! The `cgroups` map (exempt and granted cgroups, at their kernel
 //! levels) and the populated-levels mask.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{bpf_err, located_level, ExemptSplit, Fence};
+use crate::error::Result;
+use crate::hierarchy::Cgroup2;
+use crate::maps::{CgroupValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+use crate::program::MAX_LEVEL;
 
 impl Fence {
     /// The `cgroups` entry of `cgroup_id`: `(flags, level)`.
@@ -68,7 +74,7 @@ impl Fence {
     /// The populated-levels mask, from the map.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn levels_mask(&self) -> Result<u32> {
         Ok(self
             .levels
@@ -105,7 +111,7 @@ impl Fence {
     /// Every entry of the `cgroups` map: id → flags.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn cgroup_flags(&self) -> Result<BTreeMap<u64, u32>> {
         let keys = self
             .cgroups
@@ -125,7 +131,7 @@ impl Fence {
     /// this process finds ([`Cgroup2::discover`]).
     ///
     /// # Errors
-    /// As [`Fence::add_exempt_in`], and [`Error::NoCgroup2`].
+    /// As [`Fence::add_exempt_in`], and [`Error::NoCgroup2`](crate::Error::NoCgroup2).
     pub fn add_exempt(&self, cgroup_id: u64, path: &str) -> Result<()> {
         self.add_exempt_in(&Cgroup2::discover()?, cgroup_id, path)
     }
@@ -135,8 +141,10 @@ impl Fence {
     /// ([`Cgroup2::kernel_level`]).
     ///
     /// # Errors
-    /// [`Error::Bpf`]; [`Error::KernelLevelUnknown`] (nothing is written);
-    /// [`Error::Cgroup`] when `path` is not cgroup `cgroup_id`.
+    /// [`Error::Bpf`](crate::Error::Bpf);
+    /// [`Error::KernelLevelUnknown`](crate::Error::KernelLevelUnknown)
+    /// (nothing is written); [`Error::Cgroup`](crate::Error::Cgroup) when
+    /// `path` is not cgroup `cgroup_id`.
     pub fn add_exempt_in(&self, cg: &Cgroup2, cgroup_id: u64, path: &str) -> Result<()> {
         let level = located_level(cg, cgroup_id, path)?;
         self.locked(|| {
@@ -148,7 +156,7 @@ impl Fence {
     /// Whether cgroup `id` is exempt.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn is_exempt(&self, cgroup_id: u64) -> Result<bool> {
         Ok(self.flags_of(cgroup_id)? & CGROUP_EXEMPT != 0)
     }
@@ -157,7 +165,7 @@ impl Fence {
     /// `GRANTED` flag).
     ///
     /// # Errors
-    /// [`Error::Bpf`] when the map cannot be read.
+    /// [`Error::Bpf`](crate::Error::Bpf) when the map cannot be read.
     pub fn is_granted(&self, cgroup_id: u64) -> Result<bool> {
         Ok(self.flags_of(cgroup_id)? & CGROUP_GRANTED != 0)
     }
@@ -167,7 +175,7 @@ impl Fence {
     /// Returns `(applied, missing)`.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn set_exempt(&self, cg: &Cgroup2, paths: &[String]) -> Result<ExemptSplit> {
         self.locked(|| self.set_exempt_unlocked(cg, paths))
     }

@@ -1,6 +1,14 @@
 //! The `grants` map: grant, list, look up, revoke.
 
-use super::*;
+use std::collections::BTreeSet;
+
+use gpufence_model::device::{Access, DevNum};
+
+use super::{bpf_err, located_level, Fence, GrantEntry};
+use crate::error::{Error, Result};
+use crate::hierarchy::Cgroup2;
+use crate::maps::{GrantKey, GrantValue, CGROUP_GRANTED};
+use crate::program::MAX_LEVEL;
 
 impl Fence {
     /// [`Fence::grant_in`] with `cgroup_path` relative to the cgroup2 mount

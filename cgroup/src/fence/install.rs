@@ -1,8 +1,24 @@
 //! Install: the probe, the maps, what they hold, the program, the link
 //! and the scan iterators.
 
-use super::bpffs::raise_memlock;
-use super::*;
+use std::collections::BTreeSet;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+
+use gpufence_model::policy::ExemptIdentities;
+
+use super::bpffs::{ensure_bpffs, raise_memlock, DirLock};
+use super::status::{fence_programs_at, join_ids};
+use super::{bpf_err, typed_map, Fence, FenceSpec, InstallReport, PROG_NAME};
+use crate::error::{Error, Result};
+use crate::hierarchy::Cgroup2;
+use crate::maps::{
+    CgroupsMap, DenialsMap, GrantsMap, LevelsMap, MajorsMap, Map, MapLayout, PIN_LINK,
+};
+use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
+use crate::sys;
 
 /// **Test-only switch.** When this variable is `1` in the environment of
 /// the process, [`probe_ancestor_helper`] answers as a kernel without the
@@ -383,7 +399,7 @@ fn pin_names(dir: &Path) -> BTreeSet<std::ffi::OsString> {
 }
 
 /// Loads the scan iterators (the descriptor tables' and mappings'
-/// [`crate::fdtable`] program, filtered by the fence's `majors` map, and
+/// [`crate::iter::fdtable`] program, filtered by the fence's `majors` map, and
 /// the ring iterator) and pins their links in `dir` (replacing older
 /// pins). On failure, removes what this call pinned so that no stale
 /// iterator outlives the fence it was made for, and says why.
@@ -395,8 +411,8 @@ fn pin_iterators(
     let r = (|| -> std::result::Result<(), crate::iter::IterError> {
         let btf = crate::btf::Btf::vmlinux()?;
         let rings = RingIterator::load(&RingLayout::from_btf(&btf)?)?;
-        let tables = crate::fdtable::FdTableIterator::load(
-            &crate::fdtable::FdTableLayout::from_btf(&btf)?,
+        let tables = crate::iter::fdtable::FdTableIterator::load(
+            &crate::iter::fdtable::FdTableLayout::from_btf(&btf)?,
             majors,
         )?;
         tables.pin(dir)?;

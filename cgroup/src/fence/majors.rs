@@ -1,16 +1,24 @@
 //! The `majors` map: which majors the fence protects.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use gpufence_model::procdevices::ProtectedMajors;
+
+use super::{bpf_err, Fence};
+use crate::error::Result;
+use crate::maps::{MajorsMap, MAJORS_ENTRIES, MAJOR_PROTECTED};
 
 impl Fence {
     /// Whether every major of `majors` is protected by the fence pinned in
     /// `bpffs_dir` (its `majors` map, one lookup each): what a scan asks
     /// before it reads the pinned iterators, which write only protected
-    /// majors ([`crate::fdtable`]).
+    /// majors ([`crate::iter::fdtable`]).
     ///
     /// # Errors
-    /// [`Error::NotInstalled`]: no pinned map; [`Error::MapMismatch`]: a
-    /// map of another layout; [`Error::Bpf`]: a lookup failed.
+    /// [`Error::NotInstalled`](crate::Error::NotInstalled): no pinned map;
+    /// [`Error::MapMismatch`](crate::Error::MapMismatch): a map of another
+    /// layout; [`Error::Bpf`](crate::Error::Bpf): a lookup failed.
     pub fn majors_protected(bpffs_dir: &Path, majors: &[u32]) -> Result<bool> {
         let map = Self::open_map::<MajorsMap>(bpffs_dir)?;
         for m in majors {
@@ -32,7 +40,7 @@ impl Fence {
     /// every prolog, which heals a driver loaded after the install.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn add_majors(&self, majors: &[u32]) -> Result<Vec<u32>> {
         let mut added = Vec::new();
         for m in majors {
@@ -72,7 +80,7 @@ impl Fence {
     /// The protected majors, from the map.
     ///
     /// # Errors
-    /// [`Error::Bpf`].
+    /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn protected_majors(&self) -> Result<Vec<u32>> {
         let mut out = Vec::new();
         for m in 0..MAJORS_ENTRIES {

@@ -7,32 +7,18 @@
 //! Concurrent installs are serialised by an `flock(2)` on the bpffs
 //! directory.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fs::{self, File};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use gpufence_model::device::{Access, DevNum};
 use gpufence_model::policy::ExemptIdentities;
 use gpufence_model::procdevices::ProtectedMajors;
-use nix::fcntl::{Flock, FlockArg};
-use nix::mount::{mount, MsFlags};
-use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
-use nix::sys::statfs::{statfs, FsType, BPF_FS_MAGIC};
-use nix::unistd::{access, AccessFlags};
 
 use crate::error::{Error, Result};
 use crate::hierarchy::Cgroup2;
-use crate::maps::{
-    CgroupValue, CgroupsMap, DenialValue, DenialsMap, GrantKey, GrantValue, GrantsMap, LevelsMap,
-    MajorsMap, Map, MapLayout, MapPod, CGROUP_EXEMPT, CGROUP_GRANTED, MAJORS_ENTRIES,
-    MAJOR_PROTECTED, PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS, PIN_LEVELS, PIN_LINK, PIN_MAJORS,
-};
-use crate::program::{self, FenceProgramSpec, MAX_LEVEL};
+use crate::maps::{CgroupsMap, DenialsMap, GrantsMap, LevelsMap, MajorsMap, Map, MapLayout};
 use crate::sys;
-use crate::verdict::{self, Evaluation, MapRole, MapView};
 
 mod bpffs;
 mod exemptions;
@@ -43,7 +29,6 @@ mod status;
 
 pub use bpffs::ensure_bpffs;
 pub use install::{probe_ancestor_helper, FORCE_NO_HELPER_ENV};
-use status::join_ids;
 pub use status::{fence_programs_at, programs_at, NotAttached};
 
 use bpffs::DirLock;

@@ -1,7 +1,24 @@
 //! What is installed: status, the link check, denials, the program's
 //! answer over the live maps; and removal.
 
-use super::*;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use gpufence_model::device::{Access, DevNum};
+use gpufence_model::policy::ExemptIdentities;
+
+use super::bpffs::DirLock;
+use super::{bpf_err, DenialEntry, Fence, FenceStatus, PROG_NAME};
+use crate::error::{Error, Result};
+use crate::hierarchy::Cgroup2;
+use crate::maps::{
+    CgroupsMap, DenialValue, GrantsMap, LevelsMap, MajorsMap, MapLayout, MapPod, CGROUP_EXEMPT,
+    PIN_CGROUPS, PIN_DENIALS, PIN_GRANTS, PIN_LEVELS, PIN_LINK, PIN_MAJORS,
+};
+use crate::sys;
+use crate::verdict::{self, Evaluation, MapRole, MapView};
 
 impl Fence {
     /// The id of the program the pinned link runs, if any.

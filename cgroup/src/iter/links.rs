@@ -1,6 +1,10 @@
 //! Loading iterator programs, linking, pinning and reading their links.
 
-use super::*;
+use std::os::fd::{AsFd, OwnedFd};
+
+use super::{IterError, Record, RECORD_LEN};
+use crate::asm::Program;
+use crate::sys;
 
 /// One loaded iterator: its program (none when opened from a pin) and
 /// link.
@@ -35,14 +39,18 @@ pub(super) fn load(target: &'static str, p: &Program, btf_id: u32) -> Result<Loa
 }
 
 /// The pin name of the ring iterator's link in the fence's bpffs
-/// directory (with [`crate::fdtable::PIN_FDTABLE`]). The suffix is the
+/// directory (with [`crate::iter::fdtable::PIN_FDTABLE`]). The suffix is the
 /// record format and filter: a gpufence whose programs write something
 /// else uses new names, and never reads an old pin.
 pub const PIN_RINGS: &str = "iter_task_rings_v1";
 /// Every name an iterator pin has had, for removal (`iter_fdtable_v1`:
 /// the fd-table program before further passes, which said "not read
 /// whole" where it now says where to resume).
-pub const PINS: [&str; 3] = [crate::fdtable::PIN_FDTABLE, PIN_RINGS, "iter_fdtable_v1"];
+pub const PINS: [&str; 3] = [
+    crate::iter::fdtable::PIN_FDTABLE,
+    PIN_RINGS,
+    "iter_fdtable_v1",
+];
 
 /// Pins `link` at `dir/name`, replacing what is there: pinned as
 /// `name_new`, then renamed over `name` (bpffs renames like any
@@ -129,10 +137,9 @@ pub(crate) fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
 /// (`include/uapi/linux/btf.h`: header, types, strings). Type ids: 4 the
 /// main function, 6 the callback.
 fn funcs_btf(main: &str, callback: &str) -> Vec<u8> {
-    const KIND_INT: u32 = 1;
-    const KIND_PTR: u32 = 2;
-    const KIND_FUNC: u32 = 12;
-    const KIND_FUNC_PROTO: u32 = 13;
+    use crate::btf::kind::{
+        FUNC as KIND_FUNC, FUNC_PROTO as KIND_FUNC_PROTO, INT as KIND_INT, PTR as KIND_PTR,
+    };
     let mut strs: Vec<u8> = vec![0];
     let mut name = |n: &str| -> u32 {
         let at = strs.len() as u32;
@@ -158,7 +165,7 @@ fn funcs_btf(main: &str, callback: &str) -> Vec<u8> {
     t.extend([callback, info(KIND_FUNC, 0), 5]);
     let types: Vec<u8> = t.iter().flat_map(|w| w.to_ne_bytes()).collect();
     let mut out = Vec::new();
-    out.extend(0xEB9Fu16.to_ne_bytes());
+    out.extend(crate::btf::BTF_MAGIC.to_ne_bytes());
     out.extend([1u8, 0u8]);
     for w in [
         24u32,
@@ -188,7 +195,9 @@ pub(crate) fn load_with_callback(
         .insns
         .iter()
         .enumerate()
-        .find(|(_, i)| i.regs >> 4 == crate::asm::PSEUDO_FUNC && i.code == 0x18)
+        .find(|(_, i)| {
+            i.src() == crate::uapi::PSEUDO_FUNC && i.code == crate::uapi::opcode::LD_IMM64
+        })
         .map(|(at, i)| (at as i64 + 1 + i64::from(i.imm)) as u32)
         .ok_or_else(|| IterError::Malformed(format!("the {prog_name} program has no callback")))?;
     let btf = sys::btf_load(&funcs_btf(names.0, names.1)).map_err(|err| IterError::Sys {

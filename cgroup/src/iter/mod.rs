@@ -23,12 +23,12 @@
 //! `/proc`.
 
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
 
-use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
+use crate::asm::{AluOp, Asm, AsmError, JmpOp, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
-use crate::sys;
+use crate::uapi::helper;
 
+pub mod fdtable;
 mod links;
 mod ring;
 mod task;
@@ -49,9 +49,6 @@ pub(crate) const S_IFMT: i32 = 0o170000;
 pub(crate) const S_IFCHR: i32 = 0o020000;
 /// `S_IFSOCK`.
 const S_IFSOCK: i32 = 0o140000;
-/// `BPF_FUNC_seq_write` (`include/uapi/linux/bpf.h`):
-/// `long bpf_seq_write(struct seq_file *m, const void *data, u32 len)`.
-pub(crate) const FUNC_SEQ_WRITE: i32 = 127;
 /// `PROC_PID_INIT_INO` (`include/linux/proc_ns.h`): the inode of the
 /// initial pid namespace in `/proc/<pid>/ns/pid`.
 const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
@@ -92,10 +89,10 @@ pub enum Object {
     /// holds is unknown.
     RingTruncated(u64),
     /// A task whose run of the fd-table program stopped before its end
-    /// (more than [`crate::fdtable::FD_RECORDS`] records, more slots than
+    /// (more than [`crate::iter::fdtable::FD_RECORDS`] records, more slots than
     /// one `bpf_loop` walks, its mmap lock busy, or the scan's deadline
     /// passed): where a further pass resumes
-    /// ([`crate::fdtable::FdTableIterator::resume`]). The record's `fd` is
+    /// ([`crate::iter::fdtable::FdTableIterator::resume`]). The record's `fd` is
     /// the batch of 8 slots to resume the descriptor table at (-1: the
     /// table is read), the value the address to resume the mappings at
     /// (`u64::MAX`: they are read).
@@ -118,17 +115,11 @@ pub(crate) const KIND_PENDING: i32 = 10;
 /// fit the iterator's buffer (`bpf_seq_read`: 8 pages, else `E2BIG`,
 /// `kernel/bpf/bpf_iter.c`): 16 rings of 66 records of 24 bytes do.
 pub const RING_RECORDS: i32 = 64;
-/// `BPF_FUNC_loop` (`include/uapi/linux/bpf.h`, 5.17+):
-/// `long bpf_loop(u32 nr_loops, void *callback_fn, void *callback_ctx, u64 flags)`,
-/// at most `BPF_MAX_LOOPS` (1 << 23) calls.
-pub(crate) const FUNC_LOOP: i32 = 181;
 /// `BPF_MAX_LOOPS` (`kernel/bpf/bpf_iter.c`).
 pub(crate) const MAX_LOOPS: i32 = 1 << 23;
 /// `IO_RINGFD_REG_MAX` (`include/linux/io_uring_types.h`): the registered
 /// ring slots of a task.
 const RING_FDS: usize = 16;
-/// `BPF_FUNC_probe_read_kernel` (`include/uapi/linux/bpf.h`).
-pub(crate) const FUNC_PROBE_READ_KERNEL: i32 = 113;
 /// Flag bits kept in the low bits of a fixed file's `file_ptr`
 /// (`FFS_NOWAIT`, `FFS_ISREG`, and in 5.18-6.6 `FFS_SCM`:
 /// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
@@ -233,7 +224,7 @@ pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, tmp as i32)
         .mov64_imm(Reg::R2, bytes)
-        .call_id(FUNC_PROBE_READ_KERNEL, "probe_read_kernel")
+        .call_id(helper::PROBE_READ_KERNEL, "probe_read_kernel")
         .jmp_imm(JmpOp::Ne, Reg::R0, 0, fail)
         .load(size, dst, Reg::R10, tmp);
 }
@@ -292,6 +283,7 @@ pub fn in_initial_pid_ns() -> bool {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::asm::Program;
 
     /// FNV-1a over the encoded instructions: a stable fingerprint of a
     /// program's bytes, to check that a refactor emits the same program.

@@ -3,7 +3,14 @@
 //! [`ring_program`], [`RingIterator`]).
 
 use super::links::{load_with_callback, open_pin, pin_link, read_all, Loaded};
-use super::*;
+use super::{
+    off, probe_read, size, sized, zero_unknown, IterError, Layout, Record, FFS_FLAGS, KIND_RING,
+    KIND_RING_SEEN, KIND_RING_TRUNC, MAX_LOOPS, PIN_RINGS, RECORD_LEN, RING_FDS, RING_RECORDS,
+    S_IFCHR, S_IFMT,
+};
+use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
+use crate::btf::{Btf, BtfError, Field};
+use crate::uapi::helper;
 
 /// Where a ring's fixed files are (`struct io_ring_ctx`'s `file_table`,
 /// `io_uring/filetable.h`), as the running kernel lays them out.
@@ -148,7 +155,7 @@ fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write");
+        .call_id(helper::SEQ_WRITE, "seq_write");
 }
 
 /// The ring program (`task` iterator): for each task with an io_uring
@@ -157,7 +164,7 @@ fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
 /// every fixed file of that ring, walked with `bpf_loop` (a callback
 /// verified once, whatever the ring's size): a record per run of one
 /// character device, up to [`RING_RECORDS`], and an
-/// [`Object::RingTruncated`] record for a ring not read whole. Ring
+/// [`Object::RingTruncated`](super::Object::RingTruncated) record for a ring not read whole. Ring
 /// contexts and fixed files are reached through `bpf_probe_read_kernel`
 /// (`file->private_data` is a `void *`); a read that faults skips the
 /// file.
@@ -202,7 +209,7 @@ fn ring_task(a: &mut Asm, l: &RingLayout) {
 /// Registered ring slot `i` of the task: a [`Object::RingSeen`] record
 /// for the ring, then its fixed files walked with `bpf_loop` of
 /// `read_file`; a ring whose table cannot be read, or not read whole, gets
-/// an [`Object::RingTruncated`] record.
+/// an [`Object::RingTruncated`](super::Object::RingTruncated) record.
 fn ring_slot(a: &mut Asm, l: &RingLayout, i: usize) {
     let (nr_off, base_off) = match l.table {
         FileTable::Nodes { nr, nodes, .. } => (nr, nodes),
@@ -250,7 +257,7 @@ fn ring_slot(a: &mut Asm, l: &RingLayout, i: usize) {
         .mov64_reg(Reg::R3, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
         .mov64_imm(Reg::R4, 0)
-        .call_id(FUNC_LOOP, "loop")
+        .call_id(helper::LOOP, "loop")
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
         .jmp_imm(JmpOp::Eq, Reg::R1, 0, &next_ring)
         .label(&truncated)
@@ -312,7 +319,7 @@ fn read_file(a: &mut Asm, l: &RingLayout) {
     .mov64_reg(Reg::R2, Reg::R10)
     .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
     .mov64_imm(Reg::R3, RECORD_LEN as i32)
-    .call_id(FUNC_SEQ_WRITE, "seq_write")
+    .call_id(helper::SEQ_WRITE, "seq_write")
     .label("cb_next")
     .mov64_imm(Reg::R0, 0)
     .exit()

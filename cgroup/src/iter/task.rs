@@ -2,7 +2,13 @@
 //! kernel's BTF) and their [`Iterators`].
 
 use super::links::{load, read_all, Loaded};
-use super::*;
+use super::{
+    off, size, sized, IterError, Record, ANON_INODE_FS_MAGIC, KIND_ANON, KIND_ANON_MAP, KIND_CHAR,
+    KIND_MAP, KIND_SOCK, RECORD_LEN, S_IFCHR, S_IFMT, S_IFSOCK,
+};
+use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
+use crate::btf::{Btf, BtfError, Field};
+use crate::uapi::helper;
 
 /// Where the programs find what they read, from the running kernel's BTF.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,7 +95,7 @@ fn emit(a: &mut Asm, l: &Layout) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write")
+        .call_id(helper::SEQ_WRITE, "seq_write")
         .label("out")
         .mov64_imm(Reg::R0, 0)
         .exit();
@@ -119,7 +125,7 @@ fn kinds(a: &mut Asm, l: &Layout, ctx_fd: Option<&Field>, chr: i32, anon: i32) {
 
 /// The `task_file` program: a record for each character device, each
 /// anonymous inode and (with `sockets`) each socket in a descriptor table.
-/// (The fence pins [`crate::fdtable`]'s program instead, which filters in
+/// (The fence pins [`crate::iter::fdtable`]'s program instead, which filters in
 /// the kernel and does not pay `task_file`'s cost per descriptor.)
 ///
 /// # Errors

@@ -1,7 +1,12 @@
 //! `BPF_OBJ_GET_INFO_BY_FD` on links, maps and programs, and the
 //! cgroup program queries.
 
-use super::*;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use super::{bpf, bpf_raw, ATTACH_CGROUP_DEVICE, ATTR_SIZE};
+use crate::asm::RawInsn;
+use crate::uapi::cmd;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -62,7 +67,7 @@ fn info_into<T>(fd: BorrowedFd<'_>, mut info: T) -> io::Result<T> {
         info_len: size_of::<T>() as u32,
         info: &mut info as *mut T as u64,
     };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)?;
+    bpf(cmd::OBJ_GET_INFO_BY_FD, &mut a)?;
     Ok(info)
 }
 
@@ -171,7 +176,7 @@ impl QueryAttr {
 pub fn prog_query_cgroup_device(cgroup: BorrowedFd<'_>) -> io::Result<(u32, Vec<u32>)> {
     let mut ids = vec![0u32; 64];
     let mut a = QueryAttr::device(cgroup, 0, &mut ids);
-    bpf(BPF_PROG_QUERY, &mut a)?;
+    bpf(cmd::PROG_QUERY, &mut a)?;
     ids.truncate(a.prog_cnt as usize);
     Ok((a.attach_flags, ids))
 }
@@ -201,7 +206,7 @@ pub fn prog_query_guarded(cgroup: BorrowedFd<'_>) -> io::Result<(u64, [u8; 64])>
     };
     let mut ids = vec![0u32; 64];
     let mut a = QueryAttr::device(cgroup, 0, &mut ids);
-    bpf_raw(BPF_PROG_QUERY, &mut a, &mut g.attr)?;
+    bpf_raw(cmd::PROG_QUERY, &mut a, &mut g.attr)?;
     let at = QUERY_REVISION_OFFSET;
     let revision = u64::from_ne_bytes(g.attr[at..at + 8].try_into().unwrap_or([0; 8]));
     Ok((revision, g.guard))
@@ -214,7 +219,7 @@ pub fn name_str(b: &[u8; 16]) -> String {
 }
 
 /// Like [`prog_query_cgroup_device`] with query flags (e.g.
-/// [`F_QUERY_EFFECTIVE`]: every program that runs for the cgroup).
+/// [`F_QUERY_EFFECTIVE`](super::F_QUERY_EFFECTIVE): every program that runs for the cgroup).
 ///
 /// # Errors
 /// errno.
@@ -224,7 +229,7 @@ pub fn prog_query_cgroup_device_flags(
 ) -> io::Result<(u32, Vec<u32>)> {
     let mut ids = vec![0u32; 128];
     let mut a = QueryAttr::device(cgroup, query_flags, &mut ids);
-    bpf(BPF_PROG_QUERY, &mut a)?;
+    bpf(cmd::PROG_QUERY, &mut a)?;
     ids.truncate(a.prog_cnt as usize);
     Ok((a.attach_flags, ids))
 }

@@ -1,7 +1,14 @@
 //! Pins, and the links: cgroup device links, iterator links, and the
 //! files an iterator link makes.
 
-use super::*;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use super::{bpf, fd_result, ATTACH_CGROUP_DEVICE, ATTACH_TRACE_ITER};
+use crate::uapi::cmd;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -27,7 +34,7 @@ pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
         bpf_fd: fd.as_raw_fd() as u32,
         file_flags: 0,
     };
-    bpf(BPF_OBJ_PIN, &mut a).map(|_| ())
+    bpf(cmd::OBJ_PIN, &mut a).map(|_| ())
 }
 
 /// `BPF_OBJ_GET`: opens a pinned object.
@@ -41,7 +48,7 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
         bpf_fd: 0,
         file_flags: 0,
     };
-    bpf(BPF_OBJ_GET, &mut a).map(fd_result)
+    bpf(cmd::OBJ_GET, &mut a).map(fd_result)
 }
 
 #[repr(C)]
@@ -67,7 +74,7 @@ pub fn link_create_cgroup_device(
         attach_type: ATTACH_CGROUP_DEVICE,
         flags: 0,
     };
-    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+    bpf(cmd::LINK_CREATE, &mut a).map(fd_result)
 }
 
 #[repr(C)]
@@ -90,7 +97,7 @@ pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()>
         flags: 0,
         old_prog_fd: 0,
     };
-    bpf(BPF_LINK_UPDATE, &mut a).map(|_| ())
+    bpf(cmd::LINK_UPDATE, &mut a).map(|_| ())
 }
 
 #[repr(C)]
@@ -107,7 +114,7 @@ pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
     let mut a = LinkDetachAttr {
         link_fd: link.as_raw_fd() as u32,
     };
-    bpf(BPF_LINK_DETACH, &mut a).map(|_| ())
+    bpf(cmd::LINK_DETACH, &mut a).map(|_| ())
 }
 
 #[repr(C)]
@@ -145,7 +152,7 @@ fn link_create_iter_info<I>(prog: BorrowedFd<'_>, info: Option<&I>) -> io::Resul
         iter_info_len: info.map_or(0, |_| size_of::<I>() as u32),
         _pad: 0,
     };
-    bpf(BPF_LINK_CREATE, &mut a).map(fd_result)
+    bpf(cmd::LINK_CREATE, &mut a).map(fd_result)
 }
 
 /// The `task` member of `union bpf_iter_link_info`
@@ -175,14 +182,6 @@ pub fn link_create_iter_task(prog: BorrowedFd<'_>, tid: u32) -> io::Result<Owned
     link_create_iter_info(prog, Some(&info))
 }
 
-/// `BPF_CGROUP_ITER_SELF_ONLY` (`enum bpf_cgroup_iter_order`,
-/// `include/uapi/linux/bpf.h`): the program runs for the start cgroup only.
-pub const CGROUP_ITER_SELF_ONLY: u32 = 1;
-/// `BPF_CGROUP_ITER_ANCESTORS_UP`: the start cgroup, then each parent up to
-/// the root of the hierarchy (`cgroup_iter_seq_next`: `curr->parent`,
-/// whatever cgroup namespace the reader is in).
-pub const CGROUP_ITER_ANCESTORS_UP: u32 = 4;
-
 /// The `cgroup` member of `union bpf_iter_link_info`
 /// (`include/uapi/linux/bpf.h`, Linux 6.1): the order, and the start
 /// cgroup as an fd or an id (at most one non-zero).
@@ -196,9 +195,10 @@ pub(super) struct CgroupIterInfo {
 
 /// `BPF_LINK_CREATE` of a cgroup iterator program (`bpf_iter_attach_cgroup`,
 /// `kernel/bpf/cgroup_iter.c`) starting at the cgroup whose directory
-/// `cgroup` is open, walking in `order` ([`CGROUP_ITER_SELF_ONLY`],
-/// [`CGROUP_ITER_ANCESTORS_UP`]). Nothing is attached to the cgroup: the
-/// link holds a reference to it for [`iter_create`].
+/// `cgroup` is open, walking in `order`
+/// ([`CGROUP_ITER_SELF_ONLY`](crate::uapi::CGROUP_ITER_SELF_ONLY),
+/// [`CGROUP_ITER_ANCESTORS_UP`](crate::uapi::CGROUP_ITER_ANCESTORS_UP)).
+/// Nothing is attached to the cgroup: the link holds a reference to it for [`iter_create`].
 ///
 /// # Errors
 /// errno (`EINVAL` for an order the kernel does not know, `EBADF` for an fd
@@ -233,5 +233,5 @@ pub fn iter_create(link: BorrowedFd<'_>) -> io::Result<OwnedFd> {
         link_fd: link.as_raw_fd() as u32,
         flags: 0,
     };
-    bpf(BPF_ITER_CREATE, &mut a).map(fd_result)
+    bpf(cmd::ITER_CREATE, &mut a).map(fd_result)
 }

@@ -3,7 +3,14 @@
 //! kernel reports for it, so that no call hands the kernel a key or value
 //! buffer of another size than the map's.
 
-use super::*;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use super::info::map_info;
+use super::links::obj_get;
+use super::{bpf, fd_result, name16, UPDATE_ANY};
+use crate::uapi::{cmd, map_type};
 
 #[repr(C)]
 #[derive(Default, Clone, Copy)]
@@ -44,17 +51,10 @@ impl std::fmt::Display for MapShape {
     }
 }
 
-/// `BPF_MAP_TYPE_PERCPU_HASH`, `PERCPU_ARRAY`, `LRU_PERCPU_HASH`,
-/// `PERCPU_CGROUP_STORAGE`: maps whose values cross the syscall as one
-/// copy per possible CPU, each rounded up to 8 bytes
-/// (`bpf_map_value_size` in `kernel/bpf/syscall.c`), not `value_size`
-/// bytes.
-const PERCPU_MAP_TYPES: [u32; 4] = [5, 6, 10, 21];
-
 /// An open BPF map and its [`MapShape`], read once when the handle is
 /// made: from the attributes of the [`map_create`] that made it, or from
 /// `BPF_OBJ_GET_INFO_BY_FD` on a descriptor opened otherwise
-/// ([`MapFd::from_fd`], [`map_obj_get`], [`map_fd_by_id`]). A map's shape
+/// ([`MapFd::from_fd`], [`map_obj_get`], [`map_fd_by_id`](super::map_fd_by_id)). A map's shape
 /// never changes, so the element calls ([`map_lookup`], [`map_update`],
 /// [`map_delete`], [`map_keys`], [`map_entries_batch`]) size their buffers
 /// from it, or refuse a caller's buffer of another size before the
@@ -127,7 +127,7 @@ impl MapFd {
     /// Refuses a per-CPU map for a call that moves values (its values are
     /// not `value_size` bytes across the syscall: [`PERCPU_MAP_TYPES`]).
     fn check_values(&self) -> io::Result<()> {
-        if PERCPU_MAP_TYPES.contains(&self.shape.map_type) {
+        if map_type::PERCPU.contains(&self.shape.map_type) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
@@ -183,7 +183,7 @@ pub fn map_create(
         map_name: name16(name),
         ..Default::default()
     };
-    let fd = bpf(BPF_MAP_CREATE, &mut a).map(fd_result)?;
+    let fd = bpf(cmd::MAP_CREATE, &mut a).map(fd_result)?;
     Ok(MapFd {
         fd,
         shape: MapShape {
@@ -230,7 +230,7 @@ pub fn map_lookup(map: &MapFd, key: &[u8], value: &mut [u8]) -> io::Result<bool>
         value: value.as_mut_ptr() as u64,
         flags: 0,
     };
-    match bpf(BPF_MAP_LOOKUP_ELEM, &mut a) {
+    match bpf(cmd::MAP_LOOKUP_ELEM, &mut a) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),
@@ -254,7 +254,7 @@ pub fn map_update(map: &MapFd, key: &[u8], value: &[u8]) -> io::Result<()> {
         value: value.as_ptr() as u64,
         flags: UPDATE_ANY,
     };
-    bpf(BPF_MAP_UPDATE_ELEM, &mut a).map(|_| ())
+    bpf(cmd::MAP_UPDATE_ELEM, &mut a).map(|_| ())
 }
 
 /// `BPF_MAP_DELETE_ELEM`: `Ok(false)` when the key was absent.
@@ -271,7 +271,7 @@ pub fn map_delete(map: &MapFd, key: &[u8]) -> io::Result<bool> {
         value: 0,
         flags: 0,
     };
-    match bpf(BPF_MAP_DELETE_ELEM, &mut a) {
+    match bpf(cmd::MAP_DELETE_ELEM, &mut a) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),
@@ -301,7 +301,7 @@ pub fn map_keys(map: &MapFd) -> io::Result<Vec<Vec<u8>>> {
             value: next.as_mut_ptr() as u64,
             flags: 0,
         };
-        match bpf(BPF_MAP_GET_NEXT_KEY, &mut a) {
+        match bpf(cmd::MAP_GET_NEXT_KEY, &mut a) {
             Ok(_) => {
                 if seen.insert(next.clone()) {
                     keys.push(next.clone());
@@ -314,9 +314,6 @@ pub fn map_keys(map: &MapFd) -> io::Result<Vec<Vec<u8>>> {
     }
     Ok(keys)
 }
-
-/// `BPF_MAP_LOOKUP_BATCH` (`include/uapi/linux/bpf.h`, Linux 5.6).
-const BPF_MAP_LOOKUP_BATCH: i32 = 24;
 
 /// The `batch` member of `union bpf_attr`.
 #[repr(C)]
@@ -378,7 +375,7 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
             elem_flags: 0,
             flags: 0,
         };
-        let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut a) {
+        let done = match bpf(cmd::MAP_LOOKUP_BATCH, &mut a) {
             Ok(_) => false,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             // No batch operations here; or one bucket holds more than a
@@ -488,8 +485,7 @@ mod tests {
         if !root() {
             return;
         }
-        const PERCPU_HASH: u32 = 5;
-        let map = map_create(PERCPU_HASH, 4, 4, 4, "test_percpu").unwrap();
+        let map = map_create(map_type::PERCPU_HASH, 4, 4, 4, "test_percpu").unwrap();
         let mut v = [0u8; 4];
         for e in [
             map_lookup(&map, &[0; 4], &mut v).map(|_| ()).unwrap_err(),

@@ -4,14 +4,9 @@
 //! structs in `include/uapi/linux/bpf.h`, prefixes only: the kernel zero-fills
 //! what a caller's shorter struct leaves out (`bpf_check_uarg_tail_zero`).
 
-use std::ffi::CString;
 use std::io;
 use std::mem::size_of;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
-
-use crate::asm::RawInsn;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 mod info;
 mod links;
@@ -25,8 +20,7 @@ pub use info::{
 };
 pub use links::{
     iter_create, link_create_cgroup_device, link_create_iter, link_create_iter_cgroup,
-    link_create_iter_task, link_detach, link_update, obj_get, obj_pin, CGROUP_ITER_ANCESTORS_UP,
-    CGROUP_ITER_SELF_ONLY,
+    link_create_iter_task, link_detach, link_update, obj_get, obj_pin,
 };
 pub use maps::{
     map_create, map_delete, map_entries_batch, map_keys, map_lookup, map_obj_get, map_update,
@@ -35,35 +29,14 @@ pub use maps::{
 pub use progs::{
     btf_load, map_fd_by_id, prog_attach_cgroup_device, prog_detach_cgroup_device, prog_fd_by_id,
     prog_load_cgroup_device, prog_load_iter, prog_load_iter_funcs, FuncInfo, LoadError,
-    F_QUERY_EFFECTIVE,
 };
-
-const BPF_MAP_CREATE: i32 = 0;
-const BPF_MAP_LOOKUP_ELEM: i32 = 1;
-const BPF_MAP_UPDATE_ELEM: i32 = 2;
-const BPF_MAP_DELETE_ELEM: i32 = 3;
-const BPF_MAP_GET_NEXT_KEY: i32 = 4;
-const BPF_PROG_LOAD: i32 = 5;
-const BPF_OBJ_PIN: i32 = 6;
-const BPF_OBJ_GET: i32 = 7;
-const BPF_PROG_QUERY: i32 = 16;
-const BPF_OBJ_GET_INFO_BY_FD: i32 = 15;
-const BPF_LINK_CREATE: i32 = 28;
-const BPF_LINK_UPDATE: i32 = 29;
-const BPF_LINK_DETACH: i32 = 34;
-
-/// `BPF_PROG_TYPE_CGROUP_DEVICE`.
-pub const PROG_TYPE_CGROUP_DEVICE: u32 = 15;
-/// `BPF_CGROUP_DEVICE` attach type.
-pub const ATTACH_CGROUP_DEVICE: u32 = 6;
-/// `BPF_LINK_TYPE_CGROUP`.
-pub const LINK_TYPE_CGROUP: u32 = 3;
-/// `BPF_ANY` for map updates.
-pub const UPDATE_ANY: u64 = 0;
-/// `BPF_F_ALLOW_MULTI` as reported in query attach flags.
-pub const F_ALLOW_MULTI: u32 = 1 << 1;
-/// `BPF_F_ALLOW_OVERRIDE`.
-pub const F_ALLOW_OVERRIDE: u32 = 1 << 0;
+// The kernel's numbers these calls take, from the one table of them
+// (`crate::uapi`), under the names callers have used from here.
+pub use crate::uapi::{
+    ATTACH_CGROUP_DEVICE, ATTACH_TRACE_ITER, CGROUP_ITER_ANCESTORS_UP, CGROUP_ITER_SELF_ONLY,
+    F_ALLOW_MULTI, F_ALLOW_OVERRIDE, F_QUERY_EFFECTIVE, LINK_TYPE_CGROUP, PROG_TYPE_CGROUP_DEVICE,
+    PROG_TYPE_TRACING, UPDATE_ANY,
+};
 
 /// How many bytes of `union bpf_attr` every call hands the kernel: more
 /// than the union has ever been (144 bytes in 6.1's
@@ -134,12 +107,6 @@ fn name16(name: &str) -> [u8; 16] {
 // BPF iterators (`kernel/bpf/bpf_iter.c`): a tracing program attached to an
 // iterator target, a link, and a file whose read() runs the program once per
 // object.
-
-const BPF_ITER_CREATE: i32 = 33;
-/// `BPF_PROG_TYPE_TRACING`.
-pub const PROG_TYPE_TRACING: u32 = 26;
-/// `BPF_TRACE_ITER` (`enum bpf_attach_type`).
-pub const ATTACH_TRACE_ITER: u32 = 28;
 
 /// The `repr(C)` attr and info structs above against the kernel's UAPI
 /// layouts. Expected offsets and sizes are those of

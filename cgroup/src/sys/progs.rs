@@ -1,7 +1,16 @@
 //! Loading programs (device programs, iterator programs with their BTF),
 //! attaching and detaching them at cgroups, and opening them by id.
 
-use super::*;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+
+use super::maps::MapFd;
+use super::{
+    bpf, fd_result, name16, ATTACH_CGROUP_DEVICE, ATTACH_TRACE_ITER, PROG_TYPE_CGROUP_DEVICE,
+    PROG_TYPE_TRACING,
+};
+use crate::asm::RawInsn;
+use crate::uapi::cmd;
 
 #[repr(C)]
 #[derive(Default, Clone, Copy)]
@@ -93,16 +102,10 @@ pub fn prog_load_cgroup_device(insns: &[RawInsn], name: &str) -> Result<OwnedFd,
             a.log_size = buf.len() as u32;
             a.log_buf = buf.as_mut_ptr() as u64;
         }
-        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+        bpf(cmd::PROG_LOAD, &mut a).map(fd_result)
     };
     load_with_log(attempt)
 }
-
-const BPF_PROG_ATTACH: i32 = 8;
-const BPF_PROG_DETACH: i32 = 9;
-const BPF_PROG_GET_FD_BY_ID: i32 = 13;
-/// `BPF_F_QUERY_EFFECTIVE`.
-pub const F_QUERY_EFFECTIVE: u32 = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -131,7 +134,7 @@ pub fn prog_attach_cgroup_device(
         attach_type: ATTACH_CGROUP_DEVICE,
         attach_flags: flags,
     };
-    bpf(BPF_PROG_ATTACH, &mut a).map(|_| ())
+    bpf(cmd::PROG_ATTACH, &mut a).map(|_| ())
 }
 
 /// `BPF_PROG_DETACH` of `prog` from a cgroup's device hook.
@@ -145,7 +148,7 @@ pub fn prog_detach_cgroup_device(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>) -
         attach_type: ATTACH_CGROUP_DEVICE,
         attach_flags: 0,
     };
-    bpf(BPF_PROG_DETACH, &mut a).map(|_| ())
+    bpf(cmd::PROG_DETACH, &mut a).map(|_| ())
 }
 
 #[repr(C)]
@@ -166,11 +169,8 @@ pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
         next_id: 0,
         open_flags: 0,
     };
-    bpf(BPF_PROG_GET_FD_BY_ID, &mut a).map(fd_result)
+    bpf(cmd::PROG_GET_FD_BY_ID, &mut a).map(fd_result)
 }
-
-/// `BPF_MAP_GET_FD_BY_ID` (`include/uapi/linux/bpf.h`).
-const BPF_MAP_GET_FD_BY_ID: i32 = 14;
 
 /// `BPF_MAP_GET_FD_BY_ID`: a read-write descriptor of map `id`
 /// (CAP_SYS_ADMIN), with its shape.
@@ -183,7 +183,7 @@ pub fn map_fd_by_id(id: u32) -> io::Result<MapFd> {
         next_id: 0,
         open_flags: 0,
     };
-    MapFd::from_fd(bpf(BPF_MAP_GET_FD_BY_ID, &mut a).map(fd_result)?)
+    MapFd::from_fd(bpf(cmd::MAP_GET_FD_BY_ID, &mut a).map(fd_result)?)
 }
 
 /// `union bpf_attr` for `BPF_PROG_LOAD` up to `attach_btf_obj_fd`.
@@ -279,12 +279,10 @@ pub fn prog_load_iter_funcs(
             a.log_size = buf.len() as u32;
             a.log_buf = buf.as_mut_ptr() as u64;
         }
-        bpf(BPF_PROG_LOAD, &mut a).map(fd_result)
+        bpf(cmd::PROG_LOAD, &mut a).map(fd_result)
     };
     load_with_log(attempt)
 }
-
-const BPF_BTF_LOAD: i32 = 18;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -308,7 +306,7 @@ pub fn btf_load(data: &[u8]) -> io::Result<OwnedFd> {
         btf_size: data.len() as u32,
         ..Default::default()
     };
-    bpf(BPF_BTF_LOAD, &mut a).map(fd_result)
+    bpf(cmd::BTF_LOAD, &mut a).map(fd_result)
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 use std::ffi::OsString;
 use std::process::Command;
 
-use gpufence_model::audit::AuditEvent;
+use gpufence_model::audit::{events, AuditEvent};
 
 use crate::host::exec_cgroup::exempt_leaf;
 use crate::host::fence_ops::open_installed;
@@ -41,7 +41,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
     node.audit(
-        AuditEvent::new("exec_start")
+        AuditEvent::new(events::EXEC_START)
             .field("who", who.clone())
             .field("argv", cmdline.clone())
             .field("cgroup", crate::host::cgpath::abs(&mine)),
@@ -58,7 +58,7 @@ pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 127,
         Err(_) => 126,
     };
-    let mut end = AuditEvent::new("exec_end")
+    let mut end = AuditEvent::new(events::EXEC_END)
         .field("who", who)
         .field("argv", cmdline)
         .field("exit_code", code);
@@ -127,7 +127,7 @@ fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
     )
     .is_ok();
     let _ = node.audit(
-        AuditEvent::new("exec_leftover")
+        AuditEvent::new(events::EXEC_LEFTOVER)
             .field("cgroup", crate::host::cgpath::abs(leaf))
             .field(
                 "processes",

@@ -63,6 +63,9 @@ pub fn pid_in_name(n: &str) -> Option<u32> {
 /// Kills whatever is in cgroup `rel` and below
 /// ([`gpufence_cgroup::Cgroup2::kill`]) and removes the tree, killing
 /// again while killed processes are still leaving, for up to `wait`.
+/// gpufence's one way to end a cgroup of its own: exec leaves, `slurmd -G`
+/// runs, MPS daemons, the report writer, and the `own` layout's job
+/// cgroups (a stale one in the Prolog, the job's in the Epilog).
 ///
 /// # Errors
 /// [`NodeError::Kernel`] when the tree is still there after `wait`.

@@ -362,7 +362,7 @@ pub fn open_installed(node: &Node) -> Result<Fence, NodeError> {
     let added = fence.add_majors(&want)?;
     if !added.is_empty() {
         node.audit(
-            AuditEvent::new("majors_added")
+            AuditEvent::new(events::MAJORS_ADDED)
                 .field("majors", added)
                 .field(
                     "why",

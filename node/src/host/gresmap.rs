@@ -61,7 +61,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::Fence;
-use gpufence_model::audit::AuditEvent;
+use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::{ConfigOrigin, DEFAULT_CONFIG_PATH};
 use gpufence_model::gres::{expand_file_list, parse_slurmd_g, GresDevice};
 
@@ -227,7 +227,8 @@ fn checked(
         // Absent or unreadable: nothing says this node has GPUs (slurmd
         // itself reports a gres.conf it cannot read).
         if let Ok(text) = std::fs::read_to_string(&gres_conf) {
-            if let Some((line, text)) = gres_conf_gpu_line(&text, &crate::host::procs::node_name())
+            if let Some((line, text)) =
+                gres_conf_gpu_line(&text, &gpufence_model::nodename::node_name(None))
             {
                 return Err(NodeError::NoGpusListed {
                     source_name: source,
@@ -254,7 +255,7 @@ fn checked(
 /// name this node. `Include` lines are not followed. Slurm matches
 /// `NodeName=` against slurmd's own node name (`_parse_gres_config_node`);
 /// gpufence knows it as `$SLURMD_NODENAME` (the Prolog) or the short host
-/// name (slurmd start), see [`crate::host::procs::node_name`].
+/// name (slurmd start), see [`gpufence_model::nodename::node_name`].
 pub fn gres_conf_gpu_line(text: &str, node_name: &str) -> Option<(usize, String)> {
     text.lines().enumerate().find_map(|(i, raw)| {
         let line = raw.split('#').next().unwrap_or("").trim();
@@ -465,7 +466,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     });
     if let Err(e) = kill_and_remove(node, &rel, CLEANUP_WAIT) {
         let _ = node.audit(
-            AuditEvent::new("slurmd_g_cgroup_left")
+            AuditEvent::new(events::SLURMD_G_CGROUP_LEFT)
                 .field("cgroup", crate::host::cgpath::abs(&rel))
                 .field("error", e.to_string())
                 .field(

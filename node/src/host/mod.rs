@@ -1,4 +1,5 @@
-//! What the node is made of: processes, users, GPUs, Slurm, the fence.
+//! What the node is made of: processes, users, GPUs, Slurm (its
+//! configuration, its controller, its job cgroups), the fence.
 
 pub mod accounts;
 pub mod cgpath;
@@ -11,6 +12,7 @@ pub mod gresmap;
 pub mod inventory;
 pub mod persistence;
 pub mod procs;
+pub mod slurm_cgroup;
 pub mod slurmconf;
 pub mod slurmctld;
 pub mod users;

@@ -1,20 +1,11 @@
 //! What `/proc` says of a process: its stat line, real uid, command line;
 //! and who runs this command.
 
-/// `PF_KTHREAD` (`include/linux/sched.h`).
-pub const PF_KTHREAD: u64 = 0x0020_0000;
+pub use gpufence_model::procstat::{ProcStat, PF_KTHREAD};
 
-/// `(comm, ppid, flags)` from `/proc/<pid>/stat`.
+/// `(comm, ppid, flags)` from `/proc/<pid>/stat` ([`ProcStat`]).
 pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let open = s.find('(')?;
-    let close = s.rfind(')')?;
-    let comm = s.get(open + 1..close)?.to_string();
-    let rest: Vec<&str> = s.get(close + 1..)?.split_whitespace().collect();
-    // state ppid pgrp session tty_nr tpgid flags
-    let ppid = rest.get(1)?.parse().ok()?;
-    let flags = rest.get(6)?.parse().ok()?;
-    Some((comm, ppid, flags))
+    ProcStat::of(pid).map(|s| (s.comm, s.ppid, s.flags))
 }
 
 /// The real uid of `pid` (`Uid:` of `/proc/<pid>/status`).
@@ -59,8 +50,7 @@ pub fn live_view_at(proc_root: &std::path::Path, pid: i32) -> std::path::PathBuf
 
 /// The state letter of the task whose `/proc` directory is `dir`.
 fn state_at(dir: &std::path::Path) -> Option<char> {
-    let s = std::fs::read_to_string(dir.join("stat")).ok()?;
-    s.get(s.rfind(')')? + 1..)?.trim_start().chars().next()
+    ProcStat::read_at(dir).map(|s| s.state)
 }
 
 /// The state letter of `pid` (`R`, `S`, `Z`, ...; `/proc/<pid>/stat`).
@@ -93,24 +83,6 @@ pub fn read_cmdline(pid: i32) -> Vec<String> {
     v
 }
 
-/// The Slurm node name: `$SLURMD_NODENAME`, else the short host name.
-pub fn node_name() -> String {
-    if let Ok(n) = std::env::var("SLURMD_NODENAME") {
-        if !n.is_empty() {
-            return n;
-        }
-    }
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname into a buffer we own, with its length.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r != 0 {
-        return "localhost".into();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    let full = String::from_utf8_lossy(&buf[..end]).into_owned();
-    full.split('.').next().unwrap_or(&full).to_string()
-}
-
 /// The real uid of `pid` (`Uid:` in `/proc/<pid>/status`, first field):
 /// the uid the fence program judges exemptions by
 /// (`bpf_get_current_uid_gid`). `None` when the process is gone.
@@ -132,6 +104,45 @@ pub fn not_root_line(program: &str, role: &str) -> Option<String> {
     (euid != 0).then(|| {
         format!(
             "{program}: must run as root ({role}); it runs as uid {euid} here: nothing was done"
+        )
+    })
+}
+
+/// Takes root back when only the effective uid was dropped: the real uid
+/// is root, the effective one the job user's. Slurm 24.11's extern
+/// slurmstepd under `PrologFlags=RunInJob` starts the Epilog
+/// (`_run_prolog_epilog`) while a work thread shuts X11 forwarding down
+/// between `drop_privileges` and `reclaim_privileges`
+/// (`_shutdown_x11_forward`, queued just before,
+/// `src/slurmd/slurmstepd/mgr.c`), and the process-wide `seteuid` there
+/// can be the Epilog's at fork: seen in CI, "must run as root ... it runs
+/// as uid 1001". A process whose real uid is root was started by root, so
+/// it may set every uid and gid back to 0 (`setresuid(2)`: any of the
+/// real, effective and saved ids); the supplementary groups are cleared.
+/// Returns a line saying what happened; `None` when nothing was done
+/// (already root, or not started by root: [`not_root_line`] then refuses).
+pub fn regain_root() -> Option<String> {
+    // SAFETY: getuid/geteuid/getegid have no preconditions.
+    let (ruid, euid, egid) = unsafe { (libc::getuid(), libc::geteuid(), libc::getegid()) };
+    if euid == 0 || ruid != 0 {
+        return None;
+    }
+    // SAFETY: setresuid/setgroups/setresgid with constant arguments; the
+    // order is the one that works: uid 0 first (the privilege to change
+    // groups), then the groups.
+    let ok = unsafe {
+        libc::setresuid(0, 0, 0) == 0
+            && libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setresgid(0, 0, 0) == 0
+    };
+    Some(if ok {
+        format!(
+            "started with effective uid {euid} and gid {egid} but real uid 0 (slurmstepd had dropped its privileges in another thread): took root back"
+        )
+    } else {
+        format!(
+            "started with effective uid {euid} but real uid 0; taking root back failed: {}",
+            std::io::Error::last_os_error()
         )
     })
 }

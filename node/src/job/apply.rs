@@ -5,7 +5,6 @@
 //! Inputs are spank items from slurmstepd (job id, step id, uid) and
 //! slurmstepd's own pid: nothing from the job's environment or options.
 
-use gpufence_cgroup::hierarchy::find_job_cgroup;
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
 use gpufence_model::record::{now_rfc3339, AppliedGrant, JobRecord};
@@ -13,6 +12,7 @@ use gpufence_model::record::{now_rfc3339, AppliedGrant, JobRecord};
 use gpufence_cgroup::Fence;
 
 use crate::host::fence_ops::open_installed;
+use crate::host::slurm_cgroup::find_job_cgroup;
 use crate::{crashpoint, is_under, join_cgroup, Node, NodeError};
 
 /// The extern step's id (`SLURM_EXTERN_CONT`, `slurm.h`): the step
@@ -355,15 +355,7 @@ fn grant_at(
         cgroup_path: job.to_string(),
         cgroup_id,
         devices: devs.len(),
-        user_notes: rec
-            .notes
-            .iter()
-            .filter(|n| {
-                n.starts_with(crate::job::prolog::USER_NOTE_PREFIX)
-                    || n.starts_with(crate::job::mps::MPS_NOTE_PREFIX)
-            })
-            .cloned()
-            .collect(),
+        user_notes: rec.user_notes.clone(),
         job_env: job_env(&rec),
     })
 }

@@ -22,11 +22,12 @@ use std::time::{Duration, Instant};
 use gpufence_cgroup::fence::{Fence, GrantEntry};
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
-use gpufence_model::device::{DevNum, DeviceRole};
+use gpufence_model::device::{gpu_minors, DevNum};
 use gpufence_model::record::JobRecord;
 
-use crate::host::gpus::Gpus;
-use crate::response::respond::{self, Lingering};
+use crate::host::gpus::{AccountedProcess, GpuError, Gpus};
+use crate::job::shared::granted_minors;
+use crate::response::respond::{self, Lingering, Mode};
 use crate::{crashpoint, host::drain, Node};
 
 /// What the epilog did.
@@ -40,6 +41,9 @@ pub struct EpilogOutcome {
     pub survivors: Vec<String>,
     /// Problems that make the node unsafe (non-zero exit).
     pub errors: Vec<String>,
+    /// The job's grant could not be revoked (one of `errors` too): it is
+    /// still in the fence, so the job's record and note are kept.
+    pub revoke_failed: Option<RevokeFailed>,
     /// Things worth a line that do not fail the epilog.
     pub notes: Vec<String>,
     /// The drain reason, when the node was (or should have been) drained.
@@ -57,63 +61,115 @@ impl EpilogOutcome {
     }
 }
 
-/// The GPU minors among `devs` (devices on the `/dev/nvidia<N>` major,
-/// excluding `nvidiactl` 255 and `nvidia-modeset` 254).
-pub fn gpu_minors(devs: &BTreeSet<DevNum>, gpu_major: u32) -> BTreeSet<u32> {
-    devs.iter()
-        .filter(|d| d.major == gpu_major && d.minor < 254)
-        .map(|d| d.minor)
-        .collect()
+/// The job's grant could not be revoked from the fence (step 1 of
+/// [`run_with`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("revoking job {job_id}'s grant: {reason}")]
+pub struct RevokeFailed {
+    /// The job.
+    pub job_id: u32,
+    /// The fence's error.
+    pub reason: String,
 }
 
-fn accounting_fields(
-    node: &Node,
-    gpus: &Gpus,
-    rec: &JobRecord,
-    minors: &BTreeSet<u32>,
-    ev: AuditEvent,
-    now: chrono::DateTime<chrono::Utc>,
-) -> AuditEvent {
-    let start = chrono::DateTime::parse_from_rfc3339(&rec.created).ok();
-    let Some(start) = start else { return ev };
-    let wall = (now.timestamp_micros() - start.timestamp_micros()).max(0) as f64 / 1e6;
-    let ev = ev
-        .field("wall_seconds", (wall * 1000.0).round() / 1000.0)
-        .field(
-            "gpu_seconds",
-            (wall * rec.gres_indices.len() as f64 * 1000.0).round() / 1000.0,
-        );
-    if !gpus.available() {
-        return ev;
+/// The job's accounting, computed once, for the `grant_revoked` line and
+/// the user's report alike: from its record's creation to its end.
+struct Accounting {
+    /// The record's creation.
+    start: chrono::DateTime<chrono::FixedOffset>,
+    /// From `start` to the job's end, seconds.
+    wall_seconds: f64,
+    /// NVML's accounting of the processes started on the job's GPUs in
+    /// that time, per GPU; `None` without NVML.
+    per_gpu: Option<Result<PerGpu, GpuError>>,
+}
+
+/// NVML's accounting per GPU minor: the processes it kept.
+type PerGpu = Vec<(u32, Vec<AccountedProcess>)>;
+
+impl Accounting {
+    /// The accounting of job `rec` on `minors`, up to `ended`; `None` when
+    /// the record's creation time does not parse.
+    fn of(
+        rec: &JobRecord,
+        gpus: &Gpus,
+        minors: &BTreeSet<u32>,
+        ended: chrono::DateTime<chrono::Utc>,
+    ) -> Option<Accounting> {
+        let start = chrono::DateTime::parse_from_rfc3339(&rec.created).ok()?;
+        let wall_seconds =
+            (ended.timestamp_micros() - start.timestamp_micros()).max(0) as f64 / 1e6;
+        let per_gpu = gpus.available().then(|| {
+            gpus.accounting(
+                minors,
+                start.timestamp_micros().max(0) as u64,
+                ended.timestamp_micros().max(0) as u64,
+            )
+        });
+        Some(Accounting {
+            start,
+            wall_seconds,
+            per_gpu,
+        })
     }
-    match gpus.accounting(
-        minors,
-        start.timestamp_micros().max(0) as u64,
-        now.timestamp_micros().max(0) as u64,
-    ) {
-        Ok(acc) if !acc.is_empty() => {
-            let per_gpu: Vec<serde_json::Value> = acc
-                .into_iter()
-                .map(|(minor, procs)| {
-                    let max_mem = procs.iter().filter_map(|p| p.max_memory).max();
-                    let utils: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
-                    let avg = (!utils.is_empty())
-                        .then(|| utils.iter().sum::<u32>() as f64 / utils.len() as f64);
-                    serde_json::json!({
-                        "minor": minor,
-                        "processes": procs.len(),
-                        "max_memory_bytes": max_mem,
-                        "avg_gpu_utilization": avg,
+
+    /// Its fields of the `grant_revoked` line: wall time, GPU time over
+    /// the job's `gres` GPUs, NVML's figures per GPU (or why there are
+    /// none).
+    fn fields(&self, gres: usize, ev: AuditEvent) -> AuditEvent {
+        let wall = self.wall_seconds;
+        let ev = ev
+            .field("wall_seconds", (wall * 1000.0).round() / 1000.0)
+            .field(
+                "gpu_seconds",
+                (wall * gres as f64 * 1000.0).round() / 1000.0,
+            );
+        match &self.per_gpu {
+            Some(Ok(acc)) if !acc.is_empty() => {
+                let per_gpu: Vec<serde_json::Value> = acc
+                    .iter()
+                    .map(|(minor, procs)| {
+                        let max_mem = procs.iter().filter_map(|p| p.max_memory).max();
+                        let utils: Vec<u32> =
+                            procs.iter().filter_map(|p| p.gpu_utilization).collect();
+                        let avg = (!utils.is_empty())
+                            .then(|| utils.iter().sum::<u32>() as f64 / utils.len() as f64);
+                        serde_json::json!({
+                            "minor": minor,
+                            "processes": procs.len(),
+                            "max_memory_bytes": max_mem,
+                            "avg_gpu_utilization": avg,
+                        })
                     })
-                })
-                .collect();
-            ev.field("accounting", per_gpu)
+                    .collect();
+                ev.field("accounting", per_gpu)
+            }
+            Some(Err(e)) => ev.field("accounting_error", e.to_string()),
+            _ => ev,
         }
-        Ok(_) => ev,
-        Err(e) => {
-            let _ = node;
-            ev.field("accounting_error", e.to_string())
-        }
+    }
+
+    /// Its lines in the user's report, one per GPU.
+    fn lines(&self) -> Vec<String> {
+        let Some(Ok(acc)) = &self.per_gpu else {
+            return Vec::new();
+        };
+        acc.iter()
+            .map(|(m, procs)| {
+                let max = procs.iter().filter_map(|p| p.max_memory).max().unwrap_or(0);
+                let u: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
+                let avg = if u.is_empty() {
+                    0.0
+                } else {
+                    u.iter().sum::<u32>() as f64 / u.len() as f64
+                };
+                format!(
+                    "/dev/nvidia{m}: max memory {} MiB, average utilisation {avg:.0}% ({} processes)",
+                    max >> 20,
+                    procs.len()
+                )
+            })
+            .collect()
     }
 }
 
@@ -193,11 +249,14 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     )
 }
 
-/// Runs the epilog: the steps below, in order, each a method of `Run`.
+/// Runs the epilog: the steps below, in order; from step 1's audit line
+/// on, each a method of the run's read-only context (`Ctx`) that adds to
+/// the outcome.
 pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let mut out = EpilogOutcome::default();
-    // The job's end, for the audit line's and the report's wall time alike.
+    // The job's end, for the audit line's and the report's wall time and
+    // accounting alike.
     let ended = chrono::Utc::now();
     let rec = match node.state.read_record(job_id) {
         Ok(r) => r,
@@ -230,9 +289,14 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     if let Some(f) = &fence {
         match f.revoke_job(job_id) {
             Ok(gone) => out.revoked = gone,
-            Err(e) => out
-                .errors
-                .push(format!("revoking job {job_id}'s grant: {e}")),
+            Err(e) => {
+                let failed = RevokeFailed {
+                    job_id,
+                    reason: e.to_string(),
+                };
+                out.errors.push(failed.to_string());
+                out.revoke_failed = Some(failed);
+            }
         }
     }
     crashpoint::reached(crashpoint::EPILOG_REVOKED);
@@ -251,35 +315,35 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             }
         ));
     }
-    let mut run = Run::new(node, env, rec, fence, ended, out);
-    run.audit_revoked();
+    let cx = Ctx::new(node, env, rec, fence, ended, &out.revoked);
+    cx.audit_revoked(&mut out);
     crashpoint::reached(crashpoint::EPILOG_REVOKE_AUDITED);
     // 2. and 3. Who holds the job's devices; respond; look again.
-    run.respond();
+    cx.respond(&mut out);
     // 4. Memory comes back.
-    run.memory_back();
+    cx.memory_back(&mut out);
     crashpoint::reached(crashpoint::EPILOG_RESPONDED);
-    run.remove_own_cgroup();
-    run.restore_compute_modes();
-    run.write_report();
+    cx.remove_own_cgroup(&mut out);
+    cx.restore_compute_modes(&mut out);
+    cx.write_report(&mut out);
     crashpoint::reached(crashpoint::EPILOG_CGROUP_REMOVED);
     // 5d. What the job left in the shared-memory directory.
-    if let Some(r) = &run.rec {
-        crate::job::leftovers::report(node, r, &mut run.out);
+    if let Some(r) = &cx.rec {
+        crate::job::leftovers::report(node, r, &mut out.errors, &mut out.notes);
     }
-    run.forget();
+    cx.forget(&mut out);
     crashpoint::reached(crashpoint::EPILOG_FORGOTTEN);
-    run.drain_if_unclean();
-    run.out
+    cx.drain_if_unclean(&mut out);
+    out
 }
 
-/// One Epilog run: what its steps share.
-struct Run<'a> {
+/// One Epilog run once the grant is revoked: what its steps read. Each
+/// step adds to the [`EpilogOutcome`] it is given; none changes this.
+struct Ctx<'a> {
     node: &'a Node,
     env: &'a EpilogEnv,
     job_id: u32,
     node_name: Option<&'a str>,
-    ended: chrono::DateTime<chrono::Utc>,
     rec: Option<JobRecord>,
     fence: Option<Fence>,
     /// The job's devices: its record's, and those its revoked entries named.
@@ -289,46 +353,44 @@ struct Run<'a> {
     /// The job's GPUs for NVML: its GRES devices on the nvidia major.
     minors: BTreeSet<u32>,
     gpus: Gpus,
-    out: EpilogOutcome,
+    /// The job's accounting up to its end (taken once, when the Epilog
+    /// started); `None` without a record.
+    accounting: Option<Accounting>,
 }
 
-impl<'a> Run<'a> {
+impl<'a> Ctx<'a> {
     fn new(
         node: &'a Node,
         env: &'a EpilogEnv,
         rec: Option<JobRecord>,
         fence: Option<Fence>,
         ended: chrono::DateTime<chrono::Utc>,
-        out: EpilogOutcome,
+        revoked: &[GrantEntry],
     ) -> Self {
         let mut devs: BTreeSet<DevNum> = rec
             .iter()
             .flat_map(|r| r.devices.iter().map(|d| d.dev))
             .collect();
-        devs.extend(out.revoked.iter().map(|e| e.dev));
+        devs.extend(revoked.iter().map(|e| e.dev));
         let gpu_major = node.gpu_major();
         let mig = rec.as_ref().map(|r| r.mig.clone()).unwrap_or_default();
-        let gres_devs: BTreeSet<DevNum> = match &rec {
-            Some(r) => r
-                .devices
-                .iter()
-                .filter(|d| d.role == DeviceRole::Gres)
-                .map(|d| d.dev)
-                .collect(),
-            None => devs.clone(),
+        let minors = match &rec {
+            Some(r) => r.gpu_minors(gpu_major),
+            None => gpu_minors(&devs, gpu_major),
         };
-        let minors = gpu_minors(&gres_devs, gpu_major);
         let gpus = if minors.is_empty() {
             Gpus::none("the job has no NVIDIA GPU")
         } else {
             node.open_gpus()
         };
-        Run {
+        let accounting = rec
+            .as_ref()
+            .and_then(|r| Accounting::of(r, &gpus, &minors, ended));
+        Ctx {
             node,
             env,
             job_id: env.job_id,
             node_name: env.node_name.as_deref(),
-            ended,
             rec,
             fence,
             devs,
@@ -336,27 +398,28 @@ impl<'a> Run<'a> {
             mig,
             minors,
             gpus,
-            out,
+            accounting,
         }
     }
 
     /// Step 1's audit line: `grant_revoked`, with the job's accounting.
-    fn audit_revoked(&mut self) {
+    fn audit_revoked(&self, out: &mut EpilogOutcome) {
         let (node, job_id) = (self.node, self.job_id);
-        if !self.out.revoked.is_empty() || self.rec.as_ref().is_some_and(|r| !r.devices.is_empty())
-        {
-            let cgroups: BTreeSet<u64> = self.out.revoked.iter().map(|e| e.cgroup_id).collect();
+        if !out.revoked.is_empty() || self.rec.as_ref().is_some_and(|r| !r.devices.is_empty()) {
+            let cgroups: BTreeSet<u64> = out.revoked.iter().map(|e| e.cgroup_id).collect();
             let mut ev = AuditEvent::new(events::GRANT_REVOKED)
                 .job(job_id)
                 .devices(self.devs.iter())
                 .field("cgroup_ids", cgroups.into_iter().collect::<Vec<_>>())
-                .field("entries", self.out.revoked.len());
+                .field("entries", out.revoked.len());
             if let Some(r) = &self.rec {
-                ev =
-                    accounting_fields(node, &self.gpus, r, &self.minors, ev.uid(r.uid), self.ended);
+                ev = ev.uid(r.uid);
+                if let Some(a) = &self.accounting {
+                    ev = a.fields(r.gres_indices.len(), ev);
+                }
             }
             if let Err(e) = node.audit(ev) {
-                self.out.errors.push(e.to_string());
+                out.errors.push(e.to_string());
             }
         }
     }
@@ -366,11 +429,11 @@ impl<'a> Run<'a> {
     /// its descriptor on while it handled SIGTERM): new holders get the
     /// same response, up to `response_rounds`; what is still there after
     /// that survives.
-    fn respond(&mut self) {
+    fn respond(&self, out: &mut EpilogOutcome) {
         let info = match self.gpus.query(&self.minors) {
             Ok(i) => i,
             Err(e) => {
-                self.out.errors.push(format!(
+                out.errors.push(format!(
                     "NVML query failed, the job's GPUs cannot be shown clean: {e}"
                 ));
                 Vec::new()
@@ -388,7 +451,6 @@ impl<'a> Run<'a> {
         );
         // The job's user: slurmd's SLURM_JOB_UID, or the record's.
         let job_uid = self.rec.as_ref().map(|r| r.uid).or(self.env.uid);
-        let out = &mut self.out;
         let mut cands =
             respond::uncovered(node, job_id, fence.as_ref(), devs, &info, gpu_major, mig);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
@@ -411,6 +473,7 @@ impl<'a> Run<'a> {
             }
             let (lingering, errs) = respond::respond(
                 node,
+                Mode::End,
                 job_id,
                 job_uid,
                 "epilog",
@@ -422,13 +485,13 @@ impl<'a> Run<'a> {
             // before it was stopped is looked for again like any other).
             handled.extend(lingering.iter().map(|l| l.pid));
             out.lingering.extend(lingering);
-            out.errors.extend(errs);
+            out.errors.extend(errs.iter().map(ToString::to_string));
             let again = gpus.query(minors).unwrap_or_default();
             cands = respond::uncovered(node, job_id, fence.as_ref(), devs, &again, gpu_major, mig);
         }
         if let Some(s) = budget.summary() {
             let _ = node.audit(
-                AuditEvent::new("evidence_budget")
+                AuditEvent::new(events::EVIDENCE_BUDGET)
                     .job(job_id)
                     .field("phase", "epilog")
                     .field("executables_hashed", budget.hashed())
@@ -467,7 +530,7 @@ impl<'a> Run<'a> {
     /// did at job start: gres/shard, gres/mps) the level says nothing about
     /// this job, so there no process the driver lists (compute, graphics,
     /// MPS client) may keep memory outside every live grant and exemption.
-    fn memory_back(&mut self) {
+    fn memory_back(&self, out: &mut EpilogOutcome) {
         let (node, rec, fence, gpus, minors, gpu_major) = (
             self.node,
             &self.rec,
@@ -476,11 +539,10 @@ impl<'a> Run<'a> {
             &self.minors,
             self.gpu_major,
         );
-        let out = &mut self.out;
         if gpus.available() && !minors.is_empty() {
             // The ending job's grant is revoked by now: all that is left
             // is other jobs'.
-            let shared_now = super::granted_minors(fence.as_ref(), gpu_major, None);
+            let shared_now = granted_minors(fence.as_ref(), gpu_major, None);
             let shared_at_start: BTreeSet<u32> = rec
                 .as_ref()
                 .map(|r| {
@@ -571,9 +633,8 @@ impl<'a> Run<'a> {
     }
 
     /// Step 5, own layout: the job's cgroup goes with the job.
-    fn remove_own_cgroup(&mut self) {
+    fn remove_own_cgroup(&self, out: &mut EpilogOutcome) {
         let (node, job_id) = (self.node, self.job_id);
-        let out = &mut self.out;
         if node.cfg.layout == Layout::Own {
             let job_cg = node.own_job_cgroup(job_id);
             if node.cg.path(&job_cg).exists() {
@@ -583,32 +644,21 @@ impl<'a> Run<'a> {
                         "killing {} leftover process(es) in /{job_cg}",
                         left.len()
                     ));
-                    let _ = node.cg.kill(&job_cg);
                 }
-                let deadline = Instant::now() + Duration::from_millis(node.cfg.kill_wait_ms);
-                loop {
-                    match node.cg.remove_tree(&job_cg) {
-                        Ok(()) => break,
-                        Err(_) if Instant::now() < deadline => {
-                            std::thread::sleep(Duration::from_millis(10))
-                        }
-                        Err(e) => {
-                            out.errors.push(format!(
-                                "{e} (processes left: {:?})",
-                                node.cg.procs_recursive(&job_cg)
-                            ));
-                            break;
-                        }
-                    }
+                let wait = Duration::from_millis(node.cfg.kill_wait_ms);
+                if let Err(e) = crate::host::exec_cgroup::kill_and_remove(node, &job_cg, wait) {
+                    out.errors.push(format!(
+                        "{e} (processes left: {:?})",
+                        node.cg.procs_recursive(&job_cg)
+                    ));
                 }
             }
         }
     }
 
     /// Step 5b: compute modes changed for `--gpu-exclusive` go back, whatever the job's fate.
-    fn restore_compute_modes(&mut self) {
+    fn restore_compute_modes(&self, out: &mut EpilogOutcome) {
         let (node, rec, gpus) = (self.node, &self.rec, &self.gpus);
-        let out = &mut self.out;
         if let Some(r) = &rec {
             if !r.saved_compute_modes.is_empty() {
                 let g = if gpus.available() {
@@ -632,28 +682,15 @@ impl<'a> Run<'a> {
     }
 
     /// Step 5c: the user's report (`--gpufence-report`).
-    fn write_report(&mut self) {
-        let (node, job_id, node_name, ended, env, rec, gpus, minors) = (
-            self.node,
-            self.job_id,
-            self.node_name,
-            self.ended,
-            self.env,
-            &self.rec,
-            &self.gpus,
-            &self.minors,
-        );
-        let out = &mut self.out;
+    fn write_report(&self, out: &mut EpilogOutcome) {
+        let (node, job_id, node_name, env, rec) =
+            (self.node, self.job_id, self.node_name, self.env, &self.rec);
         if let Some(path) = &env.options.report {
             let uid_gid = rec.as_ref().map(|r| r.uid).or(env.uid).zip(env.gid);
             match (uid_gid, env.work_dir.as_ref()) {
                 (Some((uid, gid)), Some(wd)) => {
-                    let start = rec
-                        .as_ref()
-                        .and_then(|r| chrono::DateTime::parse_from_rfc3339(&r.created).ok());
-                    let wall = start.map(|s| {
-                        (ended.timestamp_micros() - s.timestamp_micros()).max(0) as f64 / 1e6
-                    });
+                    let start = self.accounting.as_ref().map(|a| a.start);
+                    let wall = self.accounting.as_ref().map(|a| a.wall_seconds);
                     let denials = crate::host::denials::list(node)
                         .unwrap_or_default()
                         .into_iter()
@@ -665,20 +702,11 @@ impl<'a> Run<'a> {
                             })
                         })
                         .collect();
-                    let accounting = match (&rec, start) {
-                        (Some(_), Some(s)) if gpus.available() => gpus
-                            .accounting(minors, s.timestamp_micros().max(0) as u64, chrono::Utc::now().timestamp_micros() as u64)
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(|(m, procs)| {
-                                let max = procs.iter().filter_map(|p| p.max_memory).max().unwrap_or(0);
-                                let u: Vec<u32> = procs.iter().filter_map(|p| p.gpu_utilization).collect();
-                                let avg = if u.is_empty() { 0.0 } else { u.iter().sum::<u32>() as f64 / u.len() as f64 };
-                                format!("/dev/nvidia{m}: max memory {} MiB, average utilisation {avg:.0}% ({} processes)", max >> 20, procs.len())
-                            })
-                            .collect(),
-                        _ => Vec::new(),
-                    };
+                    let accounting = self
+                        .accounting
+                        .as_ref()
+                        .map(Accounting::lines)
+                        .unwrap_or_default();
                     let text = crate::job::report::render(&crate::job::report::ReportData {
                         record: rec.as_ref(),
                         job_id,
@@ -702,12 +730,12 @@ impl<'a> Run<'a> {
                         node, job_id, &text, &target, wd, uid, gid,
                     ) {
                         Ok(p) => (
-                            AuditEvent::new("report_written")
+                            AuditEvent::new(events::REPORT_WRITTEN)
                                 .field("path", p.display().to_string()),
                             format!("report written to {}", p.display()),
                         ),
                         Err(e) => (
-                            AuditEvent::new("report_failed")
+                            AuditEvent::new(events::REPORT_FAILED)
                                 .field("path", target.display().to_string())
                                 .field("error", e.to_string()),
                             format!("report not written: {e}"),
@@ -724,10 +752,9 @@ impl<'a> Run<'a> {
     }
 
     /// Step 6: forget the job, unless its grant is still in the fence.
-    fn forget(&mut self) {
+    fn forget(&self, out: &mut EpilogOutcome) {
         let (node, job_id) = (self.node, self.job_id);
-        let out = &mut self.out;
-        if out.errors.iter().all(|e| !e.starts_with("revoking")) {
+        if out.revoke_failed.is_none() {
             if let Err(e) = node
                 .state
                 .remove_record(job_id)
@@ -739,9 +766,8 @@ impl<'a> Run<'a> {
     }
 
     /// Step 7: drain with a reason when the node is not clean.
-    fn drain_if_unclean(&mut self) {
+    fn drain_if_unclean(&self, out: &mut EpilogOutcome) {
         let (node, job_id, node_name) = (self.node, self.job_id, self.node_name);
-        let out = &mut self.out;
         if !out.clean() {
             let first = out
                 .lingering
@@ -786,5 +812,27 @@ impl<'a> Run<'a> {
             );
             out.drain_reason = Some(drain::clean_reason(&reason));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failed revoke reads as it always did among the errors, and it is
+    /// what keeps the record ([`Ctx::forget`] asks the typed field).
+    #[test]
+    fn a_failed_revoke_is_typed_and_reads_as_before() {
+        let f = RevokeFailed {
+            job_id: 7,
+            reason: "bpf: EPERM".into(),
+        };
+        assert_eq!(f.to_string(), "revoking job 7's grant: bpf: EPERM");
+        let out = EpilogOutcome {
+            errors: vec![f.to_string()],
+            revoke_failed: Some(f),
+            ..Default::default()
+        };
+        assert!(!out.clean());
     }
 }

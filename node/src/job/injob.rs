@@ -41,10 +41,10 @@
 
 use std::path::Path;
 
-use gpufence_cgroup::hierarchy::{find_job_cgroup, is_sluid, SlurmJobCgroup};
 use gpufence_cgroup::Fence;
 use gpufence_model::config::Layout;
 
+use crate::host::slurm_cgroup::{find_job_cgroup, is_sluid, SlurmJobCgroup};
 use crate::job::apply::{self, JobCgroup};
 use crate::{Node, NodeError};
 

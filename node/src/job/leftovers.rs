@@ -5,7 +5,6 @@
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::record::JobRecord;
 
-use crate::job::epilog::EpilogOutcome;
 use crate::Node;
 
 /// Step 5d of [`crate::job::epilog::run_with`]: the job's leftovers in `shm_dir` (regular
@@ -15,8 +14,14 @@ use crate::Node;
 /// of the user has a record on the node (its files look the same). The
 /// line lists the first files by name within [`LISTED_BYTES`], then
 /// counts them all (`files_total`, `bytes_total`; `examined_all` false
-/// when the directory had more entries than one Epilog examines).
-pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
+/// when the directory had more entries than one Epilog examines). What
+/// failed goes to `errors`, what was found to `notes` (the Epilog's).
+pub(crate) fn report(
+    node: &Node,
+    rec: &JobRecord,
+    errors: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) {
     let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
         .ok()
         .map(std::time::SystemTime::from);
@@ -39,7 +44,7 @@ pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
         let failed = crate::holders::shm::remove(&node.cfg.shm_dir, files);
         // One error line for all of them: a user decides how many there are.
         if let Some((name, e)) = failed.first() {
-            out.errors.push(format!(
+            errors.push(format!(
                 "removing {}: {e}{}",
                 node.cfg.shm_dir.join(name).display(),
                 if failed.len() > 1 {
@@ -52,7 +57,7 @@ pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
         (failed.is_empty(), None)
     };
     let total = found.bytes();
-    out.notes.push(format!(
+    notes.push(format!(
         "{}{} file(s) ({total} bytes) left in {}{}",
         if found.complete { "" } else { "at least " },
         files.len(),
@@ -74,7 +79,7 @@ pub(crate) fn report(node: &Node, rec: &JobRecord, out: &mut EpilogOutcome) {
         ev = ev.field("note", w);
     }
     if let Err(e) = node.audit(ev) {
-        out.errors.push(e.to_string());
+        errors.push(e.to_string());
     }
 }
 
@@ -107,13 +112,10 @@ fn listed_within(files: &[crate::holders::shm::Leftover], budget: usize) -> Vec<
 
 /// Jobs other than `rec`'s with a record on this node for the same user.
 fn other_jobs_of(node: &Node, rec: &JobRecord) -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir(node.state.root().join("jobs")) else {
-        return Vec::new();
-    };
-    let mut out: Vec<u32> = rd
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse().ok())
-        .filter(|j: &u32| *j != rec.job_id)
+    node.state
+        .recorded_jobs()
+        .into_iter()
+        .filter(|j| *j != rec.job_id)
         .filter(|j| {
             node.state
                 .read_record(*j)
@@ -121,7 +123,5 @@ fn other_jobs_of(node: &Node, rec: &JobRecord) -> Vec<u32> {
                 .flatten()
                 .is_some_and(|r| r.uid == rec.uid)
         })
-        .collect();
-    out.sort_unstable();
-    out
+        .collect()
 }

@@ -1,4 +1,8 @@
 //! A job's life on the node: Prolog, grant step, Epilog, report.
+//!
+//! Its modules use one another one way (`tests/tests/layering.rs`):
+//! `mps`, `report`, `shared` and `leftovers` use none of the others;
+//! `injob` uses `apply`; `prolog` and `epilog` use those below them.
 
 pub mod apply;
 pub mod epilog;
@@ -7,21 +11,4 @@ pub mod leftovers;
 pub mod mps;
 pub mod prolog;
 pub mod report;
-
-/// The minors on major `gpu_major` that a live grant in `fence` covers,
-/// leaving out job `other_than`'s grants: the GPUs another job shares
-/// (gres/shard, gres/mps). None without a fence or when its grants cannot
-/// be read.
-pub(crate) fn granted_minors(
-    fence: Option<&gpufence_cgroup::Fence>,
-    gpu_major: u32,
-    other_than: Option<u32>,
-) -> std::collections::BTreeSet<u32> {
-    fence
-        .and_then(|f| f.entries().ok())
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| e.dev.major == gpu_major && Some(e.job_id) != other_than)
-        .map(|e| e.dev.minor)
-        .collect()
-}
+pub mod shared;

@@ -39,13 +39,12 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::Fence;
-use gpufence_model::audit::AuditEvent;
+use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::device::{DevNum, DeviceRole};
 use gpufence_model::record::{JobRecord, MpsDaemon, MPS_GRANT_JOB_ID};
 
@@ -53,10 +52,6 @@ use crate::{join_cgroup, Node, NodeError};
 
 /// The Prolog environment variable slurmd sets for gres/mps jobs only.
 pub const MPS_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
-
-/// How the record's notes for the job's user about MPS start (the plugin
-/// prints them in the job's output).
-pub const MPS_NOTE_PREFIX: &str = "gres/mps: ";
 
 /// How long the Prolog or Epilog waits for the MPS lock, and for the
 /// control command (`-d` returns once the daemon forked; `quit` once it
@@ -88,10 +83,6 @@ pub fn dir(node: &Node, leaf: &str) -> PathBuf {
     node.cfg.mps_dir.join(leaf)
 }
 
-fn users_dir(node: &Node, leaf: &str) -> PathBuf {
-    node.state.root().join("mps").join(leaf)
-}
-
 fn err(msg: String) -> NodeError {
     NodeError::JobCgroup(msg)
 }
@@ -103,27 +94,15 @@ fn lock(node: &Node) -> Result<Lock, NodeError> {
     let root = node.state.root();
     gpufence_model::fsutil::create_dir_all_mode(root, 0o700)
         .map_err(|e| NodeError::io("create", root, e))?;
-    let p = root.join("mps.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&p)
-        .map_err(|e| NodeError::io("open", &p, e))?;
-    let deadline = Instant::now() + MPS_WAIT;
-    loop {
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(Lock(f));
-        }
-        if Instant::now() >= deadline {
-            return Err(err(format!(
-                "{} stayed locked for {} s (another Prolog or Epilog starting or stopping an MPS daemon)",
-                p.display(),
-                MPS_WAIT.as_secs()
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(10));
+    let p = node.state.mps_lock_path();
+    match gpufence_model::fsutil::lock_file_within(&p, MPS_WAIT, Duration::from_millis(10)) {
+        Ok(Some(f)) => Ok(Lock(f)),
+        Ok(None) => Err(err(format!(
+            "{} stayed locked for {} s (another Prolog or Epilog starting or stopping an MPS daemon)",
+            p.display(),
+            MPS_WAIT.as_secs()
+        ))),
+        Err(e) => Err(NodeError::io("open", &p, e)),
     }
 }
 
@@ -212,10 +191,10 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
     let _lock = lock(node)?;
     for (dev, visible) in gpus {
         let leaf = leaf(dev, gpu_major);
-        let users = users_dir(node, &leaf);
+        let users = node.state.mps_daemon_dir(&leaf);
         gpufence_model::fsutil::create_dir_all_mode(&users, 0o700)
             .map_err(|e| NodeError::io("create", &users, e))?;
-        let mark = users.join(rec.job_id.to_string());
+        let mark = node.state.mps_registration_path(&leaf, rec.job_id);
         std::fs::write(&mark, b"").map_err(|e| NodeError::io("write", &mark, e))?;
         rec.mps.push(MpsDaemon {
             dev,
@@ -232,11 +211,11 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
             continue;
         }
         if let Err(why) = start_one(node, fence, rec, &program, dev, &leaf, visible.as_deref()) {
-            rec.notes.push(format!(
-                "{MPS_NOTE_PREFIX}no MPS daemon for {dev} ({why}); the job runs without MPS"
+            rec.user_notes.push(format!(
+                "gres/mps: no MPS daemon for {dev} ({why}); the job runs without MPS"
             ));
             node.audit(
-                AuditEvent::new(gpufence_model::audit::events::ERROR)
+                AuditEvent::new(events::ERROR)
                     .job(rec.job_id)
                     .field("phase", "prolog")
                     .field("mps_daemon", leaf.clone())
@@ -288,7 +267,7 @@ fn start_one(
         return Err(format!("{} -d: {e}", program.display()));
     }
     let _ = node.audit(
-        AuditEvent::new("mps_started")
+        AuditEvent::new(events::MPS_STARTED)
             .job(rec.job_id)
             .devices(devs.iter().map(|(d, _)| d))
             .field("mps_daemon", leaf)
@@ -321,14 +300,13 @@ pub struct Released {
 pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
-    let base = node.state.root().join("mps");
-    let Ok(entries) = std::fs::read_dir(&base) else {
+    let Ok(entries) = std::fs::read_dir(node.state.mps_registry_dir()) else {
         return (done, errors);
     };
     let mine: Vec<String> = entries
         .flatten()
-        .filter(|e| e.path().join(job_id.to_string()).exists())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|leaf| node.state.mps_registration_path(leaf, job_id).exists())
         .collect();
     if mine.is_empty() {
         return (done, errors);
@@ -341,8 +319,8 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
         }
     };
     for leaf in mine {
-        let users = users_dir(node, &leaf);
-        let _ = std::fs::remove_file(users.join(job_id.to_string()));
+        let users = node.state.mps_daemon_dir(&leaf);
+        let _ = std::fs::remove_file(node.state.mps_registration_path(&leaf, job_id));
         let others = std::fs::read_dir(&users)
             .map(|r| r.flatten().count())
             .unwrap_or(0);
@@ -358,7 +336,7 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
         match stop_one(node, fence, &leaf) {
             Ok(killed) => {
                 let _ = node.audit(
-                    AuditEvent::new("mps_stopped")
+                    AuditEvent::new(events::MPS_STOPPED)
                         .job(job_id)
                         .field("mps_daemon", leaf.clone())
                         .field("killed", killed.clone()),

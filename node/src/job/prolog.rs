@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::{events, AuditEvent};
-use gpufence_model::config::StrayPolicy;
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::gres::parse_index_list;
 use gpufence_model::nvproc::{parse_mig_minors, CapKind, MigMinors};
@@ -21,8 +20,9 @@ use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, MigSlice, RECORD_V
 
 use crate::host::fence_ops::open_installed;
 use crate::host::gpus::Gpus;
-use crate::job::epilog::gpu_minors;
-use crate::{crashpoint, host::gresmap, response::evidence, response::respond};
+use crate::job::shared::granted_minors;
+use crate::response::respond::{self, Mode};
+use crate::{crashpoint, host::gresmap, response::evidence};
 use crate::{Node, NodeError};
 
 /// The Prolog's view of its environment (from slurmd).
@@ -338,6 +338,7 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         devices: Vec::new(),
         created: now_rfc3339(),
         notes: Vec::new(),
+        user_notes: Vec::new(),
         gpu_idle: Vec::new(),
         mig: Vec::new(),
         saved_compute_modes: Vec::new(),
@@ -434,19 +435,15 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
 ///
 /// # Errors
 /// [`NodeError::Strays`] when the policy refuses or something survives;
-/// [`NodeError::Nvml`] when NVML answers with an error.
+/// [`NodeError::Response`] / [`NodeError::Audit`] when a step of the
+/// response fails; [`NodeError::Nvml`] when NVML answers with an error.
 pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), NodeError> {
-    let gres: BTreeSet<DevNum> = rec
-        .devices
-        .iter()
-        .filter(|d| d.role == DeviceRole::Gres)
-        .map(|d| d.dev)
-        .collect();
+    let gres = rec.gres_devices();
     if gres.is_empty() {
         return Ok(());
     }
     let gpu_major = node.gpu_major();
-    let minors = gpu_minors(&gres, gpu_major);
+    let minors = rec.gpu_minors(gpu_major);
     let gpus = if minors.is_empty() {
         Gpus::none("no NVIDIA GPU in the job")
     } else {
@@ -464,82 +461,62 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
     );
     if !cands.is_empty() {
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
-        match node.cfg.prolog_strays {
-            StrayPolicy::Refuse => {
-                let mut budget = evidence::Budget::from_config(&node.cfg);
-                for c in &cands {
-                    let ev = evidence::collect(
-                        c.pid,
-                        rec.job_id,
-                        "held the job's GPU before it started (policy: refuse)",
-                        c.found(),
-                        None,
-                        &mut budget,
-                    );
-                    let path = evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget)?;
-                    let mut line = AuditEvent::new(events::LINGERING_PROCESS)
-                        .job(rec.job_id)
-                        .pid(c.pid)
-                        .devices(c.devices.iter())
-                        .field("phase", "prolog");
-                    if let Some(p) = path {
-                        line = line.field("evidence", p.display().to_string());
-                    }
-                    node.audit(line)?;
-                }
-                return Err(NodeError::Strays {
-                    job_id: rec.job_id,
-                    what: "stray processes (policy: refuse)".into(),
-                    pids,
-                });
-            }
-            StrayPolicy::Kill => {
-                let (done, errors) = respond::respond(
-                    node,
-                    rec.job_id,
-                    Some(rec.uid),
-                    "prolog",
-                    "held the job's GPU before it started",
-                    cands,
-                    &mut evidence::Budget::from_config(&node.cfg),
-                );
-                if let Some(e) = errors.into_iter().next() {
-                    return Err(NodeError::Audit(std::io::Error::other(e)));
-                }
-                let mut survived: Vec<i32> =
-                    done.iter().filter(|l| !l.gone()).map(|l| l.pid).collect();
-                // And what holds them now (one that let go before it was
-                // stopped and took the device up again, or was handed it).
-                let again = gpus.query(&minors).unwrap_or_default();
-                for c in respond::uncovered(
-                    node,
-                    rec.job_id,
-                    Some(fence),
-                    &gres,
-                    &again,
-                    gpu_major,
-                    &rec.mig,
-                ) {
-                    if !survived.contains(&c.pid) {
-                        survived.push(c.pid);
-                    }
-                }
-                if !survived.is_empty() {
-                    return Err(NodeError::Strays {
-                        job_id: rec.job_id,
-                        what: "processes survived SIGKILL".into(),
-                        pids: survived,
-                    });
-                }
-                rec.notes
-                    .push(format!("clean start: killed {pids:?} on the job's GPUs"));
+        // `refuse`: evidence and the audit line only; `kill`: the response.
+        let mode = Mode::from(node.cfg.prolog_strays);
+        let (done, errors) = respond::respond(
+            node,
+            mode,
+            rec.job_id,
+            Some(rec.uid),
+            "prolog",
+            match mode {
+                Mode::Refuse => "held the job's GPU before it started (policy: refuse)",
+                Mode::End => "held the job's GPU before it started",
+            },
+            cands,
+            &mut evidence::Budget::from_config(&node.cfg),
+        );
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e.into());
+        }
+        if mode == Mode::Refuse {
+            return Err(NodeError::Strays {
+                job_id: rec.job_id,
+                what: "stray processes (policy: refuse)".into(),
+                pids,
+            });
+        }
+        let mut survived: Vec<i32> = done.iter().filter(|l| !l.gone()).map(|l| l.pid).collect();
+        // And what holds them now (one that let go before it was
+        // stopped and took the device up again, or was handed it).
+        let again = gpus.query(&minors).unwrap_or_default();
+        for c in respond::uncovered(
+            node,
+            rec.job_id,
+            Some(fence),
+            &gres,
+            &again,
+            gpu_major,
+            &rec.mig,
+        ) {
+            if !survived.contains(&c.pid) {
+                survived.push(c.pid);
             }
         }
+        if !survived.is_empty() {
+            return Err(NodeError::Strays {
+                job_id: rec.job_id,
+                what: "processes survived SIGKILL".into(),
+                pids: survived,
+            });
+        }
+        rec.notes
+            .push(format!("clean start: killed {pids:?} on the job's GPUs"));
     }
     if gpus.available() {
         // A GPU another job's live grant covers (gres/shard, gres/mps:
         // several jobs on one GPU) idles at no level this job can measure.
-        let shared = super::granted_minors(Some(fence), gpu_major, Some(rec.job_id));
+        let shared = granted_minors(Some(fence), gpu_major, Some(rec.job_id));
         rec.gpu_idle = gpus
             .memory_used(&minors)
             .map_err(NodeError::Nvml)?
@@ -585,20 +562,11 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
         let cg = node.own_job_cgroup(job_id);
         if node.cg.path(&cg).exists() {
             let procs = node.cg.procs_recursive(&cg);
-            if !procs.is_empty() {
-                let _ = node.cg.kill(&cg);
-            }
-            let deadline =
-                std::time::Instant::now() + std::time::Duration::from_millis(node.cfg.kill_wait_ms);
-            loop {
-                match node.cg.remove_tree(&cg) {
-                    Ok(()) => break,
-                    Err(_) if std::time::Instant::now() < deadline => {
-                        std::thread::sleep(std::time::Duration::from_millis(10))
-                    }
-                    Err(e) => return Err(e.into()),
-                }
-            }
+            crate::host::exec_cgroup::kill_and_remove(
+                node,
+                &cg,
+                std::time::Duration::from_millis(node.cfg.kill_wait_ms),
+            )?;
             notes.push(format!(
                 "removed the stale cgroup /{cg} (processes killed: {procs:?})"
             ));
@@ -606,7 +574,7 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
     }
     if !notes.is_empty() {
         node.audit(
-            AuditEvent::new("stale_job_state")
+            AuditEvent::new(events::STALE_JOB_STATE)
                 .job(job_id)
                 .field("phase", "prolog")
                 .field("cleared", notes.clone()),
@@ -615,22 +583,12 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
     Ok(notes)
 }
 
-/// How notes meant for the job's user start (the plugin prints them in the
-/// job's output, with `gpufence: ` in front).
-pub const USER_NOTE_PREFIX: &str = "--gpu-exclusive: ";
-
 /// `--gpu-exclusive`: exclusive-process compute mode on the job's GPUs,
 /// remembering each GPU's mode for the epilog to restore. A GPU that cannot
-/// be switched is noted (the job still runs: the mode is the user's wish,
-/// not a security boundary).
+/// be switched is a note for the job's user (the job still runs: the mode
+/// is the user's wish, not a security boundary).
 fn set_exclusive(node: &Node, rec: &mut JobRecord) {
-    let gres: BTreeSet<DevNum> = rec
-        .devices
-        .iter()
-        .filter(|d| d.role == DeviceRole::Gres)
-        .map(|d| d.dev)
-        .collect();
-    let minors = gpu_minors(&gres, node.gpu_major());
+    let minors = rec.gpu_minors(node.gpu_major());
     let gpus = node.open_gpus();
     for m in minors {
         match gpus.swap_compute_mode(m, crate::host::gpus::EXCLUSIVE_PROCESS) {
@@ -646,8 +604,8 @@ fn set_exclusive(node: &Node, rec: &mut JobRecord) {
                         || format!("/dev/nvidia{m}"),
                         |d| d.path.display().to_string(),
                     );
-                rec.notes.push(format!(
-                    "{USER_NOTE_PREFIX}{path}: not set ({e}); the GPU stays in its current compute mode"
+                rec.user_notes.push(format!(
+                    "--gpu-exclusive: {path}: not set ({e}); the GPU stays in its current compute mode"
                 ));
             }
         }
@@ -754,8 +712,9 @@ pub fn run_with_sluid(
             .uid(rec.uid)
             .devices(&rec.devices)
             .field("gres_indices", rec.gres_indices.clone());
-        if !rec.notes.is_empty() {
-            ev = ev.field("notes", rec.notes.clone());
+        let notes = rec.all_notes();
+        if !notes.is_empty() {
+            ev = ev.field("notes", notes);
         }
         if let Err(e) = node.audit(ev) {
             // No record of the grant, no grant.

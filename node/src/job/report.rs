@@ -13,7 +13,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpufence_model::record::JobRecord;
 
@@ -200,11 +200,7 @@ pub fn write_as_user(
     node.cg.create(&cg).map_err(ReportError::MakeCgroup)?;
     let r = run_writer(node, &cg, text, path, work_dir, uid, gid);
     // Whatever the writer left (a process it forked) goes with its cgroup.
-    let _ = node.cg.kill(&cg);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while node.cg.remove_tree(&cg).is_err() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, Duration::from_secs(2));
     r.map(|()| {
         if path.is_absolute() {
             path.to_path_buf()

@@ -162,10 +162,10 @@ fn start_ticks(pid: i32) -> Option<u64> {
         .map(|s| s.starttime)
 }
 
-/// The note of a stopped holder ([`note_stopped`]) could not be written.
+/// The note of a stopped holder (`note_stopped`) could not be written.
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {source}", path.display())]
-pub(crate) struct NoteError {
+pub struct NoteError {
     /// The note file (or where it would have gone).
     path: PathBuf,
     /// Why.
@@ -257,7 +257,7 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
             if killed { "killed" } else { "already gone" }
         );
         let _ = node.audit(
-            AuditEvent::new("interrupted_response")
+            AuditEvent::new(gpufence_model::audit::events::INTERRUPTED_RESPONSE)
                 .job(note.job_id)
                 .pid(note.pid)
                 .field("killed", killed)

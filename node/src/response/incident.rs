@@ -294,7 +294,7 @@ pub fn respond_pid(
 ) -> Result<IncidentOutcome, Refusal> {
     let refuse = |r: Refusal| {
         let _ = node.audit(
-            AuditEvent::new("respond_refused")
+            AuditEvent::new(gpufence_model::audit::events::RESPOND_REFUSED)
                 .pid(pid)
                 .field("by", crate::host::procs::who())
                 .field("reason", r.to_string()),
@@ -476,7 +476,7 @@ impl<'a> Incident<'a> {
                 cgroup: self.cgroups.get(p).cloned().flatten(),
             })
             .collect();
-        let frozen_ev = AuditEvent::new("respond_frozen")
+        let frozen_ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_FROZEN)
             .pid(self.pid)
             .field("tree", self.tree_pids.clone())
             .field(
@@ -588,7 +588,7 @@ impl<'a> Incident<'a> {
             Ok(p) => out.incident_file = Some(p),
             Err(e) => out.errors.push(e.to_string()),
         }
-        let ev = AuditEvent::new("respond_evidence")
+        let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_EVIDENCE)
             .pid(self.pid)
             .field(
                 "evidence",
@@ -618,14 +618,14 @@ impl<'a> Incident<'a> {
                 None => self.out.survivors.push(p),
             }
         }
-        let ev = AuditEvent::new("respond_killed")
+        let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_KILLED)
             .pid(self.pid)
             .field("signal", "SIGKILL")
             .field("killed", self.out.killed.clone())
             .field("survivors", self.out.survivors.clone());
         self.audit(ev, true);
         if !self.out.survivors.is_empty() {
-            let ev = AuditEvent::new("respond_survivor")
+            let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_SURVIVOR)
                 .pid(self.pid)
                 .field("survivors", self.out.survivors.clone());
             self.audit(ev, true);
@@ -635,7 +635,7 @@ impl<'a> Incident<'a> {
     /// Step 6: the persistence entries, listed, never deleted
     /// (`respond_persistence`).
     fn list_persistence(&mut self) {
-        let ev = AuditEvent::new("respond_persistence")
+        let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_PERSISTENCE)
             .pid(self.pid)
             .field(
                 "entries",
@@ -670,7 +670,7 @@ impl<'a> Incident<'a> {
         ));
         match drain::drain(self.node, name, &reason) {
             Ok(()) => {
-                let ev = AuditEvent::new("respond_drained")
+                let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_DRAINED)
                     .pid(self.pid)
                     .field("node", name.to_string())
                     .field("drain_reason", reason.clone());
@@ -679,7 +679,7 @@ impl<'a> Incident<'a> {
             }
             Err(e) => {
                 self.out.errors.push(format!("could not drain {name}: {e}"));
-                let ev = AuditEvent::new("respond_drain_failed")
+                let ev = AuditEvent::new(gpufence_model::audit::events::RESPOND_DRAIN_FAILED)
                     .pid(self.pid)
                     .field("node", name.to_string())
                     .field("error", e.to_string());

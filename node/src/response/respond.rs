@@ -14,6 +14,10 @@
 //!
 //! Exempt daemons and processes in a cgroup with a live grant for the device
 //! are never candidates ([`uncovered`]).
+//!
+//! The Prolog's `prolog_strays = "refuse"` is the same response in
+//! [`Mode::Refuse`]: evidence and the `lingering_process` line for each
+//! holder, nothing stopped or signalled.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::OwnedFd;
@@ -29,9 +33,55 @@ use crate::holders::cover::covered;
 use crate::holders::scan::{self, HeldFd};
 use crate::host::gpus::GpuInfo;
 use crate::host::procs::uid_of;
-use crate::response::engine::{exited, note_stopped, Engine, PidFd};
+use crate::response::engine::{exited, note_stopped, Engine, NoteError, PidFd};
 use crate::response::evidence::{self, GpuMemory};
-use crate::Node;
+use crate::{Node, NodeError};
+
+/// How a response acts on the holders it is given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Pin, freeze, evidence and audit, `SIGTERM`, `SIGKILL`, check: the
+    /// Epilog, and the Prolog under `prolog_strays = "kill"`.
+    End,
+    /// Evidence and the `lingering_process` line only; nothing is stopped
+    /// or signalled: the Prolog under `prolog_strays = "refuse"` (the job
+    /// does not start, Slurm drains the node).
+    Refuse,
+}
+
+impl From<gpufence_model::config::StrayPolicy> for Mode {
+    fn from(p: gpufence_model::config::StrayPolicy) -> Mode {
+        match p {
+            gpufence_model::config::StrayPolicy::Kill => Mode::End,
+            gpufence_model::config::StrayPolicy::Refuse => Mode::Refuse,
+        }
+    }
+}
+
+/// A step of a response that failed: returned beside its outcome (the
+/// other holders are still responded to), and the node is not clean.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseError {
+    /// A holder is there but cannot be pinned: it cannot be acted on
+    /// safely.
+    #[error(transparent)]
+    Unpinnable(#[from] Unpinnable),
+    /// The note of a stopped holder (for a response that is interrupted)
+    /// cannot be written.
+    #[error(transparent)]
+    Note(#[from] NoteError),
+    /// A holder's evidence file cannot be written.
+    #[error("evidence for pid {pid}: {source}")]
+    Evidence {
+        /// The holder.
+        pid: i32,
+        /// Why.
+        source: NodeError,
+    },
+    /// An audit line cannot be written ([`NodeError::Audit`]).
+    #[error(transparent)]
+    Audit(NodeError),
+}
 
 /// A process found on a job's devices without a grant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -251,10 +301,36 @@ const OVER_BUDGET_LISTED: usize = 20;
 /// made in a delegated subtree) is that other job's, as
 /// `find_job_cgroup` holds too; a SLUID is never taken for a job id.
 fn in_job(cg: &str, job_id: u32) -> bool {
-    use gpufence_cgroup::hierarchy::{is_job_dir, job_dir_id};
+    use crate::host::slurm_cgroup::{is_job_dir, job_dir_id};
     cg.split('/')
         .find(|d| is_job_dir(d))
         .is_some_and(|d| job_dir_id(d) == Some(job_id))
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::ResponseError;
+    use crate::NodeError;
+
+    /// A response's audit failure is the Prolog's [`NodeError::Audit`],
+    /// message and all; any other failed step is [`NodeError::Response`]
+    /// with the step's own message.
+    #[test]
+    fn response_errors_become_node_errors_as_they_read() {
+        let audit = ResponseError::Audit(NodeError::Audit(std::io::Error::other("disk full")));
+        let text = audit.to_string();
+        let e = NodeError::from(audit);
+        assert!(matches!(e, NodeError::Audit(_)), "{e:?}");
+        assert_eq!(e.to_string(), text);
+        let ev = ResponseError::Evidence {
+            pid: 42,
+            source: NodeError::Mig("x".into()),
+        };
+        assert_eq!(ev.to_string(), "evidence for pid 42: MIG: x");
+        let e = NodeError::from(ev);
+        assert!(matches!(e, NodeError::Response(_)), "{e:?}");
+        assert_eq!(e.to_string(), "evidence for pid 42: MIG: x");
+    }
 }
 
 #[cfg(test)]
@@ -285,10 +361,11 @@ mod in_job_tests {
     }
 }
 
-/// A holder that is there but cannot be pinned ([`still_holding`]).
+/// A holder that is there but cannot be pinned (no pidfd: out of
+/// descriptors).
 #[derive(Debug, thiserror::Error)]
 #[error("pid {pid} holds {devices} but cannot be pinned (pidfd_open: {source})")]
-struct Unpinnable {
+pub struct Unpinnable {
     /// The holder.
     pid: i32,
     /// What it holds, comma-separated.
@@ -347,22 +424,46 @@ fn still_holding(c: &Candidate) -> Result<Option<PidFd>, Unpinnable> {
     Ok(Some(fd))
 }
 
-/// Responds to `cands` as the module says, with evidence within `budget`
-/// (one per Epilog or Prolog, over all its rounds). `job_uid` is the
-/// job's user: a holder of another uid inside another job's cgroup is
-/// spared ([`other_users_job`]). `phase`
-/// (`prolog`/`epilog`) goes into evidence and audit lines. Audit failures
-/// are returned as errors beside the outcome.
+/// Responds to `cands` as the module says, in `mode`, with evidence
+/// within `budget` (one per Epilog or Prolog, over all its rounds).
+/// `job_uid` is the job's user: a holder of another uid inside another
+/// job's cgroup is spared ([`other_users_job`]). `phase`
+/// (`prolog`/`epilog`) goes into evidence and audit lines, `reason` into
+/// evidence. Failed steps (evidence, audit, notes, a holder that cannot
+/// be pinned) are returned beside the outcome, each holder still
+/// responded to.
+#[allow(clippy::too_many_arguments)]
 pub fn respond(
     node: &Node,
+    mode: Mode,
     job_id: u32,
     job_uid: Option<u32>,
     phase: &str,
     reason: &str,
     cands: Vec<Candidate>,
     budget: &mut evidence::Budget,
-) -> (Vec<Lingering>, Vec<String>) {
+) -> (Vec<Lingering>, Vec<ResponseError>) {
     let mut errors = Vec::new();
+    if mode == Mode::Refuse {
+        let out = cands
+            .iter()
+            .map(|c| {
+                record(
+                    node,
+                    job_id,
+                    phase,
+                    reason,
+                    c,
+                    None,
+                    None,
+                    budget,
+                    &mut errors,
+                )
+                .0
+            })
+            .collect();
+        return (out, errors);
+    }
     // 1. Pin identities; system accounts are spared.
     let (spared_out, pinned) = pin(
         node,
@@ -384,7 +485,7 @@ pub fn respond(
             |(c, _)| match note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), false) {
                 Ok(p) => p,
                 Err(e) => {
-                    errors.push(e.to_string());
+                    errors.push(e.into());
                     None
                 }
             },
@@ -400,41 +501,30 @@ pub fn respond(
     for (c, _) in &pinned {
         if c.cgroup.as_deref().is_some_and(|cg| engine.froze(cg)) {
             if let Err(e) = note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), true) {
-                errors.push(e.to_string());
+                errors.push(e.into());
             }
         }
     }
     crate::crashpoint::reached(crate::crashpoint::RESPOND_FROZEN);
 
     // 3. Evidence, then the audit line.
-    let mut out = Vec::new();
-    for (c, _) in &pinned {
-        let ev = evidence::collect(c.pid, job_id, reason, c.found(), engine.how(c.pid), budget);
-        let mut l = Lingering {
-            pid: c.pid,
-            comm: ev.comm.clone(),
-            cgroup: c.cgroup.clone(),
-            devices: c.devices.iter().copied().collect(),
-            evidence: None,
-            frozen: engine.how(c.pid),
-            ended_by: None,
-            spared: None,
-        };
-        match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
-            Ok(p) => l.evidence = p,
-            Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
-        }
-        if let Err(e) = node.audit(audit_line(
-            events::LINGERING_PROCESS,
-            job_id,
-            phase,
-            &l,
-            ev.uid,
-        )) {
-            errors.push(e.to_string());
-        }
-        out.push((l, ev.uid));
-    }
+    let out: Vec<(Lingering, Option<u32>)> = pinned
+        .iter()
+        .map(|(c, _)| {
+            let how = engine.how(c.pid);
+            record(
+                node,
+                job_id,
+                phase,
+                reason,
+                c,
+                how,
+                None,
+                budget,
+                &mut errors,
+            )
+        })
+        .collect();
 
     // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
     let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(c, f)| (c.pid, &**f)).collect();
@@ -454,11 +544,52 @@ pub fn respond(
             events::SURVIVOR
         };
         if let Err(e) = node.audit(audit_line(name, job_id, phase, &l, uid)) {
-            errors.push(e.to_string());
+            errors.push(ResponseError::Audit(e));
         }
         result.push(l);
     }
     (result, errors)
+}
+
+/// Step 3 for one holder `c`, in either [`Mode`]: its evidence (`frozen`:
+/// how it was stopped), then its `lingering_process` line (with
+/// `not_killed` when `spared` says why it is left alive). Returns it and
+/// its uid.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    node: &Node,
+    job_id: u32,
+    phase: &str,
+    reason: &str,
+    c: &Candidate,
+    frozen: Option<String>,
+    spared: Option<String>,
+    budget: &mut evidence::Budget,
+    errors: &mut Vec<ResponseError>,
+) -> (Lingering, Option<u32>) {
+    let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen.clone(), budget);
+    let mut l = Lingering {
+        pid: c.pid,
+        comm: ev.comm.clone(),
+        cgroup: c.cgroup.clone(),
+        devices: c.devices.iter().copied().collect(),
+        evidence: None,
+        frozen,
+        ended_by: None,
+        spared,
+    };
+    match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
+        Ok(p) => l.evidence = p,
+        Err(source) => errors.push(ResponseError::Evidence { pid: c.pid, source }),
+    }
+    let mut line = audit_line(events::LINGERING_PROCESS, job_id, phase, &l, ev.uid);
+    if let Some(why) = &l.spared {
+        line = line.field("not_killed", why.clone());
+    }
+    if let Err(e) = node.audit(line) {
+        errors.push(ResponseError::Audit(e));
+    }
+    (l, ev.uid)
 }
 
 /// Step 1 of [`respond`]: pins each candidate still holding what made it
@@ -476,7 +607,7 @@ fn pin(
     reason: &str,
     cands: Vec<Candidate>,
     budget: &mut evidence::Budget,
-    errors: &mut Vec<String>,
+    errors: &mut Vec<ResponseError>,
 ) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
     let mut spared_out = Vec::new();
     let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
@@ -497,27 +628,21 @@ fn pin(
             })
         };
         if let Some(why) = spare {
-            let ev = evidence::collect(c.pid, job_id, reason, c.found(), None, budget);
-            let mut l = Lingering {
-                pid: c.pid,
-                comm: ev.comm.clone(),
-                cgroup: c.cgroup.clone(),
-                devices: c.devices.iter().copied().collect(),
-                evidence: None,
-                frozen: None,
-                ended_by: None,
-                spared: Some(why.clone()),
-            };
-            match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
-                Ok(p) => l.evidence = p,
-                Err(e) => errors.push(format!("evidence for pid {}: {e}", c.pid)),
-            }
-            for name in [events::LINGERING_PROCESS, events::SURVIVOR] {
-                if let Err(e) = node.audit(
-                    audit_line(name, job_id, phase, &l, ev.uid).field("not_killed", why.clone()),
-                ) {
-                    errors.push(e.to_string());
-                }
+            let (l, uid) = record(
+                node,
+                job_id,
+                phase,
+                reason,
+                &c,
+                None,
+                Some(why.clone()),
+                budget,
+                errors,
+            );
+            if let Err(e) = node.audit(
+                audit_line(events::SURVIVOR, job_id, phase, &l, uid).field("not_killed", why),
+            ) {
+                errors.push(ResponseError::Audit(e));
             }
             spared_out.push(l);
             continue;
@@ -525,7 +650,7 @@ fn pin(
         match still_holding(&c) {
             Ok(Some(fd)) => pinned.push((c, fd)),
             Ok(None) => {}
-            Err(e) => errors.push(e.to_string()),
+            Err(e) => errors.push(e.into()),
         }
     }
     (spared_out, pinned)
@@ -555,8 +680,8 @@ pub fn other_users_job(
     }
     cg.split('/')
         .find(|d| {
-            gpufence_cgroup::hierarchy::job_dir_id(d).is_some_and(|n| n != job_id)
-                || gpufence_cgroup::hierarchy::is_sluid(d)
+            crate::host::slurm_cgroup::job_dir_id(d).is_some_and(|n| n != job_id)
+                || crate::host::slurm_cgroup::is_sluid(d)
         })
         .map(str::to_string)
 }

@@ -1,6 +1,8 @@
 //! The uid range gpufence takes for system accounts.
 
-use super::*;
+use serde_json::json;
+
+use super::{Finding, Kind, Sweep};
 
 impl Sweep<'_> {
     /// One `system_uid_range` finding per warning of

@@ -1,24 +1,16 @@
 //! Command lines and sockets: mining pools, unauthenticated notebooks, wildcard listeners.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
 
-/// The arguments that carry a stratum (mining pool) URL.
-pub fn stratum_urls(cmdline: &[String]) -> Vec<String> {
-    const SCHEMES: [&str; 4] = [
-        "stratum+tcp://",
-        "stratum+ssl://",
-        "stratum+tls://",
-        "stratum2+tcp://",
-    ];
-    cmdline
-        .iter()
-        .filter(|a| {
-            let l = a.to_ascii_lowercase();
-            SCHEMES.iter().any(|s| l.contains(s))
-        })
-        .cloned()
-        .collect()
-}
+use gpufence_model::procnet::{TCP_ESTABLISHED, TCP_LISTEN, TCP_SYN_SENT};
+use serde_json::json;
+
+// The walk reads each command line's pool URLs (`stratum_urls`, in the
+// walk's file so that the walk does not import the checks back).
+pub use super::procs::stratum_urls;
+use super::procs::{slurm_exe, Walk};
+use super::{check_failed, Finding, Kind, Sweep};
 
 /// The arguments that disable a notebook or dashboard server's
 /// authentication: a Jupyter trait `--<Class>.token`, `.password` or

@@ -1,6 +1,15 @@
 //! Checks of the fence itself: drift from the config, stale grants, new denials.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpufence_cgroup::fence::{Fence, GrantEntry};
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::device::DevNum;
+use serde_json::json;
+
+use super::state::{new_denials, read_json, write_json, DenialState};
+use super::{check_failed, dev_list, Finding, Kind, Severity, Sweep};
+use crate::host::denials;
 
 impl Sweep<'_> {
     /// The fence attached, its majors against the node's. Returns the
@@ -202,7 +211,7 @@ impl Sweep<'_> {
                         gone.len(),
                         if gone.len() == 1 { "y" } else { "ies" }
                     ));
-                    let mut ev = AuditEvent::new("grant_collected")
+                    let mut ev = AuditEvent::new(events::GRANT_COLLECTED)
                         .devices(devs.iter())
                         .field("cgroup_id", id)
                         .field("entries", gone.len())

@@ -1,6 +1,16 @@
 //! Who holds a GPU outside every grant: descriptors, mappings, rings, NVML.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpufence_cgroup::fence::GrantEntry;
+use gpufence_model::device::DevNum;
+use serde_json::json;
+
+use super::procs::Walk;
+use super::{check_failed, config_exempt, dev_list, Finding, Kind, Sweep};
+use crate::holders::cover::covered;
+use crate::holders::scan::{HeldFd, Via};
+use crate::response::evidence::GpuMemory;
 
 /// What a process holds outside every grant, by descriptor and per NVML.
 #[derive(Default)]

@@ -2,9 +2,10 @@
 //! cannot prevent on its own, cheap enough to run every minute (Slurm's
 //! `HealthCheckProgram`, NHC, cron) on a node with 10,000 processes.
 //!
-//! One walk of `/proc` ([`Scanner::process_fds`]: each descriptor is
-//! `stat`ed once, for device holds and socket inodes alike; threads sharing
-//! a table are walked once) and one read of each network namespace's TCP
+//! One walk of `/proc`
+//! ([`Scanner::process_fds`](crate::holders::scan::Scanner::process_fds):
+//! each descriptor is `stat`ed once, for device holds and socket inodes
+//! alike; threads sharing a table are walked once) and one read of each network namespace's TCP
 //! tables find:
 //!
 //! | kind | severity | what |
@@ -58,29 +59,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use gpufence_cgroup::fence::{DenialEntry, Fence, GrantEntry};
-use gpufence_model::audit::AuditEvent;
+use gpufence_cgroup::fence::Fence;
 use gpufence_model::device::DevNum;
-use gpufence_model::fsutil::{create_dir_all_mode, write_atomic};
-use gpufence_model::procnet::{TCP_ESTABLISHED, TCP_LISTEN, TCP_SYN_SENT};
-use gpufence_model::record::now_rfc3339;
 
-use crate::holders::cover::covered;
-use crate::holders::scan::{HeldFd, Scanner, Via};
-use crate::host::denials;
-use crate::host::persistence::{systemd_files, user_crontabs, Fingerprint, UNIT_EVIDENCE_MAX};
-use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
 use crate::host::users::Users;
-use crate::response::evidence::GpuMemory;
-use crate::{host::drain, is_under, Node};
+use crate::{is_under, Node};
 
 mod accounts;
 mod cmdline;
@@ -530,8 +520,8 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
         .map(|s| s.trim_matches('/').to_string());
     let mut report = SweepReport::default();
     let denial_state = match opts.cursor.as_deref() {
-        None => sweep_dir(node).join("denials.json"),
-        Some(c) if valid_cursor(c) => sweep_dir(node).join(format!("denials-{c}.json")),
+        None => node.state.denials_path(None),
+        Some(c) if valid_cursor(c) => node.state.denials_path(Some(c)),
         Some(c) => return Err(SweepError::BadCursor(c.to_string())),
     };
     if let Some(s) = &scope {
@@ -613,6 +603,8 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
 mod tests {
     use super::*;
     use crate::host::persistence::{cron_entries, unit_files, UnitRoot};
+    use gpufence_cgroup::fence::DenialEntry;
+    use std::path::Path;
 
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()

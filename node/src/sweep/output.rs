@@ -1,6 +1,13 @@
 //! What a sweep gives: the Prometheus textfile, the drain reason, the CLI's request and outcome.
 
-use super::*;
+use std::path::PathBuf;
+
+use gpufence_model::audit::{events, AuditEvent};
+use gpufence_model::fsutil::write_atomic;
+
+use super::{sweep, Finding, Options, Severity, SeverityError, SweepReport};
+use crate::host::drain;
+use crate::Node;
 
 pub(super) fn prom_escape(s: &str) -> String {
     s.replace('\\', "\\\\")
@@ -162,7 +169,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
         match drain::drain(node, name, &reason) {
             Ok(()) => {
                 let _ = node.audit(
-                    AuditEvent::new("sweep_drained")
+                    AuditEvent::new(events::SWEEP_DRAINED)
                         .field("node", name.clone())
                         .field("drain_reason", reason.clone())
                         .field("findings", failing.len()),

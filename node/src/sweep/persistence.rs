@@ -1,6 +1,13 @@
 //! Crontabs and systemd units a user can come back through.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use gpufence_model::record::now_rfc3339;
+use serde_json::json;
+
+use super::state::{baseline_path, read_json, write_json, Baseline};
+use super::{check_failed, Finding, Kind, Sweep};
+use crate::host::persistence::{systemd_files, user_crontabs, UNIT_EVIDENCE_MAX};
 
 impl Sweep<'_> {
     pub(super) fn persistence(&mut self) {

@@ -1,6 +1,31 @@
 //! The process walk: one pass over `/proc` for every process-based check.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use gpufence_model::device::DevNum;
+
+use crate::holders::scan::{HeldFd, Scanner};
+use crate::host::procs::{read_cmdline, read_stat, read_uid, PF_KTHREAD};
+use crate::host::users::Users;
+use crate::{is_under, Node};
+
+/// The arguments that carry a stratum (mining pool) URL.
+pub fn stratum_urls(cmdline: &[String]) -> Vec<String> {
+    const SCHEMES: [&str; 4] = [
+        "stratum+tcp://",
+        "stratum+ssl://",
+        "stratum+tls://",
+        "stratum2+tcp://",
+    ];
+    cmdline
+        .iter()
+        .filter(|a| {
+            let l = a.to_ascii_lowercase();
+            SCHEMES.iter().any(|s| l.contains(s))
+        })
+        .cloned()
+        .collect()
+}
 
 /// What the sweep knows of a process it reports.
 #[derive(Clone, Debug, Default)]

@@ -1,6 +1,10 @@
 //! Users' leftovers in the shared-memory directory, one finding per user.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use serde_json::json;
+
+use super::{Finding, Kind, Sweep};
 
 /// How many names one user's `shm_leftover` finding lists (the rest are
 /// counted).

@@ -1,6 +1,16 @@
 //! The sweep's state under `state_dir/sweep/`: denials seen, the systemd baseline, the lock.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpufence_cgroup::fence::DenialEntry;
+use gpufence_model::fsutil::{create_dir_all_mode, write_atomic};
+use serde::{Deserialize, Serialize};
+
+use super::SweepError;
+use crate::host::persistence::Fingerprint;
+use crate::Node;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct SeenDenial {
@@ -70,13 +80,10 @@ pub(super) struct Baseline {
     pub(super) files: BTreeMap<PathBuf, Fingerprint>,
 }
 
-pub(super) fn sweep_dir(node: &Node) -> PathBuf {
-    node.state.root().join("sweep")
-}
-
-/// The systemd baseline file (remove it to accept the current units).
+/// The systemd baseline file (remove it to accept the current units):
+/// [`gpufence_model::record::StateDir::systemd_baseline_path`].
 pub fn baseline_path(node: &Node) -> PathBuf {
-    sweep_dir(node).join("systemd-baseline.json")
+    node.state.systemd_baseline_path()
 }
 
 /// A sweep state file as `T`; `None` when it is not there.
@@ -109,31 +116,20 @@ pub(super) fn write_json<T: Serialize>(p: &Path, v: &T) -> Result<(), SweepError
 pub(super) struct SweepLock(#[allow(dead_code)] std::fs::File);
 
 pub(super) fn lock(node: &Node) -> Result<SweepLock, SweepError> {
-    let dir = sweep_dir(node);
+    let dir = node.state.sweep_dir();
     create_dir_all_mode(&dir, 0o700).map_err(|source| SweepError::Io {
         path: dir.clone(),
         source,
     })?;
-    let p = dir.join("lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&p)
-        .map_err(|source| SweepError::Io {
-            path: p.clone(),
-            source,
-        })?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        // SAFETY: flock on a descriptor we own; released when it closes.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(SweepLock(f));
-        }
-        if Instant::now() > deadline {
-            return Err(SweepError::Locked(p));
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let p = node.state.sweep_lock_path();
+    match gpufence_model::fsutil::lock_file_within(
+        &p,
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+    ) {
+        Ok(Some(f)) => Ok(SweepLock(f)),
+        Ok(None) => Err(SweepError::Locked(p)),
+        Err(source) => Err(SweepError::Io { path: p, source }),
     }
 }
 

@@ -34,14 +34,11 @@
 //! error. [`Scanner::source`] tells which it used.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use gpufence_cgroup::btf::{Btf, VMLINUX_BTF};
-use gpufence_cgroup::fdtable::{FdTableIterator, Pass};
-use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
+use gpufence_cgroup::btf::VMLINUX_BTF;
 use gpufence_model::device::DevNum;
 use serde::Serialize;
 
@@ -130,7 +127,7 @@ pub struct Scanner {
     /// device set) met: (pid, thread, ring slot, fixed files).
     unread_rings: Vec<(i32, i32, i32, u64)>,
     /// The fence's bpffs directory, where its install pinned the scan
-    /// iterators ([`gpufence_cgroup::fdtable::PIN_FDTABLE`]).
+    /// iterators ([`gpufence_cgroup::iter::fdtable::PIN_FDTABLE`]).
     pins: Option<PathBuf>,
     /// The last whole-machine scan read the pinned iterators.
     read_pins: bool,
@@ -267,7 +264,7 @@ impl Scanner {
 
     /// How many further passes the last scan made over descriptor tables
     /// and mappings one pass did not read whole (more than
-    /// [`gpufence_cgroup::fdtable::FD_RECORDS`] records, a busy mmap lock).
+    /// [`gpufence_cgroup::iter::fdtable::FD_RECORDS`] records, a busy mmap lock).
     pub fn passes(&self) -> usize {
         self.passes
     }

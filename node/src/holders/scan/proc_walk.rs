@@ -1,6 +1,12 @@
 //! What `/proc` shows of a process's holds: descriptors, threads' tables, mappings, io_uring rings and their registered files.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use gpufence_model::device::DevNum;
+
+use super::{DevicePredicate, HeldFd, Holder, Scanner, Via};
 
 pub(super) fn char_rdev(p: &Path) -> Option<DevNum> {
     // metadata() follows the magic links of /proc/<pid>/fd and map_files to

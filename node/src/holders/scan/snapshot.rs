@@ -1,6 +1,15 @@
 //! The whole-machine snapshot from the kernel's iterators (pinned by the fence, or loaded per scan).
 
-use super::*;
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::time::Instant;
+
+use gpufence_cgroup::btf::Btf;
+use gpufence_cgroup::iter::fdtable::{FdTableIterator, Pass};
+use gpufence_cgroup::iter::{self, Iterators, Layout, Object, RingIterator, RingLayout};
+use gpufence_model::device::DevNum;
+
+use super::pids;
 
 /// What the iterators said about one process (`task->tgid`).
 #[derive(Clone, Debug, Default)]

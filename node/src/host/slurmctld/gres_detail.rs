@@ -1,6 +1,6 @@
 //! slurmctld's `gres_detail` strings, parsed strictly: `gpu:<type>:<n>(IDX:<list>)` entries.
 
-use super::*;
+use super::{IDX_TRUNCATED_LEN, MAX_INDICES};
 
 /// One `gres_detail` item of one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -29,7 +29,7 @@ pub enum GresAlloc {
 }
 
 /// Why a `gres_detail` string ([`parse_gres_detail`]) or its `gpu` entries
-/// ([`gpu_indices`]) cannot be used. [`gpu_indices_from_json`] puts the
+/// ([`gpu_indices`]) cannot be used. [`gpu_indices_from_json`](super::gpu_indices_from_json) puts the
 /// message after the job, node and string it is about.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GresDetailError {

@@ -1,6 +1,7 @@
 //! Slurm hostlists (`node[1-3,5],gpu7`): finding this node's position without expanding more than needed.
 
-use super::*;
+use super::gres_detail::parse_u64;
+use super::MAX_HOSTS;
 
 /// Why a hostlist expression ([`hostlist_find`], [`expand_hostlist`]) does
 /// not parse.

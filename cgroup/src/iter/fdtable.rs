@@ -61,9 +61,10 @@ use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
 use crate::iter::{
     self, off, probe_read, size, sized, zero_unknown, IterError, Loaded, Record,
-    ANON_INODE_FS_MAGIC, FUNC_LOOP, FUNC_SEQ_WRITE, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP,
-    KIND_PENDING, MAX_LOOPS, MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
+    ANON_INODE_FS_MAGIC, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_PENDING, MAX_LOOPS,
+    MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
 };
+use crate::uapi::helper;
 
 /// The pin name of the fd-table iterator's link in the fence's bpffs
 /// directory (see [`crate::iter::PIN_RINGS`] for the suffix).
@@ -76,10 +77,11 @@ pub const PIN_FDTABLE: &str = "iter_fdtable_v2";
 /// one do.
 pub const FD_RECORDS: i32 = 1000;
 
-/// Entries in the fence's `majors` array map: a major at or past it is
-/// let through to user space (the kernel's character majors stop at 511,
+/// Entries in the fence's `majors` array map ([`crate::maps::MAJORS_ENTRIES`],
+/// as the compare's immediate): a major at or past it is let through to
+/// user space (the kernel's character majors stop at 511,
 /// `CHRDEV_MAJOR_MAX` in `fs/char_dev.c`).
-const MAJORS_ENTRIES: i32 = 4096;
+const MAJORS_ENTRIES: i32 = crate::maps::MAJORS_ENTRIES as i32;
 
 /// Where the program finds what it reads, from the running kernel's BTF.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -267,7 +269,7 @@ fn seq_write_main(a: &mut Asm) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write");
+        .call_id(helper::SEQ_WRITE, "seq_write");
 }
 
 /// In the main frame: the task's [`Object::Pending`](crate::iter::Object::Pending)
@@ -458,7 +460,7 @@ fn table_walk(a: &mut Asm, l: &FdTableLayout) {
         .mov64_reg(Reg::R3, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
         .mov64_imm(Reg::R4, 0)
-        .call_id(FUNC_LOOP, "loop")
+        .call_id(helper::LOOP, "loop")
         .comment("stopped (records full, the deadline): resume at state.stop")
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
         .jmp_imm(JmpOp::Eq, Reg::R1, 0, "table_reach")
@@ -753,7 +755,7 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write");
+        .call_id(helper::SEQ_WRITE, "seq_write");
 }
 
 /// One reader's pass over the fd-table program: which tasks it reads
@@ -830,12 +832,17 @@ impl FdTableIterator {
         majors: &crate::maps::Map<crate::maps::MajorsMap>,
     ) -> Result<FdTableIterator, IterError> {
         use std::os::fd::AsRawFd;
-        let ctl =
-            crate::sys::map_create(crate::maps::MAP_TYPE_LRU_HASH, 8, 32, CTL_ENTRIES, CTL_NAME)
-                .map_err(|err| IterError::Sys {
-                    what: "BPF_MAP_CREATE (the fd-table program's control map)",
-                    err,
-                })?;
+        let ctl = crate::sys::map_create(
+            crate::uapi::map_type::LRU_HASH,
+            8,
+            32,
+            CTL_ENTRIES,
+            CTL_NAME,
+        )
+        .map_err(|err| IterError::Sys {
+            what: "BPF_MAP_CREATE (the fd-table program's control map)",
+            err,
+        })?;
         let it = iter::load_with_callback(
             &fdtable_program(layout, majors.as_raw_fd(), ctl.as_raw_fd())?,
             "gpufence_fdt",

@@ -13,9 +13,10 @@ use super::{FdTableLayout, FD_RECORDS, MAJORS_ENTRIES};
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::iter::{
     self, off, probe_read, size, zero_unknown, IterError, Loaded, Record, ANON_INODE_FS_MAGIC,
-    FUNC_LOOP, FUNC_SEQ_WRITE, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, MAX_LOOPS, MINORBITS,
-    RECORD_LEN, S_IFCHR, S_IFMT,
+    KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, MAX_LOOPS, MINORBITS, RECORD_LEN, S_IFCHR,
+    S_IFMT,
 };
+use crate::uapi::helper;
 
 /// The first program's pin name.
 const PIN_V1: &str = "iter_fdtable_v1";
@@ -66,7 +67,7 @@ fn main_record(a: &mut Asm, kind: Option<i32>, fd: i32) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write");
+        .call_id(helper::SEQ_WRITE, "seq_write");
 }
 
 /// With the name pointer in `r3`: reads 11 bytes of it into `fp+at` and
@@ -162,7 +163,7 @@ fn table_walk(a: &mut Asm, l: &FdTableLayout) {
         .mov64_reg(Reg::R3, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R3, STATE as i32)
         .mov64_imm(Reg::R4, 0)
-        .call_id(FUNC_LOOP, "loop")
+        .call_id(helper::LOOP, "loop")
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_MORE)
         .jmp_imm(JmpOp::Eq, Reg::R1, 0, "vmas")
         .label("unread")
@@ -386,7 +387,7 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .mov64_reg(Reg::R2, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
         .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(FUNC_SEQ_WRITE, "seq_write");
+        .call_id(helper::SEQ_WRITE, "seq_write");
 }
 
 /// The first fd-table program, loaded and linked (not pinned).
