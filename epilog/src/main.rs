@@ -44,9 +44,6 @@ fn main() -> ExitCode {
             }
         };
     }
-    if let Some(line) = gpufence_node::host::procs::regain_root() {
-        eprintln!("gpufence-epilog: {line}");
-    }
     if let Some(line) = gpufence_node::host::procs::not_root_line(
         "gpufence-epilog",
         "slurmd runs its Epilog as root",

@@ -41,9 +41,6 @@ fn main() -> ExitCode {
             }
         };
     }
-    if let Some(line) = gpufence_node::host::procs::regain_root() {
-        eprintln!("gpufence-prolog: {line}");
-    }
     if let Some(line) = gpufence_node::host::procs::not_root_line(
         "gpufence-prolog",
         "slurmd runs its Prolog as root",

@@ -156,6 +156,9 @@ pub fn test_uid() -> u32 {
         .expect("uid")
 }
 
+/// How long [`Cluster::as_user`] lets a command run, in seconds.
+pub const AS_USER_TIMEOUT_S: &str = "240";
+
 /// What [`Cluster::start_with`] builds.
 #[derive(Clone, Debug, Default)]
 pub struct ClusterSpec {
@@ -399,9 +402,13 @@ fi
         }
     }
 
-    /// Runs `program args` as the test user; returns the output.
+    /// Runs `program args` as the test user; returns the output. Ended
+    /// after [`AS_USER_TIMEOUT_S`] (`timeout(1)`, exit 124): an `srun` or
+    /// `sbatch --wait` on a node that drained waits for ever, and a test
+    /// must fail instead.
     pub fn as_user(&self, program: &str, args: &[&str]) -> Output {
-        self.user_cmd(program)
+        self.user_cmd("timeout")
+            .args(["--kill-after=10", AS_USER_TIMEOUT_S, program])
             .args(args)
             .output()
             .expect("run as user")

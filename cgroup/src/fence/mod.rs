@@ -1,5 +1,7 @@
-//! The fence as kernel objects: three pinned maps, one program, one cgroup
-//! link pinned in `bpffs_dir`, attached at `cgroup_root`.
+//! The fence as kernel objects: five pinned maps (`majors`, `cgroups`,
+//! `grants`, `denials`, `levels`: [`crate::maps`]), one program, one cgroup
+//! link pinned in `bpffs_dir`, attached at `cgroup_root`; the scans'
+//! iterator links are pinned beside them ([`crate::iter`]).
 //!
 //! Every operation is keyed by the pin paths and safe to repeat: installing
 //! twice leaves one program and one link (the second install swaps the

@@ -1,6 +1,9 @@
 //! Every open file and every device mapping on the machine in one read:
-//! two BPF iterator programs (`kernel/bpf/task_iter.c`), for the scans that
-//! look for processes holding a device (`gpufence_node::holders::scan`).
+//! the BPF iterator programs (`kernel/bpf/task_iter.c`) of the scans that
+//! look for processes holding a device (`gpufence_node::holders::scan`):
+//! `task_file` and `task_vma` below, the io_uring rings' fixed files
+//! ([`ring`]), and the one task iterator that reads a whole descriptor
+//! table and memory map per task, in bounded passes ([`fdtable`]).
 //!
 //! - `task_file` runs once per (task, descriptor). It skips threads that
 //!   share their group leader's descriptor table (`task_seq_get_next` with

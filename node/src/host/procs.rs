@@ -102,47 +102,17 @@ pub fn not_root_line(program: &str, role: &str) -> Option<String> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     (euid != 0).then(|| {
+        let why = if std::env::var("SLURM_JOB_UID").ok().and_then(|u| u.parse().ok()) == Some(euid)
+        {
+            " (the job's user: Slurm 24.11 before 24.11.6 starts the Prolog and \
+             Epilog so at random under PrologFlags=RunInJob, its X11 shutdown \
+             thread having dropped privileges at that moment; SchedMD ticket \
+             22736, fixed in 24.11.6: upgrade Slurm or remove RunInJob)"
+        } else {
+            ""
+        };
         format!(
-            "{program}: must run as root ({role}); it runs as uid {euid} here: nothing was done"
-        )
-    })
-}
-
-/// Takes root back when only the effective uid was dropped: the real uid
-/// is root, the effective one the job user's. Slurm 24.11's extern
-/// slurmstepd under `PrologFlags=RunInJob` starts the Epilog
-/// (`_run_prolog_epilog`) while a work thread shuts X11 forwarding down
-/// between `drop_privileges` and `reclaim_privileges`
-/// (`_shutdown_x11_forward`, queued just before,
-/// `src/slurmd/slurmstepd/mgr.c`), and the process-wide `seteuid` there
-/// can be the Epilog's at fork: seen in CI, "must run as root ... it runs
-/// as uid 1001". A process whose real uid is root was started by root, so
-/// it may set every uid and gid back to 0 (`setresuid(2)`: any of the
-/// real, effective and saved ids); the supplementary groups are cleared.
-/// Returns a line saying what happened; `None` when nothing was done
-/// (already root, or not started by root: [`not_root_line`] then refuses).
-pub fn regain_root() -> Option<String> {
-    // SAFETY: getuid/geteuid/getegid have no preconditions.
-    let (ruid, euid, egid) = unsafe { (libc::getuid(), libc::geteuid(), libc::getegid()) };
-    if euid == 0 || ruid != 0 {
-        return None;
-    }
-    // SAFETY: setresuid/setgroups/setresgid with constant arguments; the
-    // order is the one that works: uid 0 first (the privilege to change
-    // groups), then the groups.
-    let ok = unsafe {
-        libc::setresuid(0, 0, 0) == 0
-            && libc::setgroups(0, std::ptr::null()) == 0
-            && libc::setresgid(0, 0, 0) == 0
-    };
-    Some(if ok {
-        format!(
-            "started with effective uid {euid} and gid {egid} but real uid 0 (slurmstepd had dropped its privileges in another thread): took root back"
-        )
-    } else {
-        format!(
-            "started with effective uid {euid} but real uid 0; taking root back failed: {}",
-            std::io::Error::last_os_error()
+            "{program}: must run as root ({role}); it runs as uid {euid}{why} here: nothing was done"
         )
     })
 }
