@@ -27,8 +27,8 @@ pub const ENV: &str = "GPUFENCE_TEST_CRASH_AT";
 pub enum Component {
     /// `gpufence-prolog` ([`crate::job::prolog::run`]).
     Prolog,
-    /// The SPANK plugin's grant step in slurmstepd ([`crate::job::apply::place`],
-    /// [`crate::job::apply::grant`]).
+    /// The SPANK plugin's grant step in slurmstepd ([`crate::job::grant::place`],
+    /// [`crate::job::grant::grant_placed`]).
     Grant,
     /// `gpufence-epilog` ([`crate::job::epilog::run_with`]).
     Epilog,

@@ -30,7 +30,7 @@ use std::path::PathBuf;
 
 use slurm_spank::{spank_log, Context, LogLevel, Plugin, SpankHandle};
 
-use gpufence_node::job::apply::{self, StepRequest, StepVerdict};
+use gpufence_node::job::grant::{self, StepRequest, StepVerdict};
 use gpufence_node::{host::fence_ops, host::gresmap, host::slurmconf, Node};
 
 include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
@@ -402,13 +402,13 @@ impl GpuFence {
         let node = match Node::load(args.config.as_deref()) {
             Ok(n) => n,
             Err(e) => {
-                let line = apply::load_refused_line(&req, &node_name(), &e);
+                let line = grant::load_refused_line(&req, &node_name(), &e);
                 log(LogLevel::Error, &line);
                 self.verdict = Some(StepVerdict::Refuse(line));
                 return Ok(());
             }
         };
-        let g = apply::grant_step(&node, &req, &node_name(), || {
+        let g = grant::grant_step(&node, &req, &node_name(), || {
             slurmconf::SlurmConf::load(&slurm_conf_path()).is_ok_and(|c| c.run_in_job())
         });
         if let Some(n) = &g.note {

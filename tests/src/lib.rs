@@ -494,11 +494,11 @@ pub fn job_record(
     }
 }
 
-/// The plugin's grant step for `req` ([`gpufence_node::job::apply::grant_step`],
+/// The plugin's grant step for `req` ([`gpufence_node::job::grant::grant_step`],
 /// the node named `n1`, no `PrologFlags=RunInJob`): its outcome.
 pub fn grant_step(
     node: &gpufence_node::Node,
-    req: &gpufence_node::job::apply::StepRequest,
-) -> Result<gpufence_node::job::apply::ApplyOutcome, gpufence_node::NodeError> {
-    gpufence_node::job::apply::grant_step(node, req, "n1", || false).outcome
+    req: &gpufence_node::job::grant::StepRequest,
+) -> Result<gpufence_node::job::grant::GrantOutcome, gpufence_node::NodeError> {
+    gpufence_node::job::grant::grant_step(node, req, "n1", || false).outcome
 }

@@ -29,7 +29,7 @@ use gpufence_cgroup::{level, sys};
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::job::apply::{ApplyOutcome, StepRequest};
+use gpufence_node::job::grant::{GrantOutcome, StepRequest};
 use gpufence_node::{admin::doctor, host::fence_ops, Node, NodeError};
 use gpufence_tests::{privileged, probe_bin, workspace_bin, TestEnv};
 
@@ -323,7 +323,7 @@ fn namespaced_side() {
     };
     let out = gpufence_tests::grant_step(&node, &req).expect("grant inside the namespace");
     assert!(
-        matches!(&out, ApplyOutcome::Granted { cgroup_path, .. } if *cgroup_path == job),
+        matches!(&out, GrantOutcome::Granted { cgroup_path, .. } if *cgroup_path == job),
         "{out:?}"
     );
     let fence = Fence::open(&bpffs).unwrap();

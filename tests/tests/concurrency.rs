@@ -2,7 +2,7 @@
 //!
 //! - [`fifty_jobs_at_once_on_a_real_fence`] (always run, kernel level): the
 //!   real `gpufence-prolog`, the plugin's grant step (`gpufence-probe
-//!   apply`, which calls the same `apply::grant_step` as the plugin) and the real
+//!   apply`, which calls the same `grant::grant_step` as the plugin) and the real
 //!   `gpufence-epilog`, as separate processes, 50 of each at once against a
 //!   fence on the test's own cgroup subtree; GPUs are `mknod` nodes 195:0..49
 //!   (ENXIO = allowed by the device cgroup, EPERM = denied).

@@ -1,7 +1,7 @@
 //! Crashes and restarts (issue 8, items 2 and 3).
 //!
 //! Crashes, at kernel level, always run: the real `gpufence-prolog`, the
-//! plugin's grant step (`gpufence-probe apply`, the same `apply::grant_step` the
+//! plugin's grant step (`gpufence-probe apply`, the same `grant::grant_step` the
 //! plugin calls in slurmstepd) and the real `gpufence-epilog` are killed
 //! with SIGKILL at every step boundary listed in
 //! [`gpufence_node::crashpoint::ALL`], through `GPUFENCE_TEST_CRASH_AT` in

@@ -9,7 +9,7 @@ use gpufence_cgroup::fence::{programs_at, Fence};
 use gpufence_model::config::Config;
 use gpufence_model::device::{Access, DevNum, DeviceGrant, DeviceRole};
 use gpufence_model::record::{now_rfc3339, JobRecord, RECORD_VERSION};
-use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest};
+use gpufence_node::job::grant::{self, GrantOutcome, StepRequest};
 use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, TestEnv};
 
@@ -457,7 +457,7 @@ fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
     let out = gpufence_tests::grant_step(&node, &req).unwrap();
     let want_cg = format!("{}/{base}/job_42", env.root);
     assert!(
-        matches!(&out, ApplyOutcome::Granted { cgroup_path, devices: 1, .. } if *cgroup_path == want_cg),
+        matches!(&out, GrantOutcome::Granted { cgroup_path, devices: 1, .. } if *cgroup_path == want_cg),
         "{out:?}"
     );
     assert_eq!(env.open_from(&task, &n0), "ENXIO");
@@ -481,7 +481,7 @@ fn layout_slurm_finds_job_cgroup_in_a_hand_made_tree() {
     // A slurmstepd without a job_<id> ancestor cannot be placed.
     let lost = env.cgroup("system.slice/slurmd.service");
     let stray = env.spawn_sleeper(&lost);
-    let e = apply::place(
+    let e = grant::place(
         &node,
         &StepRequest {
             stepd_pid: stray,
@@ -518,7 +518,7 @@ fn an_exempt_ancestor_of_a_job_cgroup_refuses_the_step() {
         uid: 1000,
         stepd_pid: stepd,
     };
-    let e = apply::place(&exempting, &req).unwrap_err();
+    let e = grant::place(&exempting, &req).unwrap_err();
     assert!(
         matches!(&e, NodeError::JobCgroup(m) if m.contains(&format!("below the exempt cgroup /{scope}"))
             && m.contains("remove")),
@@ -530,7 +530,7 @@ fn an_exempt_ancestor_of_a_job_cgroup_refuses_the_step() {
         &format!("layout = \"slurm\"\nexempt_cgroups = []\n{MAJORS}"),
     );
     fence_ops::install(&plain).unwrap();
-    apply::place(&plain, &req).unwrap();
+    grant::place(&plain, &req).unwrap();
 }
 
 #[test]
@@ -570,7 +570,7 @@ fn layout_own_moves_slurmstepd_into_its_job_cgroup() {
         },
     )
     .unwrap();
-    assert_eq!(out, ApplyOutcome::NoRecord);
+    assert_eq!(out, GrantOutcome::NoRecord);
     assert_eq!(
         env.open_from(&format!("{}/job_8/step_batch", env.root), &n0),
         "EPERM"
@@ -594,7 +594,7 @@ fn no_fence_means_no_placement() {
     let node = node(&env, &format!("layout = \"own\"\n{MAJORS}"));
     let slurmd = env.cgroup("slurmd");
     let stepd = env.spawn_sleeper(&slurmd);
-    let e = apply::place(
+    let e = grant::place(
         &node,
         &StepRequest {
             job_id: 9,

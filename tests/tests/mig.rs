@@ -10,7 +10,7 @@
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::DevNum;
 use gpufence_model::record::MigSlice;
-use gpufence_node::job::apply::StepRequest;
+use gpufence_node::job::grant::StepRequest;
 use gpufence_node::job::prolog::{self, PrologEnv};
 use gpufence_node::{host::fence_ops, job::epilog, Node, NodeError};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};

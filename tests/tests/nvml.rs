@@ -753,7 +753,7 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
         .unwrap();
         assert!(rec.user_notes.is_empty(), "{:?}", rec.user_notes);
         assert_eq!(
-            gpufence_node::job::apply::job_env(&rec),
+            gpufence_node::job::grant::job_env(&rec),
             vec![(
                 "CUDA_MPS_PIPE_DIRECTORY".to_string(),
                 w.env.path("mps/gpu3/pipe").display().to_string()

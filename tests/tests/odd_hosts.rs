@@ -23,7 +23,7 @@ use gpufence_cgroup::fence::{programs_at, Fence, FORCE_NO_HELPER_ENV};
 use gpufence_cgroup::sys;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::job::apply::{self, ApplyOutcome, StepRequest, StepVerdict};
+use gpufence_node::job::grant::{self, GrantOutcome, StepRequest, StepVerdict};
 use gpufence_node::{host::fence_ops, Node, NodeError};
 use gpufence_tests::cluster::test_uid;
 use gpufence_tests::{privileged, workspace_bin, TestEnv};
@@ -169,9 +169,9 @@ struct Step {
     /// The slurmstepd stand-in's request.
     req: StepRequest,
     /// The first half (placement).
-    placed: Result<apply::Placement, NodeError>,
+    placed: Result<grant::Placement, NodeError>,
     /// The second half (grant).
-    granted: Result<ApplyOutcome, NodeError>,
+    granted: Result<GrantOutcome, NodeError>,
 }
 
 /// The plugin's step for `job` in the `own` layout, with a sleeper of the
@@ -186,13 +186,13 @@ fn plugin_step(env: &mut TestEnv, node: &Node, job: u32) -> Step {
         uid: test_uid(),
         stepd_pid: stepd,
     };
-    let placed = apply::place(node, &req);
+    let placed = grant::place(node, &req);
     let cgroup = placed
         .as_ref()
         .expect("placed (the fence is up)")
         .job_cgroup
         .clone();
-    let granted = apply::grant(node, &req, placed.as_ref().unwrap());
+    let granted = grant::grant_placed(node, &req, placed.as_ref().unwrap());
     Step {
         cgroup,
         req,
@@ -431,7 +431,7 @@ fn read_only_state_dir_fails_closed() {
     let s61 = plugin_step(&mut env, &node, 61);
     let job61 = s61.cgroup.clone();
     assert!(
-        matches!(s61.granted, Ok(ApplyOutcome::Granted { .. })),
+        matches!(s61.granted, Ok(GrantOutcome::Granted { .. })),
         "{:?}",
         s61.granted
     );
@@ -465,7 +465,7 @@ fn read_only_state_dir_fails_closed() {
         "EPERM",
         "job 62 has no GPU"
     );
-    let v = apply::verdict_with(
+    let v = grant::verdict_with(
         &node,
         &s62.req,
         "n1",
@@ -519,7 +519,7 @@ fn full_audit_log_fails_closed() {
     let s71 = plugin_step(&mut env, &node, 71);
     let job71 = s71.cgroup.clone();
     assert!(
-        matches!(s71.granted, Ok(ApplyOutcome::Granted { .. })),
+        matches!(s71.granted, Ok(GrantOutcome::Granted { .. })),
         "{:?}",
         s71.granted
     );
@@ -543,7 +543,7 @@ fn full_audit_log_fails_closed() {
     );
     assert_eq!(grants_of(&env, 72), 0);
     assert_eq!(env.open_from(&s72.cgroup, &n0), "EPERM");
-    match apply::verdict_with(
+    match grant::verdict_with(
         &node,
         &s72.req,
         "n1",

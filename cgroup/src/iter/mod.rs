@@ -2,7 +2,7 @@
 //! the BPF iterator programs (`kernel/bpf/task_iter.c`) of the scans that
 //! look for processes holding a device (`gpufence_node::holders::scan`):
 //! `task_file` and `task_vma` below, the io_uring rings' fixed files
-//! ([`ring`]), and the one task iterator that reads a whole descriptor
+//! ([`RingIterator`]), and the one task iterator that reads a whole descriptor
 //! table and memory map per task, in bounded passes ([`fdtable`]).
 //!
 //! - `task_file` runs once per (task, descriptor). It skips threads that

@@ -23,7 +23,7 @@ pub struct SlurmJobCgroup {
 /// runs in (`own_cgroup`, from the kernel's `/proc/<pid>/cgroup`: where
 /// Slurm put its own daemon; never the job's environment) for job `job_id`
 /// and step `step` (`0`, `batch`, `extern`, `interactive`: the name Slurm
-/// gives the step, as [`crate::job::apply::step_name`] spells it).
+/// gives the step, as [`crate::job::grant::step_name`] spells it).
 ///
 /// Slurm's cgroup/v2 plugin (`cgroup_p_step_create`,
 /// `src/plugins/cgroup/v2/cgroup_v2.c`) makes

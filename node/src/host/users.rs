@@ -6,7 +6,7 @@
 //! NSS can hang (an LDAP server down, SSSD stuck): [`Users`] asks it from one
 //! worker thread and waits at most [`NSS_BUDGET`] in all over its life; past
 //! that it answers from what it already knows and [`Users::note`] says so.
-//! Nothing on the SPANK path (`spank-plugin`, [`crate::job::apply`]) looks
+//! Nothing on the SPANK path (`spank-plugin`, [`crate::job::grant`]) looks
 //! users up: slurmstepd gives it the job's uid, which it compares as a
 //! number, so a task start never waits on NSS.
 //!

@@ -10,13 +10,13 @@
 //!   ([`locate_script`]: the kernel's `/proc/self/cgroup`, where Slurm put
 //!   the extern slurmstepd; never the job's environment) and, after writing
 //!   and auditing the record, grants it itself
-//!   ([`crate::job::apply::grant_in_prolog`], step `extern`): the extern step,
+//!   ([`crate::job::grant::grant_in_prolog`], step `extern`): the extern step,
 //!   ssh sessions pam_slurm_adopt puts in `step_extern/user/task_special`,
 //!   and every later step hold the grant from the moment the Prolog
 //!   returns. Later steps' `slurm_spank_init` grant the same again, which
-//!   is harmless ([`crate::job::apply::grant`]).
+//!   is harmless ([`crate::job::grant::grant_placed`]).
 //! - The extern step's `slurm_spank_init` without a record is expected
-//!   ([`crate::job::apply::no_record_expected`]).
+//!   ([`crate::job::grant::no_record_expected`]).
 //! - The Prolog and the Epilog step out of the job cgroup into an exempt
 //!   leaf of the exec cgroup for their work ([`step_out`]) and back in
 //!   before they exit. Inside the job cgroup NVML cannot do its part:
@@ -45,7 +45,7 @@ use gpufence_cgroup::Fence;
 use gpufence_model::config::Layout;
 
 use crate::host::slurm_cgroup::{find_job_cgroup, is_sluid, SlurmJobCgroup};
-use crate::job::apply::{self, JobCgroup};
+use crate::job::grant::{self, JobCgroup};
 use crate::{Node, NodeError};
 
 /// The Prolog's and Epilog's variable with the job's SLUID (25.11+,
@@ -140,7 +140,7 @@ pub fn locate_script(
     else {
         return Ok(None);
     };
-    apply::fenced(node, &job.path)?;
+    grant::fenced(node, &job.path)?;
     Ok(Some(JobCgroup {
         path: job.path,
         dir: job.dir,

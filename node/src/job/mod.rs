@@ -4,8 +4,8 @@
 //! `mps`, `report`, `shared` and `leftovers` use none of the others;
 //! `injob` uses `apply`; `prolog` and `epilog` use those below them.
 
-pub mod apply;
 pub mod epilog;
+pub mod grant;
 pub mod injob;
 pub mod leftovers;
 pub mod mps;

@@ -543,7 +543,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
 pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String>, NodeError> {
     let mut notes = Vec::new();
     // Every grant is noted in `applied/` before it is made
-    // ([`crate::job::apply`]): a job with no note (and no unreadable one) has no
+    // ([`crate::job::grant`]): a job with no note (and no unreadable one) has no
     // grant to revoke, and the walk of the whole `grants` map is spared.
     let (applied, unreadable) = node.state.applied(Some(job_id));
     let gone = if applied.is_empty() && unreadable.is_empty() {
@@ -643,7 +643,7 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 ///    which opens every GPU of the node;
 /// 3. the record is written and `grant_recorded` audited, as always;
 /// 4. the record is granted to the job cgroup
-///    ([`crate::job::apply::grant_in_prolog`]: `grant_applied` with step
+///    ([`crate::job::grant::grant_in_prolog`]: `grant_applied` with step
 ///    `extern` and `phase` `prolog`, the applied note, the fence), so the
 ///    extern step (and the ssh sessions pam_slurm_adopt puts there) and
 ///    every later step hold it when the Prolog returns; Slurm starts no
@@ -740,18 +740,18 @@ fn grant_job_cgroup(
     rec: &JobRecord,
     job_cgroup: &str,
 ) -> Result<(), NodeError> {
-    let req = crate::job::apply::StepRequest {
+    let req = crate::job::grant::StepRequest {
         job_id: rec.job_id,
-        step_id: crate::job::apply::EXTERN_STEP_ID,
+        step_id: crate::job::grant::EXTERN_STEP_ID,
         uid: rec.uid,
         stepd_pid: std::process::id() as i32,
     };
-    let err = match crate::job::apply::grant_in_prolog(node, &req, fence, job_cgroup) {
+    let err = match crate::job::grant::grant_in_prolog(node, &req, fence, job_cgroup) {
         Ok(
-            crate::job::apply::ApplyOutcome::Granted { .. }
-            | crate::job::apply::ApplyOutcome::NoGpus,
+            crate::job::grant::GrantOutcome::Granted { .. }
+            | crate::job::grant::GrantOutcome::NoGpus,
         ) => return Ok(()),
-        Ok(crate::job::apply::ApplyOutcome::NoRecord) => NodeError::JobCgroup(format!(
+        Ok(crate::job::grant::GrantOutcome::NoRecord) => NodeError::JobCgroup(format!(
             "job {}: the record written a moment ago is gone from {}",
             rec.job_id,
             node.state.record_path(rec.job_id).display()

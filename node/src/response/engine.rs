@@ -150,16 +150,12 @@ struct Stopping {
 }
 
 fn responding_dir(node: &Node) -> PathBuf {
-    node.cfg.state_dir.join("responding")
+    node.state.responding_dir()
 }
 
 /// `pid`'s start time in clock ticks since boot.
 fn start_ticks(pid: i32) -> Option<u64> {
-    procfs::process::Process::new(pid)
-        .ok()?
-        .stat()
-        .ok()
-        .map(|s| s.starttime)
+    gpufence_model::procstat::ProcStat::of(pid).map(|s| s.starttime)
 }
 
 /// The note of a stopped holder (`note_stopped`) could not be written.

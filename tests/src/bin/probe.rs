@@ -856,14 +856,14 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            let req = gpufence_node::job::apply::StepRequest {
+            let req = gpufence_node::job::grant::StepRequest {
                 job_id: job,
                 step_id: 0,
                 uid,
                 stepd_pid: pid,
             };
             // The plugin's own step (a CPU-less stand-in for slurmstepd).
-            match gpufence_node::job::apply::grant_step(&node, &req, "this node", || false).outcome
+            match gpufence_node::job::grant::grant_step(&node, &req, "this node", || false).outcome
             {
                 Ok(o) => say(&format!("{o:?}")),
                 Err(e) => {

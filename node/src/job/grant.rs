@@ -90,7 +90,7 @@ pub struct StepRequest {
 
 /// What happened.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ApplyOutcome {
+pub enum GrantOutcome {
     /// The job's devices are granted to `cgroup_path`.
     Granted {
         /// The job cgroup.
@@ -269,28 +269,28 @@ fn refuse_exempt_ancestor(node: &Node, fence: &Fence, job: &str) -> Result<(), N
 /// [`NodeError`] for a corrupt or foreign record, an unwritable audit log,
 /// or a full map. The step is fenced without a grant: it may run, with no
 /// GPU access.
-pub fn grant(
+pub fn grant_placed(
     node: &Node,
     req: &StepRequest,
     placement: &Placement,
-) -> Result<ApplyOutcome, NodeError> {
+) -> Result<GrantOutcome, NodeError> {
     grant_at(node, req, &placement.fence, &placement.job_cgroup, None)
 }
 
-/// [`grant`] by the Prolog under `PrologFlags=RunInJob` ([`crate::job::injob`]):
+/// [`grant_placed`] by the Prolog under `PrologFlags=RunInJob` ([`crate::job::injob`]):
 /// the record just written goes to `job_cgroup` (the job cgroup the
 /// Prolog's own cgroup is in, [`crate::job::injob::locate_script`]), as the
-/// extern step's. The `grant_applied` line is the one [`grant`] writes
+/// extern step's. The `grant_applied` line is the one [`grant_placed`] writes
 /// (`step` is `req`'s, `pid` the Prolog's), with `"phase": "prolog"`.
 ///
 /// # Errors
-/// As [`grant`].
+/// As [`grant_placed`].
 pub fn grant_in_prolog(
     node: &Node,
     req: &StepRequest,
     fence: &Fence,
     job_cgroup: &str,
-) -> Result<ApplyOutcome, NodeError> {
+) -> Result<GrantOutcome, NodeError> {
     grant_at(node, req, fence, job_cgroup, Some("prolog"))
 }
 
@@ -300,9 +300,9 @@ fn grant_at(
     fence: &Fence,
     job: &str,
     phase: Option<&'static str>,
-) -> Result<ApplyOutcome, NodeError> {
+) -> Result<GrantOutcome, NodeError> {
     let Some(rec) = node.state.read_record(req.job_id)? else {
-        return Ok(ApplyOutcome::NoRecord);
+        return Ok(GrantOutcome::NoRecord);
     };
     if rec.uid != req.uid {
         return Err(NodeError::RecordMismatch {
@@ -313,7 +313,7 @@ fn grant_at(
         });
     }
     if rec.devices.is_empty() {
-        return Ok(ApplyOutcome::NoGpus);
+        return Ok(GrantOutcome::NoGpus);
     }
     let cgroup_id = node.cg.id(job)?;
     // The level the fence records the grant at, the kernel's (in a cgroup
@@ -351,7 +351,7 @@ fn grant_at(
     fence.grant_in(&node.cg, cgroup_id, job, req.job_id, &devs)?;
     crashpoint::reached(crashpoint::GRANT_GRANTED);
     drop_predecessors(node, req, fence, cgroup_id);
-    Ok(ApplyOutcome::Granted {
+    Ok(GrantOutcome::Granted {
         cgroup_path: job.to_string(),
         cgroup_id,
         devices: devs.len(),
@@ -448,12 +448,12 @@ pub struct StepGrant {
     pub user_notes: Vec<String>,
     /// Variables for the tasks' environment ([`job_env`]).
     pub job_env: Vec<(String, String)>,
-    /// What [`place`] then [`grant`] returned: the placement's error, or
+    /// What [`place`] then [`grant_placed`] returned: the placement's error, or
     /// the grant's outcome.
-    pub outcome: Result<ApplyOutcome, NodeError>,
+    pub outcome: Result<GrantOutcome, NodeError>,
 }
 
-/// The grant step of one slurmstepd, whole: [`place`], [`grant`], the
+/// The grant step of one slurmstepd, whole: [`place`], [`grant_placed`], the
 /// [`verdict_with`] (and its `grant_refused` line), the log line and the
 /// user's lines. What the plugin's `slurm_spank_init` runs in slurmstepd,
 /// and what the tests and `gpufence-probe apply` call. `node_name` is for
@@ -467,12 +467,12 @@ pub fn grant_step(
     run_in_job: impl FnOnce() -> bool,
 ) -> StepGrant {
     let placed = place(node, req);
-    let granted = placed.as_ref().ok().map(|p| grant(node, req, p));
+    let granted = placed.as_ref().ok().map(|p| grant_placed(node, req, p));
     let mut note = None;
     let (mut user_notes, mut env) = (Vec::new(), Vec::new());
     if let (
         Ok(p),
-        Some(Ok(ApplyOutcome::Granted {
+        Some(Ok(GrantOutcome::Granted {
             cgroup_path,
             devices,
             user_notes: notes,
@@ -485,7 +485,7 @@ pub fn grant_step(
         env = job_env.clone();
         note = Some(granted_line(req, *devices, cgroup_path, &p.job_dir));
     }
-    let run_in_job = matches!(granted, Some(Ok(ApplyOutcome::NoRecord)))
+    let run_in_job = matches!(granted, Some(Ok(GrantOutcome::NoRecord)))
         && no_record_expected(req, req.step_id == EXTERN_STEP_ID && run_in_job());
     let verdict = verdict_with(node, req, node_name, &placed, granted.as_ref(), run_in_job);
     if run_in_job && verdict == StepVerdict::Run {
@@ -499,7 +499,7 @@ pub fn grant_step(
         // No grant only when the placement failed: its error.
         outcome: match granted {
             Some(g) => g,
-            None => placed.map(|_| ApplyOutcome::NoRecord),
+            None => placed.map(|_| GrantOutcome::NoRecord),
         },
     }
 }
@@ -532,16 +532,16 @@ fn decide(
     req: &StepRequest,
     node_name: &str,
     placed: Option<&NodeError>,
-    granted: Option<Result<&ApplyOutcome, &NodeError>>,
+    granted: Option<Result<&GrantOutcome, &NodeError>>,
     run_in_job: bool,
 ) -> StepVerdict {
     let step = step_label(req);
     match (placed, granted) {
         (Some(e), _) => StepVerdict::Refuse(format!("gpufence: {step} refused on {node_name}: {e}")),
-        (None, Some(Ok(ApplyOutcome::NoRecord))) if no_record_expected(req, run_in_job) => {
+        (None, Some(Ok(GrantOutcome::NoRecord))) if no_record_expected(req, run_in_job) => {
             StepVerdict::Run
         }
-        (None, Some(Ok(ApplyOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
+        (None, Some(Ok(GrantOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
             "gpufence: {step} has no GPU grant on {node_name} (the gpufence prolog left no record for the job); \
              this step runs without GPU access. Admin: check Prolog= in slurm.conf"
         )),
@@ -553,7 +553,7 @@ fn decide(
 }
 
 /// Decides the step's fate from the two halves' results ([`place`],
-/// [`grant`]), and writes a `grant_refused` audit line when it is not a
+/// [`grant_placed`]), and writes a `grant_refused` audit line when it is not a
 /// plain run. `node_name` is for the user's message. `run_in_job`:
 /// slurm.conf has `PrologFlags=RunInJob`; then the extern step without a
 /// record ([`no_record_expected`]) runs
@@ -565,7 +565,7 @@ pub fn verdict_with(
     req: &StepRequest,
     node_name: &str,
     placed: &Result<Placement, NodeError>,
-    granted: Option<&Result<ApplyOutcome, NodeError>>,
+    granted: Option<&Result<GrantOutcome, NodeError>>,
     run_in_job: bool,
 ) -> StepVerdict {
     let v = decide(
@@ -636,7 +636,7 @@ mod tests {
             let want = format!("job 9 step {name}");
             let decided = [
                 decide(&req, "n1", Some(&e), None, false),
-                decide(&req, "n1", None, Some(Ok(&ApplyOutcome::NoRecord)), false),
+                decide(&req, "n1", None, Some(Ok(&GrantOutcome::NoRecord)), false),
                 decide(&req, "n1", None, Some(Err(&e)), false),
             ];
             let mut lines: Vec<String> = decided
@@ -759,7 +759,7 @@ mod tests {
             uid: 1000,
             stepd_pid: 1,
         };
-        let no_record = Ok(&ApplyOutcome::NoRecord);
+        let no_record = Ok(&GrantOutcome::NoRecord);
         assert!(no_record_expected(&req(EXTERN_STEP_ID), true));
         assert_eq!(
             decide(&req(EXTERN_STEP_ID), "n1", None, Some(no_record), true),
@@ -789,7 +789,7 @@ mod tests {
                 &req(EXTERN_STEP_ID),
                 "n1",
                 None,
-                Some(Ok(&ApplyOutcome::NoGpus)),
+                Some(Ok(&GrantOutcome::NoGpus)),
                 true
             ),
             StepVerdict::Run
@@ -815,7 +815,7 @@ mod tests {
             &req,
             "n1",
             &placed,
-            Some(&Ok(ApplyOutcome::NoRecord)),
+            Some(&Ok(GrantOutcome::NoRecord)),
             true,
         );
         assert!(matches!(v, StepVerdict::Refuse(_)));
