@@ -606,12 +606,17 @@ pub fn hostname() -> String {
 /// cgroup moves, an empty environment) with only `SLURM_CONF=slurm_conf`
 /// set, in `dir`. The cluster tests and the job benchmark use it.
 pub fn user_command(slurm_conf: &Path, dir: &Path, program: &str) -> Command {
+    user_command_as(TEST_USER, slurm_conf, dir, program)
+}
+
+/// [`user_command`] as `user` (another job user of a test).
+pub fn user_command_as(user: &str, slurm_conf: &Path, dir: &Path, program: &str) -> Command {
     let mut c = Command::new("setpriv");
     c.args([
         "--reuid",
-        TEST_USER,
+        user,
         "--regid",
-        TEST_USER,
+        user,
         "--init-groups",
         "--reset-env",
         "--",
@@ -704,20 +709,12 @@ impl PeerUser {
     /// `program` as this user with the cluster's `SLURM_CONF`, in its
     /// jobs directory (in the cluster's root, if any).
     pub fn cmd(&self, cluster: &Cluster, program: &str) -> Command {
-        let mut c = Command::new("setpriv");
-        c.args([
-            "--reuid",
+        let c = user_command_as(
             self.name,
-            "--regid",
-            self.name,
-            "--init-groups",
-            "--reset-env",
-            "--",
-            "env",
-        ])
-        .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
-        .arg(program)
-        .current_dir(cluster.dir.parent().unwrap().join("jobs"));
+            &cluster.slurm_conf,
+            &cluster.dir.parent().unwrap().join("jobs"),
+            program,
+        );
         match &cluster.root {
             Some(r) => in_root(r, &c),
             None => c,

@@ -25,7 +25,7 @@
 //! live in test binaries of their own (`tests/e2e_v2node.rs`): `cargo test`
 //! runs one test binary at a time, so no other test's fence sees them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::Cgroup2;
@@ -214,5 +214,107 @@ impl Drop for V2Slice {
         while self.cg.remove_tree(SLICE).is_err() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+}
+
+/// A Slurm release to run a node with: this host's (22.05), or one in a
+/// Debian root (`contrib/v2node/make-root.sh`) with the plugin built
+/// against its headers (`contrib/v2node/build-plugin.sh`).
+pub struct Release {
+    /// A Debian root of that release; `None`: this host's Slurm.
+    pub root: Option<PathBuf>,
+    /// The plugin built against its headers; `None`: the workspace's.
+    pub plugin: Option<PathBuf>,
+}
+
+impl Release {
+    /// This host's Slurm.
+    pub fn host() -> Release {
+        Release {
+            root: None,
+            plugin: None,
+        }
+    }
+
+    /// The release in the Debian root of `suite` under
+    /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`), with
+    /// its plugin at `target/v2node/<suite>.gpufence.so`; `contrib/test.sh`
+    /// makes both. Missing: a failure in CI, a skip elsewhere.
+    pub fn debian(suite: &str) -> Option<Release> {
+        Release::debian_having(suite, None)
+    }
+
+    /// [`Release::debian`], whose root must also hold `file` (absolute in
+    /// the root: a tool a test runs there, from a newer `make-root.sh`).
+    pub fn debian_having(suite: &str, file: Option<&str>) -> Option<Release> {
+        let roots = std::env::var_os("GPUFENCE_SLURM_ROOTS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
+        let root = roots.join(suite);
+        let exe = std::env::current_exe().unwrap();
+        let target = exe
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .unwrap();
+        let plugin = target.join(format!("v2node/{suite}.gpufence.so"));
+        let why = if !root.join(".gpufence-root").exists() {
+            format!("no Debian {suite} root at {}", root.display())
+        } else if !plugin.exists() {
+            format!("no plugin built for it at {}", plugin.display())
+        } else if let Some(f) = file.filter(|f| !root.join(f.trim_start_matches('/')).exists()) {
+            format!(
+                "the root at {} has no {f} (made before it was added)",
+                root.display()
+            )
+        } else {
+            return Some(Release {
+                root: Some(root),
+                plugin: Some(plugin),
+            });
+        };
+        let fix = format!(
+            "contrib/v2node/make-root.sh {suite} {}; contrib/v2node/build-plugin.sh {} {} (contrib/test.sh does both)",
+            root.display(),
+            root.display(),
+            plugin.display()
+        );
+        if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+            panic!("{why}: {fix}");
+        }
+        eprintln!("SKIPPED (outside CI): {why}: {fix}");
+        None
+    }
+
+    /// `path` (absolute) in the release's filesystem.
+    pub fn file(&self, path: &str) -> PathBuf {
+        match &self.root {
+            Some(r) => r.join(path.trim_start_matches('/')),
+            None => PathBuf::from(path),
+        }
+    }
+
+    /// `host`, or `root <dir>`: for reports.
+    pub fn name(&self) -> String {
+        match &self.root {
+            Some(r) => format!("root {}", r.display()),
+            None => "host".into(),
+        }
+    }
+
+    /// `slurmd -V` of the release (empty when it cannot say).
+    pub fn slurm_version(&self) -> String {
+        let mut c = match &self.root {
+            Some(r) => {
+                let mut c = std::process::Command::new("chroot");
+                c.arg(r).arg("slurmd");
+                c
+            }
+            None => std::process::Command::new("slurmd"),
+        };
+        c.arg("-V")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
     }
 }

@@ -87,21 +87,12 @@ impl LowUser {
 
     /// `program` as this user, with `SLURM_CONF`, in its home.
     fn cmd(&self, cluster: &Cluster, program: &str) -> Command {
-        let mut c = Command::new("setpriv");
-        c.args([
-            "--reuid",
+        gpufence_tests::cluster::user_command_as(
             self.name,
-            "--regid",
-            self.name,
-            "--init-groups",
-            "--reset-env",
-            "--",
-            "env",
-        ])
-        .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))
-        .arg(program)
-        .current_dir(&self.home);
-        c
+            &cluster.slurm_conf,
+            &self.home,
+            program,
+        )
     }
 }
 

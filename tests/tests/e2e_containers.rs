@@ -35,89 +35,12 @@ use std::process::Output;
 
 use gpufence_tests::cluster::{test_uid, Cluster, ClusterSpec};
 use gpufence_tests::out::{both, field, stdout, verdict};
-use gpufence_tests::v2node::V2Slice;
+use gpufence_tests::v2node::{Release, V2Slice};
 use gpufence_tests::{privileged, workspace_bin, TestEnv};
 
 /// A cgroup of the test's own under the fenced slice, where a user's
 /// process outside every job runs (as in `tests/e2e_v2node.rs`).
 const OUTSIDE: &str = "system.slice/gpufence-test-outside.service";
-
-/// A Slurm release to run the node with (as in `tests/e2e_v2node.rs`).
-struct Release {
-    /// A Debian root of that release (`contrib/v2node/make-root.sh`);
-    /// `None`: this host's Slurm.
-    root: Option<PathBuf>,
-    /// The plugin built against its headers.
-    plugin: Option<PathBuf>,
-}
-
-impl Release {
-    fn host() -> Release {
-        Release {
-            root: None,
-            plugin: None,
-        }
-    }
-
-    /// The release in the Debian root of `suite` under
-    /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`), with
-    /// its plugin at `target/v2node/<suite>.gpufence.so`; `contrib/test.sh`
-    /// makes both. Missing: a failure in CI, a skip elsewhere.
-    fn debian(suite: &str) -> Option<Release> {
-        let roots = std::env::var_os("GPUFENCE_SLURM_ROOTS")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
-        let root = roots.join(suite);
-        let exe = std::env::current_exe().unwrap();
-        let target = exe
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-            .unwrap();
-        let plugin = target.join(format!("v2node/{suite}.gpufence.so"));
-        let why = if !root.join(".gpufence-root").exists() {
-            format!("no Debian {suite} root at {}", root.display())
-        } else if !plugin.exists() {
-            format!("no plugin built for it at {}", plugin.display())
-        } else if !root.join("usr/bin/podman").exists() {
-            format!(
-                "the root at {} predates the container runtimes",
-                root.display()
-            )
-        } else {
-            return Some(Release {
-                root: Some(root),
-                plugin: Some(plugin),
-            });
-        };
-        let fix = format!(
-            "contrib/v2node/make-root.sh {suite} {}; contrib/v2node/build-plugin.sh {} {} (contrib/test.sh does both)",
-            root.display(),
-            root.display(),
-            plugin.display()
-        );
-        if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
-            panic!("{why}: {fix}");
-        }
-        eprintln!("SKIPPED (outside CI): {why}: {fix}");
-        None
-    }
-
-    /// `path` (absolute) in the release's filesystem.
-    fn file(&self, path: &str) -> PathBuf {
-        match &self.root {
-            Some(r) => r.join(path.trim_start_matches('/')),
-            None => PathBuf::from(path),
-        }
-    }
-
-    fn name(&self) -> String {
-        match &self.root {
-            Some(r) => format!("root {}", r.display()),
-            None => "host".into(),
-        }
-    }
-}
 
 /// The stand-in GPUs, in `/dev/gpufence-test.<pid>.<tag>` (see the module
 /// comment for why under `/dev`); the directory goes on drop.
@@ -612,7 +535,7 @@ fn containers_in_jobs_24_11_debian_trixie() {
     if !privileged() {
         return;
     }
-    if let Some(r) = Release::debian("trixie") {
+    if let Some(r) = Release::debian_having("trixie", Some("/usr/bin/podman")) {
         containers(&r, "ctr-trixie");
     }
 }
@@ -622,7 +545,7 @@ fn containers_in_jobs_26_05_debian_sid() {
     if !privileged() {
         return;
     }
-    if let Some(r) = Release::debian("sid") {
+    if let Some(r) = Release::debian_having("sid", Some("/usr/bin/podman")) {
         containers(&r, "ctr-sid");
     }
 }

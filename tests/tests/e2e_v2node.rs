@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use gpufence_tests::cluster::{hostname, test_uid, Cluster, ClusterSpec};
 use gpufence_tests::out::{both, field, stdout, verdict};
-use gpufence_tests::v2node::{V2Slice, SLICE};
+use gpufence_tests::v2node::{Release, V2Slice, SLICE};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
 use serde_json::Value;
 
@@ -130,71 +130,6 @@ fn salloc_no_shell(cluster: &Cluster, args: &[&str]) -> u32 {
 /// process outside every job runs (an ssh session pam_systemd moved out of
 /// the job, a container started through dockerd).
 const OUTSIDE: &str = "system.slice/gpufence-test-outside.service";
-
-/// A Slurm release to run the node with.
-struct Release {
-    /// A Debian root of that release (`contrib/v2node/make-root.sh`);
-    /// `None`: this host's Slurm.
-    root: Option<PathBuf>,
-    /// The plugin built against its headers.
-    plugin: Option<PathBuf>,
-}
-
-impl Release {
-    /// The release in the Debian root of `suite` under
-    /// `$GPUFENCE_SLURM_ROOTS` (default `/var/cache/gpufence/roots`), with
-    /// its plugin at `target/v2node/<suite>.gpufence.so`; `contrib/test.sh`
-    /// makes both. Missing: a failure in CI, a skip elsewhere.
-    fn debian(suite: &str) -> Option<Release> {
-        let roots = std::env::var_os("GPUFENCE_SLURM_ROOTS")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/var/cache/gpufence/roots"));
-        let root = roots.join(suite);
-        let exe = std::env::current_exe().unwrap();
-        let target = exe
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-            .unwrap();
-        let plugin = target.join(format!("v2node/{suite}.gpufence.so"));
-        let why = if !root.join(".gpufence-root").exists() {
-            format!("no Debian {suite} root at {}", root.display())
-        } else if !plugin.exists() {
-            format!("no plugin built for it at {}", plugin.display())
-        } else {
-            return Some(Release {
-                root: Some(root),
-                plugin: Some(plugin),
-            });
-        };
-        let fix = format!(
-            "contrib/v2node/make-root.sh {suite} {}; contrib/v2node/build-plugin.sh {} {} (contrib/test.sh does both)",
-            root.display(),
-            root.display(),
-            plugin.display()
-        );
-        if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
-            panic!("{why}: {fix}");
-        }
-        eprintln!("SKIPPED (outside CI): {why}: {fix}");
-        None
-    }
-
-    fn slurm_version(&self) -> String {
-        let mut c = match &self.root {
-            Some(r) => {
-                let mut c = std::process::Command::new("chroot");
-                c.arg(r).arg("slurmd");
-                c
-            }
-            None => std::process::Command::new("slurmd"),
-        };
-        c.arg("-V")
-            .output()
-            .map(|o| stdout(&o).trim().to_string())
-            .unwrap_or_default()
-    }
-}
 
 #[test]
 fn real_cgroup_v2_node_slurm_22_05_host() {

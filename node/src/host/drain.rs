@@ -88,28 +88,21 @@ pub fn drain(node: &Node, node_name: &str, reason: &str) -> Result<(), DrainErro
             source,
         })?;
     let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match child.try_wait() {
-            Ok(Some(st)) if st.success() => return Ok(()),
-            Ok(Some(st)) => {
-                let mut msg = String::new();
-                if let Some(mut e) = child.stderr.take() {
-                    let _ = std::io::Read::read_to_string(&mut e, &mut msg);
-                }
-                return Err(DrainError::Failed {
-                    node_name: node_name.to_string(),
-                    status: st,
-                    stderr: msg.trim().to_string(),
-                });
+    match crate::host::procs::wait_until(&mut child, deadline, Duration::from_millis(20)) {
+        Ok(Some(st)) if st.success() => Ok(()),
+        Ok(Some(st)) => {
+            let mut msg = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut msg);
             }
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(DrainError::Timeout);
-            }
-            Err(e) => return Err(DrainError::Wait(e)),
+            Err(DrainError::Failed {
+                node_name: node_name.to_string(),
+                status: st,
+                stderr: msg.trim().to_string(),
+            })
         }
+        Ok(None) => Err(DrainError::Timeout),
+        Err(e) => Err(DrainError::Wait(e)),
     }
 }
 

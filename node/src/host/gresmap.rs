@@ -516,26 +516,17 @@ fn spawn_and_collect(
         }
         s
     });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                ended();
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(fail(format!("no answer within {}s", timeout.as_secs())));
-            }
-            Err(e) => {
-                ended();
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(fail(e.to_string()));
-            }
-        }
-    };
+    let waited = crate::host::procs::wait_until(
+        &mut child,
+        Instant::now() + timeout,
+        Duration::from_millis(5),
+    );
     ended();
+    let status = match waited {
+        Ok(Some(s)) => s,
+        Ok(None) => return Err(fail(format!("no answer within {}s", timeout.as_secs()))),
+        Err(e) => return Err(fail(e.to_string())),
+    };
     let held = Instant::now() + CLEANUP_WAIT;
     let (Some(stdout), Some(stderr)) = (collect(t_out, held), collect(t_err, held)) else {
         return Err(fail(format!(

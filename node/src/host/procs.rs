@@ -3,6 +3,33 @@
 
 pub use gpufence_model::procstat::{ProcStat, PF_KTHREAD};
 
+/// Waits for `child` until `deadline`, looking every `poll`: `Ok(Some(status))`
+/// when it exited; `Ok(None)` when it was still running at `deadline`,
+/// and has been killed (`SIGKILL`) and reaped. When waiting fails the
+/// child is killed and reaped too, and the error returned. Every bounded
+/// child gpufence runs (scontrol, `slurmd -G`, the MPS control command)
+/// ends this way.
+///
+/// # Errors
+/// `waitpid`'s.
+pub fn wait_until(
+    child: &mut std::process::Child,
+    deadline: std::time::Instant,
+    poll: std::time::Duration,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => return Ok(Some(s)),
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(poll),
+            other => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return other.map(|_| None);
+            }
+        }
+    }
+}
+
 /// `(comm, ppid, flags)` from `/proc/<pid>/stat` ([`ProcStat`]).
 pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
     ProcStat::of(pid).map(|s| (s.comm, s.ppid, s.flags))

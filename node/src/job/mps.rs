@@ -115,19 +115,15 @@ fn run_bounded(mut cmd: Command, input: &[u8], wait: Duration) -> Result<(), Str
     if let Some(mut i) = child.stdin.take() {
         let _ = i.write_all(input);
     }
-    let deadline = Instant::now() + wait;
-    loop {
-        match child.try_wait() {
-            Ok(Some(s)) if s.success() => return Ok(()),
-            Ok(Some(s)) => return Err(format!("exited with {s}")),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("still running after {} s: killed", wait.as_secs()));
-            }
-            Err(e) => return Err(e.to_string()),
-        }
+    match crate::host::procs::wait_until(
+        &mut child,
+        Instant::now() + wait,
+        Duration::from_millis(10),
+    ) {
+        Ok(Some(s)) if s.success() => Ok(()),
+        Ok(Some(s)) => Err(format!("exited with {s}")),
+        Ok(None) => Err(format!("still running after {} s: killed", wait.as_secs())),
+        Err(e) => Err(e.to_string()),
     }
 }
 

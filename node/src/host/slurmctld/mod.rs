@@ -263,22 +263,14 @@ fn run(
         .stderr
         .take()
         .map(|e| std::thread::spawn(move || read_capped(e, 64 * 1024)));
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(RunError::Timeout(timeout));
-            }
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(RunError::Spawn(e));
-            }
-        }
+    let status = match crate::host::procs::wait_until(
+        &mut child,
+        Instant::now() + timeout,
+        Duration::from_millis(1),
+    ) {
+        Ok(Some(s)) => s,
+        Ok(None) => return Err(RunError::Timeout(timeout)),
+        Err(e) => return Err(RunError::Spawn(e)),
     };
     let (stdout, too_big) = out.and_then(|t| t.join().ok()).unwrap_or_default();
     let (stderr, _) = err.and_then(|t| t.join().ok()).unwrap_or_default();
