@@ -36,10 +36,20 @@ enum Cmd {
         json: bool,
     },
     /// Denied opens of NVIDIA devices: cgroup, user, device, count, last process and time.
+    ///
+    /// In audit mode the fence records what it would deny: the same list
+    /// is what enforcing would break.
     Denials {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// One line per cgroup (count, users, devices, last process), then
+        /// a ready `exempt_cgroups = [...]` line with the system services
+        /// among them (every uid at most protected_uid_max or in
+        /// service_uids, in a .service unit); a job's or a user's cgroup
+        /// is never suggested.
+        #[arg(long)]
+        by_cgroup: bool,
     },
     /// The node's NVIDIA devices: GPUs, MIG slices and their capabilities, protected majors.
     Devices {
@@ -199,7 +209,7 @@ fn run(cli: Cli) -> Result<ExitCode, NodeError> {
         Cmd::Respond(args) => Ok(sweep_cmd::run_respond(&node, &args)),
         Cmd::Exec { cmd } => run_exec(&node, &cmd),
         Cmd::Doctor { pid, cgroup, json } => run_doctor(&node, pid, cgroup.as_deref(), json),
-        Cmd::Denials { json } => run_denials(&node, json),
+        Cmd::Denials { json, by_cgroup } => run_denials(&node, json, by_cgroup),
         Cmd::Devices { json } => Ok(run_devices(&node, json)),
         Cmd::Fence {
             op: FenceOp::Install,
@@ -271,8 +281,53 @@ fn run_doctor(
 }
 
 /// `gpufence denials`: the denied opens, one row per cgroup, user and device.
-fn run_denials(node: &Node, json: bool) -> Result<ExitCode, NodeError> {
+fn run_denials(node: &Node, json: bool, by_cgroup: bool) -> Result<ExitCode, NodeError> {
     let d = gpufence_node::host::denials::list(node)?;
+    if by_cgroup {
+        let g = gpufence_node::host::denials::by_cgroup(node, &d);
+        if json {
+            println!("{}", serde_json::to_string_pretty(&g).unwrap_or_default());
+            return Ok(ExitCode::SUCCESS);
+        }
+        if g.cgroups.is_empty() {
+            println!("no denied opens recorded");
+            return Ok(ExitCode::SUCCESS);
+        }
+        let mut rows = vec!["count\tusers\tdevices\tpid\tcomm\tlast\tcgroup\tsuggest".to_string()];
+        for x in &g.cgroups {
+            rows.push(format!(
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                x.count,
+                cell(&x.users.join(",")),
+                x.devices.join(","),
+                x.last_pid,
+                cell(&x.last_comm),
+                x.last_time,
+                x.cgroup
+                    .as_deref()
+                    .map(|c| cell(&gpufence_node::host::cgpath::abs(c)))
+                    .unwrap_or_else(|| format!("(gone, id {})", x.cgroup_id)),
+                match (&x.suggest, &x.not_suggested) {
+                    (Some(s), _) =>
+                        format!("exempt {}", cell(&gpufence_node::host::cgpath::abs(s))),
+                    (None, Some(why)) => format!("no: {}", cell(why)),
+                    (None, None) => "no".into(),
+                }
+            ));
+        }
+        print_table(&rows);
+        println!();
+        if g.suggested.is_empty() {
+            println!("# no system service among them: nothing to add to exempt_cgroups");
+        } else {
+            println!(
+                "# exempt_cgroups for {}: the entries it has, then the system services above",
+                node.origin
+            );
+        }
+        println!("{}", g.exempt_cgroups_line);
+        return Ok(ExitCode::SUCCESS);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
     } else if d.is_empty() {

@@ -34,6 +34,13 @@ pub enum CgroupPathError {
     Prefix(String),
 }
 
+/// Whether a path component is a glob pattern: it holds `*`, `?` or `[`
+/// (characters systemd never puts in a unit name, `systemd.unit(5)`: unit
+/// names are ASCII letters, digits, `:-_.\\` and `@`).
+pub fn is_glob(component: &str) -> bool {
+    component.contains(['*', '?', '['])
+}
+
 /// A cgroup path relative to the cgroup2 mount, normalised: no leading or
 /// trailing `/`, no empty, `.` or `..` component; `""` is the mount's root.
 ///
@@ -127,6 +134,26 @@ impl CgroupPath {
                 && self.0.as_bytes()[root.0.len()] == b'/')
     }
 
+    /// Whether this cgroup is at or below a cgroup that `pattern` names,
+    /// component by component: a component of `pattern` that
+    /// [`is_glob`] is matched with the shell's rules (`glob::Pattern`:
+    /// `*`, `?`, `[...]`, never across a `/`), any other compares equal.
+    /// `system.slice/nvsm-core.service/x` is under `system.slice/nvsm*.service`;
+    /// `system.slice/nvsmx` is not. A component that is not a valid
+    /// pattern matches nothing (the config refuses such an entry).
+    pub fn is_under_pattern(&self, pattern: &CgroupPath) -> bool {
+        let mut mine = self.components();
+        pattern.components().all(|p| {
+            mine.next().is_some_and(|c| {
+                if is_glob(p) {
+                    glob::Pattern::new(p).is_ok_and(|g| g.matches(c))
+                } else {
+                    p == c
+                }
+            })
+        })
+    }
+
     /// The components, root first (none for the root).
     pub fn components(&self) -> impl Iterator<Item = &str> {
         self.0.split('/').filter(|s| !s.is_empty())
@@ -216,6 +243,50 @@ mod tests {
         assert_eq!(p("").abs(), "/");
         assert_eq!(p("a/b").abs(), "/a/b");
         assert_eq!(p("a/b").to_string(), "/a/b");
+    }
+
+    #[test]
+    fn is_under_pattern_matches_globs_per_component() {
+        let under = |c: &str, pat: &str| p(c).is_under_pattern(&p(pat));
+        assert!(under(
+            "system.slice/nvsm.service",
+            "system.slice/nvsm*.service"
+        ));
+        assert!(under(
+            "system.slice/nvsm-core.service/x",
+            "system.slice/nvsm*.service"
+        ));
+        assert!(under(
+            "system.slice/nvsm_api_gateway-mqtt.service",
+            "system.slice/nvsm*.service"
+        ));
+        assert!(!under("system.slice/nvsmx", "system.slice/nvsm*.service"));
+        assert!(!under(
+            "system.slice/evil.nvsm.service",
+            "system.slice/nvsm*.service"
+        ));
+        // `*` never crosses a `/`.
+        assert!(!under(
+            "system.slice/nvsm-a/b.service",
+            "system.slice/nvsm*.service"
+        ));
+        assert!(!under("system.slice", "system.slice/nvsm*.service"));
+        assert!(!under(
+            "user.slice/nvsm.service",
+            "system.slice/nvsm*.service"
+        ));
+        // A plain entry is is_under.
+        assert!(under("a/b/c", "a/b"));
+        assert!(!under("a/bc", "a/b"));
+        assert!(under("a", ""));
+        // Not a valid pattern: matches nothing.
+        assert!(!under("a/[x", "a/[x"));
+        assert!(
+            is_glob("nvsm*.service")
+                && is_glob("a?")
+                && is_glob("[ab]")
+                && !is_glob("slurmd.service")
+        );
     }
 
     #[test]

@@ -72,7 +72,13 @@ pub struct Config {
     /// Where device nodes live; names control devices in records.
     pub dev_dir: PathBuf,
     /// cgroup paths (relative to the cgroup2 mount) whose processes, and
-    /// their descendants, may open every NVIDIA device.
+    /// their descendants, may open every NVIDIA device. An entry's last
+    /// component may be a pattern of service units
+    /// (`system.slice/nvsm*.service`: shell wildcards, ending in
+    /// `.service`), resolved to the cgroups that exist when the fence is
+    /// installed and again by `gpufence fence watch`
+    /// ([`Config::expand_exempt`]). The defaults are the NVIDIA daemons of
+    /// HGX, DGX and GB200 nodes (contrib/gpufence.toml says what each opens).
     pub exempt_cgroups: Vec<String>,
     /// `name = major`: replaces `/proc/devices` discovery of NVIDIA majors.
     pub majors: Option<BTreeMap<String, u32>>,
@@ -193,6 +199,15 @@ pub struct Config {
     /// The lowest severity that makes `gpufence sweep` exit non-zero:
     /// `info`, `low`, `medium`, `high` or `critical`.
     pub sweep_fail_severity: String,
+    /// The severity of `gpu_busy_without_grant` when NVML lists no
+    /// process on the GPU, only utilisation or memory above its idle
+    /// level (a process NVML cannot name: another PID namespace, a
+    /// driver-internal client; or a GPU slow to give its memory back):
+    /// one of `info`, `low`, `medium`, `high`, `critical`. A GPU whose
+    /// only processes are exempt daemons (DCGM's host engine running
+    /// `dcgmi diag`) is not reported at all; one with any other process is
+    /// `high`.
+    pub busy_without_process_severity: String,
     /// The exempt cgroup `gpufence exec` runs admin commands in, relative to
     /// `cgroup_root`; always exempt in the fence.
     pub exec_cgroup: String,
@@ -252,6 +267,10 @@ impl Default for Config {
                 "system.slice/nvidia-persistenced.service".into(),
                 "system.slice/nvidia-dcgm.service".into(),
                 "system.slice/dcgm.service".into(),
+                "system.slice/nvidia-fabricmanager.service".into(),
+                "system.slice/nvidia-imex.service".into(),
+                "system.slice/nvidia-mig-manager.service".into(),
+                "system.slice/nvsm*.service".into(),
             ],
             majors: None,
             slurmd_gres: None,
@@ -289,6 +308,7 @@ impl Default for Config {
             systemd_system_dir: "/etc/systemd/system".into(),
             passwd_file: None,
             sweep_fail_severity: "medium".into(),
+            busy_without_process_severity: "high".into(),
             exec_cgroup: "gpufence-exec".into(),
             mps_control: None,
             mps_dir: "/run/gpufence/mps".into(),
@@ -420,7 +440,102 @@ impl fmt::Display for ConfigOrigin {
     }
 }
 
+/// At most this many cgroups one `exempt_cgroups` pattern expands to
+/// ([`Config::expand_exempt`]): a unit family (DGX OS's `nvsm*` units)
+/// is a handful; more is a pattern that says too much.
+pub const MAX_PATTERN_MATCHES: usize = 64;
+
+/// An `exempt_cgroups` entry with wildcards ([`crate::cgpath::is_glob`])
+/// has them in its last component only (a unit name pattern such as
+/// `system.slice/nvsm*.service`: the slice is named), with at least one
+/// literal character there (`system.slice/*` would exempt every
+/// service, and any user's transient scope), and is a valid glob.
+fn check_exempt_pattern(n: &CgroupPath) -> Result<(), String> {
+    let parts: Vec<&str> = n.components().collect();
+    let Some((last, parents)) = parts.split_last() else {
+        return Ok(());
+    };
+    if let Some(p) = parents.iter().find(|p| crate::cgpath::is_glob(p)) {
+        return Err(format!(
+            "{n}: a wildcard may only stand in the last component (the unit's name), not in {p:?}"
+        ));
+    }
+    if !crate::cgpath::is_glob(last) {
+        return Ok(());
+    }
+    if let Err(e) = glob::Pattern::new(last) {
+        return Err(format!("{n}: not a valid pattern: {e}"));
+    }
+    // What a pattern must name literally: the unit's type suffix
+    // (`.service`, `.scope`), so that `nvsm*` cannot also take a slice.
+    if !last.ends_with(".service") {
+        return Err(format!(
+            "{n}: a pattern names service units: its last component ends in `.service` (e.g. `system.slice/nvsm*.service`)"
+        ));
+    }
+    Ok(())
+}
+
 impl Config {
+    /// The first `exempt_cgroups` entry that `cg` (relative to the cgroup2
+    /// mount) is in or under, patterns matched per component
+    /// ([`CgroupPath::is_under_pattern`]); `None` when none is, or `cg` is
+    /// not a cgroup path.
+    pub fn exempt_entry_covering(&self, cg: &str) -> Option<&str> {
+        let c = CgroupPath::parse(cg).ok()?;
+        self.exempt_cgroups
+            .iter()
+            .find(|e| CgroupPath::parse(e).is_ok_and(|e| c.is_under_pattern(&e)))
+            .map(String::as_str)
+    }
+
+    /// The cgroups `exempt_cgroups` names now (relative to the mount): each
+    /// plain entry as it is, whether or not it exists; each pattern
+    /// replaced by the existing children of its parent that match it,
+    /// sorted, at most [`MAX_PATTERN_MATCHES`] of them. `children` lists
+    /// the names of a cgroup's child cgroups (empty when it has none or
+    /// does not exist). A match that contains the fenced subtree
+    /// (`cgroup_root`) or job reports' cgroup is left out, as the config
+    /// refuses such a plain entry.
+    pub fn expand_exempt(&self, children: impl Fn(&CgroupPath) -> Vec<String>) -> Vec<String> {
+        let root = CgroupPath::parse(&self.cgroup_root).unwrap_or_default();
+        let reports = root.join_path(&CgroupPath::parse(REPORT_CGROUP).unwrap_or_default());
+        let mut out = Vec::new();
+        for e in &self.exempt_cgroups {
+            let Ok(n) = CgroupPath::parse(e) else {
+                continue;
+            };
+            let Some(last) = n.components().last().filter(|l| crate::cgpath::is_glob(l)) else {
+                out.push(n.into_string());
+                continue;
+            };
+            let Ok(pat) = glob::Pattern::new(last) else {
+                continue;
+            };
+            let parent = CgroupPath::parse(
+                n.as_str()
+                    .rsplit_once('/')
+                    .map(|(p, _)| p)
+                    .unwrap_or_default(),
+            )
+            .unwrap_or_default();
+            let mut names: Vec<String> = children(&parent)
+                .into_iter()
+                .filter(|c| !c.contains('/') && pat.matches(c))
+                .collect();
+            names.sort();
+            out.extend(
+                names
+                    .into_iter()
+                    .filter_map(|c| parent.join(&c).ok())
+                    .filter(|m| !root.is_under(m) && !m.is_under(&reports) && !reports.is_under(m))
+                    .take(MAX_PATTERN_MATCHES)
+                    .map(CgroupPath::into_string),
+            );
+        }
+        out
+    }
+
     /// Whom the exemptions cover: `protected_uid_max` and `service_uids`.
     pub fn exempt_identities(&self) -> crate::policy::ExemptIdentities {
         crate::policy::ExemptIdentities {
@@ -554,6 +669,7 @@ impl Config {
                     format!("{n} is where job reports are written as the job's user: it is never exempt"),
                 ));
             }
+            check_exempt_pattern(&n).map_err(|e| key_err(&format!("exempt_cgroups[{i}]"), e))?;
             *p = n.into_string();
         }
         self.cgroup_root = root.into_string();
@@ -652,17 +768,19 @@ impl Config {
     /// `sweep_fail_severity` is one of the sweep's severities.
     fn validate_sweep_fail_severity(&self, path: &Path) -> Result<(), ConfigError> {
         let key_err = key_err_in(path);
-        if !matches!(
-            self.sweep_fail_severity.as_str(),
-            "info" | "low" | "medium" | "high" | "critical"
-        ) {
-            return Err(key_err(
-                "sweep_fail_severity",
-                format!(
-                    "{:?} is not one of info, low, medium, high, critical",
-                    self.sweep_fail_severity
-                ),
-            ));
+        for (key, v) in [
+            ("sweep_fail_severity", &self.sweep_fail_severity),
+            (
+                "busy_without_process_severity",
+                &self.busy_without_process_severity,
+            ),
+        ] {
+            if !matches!(v.as_str(), "info" | "low" | "medium" | "high" | "critical") {
+                return Err(key_err(
+                    key,
+                    format!("{v:?} is not one of info, low, medium, high, critical"),
+                ));
+            }
         }
         Ok(())
     }
@@ -764,6 +882,103 @@ mod tests {
             parse("cgroup_root = \"fenced\"\nexempt_cgroups = [\"other/gpufence-report\"]\n")
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn exempt_patterns_name_service_units_in_their_last_component() {
+        let c = parse("exempt_cgroups = [\"/system.slice//nvsm*.service\", \"a/b.service\"]\n")
+            .unwrap();
+        assert_eq!(
+            c.exempt_cgroups,
+            vec!["system.slice/nvsm*.service", "a/b.service"]
+        );
+        for (bad, why) in [
+            ("system.slice/*", "ends in `.service`"),
+            ("system.slice/nvsm*", "ends in `.service`"),
+            ("*.slice/x.service", "only stand in the last component"),
+            ("system.slice/[x.service", "not a valid pattern"),
+        ] {
+            let e = parse(&format!("exempt_cgroups = [\"{bad}\"]\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("exempt_cgroups[0]") && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_default_exemptions_cover_the_nvidia_daemons_and_no_one_else() {
+        let c = Config::default();
+        for (cg, entry) in [
+            (
+                "system.slice/nvidia-fabricmanager.service",
+                Some("system.slice/nvidia-fabricmanager.service"),
+            ),
+            (
+                "system.slice/nvidia-imex.service/x",
+                Some("system.slice/nvidia-imex.service"),
+            ),
+            (
+                "system.slice/nvidia-mig-manager.service",
+                Some("system.slice/nvidia-mig-manager.service"),
+            ),
+            (
+                "system.slice/nvsm-core.service",
+                Some("system.slice/nvsm*.service"),
+            ),
+            (
+                "system.slice/nvsm_api_gateway.service",
+                Some("system.slice/nvsm*.service"),
+            ),
+            (
+                "system.slice/slurmd.service",
+                Some("system.slice/slurmd.service"),
+            ),
+            ("system.slice/sshd.service", None),
+            ("system.slice/slurmstepd.scope/job_1", None),
+            ("user.slice/user-1000.slice/nvsm.service", None),
+            ("system.slice", None),
+        ] {
+            assert_eq!(c.exempt_entry_covering(cg), entry, "{cg}");
+        }
+    }
+
+    #[test]
+    fn patterns_expand_to_existing_children_bounded_and_sorted() {
+        let c = parse(
+            "cgroup_root = \"\"\nexempt_cgroups = [\"system.slice/slurmd.service\", \"system.slice/nvsm*.service\"]\n",
+        )
+        .unwrap();
+        let kids = |p: &CgroupPath| -> Vec<String> {
+            assert_eq!(p.as_str(), "system.slice");
+            let mut v: Vec<String> = vec![
+                "sshd.service".into(),
+                "nvsm.service".into(),
+                "nvsm-core.service".into(),
+                "nvsm-core.service-x".into(),
+            ];
+            v.extend((0..100).map(|i| format!("nvsm-{i:03}.service")));
+            v
+        };
+        let x = c.expand_exempt(kids);
+        assert_eq!(x[0], "system.slice/slurmd.service");
+        assert_eq!(x[1], "system.slice/nvsm-000.service");
+        assert_eq!(x.len(), 1 + MAX_PATTERN_MATCHES);
+        assert!(x.iter().all(|p| p == "system.slice/slurmd.service"
+            || (p.starts_with("system.slice/nvsm") && p.ends_with(".service"))));
+        // A plain entry stays whether or not it exists; a pattern that
+        // matches nothing is nothing.
+        let none = c.expand_exempt(|_| Vec::new());
+        assert_eq!(none, vec!["system.slice/slurmd.service"]);
+        // A match that holds the fenced subtree is left out.
+        let c = parse(
+            "cgroup_root = \"system.slice/nvsm-x.service/jobs\"\nexempt_cgroups = [\"system.slice/nvsm*.service\"]\n",
+        )
+        .unwrap();
+        let x = c.expand_exempt(|_| vec!["nvsm-x.service".into(), "nvsm-y.service".into()]);
+        assert_eq!(x, vec!["system.slice/nvsm-y.service"]);
     }
 
     #[test]

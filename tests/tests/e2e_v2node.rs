@@ -2517,3 +2517,201 @@ fn mps_co_tenants_and_daemon_slurm_26_05_debian_sid() {
         mps_co_tenants(&r);
     }
 }
+
+/// Starts `gpufence-probe hold PATH` as root in cgroup `cg` (a daemon of
+/// a system unit) and waits for `held`; a device the fence denies makes
+/// the probe say `PATH EPERM` instead, and this panics with it.
+fn root_holder(env: &TestEnv, cg: &str, path: &Path) -> std::process::Child {
+    let mut cmd = env.command_in(cg, gpufence_tests::probe_bin());
+    cmd.args(["hold", path.to_str().unwrap()]);
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    if line.trim() != "held" {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "a daemon in /{cg} could not hold {}: {line:?}",
+            path.display()
+        );
+    }
+    child
+}
+
+/// The findings of `gpufence sweep --json` over the node's slice.
+fn sweep_findings(cluster: &Cluster) -> Vec<Value> {
+    let o = cluster.gpufence(&["sweep", "--json", "--cgroup", SLICE]);
+    stdout(&o)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect()
+}
+
+/// Waits until `gpufence fence watch` has written an `exemption_applied`
+/// line naming cgroup `cg` with its current id.
+fn wait_exempt(env: &TestEnv, audit: &Path, cg: &str) -> bool {
+    let id = env.cg.id(cg).unwrap();
+    Cluster::wait_for(Duration::from_secs(10), || {
+        gpufence_tests::audit_log(audit).iter().any(|e| {
+            e["event"] == "exemption_applied"
+                && e["exempt"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|x| x["cgroup_id"] == id))
+        })
+    })
+}
+
+/// An HGX/DGX node's NVIDIA daemons under the fence with gpufence's
+/// default exemptions: a Fabric Manager stand-in (root, in
+/// `system.slice/nvidia-fabricmanager.service`) holds a stand-in NVSwitch
+/// device (the node's holdable device, which is also the job's `held`
+/// GPU, as the real Fabric Manager holds every GPU) from before the fence
+/// is installed. The sweep reports nothing of it; a job on that device
+/// ends and its Epilog leaves the daemon alone; the unit restarted (a new
+/// cgroup, a new id) after the install is exempt once `gpufence fence
+/// watch` has seen it, and its daemon holds the device again; an NVSM
+/// unit (`nvsm-core.service`, the default `nvsm*.service` pattern) started
+/// after the install too. A root daemon of another unit is denied: the
+/// fence enforces.
+fn fabric_daemons_keep_their_gpus(release: &Release) {
+    let env = TestEnv::new("v2fabric");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let fm = format!("{SLICE}/nvidia-fabricmanager.service");
+    let nvsm = format!("{SLICE}/nvsm-core.service");
+    let other = format!("{SLICE}/gpufence-test-other.service");
+    for c in [&fm, &other] {
+        env.cg.create(c).unwrap();
+    }
+    let nvswitch = env.mknod("nvidia-nvswitch0", d.real.major, d.real.minor);
+    let mut fm1 = root_holder(&env, &fm, &nvswitch);
+    let fm1_pid = fm1.id() as i32;
+    let extra = format!(
+        "term_grace_ms = 1000\nnvml = false\n[majors]\nnvidia = 195\nfake-held = {}\n",
+        d.real.major
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &spec(release, &slice, &d, &extra, false, "Alloc,Contain"),
+    );
+    let audit = env.path("log/audit.jsonl");
+    // The control: another unit's root daemon is fenced.
+    assert_eq!(env.open_from(&other, &nvswitch), "EPERM");
+    let f = sweep_findings(&cluster);
+    assert!(
+        !f.iter().any(|x| x["pid"] == fm1_pid
+            || x["kind"] == "unfenced_gpu_holder"
+            || x["kind"] == "gpu_busy_without_grant"),
+        "the sweep reported the Fabric Manager stand-in: {f:#?}"
+    );
+    // A job on the device the daemon holds: its Epilog leaves it alone.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:held:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; {} open {}",
+                cluster.bin.join("gpufence-probe").display(),
+                d.held.display()
+            ),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    assert_eq!(verdict(&out, &d.held), "ok", "{out}");
+    let job: u32 = field(&out, "JOB").unwrap().parse().unwrap();
+    let mut state = String::new();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || {
+            state = stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"]))
+                .trim()
+                .to_string();
+            state == "idle" && events_for(&audit, job).contains(&"grant_revoked".to_string())
+        }),
+        "node {state}, job {job}: {:?}",
+        events_for(&audit, job)
+    );
+    assert!(
+        !gone(fm1_pid),
+        "the Epilog ended the Fabric Manager stand-in"
+    );
+    assert!(
+        !gpufence_tests::audit_log(&audit)
+            .iter()
+            .any(|e| e["pid"] == fm1_pid),
+        "an audit line names the Fabric Manager stand-in"
+    );
+    // A restart: systemd removes the unit's cgroup and makes it anew.
+    let mut watch = std::process::Command::new(cluster.bin.join("gpufence"))
+        .arg("--config")
+        .arg(&cluster.config)
+        .args(["fence", "watch"])
+        .spawn()
+        .unwrap();
+    let _ = fm1.kill();
+    let _ = fm1.wait();
+    env.cg.remove_tree(&fm).unwrap();
+    env.cg.create(&fm).unwrap();
+    env.cg.create(&nvsm).unwrap();
+    let watched = wait_exempt(&env, &audit, &fm) && wait_exempt(&env, &audit, &nvsm);
+    let holders = watched.then(|| {
+        (
+            root_holder(&env, &fm, &nvswitch),
+            root_holder(&env, &nvsm, &nvswitch),
+        )
+    });
+    let _ = watch.kill();
+    let _ = watch.wait();
+    assert!(
+        watched,
+        "fence watch did not exempt the restarted units: {:?}",
+        gpufence_tests::audit_log(&audit)
+            .iter()
+            .filter(|e| e["event"] == "exemption_applied" || e["event"] == "error")
+            .collect::<Vec<_>>()
+    );
+    let (mut fm2, mut nvsm1) = holders.unwrap();
+    let f = sweep_findings(&cluster);
+    let pids = [fm2.id() as i32, nvsm1.id() as i32];
+    assert!(
+        !f.iter().any(|x| x["pid"]
+            .as_i64()
+            .is_some_and(|p| pids.contains(&(p as i32)))
+            || x["kind"] == "unfenced_gpu_holder"
+            || x["kind"] == "exemption_missing"),
+        "{f:#?}"
+    );
+    for c in [&mut fm2, &mut nvsm1] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    drop(cluster);
+    for c in [&fm, &nvsm, &other] {
+        let _ = env.cg.remove_tree(c);
+    }
+}
+
+#[test]
+fn fabric_daemons_keep_their_gpus_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    fabric_daemons_keep_their_gpus(&Release {
+        root: None,
+        plugin: None,
+    });
+}
+
+#[test]
+fn fabric_daemons_keep_their_gpus_slurm_26_05_debian_sid() {
+    let Some(release) = privileged().then(|| Release::debian("sid")).flatten() else {
+        return;
+    };
+    fabric_daemons_keep_their_gpus(&release);
+}

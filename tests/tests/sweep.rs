@@ -99,14 +99,21 @@ fn world(tag: &str, extra: &str, majors: &str, fence: bool) -> World {
 
 /// A world whose NVML is a private copy of the fake library.
 fn nvml_world(tag: &str) -> World {
+    nvml_world_with(tag, |_| String::new())
+}
+
+/// [`nvml_world`] with config lines `extra` makes from the env (its
+/// cgroup paths).
+fn nvml_world_with(tag: &str, extra: impl FnOnce(&TestEnv) -> String) -> World {
     let env = TestEnv::new(tag);
+    let extra = extra(&env);
     let lib_dir = env.path("nvml");
     std::fs::create_dir_all(&lib_dir).unwrap();
     let lib = lib_dir.join("libnvidia-ml.so.1");
     std::fs::copy(workspace_bin("libnvidia_ml.so"), &lib).unwrap();
     let scenario = lib_dir.join("nvml-scenario.json");
     std::fs::write(&scenario, json!({"gpus": []}).to_string()).unwrap();
-    let node = config(&env, "", "", Some(&lib));
+    let node = config(&env, &extra, "", Some(&lib));
     fence_ops::install(&node).unwrap();
     World {
         env,
@@ -1654,5 +1661,233 @@ fn respond_prints_no_escape_sequences() {
     assert!(
         !out.contains('\u{1b}') && !err.contains('\u{1b}') && !out.contains('\u{7}'),
         "{out:?}{err:?}"
+    );
+}
+
+/// A roll-out in audit mode: a user's process outside every grant holds
+/// a GPU (the audit fence allowed its open, and recorded it). The sweep
+/// reports it as `audit_gpu_holder`, low (below the default
+/// `sweep_fail_severity`), saying the enforcing fence would deny it, and
+/// `--drain` leaves the node alone. The same node enforcing: critical
+/// `unfenced_gpu_holder`, as before.
+#[test]
+fn an_audit_mode_rollout_drains_nothing() {
+    if !privileged() {
+        return;
+    }
+    let real = HoldableDevice::claim();
+    let env = TestEnv::new("auditroll");
+    let node = config(
+        &env,
+        "mode = \"audit\"",
+        &format!("fake-gpu = {}", real.major),
+        None,
+    );
+    let mut w = World {
+        env,
+        node,
+        scenario: None,
+    };
+    let gpu = w.env.mknod("gpu", real.major, real.minor);
+    let g = gpu.to_str().unwrap();
+    fence_ops::install(&w.node).unwrap();
+    let out = w.env.cgroup("outside");
+    let intruder = w.env.spawn_user_probe(&out, &["hold", g], "held");
+    let args = w.env.path("scontrol.args");
+    let o = w.sweep_with(|r| r.drain_node = Some("node17".into()));
+    assert!(of_kind(&o, Kind::UnfencedGpuHolder).is_empty(), "{o:#?}");
+    let h = of_kind(&o, Kind::AuditGpuHolder);
+    assert_eq!(h.len(), 1, "{o:#?}");
+    assert_eq!(h[0].pid, Some(intruder));
+    assert_eq!(h[0].severity, Severity::Low);
+    assert_eq!(h[0].evidence["fence_mode"], "audit");
+    assert_eq!(h[0].evidence["would_be_denied"], true);
+    assert!(h[0].summary.contains("audit mode"), "{}", h[0].summary);
+    assert_eq!((o.exit, o.drained.clone()), (0, None), "{o:#?}");
+    assert!(!args.exists(), "a roll-out in audit mode drains nothing");
+    // What the audit fence let through is in its records.
+    let d = gpufence_node::host::denials::list(&w.node).unwrap();
+    assert!(
+        d.iter().any(|x| x.cgroup.as_deref() == Some(out.as_str())
+            && x.uid == test_uid()
+            && x.device == format!("{}:{}", real.major, real.minor)),
+        "{d:#?}"
+    );
+    // Enforcing, the same holder breaks the fence's promise.
+    let mut cfg = w.node.cfg.clone();
+    cfg.mode = gpufence_model::config::Mode::Enforce;
+    let node = Node::new(cfg, w.node.origin.clone()).unwrap();
+    fence_ops::install(&node).unwrap();
+    let o = sweep::execute(
+        &node,
+        &SweepRequest {
+            cgroup: Some(w.env.root.clone()),
+            ..Default::default()
+        },
+    );
+    assert!(of_kind(&o, Kind::AuditGpuHolder).is_empty(), "{o:#?}");
+    let h = of_kind(&o, Kind::UnfencedGpuHolder);
+    assert_eq!(h.len(), 1, "{o:#?}");
+    assert_eq!(
+        (h[0].pid, h[0].severity),
+        (Some(intruder), Severity::Critical)
+    );
+    assert_eq!(h[0].evidence["fence_mode"], "enforce");
+    assert_eq!(o.exit, 1);
+}
+
+/// `gpufence denials --by-cgroup`: one line per cgroup, and a ready
+/// `exempt_cgroups` line that adds the system services among them (root in
+/// a `.service` unit, a sub-cgroup of one named by its unit) and never a
+/// job's cgroup, a user's, a container's scope or a unit whose process is
+/// a user's. The line is a config gpufence reads.
+#[test]
+fn denials_by_cgroup_suggest_system_services_only() {
+    if !privileged() {
+        return;
+    }
+    let w = world("bycg", "", "", true);
+    let gpu = w.env.mknod("nvidia0", 195, 0);
+    let ctl = w.env.mknod("nvidiactl", 195, 255);
+    let r = &w.env.root;
+    let fm = w.env.cgroup("sys/fm-standin.service");
+    let agent = w.env.cgroup("sys/agent.service/sub");
+    let useragent = w.env.cgroup("sys/useragent.service");
+    let scope = w.env.cgroup("sys/docker-abc.scope");
+    let job = w.env.cgroup("job_7/step_0");
+    let session = w.env.cgroup("user.slice/x.service");
+    for (cg, dev) in [
+        (&fm, &gpu),
+        (&fm, &ctl),
+        (&fm, &gpu),
+        (&agent, &ctl),
+        (&scope, &gpu),
+        (&job, &gpu),
+        (&session, &gpu),
+    ] {
+        assert_eq!(w.env.open_from(cg, dev), "EPERM", "{cg}");
+    }
+    let o = w
+        .env
+        .user_command_in(&useragent, gpufence_tests::probe_bin())
+        .args(["open", gpu.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("EPERM"),
+        "{o:?}"
+    );
+    let cfg = w.env.path("gpufence.toml");
+    let run = |args: &[&str]| {
+        std::process::Command::new(workspace_bin("gpufence"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["denials", "--by-cgroup", "--json"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want_fm = format!("{r}/sys/fm-standin.service");
+    let want_agent = format!("{r}/sys/agent.service");
+    assert_eq!(v["suggested"], json!([want_agent, want_fm]), "{v:#}");
+    let by: std::collections::BTreeMap<String, &Value> = v["cgroups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["cgroup"].as_str().unwrap().to_string(), c))
+        .collect();
+    let fm_row = by[&format!("/{fm}")];
+    assert_eq!(fm_row["count"], 3);
+    assert_eq!(fm_row["devices"], json!(["195:0", "195:255"]));
+    assert_eq!(fm_row["users"], json!(["root"]));
+    assert_eq!(fm_row["last_comm"], "gpufence-probe");
+    for c in [&useragent, &scope, &job, &session] {
+        let row = by[&format!("/{c}")];
+        assert!(row["suggest"].is_null(), "{c}: {row:#}");
+        assert!(row["not_suggested"].is_string(), "{c}: {row:#}");
+    }
+    assert!(by[&format!("/{job}")]["not_suggested"]
+        .as_str()
+        .unwrap()
+        .contains("job"));
+    assert_eq!(by[&format!("/{useragent}")]["uids"], json!([test_uid()]));
+    // The text form ends with the line to paste, which gpufence reads.
+    let o = run(&["denials", "--by-cgroup"]);
+    assert!(o.status.success(), "{o:?}");
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let last = text.lines().last().unwrap();
+    assert!(
+        last.starts_with("exempt_cgroups = [\"system.slice/slurmd.service\""),
+        "{text}"
+    );
+    let c = Config::parse(last, std::path::Path::new("/pasted")).unwrap();
+    assert_eq!(
+        &c.exempt_cgroups[c.exempt_cgroups.len() - 2..],
+        &[want_agent.clone(), want_fm.clone()],
+        "{text}"
+    );
+    assert!(c
+        .exempt_cgroups
+        .starts_with(&Config::default().exempt_cgroups));
+    assert!(text.contains(&format!("exempt /{want_fm}")), "{text}");
+}
+
+/// Busy without a grant means someone else's use. Against the fake NVML:
+/// DCGM's host engine (a root daemon in an exempt cgroup) running
+/// `dcgmi diag` on an idle GPU (utilisation, memory) is not
+/// `gpu_busy_without_grant`; utilisation with no process at all is, at
+/// `busy_without_process_severity`; the daemon beside a user's process
+/// is, high, naming the user's process only.
+#[test]
+fn exempt_daemons_on_an_idle_gpu_are_not_busy_without_grant() {
+    if !privileged() {
+        return;
+    }
+    let mut w = nvml_world_with("gpudiag", |env| {
+        format!(
+            "exempt_cgroups = [\"{}/dcgm.service\"]\nbusy_without_process_severity = \"medium\"",
+            env.root
+        )
+    });
+    let dcgm = w.env.cgroup("dcgm.service");
+    let engine = w.env.spawn_sleeper(&dcgm);
+    let out = w.env.cgroup("outside");
+    let user = w.env.spawn_user_sleeper(&out);
+    let gpu = |minor: u32, procs: Value| {
+        json!({"minor": minor, "idle_used_mib": 500, "memory_total_mib": 81920,
+               "util_gpu": 100, "util_mem": 60, "processes": procs})
+    };
+    std::fs::write(
+        w.scenario.as_ref().unwrap(),
+        json!({"gpus": [
+            gpu(0, json!([{"pid": engine, "used_mib": 30000}])),
+            gpu(1, json!([])),
+            gpu(2, json!([{"pid": engine, "used_mib": 1000}, {"pid": user, "used_mib": 1000}])),
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let o = w.sweep();
+    let busy = of_kind(&o, Kind::GpuBusyWithoutGrant);
+    let by: std::collections::BTreeMap<u64, &&Finding> = busy
+        .iter()
+        .map(|f| (f.evidence["minor"].as_u64().unwrap(), f))
+        .collect();
+    assert_eq!(by.keys().copied().collect::<Vec<_>>(), vec![1, 2], "{o:#?}");
+    assert_eq!(by[&1].severity, Severity::Medium);
+    assert!(
+        by[&1].summary.contains("no process listed"),
+        "{}",
+        by[&1].summary
+    );
+    assert_eq!(by[&2].severity, Severity::High);
+    assert_eq!(by[&2].evidence["pids"], json!([user]));
+    assert_eq!(by[&2].evidence["exempt_pids"], json!([engine]));
+    let h = of_kind(&o, Kind::UnfencedGpuHolder);
+    assert_eq!(
+        h.iter().map(|f| f.pid).collect::<Vec<_>>(),
+        vec![Some(user)]
     );
 }

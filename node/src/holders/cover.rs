@@ -18,12 +18,7 @@ pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>)
     if !uid.is_some_and(|u| node.cfg.exempt_identities().covers(u)) {
         return None;
     }
-    if let Some(e) = node
-        .cfg
-        .exempt_cgroups
-        .iter()
-        .find(|e| crate::is_under(cg, e))
-    {
+    if let Some(e) = node.cfg.exempt_entry_covering(cg) {
         return Some(crate::host::cgpath::abs(e));
     }
     let f = fence?;

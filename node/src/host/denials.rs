@@ -106,3 +106,173 @@ pub fn list(node: &Node) -> Result<Vec<Denial>, NodeError> {
     let users = Users::new(node.cfg.passwd_file.as_deref());
     Ok(resolve(node, fence.denials()?, &users))
 }
+
+/// The denial records of one cgroup, summed ([`by_cgroup`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CgroupDenials {
+    /// The cgroup path (relative to the mount; JSON: absolute), when it
+    /// still exists.
+    #[serde(serialize_with = "crate::host::cgpath::option::serialize")]
+    pub cgroup: Option<String>,
+    /// The cgroup id.
+    pub cgroup_id: u64,
+    /// Denied (in audit mode: would-be-denied) opens and mknods, summed
+    /// over its records.
+    pub count: u64,
+    /// The uids of its records, ascending.
+    pub uids: Vec<u32>,
+    /// Their names where known, else the uid as text; one per uid.
+    pub users: Vec<String>,
+    /// The devices (`major:minor`), ascending.
+    pub devices: Vec<String>,
+    /// The last denied process of its latest record, and when (RFC 3339).
+    pub last_pid: u32,
+    /// That process's command name.
+    pub last_comm: String,
+    /// When.
+    pub last_time: String,
+    /// The `exempt_cgroups` entry suggested for it: the system service
+    /// unit it runs in, when every uid is one exemptions cover.
+    pub suggest: Option<String>,
+    /// Why nothing is suggested, when nothing is.
+    pub not_suggested: Option<String>,
+}
+
+/// Denials grouped by cgroup, with the exemptions they suggest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ByCgroup {
+    /// One entry per cgroup id, most denials first.
+    pub cgroups: Vec<CgroupDenials>,
+    /// The entries to add to `exempt_cgroups` (relative to the mount),
+    /// sorted, no repeats, none already configured.
+    pub suggested: Vec<String>,
+    /// `exempt_cgroups = [...]`: the entries the config has, then
+    /// `suggested`, ready to paste into the config.
+    pub exempt_cgroups_line: String,
+}
+
+/// What an `exempt_cgroups` entry for a cgroup that was denied would be,
+/// or why there is none. Only a system service qualifies: the cgroup is
+/// in (or below) a `.service` unit outside `user.slice`, outside every
+/// Slurm job cgroup (`job_<id>`, a SLUID, `slurmstepd.scope`, the fenced
+/// subtree's gpufence cgroups), and every uid seen there is one the
+/// exemptions cover (`protected_uid_max`, `service_uids`): an exemption
+/// would not cover another uid's process anyway. A job's or a user's
+/// cgroup is never suggested.
+pub fn suggestion(node: &Node, cgroup: Option<&str>, uids: &[u32]) -> Result<String, String> {
+    let Some(cg) = cgroup else {
+        return Err("the cgroup is gone (a restarted unit: look at its successor)".into());
+    };
+    let parts: Vec<&str> = cg.split('/').filter(|s| !s.is_empty()).collect();
+    if parts
+        .iter()
+        .any(|p| *p == "user.slice" || p.starts_with("user@") || p.starts_with("user-"))
+    {
+        return Err("a user's session or user manager".into());
+    }
+    if parts.iter().any(|p| {
+        crate::host::slurm_cgroup::is_job_dir(p)
+            || *p == "slurmstepd.scope"
+            || p.ends_with("_slurmstepd.scope")
+    }) {
+        return Err("a Slurm job's cgroup: jobs get grants, never exemptions".into());
+    }
+    let gpufence_own = [
+        node.exec_cgroup(),
+        crate::join_cgroup(&node.cfg.cgroup_root, gpufence_model::config::REPORT_CGROUP),
+        crate::join_cgroup(&node.cfg.cgroup_root, &node.cfg.mps_cgroup),
+    ];
+    if gpufence_own.iter().any(|o| crate::is_under(cg, o)) {
+        return Err("one of gpufence's own cgroups".into());
+    }
+    let ids = node.cfg.exempt_identities();
+    if let Some(u) = uids.iter().find(|u| !ids.covers(**u)) {
+        return Err(format!(
+            "uid {u} is above protected_uid_max and not in service_uids: not a system account"
+        ));
+    }
+    let Some(unit) = parts.iter().position(|p| p.ends_with(".service")) else {
+        return Err(
+            "not in a service unit (a container's or session's scope has a new name each time)"
+                .into(),
+        );
+    };
+    Ok(parts[..=unit].join("/"))
+}
+
+/// Groups `denials` by cgroup id (count summed, users and devices
+/// collected, the latest record's process kept), and suggests
+/// exemptions for the system services among them ([`suggestion`]).
+pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
+    let mut groups: BTreeMap<u64, CgroupDenials> = BTreeMap::new();
+    for d in denials {
+        let g = groups.entry(d.cgroup_id).or_insert_with(|| CgroupDenials {
+            cgroup: d.cgroup.clone(),
+            cgroup_id: d.cgroup_id,
+            count: 0,
+            uids: Vec::new(),
+            users: Vec::new(),
+            devices: Vec::new(),
+            last_pid: d.last_pid,
+            last_comm: d.last_comm.clone(),
+            last_time: d.last_time.clone(),
+            suggest: None,
+            not_suggested: None,
+        });
+        g.count = g.count.saturating_add(d.count);
+        if !g.uids.contains(&d.uid) {
+            g.uids.push(d.uid);
+            g.users
+                .push(d.user.clone().unwrap_or_else(|| d.uid.to_string()));
+        }
+        if !g.devices.contains(&d.device) {
+            g.devices.push(d.device.clone());
+        }
+        // RFC 3339 times of one clock, same format: text order is time order.
+        if d.last_time > g.last_time {
+            g.last_pid = d.last_pid;
+            g.last_comm = d.last_comm.clone();
+            g.last_time = d.last_time.clone();
+        }
+    }
+    let mut cgroups: Vec<CgroupDenials> = groups.into_values().collect();
+    let mut suggested = std::collections::BTreeSet::new();
+    for g in &mut cgroups {
+        let mut pairs: Vec<(u32, String)> = g
+            .uids
+            .iter()
+            .copied()
+            .zip(g.users.iter().cloned())
+            .collect();
+        pairs.sort();
+        (g.uids, g.users) = pairs.into_iter().unzip();
+        g.devices.sort();
+        match suggestion(node, g.cgroup.as_deref(), &g.uids) {
+            Ok(s) if node.cfg.exempt_entry_covering(&s).is_some() => {
+                g.not_suggested = Some(
+                    "already in exempt_cgroups: denied while its unit restarted, before `gpufence fence watch` exempted its new cgroup".into(),
+                );
+            }
+            Ok(s) => {
+                suggested.insert(s.clone());
+                g.suggest = Some(s);
+            }
+            Err(why) => g.not_suggested = Some(why),
+        }
+    }
+    cgroups.sort_by(|a, b| b.count.cmp(&a.count).then(a.cgroup_id.cmp(&b.cgroup_id)));
+    let suggested: Vec<String> = suggested.into_iter().collect();
+    let all: Vec<String> = node
+        .cfg
+        .exempt_cgroups
+        .iter()
+        .chain(suggested.iter())
+        // A JSON string is a TOML basic string (same quotes and escapes).
+        .map(|e| serde_json::to_string(e).unwrap_or_default())
+        .collect();
+    ByCgroup {
+        cgroups,
+        exempt_cgroups_line: format!("exempt_cgroups = [{}]", all.join(", ")),
+        suggested,
+    }
+}

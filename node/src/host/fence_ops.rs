@@ -38,15 +38,30 @@ pub fn check_cgroup_root(node: &Node) -> Result<(), NodeError> {
     })
 }
 
-/// The exemptions the config asks for (`exempt_cgroups` and the exec
+/// The exemptions the config asks for now (`exempt_cgroups`, each
+/// pattern resolved to the cgroups that exist now by
+/// [`gpufence_model::config::Config::expand_exempt`], and the exec
 /// cgroup), relative to the cgroup2 mount.
 pub fn exempt_paths(node: &Node) -> Vec<String> {
     node.cfg
-        .exempt_cgroups
-        .iter()
-        .cloned()
+        .expand_exempt(|parent| child_cgroups(node, parent))
+        .into_iter()
         .chain(std::iter::once(node.exec_cgroup()))
         .collect()
+}
+
+/// The names of the child cgroups of `parent` (none when it does not
+/// exist or cannot be read). systemd makes these (one per unit of a
+/// slice); one `readdir`.
+fn child_cgroups(node: &Node, parent: &gpufence_model::CgroupPath) -> Vec<String> {
+    std::fs::read_dir(node.cg.path(parent.as_str()))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// One configured exemption as the node has it now.
@@ -100,11 +115,16 @@ pub const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(2
 /// every period); a fence that is not attached is waited for. Errors are
 /// audited once per kind and the watch goes on.
 pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
-    let paths = exempt_paths(node);
-    let mut seen: Option<Vec<Option<u64>>> = None;
+    let mut seen: Option<Vec<(String, Option<u64>)>> = None;
     let mut last_error: Option<String> = None;
     while !stop() {
-        let ids: Vec<Option<u64>> = paths.iter().map(|p| node.cg.id(p).ok()).collect();
+        // Patterns are resolved anew each period: a unit of the family
+        // started now is a new cgroup to exempt.
+        let paths = exempt_paths(node);
+        let ids: Vec<(String, Option<u64>)> = paths
+            .iter()
+            .map(|p| (p.clone(), node.cg.id(p).ok()))
+            .collect();
         if seen.as_ref() != Some(&ids) {
             match reapply_exemptions(node, &paths) {
                 Ok(()) => {
@@ -434,12 +454,7 @@ pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String>
     if !crate::is_under(slurmd_cgroup, root) {
         return None;
     }
-    if node
-        .cfg
-        .exempt_cgroups
-        .iter()
-        .any(|e| crate::is_under(slurmd_cgroup, e))
-    {
+    if node.cfg.exempt_entry_covering(slurmd_cgroup).is_some() {
         return None;
     }
     Some(format!(

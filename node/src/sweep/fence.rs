@@ -50,8 +50,14 @@ impl Sweep<'_> {
                 }),
             ));
         }
+        self.audit = node.cfg.mode == gpufence_model::config::Mode::Audit;
         if attached.is_ok() {
             let mode = crate::host::fence_ops::running_mode(node);
+            match mode {
+                crate::host::fence_ops::RunningMode::Audit => self.audit = true,
+                crate::host::fence_ops::RunningMode::Enforce => self.audit = false,
+                _ => {}
+            }
             let want = if node.cfg.mode == gpufence_model::config::Mode::Audit {
                 crate::host::fence_ops::RunningMode::Audit
             } else {

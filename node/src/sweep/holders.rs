@@ -7,7 +7,10 @@ use gpufence_model::device::DevNum;
 use serde_json::json;
 
 use super::procs::Walk;
-use super::{check_failed, config_exempt, dev_list, Finding, Kind, Sweep};
+use super::{check_failed, config_exempt, dev_list, Finding, Kind, Severity, Sweep};
+
+/// The end of a finding's summary while the fence runs in audit mode.
+const AUDIT_NOTE: &str = " (the fence runs in audit mode: enforcing, it would deny this; `gpufence denials --by-cgroup` lists what it would deny and suggests exemptions for system services)";
 use crate::holders::cover::covered;
 use crate::holders::scan::{HeldFd, Via};
 use crate::response::evidence::GpuMemory;
@@ -94,7 +97,11 @@ impl Sweep<'_> {
         let idle_max = (node.cfg.idle_memory_mib + node.cfg.memory_tolerance_mib) << 20;
         for g in &info {
             let dev = DevNum::new(gpu_major, g.minor);
+            // Processes NVML lists: no exemption covers them (`pids`),
+            // an exemption does (`exempt_pids`), or out of scope.
             let mut pids = Vec::new();
+            let mut exempt_pids = Vec::new();
+            let mut listed_others = false;
             for p in &g.processes {
                 let Ok(pid) = i32::try_from(p.pid) else {
                     continue;
@@ -104,7 +111,19 @@ impl Sweep<'_> {
                 }
                 let m = self.procs.meta(pid);
                 let cg = m.cgroup.as_deref();
-                if !self.in_scope(cg) || config_exempt(node, cg, m.uid) {
+                if !self.in_scope(cg) {
+                    // Someone's, outside the swept subtree: not named, but
+                    // the GPU's use is not an exempt daemon's.
+                    listed_others = true;
+                    continue;
+                }
+                if config_exempt(node, cg, m.uid)
+                    || cg.is_some_and(|c| {
+                        crate::holders::cover::exemption(node, self.fence.as_ref(), c, m.uid)
+                            .is_some()
+                    })
+                {
+                    exempt_pids.push(pid);
                     continue;
                 }
                 pids.push(pid);
@@ -128,6 +147,22 @@ impl Sweep<'_> {
             if !utilised && !mem_busy && pids.is_empty() {
                 continue;
             }
+            // Busy without a grant means someone else's use: a GPU whose
+            // only processes are exempt daemons (DCGM's host engine
+            // running `dcgmi diag`, Fabric Manager) is theirs to use.
+            if pids.is_empty() && !exempt_pids.is_empty() && !listed_others {
+                continue;
+            }
+            let severity = if self.audit {
+                Severity::Low
+            } else if pids.is_empty() && !listed_others {
+                node.cfg
+                    .busy_without_process_severity
+                    .parse()
+                    .unwrap_or(Severity::High)
+            } else {
+                Severity::High
+            };
             let mut why = Vec::new();
             if let Some((gu, mu)) = u.filter(|_| utilised) {
                 why.push(format!("{gu}% GPU / {mu}% memory utilisation"));
@@ -138,21 +173,29 @@ impl Sweep<'_> {
             if !pids.is_empty() {
                 why.push(format!("processes {pids:?}"));
             }
-            self.findings.push(Finding::new(
-                Kind::GpuBusyWithoutGrant,
-                format!(
-                    "GPU /dev/nvidia{} ({}) is in use with no live grant on it: {}",
-                    g.minor,
-                    g.uuid,
-                    why.join(", ")
-                ),
-                json!({
-                    "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
-                    "utilization_gpu": u.map(|x| x.0), "utilization_memory": u.map(|x| x.1),
-                    "memory_used_bytes": g.memory_used, "memory_total_bytes": g.memory_total,
-                    "idle_threshold_bytes": idle_max, "pids": pids,
-                }),
-            ));
+            if pids.is_empty() && !listed_others {
+                why.push("no process listed".into());
+            }
+            self.findings.push(
+                Finding::new(
+                    Kind::GpuBusyWithoutGrant,
+                    format!(
+                        "GPU /dev/nvidia{} ({}) is in use with no live grant on it: {}{}",
+                        g.minor,
+                        g.uuid,
+                        why.join(", "),
+                        if self.audit { AUDIT_NOTE } else { "" }
+                    ),
+                    json!({
+                        "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                        "utilization_gpu": u.map(|x| x.0), "utilization_memory": u.map(|x| x.1),
+                        "memory_used_bytes": g.memory_used, "memory_total_bytes": g.memory_total,
+                        "idle_threshold_bytes": idle_max, "pids": pids, "exempt_pids": exempt_pids,
+                        "fence_mode": if self.audit { "audit" } else { "enforce" },
+                    }),
+                )
+                .severity(severity),
+            );
         }
     }
 
@@ -186,17 +229,27 @@ impl Sweep<'_> {
                     )
                 }))
                 .collect();
+            // In audit mode the fence allowed what it would deny: the
+            // finding says so and stays below the drain threshold.
+            let kind = if self.audit {
+                Kind::AuditGpuHolder
+            } else {
+                Kind::UnfencedGpuHolder
+            };
             self.findings.push(
                 Finding::new(
-                    Kind::UnfencedGpuHolder,
+                    kind,
                     format!(
-                        "holds {} outside every grant and exemption: {}",
+                        "holds {} outside every grant and exemption: {}{}",
                         dev_list(&h.devices),
-                        how.join("; ")
+                        how.join("; "),
+                        if self.audit { AUDIT_NOTE } else { "" }
                     ),
                     json!({
                         "devices": h.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
                         "holds": h.fds, "gpu_memory": h.gpu_memory, "cmdline": m.cmdline,
+                        "fence_mode": if self.audit { "audit" } else { "enforce" },
+                        "would_be_denied": true,
                     }),
                 )
                 .who(&m),

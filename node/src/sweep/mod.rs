@@ -11,12 +11,13 @@
 //! | kind | severity | what |
 //! | --- | --- | --- |
 //! | `unfenced_gpu_holder` | critical | a process holding an NVIDIA device (descriptor, mapping, io_uring file, or per NVML) that no grant or exemption covers |
+//! | `audit_gpu_holder` | low | the same while the attached fence runs in audit mode: what the enforcing fence would deny (a roll-out: `gpufence denials --by-cgroup` suggests the exemptions); below the default `sweep_fail_severity`, so `--drain` leaves the node alone |
 //! | `fence_not_attached` | critical | the fence's link is missing, detached or attached elsewhere |
 //! | `fence_not_enforcing` | high | the attached program is in audit mode (allows everything) while the config says enforce, or is another version's |
 //! | `unprotected_major` | critical | an NVIDIA major the node has (`/proc/devices` or `[majors]`) that the fence's majors map lacks (driver reloaded) |
 //! | `mining_cmdline` | critical | a `stratum+tcp://` / `stratum+ssl://` (`+tls`, `stratum2+tcp`) argument in a command line |
 //! | `mining_connection` | high | a TCP connection to a `mining_ports` port |
-//! | `gpu_busy_without_grant` | high | a GPU with utilisation, memory above its idle level, or processes, and no live grant on it (NVML) |
+//! | `gpu_busy_without_grant` | high | a GPU with no live grant on it that NVML lists a process on that no exemption covers; with no process at all, only utilisation or memory above its idle level, at `busy_without_process_severity` (default high); a GPU whose only processes are exempt daemons (`dcgmi diag` through nv-hostengine) is not reported; low in audit mode |
 //! | `unauthenticated_notebook` | high | a wildcard listener whose command line disables its token or password (Jupyter, code-server) |
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
@@ -186,6 +187,9 @@ impl FromStr for Severity {
 pub enum Kind {
     /// A process holds an NVIDIA device outside every grant and exemption.
     UnfencedGpuHolder,
+    /// The same while the attached fence runs in audit mode: what the
+    /// enforcing fence would deny.
+    AuditGpuHolder,
     /// The fence is not attached at `cgroup_root`.
     FenceNotAttached,
     /// An NVIDIA major the node has is not in the fence's map.
@@ -231,7 +235,7 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::UnfencedGpuHolder,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
@@ -251,12 +255,14 @@ impl Kind {
         Kind::SystemUidRange,
         Kind::ExemptionMissing,
         Kind::ExecLeftover,
+        Kind::AuditGpuHolder,
     ];
 
     /// Its name (as in JSON and metrics).
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::UnfencedGpuHolder => "unfenced_gpu_holder",
+            Kind::AuditGpuHolder => "audit_gpu_holder",
             Kind::FenceNotAttached => "fence_not_attached",
             Kind::UnprotectedMajor => "unprotected_major",
             Kind::FenceNotEnforcing => "fence_not_enforcing",
@@ -299,7 +305,8 @@ impl Kind {
             | Kind::WildcardListener
             | Kind::StaleGrant
             | Kind::StaleMajor
-            | Kind::ShmLeftover => Severity::Low,
+            | Kind::ShmLeftover
+            | Kind::AuditGpuHolder => Severity::Low,
         }
     }
 }
@@ -355,6 +362,12 @@ impl Finding {
             evidence,
             action: None,
         }
+    }
+
+    /// The same finding at another severity than its kind's usual one.
+    fn severity(mut self, s: Severity) -> Self {
+        self.severity = s;
+        self
     }
 
     fn who(mut self, p: &ProcMeta) -> Self {
@@ -471,7 +484,7 @@ fn dev_list(devs: &BTreeSet<DevNum>) -> String {
 /// cgroup `cg` (never a user's process: [`crate::holders::cover::exemption`]).
 fn config_exempt(node: &Node, cg: Option<&str>, uid: Option<u32>) -> bool {
     uid.is_some_and(|u| node.cfg.exempt_identities().covers(u))
-        && cg.is_some_and(|c| node.cfg.exempt_cgroups.iter().any(|e| is_under(c, e)))
+        && cg.is_some_and(|c| node.cfg.exempt_entry_covering(c).is_some())
 }
 
 fn check_failed(what: &str, e: String) -> Finding {
@@ -491,6 +504,9 @@ struct Sweep<'a> {
     /// The file of what earlier sweeps reported of the denial records.
     denial_state: PathBuf,
     fence: Option<Fence>,
+    /// The attached fence runs in audit mode (or, none attached, the
+    /// config says audit): what it would deny is allowed, a roll-out.
+    audit: bool,
     report: SweepReport,
     findings: Vec<Finding>,
 }
@@ -550,6 +566,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
         scope,
         denial_state,
         fence: None,
+        audit: false,
         report,
         findings: Vec::new(),
     };
