@@ -163,6 +163,7 @@ pub fn run(counts: &[usize]) -> Vec<RespondResult> {
                     mig: vec![],
                     cuda_visible_devices: vec![],
                     saved_compute_modes: Vec::new(),
+                    job_map: Vec::new(),
                     mps: Vec::new(),
                 })
                 .expect("record");

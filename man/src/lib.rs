@@ -36,6 +36,10 @@ pub const JOB_SCRIPT_FILES: &[(&str, &str)] = &[
         "/var/lib/gpufence/evidence/",
         "Evidence of processes a response acted on (evidence_dir).",
     ),
+    (
+        "<job_map_dir>/<index>[.<gi>]",
+        "When job_map_dir is set: the jobs on the GPU of that NVML index (or MIG slice), one per line, for GPU exporters.",
+    ),
 ];
 
 /// `pages` as a SEE ALSO list.

@@ -228,6 +228,17 @@ pub struct Config {
     /// leaf `gpu<minor>` per daemon. Never exempt: a leaf is granted its
     /// GPU only while an MPS job holds that GPU.
     pub mps_cgroup: String,
+    /// The job map for GPU monitoring: a directory (made `0755` if
+    /// missing) with one file (`0644`) per GPU that jobs hold, named by
+    /// the GPU's NVML index, or `<index>.<GPU instance id>` for a MIG
+    /// slice, holding the ids of the jobs granted it, one per line,
+    /// ascending: the format of dcgm-exporter's `--hpc-job-mapping-dir`
+    /// (`internal/pkg/transformation/hpc.go`), CEEMS's `gpu_job_map_dir`
+    /// and jobstats. The Prolog writes it from the job records and NVML,
+    /// the Epilog takes the job out. Unset (default): no map is written.
+    /// Files with such names in it are gpufence's: it removes those no
+    /// job holds.
+    pub job_map_dir: Option<PathBuf>,
 }
 
 /// Whether the fence denies or only records.
@@ -313,6 +324,7 @@ impl Default for Config {
             mps_control: None,
             mps_dir: "/run/gpufence/mps".into(),
             mps_cgroup: "gpufence-mps".into(),
+            job_map_dir: None,
         }
     }
 }
@@ -718,6 +730,7 @@ impl Config {
         .into_iter()
         .chain(self.passwd_file.as_ref().map(|p| ("passwd_file", p)))
         .chain(self.mps_control.as_ref().map(|p| ("mps_control", p)))
+        .chain(self.job_map_dir.as_ref().map(|p| ("job_map_dir", p)))
         {
             if !p.is_absolute() {
                 return Err(key_err(
@@ -996,6 +1009,7 @@ mod tests {
             .exempt_cgroups
             .contains(&"system.slice/slurmd.service".to_string()));
         assert!(c.majors.is_none() && c.slurmd_gres.is_none() && c.passwd_file.is_none());
+        assert!(c.job_map_dir.is_none(), "no job map unless asked");
     }
 
     #[test]
@@ -1016,7 +1030,7 @@ mod tests {
             // optional keys are documented commented out
             if matches!(
                 key.as_str(),
-                "majors" | "slurmd_gres" | "passwd_file" | "mps_control"
+                "majors" | "slurmd_gres" | "passwd_file" | "mps_control" | "job_map_dir"
             ) {
                 assert!(
                     text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")),
@@ -1091,6 +1105,7 @@ mod tests {
             ("[majors]\nnvidia = 4096", "majors.nvidia"),
             ("[majors]", "majors"),
             ("passwd_file = \"etc/passwd\"", "passwd_file"),
+            ("job_map_dir = \"run/gpu-job-map\"", "job_map_dir"),
             ("state_dir = \"run/x\"", "state_dir"),
             ("max_grants = 0", "max_grants"),
         ] {
@@ -1201,7 +1216,7 @@ mod tests {
                     proptest::sample::select(vec![
                         "mode", "cgroup_root", "layout", "bpffs_dir", "state_dir", "audit_log",
                         "exempt_cgroups", "max_grants", "max_denials", "kill_wait_ms", "nvml",
-                        "exec_cgroup", "sweep_fail_severity", "nvidia", "nvidia-uvm", "[majors]",
+                        "exec_cgroup", "sweep_fail_severity", "job_map_dir", "nvidia", "nvidia-uvm", "[majors]",
                         "[other]", "unknown_key", "", "#",
                     ]),
                     proptest::sample::select(vec![

@@ -11,6 +11,7 @@
 //!                                           when slurmd names its node (-N)
 //! <state_dir>/nvml-unavailable.txt          why NVML is unavailable, as last audited
 //! <state_dir>/mps.lock                      the MPS lock (flock)
+//! <state_dir>/job-map.lock                  the job map's lock (flock)
 //! <state_dir>/mps/<gpu>/<job_id>            a gres/mps job registered on a GPU
 //! <state_dir>/responding/<pid>-<start>.json a process a response is stopping
 //! <state_dir>/sweep/lock                    one sweep at a time (flock)
@@ -80,6 +81,14 @@ pub struct JobRecord {
     /// one per GPU; empty for every other job.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mps: Vec<MpsDaemon>,
+    /// The job's files in the job map (`job_map_dir`), by name: each GPU's
+    /// NVML index, or `<index>.<GPU instance id>` for a MIG slice, as the
+    /// Prolog found them through NVML. Empty when no map is configured,
+    /// the job has no GPU or NVML could not tell the indices (a note
+    /// says so). Kept here so that rewriting the map needs no NVML.
+    /// Absent in records of earlier versions: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub job_map: Vec<String>,
 }
 
 impl JobRecord {
@@ -266,6 +275,12 @@ impl StateDir {
     /// Epilogs starting and stopping MPS daemons.
     pub fn mps_lock_path(&self) -> PathBuf {
         self.root.join("mps.lock")
+    }
+
+    /// `<state_dir>/job-map.lock`: the lock that orders the Prologs and
+    /// Epilogs rewriting the job map (`job_map_dir`).
+    pub fn job_map_lock_path(&self) -> PathBuf {
+        self.root.join("job-map.lock")
     }
 
     /// `<state_dir>/mps`: the MPS registry, one directory per daemon.
@@ -529,6 +544,7 @@ mod tests {
             mig: vec![],
             cuda_visible_devices: vec![],
             saved_compute_modes: vec![],
+            job_map: Vec::new(),
             mps: vec![],
         }
     }

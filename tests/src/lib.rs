@@ -490,6 +490,7 @@ pub fn job_record(
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        job_map: Vec::new(),
         mps: Vec::new(),
     }
 }

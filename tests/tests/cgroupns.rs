@@ -62,6 +62,7 @@ fn record(job_id: u32, minor: u32) -> JobRecord {
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        job_map: Vec::new(),
         mps: Vec::new(),
     }
 }

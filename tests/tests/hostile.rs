@@ -607,6 +607,7 @@ fn a_descriptor_handed_to_another_job_is_caught_at_job_end() {
             mig: vec![],
             cuda_visible_devices: vec![],
             saved_compute_modes: vec![],
+            job_map: Vec::new(),
             mps: vec![],
         })
         .unwrap();

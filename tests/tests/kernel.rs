@@ -51,6 +51,7 @@ fn record(job_id: u32, uid: u32, devs: &[(u32, u32)]) -> JobRecord {
         mig: vec![],
         cuda_visible_devices: vec![],
         saved_compute_modes: Vec::new(),
+        job_map: Vec::new(),
         mps: Vec::new(),
     }
 }

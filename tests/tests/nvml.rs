@@ -76,6 +76,7 @@ impl World {
                 mig: vec![],
                 cuda_visible_devices: vec![],
                 saved_compute_modes: Vec::new(),
+                job_map: Vec::new(),
                 mps: Vec::new(),
             })
             .unwrap();
@@ -791,4 +792,182 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
     assert!(!node.cg.path(&cg).exists(), "{cg} removed");
     assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
     assert!(!w.env.path("mps/gpu3").exists());
+}
+
+/// Every file in the job map directory `dir`, with its content (none
+/// when the directory is absent).
+fn job_map(dir: &std::path::Path) -> std::collections::BTreeMap<String, String> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| {
+                    (
+                        e.file_name().to_string_lossy().into_owned(),
+                        std::fs::read_to_string(e.path()).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn job_map_config(dir: &std::path::Path) -> String {
+    format!("job_map_dir = \"{}\"\n", dir.display())
+}
+
+/// Two co-tenant jobs (gres/shard: both records name the GPU) on
+/// `/dev/nvidia3`, which NVML lists first: the job map file is `0` (NVML's
+/// index, not the minor), listing both jobs; a stale file no job holds is
+/// removed, a file not named like a GPU is left alone; the first Epilog
+/// leaves the other job, the second removes the file.
+#[test]
+fn the_job_map_names_nvml_indices_and_lists_co_tenants() {
+    if !privileged() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let w = world("jobmap-shared", "");
+    w.scenario(json!({"gpus": [gpu(3, json!([])), gpu(1, json!([]))]}));
+    let dir = w.env.path("run/gpu-job-map");
+    let node = one_gpu_node(&w, 3, &job_map_config(&dir));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("1"), "999\n").unwrap();
+    std::fs::write(dir.join("README"), "site notes\n").unwrap();
+    let a = prolog::run(&node, &prolog_env(50)).unwrap();
+    assert_eq!(a.job_map, vec!["0".to_string()], "{:?}", a.notes);
+    let b = prolog::run(&node, &prolog_env(51)).unwrap();
+    assert_eq!(b.job_map, vec!["0".to_string()]);
+    let want = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    assert_eq!(
+        job_map(&dir),
+        want(&[("0", "50\n51\n"), ("README", "site notes\n")])
+    );
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&dir.join("0")), 0o644);
+    let o = epilog::run(&node, 50, None);
+    assert!(o.clean(), "{o:?}");
+    assert_eq!(
+        job_map(&dir),
+        want(&[("0", "51\n"), ("README", "site notes\n")])
+    );
+    let o = epilog::run(&node, 51, None);
+    assert!(o.clean(), "{o:?}");
+    assert_eq!(job_map(&dir), want(&[("README", "site notes\n")]));
+    // A missing directory is made, 0755.
+    std::fs::remove_dir_all(&dir).unwrap();
+    prolog::run(&node, &prolog_env(52)).unwrap();
+    assert_eq!(mode(&dir), 0o755);
+    assert_eq!(job_map(&dir), want(&[("0", "52\n")]));
+    epilog::run(&node, 52, None);
+    assert!(job_map(&dir).is_empty());
+}
+
+/// A MIG slice (GPU instance 2 of `/dev/nvidia5`, which NVML lists
+/// second): the file is `1.2`, `<parent's NVML index>.<GPU instance id>`;
+/// neither the whole GPU's `1` nor the minor's `5.2`.
+#[test]
+fn the_job_map_names_a_mig_slice_by_its_parents_index_and_instance() {
+    if !privileged() {
+        return;
+    }
+    let w = world("jobmap-mig", "");
+    w.scenario(json!({"gpus": [gpu(0, json!([])), gpu(5, json!([]))]}));
+    for (name, major, minor) in [("nvidia5", 195, 5), ("cap21", 242, 21), ("cap22", 242, 22)] {
+        w.env.mknod(name, major, minor);
+    }
+    let proc_dir = w.env.path("proc");
+    std::fs::create_dir_all(proc_dir.join("driver/nvidia-caps")).unwrap();
+    std::fs::write(
+        proc_dir.join("driver/nvidia-caps/mig-minors"),
+        "config 1\nmonitor 2\ngpu5/gi1/access 12\ngpu5/gi1/ci0/access 13\ngpu5/gi2/access 21\ngpu5/gi2/ci0/access 22\n",
+    )
+    .unwrap();
+    let slurmd_g = w.env.path("slurmd-G.txt");
+    let dev = w.env.path("dev");
+    std::fs::write(
+        &slurmd_g,
+        format!(
+            "Gres Name=gpu Type=3g.40gb Count=1 File={d}/nvidia5,{d}/cap21,{d}/cap22\n",
+            d = dev.display()
+        ),
+    )
+    .unwrap();
+    let dir = w.env.path("gpu-job-map");
+    let p = w.env.config(&format!(
+        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\nproc_dir = \"{}\"\n{}[majors]\nnvidia = 195\nnvidia-caps = 242\n",
+        w.scenario.with_file_name("libnvidia-ml.so.1").display(),
+        slurmd_g.display(),
+        proc_dir.display(),
+        job_map_config(&dir),
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    let rec = prolog::run(&node, &prolog_env(55)).unwrap();
+    assert_eq!(
+        (rec.mig.len(), rec.mig[0].gpu, rec.mig[0].gi),
+        (1, 5, 2),
+        "{rec:?}"
+    );
+    assert_eq!(rec.job_map, vec!["1.2".to_string()], "{:?}", rec.notes);
+    assert_eq!(
+        job_map(&dir),
+        [("1.2".to_string(), "55\n".to_string())].into()
+    );
+    epilog::run(&node, 55, None);
+    assert!(job_map(&dir).is_empty(), "{:?}", job_map(&dir));
+}
+
+/// Without NVML the job gets no map file (a GPU's NVML index cannot be
+/// told) and one note says why, in the record and in `grant_recorded`;
+/// the Epilog, without NVML too, still takes an earlier job out of the
+/// file the Prolog wrote when NVML answered.
+#[test]
+fn without_nvml_no_job_map_file_and_one_line() {
+    if !privileged() {
+        return;
+    }
+    let w = world("jobmap-nonvml", "");
+    w.scenario(json!({"gpus": [gpu(3, json!([])), gpu(1, json!([]))]}));
+    let dir = w.env.path("gpu-job-map");
+    let node = one_gpu_node(&w, 3, &job_map_config(&dir));
+    let a = prolog::run(&node, &prolog_env(60)).unwrap();
+    assert_eq!(a.job_map, vec!["0".to_string()]);
+    w.scenario(json!({"init_error": 9}));
+    let b = prolog::run(&node, &prolog_env(61)).unwrap();
+    assert!(b.job_map.is_empty(), "{b:?}");
+    let why: Vec<&String> = b
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("job_map_dir: no job map file for this job"))
+        .collect();
+    assert_eq!(why.len(), 1, "{:?}", b.notes);
+    assert!(why[0].contains("NVML unavailable"), "{}", why[0]);
+    let recorded: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "grant_recorded" && e["job_id"] == 61)
+        .collect();
+    assert_eq!(recorded.len(), 1);
+    assert!(
+        recorded[0]["notes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n.as_str() == Some(why[0].as_str())),
+        "{}",
+        recorded[0]
+    );
+    assert_eq!(
+        job_map(&dir),
+        [("0".to_string(), "60\n".to_string())].into(),
+        "job 61 is in no file"
+    );
+    epilog::run(&node, 60, None);
+    assert!(job_map(&dir).is_empty(), "{:?}", job_map(&dir));
+    epilog::run(&node, 61, None);
+    assert!(job_map(&dir).is_empty());
 }

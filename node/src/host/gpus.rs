@@ -14,7 +14,7 @@
 //! the descriptor scan. An NVML error in the middle of a query *is* an error:
 //! a query that failed cannot say "clean".
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
@@ -200,6 +200,16 @@ impl Gpus {
         minors: &BTreeSet<u32>,
         mut f: impl FnMut(u32, &nvml_wrapper::Device<'_>) -> Result<T, GpuError>,
     ) -> Result<Vec<T>, GpuError> {
+        self.each_device_at(minors, |_, minor, d| f(minor, d))
+    }
+
+    /// [`Gpus::each_device`] with each GPU's NVML index (`f(index, minor,
+    /// device)`): none without NVML.
+    fn each_device_at<T>(
+        &self,
+        minors: &BTreeSet<u32>,
+        mut f: impl FnMut(u32, u32, &nvml_wrapper::Device<'_>) -> Result<T, GpuError>,
+    ) -> Result<Vec<T>, GpuError> {
         let Some(nvml) = &self.nvml else {
             return Ok(Vec::new());
         };
@@ -215,7 +225,7 @@ impl Gpus {
                 .minor_number()
                 .map_err(|e| GpuError::nvml("nvmlDeviceGetMinorNumber", NvmlAt::Index(i), e))?;
             if minors.contains(&minor) {
-                out.push(f(minor, &d)?);
+                out.push(f(i, minor, &d)?);
             }
         }
         Ok(out)
@@ -275,6 +285,28 @@ impl Gpus {
                 processes,
             })
         })
+    }
+
+    /// The NVML index of each GPU with these minors: `minor -> index`,
+    /// the index `nvmlDeviceGetHandleByIndex` takes (NVML orders GPUs by
+    /// PCI bus id, NVML API reference), which is what `nvidia-smi` and
+    /// DCGM call the GPU's number (dcgm-exporter's `gpu` label). It is not
+    /// the minor of `/dev/nvidia<minor>`, nor Slurm's GRES index (this
+    /// module's doc). A minor NVML does not list is absent from the map.
+    ///
+    /// # Errors
+    /// [`GpuError::Unavailable`] without NVML (an index cannot be told
+    /// then); else the first NVML error, with the call that failed.
+    pub fn indices(&self, minors: &BTreeSet<u32>) -> Result<BTreeMap<u32, u32>, GpuError> {
+        if self.nvml.is_none() {
+            return Err(GpuError::Unavailable(
+                self.unavailable.clone().unwrap_or_default(),
+            ));
+        }
+        Ok(self
+            .each_device_at(minors, |index, minor, _| Ok((minor, index)))?
+            .into_iter()
+            .collect())
     }
 
     /// The minors of every GPU NVML lists (none without NVML).

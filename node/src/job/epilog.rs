@@ -6,7 +6,8 @@
 //! live grant or exemption covers ([`crate::response::respond`]: freeze, evidence,
 //! SIGTERM, SIGKILL, check) → look again → wait for each GPU's memory to come
 //! back to its idle level → in the `own` layout, kill what is left in the
-//! job's cgroup and remove it → forget the record. Clean (exit 0) when
+//! job's cgroup and remove it → forget the record → take the job out of
+//! the job map ([`crate::job::jobmap`], when configured). Clean (exit 0) when
 //! nothing survived and every step worked; otherwise exit non-zero and, when
 //! configured, drain the node with a reason naming the job and the pid.
 //!
@@ -332,6 +333,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         crate::job::leftovers::report(node, r, &mut out.errors, &mut out.notes);
     }
     cx.forget(&mut out);
+    cx.leave_job_map(&mut out);
     crashpoint::reached(crashpoint::EPILOG_FORGOTTEN);
     cx.drain_if_unclean(&mut out);
     out
@@ -762,6 +764,24 @@ impl<'a> Ctx<'a> {
             {
                 out.errors.push(e.to_string());
             }
+        }
+    }
+
+    /// Step 6b: the job map (`job_map_dir`) rewritten without the job, from
+    /// the other jobs' records: no NVML is needed ([`crate::job::jobmap`]).
+    /// A failure is a note and an `error` line, never a drain (the map is
+    /// for monitoring).
+    fn leave_job_map(&self, out: &mut EpilogOutcome) {
+        let (node, job_id) = (self.node, self.job_id);
+        if let Err(e) = crate::job::jobmap::sync(node, Some(job_id)) {
+            let reason = format!("{e}; the job map may still list job {job_id}");
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .job(job_id)
+                    .field("phase", "epilog")
+                    .field("reason", reason.clone()),
+            );
+            out.notes.push(reason);
         }
     }
 

@@ -1,12 +1,14 @@
 //! A job's life on the node: Prolog, grant step, Epilog, report.
 //!
 //! Its modules use one another one way (`tests/tests/layering.rs`):
-//! `mps`, `report`, `shared` and `leftovers` use none of the others;
+//! `mps`, `report`, `shared`, `leftovers` and `jobmap` use none of the
+//! others;
 //! `injob` uses `apply`; `prolog` and `epilog` use those below them.
 
 pub mod epilog;
 pub mod grant;
 pub mod injob;
+pub mod jobmap;
 pub mod leftovers;
 pub mod mps;
 pub mod prolog;

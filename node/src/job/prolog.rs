@@ -342,6 +342,7 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         gpu_idle: Vec::new(),
         mig: Vec::new(),
         saved_compute_modes: Vec::new(),
+        job_map: Vec::new(),
         mps: Vec::new(),
         cuda_visible_devices: env
             .cuda_visible_devices
@@ -652,6 +653,11 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 ///    record removed, and the Prolog fails;
 /// 5. the Prolog steps back into the job cgroup and exits.
 ///
+/// In either place, with `job_map_dir` set, the job's map file names
+/// (NVML indices) go into the record before it is written, and the job map
+/// is rewritten last ([`crate::job::jobmap`]); a map that cannot be
+/// written is an `error` audit line, never a failed Prolog.
+///
 /// # Errors
 /// As [`run`]; also [`NodeError::JobCgroup`] when the Prolog runs in
 /// another job's extern step or cannot step out.
@@ -700,6 +706,9 @@ pub fn run_with_sluid(
             return Err(e);
         }
     }
+    // The job map's file names (NVML indices) go into the record, from
+    // which every rewrite of the map is made (crate::job::jobmap).
+    crate::job::jobmap::name_files(node, &mut rec);
     let rec = rec;
     if let Err(e) = node.state.write_record(&rec) {
         undo_mps(&fence);
@@ -729,6 +738,17 @@ pub fn run_with_sluid(
             undo_mps(&fence);
             return Err(e);
         }
+    }
+    // Last, when nothing can fail the job any more: the job map, for
+    // monitoring. A map that cannot be written is one `error` line, never
+    // a refused job.
+    if let Err(e) = crate::job::jobmap::sync(node, None) {
+        let _ = node.audit(
+            AuditEvent::new(events::ERROR)
+                .job(rec.job_id)
+                .field("phase", "prolog")
+                .field("reason", format!("{e}; the job map lacks this job")),
+        );
     }
     Ok(rec)
 }
