@@ -40,7 +40,7 @@ use crate::host::gpus::GpuError;
 use crate::Node;
 
 /// How long a rewrite waits for another Prolog's or Epilog's to finish.
-pub const LOCK_WAIT: Duration = Duration::from_secs(30);
+pub const LOCK_WAIT: Duration = Duration::from_secs(5);
 
 /// Mode of the map directory when gpufence makes it (exporters run as
 /// other users).
