@@ -203,7 +203,10 @@ impl CgroupValue {
 pub const CGROUP_VALUE_SIZE: u32 = CgroupValue::SIZE as u32;
 
 /// Key of the denial records:
-/// `struct { u64 cgroup_id; u32 uid; u32 major; u32 minor; u32 pad; }`.
+/// `struct { u64 cgroup_id; u32 uid; u32 major; u32 minor; u32 access; }`.
+/// `access` (the denied `BPF_DEVCG_ACC_*` bits: mknod, read, write) was
+/// padding written as 0 before, so records an older program wrote read as
+/// "access unknown" and the layout (24 bytes) is unchanged.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DenialKey {
@@ -215,11 +218,12 @@ pub struct DenialKey {
     pub major: u32,
     /// The device's minor number.
     pub minor: u32,
-    /// Padding, written as 0 (keys are compared as bytes).
-    pad: u32,
+    /// The access asked for and denied (`BPF_DEVCG_ACC_*`; 0 in records
+    /// of programs before this field).
+    pub access: u32,
 }
 
-map_pod!(DenialKey, 24, { cgroup_id: u64, uid: u32, major: u32, minor: u32, pad: u32 });
+map_pod!(DenialKey, 24, { cgroup_id: u64, uid: u32, major: u32, minor: u32, access: u32 });
 
 impl DenialKey {
     /// Offset of `cgroup_id`.
@@ -230,18 +234,24 @@ impl DenialKey {
     pub const OFF_MAJOR: i16 = offset_of!(DenialKey, major) as i16;
     /// Offset of `minor`.
     pub const OFF_MINOR: i16 = offset_of!(DenialKey, minor) as i16;
-    /// Offset of the padding (written as 0: keys are compared as bytes).
-    pub const OFF_PAD: i16 = offset_of!(DenialKey, pad) as i16;
+    /// Offset of `access`.
+    pub const OFF_ACCESS: i16 = offset_of!(DenialKey, access) as i16;
 
-    /// The key of `uid`'s denied opens of `dev` in cgroup `cgroup_id`.
-    pub fn new(cgroup_id: u64, uid: u32, dev: DevNum) -> Self {
+    /// The key of `uid`'s denied `access` to `dev` in cgroup `cgroup_id`.
+    pub fn new(cgroup_id: u64, uid: u32, dev: DevNum, access: Access) -> Self {
         DenialKey {
             cgroup_id,
             uid,
             major: dev.major,
             minor: dev.minor,
-            pad: 0,
+            access: access.bits(),
         }
+    }
+
+    /// The access denied (unknown bits dropped; empty in records of
+    /// programs before the field).
+    pub fn access(&self) -> Access {
+        Access::from_bits_truncate(self.access)
     }
 
     /// The device.
@@ -669,7 +679,7 @@ mod tests {
         assert_eq!(v.access(), Access::RW);
         assert_eq!(GrantKey::from_bytes(&[0; 15]), None);
         assert_eq!(GrantKey::from_bytes(&[0; 17]), None);
-        let d = DenialKey::new(7, 1001, DevNum::new(195, 3));
+        let d = DenialKey::new(7, 1001, DevNum::new(195, 3), Access::RW);
         assert_eq!(DenialKey::from_bytes(&d.to_bytes()), Some(d));
         let c = CgroupValue {
             flags: CGROUP_EXEMPT | CGROUP_GRANTED,
@@ -697,13 +707,13 @@ mod tests {
         let v = GrantValue::new(Access::READ | Access::MKNOD, 42);
         let want = [3u32.to_ne_bytes(), 42u32.to_ne_bytes()].concat();
         assert_eq!(v.to_bytes().as_slice(), want.as_slice());
-        let d = DenialKey::new(9, 1001, DevNum::new(195, 3));
+        let d = DenialKey::new(9, 1001, DevNum::new(195, 3), Access::MKNOD);
         let want = [
             9u64.to_ne_bytes().as_slice(),
             &1001u32.to_ne_bytes(),
             &195u32.to_ne_bytes(),
             &3u32.to_ne_bytes(),
-            &0u32.to_ne_bytes(),
+            &1u32.to_ne_bytes(),
         ]
         .concat();
         assert_eq!(d.to_bytes().as_slice(), want.as_slice());
@@ -753,14 +763,14 @@ mod tests {
         assert_eq!(offset_of!(DenialKey, uid), 8);
         assert_eq!(offset_of!(DenialKey, major), 12);
         assert_eq!(offset_of!(DenialKey, minor), 16);
-        assert_eq!(offset_of!(DenialKey, pad), 20);
+        assert_eq!(offset_of!(DenialKey, access), 20);
         assert_eq!(
             (
                 DenialKey::OFF_CGROUP_ID,
                 DenialKey::OFF_UID,
                 DenialKey::OFF_MAJOR,
                 DenialKey::OFF_MINOR,
-                DenialKey::OFF_PAD
+                DenialKey::OFF_ACCESS
             ),
             (0, 8, 12, 16, 20)
         );

@@ -26,9 +26,13 @@
 //!         key.cgroup_id = id;
 //!         struct grant_value *g = grants[key];
 //!         if (g && !(access & ~g->access)) return 1;
+//!         key.minor = ANY_MINOR;                     // major:* (IMEX channel mknod)
+//!         g = grants[key];
+//!         key.minor = ctx->minor;
+//!         if (g && !(access & ~g->access)) return 1;
 //!     }
 //! deny:                                          // recorded, in both modes
-//!     struct denial_key k = { cgroup_id(), uid, major, minor };
+//!     struct denial_key k = { cgroup_id(), uid, major, minor, access };
 //!     struct denial_value *v = denials[k];           // LRU hash
 //!     if (v) { v->count++ (atomic); v->last_ns, last_pid, comm = now, tgid, comm; }
 //!     else denials[k] = { 1, now, tgid, comm };
@@ -41,6 +45,7 @@
 
 use std::mem::offset_of;
 
+use gpufence_model::device::ANY_MINOR;
 use gpufence_model::policy::ExemptIdentities;
 
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
@@ -186,12 +191,15 @@ fn levels_mask(a: &mut Asm, spec: &FenceProgramSpec) {
 /// the mask has no entry there; the ancestor's `cgroups` flags; an
 /// exempt cgroup allows a system account (uid up to `uid_max`, or one of
 /// `uids`), and goes on to its grants otherwise; a granted cgroup allows
-/// an access its `grants` entry for the device covers.
+/// an access its `grants` entry for the device covers, or its entry for
+/// every minor of the device's major (`major:*`, [`ANY_MINOR`]), looked
+/// up only when the first does not allow.
 fn level_block(a: &mut Asm, spec: &FenceProgramSpec, level: usize) {
     use Reg::*;
     let ids = &spec.identities;
     let next = format!("level_{}", level + 1);
     let body = format!("walk_{level}");
+    let any = format!("any_minor_{level}");
     a.label(&format!("level_{level}"))
         .comment(&format!("if (!(mask & 1 << {level})) continue;"))
         .jmp_imm(JmpOp::Set, R6, 1 << level, &body)
@@ -221,6 +229,21 @@ fn level_block(a: &mut Asm, spec: &FenceProgramSpec, level: usize) {
         .mov64_reg(R2, R10)
         .alu64_imm(AluOp::Add, R2, STACK_GRANT_KEY as i32)
         .call(Helper::MapLookupElem)
+        .jmp_imm(JmpOp::Eq, R0, 0, &any)
+        .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
+        .alu32_imm(AluOp::Xor, R1, -1)
+        .alu64_reg(AluOp::And, R1, R7)
+        .jmp_imm(JmpOp::Eq, R1, 0, "allow")
+        .label(&any)
+        .comment(
+            "key.minor = ANY_MINOR; g = grants[key]; key.minor = minor; if (g && !(access & ~g->access)) return 1;",
+        )
+        .store_imm(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MINOR, ANY_MINOR as i32)
+        .ld_map_fd(R1, spec.grants_fd, "grants")
+        .mov64_reg(R2, R10)
+        .alu64_imm(AluOp::Add, R2, STACK_GRANT_KEY as i32)
+        .call(Helper::MapLookupElem)
+        .store(Size::W, R10, STACK_GRANT_KEY + GrantKey::OFF_MINOR, R9)
         .jmp_imm(JmpOp::Eq, R0, 0, &next)
         .load(Size::W, R1, R0, GrantValue::OFF_ACCESS)
         .alu32_imm(AluOp::Xor, R1, -1)
@@ -250,7 +273,7 @@ fn finalize(a: &mut Asm, spec: &FenceProgramSpec) {
     use Reg::*;
     a.label(&format!("level_{}", spec.max_level + 1))
         .label("deny")
-        .comment("k = { cgroup_id(), uid, major, minor, 0 };")
+        .comment("k = { cgroup_id(), uid, major, minor, access };")
         .call(Helper::GetCurrentCgroupId)
         .store(
             Size::DW,
@@ -262,7 +285,7 @@ fn finalize(a: &mut Asm, spec: &FenceProgramSpec) {
         .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_UID, R0)
         .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_MAJOR, R8)
         .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_MINOR, R9)
-        .store_imm(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_PAD, 0)
+        .store(Size::W, R10, STACK_DENIAL_KEY + DenialKey::OFF_ACCESS, R7)
         .comment("v = denials[k]; if (!v) goto deny_new;")
         .ld_map_fd(R1, spec.denials_fd, "denials")
         .mov64_reg(R2, R10)
@@ -573,10 +596,11 @@ mod tests {
     #[test]
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
-        // 19 instructions of prologue, 8 to load the levels mask, 27 per
-        // level (2 of them the mask test) and 7 + one per service uid for
-        // an exempt cgroup, 49 of deny (record) and allow
-        assert_eq!(p.insns.len(), 19 + 8 + (27 + 7 + 1) * MAX_LEVEL + 49);
+        // 19 instructions of prologue, 8 to load the levels mask, 39 per
+        // level (2 of them the mask test, 12 the major-wide lookup) and
+        // 7 + one per service uid for an exempt cgroup, 49 of deny
+        // (record) and allow
+        assert_eq!(p.insns.len(), 19 + 8 + (39 + 7 + 1) * MAX_LEVEL + 49);
     }
 
     #[test]
@@ -614,6 +638,41 @@ mod tests {
             assert_eq!(
                 policy.allows(anc, UID, req, MAX_LEVEL),
                 *want,
+                "model: {anc:?} {req:?}"
+            );
+        }
+        // A major-wide grant (IMEX channels: mknod of any minor in the job
+        // cgroup) with an exact grant of one channel beside it.
+        let imex = Policy {
+            protected: [195, 120].into(),
+            grants: [
+                ((10, DevNum::any_minor(120)), Access::MKNOD),
+                ((10, DevNum::new(120, 3)), Access::RW),
+                ((11, DevNum::new(120, 4)), Access::READ),
+            ]
+            .into(),
+            ..policy.clone()
+        };
+        for (anc, req, want) in [
+            (
+                &[1u64, 7, 10, 12][..],
+                char_req(120, 9, Access::MKNOD),
+                true,
+            ),
+            (&[1, 7, 10, 12], char_req(120, 3, Access::MKNOD), true),
+            (&[1, 7, 10, 12], char_req(120, 3, Access::RW), true),
+            (&[1, 7, 10, 12], char_req(120, 9, Access::READ), false),
+            (&[1, 7, 10, 12], char_req(120, 3, Access::all()), false),
+            (&[1, 7, 11], char_req(120, 4, Access::MKNOD), false),
+            (&[1, 7, 11], char_req(120, 4, Access::READ), true),
+            (&[1, 7, 8], char_req(120, 9, Access::MKNOD), false),
+            (&[1, 7, 10], char_req(195, 9, Access::MKNOD), false),
+            (&[1, 7, 10], char_req(120, ANY_MINOR, Access::MKNOD), true),
+        ] {
+            assert_eq!(run(&imex, anc, &req, MAX_LEVEL), want, "{anc:?} {req:?}");
+            assert_eq!(
+                imex.allows(anc, UID, &req, MAX_LEVEL),
+                want,
                 "model: {anc:?} {req:?}"
             );
         }
@@ -671,9 +730,22 @@ mod tests {
         assert_eq!(*fd, DENIALS);
         let k = DenialKey::from_bytes(key).unwrap();
         assert_eq!(
-            (k.cgroup_id, k.uid, k.dev()),
-            (9, 1001, DevNum::new(195, 3))
+            (k.cgroup_id, k.uid, k.dev(), k.access()),
+            (9, 1001, DevNum::new(195, 3), Access::RW)
         );
+        // A denied mknod is a record of its own, saying so.
+        let (_, updates) = run_mode(
+            &policy,
+            &[1, 7, 9],
+            &Request {
+                access: Access::MKNOD,
+                ..req
+            },
+            MAX_LEVEL,
+            false,
+        );
+        let k = DenialKey::from_bytes(&updates[0].1).unwrap();
+        assert_eq!(k.access(), Access::MKNOD);
         let v = DenialValue::from_bytes(value).unwrap();
         assert_eq!(
             (v.count, v.last_ns, v.last_pid, v.comm_str().as_str()),
@@ -699,7 +771,11 @@ mod tests {
 
     fn arb_policy() -> impl Strategy<Value = Policy> {
         let ids = 1u64..12;
-        let dev = (prop::sample::select(vec![195u32, 509, 10]), 0u32..4)
+        // Some grants are major-wide (`major:*`, IMEX channel mknod).
+        let dev = (
+            prop::sample::select(vec![195u32, 509, 10]),
+            prop_oneof![3 => 0u32..4, 1 => Just(ANY_MINOR)],
+        )
             .prop_map(|(a, b)| DevNum::new(a, b));
         (
             prop::collection::btree_set(prop::sample::select(vec![195u32, 509, 10, 1]), 0..4),
@@ -775,9 +851,9 @@ mod tests {
         assert_eq!(got, RECORDED, "{got:?}");
     }
     const RECORDED: [(usize, u64); 4] = [
-        (110, 354059585950829215),
-        (146, 7137658757053397087),
-        (668, 978492259158555102),
-        (620, 10568325590587574397),
+        (122, 11516277585183244362),
+        (170, 1831707608519055107),
+        (860, 4350805850461798743),
+        (812, 11355502755254853046),
     ];
 }

@@ -288,20 +288,26 @@ fn walk(
         if flags & CGROUP_GRANTED == 0 {
             continue;
         }
-        let key = GrantKey::new(id, dev);
-        if let Some(g) = view
-            .lookup(MapRole::Grants, &key.to_bytes())?
-            .and_then(|v| GrantValue::from_bytes(&v))
-        {
-            if g.access().contains(access) {
-                return Ok((
-                    true,
-                    Reason::Granted {
-                        level,
-                        cgroup_id: id,
-                        job_id: g.job_id,
-                    },
-                ));
+        // The device's own entry, then the major-wide one (`major:*`),
+        // as the program looks them up.
+        for key in [
+            GrantKey::new(id, dev),
+            GrantKey::new(id, DevNum::any_minor(dev.major)),
+        ] {
+            if let Some(g) = view
+                .lookup(MapRole::Grants, &key.to_bytes())?
+                .and_then(|v| GrantValue::from_bytes(&v))
+            {
+                if g.access().contains(access) {
+                    return Ok((
+                        true,
+                        Reason::Granted {
+                            level,
+                            cgroup_id: id,
+                            job_id: g.job_id,
+                        },
+                    ));
+                }
             }
         }
     }
@@ -471,7 +477,13 @@ mod tests {
             prop::option::weighted(0.9, any::<u32>()),
             prop::collection::btree_map(id.clone(), (0u32..4, 0u32..20), 0..8),
             prop::collection::btree_map(
-                (id, (0u32..3).prop_map(|m| DevNum::new(195, m))),
+                (
+                    id,
+                    prop_oneof![
+                        3 => (0u32..3).prop_map(|m| DevNum::new(195, m)),
+                        1 => Just(DevNum::any_minor(195)),
+                    ],
+                ),
                 ((0u32..8).prop_map(Access::from_bits_truncate), 0u32..5),
                 0..10,
             ),

@@ -293,13 +293,15 @@ fn run_denials(node: &Node, json: bool, by_cgroup: bool) -> Result<ExitCode, Nod
             println!("no denied opens recorded");
             return Ok(ExitCode::SUCCESS);
         }
-        let mut rows = vec!["count\tusers\tdevices\tpid\tcomm\tlast\tcgroup\tsuggest".to_string()];
+        let mut rows =
+            vec!["count\tusers\tdevices\taccess\tpid\tcomm\tlast\tcgroup\tsuggest".to_string()];
         for x in &g.cgroups {
             rows.push(format!(
-                "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                 x.count,
                 cell(&x.users.join(",")),
                 x.devices.join(","),
+                x.access.join(","),
                 x.last_pid,
                 cell(&x.last_comm),
                 x.last_time,
@@ -333,13 +335,18 @@ fn run_denials(node: &Node, json: bool, by_cgroup: bool) -> Result<ExitCode, Nod
     } else if d.is_empty() {
         println!("no denied opens recorded");
     } else {
-        let mut rows = vec!["count\tuser\tdevice\tpid\tcomm\tlast\tcgroup".to_string()];
+        let mut rows = vec!["count\tuser\tdevice\taccess\tpid\tcomm\tlast\tcgroup".to_string()];
         for x in d {
             rows.push(format!(
-                "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                 x.count,
                 x.user.unwrap_or_else(|| x.uid.to_string()),
                 x.device,
+                if x.access.is_empty() {
+                    "?"
+                } else {
+                    x.access.as_str()
+                },
                 x.last_pid,
                 cell(&x.last_comm),
                 x.last_time,

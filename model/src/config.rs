@@ -208,6 +208,15 @@ pub struct Config {
     /// `dcgmi diag`) is not reported at all; one with any other process is
     /// `high`.
     pub busy_without_process_severity: String,
+    /// Grant the driver's shared IMEX channel, `channel0` of the
+    /// `nvidia-caps-imex-channels` major (made by the driver with
+    /// `NVreg_CreateImexChannel0=1`, mode 0666), read and write, to every
+    /// GPU job (a job with GRES devices), through its record. Off by
+    /// default: NVIDIA means it only "in trusted environments where it is
+    /// acceptable for applications to share the same IMEX channel"
+    /// (`nv-reg.h`). Slurm's own channels (`SwitchType=switch/nvidia_imex`)
+    /// need no setting: each job gets its own.
+    pub imex_channel0: bool,
     /// The exempt cgroup `gpufence exec` runs admin commands in, relative to
     /// `cgroup_root`; always exempt in the fence.
     pub exec_cgroup: String,
@@ -320,6 +329,7 @@ impl Default for Config {
             passwd_file: None,
             sweep_fail_severity: "medium".into(),
             busy_without_process_severity: "high".into(),
+            imex_channel0: false,
             exec_cgroup: "gpufence-exec".into(),
             mps_control: None,
             mps_dir: "/run/gpufence/mps".into(),

@@ -32,10 +32,30 @@ pub struct DevNum {
     pub minor: u32,
 }
 
+/// The minor of a grant that covers every minor of its major
+/// ([`DevNum::any_minor`]): `u32::MAX`, which no device has (a minor is
+/// 20 bits, `MINORBITS`, `include/linux/kdev_t.h`). The fence grants it
+/// only for `mknod` of IMEX channels to job cgroups (Slurm's
+/// `switch/nvidia_imex` makes each step's channel node there).
+pub const ANY_MINOR: u32 = u32::MAX;
+
 impl DevNum {
     /// Builds `major:minor`.
     pub const fn new(major: u32, minor: u32) -> Self {
         DevNum { major, minor }
+    }
+
+    /// `major:*`: every minor of `major`, in a grant ([`ANY_MINOR`]).
+    pub const fn any_minor(major: u32) -> Self {
+        DevNum {
+            major,
+            minor: ANY_MINOR,
+        }
+    }
+
+    /// Whether this is a `major:*` grant key.
+    pub const fn is_any_minor(&self) -> bool {
+        self.minor == ANY_MINOR
     }
 
     /// Splits a `st_rdev` as returned by `stat(2)` (glibc's `major()`/`minor()`).
@@ -49,7 +69,11 @@ impl DevNum {
 
 impl fmt::Display for DevNum {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.major, self.minor)
+        if self.is_any_minor() {
+            write!(f, "{}:*", self.major)
+        } else {
+            write!(f, "{}:{}", self.major, self.minor)
+        }
     }
 }
 

@@ -95,7 +95,8 @@ pub struct Policy {
     pub exempt: BTreeSet<u64>,
     /// Whom an exemption covers.
     pub identities: ExemptIdentities,
-    /// `(cgroup id, device) -> access`.
+    /// `(cgroup id, device) -> access`; a device `major:*`
+    /// ([`DevNum::any_minor`]) covers every minor of that major.
     pub grants: BTreeMap<(u64, DevNum), Access>,
 }
 
@@ -111,7 +112,8 @@ impl Policy {
     /// Rules: block devices and unprotected majors are allowed; a protected
     /// character device is allowed when some consulted ancestor is exempt
     /// and the exemption covers `uid`, or holds a grant whose access covers
-    /// the request; otherwise denied.
+    /// the request, for the device itself or for every minor of its major
+    /// (`major:*`); otherwise denied.
     pub fn allows(&self, ancestry: &[u64], uid: u32, req: &Request, max_level: usize) -> bool {
         if req.dev_type != DevType::Char || !self.protected.contains(&req.dev.major) {
             return true;
@@ -123,11 +125,14 @@ impl Policy {
             .skip(1)
             .take(max_level)
             .any(|(_, id)| {
-                (exempt_uid && self.exempt.contains(id))
-                    || self
-                        .grants
-                        .get(&(*id, req.dev))
+                let covers = |dev: DevNum| {
+                    self.grants
+                        .get(&(*id, dev))
                         .is_some_and(|a| a.contains(req.access))
+                };
+                (exempt_uid && self.exempt.contains(id))
+                    || covers(req.dev)
+                    || covers(DevNum::any_minor(req.dev.major))
             })
     }
 }
@@ -202,6 +207,23 @@ mod tests {
             ..req(195, 0, Access::RW)
         };
         assert!(p.allows(&outside, 1000, &block, 16));
+    }
+
+    #[test]
+    fn a_major_wide_grant_covers_every_minor_for_its_access_only() {
+        let mut p = policy();
+        p.protected.insert(120);
+        p.grants.insert((10, DevNum::any_minor(120)), Access::MKNOD);
+        p.grants.insert((10, DevNum::new(120, 3)), Access::RW);
+        let job10 = [1, 7, 10, 12];
+        assert!(p.allows(&job10, 0, &req(120, 7, Access::MKNOD), 16));
+        assert!(p.allows(&job10, 0, &req(120, 3, Access::MKNOD), 16));
+        assert!(p.allows(&job10, 0, &req(120, 3, Access::RW), 16));
+        assert!(!p.allows(&job10, 0, &req(120, 7, Access::READ), 16));
+        assert!(!p.allows(&job10, 0, &req(120, 7, Access::all()), 16));
+        assert!(!p.allows(&[1, 7, 8], 0, &req(120, 7, Access::MKNOD), 16));
+        assert!(!p.allows(&job10, 0, &req(195, 9, Access::MKNOD), 16));
+        assert_eq!(DevNum::any_minor(120).to_string(), "120:*");
     }
 
     #[test]

@@ -297,6 +297,21 @@ pub struct GpuFence {
     /// Variables for the tasks' environment, from the job's record
     /// (`CUDA_MPS_PIPE_DIRECTORY` of gpufence's MPS daemon).
     job_env: Vec<(String, String)>,
+    /// Slurm's IMEX channels (`SwitchType=switch/nvidia_imex`): the step's
+    /// channel is granted before each task runs, once slurmstepd has made
+    /// it ([`gpufence_node::job::imex`]).
+    imex: Option<ImexStep>,
+}
+
+/// What a task needs to grant its step's IMEX channel.
+struct ImexStep {
+    /// The config the step's node was loaded from.
+    config: Option<PathBuf>,
+    req: StepRequest,
+    /// The job cgroup, relative to the cgroup2 mount.
+    job_cgroup: String,
+    /// The channels' major.
+    major: u32,
 }
 
 fn log(level: LogLevel, msg: &str) {
@@ -408,9 +423,35 @@ impl GpuFence {
                 return Ok(());
             }
         };
+        let slurm = slurmconf::SlurmConf::load(&slurm_conf_path()).ok();
         let g = grant::grant_step(&node, &req, &node_name(), || {
-            slurmconf::SlurmConf::load(&slurm_conf_path()).is_ok_and(|c| c.run_in_job())
+            slurm.as_ref().is_some_and(|c| c.run_in_job())
         });
+        // Slurm's IMEX channels: slurmstepd makes the step's channel node
+        // after this callback, in the job cgroup (gpufence_node::job::imex).
+        let major = slurm
+            .as_ref()
+            .and_then(|s| gpufence_node::job::imex::switch_major(&node, s));
+        if let (Some(major), Some(job_cgroup)) = (major, &g.job_cgroup) {
+            match gpufence_node::job::imex::grant_mknod(&node, &req, job_cgroup, major) {
+                Ok(()) => {
+                    self.imex = Some(ImexStep {
+                        config: args.config.clone(),
+                        req,
+                        job_cgroup: job_cgroup.clone(),
+                        major,
+                    })
+                }
+                Err(e) => log(
+                    LogLevel::Error,
+                    &format!(
+                        "job {} step {}: the IMEX channel node cannot be made in the job cgroup /{job_cgroup}: {e}; Slurm's switch/nvidia_imex will fail the step",
+                        req.job_id,
+                        grant::step_name(req.step_id)
+                    ),
+                ),
+            }
+        }
         if let Some(n) = &g.note {
             log(LogLevel::Verbose, n);
         }
@@ -527,6 +568,27 @@ unsafe impl Plugin for GpuFence {
                 let _ = writeln!(std::io::stderr(), "{line}");
             }
             return Err(Box::new(Refused));
+        }
+        // Root, in slurmstepd's mount namespace, where Slurm made the
+        // step's IMEX channel (after slurm_spank_init): grant exactly it.
+        if let Some(x) = &self.imex {
+            let granted = Node::load(x.config.as_deref())
+                .map_err(|e| e.to_string())
+                .and_then(|node| {
+                    gpufence_node::job::imex::grant_channel(&node, &x.req, &x.job_cgroup, x.major)
+                        .map_err(|e| e.to_string())
+                });
+            if let Err(e) = granted {
+                let line = format!(
+                    "gpufence: job {} step {}: its IMEX channel could not be granted: {e}; this step's tasks cannot open it",
+                    x.req.job_id,
+                    grant::step_name(x.req.step_id)
+                );
+                log(LogLevel::Error, &line);
+                if spank.task_global_id().unwrap_or(0) == 0 {
+                    let _ = writeln!(std::io::stderr(), "{line}");
+                }
+            }
         }
         Ok(())
     }

@@ -1075,3 +1075,134 @@ fn a_pin_replaced_after_the_install_is_refused_when_opened() {
         .unwrap()
         .is_empty());
 }
+
+/// A tmpfs mounted over a directory of the test's own, lazily unmounted
+/// on drop: the step's private `/dev/nvidia-caps-imex-channels`, as
+/// Slurm's switch/nvidia_imex mounts it in the step's namespace.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn over(dir: &std::path::Path) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs"])
+            .arg(dir)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount tmpfs over {}", dir.display());
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Slurm's IMEX channels on the real kernel: the job cgroup may `mknod`
+/// any channel of the IMEX major (slurmstepd makes the step's channel
+/// after the grant), opens none by that; the channel found in the step's
+/// own tmpfs is granted to it, read and write, and no other channel, not
+/// `channel0`, not a node whose minor is not its name's; outside the job
+/// and in another job, neither mknod nor open. The job's revoke takes
+/// both.
+#[test]
+fn imex_channels_mknod_in_jobs_and_exactly_their_channel() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("imex");
+    let node = node(
+        &env,
+        "[majors]\nnvidia = 195\nnvidia-uvm = 241\nnvidia-caps-imex-channels = 120\n",
+    );
+    fence_ops::install(&node).unwrap();
+    let job = env.cgroup("job_3");
+    let stepd = env.cgroup("job_3/step_0/slurm");
+    let other = env.cgroup("job_4/step_0/slurm");
+    let outside = env.cgroup("outside");
+    let req = StepRequest {
+        job_id: 3,
+        step_id: 0,
+        uid: 1000,
+        stepd_pid: std::process::id() as i32,
+    };
+    let target = env.path("dev/made");
+    std::fs::create_dir_all(env.path("dev")).unwrap();
+    let t = target.to_str().unwrap();
+    let mknod = |cg: &str, minor: &str| env.probe_in(cg, &["mknod", t, "120", minor]);
+    assert_eq!(mknod(&stepd, "5"), vec![format!("{t} EPERM")], "before");
+    gpufence_node::job::imex::grant_mknod(&node, &req, &job, 120).unwrap();
+    assert_eq!(mknod(&stepd, "5"), vec![format!("{t} ok")]);
+    assert_eq!(mknod(&stepd, "1999"), vec![format!("{t} ok")]);
+    assert_eq!(mknod(&other, "5"), vec![format!("{t} EPERM")]);
+    assert_eq!(mknod(&outside, "5"), vec![format!("{t} EPERM")]);
+    // mknod of another major is not in it.
+    let lines = env.probe_in(&stepd, &["mknod", t, "195", "0"]);
+    assert_eq!(lines, vec![format!("{t} EPERM")]);
+    // The step's channel directory: its own tmpfs with the channel Slurm
+    // made (minor 5), channel0, a node whose minor is not its name's,
+    // and a link.
+    let dir = env.path("dev/nvidia-caps-imex-channels");
+    let _tmpfs = Tmpfs::over(&dir);
+    let mk = |name: &str, minor: u32| {
+        let c = std::ffi::CString::new(dir.join(name).to_str().unwrap()).unwrap();
+        // SAFETY: mknod(2) with a NUL-terminated path.
+        let r =
+            unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(120, minor)) };
+        assert_eq!(r, 0, "mknod {name}: {}", std::io::Error::last_os_error());
+        dir.join(name)
+    };
+    let ch5 = mk("channel5", 5);
+    let ch0 = mk("channel0", 0);
+    let liar = mk("channel6", 9);
+    std::os::unix::fs::symlink(&ch5, dir.join("channel7")).unwrap();
+    assert_eq!(gpufence_node::job::imex::channels(&dir, 120), vec![5]);
+    assert_eq!(env.open_from(&stepd, &ch5), "EPERM", "mknod is not open");
+    let granted = gpufence_node::job::imex::grant_channel(&node, &req, &job, 120).unwrap();
+    assert_eq!(granted, vec![5]);
+    // Again: nothing new (already held).
+    assert!(
+        gpufence_node::job::imex::grant_channel(&node, &req, &job, 120)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(env.open_from(&stepd, &ch5), "ENXIO");
+    assert_eq!(env.open_from(&stepd, &ch0), "EPERM");
+    assert_eq!(env.open_from(&stepd, &liar), "EPERM");
+    assert_eq!(env.open_from(&other, &ch5), "EPERM");
+    assert_eq!(env.open_from(&outside, &ch5), "EPERM");
+    // The denials say which access was denied.
+    let d = gpufence_node::host::denials::list(&node).unwrap();
+    assert!(
+        d.iter()
+            .any(|x| x.cgroup.as_deref() == Some(outside.as_str())
+                && x.device == "120:5"
+                && x.access == "m"),
+        "{d:#?}"
+    );
+    assert!(
+        d.iter()
+            .any(|x| x.cgroup.as_deref() == Some(outside.as_str())
+                && x.device == "120:5"
+                && x.access == "rw"),
+        "{d:#?}"
+    );
+    let audit = gpufence_tests::audit_log(&node.cfg.audit_log);
+    let imex: Vec<&serde_json::Value> = audit
+        .iter()
+        .filter(|e| e["event"] == "grant_applied" && e["imex"].is_string())
+        .collect();
+    assert_eq!(imex.len(), 2, "{imex:#?}");
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let gone = fence.revoke_job(3).unwrap();
+    let devs: BTreeSet<String> = gone.iter().map(|e| e.dev.to_string()).collect();
+    assert_eq!(devs, ["120:*".to_string(), "120:5".to_string()].into());
+    assert_eq!(env.open_from(&stepd, &ch5), "EPERM");
+    assert_eq!(mknod(&stepd, "5"), vec![format!("{t} EPERM")]);
+}

@@ -168,6 +168,9 @@ pub struct DenialEntry {
     pub uid: u32,
     /// The device.
     pub dev: DevNum,
+    /// The access denied (mknod, read, write; empty in a record of a
+    /// program before the access was recorded).
+    pub access: Access,
     /// How many times.
     pub count: u64,
     /// The last denied process (tgid).

@@ -50,6 +50,7 @@ impl Fence {
                     cgroup_id: key.cgroup_id,
                     uid: key.uid,
                     dev: key.dev(),
+                    access: key.access(),
                     count: val.count,
                     last_pid: val.last_pid,
                     last_comm: val.comm_str(),
@@ -57,7 +58,7 @@ impl Fence {
                 });
             }
         }
-        out.sort_by_key(|d| (d.cgroup_id, d.uid, d.dev));
+        out.sort_by_key(|d| (d.cgroup_id, d.uid, d.dev, d.access.bits()));
         Ok(out)
     }
 

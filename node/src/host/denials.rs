@@ -28,6 +28,9 @@ pub struct Denial {
     pub user: Option<String>,
     /// `major:minor`.
     pub device: String,
+    /// The access denied: `m` (mknod), `r`, `w`, or a combination; empty
+    /// for a record of a program before the access was recorded.
+    pub access: String,
     /// How many denied opens or mknods.
     pub count: u64,
     /// The last denied process.
@@ -86,6 +89,7 @@ pub fn resolve(node: &Node, raw: Vec<DenialEntry>, users: &Users) -> Vec<Denial>
                 uid: d.uid,
                 user: users.name(d.uid),
                 device: d.dev.to_string(),
+                access: d.access.to_string(),
                 count: d.count,
                 last_pid: d.last_pid,
                 last_comm: d.last_comm,
@@ -125,6 +129,8 @@ pub struct CgroupDenials {
     pub users: Vec<String>,
     /// The devices (`major:minor`), ascending.
     pub devices: Vec<String>,
+    /// The accesses denied (`m`, `r`, `w`, `rw`, ...), ascending.
+    pub access: Vec<String>,
     /// The last denied process of its latest record, and when (RFC 3339).
     pub last_pid: u32,
     /// That process's command name.
@@ -213,6 +219,7 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
             uids: Vec::new(),
             users: Vec::new(),
             devices: Vec::new(),
+            access: Vec::new(),
             last_pid: d.last_pid,
             last_comm: d.last_comm.clone(),
             last_time: d.last_time.clone(),
@@ -227,6 +234,9 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
         }
         if !g.devices.contains(&d.device) {
             g.devices.push(d.device.clone());
+        }
+        if !d.access.is_empty() && !g.access.contains(&d.access) {
+            g.access.push(d.access.clone());
         }
         // RFC 3339 times of one clock, same format: text order is time order.
         if d.last_time > g.last_time {
@@ -247,6 +257,7 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
         pairs.sort();
         (g.uids, g.users) = pairs.into_iter().unzip();
         g.devices.sort();
+        g.access.sort();
         match suggestion(node, g.cgroup.as_deref(), &g.uids) {
             Ok(s) if node.cfg.exempt_entry_covering(&s).is_some() => {
                 g.not_suggested = Some(

@@ -121,6 +121,23 @@ pub struct SlurmConf {
     pub task_plugin: Option<String>,
     /// `PrologFlags` (a comma list), as written; `None` when unset.
     pub prolog_flags: Option<String>,
+    /// `SwitchType`, as written; `None` when unset.
+    pub switch_type: Option<String>,
+    /// `SwitchParameters` (a comma list), as written; `None` when unset.
+    pub switch_parameters: Option<String>,
+}
+
+/// The `SwitchType` of Slurm's IMEX channel plugin (24.05+,
+/// `src/plugins/switch/nvidia_imex/`).
+pub const SWITCH_NVIDIA_IMEX: &str = "switch/nvidia_imex";
+
+/// What slurm.conf says of Slurm's IMEX channels ([`SlurmConf::imex_switch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImexSwitch {
+    /// `SwitchParameters=imex_dev_major=N`: the channels' major; `None`:
+    /// the one `/proc/devices` names `nvidia-caps-imex-channels`
+    /// (`imex_device.c`).
+    pub dev_major: Option<u32>,
 }
 
 impl SlurmConf {
@@ -130,7 +147,30 @@ impl SlurmConf {
             proctrack_type: conf_value(text, "ProctrackType"),
             task_plugin: conf_value(text, "TaskPlugin"),
             prolog_flags: conf_value(text, "PrologFlags"),
+            switch_type: conf_value(text, "SwitchType"),
+            switch_parameters: conf_value(text, "SwitchParameters"),
         }
+    }
+
+    /// Slurm's IMEX channels, when `SwitchType` is `switch/nvidia_imex`:
+    /// with `imex_dev_major` from `SwitchParameters` (a comma list of
+    /// `key=value`, `switch_nvidia_imex.c` `_setup_params`), when set to a
+    /// number.
+    pub fn imex_switch(&self) -> Option<ImexSwitch> {
+        let t = self.switch_type.as_deref()?.trim();
+        if !t.eq_ignore_ascii_case(SWITCH_NVIDIA_IMEX) {
+            return None;
+        }
+        let dev_major = self.switch_parameters.as_deref().and_then(|p| {
+            p.split(',').find_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                k.trim()
+                    .eq_ignore_ascii_case("imex_dev_major")
+                    .then(|| v.trim().parse().ok())
+                    .flatten()
+            })
+        });
+        Some(ImexSwitch { dev_major })
     }
 
     /// Reads slurm.conf at `path` ([`SlurmConf::parse`]).
@@ -286,6 +326,30 @@ pub fn check_node_layout(node: &Node, slurm_conf: &Path) -> Result<(), NodeError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_imex_switch_and_its_major() {
+        let c = SlurmConf::parse("SwitchType=switch/nvidia_imex\nSwitchParameters=imex_channel_count=16,imex_dev_major=120\n");
+        assert_eq!(
+            c.imex_switch(),
+            Some(ImexSwitch {
+                dev_major: Some(120)
+            })
+        );
+        let c = SlurmConf::parse("SwitchType=Switch/NVIDIA_IMEX\n");
+        assert_eq!(c.imex_switch(), Some(ImexSwitch { dev_major: None }));
+        let c =
+            SlurmConf::parse("SwitchType=switch/nvidia_imex\nSwitchParameters=imex_dev_major=x\n");
+        assert_eq!(c.imex_switch(), Some(ImexSwitch { dev_major: None }));
+        assert_eq!(
+            SlurmConf::parse("SwitchType=switch/none\n").imex_switch(),
+            None
+        );
+        assert_eq!(
+            SlurmConf::parse("SwitchParameters=imex_dev_major=120\n").imex_switch(),
+            None
+        );
+    }
 
     #[test]
     fn reads_keys_as_slurm_does() {

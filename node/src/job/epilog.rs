@@ -373,7 +373,9 @@ impl<'a> Ctx<'a> {
             .iter()
             .flat_map(|r| r.devices.iter().map(|d| d.dev))
             .collect();
-        devs.extend(revoked.iter().map(|e| e.dev));
+        // A major-wide entry (`major:*`, the IMEX channels' mknod) names
+        // no device a process can hold; the channel granted beside it does.
+        devs.extend(revoked.iter().map(|e| e.dev).filter(|d| !d.is_any_minor()));
         let gpu_major = node.gpu_major();
         let mig = rec.as_ref().map(|r| r.mig.clone()).unwrap_or_default();
         let minors = match &rec {

@@ -451,6 +451,10 @@ pub struct StepGrant {
     /// What [`place`] then [`grant_placed`] returned: the placement's error, or
     /// the grant's outcome.
     pub outcome: Result<GrantOutcome, NodeError>,
+    /// The job cgroup the step was placed in (relative to the mount),
+    /// when it was: where later grants of the step go (its IMEX channel,
+    /// [`crate::job::imex`]).
+    pub job_cgroup: Option<String>,
 }
 
 /// The grant step of one slurmstepd, whole: [`place`], [`grant_placed`], the
@@ -496,6 +500,7 @@ pub fn grant_step(
         note,
         user_notes,
         job_env: env,
+        job_cgroup: placed.as_ref().ok().map(|p| p.job_cgroup.clone()),
         // No grant only when the placement failed: its error.
         outcome: match granted {
             Some(g) => g,

@@ -7,6 +7,7 @@
 
 pub mod epilog;
 pub mod grant;
+pub mod imex;
 pub mod injob;
 pub mod jobmap;
 pub mod leftovers;

@@ -427,6 +427,29 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
         rec.notes
             .push(format!("{name}: no major for it on this node; not granted"));
     }
+    // The driver's shared IMEX channel, for GPU jobs, when the site opted
+    // in (`imex_channel0`; NVIDIA: for trusted environments only).
+    if node.cfg.imex_channel0 {
+        let slurm = env
+            .slurm_conf
+            .as_deref()
+            .map(|p| crate::host::slurmconf::SlurmConf::load(p).ok())
+            .unwrap_or_else(|| {
+                crate::host::slurmconf::SlurmConf::load(Path::new(gresmap::DEFAULT_SLURM_CONF)).ok()
+            });
+        match crate::job::imex::channel_major(node, slurm.as_ref()) {
+            Some(major) => {
+                let g = crate::job::imex::channel0_grant(node, major);
+                if seen.insert(g.dev) {
+                    rec.devices.push(g);
+                }
+            }
+            None => rec.notes.push(format!(
+                "imex_channel0: no protected `{}` major on this node (/proc/devices, [majors] or SwitchParameters=imex_dev_major); channel0 not granted",
+                crate::job::imex::CHANNEL_DIR
+            )),
+        }
+    }
     Ok(rec)
 }
 
@@ -842,6 +865,48 @@ mod tests {
         assert!(r.devices.iter().all(|d| d.access == Access::RW));
         assert_eq!(r.devices[0].gres_index, Some(1));
         assert!(r.notes.is_empty(), "{:?}", r.notes);
+    }
+
+    /// `imex_channel0`: a GPU job's record gets `channel0` of the IMEX
+    /// major (read, write); a CPU-only job's, and any job's without the
+    /// key, none.
+    #[test]
+    fn channel0_is_granted_to_gpu_jobs_only_when_asked() {
+        let d = tempfile::tempdir().unwrap();
+        let majors = "[majors]\nnvidia = 1\nnvidia-caps-imex-channels = 120\n";
+        let gpu_job = env(&[
+            ("SLURM_JOB_ID", "17"),
+            ("SLURM_JOB_UID", "1000"),
+            ("SLURM_JOB_GPUS", "1"),
+            ("SLURM_CONF", "/nonexistent/slurm.conf"),
+        ])
+        .unwrap();
+        let cpu_job = env(&[("SLURM_JOB_ID", "18"), ("SLURM_JOB_UID", "1000")]).unwrap();
+        let on = node(d.path(), GRES, &format!("imex_channel0 = true\n{majors}"));
+        let r = build_record(&on, &gpu_job).unwrap();
+        let ch0: Vec<_> = r.devices.iter().filter(|g| g.dev.major == 120).collect();
+        assert_eq!(ch0.len(), 1, "{:?}", r.devices);
+        assert_eq!(
+            (ch0[0].dev, ch0[0].access),
+            (DevNum::new(120, 0), Access::RW)
+        );
+        assert!(ch0[0].path.ends_with("nvidia-caps-imex-channels/channel0"));
+        assert!(build_record(&on, &cpu_job).unwrap().devices.is_empty());
+        let off = node(d.path(), GRES, majors);
+        let r = build_record(&off, &gpu_job).unwrap();
+        assert!(
+            r.devices.iter().all(|g| g.dev.major != 120),
+            "{:?}",
+            r.devices
+        );
+        // Asked for, with no IMEX major: a note, no grant.
+        let none = node(d.path(), GRES, &format!("imex_channel0 = true\n{MAJORS}"));
+        let r = build_record(&none, &gpu_job).unwrap();
+        assert!(
+            r.notes.iter().any(|n| n.contains("channel0 not granted")),
+            "{:?}",
+            r.notes
+        );
     }
 
     #[test]

@@ -277,8 +277,9 @@ impl Sweep<'_> {
             let mut fnd = Finding::new(
                 Kind::DeniedOpen,
                 format!(
-                    "{delta} denied open(s) of {} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
+                    "{delta} denied open(s) of {}{} by {} (uid {}) since the last sweep; last pid {} ({}) at {}",
                     d.device,
+                    if d.access.is_empty() { String::new() } else { format!(" ({})", d.access) },
                     d.user.as_deref().unwrap_or("?"),
                     d.uid,
                     d.last_pid,
@@ -286,7 +287,7 @@ impl Sweep<'_> {
                     d.last_time
                 ),
                 json!({
-                    "device": d.device, "new": delta, "count": d.count,
+                    "device": d.device, "access": d.access, "new": delta, "count": d.count,
                     "cgroup_id": d.cgroup_id, "last_time": d.last_time,
                 }),
             );

@@ -707,6 +707,7 @@ mod tests {
             cgroup_id: 7,
             uid: 1001,
             dev: DevNum::new(195, 0),
+            access: gpufence_model::device::Access::RW,
             count,
             last_pid: 42,
             last_comm: "x".into(),

@@ -18,6 +18,10 @@ pub(super) struct SeenDenial {
     pub(super) uid: u32,
     pub(super) major: u32,
     pub(super) minor: u32,
+    /// The record's access bits (0 in a state file of a version before
+    /// records had them).
+    #[serde(default)]
+    pub(super) access: u32,
     pub(super) count: u64,
     pub(super) last_ns: u64,
 }
@@ -31,8 +35,14 @@ pub(super) struct DenialState {
     pub(super) seen: Vec<SeenDenial>,
 }
 
-pub(super) fn denial_key(d: &DenialEntry) -> (u64, u32, u32, u32) {
-    (d.cgroup_id, d.uid, d.dev.major, d.dev.minor)
+pub(super) fn denial_key(d: &DenialEntry) -> (u64, u32, u32, u32, u32) {
+    (
+        d.cgroup_id,
+        d.uid,
+        d.dev.major,
+        d.dev.minor,
+        d.access.bits(),
+    )
 }
 
 /// The records that are new or grew since `prev`, with how many denials
@@ -41,10 +51,10 @@ pub(super) fn new_denials(
     prev: &DenialState,
     now: &[DenialEntry],
 ) -> (Vec<(DenialEntry, u64)>, DenialState) {
-    let old: BTreeMap<(u64, u32, u32, u32), &SeenDenial> = prev
+    let old: BTreeMap<(u64, u32, u32, u32, u32), &SeenDenial> = prev
         .seen
         .iter()
-        .map(|s| ((s.cgroup_id, s.uid, s.major, s.minor), s))
+        .map(|s| ((s.cgroup_id, s.uid, s.major, s.minor, s.access), s))
         .collect();
     let mut fresh = Vec::new();
     let mut total = prev.total;
@@ -67,6 +77,7 @@ pub(super) fn new_denials(
             uid: d.uid,
             major: d.dev.major,
             minor: d.dev.minor,
+            access: d.access.bits(),
             count: d.count,
             last_ns: d.last_ns,
         })
