@@ -431,7 +431,7 @@ fn spec(release: &Release, slice: &V2Slice, env: &TestEnv, alone: bool) -> Clust
         cpus: Some(2 * GPUS),
         v2node: Some(slice.spec("Alloc,Contain")),
         slurm_only: alone,
-        plugstack_first: None,
+        ..ClusterSpec::default()
     }
 }
 

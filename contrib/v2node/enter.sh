@@ -28,6 +28,26 @@ shift
 
 fstype() { stat -f -c %T "$1" 2>/dev/null; }
 
+# GPUFENCE_V2NODE_IMEX=1: Slurm's switch/nvidia_imex (24.05+) on this node.
+# slurmd empties /dev/nvidia-caps-imex-channels at start and each step's
+# slurmstepd mounts a tmpfs over it in a new mount namespace of its own
+# after remounting / MS_SLAVE|MS_REC (src/plugins/switch/nvidia_imex/):
+# so slurmd gets a tmpfs of its own over the directory here, in its private
+# mount namespace (the host's directory, and the driver's channel0 on a
+# real node, stay as they are), and / must be a mount point, or Slurm's
+# remount fails with EINVAL and every step with "Error configuring
+# interconnect", gpufence or not. v2node/chroot.sh's pivot_root makes the
+# root one; the host's / is one. The directory must exist (cluster.sh
+# makes it on the host).
+imex_mount() {
+    [[ ${GPUFENCE_V2NODE_IMEX:-} == 1 ]] || return 0
+    awk '$5 == "/" { found = 1 } END { exit !found }' /proc/self/mountinfo ||
+        { echo "enter.sh: / is not a mount point: Slurm's switch/nvidia_imex cannot remount it" >&2; exit 1; }
+    [[ -d /dev/nvidia-caps-imex-channels ]] ||
+        { echo "enter.sh: /dev/nvidia-caps-imex-channels is missing" >&2; exit 1; }
+    mount -t tmpfs -o mode=0755 tmpfs /dev/nvidia-caps-imex-channels
+}
+
 # GPUFENCE_V2NODE_CGROUPNS=1: slurmd in a container (Kubernetes-hosted
 # Slurm, any `unshare --cgroup`): the cgroup the caller placed this
 # process in becomes the root of a new cgroup namespace, cgroup2 is mounted
@@ -55,6 +75,7 @@ if [[ ${GPUFENCE_V2NODE_CGROUPNS:-} == 1 ]]; then
         umount -l "$m"
     done
     mount -t cgroup2 cgroup2 /sys/fs/cgroup
+    imex_mount
     mkdir -p /sys/fs/cgroup/system.slice/slurmd.service
     echo $$ >/sys/fs/cgroup/system.slice/slurmd.service/cgroup.procs
     invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
@@ -73,6 +94,15 @@ invocation=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 v1_lines() { grep -qv '^0::' /proc/self/cgroup; }
 
 if [[ $(fstype /sys/fs/cgroup) == cgroup2fs ]]; then
+    if [[ ${GPUFENCE_V2NODE_IMEX:-} == 1 ]]; then
+        # The tmpfs goes in a private mount namespace: v2node/chroot.sh's
+        # is one already; on the host slurmd gets one here.
+        if [[ ${GPUFENCE_CHROOTED:-} != 1 && ${GPUFENCE_V2NODE_INSIDE:-} != 1 ]]; then
+            exec env GPUFENCE_V2NODE_INSIDE=1 unshare --mount --propagation private -- "$0" "$shim" "$@"
+        fi
+        unset GPUFENCE_V2NODE_INSIDE
+        imex_mount
+    fi
     if v1_lines; then
         [[ -r $shim ]] || { echo "enter.sh: $shim is missing" >&2; exit 1; }
         exec env INVOCATION_ID="$invocation" LD_PRELOAD="$shim" "$@"
@@ -91,5 +121,6 @@ for m in "${mounts[@]}"; do
     umount -l "$m"
 done
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
+imex_mount
 [[ -r $shim ]] || { echo "enter.sh: $shim is missing" >&2; exit 1; }
 exec env INVOCATION_ID="$invocation" LD_PRELOAD="$shim" "$@"

@@ -191,6 +191,48 @@ pub struct ClusterSpec {
     /// A plugstack.conf line put before gpufence's (another SPANK plugin,
     /// as a site stacks Pyxis); `None`: gpufence's line alone.
     pub plugstack_first: Option<String>,
+    /// Slurm's `switch/nvidia_imex` (24.05+) with this `imex_dev_major`
+    /// (a real cgroup/v2 node only): slurm.conf gets `SwitchType`,
+    /// `SwitchParameters=imex_dev_major=<major>,imex_channel_count=16`,
+    /// `DebugFlags=Switch` and `SlurmdDebug=debug`; slurmd starts with a
+    /// tmpfs of its own over `/dev/nvidia-caps-imex-channels` in its
+    /// private mount namespace (`GPUFENCE_V2NODE_IMEX`,
+    /// `contrib/v2node/enter.sh`: slurmd empties that directory at start);
+    /// the gpufence config's `[majors]` gets
+    /// `nvidia-caps-imex-channels = <major>` (and `nvidia = 195` when the
+    /// caller gave no `[majors]`). `cluster.sh start`'s check job may fail
+    /// (`GPUFENCE_CLUSTER_CHECK=warn`: it says so on stderr), so that a
+    /// test can measure a node whose every step fails.
+    pub imex: Option<u32>,
+    /// Files written next to slurm.conf (name, text): job_container.conf,
+    /// namespace.yaml. Those of an earlier start in the same directory
+    /// that this spec does not name are removed.
+    pub extra_files: Vec<(String, String)>,
+}
+
+/// `gpufence_extra` with `nvidia-caps-imex-channels = <major>` in its
+/// `[majors]` table (one is added, with `nvidia = 195`, when it has none).
+pub fn with_imex_major(gpufence_extra: &str, major: u32) -> String {
+    const NAME: &str = "nvidia-caps-imex-channels";
+    if gpufence_extra
+        .lines()
+        .any(|l| l.trim_start().starts_with(NAME))
+    {
+        return gpufence_extra.to_string();
+    }
+    if gpufence_extra.lines().any(|l| l.trim() == "[majors]") {
+        return gpufence_extra
+            .lines()
+            .map(|l| {
+                if l.trim() == "[majors]" {
+                    format!("{l}\n{NAME} = {major}\n")
+                } else {
+                    format!("{l}\n")
+                }
+            })
+            .collect();
+    }
+    format!("{gpufence_extra}\n[majors]\nnvidia = 195\n{NAME} = {major}\n")
 }
 
 /// The cgroup/v2 part of a [`ClusterSpec`].
@@ -250,10 +292,18 @@ impl Cluster {
     /// instead of asserting that it succeeded (a node that must refuse to
     /// start). The cluster is stopped on drop either way.
     pub fn launch(env: &TestEnv, spec: &ClusterSpec) -> (Cluster, Output) {
+        assert!(
+            spec.imex.is_none() || spec.v2node.is_some(),
+            "ClusterSpec::imex needs a real cgroup/v2 node (v2node)"
+        );
+        let gpufence_extra = match spec.imex {
+            Some(major) => with_imex_major(&spec.gpufence_extra, major),
+            None => spec.gpufence_extra.clone(),
+        };
         let (gres_conf, node_gres, gpufence_extra, port_base) = (
             spec.gres_conf.as_str(),
             spec.node_gres.as_str(),
-            spec.gpufence_extra.as_str(),
+            gpufence_extra.as_str(),
             spec.port_base,
         );
         let dir = env.path("cluster");
@@ -357,6 +407,29 @@ fi
             extra += &v2.slurm_conf;
             std::fs::write(dir.join("cgroup.conf"), &v2.cgroup_conf).unwrap();
         }
+        if let Some(major) = spec.imex {
+            extra += &format!(
+                "SwitchType=switch/nvidia_imex\n\
+                 SwitchParameters=imex_dev_major={major},imex_channel_count=16\n\
+                 DebugFlags=Switch\nSlurmdDebug=debug\n"
+            );
+        }
+        let listed = dir.join(".extra-files");
+        for old in std::fs::read_to_string(&listed).unwrap_or_default().lines() {
+            let _ = std::fs::remove_file(dir.join(old));
+        }
+        for (name, text) in &spec.extra_files {
+            assert!(!name.contains('/'), "extra file {name}: a name, not a path");
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        std::fs::write(
+            &listed,
+            spec.extra_files
+                .iter()
+                .map(|(n, _)| format!("{n}\n"))
+                .collect::<String>(),
+        )
+        .unwrap();
         std::fs::write(dir.join("slurm-extra.conf"), extra).unwrap();
         let (out, slurmd_cgroup) = match &spec.v2node {
             Some(v2) => (
@@ -366,12 +439,15 @@ fi
                     &v2.slurmd_cgroup,
                     true,
                     spec.root.as_deref(),
-                    // Travels in cluster.sh's environment to v2node/enter.sh.
-                    if v2.cgroupns {
-                        &[("GPUFENCE_V2NODE_CGROUPNS", "1")]
-                    } else {
-                        &[]
-                    },
+                    // Travel in cluster.sh's environment to v2node/enter.sh.
+                    &[
+                        v2.cgroupns.then_some(("GPUFENCE_V2NODE_CGROUPNS", "1")),
+                        spec.imex.map(|_| ("GPUFENCE_V2NODE_IMEX", "1")),
+                        spec.imex.map(|_| ("GPUFENCE_CLUSTER_CHECK", "warn")),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>(),
                 ),
                 v2.slurmd_cgroup.clone(),
             ),
