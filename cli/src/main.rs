@@ -448,8 +448,14 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
             .into_iter()
             .map(|e| json!({"cgroup": gpufence_node::host::cgpath::abs(&e.cgroup), "id": e.id, "exempt": e.exempt}))
             .collect();
+    // Slurm's scope's IMEX mknod grant is the node's, not a job's.
     let jobs: std::collections::BTreeSet<u32> = grants::list(node)
-        .map(|g| g.into_iter().map(|c| c.job_id).collect())
+        .map(|g| {
+            g.into_iter()
+                .map(|c| c.job_id)
+                .filter(|j| *j != gpufence_node::job::imex::SCOPE_GRANT_JOB_ID)
+                .collect()
+        })
         .unwrap_or_default();
     let io_uring =
         gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));

@@ -12,10 +12,14 @@
 //!   With `PrologFlags=RunInJob` in slurm.conf the extern step starts
 //!   before the Prolog: finding no record there is expected (a verbose log
 //!   line, nothing for the user, no `grant_refused`); the Prolog then
-//!   grants the job cgroup itself (`gpufence_node::job::injob`).
+//!   grants the job cgroup itself (`gpufence_node::job::injob`). With
+//!   Slurm's `SwitchType=switch/nvidia_imex`, the job cgroup also gets
+//!   `mknod` of the IMEX major, for slurmstepd to make the step's channel
+//!   (`gpufence_node::job::imex`).
 //! - `task_init_privileged` / `task_init` (in each task, before exec, stderr
 //!   connected to the job's): print the one line the user must see, and
-//!   stop the task when the step was refused.
+//!   stop the task when the step was refused; under `switch/nvidia_imex`,
+//!   grant the channel slurmstepd made in the step's mount namespace.
 //! - local / allocator / job_script contexts: nothing (srun runs as the
 //!   user: never touch root-only paths there).
 //!
@@ -374,6 +378,36 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
             &format!("exempt cgroup /{p} does not exist: not exempt"),
         );
     }
+    // Slurm's IMEX channels: slurmstepd (and, with a namespace plugin, the
+    // extern step before its slurm_spank_init) makes channel nodes in the
+    // jobs' cgroups under Slurm's scope (gpufence_node::job::imex).
+    if let Some(s) = slurmconf::SlurmConf::load(&conf)
+        .ok()
+        .and_then(|s| s.imex_switch())
+    {
+        match slurmconf::SlurmConf::load(&conf)
+            .ok()
+            .and_then(|c| gpufence_node::job::imex::switch_major(&node, &c))
+        {
+            Some(major) => {
+                if let Err(e) = gpufence_node::job::imex::grant_scope_mknod(&node, major) {
+                    log(
+                        LogLevel::Error,
+                        &format!("IMEX channels: Slurm's scope cannot be granted mknod: {e}"),
+                    );
+                }
+            }
+            None => log(
+                LogLevel::Error,
+                &format!(
+                    "SwitchType=switch/nvidia_imex, but the IMEX major ({}) is not one the fence protects: jobs get no channel; name it in [majors] as nvidia-caps-imex-channels",
+                    s.dev_major
+                        .map(|m| m.to_string())
+                        .unwrap_or_else(|| "no nvidia-caps-imex-channels in /proc/devices".into())
+                ),
+            ),
+        }
+    }
     // Where slurmd actually runs (this process), against the exemptions.
     if let Ok(own) = node.cg.cgroup_of(std::process::id() as i32) {
         if let Some(line) = fence_ops::slurmd_exemption_note(&node, &own) {
@@ -532,9 +566,11 @@ fn container_hint(argv: &[&str]) -> Option<&'static str> {
 // SAFETY: the trait's contract (slurm-spank 0.2.4, `Plugin`): task
 // callbacks run in children slurmstepd forks from itself, where a
 // multi-threaded plugin could deadlock. This plugin starts no thread, and
-// its task callbacks (`task_init_privileged`, `task_init`) only write lines
-// already built in `init` to stderr and set variables built there
-// (`spank_setenv`). The crate catches panics at every
+// its task callbacks (`task_init_privileged`, `task_init`) write lines
+// built in `init` to stderr, set variables built there (`spank_setenv`)
+// and, under `switch/nvidia_imex`, read the config, a directory and the
+// fence's pinned maps with plain syscalls, taking no lock another thread
+// could hold. The crate catches panics at every
 // hook (`catch_unwind`), so none unwinds into Slurm.
 unsafe impl Plugin for GpuFence {
     fn setup(&self, _spank: &mut SpankHandle) -> Result<(), Box<dyn Error>> {

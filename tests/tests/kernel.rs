@@ -1164,11 +1164,12 @@ fn imex_channels_mknod_in_jobs_and_exactly_their_channel() {
     std::os::unix::fs::symlink(&ch5, dir.join("channel7")).unwrap();
     assert_eq!(gpufence_node::job::imex::channels(&dir, 120), vec![5]);
     assert_eq!(env.open_from(&stepd, &ch5), "EPERM", "mknod is not open");
-    let granted = gpufence_node::job::imex::grant_channel(&node, &req, &job, 120).unwrap();
+    let granted =
+        gpufence_node::job::imex::grant_channels_in(&node, &req, &job, 120, &dir).unwrap();
     assert_eq!(granted, vec![5]);
     // Again: nothing new (already held).
     assert!(
-        gpufence_node::job::imex::grant_channel(&node, &req, &job, 120)
+        gpufence_node::job::imex::grant_channels_in(&node, &req, &job, 120, &dir)
             .unwrap()
             .is_empty()
     );

@@ -49,6 +49,17 @@ use crate::{Node, NodeError};
 /// name of their major in `/proc/devices` (`nv-caps-imex.c`).
 pub const CHANNEL_DIR: &str = "nvidia-caps-imex-channels";
 
+/// Where Slurm's switch plugin makes each step's channel node, whatever
+/// `dev_dir` says (a fixed path in `imex_device.c`; its error names it:
+/// `setup_imex_channel: failed to create /dev/nvidia-caps-imex-channels/channel1`).
+pub const SLURM_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
+
+/// The job id under which Slurm's scope cgroups are granted `mknod` of
+/// the IMEX major ([`grant_scope_mknod`]): no Slurm job has it (job ids
+/// stay below `MAX_JOB_ID`, 0x03FFFFFF, `slurm.h`), and no Epilog revokes
+/// it.
+pub const SCOPE_GRANT_JOB_ID: u32 = 0xFFFF_FE00;
+
 /// At most this many entries of the channel directory are looked at: a
 /// step's tmpfs holds its one channel (one per segment at most).
 pub const MAX_ENTRIES: usize = 64;
@@ -106,7 +117,7 @@ pub fn grant_mknod(
     grant(node, req, job_cgroup, dev, Access::MKNOD, "mknod")
 }
 
-/// Finds the channels Slurm made for this step in `<dev_dir>/`[`CHANNEL_DIR`]
+/// Finds the channels Slurm made for this step in [`SLURM_CHANNEL_DIR`]
 /// as this process sees it (slurmstepd's mount namespace) and grants each
 /// (read and write) to the job cgroup `job_cgroup`, after a
 /// `grant_applied` line (`"imex": "channel"`); a channel the cgroup holds
@@ -121,10 +132,25 @@ pub fn grant_channel(
     job_cgroup: &str,
     major: u32,
 ) -> Result<Vec<u32>, NodeError> {
+    grant_channels_in(node, req, job_cgroup, major, Path::new(SLURM_CHANNEL_DIR))
+}
+
+/// [`grant_channel`] with the channels of `dir` ([`channels`]) instead of
+/// Slurm's directory.
+///
+/// # Errors
+/// As [`grant_channel`].
+pub fn grant_channels_in(
+    node: &Node,
+    req: &StepRequest,
+    job_cgroup: &str,
+    major: u32,
+    dir: &Path,
+) -> Result<Vec<u32>, NodeError> {
     let fence = Fence::open(&node.cfg.bpffs_dir)?;
     let id = node.cg.id(job_cgroup)?;
     let mut granted = Vec::new();
-    for minor in channels(&node.cfg.dev_dir.join(CHANNEL_DIR), major) {
+    for minor in channels(dir, major) {
         let dev = DevNum::new(major, minor);
         if fence
             .lookup(id, dev)?
@@ -150,12 +176,9 @@ fn grant(
     let id = node.cg.id(job_cgroup)?;
     let level = node.cg.kernel_level(job_cgroup)?;
     let path: PathBuf = if dev.is_any_minor() {
-        node.cfg.dev_dir.join(CHANNEL_DIR).join("*")
+        Path::new(SLURM_CHANNEL_DIR).join("*")
     } else {
-        node.cfg
-            .dev_dir
-            .join(CHANNEL_DIR)
-            .join(format!("channel{}", dev.minor))
+        Path::new(SLURM_CHANNEL_DIR).join(format!("channel{}", dev.minor))
     };
     // Recorded before it takes effect, as every grant.
     node.audit(
@@ -178,6 +201,73 @@ fn grant(
     )?;
     fence.grant_in(&node.cg, id, job_cgroup, req.job_id, &[(dev, access)])?;
     Ok(())
+}
+
+/// Slurm's scope cgroups under the fenced subtree, relative to the mount:
+/// `system.slice/slurmstepd.scope`, or `system.slice/<node>_slurmstepd.scope`
+/// where slurmd is built for several per host, the cgroup every job
+/// cgroup of the `slurm` layout is made in (`_get_stepd_scope_path` ...
+/// `cgroup_v2.c`), looked for below `cgroup_root` and below
+/// `<cgroup_root>/system.slice`.
+pub fn scopes(node: &Node) -> Vec<String> {
+    let root = node.cfg.cgroup_root.clone();
+    let mut out = Vec::new();
+    for parent in [crate::join_cgroup(&root, "system.slice"), root.clone()] {
+        let Ok(rd) = std::fs::read_dir(node.cg.path(&parent)) else {
+            continue;
+        };
+        for e in rd.take(4096).flatten() {
+            let Ok(name) = e.file_name().into_string() else {
+                continue;
+            };
+            if (name == "slurmstepd.scope" || name.ends_with("_slurmstepd.scope"))
+                && e.file_type().is_ok_and(|t| t.is_dir())
+            {
+                let p = crate::join_cgroup(&parent, &name);
+                if !out.contains(&p) {
+                    out.push(p);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Grants `mknod` of every minor of `major` to each of Slurm's scope
+/// cgroups ([`scopes`]) that does not hold it yet, under
+/// [`SCOPE_GRANT_JOB_ID`], after a `grant_applied` line each: with a
+/// namespace plugin (`job_container/tmpfs`, `namespace/*`) the extern
+/// step makes the job's channel node while it creates the job's
+/// namespace, before its `slurm_spank_init` (`_spawn_job_container`,
+/// `slurmstepd/mgr.c`), so the job cgroup's own grant ([`grant_mknod`])
+/// comes too late; the scope holds only slurmstepd and the jobs. Called
+/// by the Prolog (before the extern step starts) and at slurmd start.
+/// Returns the scopes granted now.
+///
+/// # Errors
+/// [`NodeError`]: the fence, a cgroup or the audit log.
+pub fn grant_scope_mknod(node: &Node, major: u32) -> Result<Vec<String>, NodeError> {
+    let fence = Fence::open(&node.cfg.bpffs_dir)?;
+    let dev = DevNum::any_minor(major);
+    let mut granted = Vec::new();
+    for scope in scopes(node) {
+        let id = node.cg.id(&scope)?;
+        if fence
+            .lookup(id, dev)?
+            .is_some_and(|g| g.access().contains(Access::MKNOD))
+        {
+            continue;
+        }
+        let req = StepRequest {
+            job_id: SCOPE_GRANT_JOB_ID,
+            step_id: 0,
+            uid: 0,
+            stepd_pid: std::process::id() as i32,
+        };
+        grant(node, &req, &scope, dev, Access::MKNOD, "mknod")?;
+        granted.push(scope);
+    }
+    Ok(granted)
 }
 
 /// The channel numbers (minors, 1 and up) of the nodes in `dir`, when

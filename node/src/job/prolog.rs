@@ -762,6 +762,33 @@ pub fn run_with_sluid(
             return Err(e);
         }
     }
+    // Slurm's IMEX channels with a namespace plugin: the extern step makes
+    // the job's channel node before its slurm_spank_init; the scope's
+    // mknod grant is in place before the extern step starts
+    // (crate::job::imex::grant_scope_mknod). A failure is one `error`
+    // line: without a namespace plugin the step's own grant suffices.
+    let slurm = crate::host::slurmconf::SlurmConf::load(
+        env.slurm_conf
+            .as_deref()
+            .unwrap_or(Path::new(gresmap::DEFAULT_SLURM_CONF)),
+    )
+    .ok();
+    if let Some(major) = slurm
+        .as_ref()
+        .and_then(|s| crate::job::imex::switch_major(node, s))
+    {
+        if let Err(e) = crate::job::imex::grant_scope_mknod(node, major) {
+            let _ = node.audit(
+                AuditEvent::new(events::ERROR)
+                    .job(rec.job_id)
+                    .field("phase", "prolog")
+                    .field(
+                        "reason",
+                        format!("IMEX channels: Slurm's scope cannot be granted mknod: {e}"),
+                    ),
+            );
+        }
+    }
     // Last, when nothing can fail the job any more: the job map, for
     // monitoring. A map that cannot be written is one `error` line, never
     // a refused job.
