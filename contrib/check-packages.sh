@@ -14,9 +14,23 @@
 # the root (a private mount namespace, writes in a tmpfs): no root changes.
 # The dpkg checks need root and a root of another series; where they cannot
 # run they fail with CI=true and are skipped otherwise (with a line saying so).
+#
+# ARCH=arm64 checks the arm64 packages (ARCH=arm64 contrib/package.sh): the
+# same contents, the plugin at Debian's aarch64 path, every binary and the
+# plugin AArch64 ELF (amd64: x86-64). dpkg installs only packages of its own
+# architecture, and the roots are amd64: for arm64 the dpkg checks are not
+# run, the control fields that they exercise (Architecture, Depends, Breaks,
+# Version) are checked as text instead, as they are for amd64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-deb=$(ls target/packages/gpufence_*.deb)
+ARCH=${ARCH:-amd64}
+case $ARCH in
+amd64 | x86_64) ARCH=amd64 multiarch=x86_64-linux-gnu rpm_arch=x86_64 machine='Advanced Micro Devices X86-64' ;;
+arm64 | aarch64) ARCH=arm64 multiarch=aarch64-linux-gnu rpm_arch=aarch64 machine=AArch64 ;;
+*) echo "check-packages.sh: ARCH=$ARCH: amd64 (default) or arm64" >&2; exit 1 ;;
+esac
+deb=$(ls target/packages/gpufence_*_"$ARCH".deb)
+plugin=usr/lib/$multiarch/slurm-wlm/gpufence.so
 # The Slurm series of the package (SLURM_ROOT as for package.sh).
 SLURM_ROOT=${SLURM_ROOT:-/}
 num=$(awk '$1 == "#define" && $2 == "SLURM_VERSION_NUMBER" { print $3 }' "${SLURM_ROOT%/}/usr/include/slurm/slurm_version.h")
@@ -51,7 +65,7 @@ check_plugstack() {
 
 want_deb=(
     ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog
-    ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so
+    "./$plugin"
     ./lib/systemd/system/gpufence.service ./lib/systemd/system/gpufence-watch.service
     ./etc/slurm/gpufence.toml ./etc/logrotate.d/gpufence
     ./etc/slurm/plugstack.conf.d/gpufence.conf
@@ -73,8 +87,22 @@ done
 [[ $(dpkg-deb -f "$deb" Breaks) == "slurmd (<< $series~), slurmd (>= $next~), slurm-client (<< $series~), slurm-client (>= $next~)" ]] ||
     { echo "$deb does not break slurmd and slurm-client outside $series: $(dpkg-deb -f "$deb" Breaks)" >&2; fail=1; }
 [[ $(dpkg-deb -f "$deb" Version) == *"+slurm$series" ]] || { echo "$deb: version does not name Slurm $series" >&2; fail=1; }
+[[ $(dpkg-deb -f "$deb" Architecture) == "$ARCH" ]] || { echo "$deb: Architecture is $(dpkg-deb -f "$deb" Architecture), not $ARCH" >&2; fail=1; }
+# Every binary and the plugin are ELF files for the package's machine.
+# elf_machine PKG LABEL: the ELF file on stdin (readelf reads only files).
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+elf_machine() {
+    local m
+    cat >"$scratch/elf"
+    m=$(readelf -h "$scratch/elf" 2>/dev/null | sed -n 's/^ *Machine: *//p') || true
+    [[ $m == "$machine" ]] || { echo "$1: $2 is not an ELF file for $machine (${m:-not ELF})" >&2; return 1; }
+}
+for f in ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog "./$plugin"; do
+    dpkg-deb --fsys-tarfile "$deb" | tar -xO "$f" | elf_machine "$deb" "$f" || fail=1
+done
 # The plugin inside declares the series (plugin_version, checked by slurmd).
-pv=$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/lib/x86_64-linux-gnu/slurm-wlm/gpufence.so | od -An -tx1 -v | tr -s ' \n' '  ' |
+pv=$(dpkg-deb --fsys-tarfile "$deb" | tar -xO "./$plugin" | od -An -tx1 -v | tr -s ' \n' '  ' |
     grep -o "$(printf ' %02x %02x 00' "$minor" "$major")" | head -1) || true
 [[ -n $pv ]] || { echo "$deb: its gpufence.so holds no Slurm $series version word" >&2; fail=1; }
 conffiles=$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)
@@ -83,8 +111,13 @@ for f in /etc/slurm/gpufence.toml /etc/slurm/plugstack.conf.d/gpufence.conf; do
 done
 check_plugstack "$deb" "$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./etc/slurm/plugstack.conf.d/gpufence.conf 2>/dev/null)" "$(sed 's|^\.||' <<<"$list")" || fail=1
 
-if compgen -G "target/packages/x86_64/gpufence-*.rpm" >/dev/null; then
-    rpm=$(ls target/packages/x86_64/gpufence-*.rpm)
+if compgen -G "target/packages/$rpm_arch/gpufence-*.rpm" >/dev/null; then
+    rpm=$(ls target/packages/"$rpm_arch"/gpufence-*.rpm)
+    [[ $(rpm -qp --qf '%{ARCH}' "$rpm" 2>/dev/null) == "$rpm_arch" ]] || { echo "$rpm: its architecture is not $rpm_arch" >&2; fail=1; }
+    for f in ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog ./usr/lib64/slurm/gpufence.so; do
+        # shellcheck disable=SC2094 # elf_machine only names $rpm
+        rpm2archive -n - <"$rpm" | tar -xO "$f" | elf_machine "$rpm" "$f" || fail=1
+    done
     rlist=$(rpm -qlp "$rpm" 2>/dev/null)
     for f in /usr/sbin/gpufence /usr/sbin/gpufence-prolog /usr/sbin/gpufence-epilog /usr/lib64/slurm/gpufence.so \
         /usr/lib/systemd/system/gpufence.service /usr/lib/systemd/system/gpufence-sweep.timer /etc/slurm/gpufence.toml \
@@ -152,13 +185,15 @@ deb_install() {
     return $rc
 }
 dpkg_checks=
-if ((EUID != 0)); then
+if [[ $ARCH != amd64 ]]; then
+    dpkg_checks="; dpkg: not run for $ARCH (the roots are amd64), its control fields checked as text"
+elif ((EUID != 0)); then
     cannot "dpkg checks need root (they mount an overlay of each Debian root)"
 elif [[ $(root_series "$SLURM_ROOT") != "$series" ]]; then
     cannot "dpkg checks: $SLURM_ROOT has no slurmd and slurm-client of Slurm $series installed"
 else
     logs=$(mktemp -d)
-    trap 'rm -rf "$logs"' EXIT
+    trap 'rm -rf "$logs" "$scratch"' EXIT
     for keep in slurmd slurm-client; do
         deb_install "$SLURM_ROOT" "$keep" "$logs/$keep" ||
             { echo "$deb: dpkg -i failed in $SLURM_ROOT with $keep $series alone:" >&2; tail -n 15 "$logs/$keep" >&2; fail=1; }

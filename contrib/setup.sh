@@ -9,11 +9,16 @@
 #   - bpffs at /sys/fs/bpf (the fence also mounts it when missing)
 #   - the unprivileged user the demo and tests run jobs as
 #   - packaging tools: rpm (rpmbuild) and cargo-deb (contrib/package.sh)
+#   - the arm64 (Grace) packages and tests: Rust's aarch64-unknown-linux-gnu
+#     target, the cross gcc (linker) and libc (bindgen's sysroot), and
+#     qemu-user's qemu-aarch64 (run explicitly as a cargo runner; no binfmt
+#     handler is registered, the host's binfmt_misc is left alone)
 set -euo pipefail
 
 [[ $(id -u) -eq 0 ]] || { echo "setup.sh: run as root" >&2; exit 1; }
 
-pkgs=(slurmd slurmctld slurm-client munge libslurm-dev libclang-dev clang pkg-config rpm podman crun uidmap)
+pkgs=(slurmd slurmctld slurm-client munge libslurm-dev libclang-dev clang pkg-config rpm podman crun uidmap
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -38,6 +43,13 @@ readonly CARGO_DEB_VERSION=3.8.0
 if [[ $(cargo deb --version 2>/dev/null) != "cargo-deb $CARGO_DEB_VERSION"* ]]; then
     echo "setup.sh: installing cargo-deb $CARGO_DEB_VERSION (a few minutes, once)"
     cargo install cargo-deb --version "$CARGO_DEB_VERSION" --locked --quiet
+fi
+readonly ARM64_TARGET=aarch64-unknown-linux-gnu
+if ! rustup target list --installed 2>/dev/null | grep -qx "$ARM64_TARGET"; then
+    command -v rustup >/dev/null || { echo "setup.sh: rustup not found; add Rust's $ARM64_TARGET target by hand" >&2; exit 1; }
+    echo "setup.sh: adding Rust's $ARM64_TARGET target"
+    rustup target add "$ARM64_TARGET" >/dev/null 2>&1 ||
+        { echo "setup.sh: rustup target add $ARM64_TARGET failed" >&2; exit 1; }
 fi
 
 if ! grep -q ' /sys/fs/bpf bpf ' /proc/self/mounts; then

@@ -42,3 +42,13 @@ for r in / "$roots/trixie" "$roots/sid"; do
         { SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null; exit 1; }
     SLURM_ROOT=$r bash contrib/check-packages.sh
 done
+# The arm64 packages (Grace: GB200/GB300 nodes), cross-built for the same
+# series: the binaries once, the plugin per series against that series'
+# headers. check-packages.sh checks their contents, ELF machine, plugin path
+# and control fields; dpkg installs only amd64 packages here.
+for r in / "$roots/trixie" "$roots/sid"; do
+    ARCH=arm64 SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null 2>&1 ||
+        { ARCH=arm64 SLURM_ROOT=$r PROFILE=dev bash contrib/package.sh >/dev/null; exit 1; }
+    ARCH=arm64 SLURM_ROOT=$r bash contrib/check-packages.sh
+done
+bash contrib/test-arm64.sh
