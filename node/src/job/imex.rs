@@ -31,7 +31,7 @@
 //! No other job's channel opens: its node is in that job's mount namespace
 //! and its number is not granted here. `channel0`, the driver's shared
 //! channel (`NVreg_CreateImexChannel0=1`), is never taken from a step's
-//! directory: [`Config::imex_channel0`] grants it to GPU jobs through their
+//! directory: [`gpufence_model::config::Config::imex_channel0`] grants it to GPU jobs through their
 //! record.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
