@@ -856,6 +856,23 @@ fn imex_node(release: &Release, expect: &Expect, ns: Option<&NsPlugin>) {
             Want::Is("EPERM"),
         ),
     ]);
+    // The namespace plugin's control: when Slurm alone cannot run a job
+    // with it here (its base mount has failed with EINVAL on some runs of
+    // this machine, `_create_ns: ns base mount failed: Invalid argument`,
+    // a Slurm and host matter, not gpufence's), its rows are not a
+    // comparison: they are left out, saying so, and the rest still holds.
+    let ns = ns.filter(|_| {
+        let alone = get(&alone_ns, NS_ROWS[0]);
+        let ok = alone == "rc 0";
+        if !ok {
+            let line = format!(
+                "namespace plugin: Slurm alone fails here ({alone}); its rows are not run with gpufence"
+            );
+            println!("{line}");
+            notes.push(line);
+        }
+        ok
+    });
     if ns.is_some() {
         wants.extend([
             (NS_ROWS[0], Want::Is("rc 0"), Want::Is("rc 0")),
