@@ -399,7 +399,14 @@ in_root() {
         [[ $cg == "$mnt"/* ]] || die "GPUFENCE_SLURMD_CGROUP=$cg is not below the cgroup2 mount $mnt"
         cg="/sys/fs/cgroup/${cg#"$mnt"/}"
     fi
-    exec env GPUFENCE_CLUSTER_IN_ROOT=1 GPUFENCE_SLURMD_CGROUP="$cg" \
+    # A namespace plugin binds each job's namespace from slurmd's: the
+    # daemons' namespace is ordered for it (v2node/ns-order.sh), once, at
+    # start, where slurm-extra.conf configures one.
+    local order=0
+    if [[ $1 == start ]] && grep -Eqi '^[[:space:]]*(JobContainerType|NamespaceType)[[:space:]]*=' "$DIR/slurm-extra.conf" 2>/dev/null; then
+        order=1
+    fi
+    exec env GPUFENCE_CLUSTER_IN_ROOT=1 GPUFENCE_SLURMD_CGROUP="$cg" GPUFENCE_NS_ORDER="$order" \
         bash "$HERE/v2node/chroot.sh" "$root" bash "$inner/cluster.sh" "$1" "$DIR"
 }
 

@@ -27,6 +27,15 @@ if [[ ${GPUFENCE_CHROOT_INSIDE:-} != 1 ]]; then
     exec env GPUFENCE_CHROOT_INSIDE=1 unshare --mount --propagation private -- "$0" "$root" "$@"
 fi
 unset GPUFENCE_CHROOT_INSIDE
+# GPUFENCE_NS_ORDER=1 (cluster.sh sets it to start a node with a namespace
+# plugin): a namespace a job's extern step makes later must be bindable
+# from this one, on every CPU (ns-order.sh says why: Linux 6.18's per-CPU
+# namespace ids against Slurm's job_container/tmpfs). It costs up to a few
+# seconds, so only such a node pays it.
+if [[ ${GPUFENCE_NS_ORDER:-} == 1 ]]; then
+    "$(dirname "$0")/ns-order.sh"
+fi
+unset GPUFENCE_NS_ORDER
 
 root=$(cd "$root" && pwd -P)
 mount --bind "$root" "$root"

@@ -103,16 +103,15 @@ const JOB_CONTAINER_TMPFS: NsPlugin = NsPlugin {
 /// "tmpfs"): the extern step's is the only one.
 ///
 /// Not run: on this machine (Debian 12 host, kernel 6.18, the sid root
-/// entered by `contrib/v2node/chroot.sh`) it fails under Slurm alone, so it
-/// cannot be a control. Seen on 26.05.5 with BasePath under the root's
-/// `/run` (a tmpfs) and under the test's `/tmp` dir (an rbind of the
-/// host's): the extern step logs `_create_ns: ns base mount failed: Invalid
-/// argument`, then `namespace_g_stepd_create(...): Is a directory`, and
-/// every step of the job fails with no message (`srun` rc 1); once the
-/// extern step did make `channel1` but the job's step saw none. Why the
-/// base mount gets EINVAL here is not established (24.11's
-/// `job_container/tmpfs` with the same job_container.conf works);
-/// `namespace/linux` (namespace.yaml) was not tried.
+/// entered by `contrib/v2node/chroot.sh`) its GPU step finds no channel
+/// under Slurm alone (26.05.5: the extern step makes `channel1` in the
+/// job's namespace, the step lists none), so it cannot be a control, and
+/// the node takes minutes to run the rows. Its earlier failure here,
+/// `_create_ns: ns base mount failed: Invalid argument`, was the kernel's
+/// per-CPU namespace ids, which `contrib/v2node/ns-order.sh` now orders
+/// for every node chroot.sh starts (24.11's `job_container/tmpfs` failed
+/// the same way on some runs). `namespace/linux` (namespace.yaml) was not
+/// tried.
 #[allow(dead_code)]
 const NAMESPACE_TMPFS: NsPlugin = NsPlugin {
     slurm_conf: "NamespaceType=namespace/tmpfs\n",
@@ -857,10 +856,10 @@ fn imex_node(release: &Release, expect: &Expect, ns: Option<&NsPlugin>) {
         ),
     ]);
     // The namespace plugin's control: when Slurm alone cannot run a job
-    // with it here (its base mount has failed with EINVAL on some runs of
-    // this machine, `_create_ns: ns base mount failed: Invalid argument`,
-    // a Slurm and host matter, not gpufence's), its rows are not a
-    // comparison: they are left out, saying so, and the rest still holds.
+    // with it here (a Slurm and host matter, not gpufence's: its base
+    // mount's EINVAL, now ordered away by contrib/v2node/ns-order.sh, was
+    // one), its rows are not a comparison: they are left out, saying so,
+    // and the rest still holds.
     let ns = ns.filter(|_| {
         let control = [
             Want::Is("rc 0"),
@@ -1019,7 +1018,8 @@ fn imex_channels_slurm_26_05_debian_sid() {
                 batch_channel: true,
                 show_resources: true,
             },
-            // NAMESPACE_TMPFS fails here under Slurm alone (see there).
+            // NAMESPACE_TMPFS gives its steps no channel here under Slurm
+            // alone (see there).
             None,
         );
     }
