@@ -133,10 +133,12 @@ mod tests {
         std::fs::write(&passwd, text).unwrap();
         let cfg = Config {
             login_defs: defs.clone(),
-            passwd_file: Some(passwd),
+            passwd_file: Some(passwd.clone()),
             ..Config::default()
         };
-        let users = Users::new(cfg.passwd_file.as_deref());
+        // The fixture's accounts alone: the machine's NSS (a real uid-600
+        // login on a site's node) must not change the counts.
+        let users = Users::file_only(&passwd);
         let w = range_warnings(&cfg, &users);
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(

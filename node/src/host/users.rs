@@ -217,6 +217,17 @@ impl Users {
         )
     }
 
+    /// The users of `passwd_file` alone, NSS never asked: for tests whose
+    /// counts must not depend on the machine's accounts (a real uid-600
+    /// login on the host would otherwise join a fixture's).
+    #[cfg(test)]
+    pub(crate) fn file_only(passwd_file: &Path) -> Users {
+        Users::with_source(Passwd::load(passwd_file), NSS_BUDGET, |q| match q {
+            Ask::All { .. } => Answer::All(Vec::new(), None),
+            Ask::Uid(_) | Ask::Name(_) => Answer::One(None),
+        })
+    }
+
     fn with_source(file: Passwd, budget: Duration, source: Source) -> Users {
         Users {
             file,
