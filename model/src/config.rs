@@ -231,7 +231,10 @@ pub struct Config {
     /// Prolog) is a process outside every job, denied the GPU.
     pub mps_control: Option<PathBuf>,
     /// Where each MPS daemon's pipe and log directories are made:
-    /// `<mps_dir>/gpu<minor>/pipe` and `.../log`.
+    /// `<mps_dir>/gpu<minor>/pipe` and `.../log` (default
+    /// `/run/gpufence-mps`). The jobs' MPS clients connect in `pipe`, so
+    /// it may not lie inside `state_dir`, which is root's alone (`0700`):
+    /// with `mps_control` set, such a value is a config error.
     pub mps_dir: PathBuf,
     /// The cgroup the MPS daemons run in, relative to `cgroup_root`: one
     /// leaf `gpu<minor>` per daemon. Never exempt: a leaf is granted its
@@ -332,7 +335,7 @@ impl Default for Config {
             imex_channel0: false,
             exec_cgroup: "gpufence-exec".into(),
             mps_control: None,
-            mps_dir: "/run/gpufence/mps".into(),
+            mps_dir: "/run/gpufence-mps".into(),
             mps_cgroup: "gpufence-mps".into(),
             job_map_dir: None,
         }
@@ -654,6 +657,7 @@ impl Config {
         self.validate_exec_cgroup(path)?;
         self.validate_sweep_fail_severity(path)?;
         self.validate_exempt_identities(path)?;
+        self.validate_mps_dir(path)?;
         self.validate_limits(path)
     }
 
@@ -748,6 +752,22 @@ impl Config {
                     format!("{} is not an absolute path", p.display()),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// With `mps_control` set, `mps_dir` lies outside `state_dir` (root's
+    /// alone, `0700`), where the jobs' MPS clients can reach it.
+    fn validate_mps_dir(&self, path: &Path) -> Result<(), ConfigError> {
+        if self.mps_control.is_some() && self.mps_dir.starts_with(&self.state_dir) {
+            return Err(key_err_in(path)(
+                "mps_dir",
+                format!(
+                    "{} is inside state_dir {}, which only root may enter: no job's MPS client could reach its pipe directory; use a directory outside it (the default is /run/gpufence-mps)",
+                    self.mps_dir.display(),
+                    self.state_dir.display()
+                ),
+            ));
         }
         Ok(())
     }
@@ -1189,6 +1209,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("key `mps_control`"), "{e}");
+        // The defaults leave the pipe directories reachable by the jobs'
+        // clients: outside the 0700 state_dir.
+        let d = Config::default();
+        assert!(!d.mps_dir.starts_with(&d.state_dir), "{d:?}");
+        assert!(parse("mps_control = \"/usr/bin/nvidia-cuda-mps-control\"").is_ok());
+        let e = parse(
+            "mps_control = \"/usr/bin/nvidia-cuda-mps-control\"\nmps_dir = \"/run/gpufence/mps\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("key `mps_dir`") && e.contains("inside state_dir /run/gpufence"),
+            "{e}"
+        );
+        // Without mps_control the key is unused.
+        assert!(parse("mps_dir = \"/run/gpufence/mps\"").is_ok());
     }
 
     fn check_error(
