@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
@@ -530,11 +531,14 @@ impl<'a> Incident<'a> {
         let mut scanner = Scanner::new();
         let gpu_mem = self.gpu_processes();
         let mut budget = evidence::Budget::from_config(&node.cfg);
+        // The tree's holds are read within `scan_budget_ms`, all members
+        // together: a member of thousands of private tables costs the
+        // response that, never minutes; what is not read is said in its
+        // record (the tree is stopped and killed either way).
+        let deadline = Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms);
         for p in &self.tree_pids {
-            let holds = scanner
-                .holder_where(*p, &want)
-                .map(|h| h.fds)
-                .unwrap_or_default();
+            let look = scanner.holder_where_within(*p, &want, deadline);
+            let holds = look.holder.map(|h| h.fds).unwrap_or_default();
             let mem: Vec<GpuMemory> = gpu_mem
                 .iter()
                 .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
@@ -548,6 +552,12 @@ impl<'a> Incident<'a> {
                 fds: holds,
                 cgroup: self.cgroups.get(p).cloned().flatten(),
                 gpu_memory: mem,
+                unread: look.cut.map(|why| {
+                    format!(
+                        "within scan_budget_ms ({} ms): {why}",
+                        node.cfg.scan_budget_ms
+                    )
+                }),
             };
             let ev = evidence::collect(
                 *p,
