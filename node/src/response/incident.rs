@@ -13,10 +13,13 @@
 //!    and keeps what is collected next consistent (a tree cannot fork,
 //!    hand on a descriptor or delete files while it is read);
 //! 4. preserve evidence: one evidence file per member
-//!    ([`crate::response::evidence`]), and an incident file with the tree, how each
+//!    ([`crate::response::evidence`]; the members' holds read within
+//!    `scan_budget_ms` all together, what is not read said in the record),
+//!    and an incident file with the tree, how each
 //!    member was stopped, the evidence files and the persistence entries of
 //!    the process's uid with their content (root-only, never overwritten);
-//! 5. `SIGKILL` every member through its pidfd, thaw, and check each is gone;
+//! 5. `SIGKILL` every member through its pidfd, thaw, and check each is
+//!    gone (waited for on its pidfd; one still exiting, a while longer);
 //! 6. list, never delete, the persistence entries found;
 //! 7. drain the node when asked.
 //!

@@ -5,12 +5,16 @@
 //! 1. pin each process's identity: a pidfd taken when it was found
 //!    ([`uncovered`]), so no step can hit a recycled pid; and check again
 //!    that it still holds the device (a process that let go of it in the
-//!    meantime is left alone);
+//!    meantime is left alone), at a cost bounded by `scan_budget_ms`
+//!    whatever the process owns: the descriptors the scan named first,
+//!    then a walk cut at the budget, where "not read whole" is "still
+//!    holding" ([`crate::holders::scan::Scanner::recheck`]);
 //! 2. freeze it: `cgroup.freeze` when its cgroup holds nothing but such
 //!    processes, `SIGSTOP` otherwise — it cannot act while we look;
 //! 3. write the evidence file, then an audit line;
 //! 4. `SIGTERM`, thaw, wait `term_grace_ms`; `SIGKILL` what is left, wait
-//!    `kill_wait_ms`; check each is gone.
+//!    `kill_wait_ms` on the pidfds (a process still exiting then, longer:
+//!    [`crate::response::engine::EXITING_WAITS`]); check each is gone.
 //!
 //! Exempt daemons and processes in a cgroup with a live grant for the device
 //! are never candidates ([`uncovered`]).
