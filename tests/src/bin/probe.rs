@@ -42,7 +42,10 @@
 //!                                        dup'ed SLOTS times, then TABLES-1 threads that each
 //!                                        unshare(CLONE_FILES) (a private copy); the last of them
 //!                                        puts PATH into its table's last slot (NOFILE-1); print
-//!                                        "held", then "N tables", sleep until killed
+//!                                        "held", then "N tables", sleep until killed; with
+//!                                        PATH --recv=SOCK the last thread listens on SOCK instead
+//!                                        ("listening"), and puts the descriptor it receives
+//!                                        (SCM_RIGHTS) there ("received")
 //! ```
 
 use std::ffi::CString;
@@ -557,10 +560,15 @@ fn tables(path: &str, tables: usize, slots: usize) -> ExitCode {
     }
     std::mem::forget(null);
     let (tx, rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let mut go_rx = Some(go_rx);
     let threads = tables.saturating_sub(1);
+    let recv = path.strip_prefix("--recv=").map(str::to_string);
     for i in 0..threads {
         let tx = tx.clone();
         let path = path.to_string();
+        let recv = recv.clone();
+        let go = if i + 1 == threads { go_rx.take() } else { None };
         let spawned = std::thread::Builder::new()
             .stack_size(64 << 10)
             .spawn(move || {
@@ -568,6 +576,24 @@ fn tables(path: &str, tables: usize, slots: usize) -> ExitCode {
                 if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
                     let _ = tx.send(Err("unshare failed".into()));
                     return;
+                }
+                if let (Some(sock), Some(go)) = (&recv, go) {
+                    // Every other table made first; then the descriptor
+                    // handed over lands in this table's last slot.
+                    let _ = tx.send(Ok(()));
+                    let _ = go.recv();
+                    let Some(fd) = receive_one(sock) else {
+                        say("nothing");
+                        sleep_forever();
+                    };
+                    // SAFETY: dup2(2) into this thread's own table.
+                    if unsafe { libc::dup2(fd.as_raw_fd(), last) } == last {
+                        drop(fd);
+                        say("received");
+                    } else {
+                        say(&format!("dup2 to {last} failed"));
+                    }
+                    sleep_forever();
                 }
                 if i + 1 == threads {
                     match open(&path, false) {
@@ -603,8 +629,12 @@ fn tables(path: &str, tables: usize, slots: usize) -> ExitCode {
             Err(_) => return ExitCode::FAILURE,
         }
     }
-    say("held");
-    say(&format!("{} tables", threads + 1));
+    if recv.is_some() {
+        let _ = go_tx.send(());
+    } else {
+        say("held");
+        say(&format!("{} tables", threads + 1));
+    }
     sleep_forever();
 }
 
