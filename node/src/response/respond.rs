@@ -607,7 +607,8 @@ fn record(
 }
 
 /// Step 1 of [`respond`]: pins each candidate still holding what made it
-/// one ([`still_holding`], all of them together within `scan_budget_ms`). System accounts are kept alive: a user could
+/// one ([`still_holding`], all of them together within `scan_budget_ms`).
+/// System accounts are kept alive: a user could
 /// hand a job's descriptor to a root daemon (dbus keeps passed
 /// descriptors) to have it killed. They get evidence, their audit lines
 /// (`lingering_process`, `survivor` with `not_killed`) and make the node
