@@ -251,3 +251,127 @@ fn a_flooded_table_leaves_a_co_tenant_alone_on_a_real_cluster() {
         .collect();
     assert!(killed.is_empty(), "{killed:?}");
 }
+
+/// Issue 33, point 1, end to end: a job hands its GPU descriptor
+/// (SCM_RIGHTS) to a process of its user outside every job that has made
+/// 1,002 private descriptor tables (threads that `unshare(CLONE_FILES)`)
+/// of as many descriptors as `RLIMIT_NOFILE` allows, and puts it in the
+/// last slot of the last table. The job ends; its Epilog finds the
+/// receiver with the kernel's scan, re-checks it at the cost of that one
+/// descriptor (a `/proc` walk of every table took 283 s and drained the
+/// node on a false "survived SIGKILL"), ends it, and the node stays idle.
+/// The wall time is printed; its bound is only a stall guard.
+#[test]
+fn a_receiver_of_a_thousand_tables_is_ended_by_the_epilog_on_a_real_cluster() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("e2etables");
+    let real = gpufence_tests::HoldableDevice::claim();
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let held = env.mknod("nvidia-held", real.major, real.minor);
+    let gres = format!(
+        "Name=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
+        n0.display(),
+        held.display()
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &gpufence_tests::cluster::ClusterSpec {
+            gres_conf: gres,
+            node_gres: "gpu:sim:1,gpu:held:1".into(),
+            gpufence_extra: format!(
+                "layout = \"own\"\nnvml = false\nterm_grace_ms = 500\n[majors]\nnvidia = 195\nfake-held = {}\n",
+                real.major
+            ),
+            port_base: std::env::var("GPUFENCE_E2E_PORT_BASE")
+                .ok()
+                .and_then(|v| v.parse::<u16>().ok())
+                .map_or(17637, |p| p + 720),
+            ..Default::default()
+        },
+    );
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let probe = cluster.bin.join("gpufence-probe");
+    let sock = env.path("recv.sock");
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit into a struct we own.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let slots = (nofile.rlim_max.min(1 << 20) as usize).saturating_sub(100);
+    let mut cmd = gpufence_tests::as_test_user(&probe);
+    cmd.args([
+        "tables",
+        &format!("--recv={}", sock.display()),
+        "1002",
+        &slots.to_string(),
+    ]);
+    let receiver = env.spawn_ready(cmd, "listening");
+    let out = env.path("jobs/sender.out");
+    let script = format!(
+        "{} sendfd {} {}; sleep 1",
+        probe.display(),
+        sock.display(),
+        held.display()
+    );
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--parsable",
+            "-o",
+            out.to_str().unwrap(),
+            "--gres=gpu:held:1",
+            "--wrap",
+            &script,
+        ],
+    );
+    assert!(o.status.success(), "sbatch: {}", both(&o));
+    let job: u32 = stdout(&o).trim().parse().expect("job id");
+    let t0 = std::time::Instant::now();
+    let ended = Cluster::wait_for(Duration::from_secs(120), || gpufence_tests::gone(receiver));
+    let took = t0.elapsed();
+    eprintln!(
+        "job {job}: receiver of 1,002 tables of {slots} descriptors gone {took:?} after submission"
+    );
+    let sent = std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(sent.contains("sent"), "the job did not hand it on: {sent}");
+    assert!(
+        ended,
+        "the receiver outlived the Epilog: {}",
+        cluster.log_tail("slurmd.log")
+    );
+    let settled = Cluster::wait_for(Duration::from_secs(30), || {
+        audit(&env)
+            .iter()
+            .any(|e| e["job_id"] == job && e["event"] == "grant_revoked")
+            && stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"])).trim() == "idle"
+    });
+    let lines: Vec<Value> = audit(&env)
+        .into_iter()
+        .filter(|e| e["job_id"] == job)
+        .collect();
+    assert!(
+        settled,
+        "the node is not idle: {} {lines:?}",
+        stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T %E"]))
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|e| e["event"] == "process_killed" && e["pid"] == receiver),
+        "{lines:?}"
+    );
+    assert!(
+        !lines
+            .iter()
+            .any(|e| e["event"] == "survivor" || e["event"] == "error"),
+        "{lines:?}"
+    );
+    assert!(took.as_secs() < 60, "stalled: {took:?}");
+}

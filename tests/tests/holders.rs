@@ -1321,3 +1321,82 @@ fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
     }
     drop(real);
 }
+
+/// Issue 33, point 1: a process of the job's user outside every job,
+/// with 1,002 private descriptor tables (threads that
+/// `unshare(CLONE_FILES)`) of as many descriptors as `RLIMIT_NOFILE`
+/// allows (20 million descriptors on a 20,000 limit), holding the job's
+/// device only in the last slot of the last table. The kernel's scan
+/// finds it; the re-check before it is stopped looks at that descriptor
+/// (not every descriptor of every table: 283 s before), and the kill
+/// waits on its pidfd while its tables close (seconds: it was called a
+/// survivor, and the node drained). The Epilog ends it, clean; so does
+/// `gpufence respond` on another such process, which finds it gone.
+/// Times are printed; the bound on them is only a stall guard.
+#[test]
+fn a_holder_of_a_thousand_tables_is_ended_not_walked() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("tables");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node(&env, real.major);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit into a struct we own.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let slots = (nofile.rlim_max.min(1 << 20) as usize).saturating_sub(100);
+    // GPUFENCE_TEST_TABLES=4002 measures the issue's larger flood.
+    let tables = std::env::var("GPUFENCE_TEST_TABLES").unwrap_or_else(|_| "1002".into());
+    let flooded = |env: &mut TestEnv| {
+        let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+        cmd.args(["tables", gpu.to_str().unwrap(), &tables, &slots.to_string()]);
+        env.spawn_ready(cmd, "held")
+    };
+    let holder = flooded(&mut env);
+    record(&node, 51, dev);
+    let t0 = std::time::Instant::now();
+    let o = epilog::run(&node, 51, None);
+    let epilog_took = t0.elapsed();
+    eprintln!("epilog over {tables} tables of {slots} descriptors: {epilog_took:?}");
+    assert!(o.clean(), "{o:?}");
+    assert!(o.survivors.is_empty(), "{:?}", o.survivors);
+    let l = o
+        .lingering
+        .iter()
+        .find(|l| l.pid == holder)
+        .unwrap_or_else(|| panic!("{holder} not responded to: {o:?}"));
+    assert!(l.gone() && l.evidence.is_some(), "{l:?}");
+    assert!(gone(holder));
+    assert!(epilog_took.as_secs() < 60, "stalled: {epilog_took:?}");
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    assert!(
+        !audit
+            .iter()
+            .any(|e| e["event"] == "survivor" && e["pid"] == holder),
+        "{audit:?}"
+    );
+
+    // `gpufence respond PID`: bounded evidence, the truth about the kill.
+    let other = flooded(&mut env);
+    let t0 = std::time::Instant::now();
+    let r = gpufence_node::response::incident::respond_pid(&node, other, None).unwrap();
+    let respond_took = t0.elapsed();
+    eprintln!("respond over {tables} tables of {slots} descriptors: {respond_took:?}");
+    assert_eq!(r.killed, vec![other], "{r:?}");
+    assert!(r.survivors.is_empty(), "{r:?}");
+    assert!(gone(other));
+    assert!(respond_took.as_secs() < 60, "stalled: {respond_took:?}");
+    drop(real);
+}

@@ -98,12 +98,52 @@ pub(crate) fn exited(pidfd: &OwnedFd) -> bool {
 /// the cgroup's processes either way.
 pub const FREEZE_WAIT: Duration = Duration::from_millis(1000);
 
-/// Waits until every pidfd in `fds` has exited or `wait` passes.
+/// Waits until every pidfd in `fds` has exited or `wait` passes, in
+/// `poll(2)` on the pidfds (readable once the whole thread group has
+/// exited: `pidfd_poll`, `kernel/fork.c`, `fs/pidfs.c` from 6.9), so a
+/// process is seen gone the moment it is.
 pub(crate) fn wait_all(fds: &[&OwnedFd], wait: Duration) {
     let deadline = Instant::now() + wait;
-    while Instant::now() < deadline && !fds.iter().all(|f| exited(f)) {
-        std::thread::sleep(Duration::from_millis(10));
+    loop {
+        let mut open: Vec<libc::pollfd> = fds
+            .iter()
+            .filter(|f| !exited(f))
+            .map(|f| libc::pollfd {
+                fd: f.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if open.is_empty() || left.is_zero() {
+            return;
+        }
+        // At most a second at a time: the loop looks at the deadline.
+        let ms = left.as_millis().clamp(1, 1000) as libc::c_int;
+        // SAFETY: poll(2) on a vector of pollfds we own, of its length.
+        unsafe { libc::poll(open.as_mut_ptr(), open.len() as libc::nfds_t, ms) };
     }
+}
+
+/// How many times `kill_wait_ms` more [`Engine::end`] waits for a
+/// process that is exiting when `kill_wait_ms` is over (its leader a
+/// zombie or in `do_exit`): closing millions of descriptors in thousands
+/// of private tables takes the kernel seconds, and a process on its way
+/// out is not a survivor. Past that it is one (fail closed: a process
+/// stuck in its exit, in a driver's uninterruptible wait, may keep the
+/// GPU).
+pub const EXITING_WAITS: u32 = 4;
+
+/// `PF_EXITING` in `/proc/<pid>/stat`'s flags: the task is in `do_exit`
+/// (`include/linux/sched.h`).
+const PF_EXITING: u64 = 0x0000_0004;
+
+/// Whether `pid` is on its way out: its leader a zombie (`Z`, `X`) or in
+/// `do_exit` (`PF_EXITING`), from `/proc/<pid>/stat` (`fs/proc/array.c`).
+/// One read, whatever the number of its threads.
+pub fn exiting(pid: i32) -> bool {
+    gpufence_model::procstat::ProcStat::of(pid)
+        .is_some_and(|s| matches!(s.state, 'Z' | 'X') || s.flags & PF_EXITING != 0)
 }
 
 /// Freezes (`on`) or thaws `cgroup` through `cgroup.freeze`; when
@@ -354,8 +394,11 @@ impl<'a> Engine<'a> {
     /// (`SIGCONT` too for one stopped by signal), the frozen cgroups
     /// thawed, `grace` waited, then `SIGKILL` for what is left; without,
     /// `SIGKILL` and the thaw. Then waits up to `kill_wait_ms` (at least
-    /// 100 ms). Returns, per pid, the signal that ended it, or `None` when
-    /// it is still there (a survivor).
+    /// 100 ms) on the pidfds; a process still there but exiting
+    /// ([`exiting`]: thousands of tables take seconds to close) is waited
+    /// for up to [`EXITING_WAITS`] times as long again. Returns, per pid,
+    /// the signal that ended it, or `None` when it is still there (a
+    /// survivor).
     pub fn end(
         &mut self,
         targets: &[(i32, &OwnedFd)],
@@ -384,10 +427,16 @@ impl<'a> Engine<'a> {
             }
         }
         self.thaw();
-        wait_all(
-            &fds,
-            Duration::from_millis(self.node.cfg.kill_wait_ms.max(100)),
-        );
+        let wait = Duration::from_millis(self.node.cfg.kill_wait_ms.max(100));
+        wait_all(&fds, wait);
+        let on_the_way: Vec<&OwnedFd> = targets
+            .iter()
+            .filter(|(pid, fd)| !exited(fd) && exiting(*pid))
+            .map(|(_, fd)| *fd)
+            .collect();
+        if !on_the_way.is_empty() {
+            wait_all(&on_the_way, wait * EXITING_WAITS);
+        }
         for (pid, fd) in targets {
             if !ended.contains_key(pid) {
                 ended.insert(*pid, exited(fd).then_some("SIGKILL"));
@@ -401,5 +450,29 @@ impl<'a> Engine<'a> {
         for cg in std::mem::take(&mut self.frozen) {
             set_frozen(self.node, &cg, false, FREEZE_WAIT);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A live process is not exiting; a zombie is, and its pidfd, polled,
+    /// says it exited.
+    #[test]
+    fn exiting_processes_are_told_and_waited_for() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let fd = pidfd_open(pid).unwrap();
+        assert!(!exiting(pid));
+        assert!(!exited(&fd));
+        assert!(signal(&fd, libc::SIGKILL));
+        wait_all(&[&fd], Duration::from_secs(10));
+        assert!(exited(&fd), "the pidfd is readable once it exited");
+        assert!(exiting(pid), "a zombie is on its way out");
+        let _ = child.wait();
     }
 }

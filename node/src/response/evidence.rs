@@ -237,26 +237,64 @@ pub fn container_of(cgroup: &str) -> Option<ContainerRef> {
     None
 }
 
-/// The sockets of `pid`, from its fd table and its network namespace's tables.
+/// The sockets of `pid`, from its fd table and its network namespace's
+/// tables, read whole (no deadline: [`sockets_within`] for a response).
 pub fn sockets_of(pid: i32) -> Vec<SocketInfo> {
+    sockets_within(pid, None).0
+}
+
+/// How many descriptors [`sockets_within`] always examines, whatever its
+/// deadline: a common process's table is read whole even when the
+/// response's evidence time was spent on others.
+pub const SOCKET_FDS_ALWAYS: usize = 1024;
+
+/// Most descriptors [`sockets_within`] examines (a `readlink` each, some
+/// 10 µs): a table of a million descriptors (`fs.nr_open`) would cost
+/// seconds for one record.
+pub const SOCKET_FDS_MAX: usize = 65_536;
+
+/// The sockets of `pid` as [`sockets_of`], with its descriptor table
+/// (the leader's, or a live thread's when the leader exited) read for at
+/// most [`SOCKET_FDS_MAX`] descriptors and, past the first
+/// [`SOCKET_FDS_ALWAYS`], not after `deadline`. Returns the sockets and,
+/// when the table was not read whole, why (the record's `left_out`).
+pub fn sockets_within(pid: i32, deadline: Option<Instant>) -> (Vec<SocketInfo>, Option<String>) {
     // A live thread's view when the leader exited: its table is gone.
     let Ok(p) = procfs::process::Process::new_with_root(crate::host::procs::live_view(pid)) else {
-        return Vec::new();
+        return (Vec::new(), None);
     };
-    let inodes: std::collections::BTreeSet<u64> = match p.fd() {
-        Ok(fds) => fds
-            .flatten()
-            .filter_map(|f| match f.target {
-                procfs::process::FDTarget::Socket(i) => Some(i),
-                _ => None,
-            })
-            .collect(),
-        Err(_) => return Vec::new(),
-    };
+    let mut inodes = std::collections::BTreeSet::new();
+    let mut cut = None;
+    match p.fd() {
+        Ok(fds) => {
+            for (n, f) in fds.enumerate() {
+                let late = n >= SOCKET_FDS_ALWAYS && deadline.is_some_and(|d| Instant::now() >= d);
+                if n >= SOCKET_FDS_MAX || late {
+                    cut = Some(format!(
+                        "sockets: the descriptor table read up to {n} descriptors ({})",
+                        if late {
+                            "the response's evidence time was spent"
+                        } else {
+                            "at most 65,536"
+                        }
+                    ));
+                    break;
+                }
+                if let Ok(procfs::process::FDInfo {
+                    target: procfs::process::FDTarget::Socket(i),
+                    ..
+                }) = f
+                {
+                    inodes.insert(i);
+                }
+            }
+        }
+        Err(_) => return (Vec::new(), None),
+    }
     // No socket: the namespace's tables (as long as a user makes them)
     // are not read at all.
     if inodes.is_empty() {
-        return Vec::new();
+        return (Vec::new(), cut);
     }
     let mut out = Vec::new();
     for (proto, entries) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
@@ -285,7 +323,7 @@ pub fn sockets_of(pid: i32) -> Vec<SocketInfo> {
             }
         }
     }
-    out
+    (out, cut)
 }
 
 /// SHA-256 of the first `max` bytes of `p`, and how many were hashed; it
@@ -328,8 +366,11 @@ fn start_time(stat: &procfs::process::Stat) -> Option<String> {
 /// Collects what can still be read about `pid` within `budget`. Fields
 /// that cannot be read (the process is exiting, a kernel thread) are
 /// `None`; the command line, descriptors and sockets are capped
-/// ([`MAX_CMDLINE_BYTES`], [`MAX_LISTED`]) and the record says what it
-/// left out.
+/// ([`MAX_CMDLINE_BYTES`], [`MAX_LISTED`]), the descriptor table is read
+/// for its sockets within the response's evidence time
+/// ([`sockets_within`]), and the record says what it left out. Its cost
+/// does not grow with the process's threads or tables: the holds come
+/// from `found`, never from a walk here.
 pub fn collect(
     pid: i32,
     job_id: u32,
@@ -366,8 +407,13 @@ pub fn collect(
         mut fds,
         cgroup,
         gpu_memory,
+        unread,
     } = found;
-    let mut sockets = sockets_of(pid);
+    if let Some(why) = unread {
+        left_out.push(format!("fds: the process was not read whole ({why})"));
+    }
+    let (mut sockets, cut) = sockets_within(pid, Some(budget.hash_deadline));
+    left_out.extend(cut);
     for (what, n) in [("fds", fds.len()), ("sockets", sockets.len())] {
         if n > MAX_LISTED {
             left_out.push(format!("{what}: {MAX_LISTED} of {n} listed"));
@@ -412,6 +458,10 @@ pub struct Found {
     pub cgroup: Option<String>,
     /// Its GPU memory per NVML.
     pub gpu_memory: Vec<GpuMemory>,
+    /// Where a look at its holds stopped, when it did not read the
+    /// process whole within its deadline
+    /// ([`crate::holders::scan::Bounded::cut`]): `fds` may be short.
+    pub unread: Option<String>,
 }
 
 /// `ev` cut to the process's identity, cgroup and devices (no command
@@ -621,6 +671,43 @@ mod tests {
         ] {
             assert_eq!(container_of(path), None, "{path}");
         }
+    }
+
+    /// The sockets of a table are read whole within the time, and, with
+    /// the time spent, still the first `SOCKET_FDS_ALWAYS` descriptors;
+    /// past those the read stops and says so.
+    #[test]
+    fn socket_reads_are_bounded() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let me = std::process::id() as i32;
+        let later = Some(Instant::now() + Duration::from_secs(60));
+        let (s, cut) = sockets_within(me, later);
+        assert_eq!(cut, None);
+        assert!(s.iter().any(|x| x.local == format!("127.0.0.1:{port}")));
+        // SAFETY: getrlimit/setrlimit on a struct we own: the soft
+        // descriptor limit raised to the hard one, for the copies below.
+        unsafe {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let copies: Vec<std::fs::File> = (0..SOCKET_FDS_ALWAYS + 10)
+            .map_while(|_| null.try_clone().ok())
+            .collect();
+        if copies.len() == SOCKET_FDS_ALWAYS + 10 {
+            let (_, cut) = sockets_within(me, Some(Instant::now()));
+            assert!(
+                cut.as_deref().is_some_and(|c| c.contains("evidence time")),
+                "{cut:?}"
+            );
+        }
+        drop((copies, null, l));
     }
 
     #[test]

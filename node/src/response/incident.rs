@@ -13,10 +13,13 @@
 //!    and keeps what is collected next consistent (a tree cannot fork,
 //!    hand on a descriptor or delete files while it is read);
 //! 4. preserve evidence: one evidence file per member
-//!    ([`crate::response::evidence`]), and an incident file with the tree, how each
+//!    ([`crate::response::evidence`]; the members' holds read within
+//!    `scan_budget_ms` all together, what is not read said in the record),
+//!    and an incident file with the tree, how each
 //!    member was stopped, the evidence files and the persistence entries of
 //!    the process's uid with their content (root-only, never overwritten);
-//! 5. `SIGKILL` every member through its pidfd, thaw, and check each is gone;
+//! 5. `SIGKILL` every member through its pidfd, thaw, and check each is
+//!    gone (waited for on its pidfd; one still exiting, a while longer);
 //! 6. list, never delete, the persistence entries found;
 //! 7. drain the node when asked.
 //!
@@ -31,6 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
@@ -530,11 +534,14 @@ impl<'a> Incident<'a> {
         let mut scanner = Scanner::new();
         let gpu_mem = self.gpu_processes();
         let mut budget = evidence::Budget::from_config(&node.cfg);
+        // The tree's holds are read within `scan_budget_ms`, all members
+        // together: a member of thousands of private tables costs the
+        // response that, never minutes; what is not read is said in its
+        // record (the tree is stopped and killed either way).
+        let deadline = Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms);
         for p in &self.tree_pids {
-            let holds = scanner
-                .holder_where(*p, &want)
-                .map(|h| h.fds)
-                .unwrap_or_default();
+            let look = scanner.holder_where_within(*p, &want, deadline);
+            let holds = look.holder.map(|h| h.fds).unwrap_or_default();
             let mem: Vec<GpuMemory> = gpu_mem
                 .iter()
                 .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
@@ -548,6 +555,12 @@ impl<'a> Incident<'a> {
                 fds: holds,
                 cgroup: self.cgroups.get(p).cloned().flatten(),
                 gpu_memory: mem,
+                unread: look.cut.map(|why| {
+                    format!(
+                        "within scan_budget_ms ({} ms): {why}",
+                        node.cfg.scan_budget_ms
+                    )
+                }),
             };
             let ev = evidence::collect(
                 *p,

@@ -5,12 +5,16 @@
 //! 1. pin each process's identity: a pidfd taken when it was found
 //!    ([`uncovered`]), so no step can hit a recycled pid; and check again
 //!    that it still holds the device (a process that let go of it in the
-//!    meantime is left alone);
+//!    meantime is left alone), at a cost bounded by `scan_budget_ms`
+//!    whatever the process owns: the descriptors the scan named first,
+//!    then a walk cut at the budget, where "not read whole" is "still
+//!    holding" ([`crate::holders::scan::Scanner::recheck`]);
 //! 2. freeze it: `cgroup.freeze` when its cgroup holds nothing but such
 //!    processes, `SIGSTOP` otherwise — it cannot act while we look;
 //! 3. write the evidence file, then an audit line;
 //! 4. `SIGTERM`, thaw, wait `term_grace_ms`; `SIGKILL` what is left, wait
-//!    `kill_wait_ms`; check each is gone.
+//!    `kill_wait_ms` on the pidfds (a process still exiting then, longer:
+//!    [`crate::response::engine::EXITING_WAITS`]); check each is gone.
 //!
 //! Exempt daemons and processes in a cgroup with a live grant for the device
 //! are never candidates ([`uncovered`]).
@@ -22,7 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::audit::{events, AuditEvent};
@@ -107,6 +111,7 @@ impl Candidate {
             fds: self.fds.clone(),
             cgroup: self.cgroup.clone(),
             gpu_memory: self.gpu_memory.clone(),
+            unread: None,
         }
     }
 }
@@ -382,11 +387,20 @@ pub struct Unpinnable {
 /// afterwards means `/proc/<pid>` was that process when it was read.
 /// `Ok(None)`: gone, or let go of the device.
 ///
+/// The look costs what the scan found, not what the process owns
+/// ([`scan::Scanner::recheck`]): the descriptors the scan named are
+/// looked at first (one `stat` each), then a walk that stops at its first
+/// hold or at `deadline` (the response's re-check budget,
+/// `scan_budget_ms`); a process not read whole by then is taken as
+/// still holding (fail closed: a candidate stays a candidate), so a
+/// holder of thousands of private tables costs the response at most the
+/// budget, never minutes.
+///
 /// # Errors
 /// [`Unpinnable`] when the process is there but cannot be pinned (no
 /// pidfd: out of descriptors): it cannot be acted on safely, and the node
 /// is not clean.
-fn still_holding(c: &Candidate) -> Result<Option<PidFd>, Unpinnable> {
+fn still_holding(c: &Candidate, deadline: Instant) -> Result<Option<PidFd>, Unpinnable> {
     let fd = match &c.pidfd {
         Some(fd) => fd.clone(),
         None => match PidFd::open(c.pid) {
@@ -416,8 +430,8 @@ fn still_holding(c: &Candidate) -> Result<Option<PidFd>, Unpinnable> {
             .iter()
             .all(|f| f.via != scan::Via::IoUringRegisteredRing && !f.unread);
     if proc_shows_all {
-        let held = scan::holder(c.pid, &c.devices).is_some_and(|h| !h.fds.is_empty());
-        if !held || exited(fd.fd()) {
+        let look = scan::Scanner::new().recheck(c.pid, &c.fds, &c.devices, deadline);
+        if look == scan::Recheck::HoldsNone || exited(fd.fd()) {
             return Ok(None);
         }
     }
@@ -593,7 +607,8 @@ fn record(
 }
 
 /// Step 1 of [`respond`]: pins each candidate still holding what made it
-/// one ([`still_holding`]). System accounts are kept alive: a user could
+/// one ([`still_holding`], all of them together within `scan_budget_ms`).
+/// System accounts are kept alive: a user could
 /// hand a job's descriptor to a root daemon (dbus keeps passed
 /// descriptors) to have it killed. They get evidence, their audit lines
 /// (`lingering_process`, `survivor` with `not_killed`) and make the node
@@ -611,6 +626,9 @@ fn pin(
 ) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
     let mut spared_out = Vec::new();
     let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
+    // One re-check budget for every candidate of this round: past it, a
+    // candidate is taken as still holding without a look.
+    let deadline = Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms);
     for c in cands {
         let uid = uid_of(c.pid);
         let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
@@ -647,7 +665,7 @@ fn pin(
             spared_out.push(l);
             continue;
         }
-        match still_holding(&c) {
+        match still_holding(&c, deadline) {
             Ok(Some(fd)) => pinned.push((c, fd)),
             Ok(None) => {}
             Err(e) => errors.push(e.into()),

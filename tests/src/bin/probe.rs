@@ -37,6 +37,15 @@
 //!                                        /dev/null opened and dup'ed FILLERS times, RINGS io_uring
 //!                                        rings without fixed files; print "flooded", then
 //!                                        "N descriptors", sleep until killed
+//! gpufence-probe tables PATH TABLES SLOTS  TABLES descriptor tables of SLOTS descriptors each
+//!                                        (soft NOFILE raised to the hard limit): /dev/null
+//!                                        dup'ed SLOTS times, then TABLES-1 threads that each
+//!                                        unshare(CLONE_FILES) (a private copy); the last of them
+//!                                        puts PATH into its table's last slot (NOFILE-1); print
+//!                                        "held", then "N tables", sleep until killed; with
+//!                                        PATH --recv=SOCK the last thread listens on SOCK instead
+//!                                        ("listening"), and puts the descriptor it receives
+//!                                        (SCM_RIGHTS) there ("received")
 //! ```
 
 use std::ffi::CString;
@@ -522,6 +531,113 @@ fn flood(path: &str, copies: usize, fillers: usize, rings: usize) -> ExitCode {
     sleep_forever();
 }
 
+/// `tables`: a process of `tables` private descriptor tables of `slots`
+/// descriptors each (threads that `unshare(CLONE_FILES)`), holding
+/// `path` only in the last slot of the last table: what a walk of
+/// `/proc` pays for in full (issue 33).
+fn tables(path: &str, tables: usize, slots: usize) -> ExitCode {
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    let last = unsafe {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        lim.rlim_cur.min(i32::MAX as libc::rlim_t) as RawFd - 1
+    };
+    let Ok(null) = open("/dev/null", true) else {
+        say("/dev/null not opened");
+        return ExitCode::FAILURE;
+    };
+    for _ in 0..slots.min(last.max(1) as usize - 1) {
+        // SAFETY: dup(2) of a descriptor we hold; the copy is kept.
+        if unsafe { libc::dup(null.as_raw_fd()) } < 0 {
+            say("dup failed");
+            return ExitCode::FAILURE;
+        }
+    }
+    std::mem::forget(null);
+    let (tx, rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let mut go_rx = Some(go_rx);
+    let threads = tables.saturating_sub(1);
+    let recv = path.strip_prefix("--recv=").map(str::to_string);
+    for i in 0..threads {
+        let tx = tx.clone();
+        let path = path.to_string();
+        let recv = recv.clone();
+        let go = if i + 1 == threads { go_rx.take() } else { None };
+        let spawned = std::thread::Builder::new()
+            .stack_size(64 << 10)
+            .spawn(move || {
+                // SAFETY: unshare of this thread's descriptor table.
+                if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+                    let _ = tx.send(Err("unshare failed".into()));
+                    return;
+                }
+                if let (Some(sock), Some(go)) = (&recv, go) {
+                    // Every other table made first; then the descriptor
+                    // handed over lands in this table's last slot.
+                    let _ = tx.send(Ok(()));
+                    let _ = go.recv();
+                    let Some(fd) = receive_one(sock) else {
+                        say("nothing");
+                        sleep_forever();
+                    };
+                    // SAFETY: dup2(2) into this thread's own table.
+                    if unsafe { libc::dup2(fd.as_raw_fd(), last) } == last {
+                        drop(fd);
+                        say("received");
+                    } else {
+                        say(&format!("dup2 to {last} failed"));
+                    }
+                    sleep_forever();
+                }
+                if i + 1 == threads {
+                    match open(&path, false) {
+                        // SAFETY: dup2(2) into this thread's own table.
+                        Ok(fd) if unsafe { libc::dup2(fd.as_raw_fd(), last) } == last => {
+                            drop(fd);
+                        }
+                        Ok(_) => {
+                            let _ = tx.send(Err(format!("dup2 to {last} failed")));
+                            return;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(format!("{path} {}", word(Err(e)))));
+                            return;
+                        }
+                    }
+                }
+                let _ = tx.send(Ok(()));
+                sleep_forever();
+            });
+        if spawned.is_err() {
+            say(&format!("thread {i} not started"));
+            return ExitCode::FAILURE;
+        }
+    }
+    for _ in 0..threads {
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                say(&e);
+                return ExitCode::FAILURE;
+            }
+            Err(_) => return ExitCode::FAILURE,
+        }
+    }
+    if recv.is_some() {
+        let _ = go_tx.send(());
+    } else {
+        say("held");
+        say(&format!("{} tables", threads + 1));
+    }
+    sleep_forever();
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -532,6 +648,10 @@ fn main() -> ExitCode {
                 _ => return ExitCode::from(2),
             }
         }
+        ["tables", path, n, slots] => match (n.parse(), slots.parse()) {
+            (Ok(n), Ok(s)) => return tables(path, n, s),
+            _ => return ExitCode::from(2),
+        },
         ["open", rest @ ..] => {
             let (ro, paths) = match rest {
                 ["--ro", p @ ..] => (true, p),

@@ -88,6 +88,36 @@ pub struct HeldFd {
     pub unread: bool,
 }
 
+/// What [`Scanner::recheck`] found of one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recheck {
+    /// It still holds a device sought: the first hold seen.
+    Holds(HeldFd),
+    /// Read whole: it holds none of them (any more).
+    HoldsNone,
+    /// Not read whole by the deadline, and no hold met in what was read:
+    /// it may hold them (a caller takes it as holding: fail closed).
+    Unread {
+        /// Where the walk stopped.
+        why: String,
+    },
+}
+
+/// A walk of one process bounded by a deadline
+/// ([`Scanner::holder_where_within`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bounded {
+    /// The holds read before the deadline, if any.
+    pub holder: Option<Holder>,
+    /// Where the walk stopped, when it did not read the process whole:
+    /// it may hold more than `holder` says.
+    pub cut: Option<String>,
+}
+
+/// How many of the holds a scan saw [`Scanner::recheck`] looks at one by
+/// one (a `stat` each) before it walks the process.
+pub const RECHECK_SEEN: usize = 64;
+
 /// A process holding at least one sought device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Holder {
@@ -438,10 +468,10 @@ impl Scanner {
             .then(|| read_maps(&base, pid))
             .flatten();
         if r.maps_unread {
-            self.mappings(maps.as_ref(), want, &mut fds);
+            self.mappings(maps.as_ref(), want, &mut fds, None);
         }
         if hit_map {
-            self.mappings(maps.as_ref(), want, &mut fds);
+            self.mappings(maps.as_ref(), want, &mut fds, None);
             // The kernel saw the mapping; `/proc` may not show it (the
             // process unmapped it meanwhile, or hides it somewhere this
             // reader does not look): taken as held, never dropped.
@@ -460,7 +490,7 @@ impl Scanner {
                 }
             }
         }
-        let mut known = io_uring_files(&base, want, &mut fds, &r.anon);
+        let mut known = io_uring_files(&base, want, &mut fds, &r.anon, None);
         // A memory map the kernel could not walk may keep a ring alive
         // with no descriptor: looked for as where the kernel saw one.
         if r.anon_maps || r.maps_unread {
@@ -507,7 +537,85 @@ impl Scanner {
     /// [`Scanner::holder`] reading the process directory `base` (a
     /// `/proc/<pid>`, or a fixture tree of the same shape in tests).
     pub fn holder_at(&mut self, base: &Path, pid: i32, devs: &BTreeSet<DevNum>) -> Option<Holder> {
-        self.walk(base, pid, &|d| devs.contains(&d), None)
+        self.walk(base, pid, &|d| devs.contains(&d), None, None)
+    }
+
+    /// Whether `pid` still holds one of `devs`, at a cost bounded by
+    /// `deadline` whatever the number of its threads, tables and
+    /// descriptors: the re-check before a response stops a process the
+    /// scan found.
+    ///
+    /// First the holds the scan saw (`seen`, at most [`RECHECK_SEEN`] of
+    /// them): a descriptor of the process's table or of one thread's
+    /// (`/proc/<pid>/fd/<fd>`, `/proc/<pid>/task/<tid>/fd/<fd>`), one
+    /// `stat` each, still on a device of `devs` answers
+    /// [`Recheck::Holds`] at once. Otherwise a walk of `/proc/<pid>` as
+    /// [`Scanner::holder`]'s, stopping at its first hold
+    /// ([`Recheck::Holds`]) or at `deadline` ([`Recheck::Unread`]: the
+    /// caller must take it as holding, fail closed); read whole with no
+    /// hold, [`Recheck::HoldsNone`]. Past `deadline` on entry, only the
+    /// seen holds are looked at.
+    ///
+    /// The kernel facts: `/proc/<pid>/task/<tid>/fd` shows that thread's
+    /// own table (`fs/proc/base.c`, `tid_base_stuff`); a `stat` through
+    /// the magic link is of the open file itself (`fs/proc/fd.c`).
+    pub fn recheck(
+        &mut self,
+        pid: i32,
+        seen: &[HeldFd],
+        devs: &BTreeSet<DevNum>,
+        deadline: Instant,
+    ) -> Recheck {
+        let base = PathBuf::from(format!("/proc/{pid}"));
+        for f in seen.iter().take(RECHECK_SEEN) {
+            if f.unread || f.fd < 0 {
+                continue;
+            }
+            let path = match (f.via, f.tid) {
+                (Via::Fd, _) => base.join("fd").join(f.fd.to_string()),
+                (Via::ThreadFd, Some(tid)) => base
+                    .join("task")
+                    .join(tid.to_string())
+                    .join("fd")
+                    .join(f.fd.to_string()),
+                _ => continue,
+            };
+            if char_rdev(&path).is_some_and(|d| devs.contains(&d)) {
+                return Recheck::Holds(f.clone());
+            }
+        }
+        let mut stop = Stop::new(deadline, true);
+        let h = self.walk(&base, pid, &|d| devs.contains(&d), None, Some(&mut stop));
+        match (h.and_then(|h| h.fds.into_iter().next()), stop.cut) {
+            (Some(f), _) => Recheck::Holds(f),
+            (None, Some(why)) => Recheck::Unread { why },
+            (None, None) => Recheck::HoldsNone,
+        }
+    }
+
+    /// [`Scanner::holder_where`] within `deadline`: the holds read by
+    /// then, and, when the walk was cut before reading the process whole
+    /// (its threads' tables, memory map and rings), where it stopped.
+    /// The cost is bounded by `deadline` (the clock is read before each
+    /// descriptor, thread, mapping and ring), whatever the process holds.
+    pub fn holder_where_within(
+        &mut self,
+        pid: i32,
+        want: DevicePredicate<'_>,
+        deadline: Instant,
+    ) -> Bounded {
+        let mut stop = Stop::new(deadline, false);
+        let holder = self.walk(
+            &PathBuf::from(format!("/proc/{pid}")),
+            pid,
+            want,
+            None,
+            Some(&mut stop),
+        );
+        Bounded {
+            holder,
+            cut: stop.cut,
+        }
     }
 
     /// Every process (other than this one) holding a device `want` selects
@@ -574,7 +682,13 @@ impl Scanner {
     /// The holds of `pid` on devices `want` selects, if any (a walk of its
     /// `/proc` directory).
     pub fn holder_where(&mut self, pid: i32, want: DevicePredicate<'_>) -> Option<Holder> {
-        self.walk(&PathBuf::from(format!("/proc/{pid}")), pid, want, None)
+        self.walk(
+            &PathBuf::from(format!("/proc/{pid}")),
+            pid,
+            want,
+            None,
+            None,
+        )
     }
 
     /// `pid`'s holds of devices `want` selects (descriptor tables of the
@@ -627,7 +741,7 @@ impl Scanner {
     pub fn walk_process(&mut self, pid: i32, want: DevicePredicate<'_>) -> ProcessFds {
         let mut sockets = BTreeSet::new();
         let base = PathBuf::from(format!("/proc/{pid}"));
-        let holder = self.walk(&base, pid, want, Some(&mut sockets));
+        let holder = self.walk(&base, pid, want, Some(&mut sockets), None);
         ProcessFds { holder, sockets }
     }
 
@@ -637,6 +751,7 @@ impl Scanner {
         pid: i32,
         want: DevicePredicate<'_>,
         mut sockets: Option<&mut BTreeSet<u64>>,
+        mut stop: Option<&mut Stop>,
     ) -> Option<Holder> {
         let base = base.to_path_buf();
         let mut fds = Vec::new();
@@ -649,21 +764,33 @@ impl Scanner {
             &mut fds,
             sockets.as_deref_mut(),
             Some(&mut anon),
+            stop.as_deref_mut(),
         );
         // Threads: only those whose table differs are worth a walk. Where
-        // kcmp can tell, tables already walked are skipped; otherwise each
-        // is walked and duplicates are dropped below.
-        let mut walked = vec![pid];
+        // kcmp can tell, tables already walked are skipped (found in
+        // kcmp's order: log2(tables) calls per thread); otherwise each is
+        // walked and duplicates are dropped below.
+        let mut walked = Tables::with(pid);
         let mut anon: Vec<(Option<i32>, i32)> = anon.into_iter().map(|fd| (None, fd)).collect();
         if let Ok(tasks) = std::fs::read_dir(base.join("task")) {
-            for t in tasks.flatten() {
+            for (n, t) in tasks.flatten().enumerate() {
+                if let Some(s) = stop.as_deref_mut() {
+                    if s.now(|| {
+                        format!(
+                            "threads read up to the {n}th ({} descriptor tables)",
+                            walked.len()
+                        )
+                    }) {
+                        break;
+                    }
+                }
                 let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                     continue;
                 };
                 if tid == pid {
                     continue;
                 }
-                if walked.iter().any(|w| same_fd_table(*w, tid) == Some(true)) {
+                if walked.seen_or_add(tid) == Some(true) {
                     continue;
                 }
                 let mut thread_anon = Vec::new();
@@ -675,16 +802,27 @@ impl Scanner {
                     &mut fds,
                     sockets.as_deref_mut(),
                     Some(&mut thread_anon),
+                    stop.as_deref_mut(),
                 );
                 anon.extend(thread_anon.into_iter().map(|fd| (Some(tid), fd)));
-                walked.push(tid);
             }
+        }
+        if stop
+            .as_deref_mut()
+            .is_some_and(|s| s.now(|| "before the memory map".into()))
+        {
+            return finish(pid, fds);
         }
         // One read of the memory map, for the mappings and the rings.
         let maps = read_maps(&base, pid);
-        self.mappings(maps.as_ref(), want, &mut fds);
+        self.mappings(maps.as_ref(), want, &mut fds, stop.as_deref_mut());
         // Only anonymous inodes can be rings: just those are readlinked.
-        let known = io_uring_files(&base, want, &mut fds, &anon);
+        let known = io_uring_files(&base, want, &mut fds, &anon, stop.as_deref_mut());
+        if stop.as_deref().is_some_and(|s| s.cut.is_some()) {
+            // Rings kept by a mapping alone are told from those in the
+            // tables, which were not all read: not judged from half.
+            return finish(pid, fds);
+        }
         self.mapped_rings(maps.as_ref(), pid, &mut fds, &known);
         finish(pid, fds)
     }
@@ -697,11 +835,17 @@ impl Scanner {
         maps: Option<&MapsView>,
         want: DevicePredicate<'_>,
         out: &mut Vec<HeldFd>,
+        mut stop: Option<&mut Stop>,
     ) {
         let Some((view, maps)) = maps else {
             return;
         };
-        for line in maps.lines() {
+        for (n, line) in maps.lines().enumerate() {
+            if let Some(s) = stop.as_deref_mut() {
+                if s.now(|| format!("the memory map read up to its line {n}")) {
+                    return;
+                }
+            }
             // address perms offset dev inode path
             let mut it = line.split_whitespace();
             let (Some(range), _, _, Some(fsdev), Some(inode)) =
@@ -726,6 +870,9 @@ impl Scanner {
                 }
             };
             if let Some(d) = dev.filter(|d| want(*d)) {
+                if let Some(s) = stop.as_deref_mut() {
+                    s.hit = true;
+                }
                 if !out.iter().any(|f| f.via == Via::Mmap && f.dev == d) {
                     out.push(HeldFd {
                         fd: -1,
@@ -879,6 +1026,103 @@ mod tests {
         tx.send(()).unwrap();
         let _ = t.join();
         drop((l, null));
+    }
+
+    /// kcmp's order finds a thread's table among those read: threads
+    /// sharing the leader's table are seen, each private table is added
+    /// once, whatever order the threads come in.
+    #[test]
+    fn tables_are_told_apart_in_kcmp_order() {
+        let (tx, rx) = std::sync::mpsc::channel::<i32>();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let stop_rx = std::sync::Arc::new(std::sync::Mutex::new(stop_rx));
+        let mut joins = Vec::new();
+        for private in [false, true, false, true, true] {
+            let (tx, stop_rx) = (tx.clone(), stop_rx.clone());
+            joins.push(std::thread::spawn(move || {
+                // SAFETY: unshare of this thread's descriptor table only.
+                if private && unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+                    return;
+                }
+                // SAFETY: gettid(2) takes nothing.
+                let tid = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
+                let _ = tx.send(tid);
+                let _ = stop_rx.lock().map(|r| r.recv());
+            }));
+        }
+        let tids: Vec<i32> = (0..5).filter_map(|_| rx.recv().ok()).collect();
+        let me = std::process::id() as i32;
+        let mut t = Tables::with(me);
+        let mut added = 0;
+        for &tid in tids.iter().chain(tids.iter()) {
+            if t.seen_or_add(tid) == Some(false) {
+                added += 1;
+            }
+        }
+        for _ in &joins {
+            let _ = stop_tx.send(());
+        }
+        for j in joins {
+            let _ = j.join();
+        }
+        if kcmp_files(me, me).is_none() {
+            return; // no kcmp here: the walk reads every table
+        }
+        assert_eq!(tids.len(), 5);
+        assert_eq!(added, 3, "three private tables, once each");
+        assert_eq!(t.len(), 4);
+    }
+
+    /// A bounded re-check answers from the descriptor the scan saw (one
+    /// `stat`), walks to its first hold otherwise, and past its deadline
+    /// says "not read whole", never "holds none"; a holder walked within
+    /// a deadline says where it was cut.
+    #[test]
+    fn rechecks_are_bounded_and_fail_closed() {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
+        let me = std::process::id() as i32;
+        let devs: BTreeSet<DevNum> = [DevNum::new(1, 3)].into();
+        let seen = HeldFd {
+            fd,
+            path: PathBuf::from("/dev/null"),
+            dev: DevNum::new(1, 3),
+            via: Via::Fd,
+            tid: None,
+            unread: false,
+        };
+        let past = Instant::now();
+        let later = Instant::now() + Duration::from_secs(60);
+        // The seen descriptor answers even with no time left.
+        assert!(matches!(
+            Scanner::new().recheck(me, std::slice::from_ref(&seen), &devs, past),
+            Recheck::Holds(f) if f.fd == fd
+        ));
+        // No seen hold: the walk finds one before its deadline.
+        assert!(matches!(
+            Scanner::new().recheck(me, &[], &devs, later),
+            Recheck::Holds(f) if f.dev == DevNum::new(1, 3)
+        ));
+        // No time: not read, so not "holds none".
+        assert!(matches!(
+            Scanner::new().recheck(me, &[], &devs, past),
+            Recheck::Unread { .. }
+        ));
+        // Read whole, a device nobody holds: holds none.
+        let none: BTreeSet<DevNum> = [DevNum::new(1, 250)].into();
+        assert_eq!(
+            Scanner::new().recheck(me, std::slice::from_ref(&seen), &none, later),
+            Recheck::HoldsNone
+        );
+        let want = |d: DevNum| d == DevNum::new(1, 3);
+        let whole = Scanner::new().holder_where_within(me, &want, later);
+        assert_eq!(whole.cut, None);
+        assert!(whole
+            .holder
+            .is_some_and(|h| h.fds.iter().any(|f| f.fd == fd)));
+        let cut = Scanner::new().holder_where_within(me, &want, past);
+        assert!(cut.cut.is_some(), "{cut:?}");
+        drop(null);
     }
 
     /// A fixture process directory: a mapping of /dev/null (1:3) shown in

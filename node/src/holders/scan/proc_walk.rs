@@ -1,8 +1,10 @@
 //! What `/proc` shows of a process's holds: descriptors, threads' tables, mappings, io_uring rings and their registered files.
 
+use std::cmp::Ordering;
 use std::collections::BTreeSet;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use gpufence_model::device::DevNum;
 
@@ -47,13 +49,101 @@ pub(super) fn fd_kind(p: &Path) -> FdKind {
     }
 }
 
-/// `kcmp(pid1, pid2, KCMP_FILES)`: whether two tasks share one descriptor
-/// table. `None` when the kernel cannot say (no kcmp, no permission).
-pub(super) fn same_fd_table(a: i32, b: i32) -> Option<bool> {
+/// `kcmp(a, b, KCMP_FILES)`: how task `a`'s descriptor table orders
+/// against task `b`'s. `Equal`: one table, shared. The kernel orders
+/// tables by their (obfuscated) addresses, a total order that holds until
+/// reboot (`kernel/kcmp.c`, `kcmp_ptr`: 0 equal, 1 less, 2 greater).
+/// `None` when the kernel cannot say (no kcmp, no permission, a task gone).
+pub(super) fn kcmp_files(a: i32, b: i32) -> Option<Ordering> {
     const KCMP_FILES: libc::c_long = 2;
     // SAFETY: kcmp(2) compares kernel objects of two tasks; no memory is passed.
     let r = unsafe { libc::syscall(libc::SYS_kcmp, a, b, KCMP_FILES, 0, 0) };
-    (r >= 0).then_some(r == 0)
+    match r {
+        0 => Some(Ordering::Equal),
+        1 => Some(Ordering::Less),
+        2 => Some(Ordering::Greater),
+        _ => None,
+    }
+}
+
+/// The descriptor tables a walk has read, one task named for each, in
+/// `kcmp(2)`'s order: whether a thread's table is one already read costs
+/// `log2(tables)` kcmp calls, not one per table read (a process of 4,000
+/// private tables cost 8 million calls that way).
+#[derive(Debug, Default)]
+pub(super) struct Tables {
+    sorted: Vec<i32>,
+}
+
+impl Tables {
+    /// Tables holding the table of `first`, with no comparison made.
+    pub(super) fn with(first: i32) -> Tables {
+        Tables {
+            sorted: vec![first],
+        }
+    }
+
+    /// How many tables are held.
+    pub(super) fn len(&self) -> usize {
+        self.sorted.len()
+    }
+
+    /// Whether `tid`'s table is one held (`Some(true)`); if not, it is
+    /// added (`Some(false)`). `None` when kcmp cannot say for some
+    /// comparison (a task gone meanwhile): the caller reads the table
+    /// (finding a hold twice is harmless: [`finish`] drops the copy).
+    pub(super) fn seen_or_add(&mut self, tid: i32) -> Option<bool> {
+        let (mut lo, mut hi) = (0usize, self.sorted.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match kcmp_files(self.sorted[mid], tid)? {
+                Ordering::Equal => return Some(true),
+                Ordering::Less => lo = mid + 1,
+                Ordering::Greater => hi = mid,
+            }
+        }
+        self.sorted.insert(lo, tid);
+        Some(false)
+    }
+}
+
+/// Where a walk of one process stops early: at a deadline (the walk is
+/// then "not read whole", and says where), and, for a re-check that only
+/// needs a yes, at the first hold found.
+#[derive(Debug)]
+pub(super) struct Stop {
+    /// Past it, nothing more is read.
+    pub(super) deadline: Instant,
+    /// Stop at the first hold of a device sought.
+    pub(super) first_hit: bool,
+    /// A hold was found (with `first_hit`: the walk is done).
+    pub(super) hit: bool,
+    /// Why the walk was cut before reading the process whole.
+    pub(super) cut: Option<String>,
+}
+
+impl Stop {
+    pub(super) fn new(deadline: Instant, first_hit: bool) -> Stop {
+        Stop {
+            deadline,
+            first_hit,
+            hit: false,
+            cut: None,
+        }
+    }
+
+    /// Whether the walk must stop now: cut already, done (the first hold
+    /// found), or the deadline passed (then cut, saying at `what`).
+    pub(super) fn now(&mut self, what: impl FnOnce() -> String) -> bool {
+        if self.cut.is_some() || (self.first_hit && self.hit) {
+            return true;
+        }
+        if Instant::now() >= self.deadline {
+            self.cut = Some(what());
+            return true;
+        }
+        false
+    }
 }
 
 impl Scanner {
@@ -148,6 +238,14 @@ pub(super) fn finish(pid: i32, mut fds: Vec<HeldFd>) -> Option<Holder> {
     })
 }
 
+/// Reads the descriptor table `dir/fd` (a `/proc/<pid>` or
+/// `/proc/<pid>/task/<tid>`): holds of devices `want` selects into `out`,
+/// socket inodes into `sockets`, anonymous inodes (maybe rings) into
+/// `anon`. With a [`Stop`], it looks at the clock before each descriptor
+/// (a `stat` each, some 14 µs: a table of 20,000 costs a quarter second)
+/// and stops at its deadline, or at the first hold when that is all it
+/// needs.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn fd_table(
     dir: &Path,
     want: DevicePredicate<'_>,
@@ -156,24 +254,35 @@ pub(super) fn fd_table(
     out: &mut Vec<HeldFd>,
     mut sockets: Option<&mut BTreeSet<u64>>,
     mut anon: Option<&mut Vec<i32>>,
+    mut stop: Option<&mut Stop>,
 ) {
     let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
         return;
     };
-    for e in rd.flatten() {
+    for (n, e) in rd.flatten().enumerate() {
+        if let Some(s) = stop.as_deref_mut() {
+            if s.now(|| format!("{} read up to its descriptor {n}", dir.display())) {
+                return;
+            }
+        }
         let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
         let p = e.path();
         match fd_kind(&p) {
-            FdKind::Char(dev) if want(dev) => out.push(HeldFd {
-                fd,
-                path: std::fs::read_link(&p).unwrap_or_default(),
-                dev,
-                via,
-                tid,
-                unread: false,
-            }),
+            FdKind::Char(dev) if want(dev) => {
+                if let Some(s) = stop.as_deref_mut() {
+                    s.hit = true;
+                }
+                out.push(HeldFd {
+                    fd,
+                    path: std::fs::read_link(&p).unwrap_or_default(),
+                    dev,
+                    via,
+                    tid,
+                    unread: false,
+                })
+            }
             FdKind::Socket(ino) => {
                 if let Some(s) = sockets.as_deref_mut() {
                     s.insert(ino);
@@ -202,9 +311,15 @@ pub(super) fn io_uring_files(
     want: DevicePredicate<'_>,
     out: &mut Vec<HeldFd>,
     candidates: &[(Option<i32>, i32)],
+    mut stop: Option<&mut Stop>,
 ) -> BTreeSet<u64> {
     let mut rings = BTreeSet::new();
-    for &(tid, fd) in candidates {
+    for (n, &(tid, fd)) in candidates.iter().enumerate() {
+        if let Some(s) = stop.as_deref_mut() {
+            if s.now(|| format!("anonymous inodes read up to {n} of {}", candidates.len())) {
+                break;
+            }
+        }
         let table = match tid {
             Some(t) => base.join("task").join(t.to_string()),
             None => base.to_path_buf(),
@@ -223,6 +338,9 @@ pub(super) fn io_uring_files(
             continue;
         };
         for (path, dev) in ring_user_files(&info, want) {
+            if let Some(s) = stop.as_deref_mut() {
+                s.hit = true;
+            }
             out.push(HeldFd {
                 fd,
                 path,
