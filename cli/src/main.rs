@@ -45,9 +45,9 @@ enum Cmd {
         json: bool,
         /// One line per cgroup (count, users, devices, last process), then
         /// a ready `exempt_cgroups = [...]` line with the system services
-        /// among them (every uid at most protected_uid_max or in
-        /// service_uids, in a .service unit); a job's or a user's cgroup
-        /// is never suggested.
+        /// among them (every uid at most protected_uid_max or named by an
+        /// exempt_cgroups entry, in a .service unit), each for the uids
+        /// seen there; a job's or a user's cgroup is never suggested.
         #[arg(long)]
         by_cgroup: bool,
     },

@@ -607,21 +607,22 @@ impl From<String> for ExemptEntry {
 impl fmt::Display for ExemptEntry {
     /// The TOML form: a quoted string, or an inline table.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let quote = |s: &str| toml::Value::String(s.to_string()).to_string();
         if self.is_root_only() {
-            return write!(f, "{:?}", self.cgroup);
+            return f.write_str(&quote(&self.cgroup));
         }
         let users: Vec<String> = self
             .users
             .iter()
             .map(|u| match u {
                 ExemptUser::Uid(n) => n.to_string(),
-                ExemptUser::Name(n) => format!("{n:?}"),
+                ExemptUser::Name(n) => quote(n),
             })
             .collect();
         write!(
             f,
-            "{{ cgroup = {:?}, users = [{}] }}",
-            self.cgroup,
+            "{{ cgroup = {}, users = [{}] }}",
+            quote(&self.cgroup),
             users.join(", ")
         )
     }

@@ -10,16 +10,90 @@ use crate::{Node, NodeError};
 /// # Errors
 /// [`NodeError`] when the protected majors cannot be determined.
 pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
+    let mut plan = exempt_plan(node);
+    let exempt = exempt_cgroups(node, &mut plan);
     Ok(FenceSpec {
         cgroup_root: node.cfg.cgroup_root.clone(),
         bpffs_dir: node.cfg.bpffs_dir.clone(),
         protected: node.protected_majors()?,
-        exempt: exempt_paths(node),
+        exempt,
         max_grants: node.cfg.max_grants,
         max_denials: node.cfg.max_denials,
         audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
-        identities: node.cfg.exempt_identities(),
+        identities: plan.identities,
     })
+}
+
+/// Resolves the user names of `exempt_cgroups` entries: `passwd_file`
+/// (when set) before glibc NSS ([`crate::host::users::Users`], NSS asked
+/// for 2 s at most); `None` for a name neither knows (the entry then
+/// covers no one by that name: never a wider set).
+pub fn exempt_resolver(node: &Node) -> impl Fn(&str) -> Option<u32> {
+    let users = crate::host::users::Users::new(node.cfg.passwd_file.as_deref());
+    move |name: &str| users.uid(name)
+}
+
+/// The exemptions' identity classes and each entry's class
+/// ([`gpufence_model::config::Config::exempt_plan`]), names resolved by
+/// [`exempt_resolver`].
+pub fn exempt_plan(node: &Node) -> gpufence_model::config::ExemptPlan {
+    node.cfg.exempt_plan(&exempt_resolver(node))
+}
+
+/// Whom the exemptions of each class cover (the program's immediates):
+/// [`exempt_plan`]'s classes.
+pub fn exempt_identities(node: &Node) -> gpufence_model::policy::ExemptIdentities {
+    exempt_plan(node).identities
+}
+
+/// The configured exemption that covers a process of real uid `uid` in
+/// `cg` (relative to the mount): the first `exempt_cgroups` entry `cg` is
+/// in or under whose users hold `uid`
+/// ([`gpufence_model::config::Config::exempt_entry_for`]).
+pub fn exempt_entry_for<'a>(
+    node: &'a Node,
+    cg: &str,
+    uid: u32,
+) -> Option<&'a gpufence_model::config::ExemptEntry> {
+    node.cfg.exempt_entry_for(cg, uid, &exempt_resolver(node))
+}
+
+/// The cgroups to exempt now, each with its class: [`exempt_paths`], the
+/// exec cgroup root only. A cgroup two entries name gets the class of
+/// their users together (added to `plan`), or, when the classes are all
+/// taken, an index with no class (no one: fail closed).
+pub fn exempt_cgroups(
+    node: &Node,
+    plan: &mut gpufence_model::config::ExemptPlan,
+) -> Vec<gpufence_cgroup::fence::ExemptCgroup> {
+    use gpufence_cgroup::fence::ExemptCgroup;
+    use gpufence_model::policy::ExemptIdentities;
+    let mut out: Vec<ExemptCgroup> = Vec::new();
+    for (path, entry) in node.cfg.expand_exempt(|parent| child_cgroups(node, parent)) {
+        let class = plan
+            .entry_class
+            .get(entry)
+            .copied()
+            .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+        match out.iter_mut().find(|e| e.path == path) {
+            Some(e) if e.class != class => {
+                let both: std::collections::BTreeSet<u32> = [e.class, class]
+                    .iter()
+                    .filter_map(|c| plan.identities.classes.get(*c as usize))
+                    .flatten()
+                    .copied()
+                    .collect();
+                e.class = plan
+                    .identities
+                    .class_of(&both)
+                    .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+            }
+            Some(_) => {}
+            None => out.push(ExemptCgroup { path, class }),
+        }
+    }
+    out.push(ExemptCgroup::root(node.exec_cgroup()));
+    out
 }
 
 /// `cgroup_root` names an existing directory of the cgroup2 mount.
@@ -46,6 +120,7 @@ pub fn exempt_paths(node: &Node) -> Vec<String> {
     node.cfg
         .expand_exempt(|parent| child_cgroups(node, parent))
         .into_iter()
+        .map(|(p, _)| p)
         .chain(std::iter::once(node.exec_cgroup()))
         .collect()
 }
@@ -117,13 +192,16 @@ pub const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(2
 pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
     let mut seen: Option<Vec<(String, Option<u64>)>> = None;
     let mut last_error: Option<String> = None;
+    // User names are resolved once: the classes are the installed
+    // program's (a change of accounts takes `gpufence fence install`).
+    let plan = exempt_plan(node);
     while !stop() {
         // Patterns are resolved anew each period: a unit of the family
         // started now is a new cgroup to exempt.
-        let paths = exempt_paths(node);
+        let paths = exempt_cgroups(node, &mut plan.clone());
         let ids: Vec<(String, Option<u64>)> = paths
             .iter()
-            .map(|p| (p.clone(), node.cg.id(p).ok()))
+            .map(|p| (p.path.clone(), node.cg.id(&p.path).ok()))
             .collect();
         if seen.as_ref() != Some(&ids) {
             match reapply_exemptions(node, &paths) {
@@ -154,11 +232,14 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
 /// # Errors
 /// [`NodeError`]: the fence is not attached, or its maps cannot be
 /// written.
-pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError> {
+pub fn reapply_exemptions(
+    node: &Node,
+    paths: &[gpufence_cgroup::fence::ExemptCgroup],
+) -> Result<(), NodeError> {
     let fence = open_installed(node)?;
     let missing: Vec<(String, u64)> = paths
         .iter()
-        .filter_map(|p| node.cg.id(p).ok().map(|id| (p.clone(), id)))
+        .filter_map(|p| node.cg.id(&p.path).ok().map(|id| (p.path.clone(), id)))
         .filter(|(_, id)| !fence.is_exempt(*id).unwrap_or(false))
         .collect();
     if missing.is_empty() {
@@ -295,7 +376,7 @@ pub fn running_mode(node: &Node) -> RunningMode {
     else {
         return RunningMode::Unknown;
     };
-    let ids = node.cfg.exempt_identities();
+    let ids = exempt_identities(node);
     if fence
         .fresh_program_tag(false, &ids)
         .is_ok_and(|t| t == info.tag)
