@@ -276,8 +276,7 @@ fn walk(
         else {
             continue;
         };
-        if flags & CGROUP_EXEMPT != 0 && identities.covers(crate::maps::class_of(flags), task.uid)
-        {
+        if flags & CGROUP_EXEMPT != 0 && identities.covers(crate::maps::class_of(flags), task.uid) {
             return Ok((
                 true,
                 Reason::Exempt {
@@ -473,7 +472,8 @@ mod tests {
         };
         let e = evaluate(&m, sys, &ids(), DevNum::new(195, 7), Access::RW).unwrap();
         assert!(!e.allowed, "uid 600 in a root-only cgroup: {e:?}");
-        m.cgroups.insert(11, (crate::maps::with_class(CGROUP_EXEMPT, 1), 2));
+        m.cgroups
+            .insert(11, (crate::maps::with_class(CGROUP_EXEMPT, 1), 2));
         let e = evaluate(&m, user, &service, DevNum::new(195, 7), Access::RW).unwrap();
         assert!(e.allowed, "a service uid in its own class: {e:?}");
         m.cgroups.insert(11, (CGROUP_EXEMPT, 2));

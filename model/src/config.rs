@@ -685,14 +685,14 @@ impl From<ExemptEntry> for RawExemptEntry {
 /// - Fabric Manager, IMEX, the MIG manager and NVSM: root.
 pub fn default_exemptions() -> Vec<ExemptEntry> {
     let named = |cg: &str, user: &str| {
-        ExemptEntry::with_users(
-            cg,
-            &[ExemptUser::Name(user.into()), ExemptUser::Uid(0)],
-        )
+        ExemptEntry::with_users(cg, &[ExemptUser::Name(user.into()), ExemptUser::Uid(0)])
     };
     vec![
         ExemptEntry::root("system.slice/slurmd.service"),
-        named("system.slice/nvidia-persistenced.service", "nvidia-persistenced"),
+        named(
+            "system.slice/nvidia-persistenced.service",
+            "nvidia-persistenced",
+        ),
         named("system.slice/nvidia-dcgm.service", "nvidia-dcgm"),
         named("system.slice/dcgm.service", "nvidia-dcgm"),
         ExemptEntry::root("system.slice/nvidia-fabricmanager.service"),
@@ -758,7 +758,10 @@ impl Config {
         resolve: &dyn Fn(&str) -> Option<u32>,
     ) -> bool {
         uid <= self.protected_uid_max
-            || self.exempt_cgroups.iter().any(|e| e.covers_uid(uid, resolve))
+            || self
+                .exempt_cgroups
+                .iter()
+                .any(|e| e.covers_uid(uid, resolve))
     }
 
     /// The identity classes of the exemptions: class 0 root only, then one
@@ -837,7 +840,6 @@ impl Config {
         }
         out
     }
-
 
     /// Finds and loads the config: `explicit` (from `--config` / `config=`),
     /// else `$GPUFENCE_CONFIG` (read from `env`), else [`DEFAULT_CONFIG_PATH`]
@@ -1114,7 +1116,8 @@ impl Config {
             if e.users.is_empty() {
                 return Err(key_err(
                     &key,
-                    "empty: the entry would exempt no one; remove it, or name the service's users".into(),
+                    "empty: the entry would exempt no one; remove it, or name the service's users"
+                        .into(),
                 ));
             }
             if e.users.len() > ExemptIdentities::MAX_UIDS {
@@ -1262,7 +1265,10 @@ mod tests {
             c.exempt_cgroups[1],
             ExemptEntry::with_users(
                 "system.slice/nvidia-persistenced.service",
-                &[ExemptUser::Name("nvidia-persistenced".into()), ExemptUser::Uid(0)]
+                &[
+                    ExemptUser::Name("nvidia-persistenced".into()),
+                    ExemptUser::Uid(0)
+                ]
             )
         );
         let nss = |n: &str| (n == "nvidia-persistenced").then_some(120);
@@ -1281,13 +1287,18 @@ mod tests {
         assert!(c.exempt_entry_for(p, 1500, &nss).is_none());
         // An unknown name covers no one and is reported.
         let plan = c.exempt_plan(&nss);
-        assert_eq!(plan.unknown, vec![("system.slice/x.service".to_string(), "ghost".to_string())]);
+        assert_eq!(
+            plan.unknown,
+            vec![("system.slice/x.service".to_string(), "ghost".to_string())]
+        );
         assert_eq!(plan.entry_class, vec![0, 1, 2]);
         assert_eq!(
             plan.identities.classes,
             vec![[0].into(), [0, 120].into(), [1500].into()]
         );
-        assert!(c.exempt_entry_for("system.slice/x.service", 0, &nss).is_none());
+        assert!(c
+            .exempt_entry_for("system.slice/x.service", 0, &nss)
+            .is_none());
         // A round trip keeps both forms.
         let text = toml::to_string(&c).unwrap();
         assert_eq!(parse(&text).unwrap(), c);
@@ -1296,17 +1307,40 @@ mod tests {
             c.exempt_cgroups[1].to_string(),
             "{ cgroup = \"system.slice/nvidia-persistenced.service\", users = [\"nvidia-persistenced\", 0] }"
         );
-        assert_eq!(c.exempt_cgroups[0].to_string(), "\"system.slice/slurmd.service\"");
+        assert_eq!(
+            c.exempt_cgroups[0].to_string(),
+            "\"system.slice/slurmd.service\""
+        );
     }
 
     #[test]
     fn exemption_users_are_checked() {
         for (text, key, why) in [
-            ("exempt_cgroups = [{ cgroup = \"a.service\", users = [] }]", "exempt_cgroups[0].users", "exempt no one"),
-            ("exempt_cgroups = [{ cgroup = \"a.service\", users = [1,2,3,4,5,6,7,8,9] }]", "exempt_cgroups[0].users", "at most 8"),
-            ("exempt_cgroups = [{ cgroup = \"a.service\", users = [2147483648] }]", "exempt_cgroups[0].users", "above 2147483647"),
-            ("exempt_cgroups = [{ cgroup = \"a.service\", users = [\"a:b\"] }]", "exempt_cgroups[0].users", "not a user name"),
-            ("exempt_cgroups = [{ cgroup = \"a.service\", user = [\"x\"] }]", "exempt_cgroups[0]", "a cgroup path string, or a table"),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [] }]",
+                "exempt_cgroups[0].users",
+                "exempt no one",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [1,2,3,4,5,6,7,8,9] }]",
+                "exempt_cgroups[0].users",
+                "at most 8",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [2147483648] }]",
+                "exempt_cgroups[0].users",
+                "above 2147483647",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [\"a:b\"] }]",
+                "exempt_cgroups[0].users",
+                "not a user name",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", user = [\"x\"] }]",
+                "exempt_cgroups[0]",
+                "a cgroup path string, or a table",
+            ),
             ("service_uids = [1500]", "service_uids", "users = [1500]"),
         ] {
             let e = parse(text).unwrap_err().to_string();
@@ -1467,7 +1501,10 @@ mod tests {
         .unwrap();
         assert_eq!(c.cgroup_root, "gpufence-test");
         assert_eq!(c.layout, Layout::Own);
-        assert_eq!(c.exempt_cgroups, vec![ExemptEntry::root("system.slice/slurmd.service")]);
+        assert_eq!(
+            c.exempt_cgroups,
+            vec![ExemptEntry::root("system.slice/slurmd.service")]
+        );
         assert_eq!(c.majors.unwrap()["nvidia-uvm"], 240);
     }
 

@@ -169,8 +169,7 @@ impl Policy {
                         .get(&(*id, dev))
                         .is_some_and(|a| a.contains(req.access))
                 };
-                self
-                    .exempt
+                self.exempt
                     .get(id)
                     .is_some_and(|c| self.identities.covers(*c, uid))
                     || covers(req.dev)

@@ -310,12 +310,36 @@ fn an_exemption_covers_its_own_users_only() {
     let n1 = env.mknod("nvidia1", 195, 1);
     for dev in [&n0, &n1] {
         assert_eq!(open_as(&env, &slurmd, 0, dev), "ENXIO", "root in slurmd's");
-        assert_eq!(open_as(&env, &slurmd, 600, dev), "EPERM", "uid 600 in slurmd's");
-        assert_eq!(open_as(&env, &slurmd, 61500, dev), "EPERM", "service in slurmd's");
-        assert_eq!(open_as(&env, &svc, 61500, dev), "ENXIO", "service in its own");
-        assert_eq!(open_as(&env, &svc, 0, dev), "ENXIO", "root in the service's");
-        assert_eq!(open_as(&env, &svc, 600, dev), "EPERM", "uid 600 in the service's");
-        assert_eq!(open_as(&env, &ghost, 0, dev), "EPERM", "an unresolved entry");
+        assert_eq!(
+            open_as(&env, &slurmd, 600, dev),
+            "EPERM",
+            "uid 600 in slurmd's"
+        );
+        assert_eq!(
+            open_as(&env, &slurmd, 61500, dev),
+            "EPERM",
+            "service in slurmd's"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 61500, dev),
+            "ENXIO",
+            "service in its own"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 0, dev),
+            "ENXIO",
+            "root in the service's"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 600, dev),
+            "EPERM",
+            "uid 600 in the service's"
+        );
+        assert_eq!(
+            open_as(&env, &ghost, 0, dev),
+            "EPERM",
+            "an unresolved entry"
+        );
     }
     // The userspace rule agrees.
     let resolve = fence_ops::exempt_resolver(&node);

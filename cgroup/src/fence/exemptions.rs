@@ -221,7 +221,11 @@ impl Fence {
             .collect::<Result<Vec<_>>>()?;
         for (((_, id), level), class) in applied.iter().zip(levels).zip(classes) {
             let f = self.flags_of(*id)?;
-            self.write_flags(*id, with_class(f | CGROUP_EXEMPT, class), Some(level as u32))?;
+            self.write_flags(
+                *id,
+                with_class(f | CGROUP_EXEMPT, class),
+                Some(level as u32),
+            )?;
         }
         for (id, f) in self.cgroup_flags()? {
             if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {

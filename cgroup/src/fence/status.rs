@@ -330,12 +330,7 @@ impl Fence {
                         classes: vec![[0].into(); ExemptIdentities::MAX_CLASSES],
                     };
                     if !self
-                        .evaluate(
-                            root_task(&ancestry),
-                            &every_class,
-                            dev,
-                            Access::RW,
-                        )?
+                        .evaluate(root_task(&ancestry), &every_class, dev, Access::RW)?
                         .allowed
                         && self.is_exempt(*id)?
                     {

@@ -252,8 +252,7 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
     }
     let mut cgroups: Vec<CgroupDenials> = groups.into_values().collect();
     let mut suggested = std::collections::BTreeSet::new();
-    let mut users_of: BTreeMap<String, std::collections::BTreeSet<u32>> =
-        BTreeMap::new();
+    let mut users_of: BTreeMap<String, std::collections::BTreeSet<u32>> = BTreeMap::new();
     for g in &mut cgroups {
         let mut pairs: Vec<(u32, String)> = g
             .uids
