@@ -22,17 +22,21 @@ pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>)
         return Some(crate::host::cgpath::abs(&e.cgroup));
     }
     let f = fence?;
-    let ids = node.cfg.exempt_plan(&resolve).identities;
-    node.cg
+    // The classes (names resolved) only when some ancestor is exempt.
+    let exempt: Vec<(String, u64, u32)> = node
+        .cg
         .ancestry(cg)
         .into_iter()
-        .find(|(_, id)| {
-            f.exempt_class(*id)
-                .ok()
-                .flatten()
-                .is_some_and(|c| ids.covers(c, uid))
-        })
-        .map(|(p, id)| format!("{} (fence-exempt id {id})", crate::host::cgpath::abs(&p)))
+        .filter_map(|(p, id)| Some((p, id, f.exempt_class(id).ok().flatten()?)))
+        .collect();
+    if exempt.is_empty() {
+        return None;
+    }
+    let ids = node.cfg.exempt_plan(&resolve).identities;
+    exempt
+        .into_iter()
+        .find(|(_, _, class)| ids.covers(*class, uid))
+        .map(|(p, id, _)| format!("{} (fence-exempt id {id})", crate::host::cgpath::abs(&p)))
 }
 
 /// Whether a process of real uid `uid` in `cgroup` may hold `dev`: an

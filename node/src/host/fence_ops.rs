@@ -535,11 +535,14 @@ pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String>
     if !crate::is_under(slurmd_cgroup, root) {
         return None;
     }
-    if node.cfg.exempt_entry_covering(slurmd_cgroup).is_some() {
+    // slurmd runs as root: an entry that covers its cgroup must name root
+    // (this process's real uid), as the fence program asks.
+    let uid = nix::unistd::getuid().as_raw();
+    if exempt_entry_for(node, slurmd_cgroup, uid).is_some() {
         return None;
     }
     Some(format!(
-        "slurmd runs in {}, which no exempt_cgroups entry covers: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
+        "slurmd runs in {}, which no exempt_cgroups entry covers for uid {uid}: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
          add \"{}\" to exempt_cgroups in {}",
         crate::host::cgpath::abs(slurmd_cgroup),
         slurmd_cgroup,
