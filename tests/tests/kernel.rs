@@ -286,7 +286,7 @@ fn an_exemption_covers_its_own_users_only() {
     if !privileged() {
         return;
     }
-    let env = TestEnv::new("exempt-users");
+    let mut env = TestEnv::new("exempt-users");
     let slurmd = env.cgroup("system.slice/slurmd.service");
     let svc = env.cgroup("system.slice/nvidia-persistenced.service");
     let ghost = env.cgroup("system.slice/ghost.service");
@@ -357,6 +357,25 @@ fn an_exemption_covers_its_own_users_only() {
             "{cg} uid {uid}"
         );
     }
+    // The doctor says why, for a uid-600 process in slurmd's cgroup.
+    let mut cmd = env.command_in(&slurmd, "setpriv");
+    cmd.args([
+        "--reuid=600",
+        "--regid=600",
+        "--clear-groups",
+        "sh",
+        "-c",
+        "echo ready; exec sleep 1000",
+    ]);
+    let pid = env.spawn_ready(cmd, "ready");
+    let d = gpufence_node::admin::doctor::doctor(&node, Some(pid), None).unwrap();
+    let v = d.devices.iter().find(|v| v.device == "195:1").unwrap();
+    assert_eq!((d.uid, v.verdict.as_str()), (600, "denied"), "{v:?}");
+    assert!(
+        v.why
+            .contains("an exemption covers only its entry's users (0), not uid 600"),
+        "{v:?}"
+    );
     // The fence records each cgroup's class.
     let fence = Fence::open(&env.bpffs).unwrap();
     let plan = fence_ops::exempt_plan(&node);
