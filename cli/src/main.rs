@@ -396,6 +396,9 @@ fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
     for p in &r.exempt_missing {
         println!("exempt cgroup /{p} does not exist yet: not exempt until the next install");
     }
+    for (c, n) in fence_ops::unknown_exempt_users(node) {
+        println!("warning: {}", fence_ops::unknown_exempt_user_line(&c, &n));
+    }
     if r.mount_root_level > 0 {
         println!(
             "cgroup namespace: paths here start {} level(s) below the hierarchy's root; grants are recorded at kernel levels",

@@ -306,6 +306,16 @@ fn an_exemption_covers_its_own_users_only() {
         ),
     );
     fence_ops::install(&node).unwrap();
+    // The name that does not resolve is audited (its cgroup exists).
+    let installed = gpufence_tests::audit_log(&node.cfg.audit_log)
+        .into_iter()
+        .rfind(|e| e["event"] == "fence_installed")
+        .unwrap();
+    assert_eq!(
+        installed["exempt_unknown_users"],
+        serde_json::json!([{"cgroup": format!("/{ghost}"), "user": "gf-test-no-such-user"}]),
+        "{installed}"
+    );
     let n0 = env.mknod("nvidia0", 195, 0);
     let n1 = env.mknod("nvidia1", 195, 1);
     for dev in [&n0, &n1] {

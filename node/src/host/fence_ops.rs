@@ -58,6 +58,41 @@ pub fn exempt_entry_for<'a>(
     node.cfg.exempt_entry_for(cg, uid, &exempt_resolver(node))
 }
 
+/// Each user name of an `exempt_cgroups` entry that neither `passwd_file`
+/// nor NSS knows, for the entries whose cgroup exists now (a service the
+/// node runs): `(entry's cgroup, name)`. Such a name covers no one (the
+/// entry covers its other users only); `fence install` audits them and
+/// the CLI and the plugin print one warning line each. Entries of services
+/// the node lacks (DCGM's `nvidia-dcgm` on a node without DCGM) say
+/// nothing.
+pub fn unknown_exempt_users(node: &Node) -> Vec<(String, String)> {
+    let present: std::collections::BTreeSet<usize> = node
+        .cfg
+        .expand_exempt(|parent| child_cgroups(node, parent))
+        .into_iter()
+        .filter(|(p, _)| node.cg.path(p).is_dir())
+        .map(|(_, i)| i)
+        .collect();
+    let resolve = exempt_resolver(node);
+    node.cfg
+        .exempt_cgroups
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| present.contains(i))
+        .flat_map(|(_, e)| {
+            let (_, unknown) = e.uids(&resolve);
+            unknown.into_iter().map(|n| (e.cgroup.clone(), n))
+        })
+        .collect()
+}
+
+/// One line for an [`unknown_exempt_users`] pair.
+pub fn unknown_exempt_user_line(cgroup: &str, name: &str) -> String {
+    format!(
+        "exempt_cgroups entry /{cgroup}: user {name:?} is unknown to passwd_file and NSS: it covers no one there (fail closed)"
+    )
+}
+
 /// The cgroups to exempt now, each with its class: [`exempt_paths`], the
 /// exec cgroup root only. A cgroup two entries name gets the class of
 /// their users together (added to `plan`), or, when the classes are all
@@ -311,6 +346,16 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
         )
         .field("exempt_missing", report.exempt_missing.clone())
         .field("mount_root_level", report.mount_root_level);
+    let unknown = unknown_exempt_users(node);
+    if !unknown.is_empty() {
+        ev = ev.field(
+            "exempt_unknown_users",
+            unknown
+                .iter()
+                .map(|(c, n)| serde_json::json!({"cgroup": crate::host::cgpath::abs(c), "user": n}))
+                .collect::<Vec<_>>(),
+        );
+    }
     if !report.relevelled.is_empty() {
         // Entries an earlier version recorded at a cgroup namespace's depth.
         ev = ev.field(
