@@ -227,16 +227,14 @@ pub const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(2
 pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
     let mut seen: Option<Vec<(String, Option<u64>)>> = None;
     let mut last_error: Option<String> = None;
-    // User names are resolved once: the classes are the installed
-    // program's (a change of accounts takes `gpufence fence install`).
-    let plan = exempt_plan(node);
     while !stop() {
         // Patterns are resolved anew each period: a unit of the family
-        // started now is a new cgroup to exempt.
-        let paths = exempt_cgroups(node, &mut plan.clone());
+        // started now is a new cgroup to exempt. User names only when
+        // something is to be written (reapply_exemptions).
+        let paths = exempt_paths(node);
         let ids: Vec<(String, Option<u64>)> = paths
             .iter()
-            .map(|p| (p.path.clone(), node.cg.id(&p.path).ok()))
+            .map(|p| (p.clone(), node.cg.id(p).ok()))
             .collect();
         if seen.as_ref() != Some(&ids) {
             match reapply_exemptions(node, &paths) {
@@ -261,26 +259,34 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
     }
 }
 
-/// One pass of [`watch_exemptions`]: writes the exemptions again when an
-/// existing configured cgroup is not exempt in the fence.
+/// One pass of [`watch_exemptions`]: writes the exemptions again, each
+/// with its identity class ([`exempt_cgroups`], user names resolved now),
+/// when an existing configured cgroup of `paths` is not exempt in the
+/// fence. When the running program's classes are not those (an account's
+/// name resolves otherwise than at install: the program's tag differs,
+/// [`running_mode`] is `Other`), the fence is installed again
+/// ([`install`]) instead, so that no cgroup gets a class the program
+/// reads otherwise.
 ///
 /// # Errors
 /// [`NodeError`]: the fence is not attached, or its maps cannot be
 /// written.
-pub fn reapply_exemptions(
-    node: &Node,
-    paths: &[gpufence_cgroup::fence::ExemptCgroup],
-) -> Result<(), NodeError> {
+pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError> {
     let fence = open_installed(node)?;
     let missing: Vec<(String, u64)> = paths
         .iter()
-        .filter_map(|p| node.cg.id(&p.path).ok().map(|id| (p.path.clone(), id)))
+        .filter_map(|p| node.cg.id(p).ok().map(|id| (p.clone(), id)))
         .filter(|(_, id)| !fence.is_exempt(*id).unwrap_or(false))
         .collect();
     if missing.is_empty() {
         return Ok(());
     }
-    fence.set_exempt(&node.cg, paths)?;
+    if running_mode(node) == RunningMode::Other {
+        install(node)?;
+        return Ok(());
+    }
+    let mut plan = exempt_plan(node);
+    fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
     node.audit(
         AuditEvent::new(events::EXEMPTION_APPLIED).field(
             "exempt",
@@ -642,5 +648,35 @@ mod slurmd_exemption_tests {
             slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service"),
             None
         );
+        // An entry for slurmd that does not name root does not cover it.
+        let n = node(
+            "exempt_cgroups = [{ cgroup = \"system.slice/slurmd.service\", users = [1500] }]\n",
+        );
+        assert!(slurmd_exemption_note(&n, "system.slice/slurmd.service").is_some());
+    }
+
+    /// A cgroup two entries name is exempt for their users together; the
+    /// exec cgroup for root only.
+    #[test]
+    fn a_cgroup_two_entries_name_gets_both_their_users() {
+        let d = tempfile::tempdir().unwrap();
+        let text = format!(
+            "audit_log = \"{}/a.jsonl\"\nexempt_cgroups = [\"a.service\", \
+             {{ cgroup = \"b.service\", users = [1500] }}, {{ cgroup = \"a.service\", users = [1500] }}]\n",
+            d.path().display()
+        );
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let mut plan = exempt_plan(&node);
+        let cgs = exempt_cgroups(&node, &mut plan);
+        let class = |p: &str| cgs.iter().find(|c| c.path == p).unwrap().class;
+        let uids = |c: u32| plan.identities.classes[c as usize].clone();
+        assert_eq!(uids(class("a.service")), [0, 1500].into());
+        assert_eq!(uids(class("b.service")), [1500].into());
+        assert_eq!(uids(class(&node.exec_cgroup())), [0].into());
+        assert_eq!(cgs.len(), 3);
     }
 }
