@@ -1314,6 +1314,50 @@ mod tests {
     }
 
     #[test]
+    fn the_default_exemptions_name_each_daemons_own_accounts() {
+        let c = Config::default();
+        let users = |cg: &str| {
+            c.exempt_cgroups
+                .iter()
+                .find(|e| e.cgroup == cg)
+                .map(|e| e.users.clone())
+                .unwrap()
+        };
+        let root = vec![ExemptUser::Uid(0)];
+        for cg in [
+            "system.slice/slurmd.service",
+            "system.slice/nvidia-fabricmanager.service",
+            "system.slice/nvidia-imex.service",
+            "system.slice/nvidia-mig-manager.service",
+            "system.slice/nvsm*.service",
+        ] {
+            assert_eq!(users(cg), root, "{cg}");
+        }
+        let named = |n: &str| vec![ExemptUser::Name(n.into()), ExemptUser::Uid(0)];
+        assert_eq!(
+            users("system.slice/nvidia-persistenced.service"),
+            named("nvidia-persistenced")
+        );
+        for cg in [
+            "system.slice/nvidia-dcgm.service",
+            "system.slice/dcgm.service",
+        ] {
+            assert_eq!(users(cg), named("nvidia-dcgm"), "{cg}");
+        }
+        // protected_uid_max covers no one anywhere: a uid-600 user in
+        // slurmd's cgroup, or in any default exemption, is not exempt.
+        let nss = |n: &str| match n {
+            "nvidia-persistenced" => Some(120),
+            "nvidia-dcgm" => Some(121),
+            _ => None,
+        };
+        for e in &c.exempt_cgroups {
+            assert!(!e.covers_uid(600, &nss), "{}", e.cgroup);
+            assert!(e.covers_uid(0, &nss), "{}", e.cgroup);
+        }
+    }
+
+    #[test]
     fn exemption_users_are_checked() {
         for (text, key, why) in [
             (
