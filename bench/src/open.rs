@@ -178,7 +178,10 @@ impl World {
                     cgroup_root: self.root.clone(),
                     bpffs_dir: self.bpffs.clone(),
                     protected: ProtectedMajors::from_table(&[("nvidia".to_string(), 195)].into()),
-                    exempt: vec![format!("{}/exempt", self.root)],
+                    exempt: vec![gpufence_cgroup::fence::ExemptCgroup::root(format!(
+                        "{}/exempt",
+                        self.root
+                    ))],
                     max_grants: (n as u32 + 16).max(1024),
                     max_denials: 4096,
                     audit: false,

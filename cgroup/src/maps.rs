@@ -68,6 +68,33 @@ pub const MAJOR_PROTECTED: u32 = 1;
 pub const CGROUP_EXEMPT: u32 = 1;
 /// `cgroups` flag: this cgroup holds at least one entry in `grants`.
 pub const CGROUP_GRANTED: u32 = 2;
+/// `cgroups` flags: the shift of an exempt cgroup's identity class
+/// (bits 8..=11: the index into
+/// [`ExemptIdentities::classes`](gpufence_model::policy::ExemptIdentities),
+/// whose uids alone the exemption covers).
+pub const CGROUP_CLASS_SHIFT: u32 = 8;
+/// `cgroups` flags: the identity class, once shifted down by
+/// [`CGROUP_CLASS_SHIFT`]: room for
+/// [`ExemptIdentities::MAX_CLASSES`](gpufence_model::policy::ExemptIdentities::MAX_CLASSES)
+/// classes and indices past them, which cover no one.
+pub const CGROUP_CLASS_MASK: u32 = 0xf;
+
+/// The flags `flags` with identity class `class` in place of the one they
+/// hold; a class beyond [`CGROUP_CLASS_MASK`] is stored as the mask
+/// itself, an index with no class (covers no one: fail closed).
+pub const fn with_class(flags: u32, class: u32) -> u32 {
+    let class = if class > CGROUP_CLASS_MASK {
+        CGROUP_CLASS_MASK
+    } else {
+        class
+    };
+    (flags & !(CGROUP_CLASS_MASK << CGROUP_CLASS_SHIFT)) | (class << CGROUP_CLASS_SHIFT)
+}
+
+/// The identity class `flags` hold.
+pub const fn class_of(flags: u32) -> u32 {
+    (flags >> CGROUP_CLASS_SHIFT) & CGROUP_CLASS_MASK
+}
 
 /// A key or value of a pinned map: a fixed-size record of native-endian
 /// fixed-width integers, `SIZE` bytes long, as the kernel stores it and
@@ -184,7 +211,8 @@ macro_rules! map_pod {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CgroupValue {
-    /// [`CGROUP_EXEMPT`] | [`CGROUP_GRANTED`].
+    /// [`CGROUP_EXEMPT`] | [`CGROUP_GRANTED`] | an exempt cgroup's
+    /// identity class ([`with_class`]).
     pub flags: u32,
     /// The cgroup's kernel level (root = 0).
     pub level: u32,

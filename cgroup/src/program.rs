@@ -17,10 +17,13 @@
 //!         if (!id) goto deny;                        // walked past the task's cgroup
 //!         u32 *flags = cgroups[id];
 //!         if (!flags) continue;
-//!         if (*flags & EXEMPT) {                     // covers system accounts only
+//!         if (*flags & EXEMPT) {                     // covers its class's uids only
 //!             u32 uid = bpf_get_current_uid_gid();
-//!             if (uid <= UID_MAX || uid == SERVICE_UID_1 || ...) return 1;
-//!         }                                          // a user's task: as if not exempt
+//!             u32 class = *flags >> CLASS_SHIFT & CLASS_MASK;
+//!             if (class == 0 && (uid == 0)) return 1;   // class 0: root only
+//!             if (class == 1 && (uid == UID_1_0 || uid == UID_1_1 ...)) return 1;
+//!             ...                                    // one test per class, immediates
+//!         }                                          // anyone else: as if not exempt
 
 //!         if (!(*flags & GRANTED)) continue;
 //!         key.cgroup_id = id;
@@ -50,7 +53,8 @@ use gpufence_model::policy::ExemptIdentities;
 
 use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
 use crate::maps::{
-    CgroupValue, DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_EXEMPT, CGROUP_GRANTED,
+    CgroupValue, DenialKey, DenialValue, GrantKey, GrantValue, CGROUP_CLASS_MASK,
+    CGROUP_CLASS_SHIFT, CGROUP_EXEMPT, CGROUP_GRANTED,
 };
 
 /// How many cgroup levels below the root the program walks. Slurm's job
@@ -105,10 +109,11 @@ pub struct FenceProgramSpec {
     pub max_level: usize,
     /// Audit mode: record what would be denied, and allow it.
     pub audit: bool,
-    /// Whom an exempt cgroup covers (compiled into the program as compare
-    /// immediates: `uid_max` and each of `uids` must be at most
-    /// [`ExemptIdentities::MAX_UID`], at most
-    /// [`ExemptIdentities::MAX_UIDS`] of them).
+    /// Whom an exempt cgroup of each class covers (compiled into the
+    /// program as compare immediates: at most
+    /// [`ExemptIdentities::MAX_CLASSES`] classes of at most
+    /// [`ExemptIdentities::MAX_UIDS`] uids, each at most
+    /// [`ExemptIdentities::MAX_UID`]: [`ExemptIdentities::fits`]).
     pub identities: ExemptIdentities,
 }
 
@@ -125,10 +130,7 @@ pub struct FenceProgramSpec {
 /// wrong.
 pub fn build(spec: &FenceProgramSpec) -> Result<Program, AsmError> {
     let ids = &spec.identities;
-    if ids.uid_max > ExemptIdentities::MAX_UID
-        || ids.uids.len() > ExemptIdentities::MAX_UIDS
-        || ids.uids.iter().any(|u| *u > ExemptIdentities::MAX_UID)
-    {
+    if !ids.fits() {
         return Err(AsmError::Identities(format!("{ids:?}")));
     }
     let mut a = Asm::new();
@@ -189,8 +191,9 @@ fn levels_mask(a: &mut Asm, spec: &FenceProgramSpec) {
 
 /// One rule: cgroup level `level` of the task's ancestry. Skipped when
 /// the mask has no entry there; the ancestor's `cgroups` flags; an
-/// exempt cgroup allows a system account (uid up to `uid_max`, or one of
-/// `uids`), and goes on to its grants otherwise; a granted cgroup allows
+/// exempt cgroup allows a task whose uid its identity class (the flags'
+/// bits at [`CGROUP_CLASS_SHIFT`]) holds, and goes on to its grants
+/// otherwise (a class index with no class allows no one); a granted cgroup allows
 /// an access its `grants` entry for the device covers, or its entry for
 /// every minor of the device's major (`major:*`, [`ANY_MINOR`]), looked
 /// up only when the first does not allow.
@@ -251,18 +254,27 @@ fn level_block(a: &mut Asm, spec: &FenceProgramSpec, level: usize) {
         .jmp_imm(JmpOp::Eq, R1, 0, "allow")
         .ja(&next)
         .label(&format!("exempt_{level}"))
-        .comment(&format!(
-            "uid = get_current_uid_gid(); if (uid <= {} || uid in {:?}) return 1; else its grants, as for any cgroup",
-            ids.uid_max, ids.uids
-        ))
+        .comment("uid = get_current_uid_gid(); class = f >> CLASS_SHIFT & CLASS_MASK;")
         .store(Size::W, R10, STACK_FLAGS, R1)
         .call(Helper::GetCurrentUidGid)
         .alu32_imm(AluOp::And, R0, -1)
-        .jmp_imm(JmpOp::Le, R0, ids.uid_max as i32, "allow");
-    for uid in &ids.uids {
-        a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
+        .load(Size::W, R1, R10, STACK_FLAGS)
+        .alu64_imm(AluOp::Rsh, R1, CGROUP_CLASS_SHIFT as i32)
+        .alu64_imm(AluOp::And, R1, CGROUP_CLASS_MASK as i32);
+    let done = format!("exempt_{level}_none");
+    for (c, uids) in ids.classes.iter().enumerate() {
+        let other = format!("exempt_{level}_class_{}", c + 1);
+        a.comment(&format!(
+            "if (class == {c} && uid in {uids:?}) return 1; else its grants, as for any cgroup"
+        ))
+        .jmp_imm(JmpOp::Ne, R1, c as i32, &other);
+        for uid in uids {
+            a.jmp_imm(JmpOp::Eq, R0, *uid as i32, "allow");
+        }
+        a.label(&other);
     }
-    a.load(Size::W, R1, R10, STACK_FLAGS)
+    a.label(&done)
+        .load(Size::W, R1, R10, STACK_FLAGS)
         .ja(&format!("grant_{level}"));
 }
 
@@ -413,8 +425,7 @@ mod tests {
             max_level,
             audit: false,
             identities: ExemptIdentities {
-                uid_max: 999,
-                uids: [1500].into(),
+                classes: vec![[0].into(), [0, 1500].into()],
             },
         }
     }
@@ -483,8 +494,8 @@ mod tests {
                 CGROUPS => {
                     let id = u64::from_ne_bytes(key.try_into().ok()?);
                     let mut f = 0;
-                    if self.policy.exempt.contains(&id) {
-                        f |= CGROUP_EXEMPT;
+                    if let Some(class) = self.policy.exempt.get(&id) {
+                        f |= crate::maps::with_class(CGROUP_EXEMPT, *class);
                     }
                     if self.policy.grants.keys().any(|(c, _)| *c == id) {
                         f |= CGROUP_GRANTED;
@@ -495,7 +506,7 @@ mod tests {
                 LEVELS => (u32::from_ne_bytes(key.try_into().ok()?) == 0).then(|| {
                     let mut mask = self.extra_mask;
                     for (level, id) in self.ancestry.iter().enumerate().skip(1).take(31) {
-                        if self.policy.exempt.contains(id)
+                        if self.policy.exempt.contains_key(id)
                             || self.policy.grants.keys().any(|(c, _)| c == id)
                         {
                             mask |= 1 << level;
@@ -596,18 +607,21 @@ mod tests {
     #[test]
     fn production_program_size() {
         let p = build(&spec(MAX_LEVEL)).unwrap();
-        // 19 instructions of prologue, 8 to load the levels mask, 39 per
-        // level (2 of them the mask test, 12 the major-wide lookup) and
-        // 7 + one per service uid for an exempt cgroup, 49 of deny
-        // (record) and allow
-        assert_eq!(p.insns.len(), 19 + 8 + (39 + 7 + 1) * MAX_LEVEL + 49);
+        // 19 instructions of prologue, 8 to load the levels mask, 40 per
+        // level (2 of them the mask test, 12 the major-wide lookup) and,
+        // for an exempt cgroup, 8 + one per class + one per uid of each
+        // class (here {0} and {0, 1500}), 49 of deny (record) and allow
+        assert_eq!(
+            p.insns.len(),
+            19 + 8 + (40 + 8 + (1 + 1) + (1 + 2)) * MAX_LEVEL + 49
+        );
     }
 
     #[test]
     fn table_against_policy() {
         let policy = Policy {
             protected: [195, 509].into(),
-            exempt: [50].into(),
+            exempt: [(50, 1)].into(),
             identities: spec(MAX_LEVEL).identities,
             grants: [
                 ((10, DevNum::new(195, 0)), Access::RW),
@@ -679,7 +693,7 @@ mod tests {
         // A cgroup both exempt and granted: a user's task there still has
         // the grant.
         let both = Policy {
-            exempt: [10].into(),
+            exempt: [(10, 0)].into(),
             ..policy.clone()
         };
         let req = char_req(195, 0, Access::RW);
@@ -696,14 +710,31 @@ mod tests {
             0,
         );
         assert!(!got, "nothing more");
-        // The exempt cgroup covers system accounts and the service uid;
-        // a user's task there (uid 1001 above) is fenced as elsewhere.
-        for (uid, want) in [(0, true), (999, true), (1000, false), (1500, true)] {
+        // The exempt cgroup covers its class's uids (root and the service
+        // uid); anyone else there (uid 1001 above, a uid-600 user, a
+        // system account) is fenced as elsewhere. A root-only cgroup
+        // (class 0) does not cover the service uid, and a class index
+        // with no class covers no one.
+        let mut classes = policy.clone();
+        classes.exempt.insert(60, 0);
+        classes.exempt.insert(70, 5);
+        for (uid, service, root_only, none) in [
+            (0, true, true, false),
+            (600, false, false, false),
+            (999, false, false, false),
+            (1000, false, false, false),
+            (1500, true, false, false),
+        ] {
             let req = char_req(509, 1, Access::all());
-            let anc = [1, 50, 51, 52];
-            let (got, _) = run_masked(&policy, &anc, uid, &req, MAX_LEVEL, false, 0);
-            assert_eq!(got, want, "uid {uid} in an exempt cgroup");
-            assert_eq!(policy.allows(&anc, uid, &req, MAX_LEVEL), want);
+            for (anc, want) in [
+                ([1, 50, 51, 52], service),
+                ([1, 60, 61, 62], root_only),
+                ([1, 70, 71, 72], none),
+            ] {
+                let (got, _) = run_masked(&classes, &anc, uid, &req, MAX_LEVEL, false, 0);
+                assert_eq!(got, want, "uid {uid} in {anc:?}");
+                assert_eq!(classes.allows(&anc, uid, &req, MAX_LEVEL), want);
+            }
         }
         let block = Request {
             dev_type: DevType::Block,
@@ -785,13 +816,27 @@ mod tests {
                 (0u32..8).prop_map(Access::from_bits_truncate),
                 0..12,
             ),
-            prop::sample::select(vec![0u32, 999, 1000]),
-            prop::collection::btree_set(prop::sample::select(vec![1000u32, 1001, 1500]), 0..3),
+            // Up to 4 classes of up to 3 uids; a class index may name no
+            // class (covers no one).
+            prop::collection::vec(
+                prop::collection::btree_set(
+                    prop::sample::select(vec![0u32, 600, 999, 1000, 1001, 1500]),
+                    0..3,
+                ),
+                0..4,
+            ),
         )
-            .prop_map(|(protected, exempt, grants, uid_max, uids)| Policy {
+            .prop_flat_map(|(protected, exempt, grants, classes)| {
+                let n = exempt.len();
+                (
+                    Just((protected, exempt, grants, classes)),
+                    prop::collection::vec(0u32..6, n),
+                )
+            })
+            .prop_map(|((protected, exempt, grants, classes), class_ix)| Policy {
                 protected,
-                exempt,
-                identities: ExemptIdentities { uid_max, uids },
+                exempt: exempt.into_iter().zip(class_ix).collect(),
+                identities: ExemptIdentities { classes },
                 grants,
             })
     }
@@ -807,7 +852,7 @@ mod tests {
             block in any::<bool>(),
             max_level in 1usize..6,
             extra_mask in any::<u32>(),
-            uid in prop::sample::select(vec![0u32, 999, 1000, 1001, 1500, 60000, 0x8000_0000, u32::MAX]),
+            uid in prop::sample::select(vec![0u32, 600, 999, 1000, 1001, 1500, 60000, 0x8000_0000, u32::MAX]),
         ) {
             let req = Request {
                 dev_type: if block { DevType::Block } else { DevType::Char },
@@ -845,15 +890,15 @@ mod tests {
         ] {
             let mut s = spec(max_level);
             s.audit = audit;
-            s.identities.uids = uids.into_iter().collect();
+            s.identities.classes = vec![[0].into(), uids.into_iter().collect()];
             got.push(crate::iter::tests::insn_hash(&build(&s).unwrap()));
         }
         assert_eq!(got, RECORDED, "{got:?}");
     }
     const RECORDED: [(usize, u64); 4] = [
-        (122, 11516277585183244362),
-        (170, 1831707608519055107),
-        (860, 4350805850461798743),
-        (812, 11355502755254853046),
+        (127, 4881032061506738660),
+        (180, 17007688149363632874),
+        (940, 12528117148996040174),
+        (892, 10540568885386528701),
     ];
 }

@@ -276,7 +276,7 @@ fn walk(
         else {
             continue;
         };
-        if flags & CGROUP_EXEMPT != 0 && identities.covers(task.uid) {
+        if flags & CGROUP_EXEMPT != 0 && identities.covers(crate::maps::class_of(flags), task.uid) {
             return Ok((
                 true,
                 Reason::Exempt {
@@ -459,12 +459,24 @@ mod tests {
         };
         let e = evaluate(&m, user, &ids(), DevNum::new(195, 7), Access::RW).unwrap();
         assert_eq!((e.allowed, e.reason), (false, Reason::NoMatch));
+        // A class that names uid 1000 covers it; the root-only class
+        // (the cgroup's now) does not, nor does protected_uid_max.
         let service = ExemptIdentities {
-            uid_max: 999,
-            uids: [1000].into(),
+            classes: vec![[0].into(), [1000].into()],
         };
         let e = evaluate(&m, user, &service, DevNum::new(195, 7), Access::RW).unwrap();
-        assert!(e.allowed, "a service uid: {e:?}");
+        assert!(!e.allowed, "another class's service uid: {e:?}");
+        let sys = Task {
+            ancestry: &ancestry,
+            uid: 600,
+        };
+        let e = evaluate(&m, sys, &ids(), DevNum::new(195, 7), Access::RW).unwrap();
+        assert!(!e.allowed, "uid 600 in a root-only cgroup: {e:?}");
+        m.cgroups
+            .insert(11, (crate::maps::with_class(CGROUP_EXEMPT, 1), 2));
+        let e = evaluate(&m, user, &service, DevNum::new(195, 7), Access::RW).unwrap();
+        assert!(e.allowed, "a service uid in its own class: {e:?}");
+        m.cgroups.insert(11, (CGROUP_EXEMPT, 2));
         m.mask = None;
         let e = evaluate(&m, root(&ancestry), &ids(), GPU0, Access::RW).unwrap();
         assert_eq!((e.allowed, e.reason), (false, Reason::NoLevels));
@@ -475,7 +487,12 @@ mod tests {
         (
             prop::collection::vec(prop::sample::select(vec![195u32, 509, 1]), 0..3),
             prop::option::weighted(0.9, any::<u32>()),
-            prop::collection::btree_map(id.clone(), (0u32..4, 0u32..20), 0..8),
+            prop::collection::btree_map(
+                id.clone(),
+                ((0u32..4), (0u32..10), (0u32..20))
+                    .prop_map(|(f, c, l)| (crate::maps::with_class(f, c), l)),
+                0..8,
+            ),
             prop::collection::btree_map(
                 (
                     id,
@@ -506,11 +523,14 @@ mod tests {
             ancestry in prop::collection::vec(1u64..10, 1..20),
             minor in 0u32..3,
             access in (1u32..8).prop_map(Access::from_bits_truncate),
-            uid in prop::sample::select(vec![0u32, 999, 1000, 1500]),
-            uids in prop::collection::btree_set(prop::sample::select(vec![1000u32, 1500]), 0..2),
+            uid in prop::sample::select(vec![0u32, 600, 999, 1000, 1500]),
+            classes in prop::collection::vec(
+                prop::collection::btree_set(prop::sample::select(vec![0u32, 600, 1000, 1500]), 0..3),
+                0..4,
+            ),
         ) {
             let task = Task { ancestry: &ancestry, uid };
-            let ids = ExemptIdentities { uid_max: 999, uids };
+            let ids = ExemptIdentities { classes };
             let e = evaluate(&maps, task, &ids, DevNum::new(195, minor), access).unwrap();
             prop_assert_ne!(e.reason, Reason::Changed);
         }

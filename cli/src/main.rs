@@ -45,9 +45,9 @@ enum Cmd {
         json: bool,
         /// One line per cgroup (count, users, devices, last process), then
         /// a ready `exempt_cgroups = [...]` line with the system services
-        /// among them (every uid at most protected_uid_max or in
-        /// service_uids, in a .service unit); a job's or a user's cgroup
-        /// is never suggested.
+        /// among them (every uid at most protected_uid_max or named by an
+        /// exempt_cgroups entry, in a .service unit), each for the uids
+        /// seen there; a job's or a user's cgroup is never suggested.
         #[arg(long)]
         by_cgroup: bool,
     },
@@ -395,6 +395,9 @@ fn run_fence_install(node: &Node) -> Result<ExitCode, NodeError> {
     }
     for p in &r.exempt_missing {
         println!("exempt cgroup /{p} does not exist yet: not exempt until the next install");
+    }
+    for (c, n) in fence_ops::unknown_exempt_users(node) {
+        println!("warning: {}", fence_ops::unknown_exempt_user_line(&c, &n));
     }
     if r.mount_root_level > 0 {
         println!(

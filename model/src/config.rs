@@ -71,15 +71,18 @@ pub struct Config {
     pub evidence_dir: PathBuf,
     /// Where device nodes live; names control devices in records.
     pub dev_dir: PathBuf,
-    /// cgroup paths (relative to the cgroup2 mount) whose processes, and
-    /// their descendants, may open every NVIDIA device. An entry's last
+    /// The exemptions: each a cgroup path (relative to the cgroup2 mount)
+    /// whose processes, and their descendants, may open every NVIDIA device
+    /// when their real uid is one of the entry's users ([`ExemptEntry`]):
+    /// a bare string is root only; `{ cgroup = "...", users = [...] }`
+    /// names the service accounts (by name or number). An entry's last
     /// component may be a pattern of service units
     /// (`system.slice/nvsm*.service`: shell wildcards, ending in
     /// `.service`), resolved to the cgroups that exist when the fence is
     /// installed and again by `gpufence fence watch`
     /// ([`Config::expand_exempt`]). The defaults are the NVIDIA daemons of
     /// HGX, DGX and GB200 nodes (contrib/gpufence.toml says what each opens).
-    pub exempt_cgroups: Vec<String>,
+    pub exempt_cgroups: Vec<ExemptEntry>,
     /// `name = major`: replaces `/proc/devices` discovery of NVIDIA majors.
     pub majors: Option<BTreeMap<String, u32>>,
     /// A file holding `slurmd -G` output. Absent: `slurmd -G` is run and its
@@ -127,20 +130,19 @@ pub struct Config {
     /// Processes of uids up to this one (system accounts: root, dbus,
     /// daemons) are never frozen or killed by the prolog or epilog: a user
     /// could otherwise hand a job's descriptor to such a daemon to have it
-    /// killed. Evidence is kept and the node drained instead.
+    /// killed. Evidence is kept and the node drained instead. It grants no
+    /// exemption: an exempt cgroup covers only its entry's users
+    /// ([`ExemptEntry`]).
     pub protected_uid_max: u32,
     /// Where the system's account ranges are read (`UID_MIN`,
     /// login.defs(5)): `fence install`, `fence status`, `doctor` and
     /// `sweep` warn when `protected_uid_max` reaches `UID_MIN` (users would
     /// be taken for system accounts). A missing file is no warning.
     pub login_defs: PathBuf,
-    /// Service accounts above `protected_uid_max` that exemptions cover
-    /// too (a monitoring daemon's uid), at most 16, each at most
-    /// 2147483647. An exempt cgroup covers only processes of uids up to
-    /// `protected_uid_max` and these: a user's process there is fenced as
-    /// anywhere else ([`crate::policy::ExemptIdentities`]). The fence
-    /// program carries them: a change takes `gpufence fence install`
-    /// (slurmd's start does it).
+    /// Removed: service accounts are named in their own `exempt_cgroups`
+    /// entry (`users`, [`ExemptEntry`]). Kept as a key only so that a
+    /// config still setting it gets an error that says how to rewrite it;
+    /// it must be empty.
     pub service_uids: Vec<u32>,
     /// How much of a lingering process's executable is hashed for the
     /// evidence file, in MiB (a huge or sparse file must not stall the epilog).
@@ -285,16 +287,7 @@ impl Default for Config {
             audit_log: "/var/log/gpufence/audit.jsonl".into(),
             evidence_dir: "/var/lib/gpufence/evidence".into(),
             dev_dir: "/dev".into(),
-            exempt_cgroups: vec![
-                "system.slice/slurmd.service".into(),
-                "system.slice/nvidia-persistenced.service".into(),
-                "system.slice/nvidia-dcgm.service".into(),
-                "system.slice/dcgm.service".into(),
-                "system.slice/nvidia-fabricmanager.service".into(),
-                "system.slice/nvidia-imex.service".into(),
-                "system.slice/nvidia-mig-manager.service".into(),
-                "system.slice/nvsm*.service".into(),
-            ],
+            exempt_cgroups: default_exemptions(),
             majors: None,
             slurmd_gres: None,
             slurmd_bin: "/usr/sbin/slurmd".into(),
@@ -501,37 +494,327 @@ fn check_exempt_pattern(n: &CgroupPath) -> Result<(), String> {
     Ok(())
 }
 
+/// A user an [`ExemptEntry`] covers: a uid, or a name resolved through
+/// `passwd_file` and NSS when the fence is installed (and whenever
+/// userspace asks whether an exemption covers a process). A name that
+/// does not resolve covers no one.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(untagged, expecting = "a user name or a uid")]
+pub enum ExemptUser {
+    /// A uid, at most [`crate::policy::ExemptIdentities::MAX_UID`].
+    Uid(u32),
+    /// A user name.
+    Name(String),
+}
+
+impl fmt::Display for ExemptUser {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExemptUser::Uid(u) => write!(f, "{u}"),
+            ExemptUser::Name(n) => f.write_str(n),
+        }
+    }
+}
+
+/// One `exempt_cgroups` entry: a cgroup (or a pattern of service units)
+/// and the users whose processes there, and below, may open every NVIDIA
+/// device. An exemption is a cgroup *and* its users, never a uid range:
+/// any other process in that cgroup (a user's login shell that slurmd
+/// runs there for `sbatch --get-user-env`) is fenced as anywhere else.
+///
+/// In TOML either a bare string, which covers root (uid 0) only, or a
+/// table `{ cgroup = "system.slice/nvidia-persistenced.service", users =
+/// ["nvidia-persistenced", "root"] }` (users by name or uid, 1 to
+/// [`crate::policy::ExemptIdentities::MAX_UIDS`] of them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "RawExemptEntry", into = "RawExemptEntry")]
+pub struct ExemptEntry {
+    /// The cgroup or pattern, relative to the cgroup2 mount (normalised by
+    /// [`Config::parse`]).
+    pub cgroup: String,
+    /// Whom it covers; `[Uid(0)]` for a bare entry.
+    pub users: Vec<ExemptUser>,
+}
+
+impl ExemptEntry {
+    /// An entry that covers root only (what a bare string means).
+    pub fn root(cgroup: impl Into<String>) -> ExemptEntry {
+        ExemptEntry {
+            cgroup: cgroup.into(),
+            users: vec![ExemptUser::Uid(0)],
+        }
+    }
+
+    /// An entry that covers `users`.
+    pub fn with_users(cgroup: impl Into<String>, users: &[ExemptUser]) -> ExemptEntry {
+        ExemptEntry {
+            cgroup: cgroup.into(),
+            users: users.to_vec(),
+        }
+    }
+
+    /// The uids this entry covers, names resolved by `resolve` (a name it
+    /// does not know is left out and returned in the second list: never
+    /// a wider set).
+    pub fn uids(
+        &self,
+        resolve: &dyn Fn(&str) -> Option<u32>,
+    ) -> (std::collections::BTreeSet<u32>, Vec<String>) {
+        let mut uids = std::collections::BTreeSet::new();
+        let mut unknown = Vec::new();
+        for u in &self.users {
+            match u {
+                ExemptUser::Uid(n) => {
+                    uids.insert(*n);
+                }
+                ExemptUser::Name(n) => match resolve(n) {
+                    Some(id) => {
+                        uids.insert(id);
+                    }
+                    None => unknown.push(n.clone()),
+                },
+            }
+        }
+        (uids, unknown)
+    }
+
+    /// Whether this entry covers a process of `uid` (names resolved by
+    /// `resolve`).
+    pub fn covers_uid(&self, uid: u32, resolve: &dyn Fn(&str) -> Option<u32>) -> bool {
+        self.users.iter().any(|u| match u {
+            ExemptUser::Uid(n) => *n == uid,
+            ExemptUser::Name(n) => resolve(n) == Some(uid),
+        })
+    }
+
+    /// Whether this is a bare (root-only) entry.
+    pub fn is_root_only(&self) -> bool {
+        self.users == [ExemptUser::Uid(0)]
+    }
+}
+
+impl From<&str> for ExemptEntry {
+    /// [`ExemptEntry::root`].
+    fn from(cgroup: &str) -> ExemptEntry {
+        ExemptEntry::root(cgroup)
+    }
+}
+
+impl From<String> for ExemptEntry {
+    /// [`ExemptEntry::root`].
+    fn from(cgroup: String) -> ExemptEntry {
+        ExemptEntry::root(cgroup)
+    }
+}
+
+impl fmt::Display for ExemptEntry {
+    /// The TOML form: a quoted string, or an inline table.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let quote = |s: &str| toml::Value::String(s.to_string()).to_string();
+        if self.is_root_only() {
+            return f.write_str(&quote(&self.cgroup));
+        }
+        let users: Vec<String> = self
+            .users
+            .iter()
+            .map(|u| match u {
+                ExemptUser::Uid(n) => n.to_string(),
+                ExemptUser::Name(n) => quote(n),
+            })
+            .collect();
+        write!(
+            f,
+            "{{ cgroup = {}, users = [{}] }}",
+            quote(&self.cgroup),
+            users.join(", ")
+        )
+    }
+}
+
+/// The TOML shapes of an [`ExemptEntry`].
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a cgroup path string, or a table { cgroup = \"...\", users = [\"name\" or uid, ...] }"
+)]
+enum RawExemptEntry {
+    Bare(String),
+    Table(ExemptTable),
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExemptTable {
+    cgroup: String,
+    users: Vec<ExemptUser>,
+}
+
+impl From<RawExemptEntry> for ExemptEntry {
+    fn from(r: RawExemptEntry) -> ExemptEntry {
+        match r {
+            RawExemptEntry::Bare(c) => ExemptEntry::root(c),
+            RawExemptEntry::Table(t) => ExemptEntry {
+                cgroup: t.cgroup,
+                users: t.users,
+            },
+        }
+    }
+}
+
+impl From<ExemptEntry> for RawExemptEntry {
+    fn from(e: ExemptEntry) -> RawExemptEntry {
+        if e.is_root_only() {
+            RawExemptEntry::Bare(e.cgroup)
+        } else {
+            RawExemptEntry::Table(ExemptTable {
+                cgroup: e.cgroup,
+                users: e.users,
+            })
+        }
+    }
+}
+
+/// The default `exempt_cgroups`: the NVIDIA daemons of HGX, DGX and GB200
+/// nodes and slurmd, each for the accounts it runs as.
+///
+/// - slurmd: root (`slurmd.service`).
+/// - nvidia-persistenced: the `nvidia-persistenced` user when started
+///   with `--user nvidia-persistenced` (NVIDIA's sample unit,
+///   `nvidia-persistenced/init/systemd/nvidia-persistenced.service.template`,
+///   and the distro packages), else root.
+/// - DCGM's nv-hostengine (`nvidia-dcgm.service`, older `dcgm.service`):
+///   `nvidia-dcgm` (DCGM 3.x runs it with `--service-account
+///   nvidia-dcgm`), else root.
+/// - Fabric Manager, IMEX, the MIG manager and NVSM: root.
+pub fn default_exemptions() -> Vec<ExemptEntry> {
+    let named = |cg: &str, user: &str| {
+        ExemptEntry::with_users(cg, &[ExemptUser::Name(user.into()), ExemptUser::Uid(0)])
+    };
+    vec![
+        ExemptEntry::root("system.slice/slurmd.service"),
+        named(
+            "system.slice/nvidia-persistenced.service",
+            "nvidia-persistenced",
+        ),
+        named("system.slice/nvidia-dcgm.service", "nvidia-dcgm"),
+        named("system.slice/dcgm.service", "nvidia-dcgm"),
+        ExemptEntry::root("system.slice/nvidia-fabricmanager.service"),
+        ExemptEntry::root("system.slice/nvidia-imex.service"),
+        ExemptEntry::root("system.slice/nvidia-mig-manager.service"),
+        ExemptEntry::root("system.slice/nvsm*.service"),
+    ]
+}
+
+/// The exemptions resolved for the fence: the identity classes and each
+/// `exempt_cgroups` entry's class ([`Config::exempt_plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExemptPlan {
+    /// The classes; class [`crate::policy::ExemptIdentities::ROOT_CLASS`]
+    /// is root only.
+    pub identities: crate::policy::ExemptIdentities,
+    /// Entry `i`'s class index.
+    pub entry_class: Vec<u32>,
+    /// `(entry's cgroup, user name)` for each name that did not resolve
+    /// (left out of its class).
+    pub unknown: Vec<(String, String)>,
+}
+
 impl Config {
     /// The first `exempt_cgroups` entry that `cg` (relative to the cgroup2
     /// mount) is in or under, patterns matched per component
-    /// ([`CgroupPath::is_under_pattern`]); `None` when none is, or `cg` is
-    /// not a cgroup path.
-    pub fn exempt_entry_covering(&self, cg: &str) -> Option<&str> {
+    /// ([`CgroupPath::is_under_pattern`]), whoever its users are; `None`
+    /// when none is, or `cg` is not a cgroup path. Whether it covers a
+    /// process is [`Config::exempt_entry_for`].
+    pub fn exempt_entry_covering(&self, cg: &str) -> Option<&ExemptEntry> {
         let c = CgroupPath::parse(cg).ok()?;
         self.exempt_cgroups
             .iter()
-            .find(|e| CgroupPath::parse(e).is_ok_and(|e| c.is_under_pattern(&e)))
-            .map(String::as_str)
+            .find(|e| CgroupPath::parse(&e.cgroup).is_ok_and(|e| c.is_under_pattern(&e)))
     }
 
-    /// The cgroups `exempt_cgroups` names now (relative to the mount): each
-    /// plain entry as it is, whether or not it exists; each pattern
+    /// The first `exempt_cgroups` entry that covers a process of real uid
+    /// `uid` in cgroup `cg` (relative to the cgroup2 mount): `cg` is in or
+    /// under it and `uid` is one of its users (names resolved by
+    /// `resolve`). The rule the fence program applies: an exemption is a
+    /// cgroup and its users.
+    pub fn exempt_entry_for(
+        &self,
+        cg: &str,
+        uid: u32,
+        resolve: &dyn Fn(&str) -> Option<u32>,
+    ) -> Option<&ExemptEntry> {
+        let c = CgroupPath::parse(cg).ok()?;
+        self.exempt_cgroups.iter().find(|e| {
+            CgroupPath::parse(&e.cgroup).is_ok_and(|p| c.is_under_pattern(&p))
+                && e.covers_uid(uid, resolve)
+        })
+    }
+
+    /// Whether `uid` is a system account or a service account: at most
+    /// `protected_uid_max`, or a uid some `exempt_cgroups` entry names
+    /// (names resolved by `resolve`). Not an exemption: what the accounts
+    /// checks (`sweep`'s shared-memory leftovers, the suggested
+    /// exemptions) ask.
+    pub fn is_system_or_service_uid(
+        &self,
+        uid: u32,
+        resolve: &dyn Fn(&str) -> Option<u32>,
+    ) -> bool {
+        uid <= self.protected_uid_max
+            || self
+                .exempt_cgroups
+                .iter()
+                .any(|e| e.covers_uid(uid, resolve))
+    }
+
+    /// The identity classes of the exemptions: class 0 root only, then one
+    /// class per distinct set of resolved uids, and each entry's class.
+    /// An entry whose users all fail to resolve gets an empty class
+    /// (covers no one). The config's validation bounds the number of
+    /// distinct user lists, so classes never run out; were they to, the
+    /// entry would get an empty class too (fail closed).
+    pub fn exempt_plan(&self, resolve: &dyn Fn(&str) -> Option<u32>) -> ExemptPlan {
+        use crate::policy::ExemptIdentities;
+        let mut identities = ExemptIdentities::default();
+        let mut entry_class = Vec::new();
+        let mut unknown = Vec::new();
+        for e in &self.exempt_cgroups {
+            let (uids, missing) = e.uids(resolve);
+            unknown.extend(missing.into_iter().map(|n| (e.cgroup.clone(), n)));
+            let class = identities
+                .class_of(&uids)
+                .or_else(|| identities.class_of(&Default::default()))
+                .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+            entry_class.push(class);
+        }
+        ExemptPlan {
+            identities,
+            entry_class,
+            unknown,
+        }
+    }
+
+    /// The cgroups `exempt_cgroups` names now (relative to the mount), each
+    /// with the index of its entry: each plain entry as it is, whether or not it exists; each pattern
     /// replaced by the existing children of its parent that match it,
     /// sorted, at most [`MAX_PATTERN_MATCHES`] of them. `children` lists
     /// the names of a cgroup's child cgroups (empty when it has none or
     /// does not exist). A match that contains the fenced subtree
     /// (`cgroup_root`) or job reports' cgroup is left out, as the config
     /// refuses such a plain entry.
-    pub fn expand_exempt(&self, children: impl Fn(&CgroupPath) -> Vec<String>) -> Vec<String> {
+    pub fn expand_exempt(
+        &self,
+        children: impl Fn(&CgroupPath) -> Vec<String>,
+    ) -> Vec<(String, usize)> {
         let root = CgroupPath::parse(&self.cgroup_root).unwrap_or_default();
         let reports = root.join_path(&CgroupPath::parse(REPORT_CGROUP).unwrap_or_default());
         let mut out = Vec::new();
-        for e in &self.exempt_cgroups {
-            let Ok(n) = CgroupPath::parse(e) else {
+        for (i, e) in self.exempt_cgroups.iter().enumerate() {
+            let Ok(n) = CgroupPath::parse(&e.cgroup) else {
                 continue;
             };
             let Some(last) = n.components().last().filter(|l| crate::cgpath::is_glob(l)) else {
-                out.push(n.into_string());
+                out.push((n.into_string(), i));
                 continue;
             };
             let Ok(pat) = glob::Pattern::new(last) else {
@@ -555,18 +838,10 @@ impl Config {
                     .filter_map(|c| parent.join(&c).ok())
                     .filter(|m| !root.is_under(m) && !m.is_under(&reports) && !reports.is_under(m))
                     .take(MAX_PATTERN_MATCHES)
-                    .map(CgroupPath::into_string),
+                    .map(|m| (m.into_string(), i)),
             );
         }
         out
-    }
-
-    /// Whom the exemptions cover: `protected_uid_max` and `service_uids`.
-    pub fn exempt_identities(&self) -> crate::policy::ExemptIdentities {
-        crate::policy::ExemptIdentities {
-            uid_max: self.protected_uid_max,
-            uids: self.service_uids.iter().copied().collect(),
-        }
     }
 
     /// Finds and loads the config: `explicit` (from `--config` / `config=`),
@@ -671,7 +946,8 @@ impl Config {
         // The report writers run the user's own process there: an
         // exemption would hand it every GPU.
         let reports = root.join_path(&CgroupPath::parse(REPORT_CGROUP).expect("a cgroup name"));
-        for (i, p) in self.exempt_cgroups.iter_mut().enumerate() {
+        for (i, e) in self.exempt_cgroups.iter_mut().enumerate() {
+            let p = &mut e.cgroup;
             let n = CgroupPath::parse(p)
                 .map_err(|e| key_err(&format!("exempt_cgroups[{i}]"), e.to_string()))?;
             if n.is_root() {
@@ -828,35 +1104,77 @@ impl Config {
         Ok(())
     }
 
-    /// `protected_uid_max` and `service_uids` fit the fence's exempt
-    /// identities map.
+    /// Each `exempt_cgroups` entry's users fit the fence program (1 to
+    /// [`ExemptIdentities::MAX_UIDS`](crate::policy::ExemptIdentities::MAX_UIDS)
+    /// users, uids at most `MAX_UID`, names not empty), the distinct user
+    /// lists fit its classes, and `service_uids` is empty (it was removed:
+    /// the error says how to rewrite it).
     fn validate_exempt_identities(&self, path: &Path) -> Result<(), ConfigError> {
         let key_err = key_err_in(path);
         use crate::policy::ExemptIdentities;
-        if self.protected_uid_max > ExemptIdentities::MAX_UID {
-            return Err(key_err(
-                "protected_uid_max",
-                format!("at most {}", ExemptIdentities::MAX_UID),
-            ));
-        }
-        if self.service_uids.len() > ExemptIdentities::MAX_UIDS {
+        if !self.service_uids.is_empty() {
             return Err(key_err(
                 "service_uids",
                 format!(
-                    "{} uids; at most {}: give the service accounts uids up to protected_uid_max instead",
-                    self.service_uids.len(),
-                    ExemptIdentities::MAX_UIDS
+                    "removed: an exemption is a cgroup and its users, never a uid list for all of them; \
+                     name each service account in its own entry instead, e.g. \
+                     exempt_cgroups = [..., {{ cgroup = \"system.slice/nvidia-dcgm.service\", users = [{}] }}], \
+                     and delete service_uids",
+                    self.service_uids
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             ));
         }
-        if let Some(u) = self
-            .service_uids
-            .iter()
-            .find(|u| **u > ExemptIdentities::MAX_UID)
-        {
+        let mut lists: std::collections::BTreeSet<std::collections::BTreeSet<&ExemptUser>> =
+            std::collections::BTreeSet::new();
+        lists.insert([&ExemptUser::Uid(0)].into());
+        for (i, e) in self.exempt_cgroups.iter().enumerate() {
+            let key = format!("exempt_cgroups[{i}].users");
+            if e.users.is_empty() {
+                return Err(key_err(
+                    &key,
+                    "empty: the entry would exempt no one; remove it, or name the service's users"
+                        .into(),
+                ));
+            }
+            if e.users.len() > ExemptIdentities::MAX_UIDS {
+                return Err(key_err(
+                    &key,
+                    format!(
+                        "{} users; at most {} per entry",
+                        e.users.len(),
+                        ExemptIdentities::MAX_UIDS
+                    ),
+                ));
+            }
+            for u in &e.users {
+                match u {
+                    ExemptUser::Uid(n) if *n > ExemptIdentities::MAX_UID => {
+                        return Err(key_err(
+                            &key,
+                            format!("{n} is above {}", ExemptIdentities::MAX_UID),
+                        ));
+                    }
+                    ExemptUser::Name(n) if n.is_empty() || n.contains(['/', ':', '\n']) => {
+                        return Err(key_err(&key, format!("{n:?} is not a user name")));
+                    }
+                    _ => {}
+                }
+            }
+            lists.insert(e.users.iter().collect());
+        }
+        if lists.len() > ExemptIdentities::MAX_CLASSES {
             return Err(key_err(
-                "service_uids",
-                format!("{u} is above {}", ExemptIdentities::MAX_UID),
+                "exempt_cgroups",
+                format!(
+                    "{} distinct user lists (root only counts as one); the fence program tells at most {} apart: \
+                     give entries of the same service the same users",
+                    lists.len(),
+                    ExemptIdentities::MAX_CLASSES
+                ),
             ));
         }
         Ok(())
@@ -933,7 +1251,10 @@ mod tests {
             .unwrap();
         assert_eq!(
             c.exempt_cgroups,
-            vec!["system.slice/nvsm*.service", "a/b.service"]
+            vec![
+                ExemptEntry::root("system.slice/nvsm*.service"),
+                ExemptEntry::root("a/b.service")
+            ]
         );
         for (bad, why) in [
             ("system.slice/*", "ends in `.service`"),
@@ -949,6 +1270,155 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn an_exemption_is_a_cgroup_and_its_users() {
+        let c = parse(
+            "exempt_cgroups = [\"system.slice/slurmd.service\", \
+             { cgroup = \"/system.slice/nvidia-persistenced.service\", users = [\"nvidia-persistenced\", 0] }, \
+             { cgroup = \"system.slice/x.service\", users = [\"ghost\", 1500] }]\n",
+        )
+        .unwrap();
+        assert!(c.exempt_cgroups[0].is_root_only());
+        assert_eq!(
+            c.exempt_cgroups[1],
+            ExemptEntry::with_users(
+                "system.slice/nvidia-persistenced.service",
+                &[
+                    ExemptUser::Name("nvidia-persistenced".into()),
+                    ExemptUser::Uid(0)
+                ]
+            )
+        );
+        let nss = |n: &str| (n == "nvidia-persistenced").then_some(120);
+        // slurmd's cgroup covers root only: a uid-600 login shell there
+        // (sbatch --get-user-env) is not covered, nor is protected_uid_max.
+        let slurmd = "system.slice/slurmd.service/x";
+        assert!(c.exempt_entry_for(slurmd, 0, &nss).is_some());
+        for uid in [600, 999, 120, 1500] {
+            assert!(c.exempt_entry_for(slurmd, uid, &nss).is_none(), "{uid}");
+        }
+        let p = "system.slice/nvidia-persistenced.service";
+        assert!(c.exempt_entry_for(p, 120, &nss).is_some());
+        assert!(c.exempt_entry_for(p, 0, &nss).is_some());
+        assert!(c.exempt_entry_for(p, 600, &nss).is_none());
+        // Another entry's service account is not covered here.
+        assert!(c.exempt_entry_for(p, 1500, &nss).is_none());
+        // An unknown name covers no one and is reported.
+        let plan = c.exempt_plan(&nss);
+        assert_eq!(
+            plan.unknown,
+            vec![("system.slice/x.service".to_string(), "ghost".to_string())]
+        );
+        assert_eq!(plan.entry_class, vec![0, 1, 2]);
+        assert_eq!(
+            plan.identities.classes,
+            vec![[0].into(), [0, 120].into(), [1500].into()]
+        );
+        assert!(c
+            .exempt_entry_for("system.slice/x.service", 0, &nss)
+            .is_none());
+        // A round trip keeps both forms.
+        let text = toml::to_string(&c).unwrap();
+        assert_eq!(parse(&text).unwrap(), c);
+        // Display gives TOML.
+        assert_eq!(
+            c.exempt_cgroups[1].to_string(),
+            "{ cgroup = \"system.slice/nvidia-persistenced.service\", users = [\"nvidia-persistenced\", 0] }"
+        );
+        assert_eq!(
+            c.exempt_cgroups[0].to_string(),
+            "\"system.slice/slurmd.service\""
+        );
+    }
+
+    #[test]
+    fn the_default_exemptions_name_each_daemons_own_accounts() {
+        let c = Config::default();
+        let users = |cg: &str| {
+            c.exempt_cgroups
+                .iter()
+                .find(|e| e.cgroup == cg)
+                .map(|e| e.users.clone())
+                .unwrap()
+        };
+        let root = vec![ExemptUser::Uid(0)];
+        for cg in [
+            "system.slice/slurmd.service",
+            "system.slice/nvidia-fabricmanager.service",
+            "system.slice/nvidia-imex.service",
+            "system.slice/nvidia-mig-manager.service",
+            "system.slice/nvsm*.service",
+        ] {
+            assert_eq!(users(cg), root, "{cg}");
+        }
+        let named = |n: &str| vec![ExemptUser::Name(n.into()), ExemptUser::Uid(0)];
+        assert_eq!(
+            users("system.slice/nvidia-persistenced.service"),
+            named("nvidia-persistenced")
+        );
+        for cg in [
+            "system.slice/nvidia-dcgm.service",
+            "system.slice/dcgm.service",
+        ] {
+            assert_eq!(users(cg), named("nvidia-dcgm"), "{cg}");
+        }
+        // protected_uid_max covers no one anywhere: a uid-600 user in
+        // slurmd's cgroup, or in any default exemption, is not exempt.
+        let nss = |n: &str| match n {
+            "nvidia-persistenced" => Some(120),
+            "nvidia-dcgm" => Some(121),
+            _ => None,
+        };
+        for e in &c.exempt_cgroups {
+            assert!(!e.covers_uid(600, &nss), "{}", e.cgroup);
+            assert!(e.covers_uid(0, &nss), "{}", e.cgroup);
+        }
+    }
+
+    #[test]
+    fn exemption_users_are_checked() {
+        for (text, key, why) in [
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [] }]",
+                "exempt_cgroups[0].users",
+                "exempt no one",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [1,2,3,4,5,6,7,8,9] }]",
+                "exempt_cgroups[0].users",
+                "at most 8",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [2147483648] }]",
+                "exempt_cgroups[0].users",
+                "above 2147483647",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", users = [\"a:b\"] }]",
+                "exempt_cgroups[0].users",
+                "not a user name",
+            ),
+            (
+                "exempt_cgroups = [{ cgroup = \"a.service\", user = [\"x\"] }]",
+                "exempt_cgroups[0]",
+                "a cgroup path string, or a table",
+            ),
+            ("service_uids = [1500]", "service_uids", "users = [1500]"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(why), "{text}: {e}");
+        }
+        let many: Vec<String> = (1..=8)
+            .map(|i| format!("{{ cgroup = \"s{i}.service\", users = [{i}] }}"))
+            .collect();
+        let e = parse(&format!("exempt_cgroups = [{}]", many.join(", ")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("9 distinct user lists"), "{e}");
+        // Seven named lists and root only fit.
+        parse(&format!("exempt_cgroups = [{}]", many[..7].join(", "))).unwrap();
     }
 
     #[test]
@@ -984,7 +1454,11 @@ mod tests {
             ("user.slice/user-1000.slice/nvsm.service", None),
             ("system.slice", None),
         ] {
-            assert_eq!(c.exempt_entry_covering(cg), entry, "{cg}");
+            assert_eq!(
+                c.exempt_entry_covering(cg).map(|e| e.cgroup.as_str()),
+                entry,
+                "{cg}"
+            );
         }
     }
 
@@ -1005,7 +1479,7 @@ mod tests {
             v.extend((0..100).map(|i| format!("nvsm-{i:03}.service")));
             v
         };
-        let x = c.expand_exempt(kids);
+        let x: Vec<String> = c.expand_exempt(kids).into_iter().map(|(p, _)| p).collect();
         assert_eq!(x[0], "system.slice/slurmd.service");
         assert_eq!(x[1], "system.slice/nvsm-000.service");
         assert_eq!(x.len(), 1 + MAX_PATTERN_MATCHES);
@@ -1014,14 +1488,14 @@ mod tests {
         // A plain entry stays whether or not it exists; a pattern that
         // matches nothing is nothing.
         let none = c.expand_exempt(|_| Vec::new());
-        assert_eq!(none, vec!["system.slice/slurmd.service"]);
+        assert_eq!(none, vec![("system.slice/slurmd.service".to_string(), 0)]);
         // A match that holds the fenced subtree is left out.
         let c = parse(
             "cgroup_root = \"system.slice/nvsm-x.service/jobs\"\nexempt_cgroups = [\"system.slice/nvsm*.service\"]\n",
         )
         .unwrap();
         let x = c.expand_exempt(|_| vec!["nvsm-x.service".into(), "nvsm-y.service".into()]);
-        assert_eq!(x, vec!["system.slice/nvsm-y.service"]);
+        assert_eq!(x, vec![("system.slice/nvsm-y.service".to_string(), 0)]);
     }
 
     #[test]
@@ -1037,7 +1511,7 @@ mod tests {
         assert_eq!(c.dev_dir, PathBuf::from("/dev"));
         assert!(c
             .exempt_cgroups
-            .contains(&"system.slice/slurmd.service".to_string()));
+            .contains(&ExemptEntry::root("system.slice/slurmd.service")));
         assert!(c.majors.is_none() && c.slurmd_gres.is_none() && c.passwd_file.is_none());
         assert!(c.job_map_dir.is_none(), "no job map unless asked");
     }
@@ -1091,7 +1565,10 @@ mod tests {
         .unwrap();
         assert_eq!(c.cgroup_root, "gpufence-test");
         assert_eq!(c.layout, Layout::Own);
-        assert_eq!(c.exempt_cgroups, vec!["system.slice/slurmd.service"]);
+        assert_eq!(
+            c.exempt_cgroups,
+            vec![ExemptEntry::root("system.slice/slurmd.service")]
+        );
         assert_eq!(c.majors.unwrap()["nvidia-uvm"], 240);
     }
 

@@ -39,13 +39,20 @@ pub struct Request {
     pub access: Access,
 }
 
-/// Whom an exemption covers. A task in an exempt cgroup (or below one) is
-/// exempt only when its uid is at most [`uid_max`](Self::uid_max) (system
-/// accounts: root, the driver's and monitoring daemons) or one of
-/// [`uids`](Self::uids) (service accounts above it); any other task there
-/// is judged as if the cgroup were not exempt. So user code that ends up in
-/// a daemon's cgroup (slurmd runs `su - <user>` for `sbatch
-/// --get-user-env` in its own cgroup) borrows nothing.
+/// Whom exemptions cover: identity classes, each a small set of uids.
+/// An exemption is a cgroup *and* one class (its `exempt_cgroups` entry's
+/// `users`, [`crate::config::ExemptEntry`]): a task in an exempt cgroup
+/// (or below one) is exempt only when its uid is in that cgroup's class;
+/// any other task there is judged as if the cgroup were not exempt. So
+/// user code that ends up in a daemon's cgroup (slurmd runs `su - <user>`
+/// for `sbatch --get-user-env` in its own cgroup, before the job's
+/// credential is checked: `_rpc_batch_job` in
+/// `src/slurmd/slurmd/req.c`) borrows nothing, whatever its uid.
+///
+/// Class [`ROOT_CLASS`](Self::ROOT_CLASS) is always `{0}`: a bare
+/// `exempt_cgroups` entry and the exec cgroup use it. A class index with
+/// no class (or a class left empty because none of its users resolved)
+/// covers no one: an exemption that cannot be resolved grants nothing.
 ///
 /// The uid is the task's real uid in the initial user namespace, as
 /// `bpf_get_current_uid_gid` gives it (`current_uid_gid()`,
@@ -53,32 +60,64 @@ pub struct Request {
 /// user's real uid, and a user namespace changes nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExemptIdentities {
-    /// uids up to this one are covered (`protected_uid_max`).
-    pub uid_max: u32,
-    /// uids above `uid_max` that are covered too (`service_uids`).
-    pub uids: BTreeSet<u32>,
+    /// The classes, by index (the index is stored in the `cgroups` map's
+    /// flags of each exempt cgroup). At most [`MAX_CLASSES`](Self::MAX_CLASSES).
+    pub classes: Vec<BTreeSet<u32>>,
 }
 
 impl ExemptIdentities {
-    /// The most uids above `uid_max` the program compares against (one
-    /// instruction each per level walked).
-    pub const MAX_UIDS: usize = 16;
+    /// The class of root only (`{0}`), index 0.
+    pub const ROOT_CLASS: u32 = 0;
+    /// The most classes the program tells apart (3 bits of the `cgroups`
+    /// map's flags).
+    pub const MAX_CLASSES: usize = 8;
+    /// The most uids one class holds (one compare instruction each, per
+    /// level walked).
+    pub const MAX_UIDS: usize = 8;
     /// The largest uid the program compares against: its compare
     /// immediates are signed 32-bit.
     pub const MAX_UID: u32 = i32::MAX as u32;
 
-    /// Whether a task of `uid` in an exempt cgroup is exempt.
-    pub fn covers(&self, uid: u32) -> bool {
-        uid <= self.uid_max || self.uids.contains(&uid)
+    /// Whether a task of `uid` in an exempt cgroup of class `class` is
+    /// exempt; `false` for a class index there is no class for.
+    pub fn covers(&self, class: u32, uid: u32) -> bool {
+        self.classes
+            .get(class as usize)
+            .is_some_and(|c| c.contains(&uid))
+    }
+
+    /// The index of the class that is exactly `uids`, added when there is
+    /// none yet; `None` when [`MAX_CLASSES`](Self::MAX_CLASSES) are taken
+    /// by other sets.
+    pub fn class_of(&mut self, uids: &BTreeSet<u32>) -> Option<u32> {
+        if let Some(i) = self.classes.iter().position(|c| c == uids) {
+            return Some(i as u32);
+        }
+        if self.classes.len() >= Self::MAX_CLASSES {
+            return None;
+        }
+        self.classes.push(uids.clone());
+        Some((self.classes.len() - 1) as u32)
+    }
+
+    /// Whether the classes fit the program: at most
+    /// [`MAX_CLASSES`](Self::MAX_CLASSES), each of at most
+    /// [`MAX_UIDS`](Self::MAX_UIDS) uids, each at most
+    /// [`MAX_UID`](Self::MAX_UID).
+    pub fn fits(&self) -> bool {
+        self.classes.len() <= Self::MAX_CLASSES
+            && self
+                .classes
+                .iter()
+                .all(|c| c.len() <= Self::MAX_UIDS && c.iter().all(|u| *u <= Self::MAX_UID))
     }
 }
 
 impl Default for ExemptIdentities {
-    /// System accounts (uid 0-999), no service account.
+    /// One class, [`ROOT_CLASS`](Self::ROOT_CLASS): root only.
     fn default() -> Self {
         ExemptIdentities {
-            uid_max: 999,
-            uids: BTreeSet::new(),
+            classes: vec![BTreeSet::from([0])],
         }
     }
 }
@@ -91,9 +130,10 @@ pub struct Policy {
     /// Character majors under the fence.
     pub protected: BTreeSet<u32>,
     /// cgroup ids whose processes (and descendants) may open every device,
-    /// when [`identities`](Self::identities) covers them.
-    pub exempt: BTreeSet<u64>,
-    /// Whom an exemption covers.
+    /// each with the index of its class in [`identities`](Self::identities):
+    /// only tasks whose uid that class holds.
+    pub exempt: BTreeMap<u64, u32>,
+    /// Whom each exemption covers.
     pub identities: ExemptIdentities,
     /// `(cgroup id, device) -> access`; a device `major:*`
     /// ([`DevNum::any_minor`]) covers every minor of that major.
@@ -111,14 +151,13 @@ impl Policy {
     ///
     /// Rules: block devices and unprotected majors are allowed; a protected
     /// character device is allowed when some consulted ancestor is exempt
-    /// and the exemption covers `uid`, or holds a grant whose access covers
+    /// and its class covers `uid`, or holds a grant whose access covers
     /// the request, for the device itself or for every minor of its major
     /// (`major:*`); otherwise denied.
     pub fn allows(&self, ancestry: &[u64], uid: u32, req: &Request, max_level: usize) -> bool {
         if req.dev_type != DevType::Char || !self.protected.contains(&req.dev.major) {
             return true;
         }
-        let exempt_uid = self.identities.covers(uid);
         ancestry
             .iter()
             .enumerate()
@@ -130,7 +169,9 @@ impl Policy {
                         .get(&(*id, dev))
                         .is_some_and(|a| a.contains(req.access))
                 };
-                (exempt_uid && self.exempt.contains(id))
+                self.exempt
+                    .get(id)
+                    .is_some_and(|c| self.identities.covers(*c, uid))
                     || covers(req.dev)
                     || covers(DevNum::any_minor(req.dev.major))
             })
@@ -152,10 +193,9 @@ mod tests {
     fn policy() -> Policy {
         Policy {
             protected: [195, 509].into(),
-            exempt: [50].into(),
+            exempt: [(50, 1), (60, 0)].into(),
             identities: ExemptIdentities {
-                uid_max: 999,
-                uids: [1500].into(),
+                classes: vec![[0].into(), [1500].into()],
             },
             grants: [
                 ((10, DevNum::new(195, 0)), Access::RW),
@@ -178,26 +218,34 @@ mod tests {
             (&job10[..], req(1, 3, Access::RW), true), // /dev/null
             (&outside[..], req(195, 0, Access::READ), false),
             (&outside[..], req(509, 0, Access::READ), false),
-            (&exempt_child[..], req(509, 0, Access::all()), true),
+            (&[1, 60, 61][..], req(509, 0, Access::all()), true),
             (&[1, 11][..], req(195, 1, Access::WRITE), false),
             (&[1, 11][..], req(195, 1, Access::READ), true),
         ];
         for (anc, r, want) in cases {
             assert_eq!(p.allows(anc, 0, &r, 16), want, "{anc:?} {r:?}");
         }
-        // An exemption covers system accounts and the service uids only:
-        // a user's process in the exempt cgroup is judged as outside it.
-        for (uid, want) in [
-            (0, true),
-            (999, true),
-            (1000, false),
-            (1500, true),
-            (1501, false),
+        // An exemption covers its own class's uids only: any other
+        // process in the exempt cgroup, a system account's included, is
+        // judged as outside it.
+        let root_only = [1, 60, 61];
+        for (uid, service, root) in [
+            (0, false, true),
+            (600, false, false),
+            (999, false, false),
+            (1000, false, false),
+            (1500, true, false),
+            (1501, false, false),
         ] {
             assert_eq!(
                 p.allows(&exempt_child, uid, &req(195, 0, Access::RW), 16),
-                want,
-                "uid {uid} in an exempt cgroup"
+                service,
+                "uid {uid} in the service's exempt cgroup"
+            );
+            assert_eq!(
+                p.allows(&root_only, uid, &req(195, 0, Access::RW), 16),
+                root,
+                "uid {uid} in a root-only exempt cgroup"
             );
         }
         // A grant does not depend on the uid.

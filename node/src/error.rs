@@ -174,7 +174,7 @@ pub enum NodeError {
     },
     /// The job runs as a uid gpufence takes for a system account
     /// ([`crate::host::accounts::is_system_job_uid`]).
-    #[error("job {job_id} runs as uid {uid}, at or below protected_uid_max ({max}) in {config}: gpufence takes such uids for system accounts (exempt in exempt cgroups such as slurmd's, never ended), so it runs no job of theirs; admin: set protected_uid_max below your users' uids (UID_MIN in /etc/login.defs) and list service accounts above it in service_uids")]
+    #[error("job {job_id} runs as uid {uid}, at or below protected_uid_max ({max}) in {config}: gpufence takes such uids for system accounts (never ended), so it runs no job of theirs; admin: set protected_uid_max below your users' uids (UID_MIN in /etc/login.defs)")]
     SystemUidJob {
         /// The job.
         job_id: u32,

@@ -378,6 +378,12 @@ fn slurmd_start(args: &PluginArgs) -> Result<(), Box<dyn Error>> {
             &format!("exempt cgroup /{p} does not exist: not exempt"),
         );
     }
+    for (c, n) in fence_ops::unknown_exempt_users(&node) {
+        log(
+            LogLevel::Error,
+            &fence_ops::unknown_exempt_user_line(&c, &n),
+        );
+    }
     // Slurm's IMEX channels: slurmstepd (and, with a namespace plugin, the
     // extern step before its slurm_spank_init) makes channel nodes in the
     // jobs' cgroups under Slurm's scope (gpufence_node::job::imex).

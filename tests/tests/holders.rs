@@ -601,13 +601,13 @@ fn a_users_process_in_an_exempt_cgroup_borrows_nothing() {
     assert_eq!(ended, vec![user], "{o:?}");
     assert!(o.lingering[0].evidence.is_some() && gone(user));
     assert!(!gone(daemon), "root's daemon in the exemption is covered");
-    // A service account listed in service_uids is covered again.
+    // A service account its entry names is covered again.
     std::fs::write(
         &p,
         std::fs::read_to_string(&p).unwrap().replace(
-            "term_grace_ms",
+            &format!("exempt_cgroups = [\"{exempt}\"]"),
             &format!(
-                "service_uids = [{}]\nterm_grace_ms",
+                "exempt_cgroups = [{{ cgroup = \"{exempt}\", users = [0, {}] }}]",
                 gpufence_tests::cluster::test_uid()
             ),
         ),

@@ -255,6 +255,153 @@ fn exempt_cgroup_and_descendants_open_everything() {
     assert_eq!(fence.levels_mask().unwrap(), 1 << level(&exec));
 }
 
+/// Opens `dev` from cgroup `cg` as real uid `uid` (setpriv, numeric ids:
+/// no account needed): `ENXIO` allowed, `EPERM` denied.
+fn open_as(env: &TestEnv, cg: &str, uid: u32, dev: &std::path::Path) -> String {
+    let o = env
+        .command_in(cg, "setpriv")
+        .args([
+            format!("--reuid={uid}"),
+            format!("--regid={uid}"),
+            "--clear-groups".into(),
+        ])
+        .arg(gpufence_tests::probe_bin())
+        .args(["open", dev.to_str().unwrap()])
+        .output()
+        .expect("setpriv probe");
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.split_whitespace().last().unwrap_or("").to_string()
+}
+
+/// Issue 33, point 2: an exemption is a cgroup and its users, never a uid
+/// range. In slurmd's cgroup (a bare entry: root only) a uid-600 process
+/// (an old RHEL site's user whose `~/.profile` slurmd ran for `sbatch
+/// --get-user-env`) is denied, though 600 is below `protected_uid_max`;
+/// root is allowed. A service account named in its own entry (by name,
+/// through `passwd_file`) is allowed there and denied in slurmd's cgroup;
+/// a name that does not resolve covers no one. The userspace rule
+/// (`exempt_entry_for`, the doctor) says the same.
+#[test]
+fn an_exemption_covers_its_own_users_only() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("exempt-users");
+    let slurmd = env.cgroup("system.slice/slurmd.service");
+    let svc = env.cgroup("system.slice/nvidia-persistenced.service");
+    let ghost = env.cgroup("system.slice/ghost.service");
+    let passwd = env.path("passwd");
+    std::fs::write(
+        &passwd,
+        "gf-test-svc:x:61500:61500::/nonexistent:/usr/sbin/nologin\n",
+    )
+    .unwrap();
+    let node = node(
+        &env,
+        &format!(
+            "passwd_file = \"{}\"\nexempt_cgroups = [\"{slurmd}\", \
+             {{ cgroup = \"{svc}\", users = [\"gf-test-svc\", 0] }}, \
+             {{ cgroup = \"{ghost}\", users = [\"gf-test-no-such-user\"] }}]\n{MAJORS}",
+            passwd.display()
+        ),
+    );
+    fence_ops::install(&node).unwrap();
+    // The name that does not resolve is audited (its cgroup exists).
+    let installed = gpufence_tests::audit_log(&node.cfg.audit_log)
+        .into_iter()
+        .rfind(|e| e["event"] == "fence_installed")
+        .unwrap();
+    assert_eq!(
+        installed["exempt_unknown_users"],
+        serde_json::json!([{"cgroup": format!("/{ghost}"), "user": "gf-test-no-such-user"}]),
+        "{installed}"
+    );
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let n1 = env.mknod("nvidia1", 195, 1);
+    for dev in [&n0, &n1] {
+        assert_eq!(open_as(&env, &slurmd, 0, dev), "ENXIO", "root in slurmd's");
+        assert_eq!(
+            open_as(&env, &slurmd, 600, dev),
+            "EPERM",
+            "uid 600 in slurmd's"
+        );
+        assert_eq!(
+            open_as(&env, &slurmd, 61500, dev),
+            "EPERM",
+            "service in slurmd's"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 61500, dev),
+            "ENXIO",
+            "service in its own"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 0, dev),
+            "ENXIO",
+            "root in the service's"
+        );
+        assert_eq!(
+            open_as(&env, &svc, 600, dev),
+            "EPERM",
+            "uid 600 in the service's"
+        );
+        assert_eq!(
+            open_as(&env, &ghost, 0, dev),
+            "EPERM",
+            "an unresolved entry"
+        );
+    }
+    // The userspace rule agrees.
+    let resolve = fence_ops::exempt_resolver(&node);
+    for (cg, uid, want) in [
+        (&slurmd, 0, true),
+        (&slurmd, 600, false),
+        (&slurmd, 61500, false),
+        (&svc, 61500, true),
+        (&svc, 600, false),
+        (&ghost, 0, false),
+    ] {
+        assert_eq!(
+            node.cfg.exempt_entry_for(cg, uid, &resolve).is_some(),
+            want,
+            "{cg} uid {uid}"
+        );
+    }
+    // The doctor says why, for a uid-600 process in slurmd's cgroup.
+    let mut cmd = env.command_in(&slurmd, "setpriv");
+    cmd.args([
+        "--reuid=600",
+        "--regid=600",
+        "--clear-groups",
+        "sh",
+        "-c",
+        "echo ready; exec sleep 1000",
+    ]);
+    let pid = env.spawn_ready(cmd, "ready");
+    let d = gpufence_node::admin::doctor::doctor(&node, Some(pid), None).unwrap();
+    let v = d.devices.iter().find(|v| v.device == "195:1").unwrap();
+    assert_eq!((d.uid, v.verdict.as_str()), (600, "denied"), "{v:?}");
+    assert!(
+        v.why
+            .contains("an exemption covers only its entry's users (0), not uid 600"),
+        "{v:?}"
+    );
+    // The fence records each cgroup's class.
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let plan = fence_ops::exempt_plan(&node);
+    assert_eq!(
+        plan.identities.classes,
+        vec![[0].into(), [0, 61500].into(), BTreeSet::new()]
+    );
+    for (cg, class) in [(&slurmd, 0), (&svc, 1), (&ghost, 2)] {
+        assert_eq!(
+            fence.exempt_class(env.cg.id(cg).unwrap()).unwrap(),
+            Some(class),
+            "{cg}"
+        );
+    }
+}
+
 #[test]
 fn install_twice_is_one_program_and_keeps_grants() {
     if !privileged() {

@@ -1823,9 +1823,13 @@ fn denials_by_cgroup_suggest_system_services_only() {
         "{text}"
     );
     let c = Config::parse(last, std::path::Path::new("/pasted")).unwrap();
+    // Root's services: bare entries (root only).
     assert_eq!(
         &c.exempt_cgroups[c.exempt_cgroups.len() - 2..],
-        &[want_agent.clone(), want_fm.clone()],
+        &[
+            gpufence_model::config::ExemptEntry::root(want_agent.clone()),
+            gpufence_model::config::ExemptEntry::root(want_fm.clone())
+        ],
         "{text}"
     );
     assert!(c

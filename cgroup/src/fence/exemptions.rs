@@ -3,10 +3,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{bpf_err, located_level, ExemptSplit, Fence};
+use super::{bpf_err, located_level, ExemptCgroup, ExemptSplit, Fence};
 use crate::error::Result;
 use crate::hierarchy::Cgroup2;
-use crate::maps::{CgroupValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+use crate::maps::{class_of, with_class, CgroupValue, CGROUP_EXEMPT, CGROUP_GRANTED};
 use crate::program::MAX_LEVEL;
 
 impl Fence {
@@ -137,8 +137,9 @@ impl Fence {
     }
 
     /// Makes cgroup `cgroup_id` (at `path`, relative to `cg`'s mount)
-    /// exempt now, without a reinstall, at its kernel level
-    /// ([`Cgroup2::kernel_level`]).
+    /// exempt now for root only
+    /// ([`ExemptIdentities::ROOT_CLASS`](gpufence_model::policy::ExemptIdentities::ROOT_CLASS)),
+    /// without a reinstall, at its kernel level ([`Cgroup2::kernel_level`]).
     ///
     /// # Errors
     /// [`Error::Bpf`](crate::Error::Bpf);
@@ -149,8 +150,23 @@ impl Fence {
         let level = located_level(cg, cgroup_id, path)?;
         self.locked(|| {
             let f = self.flags_of(cgroup_id)?;
-            self.write_flags(cgroup_id, f | CGROUP_EXEMPT, Some(level as u32))
+            let class = gpufence_model::policy::ExemptIdentities::ROOT_CLASS;
+            self.write_flags(
+                cgroup_id,
+                with_class(f | CGROUP_EXEMPT, class),
+                Some(level as u32),
+            )
         })
+    }
+
+    /// The identity class of cgroup `cgroup_id` when it is exempt
+    /// ([`crate::maps::class_of`]); `None` when it is not.
+    ///
+    /// # Errors
+    /// [`Error::Bpf`](crate::Error::Bpf).
+    pub fn exempt_class(&self, cgroup_id: u64) -> Result<Option<u32>> {
+        let f = self.flags_of(cgroup_id)?;
+        Ok((f & CGROUP_EXEMPT != 0).then(|| class_of(f)))
     }
 
     /// Whether cgroup `id` is exempt.
@@ -170,27 +186,32 @@ impl Fence {
         Ok(self.flags_of(cgroup_id)? & CGROUP_GRANTED != 0)
     }
 
-    /// Makes exactly the existing cgroups of `paths` exempt: adds the
-    /// missing flags, then clears the flag from cgroups no longer listed.
-    /// Returns `(applied, missing)`.
+    /// Makes exactly the existing cgroups of `paths` exempt, each for its
+    /// class: adds the missing flags and sets the classes, then clears the
+    /// flag (and class) from cgroups no longer listed. Returns `(applied,
+    /// missing)`.
     ///
     /// # Errors
     /// [`Error::Bpf`](crate::Error::Bpf).
-    pub fn set_exempt(&self, cg: &Cgroup2, paths: &[String]) -> Result<ExemptSplit> {
+    pub fn set_exempt(&self, cg: &Cgroup2, paths: &[ExemptCgroup]) -> Result<ExemptSplit> {
         self.locked(|| self.set_exempt_unlocked(cg, paths))
     }
 
     pub(super) fn set_exempt_unlocked(
         &self,
         cg: &Cgroup2,
-        paths: &[String],
+        paths: &[ExemptCgroup],
     ) -> Result<ExemptSplit> {
         let mut applied = Vec::new();
+        let mut classes = Vec::new();
         let mut missing = Vec::new();
         for p in paths {
-            match cg.id(p) {
-                Ok(id) => applied.push((p.clone(), id)),
-                Err(_) => missing.push(p.clone()),
+            match cg.id(&p.path) {
+                Ok(id) => {
+                    applied.push((p.path.clone(), id));
+                    classes.push(p.class);
+                }
+                Err(_) => missing.push(p.path.clone()),
             }
         }
         let want: BTreeSet<u64> = applied.iter().map(|(_, id)| *id).collect();
@@ -198,13 +219,17 @@ impl Fence {
             .iter()
             .map(|(p, _)| cg.kernel_level(p))
             .collect::<Result<Vec<_>>>()?;
-        for ((_, id), level) in applied.iter().zip(levels) {
+        for (((_, id), level), class) in applied.iter().zip(levels).zip(classes) {
             let f = self.flags_of(*id)?;
-            self.write_flags(*id, f | CGROUP_EXEMPT, Some(level as u32))?;
+            self.write_flags(
+                *id,
+                with_class(f | CGROUP_EXEMPT, class),
+                Some(level as u32),
+            )?;
         }
         for (id, f) in self.cgroup_flags()? {
             if f & CGROUP_EXEMPT != 0 && !want.contains(&id) {
-                self.write_flags(id, f & !CGROUP_EXEMPT, None)?;
+                self.write_flags(id, with_class(f & !CGROUP_EXEMPT, 0), None)?;
             }
         }
         Ok((applied, missing))

@@ -47,16 +47,38 @@ pub struct FenceSpec {
     pub bpffs_dir: PathBuf,
     /// Majors to protect. Must not be empty.
     pub protected: ProtectedMajors,
-    /// Exempt cgroups, relative to the mount.
-    pub exempt: Vec<String>,
+    /// Exempt cgroups, relative to the mount, each with its identity class.
+    pub exempt: Vec<ExemptCgroup>,
     /// Capacity of the `cgroups` and `grants` maps.
     pub max_grants: u32,
     /// Capacity of the `denials` LRU map.
     pub max_denials: u32,
     /// Audit mode: denials are recorded and allowed.
     pub audit: bool,
-    /// Whom the exempt cgroups cover (compiled into the program).
+    /// Whom the exempt cgroups of each class cover (compiled into the
+    /// program).
     pub identities: ExemptIdentities,
+}
+
+/// One exempt cgroup to install: where it is and whom it covers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExemptCgroup {
+    /// The cgroup, relative to the cgroup2 mount.
+    pub path: String,
+    /// Its identity class: an index into [`FenceSpec::identities`]'
+    /// classes, stored in the `cgroups` map's flags
+    /// ([`crate::maps::with_class`]). An index with no class covers no one.
+    pub class: u32,
+}
+
+impl ExemptCgroup {
+    /// `path`, root only ([`ExemptIdentities::ROOT_CLASS`]).
+    pub fn root(path: impl Into<String>) -> ExemptCgroup {
+        ExemptCgroup {
+            path: path.into(),
+            class: ExemptIdentities::ROOT_CLASS,
+        }
+    }
 }
 
 /// What an install did.

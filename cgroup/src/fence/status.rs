@@ -324,13 +324,13 @@ impl Fence {
             // evaluation (a revoke in between is no problem).
             if flags & CGROUP_EXEMPT != 0 {
                 if let Some(dev) = some_protected {
+                    // Whatever its class, root in every class: the check
+                    // is of the entry's level, not of whom it covers.
+                    let every_class = ExemptIdentities {
+                        classes: vec![[0].into(); ExemptIdentities::MAX_CLASSES],
+                    };
                     if !self
-                        .evaluate(
-                            root_task(&ancestry),
-                            &ExemptIdentities::default(),
-                            dev,
-                            Access::RW,
-                        )?
+                        .evaluate(root_task(&ancestry), &every_class, dev, Access::RW)?
                         .allowed
                         && self.is_exempt(*id)?
                     {

@@ -111,8 +111,8 @@ pub struct Doctor {
     /// The process, when a pid was asked about.
     pub pid: Option<i32>,
     /// The real uid the verdicts are for: the process's, or with
-    /// `--cgroup` (no pid) doctor's own (an exemption covers only uids up
-    /// to `protected_uid_max` and `service_uids`).
+    /// `--cgroup` (no pid) doctor's own (an exemption covers only the
+    /// users of its `exempt_cgroups` entry: a bare entry root alone).
     pub uid: u32,
     /// Its cgroup (relative to the mount). JSON: absolute.
     #[serde(serialize_with = "crate::host::cgpath::serialize")]
@@ -223,7 +223,7 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
             .as_ref()
             .and_then(|f| f.entries().ok())
             .unwrap_or_default(),
-        identities: node.cfg.exempt_identities(),
+        identities: crate::host::fence_ops::exempt_identities(node),
         audit,
     };
     let devices = nvidia_devices(node)
@@ -284,7 +284,7 @@ fn fence_current(
 ) -> Option<bool> {
     let (f, id) = (fence?, ours?);
     match (
-        f.fresh_program_tag(audit, &node.cfg.exempt_identities()),
+        f.fresh_program_tag(audit, &crate::host::fence_ops::exempt_identities(node)),
         sys::prog_fd_by_id(id).and_then(|fd| sys::prog_info(fd.as_fd())),
     ) {
         (Ok(fresh), Ok(info)) => Some(fresh == info.tag),
@@ -455,7 +455,47 @@ fn fence_verdict(node: &Node, t: &Target<'_>, d: DevNum) -> (&'static str, Strin
         Access::RW,
     ) {
         Err(e) => ("unknown", format!("the fence's maps cannot be read: {e}")),
-        Ok(ev) => explain(&ev, anc, t.cg, d, &t.entries, t.audit, audit_note),
+        Ok(ev) => {
+            let (v, why) = explain(&ev, anc, t.cg, d, &t.entries, t.audit, audit_note);
+            (v, format!("{why}{}", exemption_rule(node, t)))
+        }
+    }
+}
+
+/// What the exemption rule says of the target, when it is in or under an
+/// `exempt_cgroups` entry: an exemption is a cgroup and its users, so
+/// the entry covers the target's uid, or it does not and the target is
+/// judged as if the cgroup were not exempt. Empty otherwise.
+fn exemption_rule(node: &Node, t: &Target<'_>) -> String {
+    let Some(e) = node.cfg.exempt_entry_covering(t.cg) else {
+        return String::new();
+    };
+    let users: Vec<String> = e.users.iter().map(|u| u.to_string()).collect();
+    let resolve = crate::host::fence_ops::exempt_resolver(node);
+    let (_, unknown) = e.uids(&resolve);
+    let unknown = if unknown.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " ({} unknown to passwd_file and NSS: covers no one)",
+            unknown.join(", ")
+        )
+    };
+    if node.cfg.exempt_entry_for(t.cg, t.uid, &resolve).is_some() {
+        format!(
+            "; in exempt cgroup {}, whose entry covers uid {} (its users: {}{unknown})",
+            abs(&e.cgroup),
+            t.uid,
+            users.join(", ")
+        )
+    } else {
+        format!(
+            "; in exempt cgroup {}, but an exemption covers only its entry's users ({}{unknown}), \
+             not uid {}: its processes are fenced there as anywhere else (protected_uid_max grants nothing)",
+            abs(&e.cgroup),
+            users.join(", "),
+            t.uid
+        )
     }
 }
 

@@ -1,32 +1,42 @@
 //! What covers a holder of a protected device: an exemption (a configured
-//! `exempt_cgroups` entry or an exempt cgroup in the fence, for the uids
-//! exemptions cover) or a live grant on its cgroup or an ancestor.
+//! `exempt_cgroups` entry or an exempt cgroup in the fence, for that
+//! exemption's users only) or a live grant on its cgroup or an ancestor.
 
 use gpufence_cgroup::fence::Fence;
 use gpufence_model::device::DevNum;
 
 use crate::Node;
 
-/// The exemption that covers a process of real uid `uid` in cgroup `cg`:
-/// a configured `exempt_cgroups` entry it is in or under, or an ancestor
-/// the fence holds exempt; `None` when there is none, or when the
-/// exemption does not cover `uid` (a user's process in a daemon's cgroup,
-/// judged by the fence program as if the cgroup were not exempt:
+/// The exemption that covers a process of real uid `uid` in cgroup `cg`,
+/// by the fence program's rule (an exemption is a cgroup and its users):
+/// a configured `exempt_cgroups` entry it is in or under that names
+/// `uid`, or an ancestor the fence holds exempt whose identity class
+/// holds `uid`; `None` when there is none (a user's process in a daemon's
+/// cgroup, whatever its uid, judged as if the cgroup were not exempt:
 /// [`gpufence_model::policy::ExemptIdentities`]) or the uid is unknown
 /// (the process is gone).
 pub fn exemption(node: &Node, fence: Option<&Fence>, cg: &str, uid: Option<u32>) -> Option<String> {
-    if !uid.is_some_and(|u| node.cfg.exempt_identities().covers(u)) {
-        return None;
-    }
-    if let Some(e) = node.cfg.exempt_entry_covering(cg) {
-        return Some(crate::host::cgpath::abs(e));
+    let uid = uid?;
+    let resolve = crate::host::fence_ops::exempt_resolver(node);
+    if let Some(e) = node.cfg.exempt_entry_for(cg, uid, &resolve) {
+        return Some(crate::host::cgpath::abs(&e.cgroup));
     }
     let f = fence?;
-    node.cg
+    // The classes (names resolved) only when some ancestor is exempt.
+    let exempt: Vec<(String, u64, u32)> = node
+        .cg
         .ancestry(cg)
         .into_iter()
-        .find(|(_, id)| f.is_exempt(*id).unwrap_or(false))
-        .map(|(p, id)| format!("{} (fence-exempt id {id})", crate::host::cgpath::abs(&p)))
+        .filter_map(|(p, id)| Some((p, id, f.exempt_class(id).ok().flatten()?)))
+        .collect();
+    if exempt.is_empty() {
+        return None;
+    }
+    let ids = node.cfg.exempt_plan(&resolve).identities;
+    exempt
+        .into_iter()
+        .find(|(_, _, class)| ids.covers(*class, uid))
+        .map(|(p, id, _)| format!("{} (fence-exempt id {id})", crate::host::cgpath::abs(&p)))
 }
 
 /// Whether a process of real uid `uid` in `cgroup` may hold `dev`: an

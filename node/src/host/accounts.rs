@@ -1,13 +1,16 @@
 //! System accounts and the users who run jobs.
 //!
-//! gpufence treats uids up to `protected_uid_max` as system accounts: an
-//! exempt cgroup covers them (the fence program allows their opens there)
-//! and no response ever stops or ends them. That is only safe when no
+//! gpufence treats uids up to `protected_uid_max` as system accounts: no
+//! response ever stops or ends them. It grants no exemption: an exempt
+//! cgroup covers only its `exempt_cgroups` entry's users (slurmd's root
+//! alone), so a low uid's `~/.profile` that slurmd runs for `sbatch
+//! --get-user-env` in its own cgroup (under `PrologFlags=Alloc` even for a
+//! job the Prolog refuses: `_rpc_batch_job` in
+//! `src/slurmd/slurmd/req.c` gets the environment before it checks the
+//! credential) is fenced there. Never ending them is only safe when no
 //! person has such a uid. The rule: **no job runs as a uid in
 //! `1..=protected_uid_max`** (root, uid 0, runs what it likes anyway): the
-//! Prolog refuses such a job ([`is_system_job_uid`]), before slurmd starts
-//! anything of the job's user (`sbatch --get-user-env` runs the user's
-//! login scripts in slurmd's own, exempt, cgroup). And `fence install`,
+//! Prolog refuses such a job ([`is_system_job_uid`]). And `fence install`,
 //! `fence status`, `doctor` and `sweep` warn ([`range_warnings`]) when
 //! `protected_uid_max` reaches `UID_MIN` of login.defs(5), or when NSS
 //! knows login accounts ([`crate::host::users::UserEntry::is_login_account`])
@@ -54,7 +57,7 @@ pub fn range_warnings(cfg: &Config, users: &Users) -> Vec<String> {
     {
         if max >= min {
             out.push(format!(
-                "protected_uid_max ({max}) is at or above UID_MIN ({min}) in {}: users with uids {min}-{max} would be taken for system accounts (exempt in exempt cgroups, never ended) and their jobs are refused; set protected_uid_max = {} and list service accounts above it in service_uids",
+                "protected_uid_max ({max}) is at or above UID_MIN ({min}) in {}: users with uids {min}-{max} would be taken for system accounts (never ended) and their jobs are refused; set protected_uid_max = {}",
                 cfg.login_defs.display(),
                 min.saturating_sub(1),
             ));
@@ -83,7 +86,7 @@ fn login_accounts_warning(max: u32, users: &Users) -> Option<String> {
         named.push(format!("and {} more", low.len() - NAMED_MAX));
     }
     Some(format!(
-        "{} login account(s) at or below protected_uid_max ({max}): {}; gpufence takes them for system accounts (exempt in exempt cgroups, never ended) and refuses their jobs; if they are people, set protected_uid_max below their uids",
+        "{} login account(s) at or below protected_uid_max ({max}): {}; gpufence takes them for system accounts (never ended) and refuses their jobs; if they are people, set protected_uid_max below their uids",
         low.len(),
         named.join(", ")
     ))

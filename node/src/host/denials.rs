@@ -161,10 +161,12 @@ pub struct ByCgroup {
 /// or why there is none. Only a system service qualifies: the cgroup is
 /// in (or below) a `.service` unit outside `user.slice`, outside every
 /// Slurm job cgroup (`job_<id>`, a SLUID, `slurmstepd.scope`, the fenced
-/// subtree's gpufence cgroups), and every uid seen there is one the
-/// exemptions cover (`protected_uid_max`, `service_uids`): an exemption
-/// would not cover another uid's process anyway. A job's or a user's
-/// cgroup is never suggested.
+/// subtree's gpufence cgroups), and every uid seen there is a system
+/// account (up to `protected_uid_max`) or a service account some entry
+/// names ([`gpufence_model::config::Config::is_system_or_service_uid`]).
+/// The entry suggested covers those uids only
+/// ([`ByCgroup::exempt_cgroups_line`]). A job's or a user's cgroup is
+/// never suggested.
 pub fn suggestion(node: &Node, cgroup: Option<&str>, uids: &[u32]) -> Result<String, String> {
     let Some(cg) = cgroup else {
         return Err("the cgroup is gone (a restarted unit: look at its successor)".into());
@@ -191,10 +193,13 @@ pub fn suggestion(node: &Node, cgroup: Option<&str>, uids: &[u32]) -> Result<Str
     if gpufence_own.iter().any(|o| crate::is_under(cg, o)) {
         return Err("one of gpufence's own cgroups".into());
     }
-    let ids = node.cfg.exempt_identities();
-    if let Some(u) = uids.iter().find(|u| !ids.covers(**u)) {
+    let resolve = crate::host::fence_ops::exempt_resolver(node);
+    if let Some(u) = uids
+        .iter()
+        .find(|u| !node.cfg.is_system_or_service_uid(**u, &resolve))
+    {
         return Err(format!(
-            "uid {u} is above protected_uid_max and not in service_uids: not a system account"
+            "uid {u} is above protected_uid_max and no exempt_cgroups entry names it: not a system account"
         ));
     }
     let Some(unit) = parts.iter().position(|p| p.ends_with(".service")) else {
@@ -247,6 +252,7 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
     }
     let mut cgroups: Vec<CgroupDenials> = groups.into_values().collect();
     let mut suggested = std::collections::BTreeSet::new();
+    let mut users_of: BTreeMap<String, std::collections::BTreeSet<u32>> = BTreeMap::new();
     for g in &mut cgroups {
         let mut pairs: Vec<(u32, String)> = g
             .uids
@@ -265,6 +271,10 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
                 );
             }
             Ok(s) => {
+                users_of
+                    .entry(s.clone())
+                    .or_default()
+                    .extend(g.uids.iter().copied());
                 suggested.insert(s.clone());
                 g.suggest = Some(s);
             }
@@ -273,13 +283,26 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
     }
     cgroups.sort_by(|a, b| b.count.cmp(&a.count).then(a.cgroup_id.cmp(&b.cgroup_id)));
     let suggested: Vec<String> = suggested.into_iter().collect();
+    // Each suggested entry covers the uids seen there (root alone: a
+    // bare string).
     let all: Vec<String> = node
         .cfg
         .exempt_cgroups
         .iter()
-        .chain(suggested.iter())
-        // A JSON string is a TOML basic string (same quotes and escapes).
-        .map(|e| serde_json::to_string(e).unwrap_or_default())
+        .cloned()
+        .chain(suggested.iter().map(|s| {
+            let uids = users_of.get(s).cloned().unwrap_or_default();
+            if uids.is_empty() || uids == [0].into() {
+                gpufence_model::config::ExemptEntry::root(s.as_str())
+            } else {
+                let users: Vec<gpufence_model::config::ExemptUser> = uids
+                    .into_iter()
+                    .map(gpufence_model::config::ExemptUser::Uid)
+                    .collect();
+                gpufence_model::config::ExemptEntry::with_users(s.as_str(), &users)
+            }
+        }))
+        .map(|e| e.to_string())
         .collect();
     ByCgroup {
         cgroups,

@@ -10,16 +10,125 @@ use crate::{Node, NodeError};
 /// # Errors
 /// [`NodeError`] when the protected majors cannot be determined.
 pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
+    let mut plan = exempt_plan(node);
+    let exempt = exempt_cgroups(node, &mut plan);
     Ok(FenceSpec {
         cgroup_root: node.cfg.cgroup_root.clone(),
         bpffs_dir: node.cfg.bpffs_dir.clone(),
         protected: node.protected_majors()?,
-        exempt: exempt_paths(node),
+        exempt,
         max_grants: node.cfg.max_grants,
         max_denials: node.cfg.max_denials,
         audit: node.cfg.mode == gpufence_model::config::Mode::Audit,
-        identities: node.cfg.exempt_identities(),
+        identities: plan.identities,
     })
+}
+
+/// Resolves the user names of `exempt_cgroups` entries: `passwd_file`
+/// (when set) before glibc NSS ([`crate::host::users::Users`], NSS asked
+/// for 2 s at most); `None` for a name neither knows (the entry then
+/// covers no one by that name: never a wider set).
+pub fn exempt_resolver(node: &Node) -> impl Fn(&str) -> Option<u32> {
+    let users = crate::host::users::Users::new(node.cfg.passwd_file.as_deref());
+    move |name: &str| users.uid(name)
+}
+
+/// The exemptions' identity classes and each entry's class
+/// ([`gpufence_model::config::Config::exempt_plan`]), names resolved by
+/// [`exempt_resolver`].
+pub fn exempt_plan(node: &Node) -> gpufence_model::config::ExemptPlan {
+    node.cfg.exempt_plan(&exempt_resolver(node))
+}
+
+/// Whom the exemptions of each class cover (the program's immediates):
+/// [`exempt_plan`]'s classes.
+pub fn exempt_identities(node: &Node) -> gpufence_model::policy::ExemptIdentities {
+    exempt_plan(node).identities
+}
+
+/// The configured exemption that covers a process of real uid `uid` in
+/// `cg` (relative to the mount): the first `exempt_cgroups` entry `cg` is
+/// in or under whose users hold `uid`
+/// ([`gpufence_model::config::Config::exempt_entry_for`]).
+pub fn exempt_entry_for<'a>(
+    node: &'a Node,
+    cg: &str,
+    uid: u32,
+) -> Option<&'a gpufence_model::config::ExemptEntry> {
+    node.cfg.exempt_entry_for(cg, uid, &exempt_resolver(node))
+}
+
+/// Each user name of an `exempt_cgroups` entry that neither `passwd_file`
+/// nor NSS knows, for the entries whose cgroup exists now (a service the
+/// node runs): `(entry's cgroup, name)`. Such a name covers no one (the
+/// entry covers its other users only); `fence install` audits them and
+/// the CLI and the plugin print one warning line each. Entries of services
+/// the node lacks (DCGM's `nvidia-dcgm` on a node without DCGM) say
+/// nothing.
+pub fn unknown_exempt_users(node: &Node) -> Vec<(String, String)> {
+    let present: std::collections::BTreeSet<usize> = node
+        .cfg
+        .expand_exempt(|parent| child_cgroups(node, parent))
+        .into_iter()
+        .filter(|(p, _)| node.cg.path(p).is_dir())
+        .map(|(_, i)| i)
+        .collect();
+    let resolve = exempt_resolver(node);
+    node.cfg
+        .exempt_cgroups
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| present.contains(i))
+        .flat_map(|(_, e)| {
+            let (_, unknown) = e.uids(&resolve);
+            unknown.into_iter().map(|n| (e.cgroup.clone(), n))
+        })
+        .collect()
+}
+
+/// One line for an [`unknown_exempt_users`] pair.
+pub fn unknown_exempt_user_line(cgroup: &str, name: &str) -> String {
+    format!(
+        "exempt_cgroups entry /{cgroup}: user {name:?} is unknown to passwd_file and NSS: it covers no one there (fail closed)"
+    )
+}
+
+/// The cgroups to exempt now, each with its class: [`exempt_paths`], the
+/// exec cgroup root only. A cgroup two entries name gets the class of
+/// their users together (added to `plan`), or, when the classes are all
+/// taken, an index with no class (no one: fail closed).
+pub fn exempt_cgroups(
+    node: &Node,
+    plan: &mut gpufence_model::config::ExemptPlan,
+) -> Vec<gpufence_cgroup::fence::ExemptCgroup> {
+    use gpufence_cgroup::fence::ExemptCgroup;
+    use gpufence_model::policy::ExemptIdentities;
+    let mut out: Vec<ExemptCgroup> = Vec::new();
+    for (path, entry) in node.cfg.expand_exempt(|parent| child_cgroups(node, parent)) {
+        let class = plan
+            .entry_class
+            .get(entry)
+            .copied()
+            .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+        match out.iter_mut().find(|e| e.path == path) {
+            Some(e) if e.class != class => {
+                let both: std::collections::BTreeSet<u32> = [e.class, class]
+                    .iter()
+                    .filter_map(|c| plan.identities.classes.get(*c as usize))
+                    .flatten()
+                    .copied()
+                    .collect();
+                e.class = plan
+                    .identities
+                    .class_of(&both)
+                    .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+            }
+            Some(_) => {}
+            None => out.push(ExemptCgroup { path, class }),
+        }
+    }
+    out.push(ExemptCgroup::root(node.exec_cgroup()));
+    out
 }
 
 /// `cgroup_root` names an existing directory of the cgroup2 mount.
@@ -46,6 +155,7 @@ pub fn exempt_paths(node: &Node) -> Vec<String> {
     node.cfg
         .expand_exempt(|parent| child_cgroups(node, parent))
         .into_iter()
+        .map(|(p, _)| p)
         .chain(std::iter::once(node.exec_cgroup()))
         .collect()
 }
@@ -119,7 +229,8 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
     let mut last_error: Option<String> = None;
     while !stop() {
         // Patterns are resolved anew each period: a unit of the family
-        // started now is a new cgroup to exempt.
+        // started now is a new cgroup to exempt. User names only when
+        // something is to be written (reapply_exemptions).
         let paths = exempt_paths(node);
         let ids: Vec<(String, Option<u64>)> = paths
             .iter()
@@ -148,8 +259,14 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
     }
 }
 
-/// One pass of [`watch_exemptions`]: writes the exemptions again when an
-/// existing configured cgroup is not exempt in the fence.
+/// One pass of [`watch_exemptions`]: writes the exemptions again, each
+/// with its identity class ([`exempt_cgroups`], user names resolved now),
+/// when an existing configured cgroup of `paths` is not exempt in the
+/// fence. When the running program's classes are not those (an account's
+/// name resolves otherwise than at install: the program's tag differs,
+/// [`running_mode`] is `Other`), the fence is installed again
+/// ([`install`]) instead, so that no cgroup gets a class the program
+/// reads otherwise.
 ///
 /// # Errors
 /// [`NodeError`]: the fence is not attached, or its maps cannot be
@@ -164,7 +281,12 @@ pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError
     if missing.is_empty() {
         return Ok(());
     }
-    fence.set_exempt(&node.cg, paths)?;
+    if running_mode(node) == RunningMode::Other {
+        install(node)?;
+        return Ok(());
+    }
+    let mut plan = exempt_plan(node);
+    fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
     node.audit(
         AuditEvent::new(events::EXEMPTION_APPLIED).field(
             "exempt",
@@ -230,6 +352,16 @@ pub fn install(node: &Node) -> Result<InstallReport, NodeError> {
         )
         .field("exempt_missing", report.exempt_missing.clone())
         .field("mount_root_level", report.mount_root_level);
+    let unknown = unknown_exempt_users(node);
+    if !unknown.is_empty() {
+        ev = ev.field(
+            "exempt_unknown_users",
+            unknown
+                .iter()
+                .map(|(c, n)| serde_json::json!({"cgroup": crate::host::cgpath::abs(c), "user": n}))
+                .collect::<Vec<_>>(),
+        );
+    }
     if !report.relevelled.is_empty() {
         // Entries an earlier version recorded at a cgroup namespace's depth.
         ev = ev.field(
@@ -295,7 +427,7 @@ pub fn running_mode(node: &Node) -> RunningMode {
     else {
         return RunningMode::Unknown;
     };
-    let ids = node.cfg.exempt_identities();
+    let ids = exempt_identities(node);
     if fence
         .fresh_program_tag(false, &ids)
         .is_ok_and(|t| t == info.tag)
@@ -454,11 +586,14 @@ pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String>
     if !crate::is_under(slurmd_cgroup, root) {
         return None;
     }
-    if node.cfg.exempt_entry_covering(slurmd_cgroup).is_some() {
+    // slurmd runs as root: an entry that covers its cgroup must name root
+    // (this process's real uid), as the fence program asks.
+    let uid = nix::unistd::getuid().as_raw();
+    if exempt_entry_for(node, slurmd_cgroup, uid).is_some() {
         return None;
     }
     Some(format!(
-        "slurmd runs in {}, which no exempt_cgroups entry covers: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
+        "slurmd runs in {}, which no exempt_cgroups entry covers for uid {uid}: its NVML autodetection and the Prolog's and Epilog's NVML checks are fenced there; \
          add \"{}\" to exempt_cgroups in {}",
         crate::host::cgpath::abs(slurmd_cgroup),
         slurmd_cgroup,
@@ -513,5 +648,35 @@ mod slurmd_exemption_tests {
             slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service"),
             None
         );
+        // An entry for slurmd that does not name root does not cover it.
+        let n = node(
+            "exempt_cgroups = [{ cgroup = \"system.slice/slurmd.service\", users = [1500] }]\n",
+        );
+        assert!(slurmd_exemption_note(&n, "system.slice/slurmd.service").is_some());
+    }
+
+    /// A cgroup two entries name is exempt for their users together; the
+    /// exec cgroup for root only.
+    #[test]
+    fn a_cgroup_two_entries_name_gets_both_their_users() {
+        let d = tempfile::tempdir().unwrap();
+        let text = format!(
+            "audit_log = \"{}/a.jsonl\"\nexempt_cgroups = [\"a.service\", \
+             {{ cgroup = \"b.service\", users = [1500] }}, {{ cgroup = \"a.service\", users = [1500] }}]\n",
+            d.path().display()
+        );
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let mut plan = exempt_plan(&node);
+        let cgs = exempt_cgroups(&node, &mut plan);
+        let class = |p: &str| cgs.iter().find(|c| c.path == p).unwrap().class;
+        let uids = |c: u32| plan.identities.classes[c as usize].clone();
+        assert_eq!(uids(class("a.service")), [0, 1500].into());
+        assert_eq!(uids(class("b.service")), [1500].into());
+        assert_eq!(uids(class(&node.exec_cgroup())), [0].into());
+        assert_eq!(cgs.len(), 3);
     }
 }

@@ -481,10 +481,13 @@ fn dev_list(devs: &BTreeSet<DevNum>) -> String {
 }
 
 /// Whether a configured exemption covers a process of real uid `uid` in
-/// cgroup `cg` (never a user's process: [`crate::holders::cover::exemption`]).
+/// cgroup `cg`: an entry `cg` is in or under that names `uid`
+/// ([`crate::holders::cover::exemption`]).
 fn config_exempt(node: &Node, cg: Option<&str>, uid: Option<u32>) -> bool {
-    uid.is_some_and(|u| node.cfg.exempt_identities().covers(u))
-        && cg.is_some_and(|c| node.cfg.exempt_entry_covering(c).is_some())
+    match (cg, uid) {
+        (Some(c), Some(u)) => crate::host::fence_ops::exempt_entry_for(node, c, u).is_some(),
+        _ => false,
+    }
 }
 
 fn check_failed(what: &str, e: String) -> Finding {

@@ -25,10 +25,15 @@ impl Sweep<'_> {
         if self.scope.is_some() {
             return;
         }
-        let ids = self.node.cfg.exempt_identities();
+        let resolve = crate::host::fence_ops::exempt_resolver(self.node);
+        let cfg = &self.node.cfg;
         let now = std::time::SystemTime::now();
         let dir = &self.node.cfg.shm_dir;
-        let found = crate::holders::shm::leftovers(dir, &|u| !ids.covers(u), None);
+        let found = crate::holders::shm::leftovers(
+            dir,
+            &|u| !cfg.is_system_or_service_uid(u, &resolve),
+            None,
+        );
         let mut by_uid: BTreeMap<u32, Vec<&crate::holders::shm::Leftover>> = BTreeMap::new();
         for l in &found.files {
             by_uid.entry(l.uid).or_default().push(l);
