@@ -68,8 +68,9 @@ pub struct ExemptIdentities {
 impl ExemptIdentities {
     /// The class of root only (`{0}`), index 0.
     pub const ROOT_CLASS: u32 = 0;
-    /// The most classes the program tells apart (3 bits of the `cgroups`
-    /// map's flags).
+    /// The most classes the program tells apart. Their index sits in bits
+    /// 8..=11 of the `cgroups` map's flags; an index past the classes (up
+    /// to 15) covers no one.
     pub const MAX_CLASSES: usize = 8;
     /// The most uids one class holds (one compare instruction each, per
     /// level walked).
