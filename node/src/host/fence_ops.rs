@@ -582,13 +582,17 @@ pub fn remove(node: &Node) -> Result<bool, NodeError> {
 /// is exempt or outside the fenced subtree. Exemptions stay what the
 /// config says: this names the cgroup, it never adds one.
 pub fn slurmd_exemption_note(node: &Node, slurmd_cgroup: &str) -> Option<String> {
+    // slurmd runs as root: an entry that covers its cgroup must name root
+    // (this process's real uid), as the fence program asks.
+    slurmd_exemption_note_for(node, slurmd_cgroup, nix::unistd::getuid().as_raw())
+}
+
+/// [`slurmd_exemption_note`] for slurmd running as `uid`.
+fn slurmd_exemption_note_for(node: &Node, slurmd_cgroup: &str, uid: u32) -> Option<String> {
     let root = &node.cfg.cgroup_root;
     if !crate::is_under(slurmd_cgroup, root) {
         return None;
     }
-    // slurmd runs as root: an entry that covers its cgroup must name root
-    // (this process's real uid), as the fence program asks.
-    let uid = nix::unistd::getuid().as_raw();
     if exempt_entry_for(node, slurmd_cgroup, uid).is_some() {
         return None;
     }
@@ -622,16 +626,19 @@ mod slurmd_exemption_tests {
             .unwrap()
         };
         let n = node("");
-        // systemd's unit, and 26.05's own move below it, are covered.
+        // slurmd runs as root (uid 0 here, whoever runs the test): systemd's
+        // unit, and 26.05's own move below it, are covered; the bare entry
+        // covers root alone, so slurmd as any other uid is not.
+        assert!(slurmd_exemption_note_for(&n, "system.slice/slurmd.service", 1001).is_some());
         assert_eq!(
-            slurmd_exemption_note(&n, "system.slice/slurmd.service"),
+            slurmd_exemption_note_for(&n, "system.slice/slurmd.service", 0),
             None
         );
         assert_eq!(
-            slurmd_exemption_note(&n, "system.slice/slurmd.service/slurmd"),
+            slurmd_exemption_note_for(&n, "system.slice/slurmd.service/slurmd", 0),
             None
         );
-        let l = slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service").unwrap();
+        let l = slurmd_exemption_note_for(&n, "system.slice/slurmd@gpu1.service", 0).unwrap();
         assert!(
             l.contains("/system.slice/slurmd@gpu1.service")
                 && l.contains("add \"system.slice/slurmd@gpu1.service\" to exempt_cgroups"),
@@ -640,19 +647,19 @@ mod slurmd_exemption_tests {
         // Outside the fenced subtree nothing is fenced.
         let n = node("cgroup_root = \"system.slice/x_slurmstepd.scope\"\n");
         assert_eq!(
-            slurmd_exemption_note(&n, "system.slice/slurmd-x.service"),
+            slurmd_exemption_note_for(&n, "system.slice/slurmd-x.service", 0),
             None
         );
         let n = node("exempt_cgroups = [\"/system.slice/slurmd@gpu1.service/\"]\n");
         assert_eq!(
-            slurmd_exemption_note(&n, "system.slice/slurmd@gpu1.service"),
+            slurmd_exemption_note_for(&n, "system.slice/slurmd@gpu1.service", 0),
             None
         );
         // An entry for slurmd that does not name root does not cover it.
         let n = node(
             "exempt_cgroups = [{ cgroup = \"system.slice/slurmd.service\", users = [1500] }]\n",
         );
-        assert!(slurmd_exemption_note(&n, "system.slice/slurmd.service").is_some());
+        assert!(slurmd_exemption_note_for(&n, "system.slice/slurmd.service", 0).is_some());
     }
 
     /// A cgroup two entries name is exempt for their users together; the
