@@ -41,9 +41,13 @@ pub fn exempt_plan(node: &Node) -> gpufence_model::config::ExemptPlan {
 }
 
 /// Whom the exemptions of each class cover (the program's immediates):
-/// [`exempt_plan`]'s classes.
+/// [`exempt_plan`]'s classes with the merged ones [`exempt_cgroups`] adds,
+/// as [`spec`] computes them, so that the program a fresh install would
+/// build (`fence status`, doctor, the running mode) is the one installed.
 pub fn exempt_identities(node: &Node) -> gpufence_model::policy::ExemptIdentities {
-    exempt_plan(node).identities
+    let mut plan = exempt_plan(node);
+    let _ = exempt_cgroups(node, &mut plan);
+    plan.identities
 }
 
 /// The configured exemption that covers a process of real uid `uid` in
@@ -96,7 +100,9 @@ pub fn unknown_exempt_user_line(cgroup: &str, name: &str) -> String {
 /// The cgroups to exempt now, each with its class: [`exempt_paths`], the
 /// exec cgroup root only. A cgroup two entries name gets the class of
 /// their users together (added to `plan`), or, when the classes are all
-/// taken, an index with no class (no one: fail closed).
+/// taken or the users together are more than one class holds
+/// ([`ExemptIdentities::MAX_UIDS`](gpufence_model::policy::ExemptIdentities::MAX_UIDS)),
+/// an index with no class (no one: fail closed; the program still fits).
 pub fn exempt_cgroups(
     node: &Node,
     plan: &mut gpufence_model::config::ExemptPlan,
@@ -118,10 +124,13 @@ pub fn exempt_cgroups(
                     .flatten()
                     .copied()
                     .collect();
-                e.class = plan
-                    .identities
-                    .class_of(&both)
-                    .unwrap_or(ExemptIdentities::MAX_CLASSES as u32);
+                e.class = if both.len() > ExemptIdentities::MAX_UIDS {
+                    ExemptIdentities::MAX_CLASSES as u32
+                } else {
+                    plan.identities
+                        .class_of(&both)
+                        .unwrap_or(ExemptIdentities::MAX_CLASSES as u32)
+                };
             }
             Some(_) => {}
             None => out.push(ExemptCgroup { path, class }),
@@ -685,5 +694,38 @@ mod slurmd_exemption_tests {
         assert_eq!(uids(class("b.service")), [1500].into());
         assert_eq!(uids(class(&node.exec_cgroup())), [0].into());
         assert_eq!(cgs.len(), 3);
+        // The identities doctor, `fence status` and the running mode
+        // compare with are the installed program's, merged class included
+        // (they were the plan's alone, so such a config read as a program
+        // gpufence did not build: `fence_not_enforcing`).
+        let installed = plan.identities.clone();
+        assert_eq!(exempt_identities(&node), installed);
+        assert!(exempt_identities(&node).classes.contains(&[0, 1500].into()));
+    }
+
+    /// Two entries for one cgroup whose users together are more than a
+    /// class holds: that cgroup covers no one (fail closed), and the
+    /// program's classes still fit, so the install goes on.
+    #[test]
+    fn a_merge_past_a_class_covers_no_one() {
+        let d = tempfile::tempdir().unwrap();
+        let text = format!(
+            "audit_log = \"{}/a.jsonl\"\nexempt_cgroups = [\
+             {{ cgroup = \"a.service\", users = [1501, 1502, 1503, 1504, 1505] }}, \
+             {{ cgroup = \"a.service\", users = [1506, 1507, 1508, 1509, 1510] }}]\n",
+            d.path().display()
+        );
+        let node = Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let mut plan = exempt_plan(&node);
+        let cgs = exempt_cgroups(&node, &mut plan);
+        let a = cgs.iter().find(|c| c.path == "a.service").unwrap();
+        assert!(plan.identities.classes.get(a.class as usize).is_none());
+        assert!(plan.identities.fits(), "{:?}", plan.identities);
+        assert!(!plan.identities.covers(a.class, 1501));
+        assert!(!plan.identities.covers(a.class, 0));
     }
 }
