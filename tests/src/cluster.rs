@@ -821,6 +821,128 @@ impl Drop for PeerUser {
     }
 }
 
+/// A user made for one test with a uid in 500..=999, what gpufence takes
+/// for a system account (`protected_uid_max`, 999 by default) and what a
+/// site migrated from old RHEL's `UID_MIN` 500 still hands to people: a
+/// login shell (`/bin/sh`) and a home in the test's temp dir. Made on this
+/// host and, for a cluster of a Debian root, in that root with the same
+/// uid and gid (the root sees the host's `/tmp`). On drop whatever runs as
+/// its uid is killed (the uid was free when the test took it) and the user
+/// removed from both places.
+pub struct LowUser {
+    /// Its name.
+    pub name: &'static str,
+    /// Its uid (and gid).
+    pub uid: u32,
+    /// Its home, owned by it.
+    pub home: PathBuf,
+    root: Option<PathBuf>,
+}
+
+impl LowUser {
+    /// Makes user `name` with `uid` (`None`: the first uid in 500..=999
+    /// free as a uid and a gid here) and home `home`, in this host and in
+    /// `root`. Panics when the uid is taken.
+    pub fn create(
+        name: &'static str,
+        uid: Option<u32>,
+        home: &Path,
+        root: Option<&Path>,
+    ) -> LowUser {
+        let free = |u: u32| {
+            nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u))
+                .ok()
+                .flatten()
+                .is_none()
+                && nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(u))
+                    .ok()
+                    .flatten()
+                    .is_none()
+        };
+        let chroot = |r: &Path, args: &[&str]| {
+            Command::new("chroot")
+                .arg(r)
+                .args(args)
+                .output()
+                .expect("chroot")
+        };
+        let _ = Command::new("userdel").arg(name).output();
+        if let Some(r) = root {
+            let _ = chroot(r, &["userdel", name]);
+            let _ = chroot(r, &["groupdel", name]);
+        }
+        let uid = match uid {
+            Some(u) => {
+                assert!(free(u), "uid {u} is taken on this host");
+                u
+            }
+            None => (500..1000)
+                .find(|u| free(*u))
+                .expect("a free uid in 500..=999"),
+        };
+        let (u, h) = (uid.to_string(), home.display().to_string());
+        let o = Command::new("groupadd")
+            .args(["-g", &u, name])
+            .output()
+            .expect("groupadd");
+        assert!(o.status.success(), "groupadd: {o:?}");
+        let o = Command::new("useradd")
+            .args(["-u", &u, "-g", &u, "-M", "-s", "/bin/sh", "-d", &h, name])
+            .output()
+            .expect("useradd");
+        assert!(o.status.success(), "useradd: {o:?}");
+        if let Some(r) = root {
+            for args in [
+                vec!["groupadd", "-g", &u, name],
+                vec![
+                    "useradd", "-u", &u, "-g", &u, "-M", "-s", "/bin/sh", "-d", &h, name,
+                ],
+            ] {
+                let o = chroot(r, &args);
+                assert!(o.status.success(), "in {}: {args:?}: {o:?}", r.display());
+            }
+        }
+        std::fs::create_dir_all(home).expect("home");
+        std::os::unix::fs::chown(home, Some(uid), Some(uid)).expect("chown home");
+        LowUser {
+            name,
+            uid,
+            home: home.to_path_buf(),
+            root: root.map(Path::to_path_buf),
+        }
+    }
+
+    /// `program` as this user with the cluster's `SLURM_CONF`, in its
+    /// home (in the cluster's root, if any).
+    pub fn cmd(&self, cluster: &Cluster, program: &str) -> Command {
+        let c = user_command_as(self.name, &cluster.slurm_conf, &self.home, program);
+        match &cluster.root {
+            Some(r) => in_root(r, &c),
+            None => c,
+        }
+    }
+}
+
+impl Drop for LowUser {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-u", &self.uid.to_string()])
+            .output();
+        if let Some(r) = &self.root {
+            let _ = Command::new("chroot")
+                .arg(r)
+                .args(["userdel", self.name])
+                .output();
+            let _ = Command::new("chroot")
+                .arg(r)
+                .args(["groupdel", self.name])
+                .output();
+        }
+        let _ = Command::new("userdel").arg(self.name).output();
+        let _ = Command::new("groupdel").arg(self.name).output();
+    }
+}
+
 /// Builds `tests/spank-probe/order_probe.c` (a SPANK plugin that opens
 /// devices from its `slurm_spank_task_init`) into `out`, against the
 /// `<slurm/spank.h>` of the release in Debian root `root` (`None`: this

@@ -42,69 +42,6 @@ fn claim_dev_zero() {
     );
 }
 
-/// A user made for the test with a uid in 500..=999 (a uid gpufence takes
-/// for a system account), a login shell and a home in the test's temp
-/// dir; removed on drop.
-struct LowUser {
-    name: &'static str,
-    uid: u32,
-    home: PathBuf,
-}
-
-impl LowUser {
-    fn create(env: &TestEnv) -> LowUser {
-        let name = "gpufence-low";
-        let _ = Command::new("userdel").arg(name).output();
-        let uid = (500..1000)
-            .find(|u| {
-                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(*u))
-                    .ok()
-                    .flatten()
-                    .is_none()
-                    && nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(*u))
-                        .ok()
-                        .flatten()
-                        .is_none()
-            })
-            .expect("a free uid in 500..=999");
-        let home = env.path("home-low");
-        let o = Command::new("useradd")
-            .args(["-u", &uid.to_string(), "-U", "-M", "-s", "/bin/sh", "-d"])
-            .arg(&home)
-            .arg(name)
-            .output()
-            .expect("useradd");
-        assert!(o.status.success(), "useradd: {}", both(&o));
-        std::fs::create_dir_all(&home).unwrap();
-        let o = Command::new("chown")
-            .arg(format!("{uid}:{uid}"))
-            .arg(&home)
-            .output()
-            .unwrap();
-        assert!(o.status.success());
-        LowUser { name, uid, home }
-    }
-
-    /// `program` as this user, with `SLURM_CONF`, in its home.
-    fn cmd(&self, cluster: &Cluster, program: &str) -> Command {
-        gpufence_tests::cluster::user_command_as(
-            self.name,
-            &cluster.slurm_conf,
-            &self.home,
-            program,
-        )
-    }
-}
-
-impl Drop for LowUser {
-    fn drop(&mut self) {
-        let _ = Command::new("pkill")
-            .args(["-KILL", "-u", self.name])
-            .output();
-        let _ = Command::new("userdel").arg(self.name).output();
-    }
-}
-
 #[test]
 fn mappings_behind_an_exited_leader_and_low_uids_on_a_real_cluster() {
     if !privileged() {
@@ -208,7 +145,8 @@ fn mappings_behind_an_exited_leader_and_low_uids_on_a_real_cluster() {
     );
 
     // 2. A user at uid 500..=999 with a login shell.
-    let low = LowUser::create(&env);
+    let low =
+        gpufence_tests::cluster::LowUser::create("gpufence-low", None, &env.path("home-low"), None);
     let opened = low.home.join("gpus-opened");
     std::fs::write(
         low.home.join(".profile"),

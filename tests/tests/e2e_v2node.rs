@@ -1773,19 +1773,18 @@ fn get_user_env_daemon_in_slurmds_cgroup_22_05_host() {
     drop(cluster);
 }
 
-/// Issue 33, point 2, on the host's 22.05 with `PrologFlags=Alloc`: a user
-/// of uid 600 (a site migrated from old RHEL's UID_MIN 500) submits
-/// `sbatch --get-user-env`. slurmd runs `su - <user>` in its own cgroup
-/// before it checks the job (`_rpc_batch_job`, src/slurmd/slurmd/req.c),
-/// even though the Prolog refuses the job (a uid at or below
-/// `protected_uid_max`); the daemon the user's `~/.profile` starts there
-/// with `setsid -f` stays in slurmd's cgroup. slurmd's exemption (a bare
-/// entry: root only) does not cover uid 600, so it opens neither GPU.
-#[test]
-fn get_user_env_daemon_of_uid_600_is_fenced_22_05_host() {
-    if !privileged() {
-        return;
-    }
+/// Issue 33, point 2: a user of uid 600 (a site migrated from old RHEL's
+/// UID_MIN 500) submits `sbatch --get-user-env`. slurmd runs `su - <user>`
+/// in its own cgroup before it checks the job (`_rpc_batch_job` calls
+/// `_get_user_env` before the revoked credential is seen,
+/// src/slurmd/slurmd/req.c, 22.05 through master), even though the Prolog
+/// refuses the job (a uid at or below `protected_uid_max`); the daemon the
+/// user's `~/.profile` starts there with `setsid -f` stays in slurmd's
+/// cgroup. slurmd's exemption (a bare entry: root only) does not cover uid
+/// 600, so it opens no NVIDIA device. `prolog_flags`: `Alloc,Contain` on
+/// 22.05; `Alloc,Contain,RunInJob` on 24.11 and 26.05, where the Prolog
+/// runs in the job's extern step and slurmd still forks the `su -`.
+fn get_user_env_daemon_of_uid_600(release: &Release, prolog_flags: &str) {
     let env = TestEnv::new("getuserenv600");
     let d = Devices::make(&env);
     let slice = V2Slice::claim();
@@ -1795,19 +1794,14 @@ fn get_user_env_daemon_of_uid_600_is_fenced_22_05_host() {
     );
     let cluster = Cluster::start_with(
         &env,
-        &spec(
-            &Release {
-                root: None,
-                plugin: None,
-            },
-            &slice,
-            &d,
-            &extra,
-            false,
-            "Alloc,Contain",
-        ),
+        &spec(release, &slice, &d, &extra, false, prolog_flags),
     );
-    let low = LowUser::create(&env, 600);
+    let low = gpufence_tests::cluster::LowUser::create(
+        "gpufence-low600",
+        Some(600),
+        &env.path("home-low600"),
+        release.root.as_deref(),
+    );
     let dir = env.path("getuserenv600");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
@@ -1827,108 +1821,76 @@ fn get_user_env_daemon_of_uid_600_is_fenced_22_05_host() {
         ),
     )
     .unwrap();
-    let o = gpufence_tests::cluster::user_command_as(
-        low.name,
-        &cluster.slurm_conf,
-        &low.home,
-        "sbatch",
-    )
-    .args([
-        "--get-user-env",
-        "--parsable",
-        "-o",
-        "/dev/null",
-        "--wrap",
-        "true",
-    ])
-    .output()
-    .unwrap();
-    assert!(o.status.success(), "sbatch: {}", both(&o));
+    let v = release.slurm_version();
+    let o = low
+        .cmd(&cluster, "sbatch")
+        .args([
+            "--get-user-env",
+            "--parsable",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{v}: sbatch: {}", both(&o));
     let job = stdout(&o).trim().to_string();
     let ran = Cluster::wait_for(Duration::from_secs(30), || out.exists());
-    let _ = std::process::Command::new("scancel")
-        .env("SLURM_CONF", &cluster.slurm_conf)
-        .arg(&job)
-        .output();
+    let _ = cluster.admin("scancel", &[&job]);
     assert!(
         ran,
-        "the login script of uid {} never ran (slurmd's su - for --get-user-env):\n{}",
+        "{v}: the login script of uid {} never ran (slurmd's su - for --get-user-env):\n{}",
         low.uid,
         cluster.log_tail("slurmd.log")
     );
     let text = std::fs::read_to_string(&out).unwrap();
-    let pid: i32 = field(&text, "PID").and_then(|p| p.parse().ok()).unwrap();
-    low.pids.borrow_mut().push(pid);
-    // The premise: uid 600's daemon runs in slurmd's (exempt) cgroup.
-    assert_eq!(field(&text, "UID"), Some(low.uid.to_string()), "{text}");
+    // The premise: uid 600's daemon runs in slurmd's (exempt) cgroup
+    // (26.05's slurmd runs in a `slurmd` child of its unit's cgroup).
+    assert_eq!(
+        field(&text, "UID"),
+        Some(low.uid.to_string()),
+        "{v}: {text}"
+    );
     assert!(
-        field(&text, "CG").is_some_and(|c| c.ends_with("/system.slice/slurmd.service")),
-        "{text}"
+        field(&text, "CG").is_some_and(|c| c.ends_with("/system.slice/slurmd.service")
+            || c.ends_with("/system.slice/slurmd.service/slurmd")),
+        "{v}: {text}"
     );
     assert_eq!(
         row(&text, &d),
         ["EPERM", "EPERM", "EPERM", "EPERM"].map(String::from),
-        "uid 600's daemon in slurmd's cgroup opens nothing:\n{text}"
+        "{v}: uid 600's daemon in slurmd's cgroup opens nothing:\n{text}"
     );
+    drop(low);
     drop(cluster);
 }
 
-/// A user made for one test with a given uid (at or below
-/// `protected_uid_max`), a login shell (`/bin/sh`) and a home in the
-/// test's temp dir; on drop the processes it recorded are killed by pid
-/// and the user removed.
-struct LowUser {
-    name: &'static str,
-    uid: u32,
-    home: PathBuf,
-    pids: std::cell::RefCell<Vec<i32>>,
+#[test]
+fn get_user_env_daemon_of_uid_600_is_fenced_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    get_user_env_daemon_of_uid_600(
+        &Release {
+            root: None,
+            plugin: None,
+        },
+        "Alloc,Contain",
+    );
 }
 
-impl LowUser {
-    fn create(env: &TestEnv, uid: u32) -> LowUser {
-        let name = "gpufence-low600";
-        let _ = std::process::Command::new("userdel").arg(name).output();
-        assert!(
-            nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-                .ok()
-                .flatten()
-                .is_none(),
-            "uid {uid} is taken on this host"
-        );
-        let home = env.path("home-low600");
-        let o = std::process::Command::new("useradd")
-            .args(["-u", &uid.to_string(), "-U", "-M", "-s", "/bin/sh", "-d"])
-            .arg(&home)
-            .arg(name)
-            .output()
-            .expect("useradd");
-        assert!(o.status.success(), "useradd: {}", both(&o));
-        std::fs::create_dir_all(&home).unwrap();
-        let o = std::process::Command::new("chown")
-            .arg(format!("{uid}:{uid}"))
-            .arg(&home)
-            .output()
-            .unwrap();
-        assert!(o.status.success());
-        LowUser {
-            name,
-            uid,
-            home,
-            pids: Default::default(),
-        }
+#[test]
+fn get_user_env_daemon_of_uid_600_is_fenced_run_in_job_slurm_24_11_debian_trixie() {
+    if let Some(r) = privileged().then(|| Release::debian("trixie")).flatten() {
+        get_user_env_daemon_of_uid_600(&r, "Alloc,Contain,RunInJob");
     }
 }
 
-impl Drop for LowUser {
-    fn drop(&mut self) {
-        for pid in self.pids.borrow().iter() {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-        }
-        let _ = std::process::Command::new("userdel")
-            .arg(self.name)
-            .output();
+#[test]
+fn get_user_env_daemon_of_uid_600_is_fenced_run_in_job_slurm_26_05_debian_sid() {
+    if let Some(r) = privileged().then(|| Release::debian("sid")).flatten() {
+        get_user_env_daemon_of_uid_600(&r, "Alloc,Contain,RunInJob");
     }
 }
 
