@@ -59,6 +59,13 @@ pub struct Node {
     /// this node's GPUs, not those of the first node whose `NodeHostname` is
     /// the host's. `None`: slurmd picks the node by hostname.
     pub slurm_node: Option<String>,
+    /// Users and their names (`passwd_file`, then NSS within
+    /// [`host::users::NSS_BUDGET`]), made on first use and shared by the
+    /// node's clones: one resolver per run, so that an Epilog's candidates
+    /// × devices ask NSS once per name, not once per question
+    /// ([`Node::users`]; a long-lived `fence watch` takes a fresh one per
+    /// rewrite, [`Node::afresh`]).
+    users: std::sync::Arc<std::sync::OnceLock<host::users::Users>>,
 }
 
 impl Node {
@@ -75,7 +82,24 @@ impl Node {
             origin,
             cg,
             slurm_node: None,
+            users: Default::default(),
         })
+    }
+
+    /// The host's users ([`host::users::Users`]: `passwd_file`, then NSS),
+    /// asked once per node and run; answers (and NSS's budget) are kept.
+    pub fn users(&self) -> &host::users::Users {
+        self.users
+            .get_or_init(|| host::users::Users::new(self.cfg.passwd_file.as_deref()))
+    }
+
+    /// This node with no users asked yet: for a long-lived process (`fence
+    /// watch`) that must see accounts made since its last question.
+    pub fn afresh(&self) -> Node {
+        Node {
+            users: Default::default(),
+            ..self.clone()
+        }
     }
 
     /// This node acting for Slurm node `name` ([`Node::slurm_node`]).

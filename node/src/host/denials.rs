@@ -107,8 +107,8 @@ pub fn resolve(node: &Node, raw: Vec<DenialEntry>, users: &Users) -> Vec<Denial>
 /// [`NodeError`] when the fence's maps cannot be read.
 pub fn list(node: &Node) -> Result<Vec<Denial>, NodeError> {
     let fence = Fence::open(&node.cfg.bpffs_dir)?;
-    let users = Users::new(node.cfg.passwd_file.as_deref());
-    Ok(resolve(node, fence.denials()?, &users))
+    let users = node.users();
+    Ok(resolve(node, fence.denials()?, users))
 }
 
 /// The denial records of one cgroup, summed ([`by_cgroup`]).

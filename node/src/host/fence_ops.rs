@@ -28,8 +28,8 @@ pub fn spec(node: &Node) -> Result<FenceSpec, NodeError> {
 /// (when set) before glibc NSS ([`crate::host::users::Users`], NSS asked
 /// for 2 s at most); `None` for a name neither knows (the entry then
 /// covers no one by that name: never a wider set).
-pub fn exempt_resolver(node: &Node) -> impl Fn(&str) -> Option<u32> {
-    let users = crate::host::users::Users::new(node.cfg.passwd_file.as_deref());
+pub fn exempt_resolver(node: &Node) -> impl Fn(&str) -> Option<u32> + '_ {
+    let users = node.users();
     move |name: &str| users.uid(name)
 }
 
@@ -246,7 +246,9 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
             .map(|p| (p.clone(), node.cg.id(p).ok()))
             .collect();
         if seen.as_ref() != Some(&ids) {
-            match reapply_exemptions(node, &paths) {
+            // Names as NSS answers now (an account made since the last
+            // rewrite), not as this long-lived node first heard them.
+            match reapply_exemptions(&node.afresh(), &paths) {
                 Ok(()) => {
                     seen = Some(ids);
                     last_error = None;
@@ -623,17 +625,20 @@ mod slurmd_exemption_tests {
     use super::*;
     use gpufence_model::config::{Config, ConfigOrigin};
 
+    /// A node of config `extra`, its audit log in `dir`.
+    fn node_from(dir: &std::path::Path, extra: &str) -> Node {
+        let text = format!("audit_log = \"{}/a.jsonl\"\n{extra}", dir.display());
+        Node::new(
+            Config::parse(&text, std::path::Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn slurmd_outside_every_exemption_is_named() {
         let d = tempfile::tempdir().unwrap();
-        let node = |extra: &str| {
-            let text = format!("audit_log = \"{}/a.jsonl\"\n{extra}", d.path().display());
-            Node::new(
-                Config::parse(&text, std::path::Path::new("t")).unwrap(),
-                ConfigOrigin::Defaults,
-            )
-            .unwrap()
-        };
+        let node = |extra: &str| node_from(d.path(), extra);
         let n = node("");
         // slurmd runs as root (uid 0 here, whoever runs the test): systemd's
         // unit, and 26.05's own move below it, are covered; the bare entry
@@ -676,16 +681,11 @@ mod slurmd_exemption_tests {
     #[test]
     fn a_cgroup_two_entries_name_gets_both_their_users() {
         let d = tempfile::tempdir().unwrap();
-        let text = format!(
-            "audit_log = \"{}/a.jsonl\"\nexempt_cgroups = [\"a.service\", \
-             {{ cgroup = \"b.service\", users = [1500] }}, {{ cgroup = \"a.service\", users = [1500] }}]\n",
-            d.path().display()
+        let node = node_from(
+            d.path(),
+            "exempt_cgroups = [\"a.service\", { cgroup = \"b.service\", users = [1500] }, \
+             { cgroup = \"a.service\", users = [1500] }]\n",
         );
-        let node = Node::new(
-            Config::parse(&text, std::path::Path::new("t")).unwrap(),
-            ConfigOrigin::Defaults,
-        )
-        .unwrap();
         let mut plan = exempt_plan(&node);
         let cgs = exempt_cgroups(&node, &mut plan);
         let class = |p: &str| cgs.iter().find(|c| c.path == p).unwrap().class;
@@ -709,17 +709,12 @@ mod slurmd_exemption_tests {
     #[test]
     fn a_merge_past_a_class_covers_no_one() {
         let d = tempfile::tempdir().unwrap();
-        let text = format!(
-            "audit_log = \"{}/a.jsonl\"\nexempt_cgroups = [\
-             {{ cgroup = \"a.service\", users = [1501, 1502, 1503, 1504, 1505] }}, \
-             {{ cgroup = \"a.service\", users = [1506, 1507, 1508, 1509, 1510] }}]\n",
-            d.path().display()
+        let node = node_from(
+            d.path(),
+            "exempt_cgroups = [\
+             { cgroup = \"a.service\", users = [1501, 1502, 1503, 1504, 1505] }, \
+             { cgroup = \"a.service\", users = [1506, 1507, 1508, 1509, 1510] }]\n",
         );
-        let node = Node::new(
-            Config::parse(&text, std::path::Path::new("t")).unwrap(),
-            ConfigOrigin::Defaults,
-        )
-        .unwrap();
         let mut plan = exempt_plan(&node);
         let cgs = exempt_cgroups(&node, &mut plan);
         let a = cgs.iter().find(|c| c.path == "a.service").unwrap();
@@ -727,5 +722,38 @@ mod slurmd_exemption_tests {
         assert!(plan.identities.fits(), "{:?}", plan.identities);
         assert!(!plan.identities.covers(a.class, 1501));
         assert!(!plan.identities.covers(a.class, 0));
+    }
+
+    /// One resolver per run: the node and its clones ask once and keep the
+    /// answer (an Epilog's candidates × devices); `afresh` asks again (the
+    /// long-lived `fence watch`, per rewrite).
+    #[test]
+    fn names_are_resolved_once_per_run() {
+        let d = tempfile::tempdir().unwrap();
+        let passwd = d.path().join("passwd");
+        std::fs::write(&passwd, "gpufence-svc-t:x:1501:1501::/:/bin/sh\n").unwrap();
+        let node = node_from(
+            d.path(),
+            &format!(
+                "passwd_file = \"{}\"\nexempt_cgroups = [{{ cgroup = \"a.service\", users = [\"gpufence-svc-t\"] }}]\n",
+                passwd.display()
+            ),
+        );
+        let resolve = exempt_resolver(&node);
+        assert_eq!(resolve("gpufence-svc-t"), Some(1501));
+        let clone = node.for_slurm_node(Some("n1"));
+        assert!(
+            std::ptr::eq(node.users(), clone.users()),
+            "clones share one resolver"
+        );
+        std::fs::write(&passwd, "gpufence-svc-t:x:1502:1502::/:/bin/sh\n").unwrap();
+        assert!(
+            exempt_entry_for(&clone, "a.service", 1501).is_some(),
+            "the run's answer is kept"
+        );
+        let fresh = node.afresh();
+        assert!(!std::ptr::eq(node.users(), fresh.users()));
+        assert!(exempt_entry_for(&fresh, "a.service", 1502).is_some());
+        assert!(exempt_entry_for(&fresh, "a.service", 1501).is_none());
     }
 }

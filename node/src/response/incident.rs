@@ -336,8 +336,8 @@ struct Incident<'a> {
     /// Who asked: every line and the incident file name them.
     by: String,
     fence: Option<Fence>,
-    /// Names and homes of users (NSS).
-    users: Users,
+    /// Names and homes of users (NSS): the node's.
+    users: &'a Users,
     engine: Engine<'a>,
     /// The members, pinned.
     pinned: BTreeMap<i32, OwnedFd>,
@@ -352,7 +352,7 @@ struct Incident<'a> {
 
 impl<'a> Incident<'a> {
     fn new(node: &'a Node, pid: i32) -> Self {
-        let users = Users::new(node.cfg.passwd_file.as_deref());
+        let users = node.users();
         let uid = read_uid(pid);
         let out = IncidentOutcome {
             pid,
@@ -581,7 +581,7 @@ impl<'a> Incident<'a> {
         out.notes.extend(self.users.note());
         out.persistence = out
             .uid
-            .map(|u| persistence_of_uid(node, u, &self.users))
+            .map(|u| persistence_of_uid(node, u, self.users))
             .unwrap_or_default();
         let incident = json!({
             "collected": now_rfc3339(),

@@ -557,13 +557,13 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
     report
         .notes
         .extend(crate::response::engine::finish_interrupted(node));
-    let users = Users::new(node.cfg.passwd_file.as_deref());
+    let users = node.users();
     let mut s = Sweep {
         node,
-        users: &users,
+        users,
         procs: Procs {
             node,
-            users: &users,
+            users,
             cache: BTreeMap::new(),
         },
         scope,
