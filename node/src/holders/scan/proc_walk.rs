@@ -2,7 +2,7 @@
 
 use std::cmp::Ordering;
 use std::collections::BTreeSet;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -11,12 +11,57 @@ use gpufence_model::device::DevNum;
 use super::{DevicePredicate, HeldFd, Holder, Scanner, Via};
 
 pub(super) fn char_rdev(p: &Path) -> Option<DevNum> {
-    // metadata() follows the magic links of /proc/<pid>/fd and map_files to
-    // the open file itself.
-    let md = std::fs::metadata(p).ok()?;
-    md.file_type()
-        .is_char_device()
-        .then(|| DevNum::from_rdev(md.rdev()))
+    match stat_cached(p)? {
+        Cached::Char(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// What [`stat_cached`] says of a file.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Cached {
+    Char(DevNum),
+    Socket(u64),
+    /// A directory, symlink, block device or FIFO.
+    Other,
+    /// Anything else: a regular file or an anonymous inode (no type).
+    Plain,
+}
+
+/// `statx(2)` of `p` (following `/proc/<pid>/fd` and `map_files` magic
+/// links to the open file itself, as `stat` does) with
+/// `AT_STATX_DONT_SYNC`: the attributes the kernel holds, never a round
+/// trip to the file's file system. Without it a descriptor of a FUSE file
+/// whose daemon never answers holds the walker in uninterruptible sleep
+/// (a FUSE `getattr` request, `fs/fuse/dir.c` `fuse_update_get_attr`,
+/// which takes the cached attributes under `AT_STATX_DONT_SYNC`; NFS the
+/// same, `fs/nfs/inode.c` `nfs_getattr`), past any deadline. A device
+/// node's type and number never change, so the cache is the truth for
+/// what the walk asks. `None` when `statx` fails.
+pub(super) fn stat_cached(p: &Path) -> Option<Cached> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statx is a valid value of a plain C struct.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx(2) with a NUL-terminated path and a buffer it fills.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE | libc::STATX_INO,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    Some(match u32::from(st.stx_mode) & libc::S_IFMT {
+        libc::S_IFCHR => Cached::Char(DevNum::new(st.stx_rdev_major, st.stx_rdev_minor)),
+        libc::S_IFSOCK => Cached::Socket(st.stx_ino),
+        libc::S_IFDIR | libc::S_IFLNK | libc::S_IFBLK | libc::S_IFIFO => Cached::Other,
+        _ => Cached::Plain,
+    })
 }
 
 /// What one `stat` of a descriptor says: a character device, a socket (by
@@ -32,20 +77,11 @@ pub(super) enum FdKind {
 }
 
 pub(super) fn fd_kind(p: &Path) -> FdKind {
-    match std::fs::metadata(p) {
-        Ok(md) => {
-            let t = md.file_type();
-            if t.is_char_device() {
-                FdKind::Char(DevNum::from_rdev(md.rdev()))
-            } else if t.is_socket() {
-                FdKind::Socket(md.ino())
-            } else if t.is_dir() || t.is_symlink() || t.is_block_device() || t.is_fifo() {
-                FdKind::Other
-            } else {
-                FdKind::Anon
-            }
-        }
-        Err(_) => FdKind::Anon,
+    match stat_cached(p) {
+        Some(Cached::Char(d)) => FdKind::Char(d),
+        Some(Cached::Socket(ino)) => FdKind::Socket(ino),
+        Some(Cached::Other) => FdKind::Other,
+        Some(Cached::Plain) | None => FdKind::Anon,
     }
 }
 
@@ -379,4 +415,34 @@ pub(super) fn ring_user_files(info: &str, want: DevicePredicate<'_>) -> Vec<(Pat
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The cached `statx` names what `stat` names: a character device
+    /// (directly and through a `/proc/self/fd` magic link), a socket by
+    /// its inode, a directory, a regular file; nothing for a missing path.
+    #[test]
+    fn the_cached_stat_tells_what_stat_tells() {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let want = Cached::Char(DevNum::new(1, 3));
+        assert_eq!(stat_cached(Path::new("/dev/null")), Some(want));
+        let link = PathBuf::from(format!("/proc/self/fd/{}", null.as_raw_fd()));
+        assert_eq!(char_rdev(&link), Some(DevNum::new(1, 3)));
+        let d = tempfile::tempdir().unwrap();
+        let sock = std::os::unix::net::UnixListener::bind(d.path().join("s")).unwrap();
+        let ino = std::fs::metadata(d.path().join("s")).unwrap().ino();
+        assert_eq!(stat_cached(&d.path().join("s")), Some(Cached::Socket(ino)));
+        let link = PathBuf::from(format!("/proc/self/fd/{}", sock.as_raw_fd()));
+        assert!(matches!(fd_kind(&link), FdKind::Socket(_)));
+        assert_eq!(stat_cached(d.path()), Some(Cached::Other));
+        std::fs::write(d.path().join("f"), "x").unwrap();
+        assert_eq!(stat_cached(&d.path().join("f")), Some(Cached::Plain));
+        assert_eq!(char_rdev(&d.path().join("f")), None);
+        assert_eq!(stat_cached(&d.path().join("missing")), None);
+        assert!(matches!(fd_kind(&d.path().join("missing")), FdKind::Anon));
+    }
 }
