@@ -30,6 +30,63 @@ pub fn wait_until(
     }
 }
 
+/// `statx(2)` of `p` (following `/proc` magic links to the open file, as
+/// `stat` does) with `AT_STATX_DONT_SYNC`: the attributes the kernel
+/// holds, never a round trip to the file's file system. Without it a file
+/// on FUSE whose daemon never answers holds the caller in uninterruptible
+/// sleep (a FUSE `getattr` request; `fs/fuse/dir.c`
+/// `fuse_update_get_attr` takes the cached attributes under
+/// `AT_STATX_DONT_SYNC`, as `fs/nfs/inode.c` `nfs_getattr` does).
+/// `mask`: the `STATX_*` fields asked for (the type, device numbers and
+/// inode come always). `None` when `statx` fails.
+pub fn stat_cached(p: &std::path::Path, mask: u32) -> Option<libc::statx> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statx is a valid value of a plain C struct.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx(2) with a NUL-terminated path and a buffer it fills.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_STATX_DONT_SYNC,
+            mask | libc::STATX_TYPE | libc::STATX_INO,
+            &mut st,
+        )
+    };
+    (r == 0).then_some(st)
+}
+
+/// How much of a process's `mountinfo` [`fs_type_of`] reads: a user can
+/// grow it (FUSE mounts through the setuid `fusermount`, a mount namespace
+/// of its own).
+pub const MOUNTINFO_MAX: u64 = 1 << 20;
+
+/// The file system type (`ext4`, `overlay`, `fuse.sshfs`, ...) of the
+/// mount of device `major:minor` in `pid`'s mount namespace, from the
+/// first [`MOUNTINFO_MAX`] bytes of `/proc/<pid>/mountinfo`
+/// (proc_pid_mountinfo(5): field 3 the device, the field after ` - ` the
+/// type). `None` when no line there names the device.
+pub fn fs_type_of(pid: i32, major: u32, minor: u32) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(format!("/proc/{pid}/mountinfo"))
+        .ok()?
+        .take(MOUNTINFO_MAX)
+        .read_to_string(&mut text)
+        .ok()?;
+    fs_type_in(&text, major, minor)
+}
+
+/// [`fs_type_of`] on mountinfo text.
+pub fn fs_type_in(mountinfo: &str, major: u32, minor: u32) -> Option<String> {
+    let want = format!("{major}:{minor}");
+    mountinfo.lines().find_map(|l| {
+        let (head, tail) = l.split_once(" - ")?;
+        (head.split(' ').nth(2)? == want).then(|| tail.split(' ').next().map(str::to_string))?
+    })
+}
+
 /// `(comm, ppid, flags)` from `/proc/<pid>/stat` ([`ProcStat`]).
 pub fn read_stat(pid: i32) -> Option<(String, i32, u64)> {
     ProcStat::of(pid).map(|s| (s.comm, s.ppid, s.flags))
@@ -154,4 +211,29 @@ pub fn who() -> String {
         .or_else(|_| std::env::var("USER"))
         .unwrap_or_else(|_| "unknown".into());
     format!("{name} (uid {uid})")
+}
+
+#[cfg(test)]
+mod fs_type_tests {
+    use super::*;
+
+    #[test]
+    fn a_devices_file_system_is_read_from_mountinfo() {
+        let text = "\
+22 1 0:21 / /proc rw,nosuid - proc proc rw
+29 22 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+61 29 0:52 / /home/u/mnt rw,nosuid,nodev shared:30 - fuse.sshfs u@h:/ rw,user_id=1000
+";
+        assert_eq!(fs_type_in(text, 8, 1).as_deref(), Some("ext4"));
+        assert_eq!(fs_type_in(text, 0, 52).as_deref(), Some("fuse.sshfs"));
+        assert_eq!(fs_type_in(text, 0, 5), None);
+        // This process's own root: what statx names, mountinfo knows.
+        let st = stat_cached(std::path::Path::new("/proc/self/exe"), 0).unwrap();
+        assert!(fs_type_of(
+            std::process::id() as i32,
+            st.stx_dev_major,
+            st.stx_dev_minor
+        )
+        .is_some());
+    }
 }

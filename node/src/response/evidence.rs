@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -140,10 +139,31 @@ impl Budget {
     /// file, or read now while time is left.
     fn exe_hash(&mut self, pid: i32, left_out: &mut Vec<String>) -> Option<(String, u64)> {
         let exe = crate::host::procs::live_view(pid).join("exe");
-        let md = std::fs::metadata(&exe).ok()?;
-        let key = (md.dev(), md.ino());
+        let st = crate::host::procs::stat_cached(&exe, libc::STATX_SIZE)?;
+        let key = (
+            libc::makedev(st.stx_dev_major, st.stx_dev_minor),
+            st.stx_ino,
+        );
         if let Some(h) = self.hashed.get(&key) {
             return h.clone();
+        }
+        // Opening or reading a FUSE file waits on its daemon, which the
+        // process's user may run (`fusermount` is setuid): never read one.
+        match crate::host::procs::fs_type_of(pid, st.stx_dev_major, st.stx_dev_minor) {
+            Some(t) if !t.starts_with("fuse") => {}
+            Some(t) => {
+                left_out.push(format!(
+                    "exe_sha256: the executable is on a {t} file system, whose daemon the response does not wait on"
+                ));
+                return None;
+            }
+            None => {
+                left_out.push(format!(
+                    "exe_sha256: the executable's file system is not in the first {} bytes of the process's mountinfo",
+                    crate::host::procs::MOUNTINFO_MAX
+                ));
+                return None;
+            }
         }
         if Instant::now() >= self.hash_deadline {
             self.hashes_left_out += 1;
@@ -152,7 +172,7 @@ impl Budget {
         }
         let h = sha256_file(&exe, self.per_exe, self.hash_deadline);
         if h.as_ref()
-            .is_some_and(|(_, n)| *n < self.per_exe.min(md.len()))
+            .is_some_and(|(_, n)| *n < self.per_exe.min(st.stx_size))
         {
             left_out.push(
                 "exe_sha256: of the first exe_hashed_bytes only, the response's hashing time ran out"
@@ -436,7 +456,7 @@ pub fn collect(
             .map(|e| e.display().to_string()),
         exe_sha256: hashed.as_ref().map(|(h, _)| h.clone()),
         exe_hashed_bytes: hashed.as_ref().map(|(_, n)| *n),
-        exe_size: std::fs::metadata(&exe_path).ok().map(|m| m.len()),
+        exe_size: crate::host::procs::stat_cached(&exe_path, libc::STATX_SIZE).map(|s| s.stx_size),
         container: cgroup.as_deref().and_then(container_of),
         cgroup,
         start_time: stat.as_ref().and_then(start_time),

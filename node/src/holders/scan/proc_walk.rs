@@ -28,34 +28,12 @@ pub(super) enum Cached {
     Plain,
 }
 
-/// `statx(2)` of `p` (following `/proc/<pid>/fd` and `map_files` magic
-/// links to the open file itself, as `stat` does) with
-/// `AT_STATX_DONT_SYNC`: the attributes the kernel holds, never a round
-/// trip to the file's file system. Without it a descriptor of a FUSE file
-/// whose daemon never answers holds the walker in uninterruptible sleep
-/// (a FUSE `getattr` request, `fs/fuse/dir.c` `fuse_update_get_attr`,
-/// which takes the cached attributes under `AT_STATX_DONT_SYNC`; NFS the
-/// same, `fs/nfs/inode.c` `nfs_getattr`), past any deadline. A device
-/// node's type and number never change, so the cache is the truth for
-/// what the walk asks. `None` when `statx` fails.
+/// [`crate::host::procs::stat_cached`] of `p` (no round trip to a FUSE
+/// or network file system; a device node's type and number never change,
+/// so the cached attributes are the truth for what the walk asks), told
+/// as the walk needs it. `None` when `statx` fails.
 pub(super) fn stat_cached(p: &Path) -> Option<Cached> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
-    // SAFETY: an all-zero statx is a valid value of a plain C struct.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: statx(2) with a NUL-terminated path and a buffer it fills.
-    let r = unsafe {
-        libc::statx(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            libc::AT_STATX_DONT_SYNC,
-            libc::STATX_TYPE | libc::STATX_INO,
-            &mut st,
-        )
-    };
-    if r != 0 {
-        return None;
-    }
+    let st = crate::host::procs::stat_cached(p, 0)?;
     Some(match u32::from(st.stx_mode) & libc::S_IFMT {
         libc::S_IFCHR => Cached::Char(DevNum::new(st.stx_rdev_major, st.stx_rdev_minor)),
         libc::S_IFSOCK => Cached::Socket(st.stx_ino),
