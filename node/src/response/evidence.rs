@@ -273,6 +273,31 @@ pub const SOCKET_FDS_ALWAYS: usize = 1024;
 /// seconds for one record.
 pub const SOCKET_FDS_MAX: usize = 65_536;
 
+/// Most bytes of one of a process's `/proc/<pid>/net/{tcp,tcp6,udp,udp6}`
+/// tables a record reads (about 150 bytes a socket: some 28,000 sockets);
+/// a network namespace's tables grow with the sockets its users make.
+pub const NET_TABLE_MAX: usize = 4 << 20;
+
+/// Table `name` of `view`'s network namespace (`<view>/net/<name>`), its
+/// first [`NET_TABLE_MAX`] bytes cut back to the last whole line; `name`
+/// joins `cuts` when the table was longer. `None` when it cannot be read.
+fn net_table(view: &Path, name: &str, cuts: &mut Vec<String>) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    std::fs::File::open(view.join("net").join(name))
+        .ok()?
+        .take(NET_TABLE_MAX as u64 + 1)
+        .read_to_end(&mut buf)
+        .ok()?;
+    if buf.len() > NET_TABLE_MAX {
+        buf.truncate(NET_TABLE_MAX);
+        let whole = buf.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        buf.truncate(whole);
+        cuts.push(format!("net/{name}"));
+    }
+    Some(buf)
+}
+
 /// The sockets of `pid` as [`sockets_of`], with its descriptor table
 /// (the leader's, or a live thread's when the leader exited) read for at
 /// most [`SOCKET_FDS_MAX`] descriptors and, past the first
@@ -317,31 +342,62 @@ pub fn sockets_within(pid: i32, deadline: Option<Instant>) -> (Vec<SocketInfo>, 
         return (Vec::new(), cut);
     }
     let mut out = Vec::new();
-    for (proto, entries) in [("tcp", p.tcp()), ("tcp6", p.tcp6())] {
-        for e in entries.into_iter().flatten() {
-            if inodes.contains(&e.inode) {
+    let view = crate::host::procs::live_view(pid);
+    let si = procfs::current_system_info();
+    let mut cuts = Vec::new();
+    for proto in ["tcp", "tcp6", "udp", "udp6"] {
+        let Some(buf) = net_table(&view, proto, &mut cuts) else {
+            continue;
+        };
+        let rows: Vec<(
+            std::net::SocketAddr,
+            std::net::SocketAddr,
+            Option<String>,
+            u64,
+        )> = if proto.starts_with("tcp") {
+            <procfs::net::TcpNetEntries as procfs::FromBufReadSI>::from_buf_read(&buf[..], si)
+                .map(|t| t.0)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| {
+                    (
+                        e.local_address,
+                        e.remote_address,
+                        Some(format!("{:?}", e.state)),
+                        e.inode,
+                    )
+                })
+                .collect()
+        } else {
+            <procfs::net::UdpNetEntries as procfs::FromBufReadSI>::from_buf_read(&buf[..], si)
+                .map(|t| t.0)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| (e.local_address, e.remote_address, None, e.inode))
+                .collect()
+        };
+        for (local, remote, state, inode) in rows {
+            if inodes.contains(&inode) {
                 out.push(SocketInfo {
                     proto,
-                    local: e.local_address.to_string(),
-                    remote: e.remote_address.to_string(),
-                    state: Some(format!("{:?}", e.state)),
-                    inode: e.inode,
+                    local: local.to_string(),
+                    remote: remote.to_string(),
+                    state,
+                    inode,
                 });
             }
         }
     }
-    for (proto, entries) in [("udp", p.udp()), ("udp6", p.udp6())] {
-        for e in entries.into_iter().flatten() {
-            if inodes.contains(&e.inode) {
-                out.push(SocketInfo {
-                    proto,
-                    local: e.local_address.to_string(),
-                    remote: e.remote_address.to_string(),
-                    state: None,
-                    inode: e.inode,
-                });
-            }
-        }
+    if !cuts.is_empty() {
+        let more = format!(
+            "sockets: {} read up to {} bytes each",
+            cuts.join(", "),
+            NET_TABLE_MAX
+        );
+        cut = Some(match cut {
+            Some(c) => format!("{c}; {more}"),
+            None => more,
+        });
     }
     (out, cut)
 }
@@ -728,6 +784,37 @@ mod tests {
             );
         }
         drop((copies, null, l));
+    }
+
+    /// A network namespace's table is read up to NET_TABLE_MAX bytes, cut
+    /// back to whole lines, and the cut is named; a short one whole.
+    #[test]
+    fn net_tables_are_read_within_their_bound() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("net")).unwrap();
+        let line = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1 0 100 0 0 10 0\n";
+        let short = format!("  sl  local_address\n{line}");
+        std::fs::write(d.path().join("net/tcp"), &short).unwrap();
+        let mut cuts = Vec::new();
+        assert_eq!(
+            net_table(d.path(), "tcp", &mut cuts).unwrap(),
+            short.as_bytes()
+        );
+        assert!(cuts.is_empty());
+        let long = short.clone() + &line.repeat(NET_TABLE_MAX / line.len() + 10);
+        std::fs::write(d.path().join("net/tcp6"), &long).unwrap();
+        let got = net_table(d.path(), "tcp6", &mut cuts).unwrap();
+        assert!(got.len() <= NET_TABLE_MAX && got.len() > NET_TABLE_MAX - line.len());
+        assert!(got.ends_with(b"\n") && got.starts_with(short.as_bytes()));
+        assert_eq!(cuts, ["net/tcp6"]);
+        let rows = <procfs::net::TcpNetEntries as procfs::FromBufReadSI>::from_buf_read(
+            &got[..],
+            procfs::current_system_info(),
+        )
+        .unwrap();
+        assert_eq!(rows.0.len(), got.split(|b| *b == b'\n').count() - 2);
+        assert!(rows.0.iter().all(|e| e.inode == 4242));
+        assert!(net_table(d.path(), "udp", &mut cuts).is_none());
     }
 
     #[test]
