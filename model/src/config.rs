@@ -567,10 +567,17 @@ impl ExemptEntry {
                 ExemptUser::Uid(n) => {
                     uids.insert(*n);
                 }
+                // A name that resolves past what the program compares
+                // (`MAX_UID`) is left out as an unknown one: the entry
+                // covers no one by it, and the install goes on.
                 ExemptUser::Name(n) => match resolve(n) {
-                    Some(id) => {
+                    Some(id) if id <= crate::policy::ExemptIdentities::MAX_UID => {
                         uids.insert(id);
                     }
+                    Some(id) => unknown.push(format!(
+                        "{n} (uid {id}, above {})",
+                        crate::policy::ExemptIdentities::MAX_UID
+                    )),
                     None => unknown.push(n.clone()),
                 },
             }
@@ -581,10 +588,11 @@ impl ExemptEntry {
     /// Whether this entry covers a process of `uid` (names resolved by
     /// `resolve`).
     pub fn covers_uid(&self, uid: u32, resolve: &dyn Fn(&str) -> Option<u32>) -> bool {
-        self.users.iter().any(|u| match u {
-            ExemptUser::Uid(n) => *n == uid,
-            ExemptUser::Name(n) => resolve(n) == Some(uid),
-        })
+        uid <= crate::policy::ExemptIdentities::MAX_UID
+            && self.users.iter().any(|u| match u {
+                ExemptUser::Uid(n) => *n == uid,
+                ExemptUser::Name(n) => resolve(n) == Some(uid),
+            })
     }
 
     /// Whether this is a bare (root-only) entry.
@@ -1319,6 +1327,17 @@ mod tests {
         assert!(c
             .exempt_entry_for("system.slice/x.service", 0, &nss)
             .is_none());
+        // A name resolving past what the program compares (an NSS uid
+        // above i32::MAX) is left out as unknown; the classes still fit.
+        let huge = |n: &str| (n == "nvidia-persistenced").then_some(3_000_000_000);
+        let plan = c.exempt_plan(&huge);
+        assert!(plan.unknown.contains(&(
+            p.to_string(),
+            "nvidia-persistenced (uid 3000000000, above 2147483647)".to_string()
+        )));
+        assert!(plan.identities.fits(), "{:?}", plan.identities);
+        assert!(c.exempt_entry_for(p, 3_000_000_000, &huge).is_none());
+        assert!(c.exempt_entry_for(p, 0, &huge).is_some());
         // A round trip keeps both forms.
         let text = toml::to_string(&c).unwrap();
         assert_eq!(parse(&text).unwrap(), c);
