@@ -202,6 +202,16 @@ pub fn suggestion(node: &Node, cgroup: Option<&str>, uids: &[u32]) -> Result<Str
             "uid {u} is above protected_uid_max and no exempt_cgroups entry names it: not a system account"
         ));
     }
+    // A person's uid at or below protected_uid_max (old RHEL's UID_MIN
+    // 500) is never suggested: an exemption would cover their login shell.
+    if let Some(u) = uids
+        .iter()
+        .find(|u| **u != 0 && node.users().is_login_account(**u))
+    {
+        return Err(format!(
+            "uid {u} is a login account (a shell and a home of a person): never exempt a person"
+        ));
+    }
     let Some(unit) = parts.iter().position(|p| p.ends_with(".service")) else {
         return Err(
             "not in a service unit (a container's or session's scope has a new name each time)"
@@ -308,5 +318,42 @@ pub fn by_cgroup(node: &Node, denials: &[Denial]) -> ByCgroup {
         cgroups,
         exempt_cgroups_line: format!("exempt_cgroups = [{}]", all.join(", ")),
         suggested,
+    }
+}
+
+#[cfg(test)]
+mod suggestion_tests {
+    use super::*;
+    use gpufence_model::config::{Config, ConfigOrigin};
+
+    /// A denied service's uids are suggested only when none is a person's
+    /// login account, whatever protected_uid_max says (review finding 9).
+    #[test]
+    fn a_persons_low_uid_is_never_suggested() {
+        let d = tempfile::tempdir().unwrap();
+        let passwd = d.path().join("passwd");
+        std::fs::write(
+            &passwd,
+            "gpufence-p600:x:600:600::/home/p600:/bin/sh\n\
+             gpufence-s601:x:601:601::/var/lib/s601:/usr/sbin/nologin\n",
+        )
+        .unwrap();
+        let text = format!(
+            "audit_log = \"{0}/a.jsonl\"\npasswd_file = \"{1}\"\n",
+            d.path().display(),
+            passwd.display()
+        );
+        let node = Node::new(
+            Config::parse(&text, Path::new("t")).unwrap(),
+            ConfigOrigin::Defaults,
+        )
+        .unwrap();
+        let cg = Some("system.slice/x.service/sub");
+        let e = suggestion(&node, cg, &[601, 600]).unwrap_err();
+        assert!(e.contains("uid 600 is a login account"), "{e}");
+        assert_eq!(
+            suggestion(&node, cg, &[601, 0]).unwrap(),
+            "system.slice/x.service"
+        );
     }
 }

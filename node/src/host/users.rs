@@ -322,6 +322,13 @@ impl Users {
         self.by_uid(uid).map(|e| e.name)
     }
 
+    /// Whether `uid` is a login account ([`UserEntry::is_login_account`]:
+    /// a shell and a home of a person), as [`Users::name`]; `false` when
+    /// unknown.
+    pub fn is_login_account(&self, uid: u32) -> bool {
+        self.by_uid(uid).is_some_and(|e| e.is_login_account())
+    }
+
     /// The home directory of `uid`, as [`Users::name`].
     pub fn home(&self, uid: u32) -> Option<PathBuf> {
         self.by_uid(uid).map(|e| e.home)
