@@ -281,6 +281,54 @@ fn open_as(env: &TestEnv, cg: &str, uid: u32, dev: &std::path::Path) -> String {
 /// through `passwd_file`) is allowed there and denied in slurmd's cgroup;
 /// a name that does not resolve covers no one. The userspace rule
 /// (`exempt_entry_for`, the doctor) says the same.
+/// A reinstall whose identity classes change (two entries swap class
+/// indices) never lets the running program read an entry's new index
+/// against its own classes: before the swap, the changed entries cover no
+/// one (root included), an unchanged one (slurmd's, class 0) keeps
+/// working; after it, each covers its own users (review finding 3).
+#[test]
+fn a_reinstall_that_changes_classes_lends_no_entry_anothers_users() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("exempt-swap");
+    let slurmd = env.cgroup("system.slice/slurmd.service");
+    let a = env.cgroup("system.slice/a.service");
+    let b = env.cgroup("system.slice/b.service");
+    let cfg = |first: &str, second: &str| {
+        format!("exempt_cgroups = [\"{slurmd}\", {first}, {second}]\n{MAJORS}")
+    };
+    let ea = format!("{{ cgroup = \"{a}\", users = [61501] }}");
+    let eb = format!("{{ cgroup = \"{b}\", users = [61502] }}");
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let node_a = node(&env, &cfg(&ea, &eb));
+    fence_ops::install(&node_a).unwrap();
+    let row = || {
+        [
+            open_as(&env, &a, 61501, &n0),
+            open_as(&env, &a, 61502, &n0),
+            open_as(&env, &b, 61502, &n0),
+            open_as(&env, &b, 61501, &n0),
+            open_as(&env, &a, 0, &n0),
+            open_as(&env, &slurmd, 0, &n0),
+        ]
+    };
+    let own = ["ENXIO", "EPERM", "ENXIO", "EPERM", "EPERM", "ENXIO"].map(String::from);
+    assert_eq!(row(), own, "installed: each entry its own users");
+    // The same entries, the other order: their classes swap indices.
+    let node_b = node(&env, &cfg(&eb, &ea));
+    let spec_b = fence_ops::spec(&node_b).unwrap();
+    let fence = Fence::open(&node_b.cfg.bpffs_dir).unwrap();
+    fence.stage_exempt(&node_b.cg, &spec_b.exempt).unwrap();
+    assert_eq!(
+        row(),
+        ["EPERM", "EPERM", "EPERM", "EPERM", "EPERM", "ENXIO"].map(String::from),
+        "staged under the old program: the changed entries cover no one, slurmd's stays"
+    );
+    fence_ops::install(&node_b).unwrap();
+    assert_eq!(row(), own, "reinstalled: each entry its own users again");
+}
+
 #[test]
 fn an_exemption_covers_its_own_users_only() {
     if !privileged() {

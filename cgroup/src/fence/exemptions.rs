@@ -6,7 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::{bpf_err, located_level, ExemptCgroup, ExemptSplit, Fence};
 use crate::error::Result;
 use crate::hierarchy::Cgroup2;
-use crate::maps::{class_of, with_class, CgroupValue, CGROUP_EXEMPT, CGROUP_GRANTED};
+use crate::maps::{
+    class_of, with_class, CgroupValue, CGROUP_CLASS_MASK, CGROUP_EXEMPT, CGROUP_GRANTED,
+};
 use crate::program::MAX_LEVEL;
 
 impl Fence {
@@ -194,13 +196,34 @@ impl Fence {
     /// # Errors
     /// [`Error::Bpf`](crate::Error::Bpf).
     pub fn set_exempt(&self, cg: &Cgroup2, paths: &[ExemptCgroup]) -> Result<ExemptSplit> {
-        self.locked(|| self.set_exempt_unlocked(cg, paths))
+        self.locked(|| self.set_exempt_unlocked(cg, paths, false))
     }
 
+    /// What an install writes of `paths` before it swaps programs: as
+    /// [`Fence::set_exempt`], but an entry whose class changes (or that is
+    /// new) covers no one until [`Fence::set_exempt`] writes its class
+    /// under the new program ([`Fence::install`] does both).
+    ///
+    /// # Errors
+    /// [`Error::Bpf`](crate::Error::Bpf).
+    pub fn stage_exempt(&self, cg: &Cgroup2, paths: &[ExemptCgroup]) -> Result<ExemptSplit> {
+        self.locked(|| self.set_exempt_unlocked(cg, paths, true))
+    }
+
+    /// [`Fence::set_exempt`] under the lock the caller holds. `interim`:
+    /// the program that reads these entries now is not the one their
+    /// classes were computed for (an install, before it swaps programs):
+    /// an entry whose class changes, or that is new, gets an index with no
+    /// class ([`CGROUP_CLASS_MASK`]: covers no one under either program)
+    /// until the call after the swap writes its class. An entry whose
+    /// class stays is written as it will be (a plain reinstall blinks no
+    /// service). Were the swap to fail, the changed entries cover no one:
+    /// closed, never another entry's users.
     pub(super) fn set_exempt_unlocked(
         &self,
         cg: &Cgroup2,
         paths: &[ExemptCgroup],
+        interim: bool,
     ) -> Result<ExemptSplit> {
         let mut applied = Vec::new();
         let mut classes = Vec::new();
@@ -221,6 +244,12 @@ impl Fence {
             .collect::<Result<Vec<_>>>()?;
         for (((_, id), level), class) in applied.iter().zip(levels).zip(classes) {
             let f = self.flags_of(*id)?;
+            let stays = f & CGROUP_EXEMPT != 0 && class_of(f) == class;
+            let class = if interim && !stays {
+                CGROUP_CLASS_MASK
+            } else {
+                class
+            };
             self.write_flags(
                 *id,
                 with_class(f | CGROUP_EXEMPT, class),

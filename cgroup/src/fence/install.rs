@@ -277,6 +277,13 @@ impl Fence {
         fence.fill_maps(cg, spec, &mut report)?;
         let prog_fd = fence.load_program(spec.audit, &spec.identities, &mut report)?;
         attach_link(spec, &root_dir, &root_fd, &prog_fd, &mut report)?;
+        // The classes, now that the program they were computed for runs
+        // (fill_maps wrote changed ones as covering no one).
+        if let Err(e) = fence.set_exempt_unlocked(cg, &spec.exempt, false) {
+            report.notes.push(format!(
+                "exemptions whose identity class changed cover no one until the next install: {e}"
+            ));
+        }
         report.iterators_unpinned = pin_iterators(&spec.bpffs_dir, &fence.majors)
             .err()
             .map(|e| e.to_string());
@@ -324,7 +331,7 @@ impl Fence {
     ) -> Result<()> {
         self.set_majors(&spec.protected)?;
         report.majors = spec.protected.majors().collect();
-        let (applied, missing) = self.set_exempt_unlocked(cg, &spec.exempt)?;
+        let (applied, missing) = self.set_exempt_unlocked(cg, &spec.exempt, true)?;
         report.relevelled = self.relevel_unlocked(cg)?;
         self.refresh_levels()?;
         report.exempt_applied = applied;
