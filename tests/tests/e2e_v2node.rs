@@ -2597,13 +2597,14 @@ fn mps_co_tenants(release: &Release) {
     let o = as_uid(ub, &standin, &env_a).arg("client").output().unwrap();
     assert_eq!(
         stdout(&o).trim(),
-        format!("MPS unreachable {}", pipe_a.display()),
+        format!("MPS unreachable {} EACCES", pipe_a.display()),
         "{v}: an outsider's client reaches A's daemon: {}",
         both(&o)
     );
     let mut q = as_uid(ub, &control, &env_a)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     {
@@ -2612,7 +2613,9 @@ fn mps_co_tenants(release: &Release) {
     }
     let o = q.wait_with_output().unwrap();
     assert!(
-        !o.status.success() && !stdout(&o).contains("bye"),
+        !o.status.success()
+            && !stdout(&o).contains("bye")
+            && String::from_utf8_lossy(&o.stderr).contains("EACCES"),
         "{v}: an outsider's quit reached A's daemon: {}",
         both(&o)
     );
@@ -2725,11 +2728,35 @@ fn mps_co_tenants(release: &Release) {
         "{v}: job {a3}'s Prolog did not restart A's daemon"
     );
 
+    // B's own quit likewise ends B's daemon only; B's last Epilog then
+    // finds it gone and cleans up all the same.
+    let pipe_b = pipe(ub);
+    let mut q = as_uid(
+        ub,
+        &control,
+        &[("CUDA_MPS_PIPE_DIRECTORY", pipe_b.as_path())],
+    )
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    {
+        use std::io::Write;
+        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
+    }
+    let o = q.wait_with_output().unwrap();
+    assert!(stdout(&o).contains("bye"), "{v}: B's quit: {}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || gone(s_b)),
+        "{v}: B's quit left B's server {s_b}"
+    );
+    assert!(!gone(s_a3), "{v}: B's quit ended A's server");
+
     let holders = [printed_pid(&t_b), printed_pid(&t_a2), printed_pid(&t_a3)];
     end_job(&cluster, &env, a1);
     assert!(
-        !gone(s_a3) && !gone(s_b) && holders.iter().all(|p| !gone(*p)),
-        "{v}: job {a1}'s end ended an MPS server or a co-tenant {holders:?}: {:?}\n{}",
+        !gone(s_a3) && holders.iter().all(|p| !gone(*p)),
+        "{v}: job {a1}'s end ended A's MPS server or a co-tenant {holders:?}: {:?}\n{}",
         events_for(&audit, a1),
         cluster.log_tail("slurmd.log")
     );
@@ -2738,11 +2765,10 @@ fn mps_co_tenants(release: &Release) {
     }
     end_job(&cluster, &env, b);
     assert!(
-        Cluster::wait_for(Duration::from_secs(10), || gone(s_b)),
-        "{v}: B's last job's Epilog did not stop B's server {s_b}: {:?}",
+        events_for(&audit, b).contains(&"mps_stopped".to_string()),
+        "{v}: B's last job's Epilog did not clean up B's quit daemon: {:?}",
         events_for(&audit, b)
     );
-    assert!(events_for(&audit, b).contains(&"mps_stopped".to_string()));
     assert!(!gone(s_a3), "{v}: B's daemon's end ended A's server");
     assert!(!pipe(ub).exists() && !daemon_cg(ub).exists());
     end_job(&cluster, &env, a2);

@@ -18,7 +18,7 @@
 //! gpufence-mps-standin client          an MPS client: connects through $CUDA_MPS_PIPE_DIRECTORY
 //!                                      and prints "MPS server PID ok" (its server holds the GPU),
 //!                                      "MPS server-failed EPERM|...", "MPS busy UID", or
-//!                                      "MPS unreachable PIPE_DIR" / "MPS no-pipe-dir"
+//!                                      "MPS unreachable PIPE_DIR EACCES|ENOENT|..." / "MPS no-pipe-dir"
 //! gpufence-mps-standin server --gpu PATH --report FD
 //!                                      the server, exec'ed by the daemon as the client's uid: opens
 //!                                      PATH, keeps it as descriptor [`SERVER_FD`], says "ok" (or the
@@ -70,6 +70,7 @@ fn errno_word(e: i32) -> String {
         libc::ENXIO => "ENXIO".into(),
         libc::EPERM => "EPERM".into(),
         libc::EACCES => "EACCES".into(),
+        libc::ENOENT => "ENOENT".into(),
         n => format!("errno{n}"),
     }
 }
@@ -109,14 +110,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn ask(dir: &std::path::Path, line: &str) -> Option<String> {
-    let mut s = UnixStream::connect(dir.join("control")).ok()?;
+fn ask(dir: &std::path::Path, line: &str) -> Result<String, i32> {
+    let ioerr = |e: std::io::Error| e.raw_os_error().unwrap_or(0);
+    let mut s = UnixStream::connect(dir.join("control")).map_err(ioerr)?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .ok()?;
-    writeln!(s, "{line}").ok()?;
+        .map_err(ioerr)?;
+    writeln!(s, "{line}").map_err(ioerr)?;
     let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer).ok()?;
-    Some(answer.trim().to_string())
+    BufReader::new(s).read_line(&mut answer).map_err(ioerr)?;
+    Ok(answer.trim().to_string())
 }
 
 fn client() -> ExitCode {
@@ -125,8 +127,8 @@ fn client() -> ExitCode {
         return ExitCode::SUCCESS;
     };
     match ask(&dir, "client") {
-        Some(a) => println!("MPS {a}"),
-        None => println!("MPS unreachable {}", dir.display()),
+        Ok(a) => println!("MPS {a}"),
+        Err(e) => println!("MPS unreachable {} {}", dir.display(), errno_word(e)),
     }
     ExitCode::SUCCESS
 }
@@ -135,8 +137,11 @@ fn command(dir: &std::path::Path) -> ExitCode {
     let mut ok = true;
     for line in std::io::stdin().lock().lines().map_while(Result::ok) {
         match ask(dir, line.trim()) {
-            Some(a) => println!("{a}"),
-            None => ok = false,
+            Ok(a) => println!("{a}"),
+            Err(e) => {
+                eprintln!("{}: {}", dir.display(), errno_word(e));
+                ok = false;
+            }
         }
     }
     if ok {
