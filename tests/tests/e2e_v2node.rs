@@ -2652,6 +2652,19 @@ fn mps_co_tenants(release: &Release) {
         .unwrap();
     let ipid = intruder.id() as i32;
     std::fs::write(daemon_cg(ua).join("cgroup.procs"), ipid.to_string()).unwrap();
+    // The sweep reports it (and leaves it to the MPS Prolog or Epilog).
+    let sw = cluster.gpufence(&["sweep", "--json"]);
+    let line = String::from_utf8_lossy(&sw.stdout)
+        .lines()
+        .find(|l| l.contains("\"mps_foreign_process\""))
+        .map(str::to_string)
+        .unwrap_or_default();
+    assert!(
+        line.contains(&format!("\"pid\":{ipid}")) && line.contains("\"critical\""),
+        "{v}: the sweep did not report the intruder {ipid}: {}",
+        both(&sw)
+    );
+    assert!(!gone(ipid));
     let b = sbatch_as(
         peer.cmd(&cluster, "sbatch"),
         &["--gres=mps:20"],

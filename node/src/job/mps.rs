@@ -115,33 +115,11 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
     }
 }
 
-/// The name of uid `uid`'s daemon on GPU `leaf`: `<leaf>-u<uid>` (its
-/// registry directory and its cgroup).
-pub fn daemon_name(leaf: &str, uid: u32) -> String {
-    format!("{leaf}-u{uid}")
-}
-
-/// The GPU and the uid of a daemon named by [`daemon_name`]; `None` for
-/// another name (a daemon of gpufence before one ran per user).
-pub fn parse_daemon(name: &str) -> Option<(&str, u32)> {
-    let (leaf, uid) = name.rsplit_once("-u")?;
-    if leaf.is_empty() || uid.is_empty() || !uid.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((leaf, uid.parse().ok()?))
-}
-
-/// Whether a process of real uid `uid` in the cgroup of a daemon of
-/// `daemon_uid` is foreign: neither root (the control daemon) nor the
-/// daemon's user (its server). Every process of a daemon of unknown user
-/// but root's is.
-pub fn is_foreign(uid: u32, daemon_uid: Option<u32>) -> bool {
-    uid != 0 && Some(uid) != daemon_uid
-}
+pub use crate::host::mps_cgroups::{daemon_name, is_foreign, parse_daemon};
 
 /// The parent of the daemons' cgroups: `<cgroup_root>/<mps_cgroup>`.
 pub fn cgroup_parent(node: &Node) -> String {
-    join_cgroup(&node.cfg.cgroup_root, &node.cfg.mps_cgroup)
+    crate::host::mps_cgroups::parent(node)
 }
 
 /// A daemon's cgroup (relative to the mount):
@@ -380,56 +358,40 @@ pub struct Foreign {
 /// found it), never ended silently. Called under the MPS lock by the
 /// Prolog and the Epilog of every gres/mps job.
 pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
-    let parent = cgroup_parent(node);
-    let Ok(rd) = std::fs::read_dir(node.cg.path(&parent)) else {
-        return Vec::new();
-    };
     let mut out = Vec::new();
-    for e in rd.flatten() {
-        if !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+    for f in crate::host::mps_cgroups::foreign_processes(node) {
+        // The pidfd first, then the uid and the cgroup again: the signal
+        // is then for the process judged, whatever happens to the pid.
+        let Some(fd) = crate::response::engine::pidfd_open(f.pid) else {
             continue;
         };
-        let daemon_uid = parse_daemon(&name).map(|(_, u)| u);
-        let cg = join_cgroup(&parent, &name);
-        for pid in node.cg.procs_recursive(&cg) {
-            // The pidfd first: the uid read and the signal then are of one
-            // process, whatever happens to the pid.
-            let Some(fd) = crate::response::engine::pidfd_open(pid) else {
-                continue;
-            };
-            let Some(uid) = crate::host::procs::uid_of(pid) else {
-                continue;
-            };
-            if !is_foreign(uid, daemon_uid) || !node.cg.procs_recursive(&cg).contains(&pid) {
-                continue;
-            }
-            crate::response::engine::signal(&fd, libc::SIGKILL);
-            crate::response::engine::wait_all(&[&fd], Duration::from_millis(node.cfg.kill_wait_ms));
-            let ended = crate::response::engine::exited(&fd);
-            let mut ev = AuditEvent::new(events::MPS_FOREIGN_PROCESS)
-                .pid(pid)
-                .uid(uid)
-                .field("phase", phase)
-                .field("cgroup", crate::host::cgpath::abs(&cg))
-                .field(
-                    "daemon_uid",
-                    daemon_uid.map_or(serde_json::Value::Null, Into::into),
-                )
-                .field("killed", ended);
-            if let Some(j) = job {
-                ev = ev.job(j);
-            }
-            let _ = node.audit(ev);
-            out.push(Foreign {
-                pid,
-                uid,
-                cgroup: cg.clone(),
-                ended,
-            });
+        let uid = crate::host::procs::uid_of(f.pid);
+        if uid != Some(f.uid) || !node.cg.procs_recursive(&f.cgroup).contains(&f.pid) {
+            continue;
         }
+        crate::response::engine::signal(&fd, libc::SIGKILL);
+        crate::response::engine::wait_all(&[&fd], Duration::from_millis(node.cfg.kill_wait_ms));
+        let ended = crate::response::engine::exited(&fd);
+        let mut ev = AuditEvent::new(events::MPS_FOREIGN_PROCESS)
+            .pid(f.pid)
+            .uid(f.uid)
+            .field("phase", phase)
+            .field("cgroup", crate::host::cgpath::abs(&f.cgroup))
+            .field(
+                "daemon_uid",
+                f.daemon_uid.map_or(serde_json::Value::Null, Into::into),
+            )
+            .field("killed", ended);
+        if let Some(j) = job {
+            ev = ev.job(j);
+        }
+        let _ = node.audit(ev);
+        out.push(Foreign {
+            pid: f.pid,
+            uid: f.uid,
+            cgroup: f.cgroup,
+            ended,
+        });
     }
     out
 }
@@ -707,37 +669,6 @@ fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn daemon_names_carry_the_gpu_and_the_uid() {
-        let n = daemon_name("gpu3", 1234);
-        assert_eq!(n, "gpu3-u1234");
-        assert_eq!(parse_daemon(&n), Some(("gpu3", 1234)));
-        assert_eq!(
-            parse_daemon(&daemon_name("dev10.123", 0)),
-            Some(("dev10.123", 0))
-        );
-        // gpufence's daemons before one ran per user, and other names.
-        for other in [
-            "gpu3",
-            "gpu3-u",
-            "-u5",
-            "gpu3-ux1",
-            "gpu3-u1-",
-            "gpu3-u99999999999",
-        ] {
-            assert_eq!(parse_daemon(other), None, "{other}");
-        }
-    }
-
-    #[test]
-    fn only_root_and_the_daemons_user_belong_in_its_cgroup() {
-        assert!(!is_foreign(0, Some(1000)), "the control daemon");
-        assert!(!is_foreign(1000, Some(1000)), "its user's server");
-        assert!(is_foreign(1001, Some(1000)), "another user");
-        assert!(is_foreign(1000, None), "a daemon of unknown user");
-        assert!(!is_foreign(0, None));
-    }
 
     #[test]
     fn only_the_user_may_traverse_and_root_owns_the_way() {
