@@ -11,8 +11,8 @@
 //! job's cgroup and dies with that job, under its co-tenants' clients.
 //!
 //! Why one daemon per user: NVIDIA's control daemon serves whoever reaches
-//! its pipe directory. It "starts an MPS server with the UID of the
-//! requesting client" (nvidia-cuda-mps-control(1)), so one daemon for a
+//! its pipe directory. It starts an MPS server with the uid of the
+//! requesting client (nvidia-cuda-mps-control(1)), so one daemon for a
 //! GPU, reachable by every user, starts a server for a user with no
 //! gres/mps allocation inside the cgroup the fence grants the GPU; that
 //! server, exec'ed and so dumpable by its uid, hands its GPU descriptor to

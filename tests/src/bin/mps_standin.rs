@@ -31,11 +31,11 @@
 //!   daemon, and it writes `nvidia-cuda-mps-control.pid` there
 //!   (docs.nvidia.com/deploy/mps, appendix "Tools and Interface
 //!   Reference").
-//! - A server per client uid: the control daemon "starts an MPS server
-//!   with the UID of the requesting client"; a client of another uid while
-//!   a server runs waits until it exits (nvidia-cuda-mps-control(1), and
-//!   the MPS guide's "the MPS control daemon will queue" for other users):
-//!   here "busy UID", so that a test sees it at once.
+//! - A server per client uid: the control daemon starts an MPS server
+//!   with the uid of the requesting client, and a client of another uid
+//!   while a server runs is queued until that server exits
+//!   (nvidia-cuda-mps-control(1), paraphrased): here "busy UID", so that
+//!   a test sees it at once.
 //! - The server is its own executable (`nvidia-cuda-mps-server`), exec'ed
 //!   after the daemon dropped to the client's uid: a process of that uid
 //!   that is dumpable again after `execve(2)` (`begin_new_exec`,
