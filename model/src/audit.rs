@@ -64,6 +64,10 @@ pub mod events {
     /// The Epilog of a GPU's last gres/mps job stopped its MPS control
     /// daemon.
     pub const MPS_STOPPED: &str = "mps_stopped";
+    /// A process of a foreign uid (neither root nor the daemon's user) in
+    /// one of gpufence's per-user MPS daemon cgroups, found by an MPS
+    /// Prolog or Epilog and killed.
+    pub const MPS_FOREIGN_PROCESS: &str = "mps_foreign_process";
     /// The evidence of a response outgrew its budget: executables not
     /// hashed, records cut or left out.
     pub const EVIDENCE_BUDGET: &str = "evidence_budget";
@@ -128,6 +132,7 @@ pub mod events {
         STALE_JOB_STATE,
         MPS_STARTED,
         MPS_STOPPED,
+        MPS_FOREIGN_PROCESS,
         EVIDENCE_BUDGET,
         INTERRUPTED_RESPONSE,
         REPORT_WRITTEN,

@@ -223,24 +223,27 @@ pub struct Config {
     /// `cgroup_root`; always exempt in the fence.
     pub exec_cgroup: String,
     /// NVIDIA's MPS control daemon (`/usr/bin/nvidia-cuda-mps-control`).
-    /// Set, gpufence runs one per GPU that gres/mps jobs hold: the Prolog
-    /// of the first such job starts it (`-d`) in `<cgroup_root>/<mps_cgroup>/gpu<minor>`,
-    /// which is granted that GPU and the control devices while any MPS job
-    /// holds it; the Epilog of the last one stops it (`quit`), ends what
-    /// is left in that cgroup and revokes the grant. Jobs get
+    /// Set, gpufence runs one per GPU and user that gres/mps jobs hold: the
+    /// Prolog of a user's first such job on a GPU starts it (`-d`) in
+    /// `<cgroup_root>/<mps_cgroup>/gpu<minor>-u<uid>`, which is granted that
+    /// GPU and the control devices while an MPS job of that user holds it;
+    /// the Epilog of the user's last one stops it (`quit`), ends what is
+    /// left in that cgroup and revokes the grant. Jobs get their user's
     /// `CUDA_MPS_PIPE_DIRECTORY` from the plugin. Unset (default): gpufence
     /// starts no MPS daemon, and one started elsewhere (Slurm's sample
     /// Prolog) is a process outside every job, denied the GPU.
     pub mps_control: Option<PathBuf>,
     /// Where each MPS daemon's pipe and log directories are made:
-    /// `<mps_dir>/gpu<minor>/pipe` and `.../log` (default
-    /// `/run/gpufence-mps`). The jobs' MPS clients connect in `pipe`, so
+    /// `<mps_dir>/gpu<minor>/u<uid>/pipe` and `.../log` (default
+    /// `/run/gpufence-mps`; `u<uid>` root's, 0700, with a POSIX ACL entry
+    /// for that uid alone, so the file system must have POSIX ACLs). The
+    /// jobs' MPS clients connect in `pipe`, so
     /// it may not lie inside `state_dir`, which is root's alone (`0700`):
     /// with `mps_control` set, such a value is a config error.
     pub mps_dir: PathBuf,
     /// The cgroup the MPS daemons run in, relative to `cgroup_root`: one
-    /// leaf `gpu<minor>` per daemon. Never exempt: a leaf is granted its
-    /// GPU only while an MPS job holds that GPU.
+    /// leaf `gpu<minor>-u<uid>` per daemon. Never exempt: a leaf is granted
+    /// its GPU only while an MPS job of its user holds that GPU.
     pub mps_cgroup: String,
     /// The job map for GPU monitoring: a directory (made `0755` if
     /// missing) with one file (`0644`) per GPU that jobs hold, named by

@@ -12,7 +12,8 @@
 //! <state_dir>/nvml-unavailable.txt          why NVML is unavailable, as last audited
 //! <state_dir>/mps.lock                      the MPS lock (flock)
 //! <state_dir>/job-map.lock                  the job map's lock (flock)
-//! <state_dir>/mps/<gpu>/<job_id>            a gres/mps job registered on a GPU
+//! <state_dir>/mps/<gpu>-u<uid>/<job_id>     a gres/mps job registered with its
+//!                                           user's MPS daemon on a GPU
 //! <state_dir>/responding/<pid>-<start>.json a process a response is stopping
 //! <state_dir>/sweep/lock                    one sweep at a time (flock)
 //! <state_dir>/sweep/denials[-<cursor>].json the denial records the last sweep saw
@@ -117,11 +118,11 @@ impl JobRecord {
 }
 
 /// The job id the grants of gpufence's MPS daemons carry in the fence
-/// (`<cgroup_root>/<mps_cgroup>/gpu<minor>`): no Slurm job's, since Slurm
+/// (`<cgroup_root>/<mps_cgroup>/gpu<minor>-u<uid>`): no Slurm job's, since Slurm
 /// numbers jobs below `MAX_JOB_ID` (`0x03FFFFFF`,
 /// `src/common/slurm_protocol_defs.h`... `src/slurmctld/job_mgr.c` in older
 /// releases). An Epilog's `revoke_job` never takes them; the Epilog of a
-/// GPU's last MPS job revokes them by cgroup.
+/// last MPS job of a daemon's user on its GPU revokes them by cgroup.
 pub const MPS_GRANT_JOB_ID: u32 = 0xFFFF_FF00;
 
 /// A gres/mps job's MPS daemon on one of its GPUs.
@@ -130,8 +131,8 @@ pub const MPS_GRANT_JOB_ID: u32 = 0xFFFF_FF00;
 pub struct MpsDaemon {
     /// The GPU (its GRES device: `/dev/nvidia<minor>`).
     pub dev: DevNum,
-    /// Its `CUDA_MPS_PIPE_DIRECTORY` (`<mps_dir>/gpu<minor>/pipe`), what
-    /// the job's clients are told.
+    /// Its `CUDA_MPS_PIPE_DIRECTORY` (`<mps_dir>/gpu<minor>/u<uid>/pipe`,
+    /// the job's user's daemon), what the job's clients are told.
     pub pipe_dir: PathBuf,
 }
 
@@ -283,13 +284,14 @@ impl StateDir {
         self.root.join("job-map.lock")
     }
 
-    /// `<state_dir>/mps`: the MPS registry, one directory per daemon.
+    /// `<state_dir>/mps`: the MPS registry, one directory per daemon (GPU
+    /// and uid: `<gpu>-u<uid>`).
     pub fn mps_registry_dir(&self) -> PathBuf {
         self.root.join("mps")
     }
 
     /// `<state_dir>/mps/<daemon>`: the gres/mps jobs registered on the
-    /// daemon (GPU) named `daemon`, one empty file each.
+    /// daemon (GPU and uid) named `daemon`, one empty file each.
     pub fn mps_daemon_dir(&self, daemon: &str) -> PathBuf {
         self.mps_registry_dir().join(daemon)
     }

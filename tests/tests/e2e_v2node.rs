@@ -2421,15 +2421,39 @@ fn assert_node_clean(cluster: &Cluster, jobs: &[u32], audit: &Path) {
     }
 }
 
-/// gres/mps with gpufence's MPS daemons (`mps_control`; here the stand-in
-/// `gpufence-mps-standin`, which serves clients over its pipe directory
-/// and starts a server per user that holds the GPU): the first MPS job's
-/// Prolog starts the daemon in `<cgroup_root>/gpufence-mps/<gpu>`; jobs get
-/// `CUDA_MPS_PIPE_DIRECTORY`; two jobs of one user reach the same server,
-/// which holds the GPU across the first one's end (its grant lives while an
-/// MPS job holds the GPU); another user's job on the same GPU opens it and
-/// is left alone at the first's end; the last job's Epilog stops the daemon
-/// and its server, and no grant is left.
+/// `program` on this host as `uid` (its primary group, no other), with
+/// nothing of the test's environment but `envs`: a user's process outside
+/// every job.
+fn as_uid(uid: u32, program: &Path, envs: &[(&str, &Path)]) -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map_or(uid, |u| u.gid.as_raw());
+    let mut c = std::process::Command::new(program);
+    c.env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .envs(envs.iter().copied())
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid);
+    c
+}
+
+/// gres/mps with gpufence's MPS daemons, one per GPU and user
+/// (`mps_control`; here the stand-in `gpufence-mps-standin`, which serves
+/// clients over its pipe directory and execs a server per user that holds
+/// the GPU, as NVIDIA's does): the first MPS job of a user starts that
+/// user's daemon in `<cgroup_root>/gpufence-mps/<gpu>-u<uid>`, its pipes
+/// under `mps/<gpu>/u<uid>`, which only that uid reaches; jobs get their
+/// user's `CUDA_MPS_PIPE_DIRECTORY`; a user's two jobs share one server,
+/// which holds the GPU across the first one's end; another user's job gets
+/// a server of its own. An outsider can neither reach a user's daemon nor
+/// `quit` it nor take its server's descriptor; a process of another uid in
+/// a daemon's cgroup is reported and ended by the next MPS Prolog; a
+/// user's own `quit` ends only that user's daemon, and the user's next job
+/// gets a fresh one. The last job of each user stops that user's daemon,
+/// and the node is clean.
 fn mps_co_tenants(release: &Release) {
     let env = TestEnv::new("v2mps");
     let d = Devices::make(&env);
@@ -2459,56 +2483,47 @@ fn mps_co_tenants(release: &Release) {
     );
     let cluster = Cluster::start_with(&env, &shared_gpu_spec(release, &slice, &d, "mps", &extra));
     let audit = env.path("log/audit.jsonl");
-    let probe = cluster.bin.join("gpufence-probe").display().to_string();
-    let client = cluster
-        .bin
-        .join("gpufence-mps-standin")
-        .display()
-        .to_string();
+    let probe = cluster.bin.join("gpufence-probe");
+    let standin = cluster.bin.join("gpufence-mps-standin");
     let script = format!(
         "echo JOB=$SLURM_JOB_ID PID=$$ PIPE=$CUDA_MPS_PIPE_DIRECTORY; {probe} open {held} {n3}; {client} client; exec {probe} hold {held}",
+        probe = probe.display(),
+        client = standin.display(),
         held = d.held.display(),
         n3 = d.n3.display()
     );
-    let leaf = format!("dev{}.{}", d.real.major, d.real.minor);
-    let pipe = env.path(&format!("mps/{leaf}/pipe"));
-    let outs: Vec<PathBuf> = ["a1", "b", "a2"]
-        .iter()
-        .map(|n| env.path(&format!("jobs/mps-{n}.out")))
-        .collect();
-    let a1 = sbatch_as(
-        cluster.user_cmd("sbatch"),
-        &["--gres=mps:30"],
-        &outs[0],
-        &script,
-    );
-    let t_a1 = wait_output(&cluster, &outs[0], "held");
-    let b = sbatch_as(
-        peer.cmd(&cluster, "sbatch"),
-        &["--gres=mps:30"],
-        &outs[1],
-        &script,
-    );
-    let t_b = wait_output(&cluster, &outs[1], "held");
-    let a2 = sbatch_as(
-        cluster.user_cmd("sbatch"),
-        &["--gres=mps:30"],
-        &outs[2],
-        &script,
-    );
-    let t_a2 = wait_output(&cluster, &outs[2], "held");
     let v = release.slurm_version();
-    for (who, text) in [("a1", &t_a1), ("b", &t_b), ("a2", &t_a2)] {
+    let leaf = format!("dev{}.{}", d.real.major, d.real.minor);
+    let (ua, ub) = (test_uid(), peer.uid);
+    let pipe = |uid: u32| env.path(&format!("mps/{leaf}/u{uid}/pipe"));
+    let daemon_cg = |uid: u32| {
+        slice
+            .slurmd_cgroup()
+            .parent()
+            .unwrap()
+            .join("gpufence-mps")
+            .join(format!("{leaf}-u{uid}"))
+    };
+    let out = |n: &str| env.path(&format!("jobs/mps-{n}.out"));
+    let submit_a = |n: &str| {
+        sbatch_as(
+            cluster.user_cmd("sbatch"),
+            &["--gres=mps:20"],
+            &out(n),
+            &script,
+        )
+    };
+    let check_job = |who: &str, text: &str, uid: u32| {
         assert_eq!(
             (verdict(text, &d.held), verdict(text, &d.n3)),
             ("ok".to_string(), "EPERM".to_string()),
             "{v}: MPS job {who} opens its GPU and not the other:\n{text}"
         );
         assert!(
-            text.contains(&format!("PIPE={}", pipe.display())),
-            "{v}: job {who} is told the daemon's pipe directory:\n{text}"
+            text.contains(&format!("PIPE={}", pipe(uid).display())),
+            "{v}: job {who} is told its user's pipe directory:\n{text}"
         );
-    }
+    };
     let server = |t: &str| -> i32 {
         t.lines()
             .find_map(|l| {
@@ -2519,53 +2534,236 @@ fn mps_co_tenants(release: &Release) {
             })
             .unwrap_or_else(|| panic!("{v}: the MPS server answered no client:\n{t}"))
     };
-    let s = server(&t_a1);
-    assert_eq!(
-        server(&t_a2),
-        s,
-        "one server for the user's two jobs:\n{t_a1}\n{t_a2}"
-    );
-    assert!(
-        t_b.contains(&format!("MPS busy {}", test_uid())),
-        "the other user's client finds the first user's server (MPS queues it):\n{t_b}"
-    );
-    let cg = std::fs::read_to_string(format!("/proc/{s}/cgroup")).unwrap_or_default();
-    assert!(
+    let in_cgroup = |pid: i32, uid: u32| {
+        let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
         cg.lines()
-            .any(|l| l.starts_with("0::") && l.ends_with(&format!("/gpufence-mps/{leaf}"))),
-        "the server runs in the daemon's cgroup: {cg}"
+            .any(|l| l.starts_with("0::") && l.ends_with(&format!("/gpufence-mps/{leaf}-u{uid}")))
+    };
+
+    // User A's first job: A's daemon and server.
+    let a1 = submit_a("a1");
+    let t_a1 = wait_output(&cluster, &out("a1"), "held");
+    check_job("a1", &t_a1, ua);
+    let s_a = server(&t_a1);
+    assert_eq!(gpufence_node::host::procs::uid_of(s_a), Some(ua));
+    assert!(
+        in_cgroup(s_a, ua),
+        "{v}: A's server runs in A's daemon cgroup"
     );
-    let started = gpufence_tests::audit_log(&audit)
+
+    // An outsider (the peer, no MPS job yet) cannot reach A's daemon, quit
+    // it, or take its server's descriptor; A itself can (the server is
+    // exec'ed, dumpable by its uid, as NVIDIA's is).
+    let pipe_a = pipe(ua);
+    let env_a = [("CUDA_MPS_PIPE_DIRECTORY", pipe_a.as_path())];
+    let o = as_uid(ub, &standin, &env_a).arg("client").output().unwrap();
+    assert_eq!(
+        stdout(&o).trim(),
+        format!("MPS unreachable {} EACCES", pipe_a.display()),
+        "{v}: an outsider's client reaches A's daemon: {}",
+        both(&o)
+    );
+    let mut q = as_uid(ub, &control, &env_a)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
+    }
+    let o = q.wait_with_output().unwrap();
+    assert!(
+        !o.status.success()
+            && !stdout(&o).contains("bye")
+            && String::from_utf8_lossy(&o.stderr).contains("EACCES"),
+        "{v}: an outsider's quit reached A's daemon: {}",
+        both(&o)
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!gone(s_a), "{v}: an outsider's quit ended A's server");
+    let fd = "9"; // SERVER_FD of the stand-in
+    let getfd = |uid: u32| {
+        let o = as_uid(uid, &probe, &[])
+            .args(["getfd", &s_a.to_string(), fd])
+            .output()
+            .unwrap();
+        stdout(&o).trim().to_string()
+    };
+    assert_eq!(
+        getfd(ub),
+        "getfd EPERM",
+        "{v}: an outsider took A's GPU descriptor"
+    );
+    // (Yama's ptrace_scope 1 and up refuses a non-descendant even its uid.)
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
+    if matches!(yama.trim(), "" | "0") {
+        assert_eq!(
+            getfd(ua),
+            "getfd ok",
+            "{v}: the stand-in's server is not dumpable by its uid"
+        );
+    }
+
+    // A process of another uid in A's daemon cgroup: reported and ended by
+    // the next MPS Prolog (the peer's job's).
+    let mut intruder = as_uid(ub, Path::new("/bin/sleep"), &[])
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let ipid = intruder.id() as i32;
+    std::fs::write(daemon_cg(ua).join("cgroup.procs"), ipid.to_string()).unwrap();
+    // The sweep reports it (and leaves it to the MPS Prolog or Epilog).
+    let sw = cluster.gpufence(&["sweep", "--json"]);
+    let line = String::from_utf8_lossy(&sw.stdout)
+        .lines()
+        .find(|l| l.contains("\"mps_foreign_process\""))
+        .map(str::to_string)
+        .unwrap_or_default();
+    assert!(
+        line.contains(&format!("\"pid\":{ipid}")) && line.contains("\"critical\""),
+        "{v}: the sweep did not report the intruder {ipid}: {}",
+        both(&sw)
+    );
+    assert!(!gone(ipid));
+    let b = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=mps:20"],
+        &out("b"),
+        &script,
+    );
+    let t_b = wait_output(&cluster, &out("b"), "held");
+    let _ = intruder.wait();
+    let foreign: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .filter(|e| e["event"] == "mps_foreign_process")
+        .collect();
+    assert!(
+        foreign.iter().any(|e| e["pid"] == ipid
+            && e["uid"] == ub
+            && e["job_id"] == b
+            && e["killed"] == true
+            && e["cgroup"]
+                .as_str()
+                .is_some_and(|c| c.ends_with(&format!("{leaf}-u{ua}")))),
+        "{v}: the intruder {ipid} in A's daemon cgroup was not reported and ended by job {b}'s Prolog: {foreign:?}"
+    );
+    assert!(gone(ipid));
+
+    // The peer's job: a daemon and server of its own.
+    check_job("b", &t_b, ub);
+    let s_b = server(&t_b);
+    assert_ne!(s_b, s_a, "{v}: two users share a server");
+    assert_eq!(gpufence_node::host::procs::uid_of(s_b), Some(ub));
+    assert!(
+        in_cgroup(s_b, ub),
+        "{v}: B's server runs in B's daemon cgroup"
+    );
+
+    // A's second job: A's server again.
+    let a2 = submit_a("a2");
+    let t_a2 = wait_output(&cluster, &out("a2"), "held");
+    check_job("a2", &t_a2, ua);
+    assert_eq!(server(&t_a2), s_a, "one server for the user's two jobs");
+    let started: Vec<Value> = gpufence_tests::audit_log(&audit)
         .into_iter()
         .filter(|e| e["event"] == "mps_started")
-        .count();
-    assert_eq!(started, 1, "one daemon for three jobs");
-    let holders = [printed_pid(&t_b), printed_pid(&t_a2)];
+        .collect();
+    assert_eq!(started.len(), 2, "one daemon per user: {started:?}");
+
+    // A's own quit ends A's daemon and server only; A's next job gets a
+    // fresh daemon.
+    let mut q = as_uid(ua, &control, &env_a)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
+    }
+    let o = q.wait_with_output().unwrap();
+    assert!(stdout(&o).contains("bye"), "{v}: A's quit: {}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || gone(s_a)),
+        "{v}: A's quit left A's server {s_a}"
+    );
+    assert!(!gone(s_b), "{v}: A's quit ended B's server");
+    let a3 = submit_a("a3");
+    let t_a3 = wait_output(&cluster, &out("a3"), "held");
+    check_job("a3", &t_a3, ua);
+    let s_a3 = server(&t_a3);
+    assert_ne!(s_a3, s_a);
+    assert!(in_cgroup(s_a3, ua));
+    assert!(
+        gpufence_tests::audit_log(&audit)
+            .iter()
+            .any(|e| e["event"] == "mps_started" && e["job_id"] == a3 && e["restarted"] == true),
+        "{v}: job {a3}'s Prolog did not restart A's daemon"
+    );
+
+    // B's own quit likewise ends B's daemon only; B's last Epilog then
+    // finds it gone and cleans up all the same.
+    let pipe_b = pipe(ub);
+    let mut q = as_uid(
+        ub,
+        &control,
+        &[("CUDA_MPS_PIPE_DIRECTORY", pipe_b.as_path())],
+    )
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    {
+        use std::io::Write;
+        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
+    }
+    let o = q.wait_with_output().unwrap();
+    assert!(stdout(&o).contains("bye"), "{v}: B's quit: {}", both(&o));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(10), || gone(s_b)),
+        "{v}: B's quit left B's server {s_b}"
+    );
+    assert!(!gone(s_a3), "{v}: B's quit ended A's server");
+
+    let holders = [printed_pid(&t_b), printed_pid(&t_a2), printed_pid(&t_a3)];
     end_job(&cluster, &env, a1);
     assert!(
-        !gone(s) && holders.iter().all(|p| !gone(*p)),
-        "{v}: job {a1}'s end ended the MPS server {s} or a co-tenant {holders:?}: {:?}\n{}",
+        !gone(s_a3) && holders.iter().all(|p| !gone(*p)),
+        "{v}: job {a1}'s end ended A's MPS server or a co-tenant {holders:?}: {:?}\n{}",
         events_for(&audit, a1),
         cluster.log_tail("slurmd.log")
     );
-    for j in [b, a2] {
+    for j in [b, a2, a3] {
         assert_eq!(job_state(&cluster, j), "RUNNING", "job {j}");
     }
     end_job(&cluster, &env, b);
-    assert!(!gone(s), "the server outlives the other user's job");
+    assert!(
+        events_for(&audit, b).contains(&"mps_stopped".to_string()),
+        "{v}: B's last job's Epilog did not clean up B's quit daemon: {:?}",
+        events_for(&audit, b)
+    );
+    assert!(!gone(s_a3), "{v}: B's daemon's end ended A's server");
+    assert!(!pipe(ub).exists() && !daemon_cg(ub).exists());
     end_job(&cluster, &env, a2);
+    assert!(!gone(s_a3), "A's server outlives A's second job");
+    end_job(&cluster, &env, a3);
     assert!(
-        Cluster::wait_for(Duration::from_secs(10), || gone(s)),
-        "{v}: the last MPS job's Epilog did not stop the daemon's server {s}: {:?}",
-        events_for(&audit, a2)
+        Cluster::wait_for(Duration::from_secs(10), || gone(s_a3)),
+        "{v}: the last MPS job's Epilog did not stop A's server {s_a3}: {:?}",
+        events_for(&audit, a3)
     );
     assert!(
-        events_for(&audit, a2).contains(&"mps_stopped".to_string()),
+        events_for(&audit, a3).contains(&"mps_stopped".to_string()),
         "{:?}",
-        events_for(&audit, a2)
+        events_for(&audit, a3)
     );
-    assert!(!pipe.exists(), "the daemon's directory is removed");
-    assert_node_clean(&cluster, &[a1, b, a2], &audit);
+    assert!(
+        !env.path(&format!("mps/{leaf}")).exists(),
+        "the GPU's MPS directory is removed"
+    );
+    assert_node_clean(&cluster, &[a1, b, a2, a3], &audit);
     assert!(
         !slice
             .slurmd_cgroup()

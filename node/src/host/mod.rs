@@ -10,6 +10,7 @@ pub mod fence_ops;
 pub mod gpus;
 pub mod gresmap;
 pub mod inventory;
+pub mod mps_cgroups;
 pub mod persistence;
 pub mod procs;
 pub mod slurm_cgroup;

@@ -301,13 +301,14 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         }
     }
     crashpoint::reached(crashpoint::EPILOG_REVOKED);
-    // 1b. gres/mps: the job's registrations go; a GPU's last MPS job stops
-    //     its daemon, whose grant goes with it (crate::job::mps).
+    // 1b. gres/mps: the job's registrations go; a user's last MPS job on a
+    //     GPU stops that user's daemon, whose grant goes with it
+    //     (crate::job::mps).
     let (released, mps_errors) = crate::job::mps::release(node, fence.as_ref(), job_id);
     out.errors.extend(mps_errors);
     for r in released.iter().filter(|r| r.stopped) {
         out.notes.push(format!(
-            "MPS daemon {} stopped (the GPU's last MPS job){}",
+            "MPS daemon {} stopped (its user's last MPS job on the GPU){}",
             r.leaf,
             if r.killed.is_empty() {
                 String::new()

@@ -361,8 +361,8 @@ fn grant_at(
 }
 
 /// The variables a step of job `rec` gets in its tasks: for a gres/mps
-/// job whose MPS daemon gpufence runs, `CUDA_MPS_PIPE_DIRECTORY` (its first
-/// GPU's: one client connects to one daemon; Slurm gives a job MPS on
+/// job whose MPS daemon gpufence runs, `CUDA_MPS_PIPE_DIRECTORY` (its
+/// user's daemon on its first GPU: one client connects to one daemon; Slurm gives a job MPS on
 /// one GPU unless `MULTIPLE_SHARING_GRES_PJ` is set). Slurm itself sets no
 /// `CUDA_MPS_*` variable but the thread percentage
 /// (`src/plugins/gres/mps/gres_mps.c`).

@@ -1,5 +1,5 @@
-//! gres/mps: NVIDIA's MPS control daemon, one per GPU, run by gpufence
-//! (`mps_control` set).
+//! gres/mps: NVIDIA's MPS control daemon, one per GPU and job user, run by
+//! gpufence (`mps_control` set).
 //!
 //! Why: Slurm starts no MPS daemon. Its documented pattern
 //! (`etc/prolog.example`, gres.html "MPS Management") starts
@@ -10,36 +10,77 @@
 //! it, ended at the next job end. Under RunInJob it lives in the first MPS
 //! job's cgroup and dies with that job, under its co-tenants' clients.
 //!
-//! What gpufence does instead:
+//! Why one daemon per user: NVIDIA's control daemon serves whoever reaches
+//! its pipe directory. It starts an MPS server with the uid of the
+//! requesting client (nvidia-cuda-mps-control(1)), so one daemon for a
+//! GPU, reachable by every user, starts a server for a user with no
+//! gres/mps allocation inside the cgroup the fence grants the GPU; that
+//! server, exec'ed and so dumpable by its uid, hands its GPU descriptor to
+//! its user (`pidfd_getfd(2)`) without an `open` the fence could deny. And
+//! `quit` ("Shutdown the MPS control daemon process and all MPS servers",
+//! nvidia-cuda-mps-control(1)) is taken from whoever connects: NVIDIA
+//! documents no per-command access check, so file permissions are the only
+//! control. Several control daemons may run side by side, each addressed by
+//! its own `CUDA_MPS_PIPE_DIRECTORY` (docs.nvidia.com/deploy/mps, "Tools
+//! and Interface Reference"), so gpufence runs one per (GPU, uid) and lets
+//! only that uid reach it.
+//!
+//! What gpufence does:
 //! - The Prolog of a gres/mps job (slurmd sets
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in the Prolog's environment for
 //!   gres/mps jobs only: `gres_p_epilog_set_env` in
 //!   `src/plugins/gres/mps/gres_mps.c`, 22.05; `gres_p_prep_set_env`
-//!   later) registers the job as a user of each of its GPUs
-//!   (`<state_dir>/mps/gpu<minor>/<job_id>`), and for a GPU that has no
-//!   daemon yet makes `<cgroup_root>/<mps_cgroup>/gpu<minor>` ([`leaf`]), grants it
-//!   that GPU and the job's control devices under [`MPS_GRANT_JOB_ID`], and
-//!   starts `mps_control -d` there with `CUDA_VISIBLE_DEVICES` (slurmd's
-//!   value for that GPU, as Slurm's sample passes it),
-//!   `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY` set
-//!   (`<mps_dir>/gpu<minor>/{pipe,log}`). The control daemon starts the
-//!   per-user servers as its children: they stay in that cgroup.
-//! - The job's record names the pipe directory; the plugin sets
+//!   later) first ends every process of a foreign uid in the daemons'
+//!   cgroups ([`end_foreign`]), then registers the job with its user's
+//!   daemon on each of its GPUs
+//!   (`<state_dir>/mps/<leaf>-u<uid>/<job_id>`, [`daemon_name`]), and for
+//!   a daemon not running (never started, or gone: its user's own `quit`,
+//!   a crash) makes `<cgroup_root>/<mps_cgroup>/<leaf>-u<uid>`
+//!   ([`cgroup`]), grants it that GPU and the job's control devices under
+//!   [`MPS_GRANT_JOB_ID`], and starts `mps_control -d` there with
+//!   `CUDA_VISIBLE_DEVICES` (slurmd's value for that GPU, as Slurm's sample
+//!   passes it), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`
+//!   set (`<mps_dir>/<leaf>/u<uid>/{pipe,log}`, [`user_dir`]). The control
+//!   daemon starts its user's server as its child: it stays in that cgroup.
+//! - The directories ([`DIR_MODES`]): `<mps_dir>` and `<mps_dir>/<leaf>`
+//!   are root's, 0755; `<mps_dir>/<leaf>/u<uid>` is root's, 0700, with one
+//!   POSIX ACL entry `user:<uid>:r-x` ([`traverse_acl`]): only that uid
+//!   (and root) reaches the pipes, and, owning nothing on the path, it can
+//!   neither open it to others (`chmod`) nor swap a directory for a
+//!   symbolic link that root would then follow. A file system without
+//!   POSIX ACLs gets no daemon (fail closed: the job runs without MPS, with
+//!   a note).
+//! - The job's record names its user's pipe directory; the plugin sets
 //!   `CUDA_MPS_PIPE_DIRECTORY` in the job's tasks (Slurm sets no
 //!   `CUDA_MPS_*` besides the percentage).
-//! - The Epilog removes the job's registration; the last job of a GPU
-//!   stops its daemon (`quit` on the control daemon's stdin, as
-//!   nvidia-cuda-mps-control(1) says), revokes the cgroup's grant, ends
-//!   what is left in it and removes it. A daemon is granted its GPU only
-//!   while an MPS job holds that GPU.
+//! - The Epilog ends foreign processes as the Prolog does, removes the
+//!   job's registration; the last job of a user on a GPU stops that user's
+//!   daemon (`quit` on the control daemon's stdin, as
+//!   nvidia-cuda-mps-control(1) says; nothing to quit when its user quit
+//!   it), revokes the cgroup's grant, ends what is left in it and removes
+//!   it and the directories. A daemon is granted its GPU only while an MPS
+//!   job of its user holds that GPU.
+//!
+//! A user's own `quit` ends that user's daemon and server only: self-harm,
+//! the other users' daemons are untouched; the user's next MPS job's Prolog
+//! starts a fresh one, and the Epilog of the last tolerates it gone.
+//!
+//! Caveat, only a real GPU can confirm: two users' MPS jobs on one GPU get
+//! two MPS servers, time-sliced by the driver, where NVIDIA's one daemon
+//! per GPU would queue the second user until the first's server exits; and
+//! under the `EXCLUSIVE_PROCESS` compute mode the second user's server
+//! cannot open the GPU until the first user's jobs end. Also unconfirmed
+//! without one: that NVIDIA's server needs nothing in the pipe or log
+//! directory it cannot write as the user (both are root's, 0755).
 //!
 //! One lock (`<state_dir>/mps.lock`) orders the Prologs and Epilogs of
 //! concurrent jobs, so that a daemon is started once and stopped only
-//! when no job is registered.
+//! when no job of its user is registered.
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::path::PathBuf;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -58,7 +99,12 @@ pub const MPS_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 /// was told).
 pub const MPS_WAIT: Duration = Duration::from_secs(10);
 
-/// The name of the daemon of GRES device `dev`: `gpu<minor>` for
+/// The modes of the directories on the way to a daemon's pipes, all
+/// root's: `<mps_dir>`, `<mps_dir>/<leaf>`, `<mps_dir>/<leaf>/u<uid>`
+/// (with the ACL [`traverse_acl`] for its uid), and its `pipe` and `log`.
+pub const DIR_MODES: [u32; 5] = [0o755, 0o755, 0o700, 0o755, 0o755];
+
+/// The name of the GPU of GRES device `dev`: `gpu<minor>` for
 /// `/dev/nvidia<minor>` (major `gpu_major`); `dev<major>.<minor>` for a
 /// GRES file on another major (a site's or a test's stand-in).
 pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
@@ -69,18 +115,138 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
     }
 }
 
-/// The daemon's cgroup (relative to the mount):
-/// `<cgroup_root>/<mps_cgroup>/<leaf>`.
-pub fn cgroup(node: &Node, leaf: &str) -> String {
-    join_cgroup(
-        &join_cgroup(&node.cfg.cgroup_root, &node.cfg.mps_cgroup),
-        leaf,
-    )
+pub use crate::host::mps_cgroups::{daemon_name, is_foreign, parse_daemon};
+
+/// The parent of the daemons' cgroups: `<cgroup_root>/<mps_cgroup>`.
+pub fn cgroup_parent(node: &Node) -> String {
+    crate::host::mps_cgroups::parent(node)
 }
 
-/// The daemon's directory: `<mps_dir>/<leaf>` (`pipe/`, `log/`).
-pub fn dir(node: &Node, leaf: &str) -> PathBuf {
+/// A daemon's cgroup (relative to the mount):
+/// `<cgroup_root>/<mps_cgroup>/<daemon>` ([`daemon_name`]).
+pub fn cgroup(node: &Node, daemon: &str) -> String {
+    join_cgroup(&cgroup_parent(node), daemon)
+}
+
+/// GPU `leaf`'s directory: `<mps_dir>/<leaf>`, root's, 0755.
+pub fn gpu_dir(node: &Node, leaf: &str) -> PathBuf {
     node.cfg.mps_dir.join(leaf)
+}
+
+/// uid `uid`'s directory on GPU `leaf`: `<mps_dir>/<leaf>/u<uid>` (`pipe/`,
+/// `log/`), root's, 0700, reachable by `uid` through its ACL.
+pub fn user_dir(node: &Node, leaf: &str, uid: u32) -> PathBuf {
+    gpu_dir(node, leaf).join(format!("u{uid}"))
+}
+
+/// The value of the `system.posix_acl_access` extended attribute that lets
+/// `uid` list and traverse a directory of mode 0700 and no one else in:
+/// `user::rwx user:<uid>:r-x group::--- mask::r-x other::---`, in the
+/// kernel's format (`struct posix_acl_xattr_header` and `_entry`, little
+/// endian, entries in tag order: `include/uapi/linux/posix_acl_xattr.h`,
+/// `include/uapi/linux/posix_acl.h`).
+pub fn traverse_acl(uid: u32) -> Vec<u8> {
+    const VERSION: u32 = 2;
+    const UNDEFINED: u32 = u32::MAX;
+    // (tag, perm, id): ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK,
+    // ACL_OTHER.
+    let entries: [(u16, u16, u32); 5] = [
+        (0x01, 7, UNDEFINED),
+        (0x02, 5, uid),
+        (0x04, 0, UNDEFINED),
+        (0x10, 5, UNDEFINED),
+        (0x20, 0, UNDEFINED),
+    ];
+    let mut v = VERSION.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+/// Sets [`traverse_acl`] on directory `path` (no symbolic link followed).
+fn set_traverse_acl(path: &Path, uid: u32) -> Result<(), String> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{}: a NUL in the path", path.display()))?;
+    let acl = traverse_acl(uid);
+    // SAFETY: lsetxattr(2) with NUL-terminated strings and a buffer of
+    // acl.len() bytes we own.
+    let r = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            c"system.posix_acl_access".as_ptr(),
+            acl.as_ptr().cast(),
+            acl.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: setting the POSIX ACL that lets uid {uid} alone reach the pipes: {} (a file system without POSIX ACLs cannot hold mps_dir)",
+            path.display(),
+            std::io::Error::last_os_error()
+        ))
+    }
+}
+
+/// Whether `meta` is of a directory root owns that no one else may write
+/// (so no one else can put a symbolic link in its place or inside it).
+fn root_only_dir(meta: &std::fs::Metadata) -> bool {
+    meta.file_type().is_dir() && meta.uid() == 0 && meta.mode() & 0o022 == 0
+}
+
+/// Makes directory `p` (mode `mode`, root's) if missing, and checks it is
+/// a directory, not a link, root's and writable by root alone.
+fn root_dir(p: &Path, mode: u32) -> Result<(), String> {
+    match std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), mode & 0o700)
+        .create(p)
+    {
+        Ok(()) => std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("{}: {e}", p.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("{}: {e}", p.display())),
+    }
+    let m = std::fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    if root_only_dir(&m) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a directory of root's that only root may write (owner {}, mode {:o}): it is left as it is",
+            p.display(),
+            m.uid(),
+            m.mode() & 0o7777
+        ))
+    }
+}
+
+/// Makes uid `uid`'s directory on GPU `leaf` afresh, as [`DIR_MODES`]
+/// says: what an earlier daemon left there is removed first.
+fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf), String> {
+    let mps = &node.cfg.mps_dir;
+    if let Some(parent) = mps.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    root_dir(mps, DIR_MODES[0])?;
+    let g = gpu_dir(node, leaf);
+    root_dir(&g, DIR_MODES[1])?;
+    let u = user_dir(node, leaf, uid);
+    // A root-owned path under root-only directories: nothing on it is a
+    // user's to redirect (remove_dir_all removes a link, never follows it).
+    match std::fs::remove_dir_all(&u) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{}: {e}", u.display())),
+    }
+    root_dir(&u, DIR_MODES[2])?;
+    set_traverse_acl(&u, uid)?;
+    let (pipe, log) = (u.join("pipe"), u.join("log"));
+    root_dir(&pipe, DIR_MODES[3])?;
+    root_dir(&log, DIR_MODES[4])?;
+    Ok((pipe, log))
 }
 
 fn err(msg: String) -> NodeError {
@@ -127,17 +293,17 @@ fn run_bounded(mut cmd: Command, input: &[u8], wait: Duration) -> Result<(), Str
     }
 }
 
-/// The control command with the daemon's environment and nothing else.
-fn control(node: &Node, program: &std::path::Path, leaf: &str, visible: Option<&str>) -> Command {
-    let d = dir(node, leaf);
+/// The control command with the daemon's environment and nothing else:
+/// its pipe and log directories.
+fn control(program: &Path, pipe: &Path, log: &Path, visible: Option<&str>) -> Command {
     let mut c = Command::new(program);
     c.env_clear()
         .env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         )
-        .env("CUDA_MPS_PIPE_DIRECTORY", d.join("pipe"))
-        .env("CUDA_MPS_LOG_DIRECTORY", d.join("log"))
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", log)
         .current_dir("/");
     if let Some(v) = visible {
         c.env("CUDA_VISIBLE_DEVICES", v);
@@ -163,11 +329,79 @@ fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
         .collect()
 }
 
-/// The Prolog's part for a gres/mps job (`mps_control` set): registers
-/// the job on each of its GPUs and starts the daemons not yet running (see
-/// the module's text). Fills `rec.mps`; marks the GPUs shared in
-/// `rec.gpu_idle` (the daemon is a co-tenant until the last job ends). A
-/// daemon that cannot be started is a note for the user and an `error`
+/// Whether the control daemon of cgroup `cg` runs: a process of root's
+/// there (its servers run as its user, [`is_foreign`] ended the rest).
+fn daemon_runs(node: &Node, cg: &str) -> bool {
+    node.cg
+        .procs_recursive(cg)
+        .into_iter()
+        .any(|p| crate::host::procs::uid_of(p) == Some(0))
+}
+
+/// A process [`end_foreign`] found and ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Foreign {
+    /// Its pid.
+    pub pid: i32,
+    /// Its real uid.
+    pub uid: u32,
+    /// The daemon's cgroup it was in (relative to the mount).
+    pub cgroup: String,
+    /// Whether it is gone now.
+    pub ended: bool,
+}
+
+/// Ends (`SIGKILL` through a pidfd) every process in a daemon's cgroup
+/// whose real uid is foreign to it ([`is_foreign`]): the daemon serves its
+/// user only, and anything else there holds the daemon's grant. Each is
+/// audited (`mps_foreign_process`, with `job` when a Prolog or Epilog
+/// found it), never ended silently. Called under the MPS lock by the
+/// Prolog and the Epilog of every gres/mps job.
+pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
+    let mut out = Vec::new();
+    for f in crate::host::mps_cgroups::foreign_processes(node) {
+        // The pidfd first, then the uid and the cgroup again: the signal
+        // is then for the process judged, whatever happens to the pid.
+        let Some(fd) = crate::response::engine::pidfd_open(f.pid) else {
+            continue;
+        };
+        let uid = crate::host::procs::uid_of(f.pid);
+        if uid != Some(f.uid) || !node.cg.procs_recursive(&f.cgroup).contains(&f.pid) {
+            continue;
+        }
+        crate::response::engine::signal(&fd, libc::SIGKILL);
+        crate::response::engine::wait_all(&[&fd], Duration::from_millis(node.cfg.kill_wait_ms));
+        let ended = crate::response::engine::exited(&fd);
+        let mut ev = AuditEvent::new(events::MPS_FOREIGN_PROCESS)
+            .pid(f.pid)
+            .uid(f.uid)
+            .field("phase", phase)
+            .field("cgroup", crate::host::cgpath::abs(&f.cgroup))
+            .field(
+                "daemon_uid",
+                f.daemon_uid.map_or(serde_json::Value::Null, Into::into),
+            )
+            .field("killed", ended);
+        if let Some(j) = job {
+            ev = ev.job(j);
+        }
+        let _ = node.audit(ev);
+        out.push(Foreign {
+            pid: f.pid,
+            uid: f.uid,
+            cgroup: f.cgroup,
+            ended,
+        });
+    }
+    out
+}
+
+/// The Prolog's part for a gres/mps job (`mps_control` set): ends foreign
+/// processes in the daemons' cgroups ([`end_foreign`]), registers the job
+/// with its user's daemon on each of its GPUs and starts the daemons not
+/// running (see the module's text). Fills `rec.mps`; marks the GPUs shared
+/// in `rec.gpu_idle` (the daemon is a co-tenant until the last job ends).
+/// A daemon that cannot be started is a note for the user and an `error`
 /// line: the job runs with its own grant (MPS clients that find no daemon
 /// run "as \[they\] normally would without MPS", nvidia-cuda-mps-control(1)),
 /// and nothing else gains the GPU.
@@ -184,17 +418,20 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
         return Ok(());
     }
     let gpu_major = node.gpu_major();
+    let uid = rec.uid;
     let _lock = lock(node)?;
+    end_foreign(node, Some(rec.job_id), "prolog");
     for (dev, visible) in gpus {
         let leaf = leaf(dev, gpu_major);
-        let users = node.state.mps_daemon_dir(&leaf);
+        let name = daemon_name(&leaf, uid);
+        let users = node.state.mps_daemon_dir(&name);
         gpufence_model::fsutil::create_dir_all_mode(&users, 0o700)
             .map_err(|e| NodeError::io("create", &users, e))?;
-        let mark = node.state.mps_registration_path(&leaf, rec.job_id);
+        let mark = node.state.mps_registration_path(&name, rec.job_id);
         std::fs::write(&mark, b"").map_err(|e| NodeError::io("write", &mark, e))?;
         rec.mps.push(MpsDaemon {
             dev,
-            pipe_dir: dir(node, &leaf).join("pipe"),
+            pipe_dir: user_dir(node, &leaf, uid).join("pipe"),
         });
         for g in rec
             .gpu_idle
@@ -203,10 +440,37 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
         {
             g.shared = true;
         }
-        if !node.cg.procs_recursive(&cgroup(node, &leaf)).is_empty() {
+        let cg = cgroup(node, &name);
+        if daemon_runs(node, &cg) {
             continue;
         }
-        if let Err(why) = start_one(node, fence, rec, &program, dev, &leaf, visible.as_deref()) {
+        // Gone (its user's `quit`, a crash) or never started: what is left
+        // of it goes, then a fresh one starts.
+        let restart = node.cg.path(&cg).exists();
+        if restart {
+            if let Err(why) = stop_one(node, Some(fence), &name) {
+                let _ = node.audit(
+                    AuditEvent::new(events::ERROR)
+                        .job(rec.job_id)
+                        .field("phase", "prolog")
+                        .field("mps_daemon", name.clone())
+                        .field(
+                            "reason",
+                            format!("MPS daemon found gone, not cleaned: {why}"),
+                        ),
+                );
+            }
+        }
+        let started = start_one(
+            node,
+            fence,
+            rec,
+            &program,
+            (dev, &leaf, uid),
+            visible.as_deref(),
+            restart,
+        );
+        if let Err(why) = started {
             rec.user_notes.push(format!(
                 "gres/mps: no MPS daemon for {dev} ({why}); the job runs without MPS"
             ));
@@ -214,7 +478,7 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
                 AuditEvent::new(events::ERROR)
                     .job(rec.job_id)
                     .field("phase", "prolog")
-                    .field("mps_daemon", leaf.clone())
+                    .field("mps_daemon", name.clone())
                     .field("reason", format!("MPS control daemon not started: {why}")),
             )?;
         }
@@ -226,21 +490,20 @@ fn start_one(
     node: &Node,
     fence: &Fence,
     rec: &JobRecord,
-    program: &std::path::Path,
-    gpu: DevNum,
-    leaf: &str,
+    program: &Path,
+    (gpu, leaf, uid): (DevNum, &str, u32),
     visible: Option<&str>,
+    restart: bool,
 ) -> Result<(), String> {
-    let d = dir(node, leaf);
-    for sub in ["pipe", "log"] {
-        let p = d.join(sub);
-        std::fs::create_dir_all(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        // Clients of every MPS job's user connect in `pipe`; both are
-        // root's, written by the daemon alone.
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .map_err(|e| format!("{}: {e}", p.display()))?;
-    }
-    let cg = cgroup(node, leaf);
+    let name = daemon_name(leaf, uid);
+    let (pipe, log) = match make_user_dirs(node, leaf, uid) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
+            return Err(e);
+        }
+    };
+    let cg = cgroup(node, &name);
     node.cg.create(&cg).map_err(|e| e.to_string())?;
     let id = node.cg.id(&cg).map_err(|e| e.to_string())?;
     let devs: Vec<(DevNum, gpufence_model::device::Access)> = rec
@@ -252,7 +515,7 @@ fn start_one(
     fence
         .grant_in(&node.cg, id, &cg, MPS_GRANT_JOB_ID, &devs)
         .map_err(|e| e.to_string())?;
-    let mut cmd = control(node, program, leaf, visible);
+    let mut cmd = control(program, &pipe, &log, visible);
     cmd.arg("-d");
     node.cg
         .join_at_exec(&cg, &mut cmd)
@@ -260,39 +523,46 @@ fn start_one(
     if let Err(e) = run_bounded(cmd, b"", MPS_WAIT) {
         let _ = fence.revoke_cgroup(id);
         let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, MPS_WAIT);
+        let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
         return Err(format!("{} -d: {e}", program.display()));
     }
     let _ = node.audit(
         AuditEvent::new(events::MPS_STARTED)
             .job(rec.job_id)
+            .uid(uid)
             .devices(devs.iter().map(|(d, _)| d))
-            .field("mps_daemon", leaf)
+            .field("mps_daemon", name)
+            .field("restarted", restart)
+            .field("pipe_dir", pipe.display().to_string())
             .field("cgroup", crate::host::cgpath::abs(&cg))
             .field("pids", node.cg.procs_recursive(&cg)),
     );
     Ok(())
 }
 
-/// What [`release`] did on one GPU.
+/// What [`release`] did with one daemon.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Released {
-    /// The daemon's name ([`leaf`]).
+    /// The daemon's name ([`daemon_name`]).
     pub leaf: String,
-    /// Whether the daemon was stopped (the job was the GPU's last MPS job).
+    /// Whether the daemon was stopped (the job was its user's last MPS job
+    /// on the GPU).
     pub stopped: bool,
     /// Processes still in the daemon's cgroup after `quit`, killed.
     pub killed: Vec<i32>,
 }
 
-/// The Epilog's part: removes job `job_id`'s registrations; on a GPU no
-/// other job is registered on, stops the daemon (`quit`, up to
-/// `kill_wait_ms` for its cgroup to empty), revokes its cgroup's grant,
-/// kills what is left and removes the cgroup and its directory. Runs
-/// whatever `mps_control` says now (a daemon started before it was unset
-/// is still stopped; `quit` is skipped then). Returns what was done on
-/// each GPU, and what failed, as text, after trying every GPU: the lock, a
-/// grant that could not be revoked or a daemon cgroup that could not be
-/// emptied (the node is unclean: the Epilog drains it).
+/// The Epilog's part: ends foreign processes in the daemons' cgroups
+/// ([`end_foreign`]) and removes job `job_id`'s registrations; a daemon no
+/// other job is registered with is stopped (`quit`, up to `kill_wait_ms`
+/// for its cgroup to empty; none when its user quit it already), its
+/// cgroup's grant revoked, what is left killed, the cgroup and its
+/// directories removed. Runs whatever `mps_control` says now (a daemon
+/// started before it was unset is still stopped; `quit` is skipped then).
+/// Returns what was done with each daemon, and what failed, as text, after
+/// trying every one: the lock, a grant that could not be revoked or a
+/// daemon cgroup that could not be emptied (the node is unclean: the
+/// Epilog drains it).
 pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
@@ -302,7 +572,7 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
     let mine: Vec<String> = entries
         .flatten()
         .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|leaf| node.state.mps_registration_path(leaf, job_id).exists())
+        .filter(|name| node.state.mps_registration_path(name, job_id).exists())
         .collect();
     if mine.is_empty() {
         return (done, errors);
@@ -314,48 +584,60 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
             return (done, errors);
         }
     };
-    for leaf in mine {
-        let users = node.state.mps_daemon_dir(&leaf);
-        let _ = std::fs::remove_file(node.state.mps_registration_path(&leaf, job_id));
+    end_foreign(node, Some(job_id), "epilog");
+    for name in mine {
+        let users = node.state.mps_daemon_dir(&name);
+        let _ = std::fs::remove_file(node.state.mps_registration_path(&name, job_id));
         let others = std::fs::read_dir(&users)
             .map(|r| r.flatten().count())
             .unwrap_or(0);
         if others > 0 {
             done.push(Released {
-                leaf,
+                leaf: name,
                 stopped: false,
                 killed: Vec::new(),
             });
             continue;
         }
         let _ = std::fs::remove_dir(&users);
-        match stop_one(node, fence, &leaf) {
+        match stop_one(node, fence, &name) {
             Ok(killed) => {
-                let _ = node.audit(
-                    AuditEvent::new(events::MPS_STOPPED)
-                        .job(job_id)
-                        .field("mps_daemon", leaf.clone())
-                        .field("killed", killed.clone()),
-                );
+                let mut ev = AuditEvent::new(events::MPS_STOPPED)
+                    .job(job_id)
+                    .field("mps_daemon", name.clone())
+                    .field("killed", killed.clone());
+                if let Some((_, uid)) = parse_daemon(&name) {
+                    ev = ev.uid(uid);
+                }
+                let _ = node.audit(ev);
                 done.push(Released {
-                    leaf,
+                    leaf: name,
                     stopped: true,
                     killed,
                 });
             }
-            Err(e) => errors.push(format!("MPS daemon {leaf}: {e}")),
+            Err(e) => errors.push(format!("MPS daemon {name}: {e}")),
         }
     }
     (done, errors)
 }
 
-fn stop_one(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<Vec<i32>, String> {
-    let cg = cgroup(node, leaf);
+/// Stops daemon `name` ([`daemon_name`]): `quit` while it runs, its
+/// cgroup emptied and removed (its grant revoked first), its directories
+/// removed. What was killed after `quit`.
+fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, String> {
+    let cg = cgroup(node, name);
     let id = node.cg.id(&cg).ok();
+    // A daemon of gpufence before one ran per user: `<mps_dir>/<leaf>`.
+    let dir = match parse_daemon(name) {
+        Some((leaf, uid)) => user_dir(node, leaf, uid),
+        None => gpu_dir(node, name),
+    };
     if let Some(program) = &node.cfg.mps_control {
-        if !node.cg.procs_recursive(&cg).is_empty() {
+        if daemon_runs(node, &cg) {
             // A daemon that does not answer is killed below.
-            let _ = run_bounded(control(node, program, leaf, None), b"quit\n", MPS_WAIT);
+            let q = control(program, &dir.join("pipe"), &dir.join("log"), None);
+            let _ = run_bounded(q, b"quit\n", MPS_WAIT);
         }
     }
     let wait = Duration::from_millis(node.cfg.kill_wait_ms);
@@ -372,11 +654,75 @@ fn stop_one(node: &Node, fence: Option<&Fence>, leaf: &str) -> Result<Vec<i32>, 
         crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
             .map_err(|e| format!("{e} (processes {killed:?})"))?;
     }
-    let _ = std::fs::remove_dir_all(dir(node, leaf));
-    // The parent too, once no daemon is left (fails while one is).
-    let _ = std::fs::remove_dir(
-        node.cg
-            .path(&join_cgroup(&node.cfg.cgroup_root, &node.cfg.mps_cgroup)),
-    );
+    // Root's directories under root-only ones (DIR_MODES): no link on the
+    // way is a user's; remove_dir_all removes a link, never follows it.
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some((leaf, _)) = parse_daemon(name) {
+        // The GPU's directory too, once no user's is left (fails while one is).
+        let _ = std::fs::remove_dir(gpu_dir(node, leaf));
+    }
+    // The parent cgroup too, once no daemon is left (fails while one is).
+    let _ = std::fs::remove_dir(node.cg.path(&cgroup_parent(node)));
     Ok(killed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_user_may_traverse_and_root_owns_the_way() {
+        // The way: <mps_dir>, <leaf> 0755; u<uid> 0700 (+ ACL); pipe, log.
+        assert_eq!(DIR_MODES, [0o755, 0o755, 0o700, 0o755, 0o755]);
+        assert!(
+            DIR_MODES.iter().all(|m| m & 0o022 == 0),
+            "root alone writes"
+        );
+        assert_eq!(DIR_MODES[2] & 0o077, 0, "no one but root by mode");
+        let acl = traverse_acl(1234);
+        assert_eq!(acl.len(), 4 + 5 * 8);
+        assert_eq!(&acl[..4], &2u32.to_le_bytes());
+        let entries: Vec<(u16, u16, u32)> = acl[4..]
+            .chunks(8)
+            .map(|c| {
+                (
+                    u16::from_le_bytes([c[0], c[1]]),
+                    u16::from_le_bytes([c[2], c[3]]),
+                    u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+                )
+            })
+            .collect();
+        assert_eq!(
+            entries,
+            [
+                (0x01, 7, u32::MAX),
+                (0x02, 5, 1234),
+                (0x04, 0, u32::MAX),
+                (0x10, 5, u32::MAX),
+                (0x20, 0, u32::MAX),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_acl_lets_the_user_alone_through() {
+        // On this machine's file system (tempdir), as far as it has ACLs.
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("u1234");
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+            .create(&d)
+            .unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        match set_traverse_acl(&d, 1234) {
+            Ok(()) => {
+                let m = std::fs::symlink_metadata(&d).unwrap();
+                // The group bits show the mask (r-x), the other bits none.
+                assert_eq!(m.mode() & 0o777, 0o750, "{:o}", m.mode());
+            }
+            Err(e) => assert!(e.contains("POSIX ACL"), "{e}"),
+        }
+        let link = t.path().join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        assert!(!root_only_dir(&std::fs::symlink_metadata(&link).unwrap()));
+    }
 }

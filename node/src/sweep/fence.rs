@@ -91,6 +91,24 @@ impl Sweep<'_> {
                 json!({"cgroup": crate::host::cgpath::abs(&l.cgroup), "pids": l.pids}),
             ));
         }
+        for p in crate::host::mps_cgroups::foreign_processes(node) {
+            let mut f = Finding::new(
+                Kind::MpsForeignProcess,
+                format!(
+                    "process {} of uid {} runs in MPS daemon cgroup {}, granted its GPU, which serves {} only: the next gres/mps Prolog or Epilog ends it (`gpufence respond {}` now)",
+                    p.pid,
+                    p.uid,
+                    crate::host::cgpath::abs(&p.cgroup),
+                    p.daemon_uid.map_or("root".to_string(), |u| format!("root and uid {u}")),
+                    p.pid
+                ),
+                json!({"daemon_uid": p.daemon_uid}),
+            );
+            f.pid = Some(p.pid);
+            f.uid = Some(p.uid);
+            f.cgroup = Some(crate::host::cgpath::abs(&p.cgroup));
+            self.findings.push(f);
+        }
         if let Some(f) = &self.fence {
             let exempt: Vec<u64> = f
                 .cgroup_flags()

@@ -22,6 +22,7 @@
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
 //! | `exemption_missing` | medium | a configured exempt cgroup exists but the fence does not hold it (its service restarted since the exemptions were written; `gpufence fence watch` puts it back) |
+//! | `mps_foreign_process` | critical | a process whose real uid is neither root nor the daemon's user in one of gpufence's MPS daemon cgroups (granted the daemon's GPU): the next MPS Prolog or Epilog ends it |
 //! | `exec_leftover` | medium | a leaf of gpufence's exempt exec cgroup holds processes whose gpufence command (`exec`, a Prolog or Epilog stepping out, `slurmd -G`) is gone: exempt from the fence |
 //! | `system_uid_range` | medium | `protected_uid_max` reaches `UID_MIN` of login.defs, or login accounts have uids at or below it: they would be taken for system accounts (their jobs are refused) |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
@@ -231,12 +232,16 @@ pub enum Kind {
     /// A leaf of gpufence's exempt exec cgroup holds processes whose
     /// gpufence command is gone.
     ExecLeftover,
+    /// A process of a foreign uid in one of gpufence's MPS daemon cgroups
+    /// ([`crate::host::mps_cgroups::is_foreign`]).
+    MpsForeignProcess,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 20] = [
+    pub const ALL: [Kind; 21] = [
         Kind::UnfencedGpuHolder,
+        Kind::MpsForeignProcess,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
         Kind::FenceNotEnforcing,
@@ -281,6 +286,7 @@ impl Kind {
             Kind::SystemUidRange => "system_uid_range",
             Kind::ExemptionMissing => "exemption_missing",
             Kind::ExecLeftover => "exec_leftover",
+            Kind::MpsForeignProcess => "mps_foreign_process",
         }
     }
 
@@ -290,7 +296,8 @@ impl Kind {
             Kind::UnfencedGpuHolder
             | Kind::FenceNotAttached
             | Kind::UnprotectedMajor
-            | Kind::MiningCmdline => Severity::Critical,
+            | Kind::MiningCmdline
+            | Kind::MpsForeignProcess => Severity::Critical,
             Kind::MiningConnection
             | Kind::GpuBusyWithoutGrant
             | Kind::UnauthenticatedNotebook

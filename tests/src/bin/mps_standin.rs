@@ -1,24 +1,57 @@
 //! `gpufence-mps-standin`: a stand-in for NVIDIA's MPS control daemon
-//! (`nvidia-cuda-mps-control`) on a node without a GPU, behaving as the
-//! tests need it to (nvidia-cuda-mps-control(1); docs.nvidia.com/deploy/mps):
+//! (`nvidia-cuda-mps-control`) on a node without a GPU, modelling what the
+//! real one does where gpufence's security rests on it
+//! (nvidia-cuda-mps-control(1); docs.nvidia.com/deploy/mps):
 //!
 //! ```text
 //! gpufence-mps-standin --gpu PATH -d   the control daemon: forks, returns once it listens on
 //!                                      $CUDA_MPS_PIPE_DIRECTORY/control (pid file
 //!                                      nvidia-cuda-mps-control.pid beside it). A client's
 //!                                      connection starts (or finds) the server of the client's
-//!                                      uid (SO_PEERCRED): a child of the daemon running as that
-//!                                      uid that opens PATH and holds it, across the jobs of that
-//!                                      user, until `quit`; a client of another uid while one
-//!                                      server runs is refused ("busy UID": MPS queues it).
+//!                                      uid (SO_PEERCRED); a client of another uid while one
+//!                                      server runs is answered "busy UID" (MPS queues it).
+//!                                      `quit` from whoever connects ends the server and the daemon.
 //! gpufence-mps-standin --gpu PATH      the control command: each line of stdin (`quit`,
 //!                                      `status`) is sent to the daemon and its answer printed
-//!                                      (`echo quit | nvidia-cuda-mps-control`)
+//!                                      (`echo quit | nvidia-cuda-mps-control`); exit 1 when the
+//!                                      daemon could not be reached
 //! gpufence-mps-standin client          an MPS client: connects through $CUDA_MPS_PIPE_DIRECTORY
 //!                                      and prints "MPS server PID ok" (its server holds the GPU),
 //!                                      "MPS server-failed EPERM|...", "MPS busy UID", or
-//!                                      "MPS unreachable PIPE_DIR" / "MPS no-pipe-dir"
+//!                                      "MPS unreachable PIPE_DIR EACCES|ENOENT|..." / "MPS no-pipe-dir"
+//! gpufence-mps-standin server --gpu PATH --report FD
+//!                                      the server, exec'ed by the daemon as the client's uid: opens
+//!                                      PATH, keeps it as descriptor [`SERVER_FD`], says "ok" (or the
+//!                                      errno's name) on FD, and holds it until killed
 //! ```
+//!
+//! Each behaviour and the NVIDIA text it models:
+//! - Several daemons side by side, each at its own pipe directory: "the
+//!   pipe directory ... `CUDA_MPS_PIPE_DIRECTORY`" addresses one control
+//!   daemon, and it writes `nvidia-cuda-mps-control.pid` there
+//!   (docs.nvidia.com/deploy/mps, appendix "Tools and Interface
+//!   Reference").
+//! - A server per client uid: the control daemon starts an MPS server
+//!   with the uid of the requesting client, and a client of another uid
+//!   while a server runs is queued until that server exits
+//!   (nvidia-cuda-mps-control(1), paraphrased): here "busy UID", so that
+//!   a test sees it at once.
+//! - The server is its own executable (`nvidia-cuda-mps-server`), exec'ed
+//!   after the daemon dropped to the client's uid: a process of that uid
+//!   that is dumpable again after `execve(2)` (`begin_new_exec`,
+//!   `fs/exec.c`, resets `dumpable` for an exec with no credential
+//!   change), so its uid may `ptrace(2)` it or `pidfd_getfd(2)` its GPU
+//!   descriptor, and another uid may not (`__ptrace_may_access`,
+//!   `kernel/ptrace.c`). The stand-in execs itself in `server` mode.
+//! - `quit` ("Shutdown the MPS control daemon process and all MPS servers",
+//!   nvidia-cuda-mps-control(1)) from whoever reaches the control pipe:
+//!   NVIDIA documents no per-command access check, so only the pipe
+//!   directory's permissions keep anyone out.
+//!
+//! What only a real GPU can confirm: that NVIDIA's daemon and server need
+//! nothing more in the pipe and log directories than this stand-in does
+//! (root's, 0755, under a directory only the user may traverse), and how
+//! the driver schedules two users' servers on one GPU.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -37,14 +70,30 @@ fn errno_word(e: i32) -> String {
         libc::ENXIO => "ENXIO".into(),
         libc::EPERM => "EPERM".into(),
         libc::EACCES => "EACCES".into(),
+        libc::ENOENT => "ENOENT".into(),
         n => format!("errno{n}"),
     }
 }
+
+/// The descriptor the server keeps the GPU as (so that a test knows
+/// which to ask `pidfd_getfd(2)` for).
+pub const SERVER_FD: i32 = 9;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("client") {
         return client();
+    }
+    if args.first().map(String::as_str) == Some("server") {
+        return match (
+            args.get(1).map(String::as_str),
+            args.get(2),
+            args.get(3).map(String::as_str),
+            args.get(4).and_then(|f| f.parse().ok()),
+        ) {
+            (Some("--gpu"), Some(gpu), Some("--report"), Some(fd)) => server(gpu, fd),
+            _ => ExitCode::from(2),
+        };
     }
     let (Some("--gpu"), Some(gpu)) = (args.first().map(String::as_str), args.get(1)) else {
         eprintln!("usage: gpufence-mps-standin --gpu PATH [-d] | client");
@@ -61,14 +110,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn ask(dir: &std::path::Path, line: &str) -> Option<String> {
-    let mut s = UnixStream::connect(dir.join("control")).ok()?;
+fn ask(dir: &std::path::Path, line: &str) -> Result<String, i32> {
+    let ioerr = |e: std::io::Error| e.raw_os_error().unwrap_or(0);
+    let mut s = UnixStream::connect(dir.join("control")).map_err(ioerr)?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .ok()?;
-    writeln!(s, "{line}").ok()?;
+        .map_err(ioerr)?;
+    writeln!(s, "{line}").map_err(ioerr)?;
     let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer).ok()?;
-    Some(answer.trim().to_string())
+    BufReader::new(s).read_line(&mut answer).map_err(ioerr)?;
+    Ok(answer.trim().to_string())
 }
 
 fn client() -> ExitCode {
@@ -77,8 +127,8 @@ fn client() -> ExitCode {
         return ExitCode::SUCCESS;
     };
     match ask(&dir, "client") {
-        Some(a) => println!("MPS {a}"),
-        None => println!("MPS unreachable {}", dir.display()),
+        Ok(a) => println!("MPS {a}"),
+        Err(e) => println!("MPS unreachable {} {}", dir.display(), errno_word(e)),
     }
     ExitCode::SUCCESS
 }
@@ -87,8 +137,11 @@ fn command(dir: &std::path::Path) -> ExitCode {
     let mut ok = true;
     for line in std::io::stdin().lock().lines().map_while(Result::ok) {
         match ask(dir, line.trim()) {
-            Some(a) => println!("{a}"),
-            None => ok = false,
+            Ok(a) => println!("{a}"),
+            Err(e) => {
+                eprintln!("{}: {}", dir.display(), errno_word(e));
+                ok = false;
+            }
         }
     }
     if ok {
@@ -188,8 +241,32 @@ fn daemon(gpu: &str, dir: &std::path::Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Forks the server for `uid`: it opens `gpu` as that uid and holds it.
-/// Its pid, or what the open gave.
+/// The server: opens `gpu`, keeps it as [`SERVER_FD`], reports the open's
+/// outcome on descriptor `report` and holds the GPU until killed.
+fn server(gpu: &str, report: i32) -> ExitCode {
+    // SAFETY: the descriptor the daemon passed us, ours alone now.
+    let report = unsafe { OwnedFd::from_raw_fd(report) };
+    let word = match std::fs::OpenOptions::new().read(true).write(true).open(gpu) {
+        Ok(f) => {
+            // SAFETY: dup2 of a descriptor we own onto a fixed number.
+            unsafe { libc::dup2(f.as_raw_fd(), SERVER_FD) };
+            "ok".to_string()
+        }
+        Err(e) => errno_word(e.raw_os_error().unwrap_or(0)),
+    };
+    let _ = std::fs::File::from(report).write_all(format!("{word}\n").as_bytes());
+    if word != "ok" {
+        return ExitCode::FAILURE;
+    }
+    loop {
+        // SAFETY: pause(2) until a signal ends us.
+        unsafe { libc::pause() };
+    }
+}
+
+/// Forks and execs the server for `uid` (this program in `server` mode)
+/// as `uid`, with its primary group and no supplementary groups. Its pid,
+/// or what its open gave.
 fn start_server(gpu: &str, uid: u32) -> Result<i32, String> {
     let mut fds = [0; 2];
     // SAFETY: pipe(2) into an array we own.
@@ -198,46 +275,55 @@ fn start_server(gpu: &str, uid: u32) -> Result<i32, String> {
     }
     // SAFETY: both ends are fresh descriptors we own.
     let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // The server's end, without O_CLOEXEC: it survives the exec.
+    // SAFETY: dup(2) of a descriptor we own.
+    let child_w = unsafe { libc::dup(w.as_raw_fd()) };
+    if child_w < 0 {
+        return Err("dup".into());
+    }
+    // SAFETY: the duplicate is ours.
+    let child_w = unsafe { OwnedFd::from_raw_fd(child_w) };
     let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
         .ok()
         .flatten()
         .map_or(uid, |u| u.gid.as_raw());
-    let path = std::ffi::CString::new(gpu).map_err(|_| "path".to_string())?;
+    let exe = std::env::current_exe().map_err(|e| format!("exe: {e}"))?;
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| "argument".to_string());
+    let argv = [
+        c(&exe.display().to_string())?,
+        c("server")?,
+        c("--gpu")?,
+        c(gpu)?,
+        c("--report")?,
+        c(&child_w.as_raw_fd().to_string())?,
+    ];
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
     // SAFETY: fork in the single-threaded daemon; the child only makes
-    // system calls and writes to the pipe before it sleeps.
+    // system calls before it execs.
     match unsafe { libc::fork() } {
         -1 => Err("fork".into()),
         0 => {
             drop(r);
-            // SAFETY: the child drops to the client's uid, opens the GPU,
-            // reports, and holds it; it dies with the daemon.
+            // SAFETY: the child drops to the client's uid and execs the
+            // server; it dies with the daemon (the death signal is set
+            // after setuid, which clears it, and kept across the exec).
             unsafe {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 libc::setgroups(0, std::ptr::null());
                 libc::setgid(gid);
                 if libc::setuid(uid) != 0 {
                     libc::write(w.as_raw_fd(), b"setuid\n".as_ptr().cast(), 7);
                     libc::_exit(1);
                 }
-                let fd = libc::open(path.as_ptr(), libc::O_RDWR);
-                let word = if fd < 0 {
-                    errno_word(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
-                } else {
-                    "ok".to_string()
-                };
-                let msg = format!("{word}\n");
-                libc::write(w.as_raw_fd(), msg.as_ptr().cast(), msg.len());
-                drop(w);
-                if fd < 0 {
-                    libc::_exit(1);
-                }
-                loop {
-                    libc::pause();
-                }
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                libc::execv(ptrs[0], ptrs.as_ptr());
+                libc::write(w.as_raw_fd(), b"exec\n".as_ptr().cast(), 5);
+                libc::_exit(1);
             }
         }
         pid => {
             drop(w);
+            drop(child_w);
             let mut word = String::new();
             let _ = std::fs::File::from(r).read_to_string(&mut word);
             match word.trim() {

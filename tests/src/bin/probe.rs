@@ -19,6 +19,7 @@
 //! gpufence-probe recvfd SOCKET           listen, print "listening", receive one fd, print "received", hold it
 //! gpufence-probe recvfd --map-leader-exit SOCKET  the same, then map it privately, close it,
 //!                                        and end the main thread (a thread keeps the mapping)
+//! gpufence-probe getfd PID FD          pidfd_getfd(2) of PID's descriptor FD: "getfd ok|EPERM|errno N"
 //! gpufence-probe trace PID               PTRACE_SEIZE PID, print "traced", sleep, never wait for it
 //! gpufence-probe sendfd SOCKET PATH      open PATH, send the fd over SOCKET, print "sent"
 //! gpufence-probe holders MAJOR:MINOR     the pids holding that character device, one per line
@@ -804,6 +805,29 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
+        }
+        // Another process's descriptor, as a debugger takes it
+        // (`pidfd_getfd(2)`: PTRACE_MODE_ATTACH_REALCREDS on the target).
+        ["getfd", pid, fd] => {
+            let (Ok(pid), Ok(fd)) = (pid.parse::<i32>(), fd.parse::<i32>()) else {
+                return ExitCode::from(2);
+            };
+            // SAFETY: pidfd_open(2) and pidfd_getfd(2) with integers; the
+            // descriptors returned are closed at exit.
+            let r = unsafe {
+                let pfd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
+                if pfd < 0 {
+                    -1
+                } else {
+                    libc::syscall(libc::SYS_pidfd_getfd, pfd as i32, fd, 0)
+                }
+            };
+            let res = if r < 0 {
+                Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+            } else {
+                Ok(())
+            };
+            say(&format!("getfd {}", word(res)));
         }
         ["trace", pid] => {
             // A tracer that never waits: the tracee's exit is reported to
