@@ -474,15 +474,18 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         node.open_gpus()
     };
     let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
-    let cands = respond::uncovered(
+    let found = respond::uncovered(
         node,
         rec.job_id,
+        Some(rec.uid),
         Some(fence),
         &gres,
         &info,
         gpu_major,
         &rec.mig,
     );
+    let not_read = found.not_read;
+    let cands = found.candidates;
     if !cands.is_empty() {
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
         // `refuse`: evidence and the audit line only; `kill`: the response.
@@ -517,12 +520,15 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         for c in respond::uncovered(
             node,
             rec.job_id,
+            Some(rec.uid),
             Some(fence),
             &gres,
             &again,
             gpu_major,
             &rec.mig,
-        ) {
+        )
+        .candidates
+        {
             if !survived.contains(&c.pid) {
                 survived.push(c.pid);
             }
@@ -536,6 +542,18 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         }
         rec.notes
             .push(format!("clean start: killed {pids:?} on the job's GPUs"));
+    }
+    // Past the budget, the GPU is never handed on uncertified: a process
+    // not read whole that gpufence does not end fails the job's start.
+    if !not_read.is_empty() {
+        return Err(NodeError::NotRead {
+            job_id: rec.job_id,
+            what: not_read
+                .iter()
+                .map(respond::NotRead::reason)
+                .collect::<Vec<_>>()
+                .join("; "),
+        });
     }
     if gpus.available() {
         // A GPU another job's live grant covers (gres/shard, gres/mps:
