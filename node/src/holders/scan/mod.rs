@@ -184,7 +184,7 @@ impl Default for Scanner {
         Scanner {
             mapped: HashMap::new(),
             btf: PathBuf::from(VMLINUX_BTF),
-            proc_only: PROC_ONLY.load(Ordering::Relaxed),
+            proc_only: PROC_ONLY.load(Ordering::Relaxed) || PROC_ONLY_HERE.with(|c| c.get()),
             snapshot: None,
             source: None,
             unread_means: None,
@@ -218,6 +218,16 @@ static PROC_ONLY: AtomicBool = AtomicBool::new(false);
 /// the two through code that makes its own scanner (`gpufence sweep`).
 pub fn set_proc_only(on: bool) {
     PROC_ONLY.store(on, Ordering::Relaxed);
+}
+
+thread_local! {
+    static PROC_ONLY_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// [`set_proc_only`] for the scanners this thread creates only (tests
+/// that exercise the `/proc` fallback beside others that do not).
+pub fn set_proc_only_in_this_thread(on: bool) {
+    PROC_ONLY_HERE.with(|c| c.set(on));
 }
 
 /// Which devices a scan looks for.
