@@ -463,7 +463,11 @@ fn past_the_budget_a_receiver_outside_every_job_is_ended_on_a_real_cluster() {
     let running = Cluster::wait_for(Duration::from_secs(60), || {
         std::fs::read_to_string(&out).is_ok_and(|t| t.contains("running"))
     });
-    assert!(running, "job {job} did not start: {}", cluster.log_tail("slurmd.log"));
+    assert!(
+        running,
+        "job {job} did not start: {}",
+        cluster.log_tail("slurmd.log")
+    );
     let receiver = env.spawn_ready(cmd, "listening");
     let ended = Cluster::wait_for(Duration::from_secs(120), || gpufence_tests::gone(receiver));
     let sent = std::fs::read_to_string(&out).unwrap_or_default();
@@ -497,12 +501,13 @@ fn past_the_budget_a_receiver_outside_every_job_is_ended_on_a_real_cluster() {
         "{lines:?}"
     );
     assert!(
-        !lines.iter().any(|e| (e["event"] == "survivor"
-            || e["event"] == "scan_over_budget")
-            && (e["pid"] == receiver
-                || e["pids"]
-                    .as_array()
-                    .is_some_and(|a| a.iter().any(|p| *p == receiver)))),
+        !lines.iter().any(
+            |e| (e["event"] == "survivor" || e["event"] == "scan_over_budget")
+                && (e["pid"] == receiver
+                    || e["pids"]
+                        .as_array()
+                        .is_some_and(|a| a.iter().any(|p| *p == receiver)))
+        ),
         "{lines:?}"
     );
 }

@@ -1621,8 +1621,9 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
 /// nothing of the job's: it is read again alone, still not read whole,
 /// and so the Epilog does not hand the GPU on: not clean, the drain reason
 /// and the survivors name its pid and "not read", a `scan_over_budget`
-/// line lists it under `not_read`; it is never killed (it may be another
-/// user's job). The re-read itself, given time ([`settle_over_budget`] of
+/// line lists it under `not_read`, and the next job's Prolog fails
+/// (`NodeError::NotRead`); it is never killed (it may be another user's
+/// job). The re-read itself, given time ([`settle_over_budget`] of
 /// the pids the real scan did not read): the one holding nothing is read
 /// whole and clears (no drain); one holding the job's device in its last
 /// slot is a holder (the usual rules apply); past its deadline, both are
@@ -1682,6 +1683,21 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
         && e["drain_reason"]
             .as_str()
             .is_some_and(|r| r.contains("not read"))));
+    // The next job's Prolog does not start it on the GPU either.
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let mut next = gpufence_tests::job_record(55, user, Some((dev, &gpu)));
+    match gpufence_node::job::prolog::clean_start(&node, &fence, &mut next) {
+        Err(e @ gpufence_node::NodeError::NotRead { .. }) => {
+            let e = e.to_string();
+            assert!(
+                e.starts_with("job 55: ") && e.contains(&format!("pid {idle} (uid 23456, ")),
+                "{e}"
+            );
+            assert!(e.contains("not read within scan_budget_ms (0 ms)"), "{e}");
+        }
+        other => panic!("the Prolog let job 55 start: {other:?}"),
+    }
+    assert!(!gone(idle), "never killed");
 
     // The re-read, given time.
     let holding = tables_of_another_uid(&mut env, &gpu);

@@ -459,6 +459,9 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
 ///
 /// # Errors
 /// [`NodeError::Strays`] when the policy refuses or something survives;
+/// [`NodeError::NotRead`] when a process not read whole within
+/// `scan_budget_ms` (twice) that gpufence does not end may hold the GPUs
+/// ([`respond::uncovered`]);
 /// [`NodeError::Response`] / [`NodeError::Audit`] when a step of the
 /// response fails; [`NodeError::Nvml`] when NVML answers with an error.
 pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), NodeError> {
