@@ -1647,6 +1647,12 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
     .unwrap();
     let user = gpufence_tests::cluster::test_uid();
     let idle = tables_of_another_uid(&mut env, std::path::Path::new("/dev/null"));
+    // Beside it, a holder the Epilog ends (the job's user outside every
+    // job, unread): the Epilog looks again after each round, and reads
+    // `idle` again only once.
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["tables", gpu.to_str().unwrap(), "8", "2000"]);
+    let ended = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
 
     node.state
@@ -1655,6 +1661,10 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
     let o = epilog::run(&node, 54, None);
     assert!(!o.clean(), "not read whole: not handed on: {o:?}");
     assert!(!gone(idle), "never killed");
+    assert!(
+        o.lingering.iter().any(|l| l.pid == ended && l.gone()) && gone(ended),
+        "{o:?}"
+    );
     assert!(!o.lingering.iter().any(|l| l.pid == idle), "{o:?}");
     let line = o
         .survivors
@@ -1683,6 +1693,17 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
         && e["drain_reason"]
             .as_str()
             .is_some_and(|r| r.contains("not read"))));
+    let reread = audit
+        .iter()
+        .filter(|e| {
+            e["event"] == "scan_over_budget"
+                && e["job_id"] == 54
+                && e["pids"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|p| *p == idle))
+        })
+        .count();
+    assert_eq!(reread, 1, "read again once per Epilog: {audit:?}");
     // The next job's Prolog does not start it on the GPU either.
     let fence = Fence::open(&env.bpffs).unwrap();
     let mut next = gpufence_tests::job_record(55, user, Some((dev, &gpu)));

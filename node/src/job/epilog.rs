@@ -459,10 +459,12 @@ impl<'a> Ctx<'a> {
         // The job's user: slurmd's SLURM_JOB_UID, or the record's.
         let job_uid = self.rec.as_ref().map(|r| r.uid).or(self.env.uid);
         // Processes not read whole (by the scan nor their re-read) that
-        // gpufence does not end: each one drains the node, once.
+        // gpufence does not end: each one drains the node, and is read
+        // again once only (later looks leave it out).
         let mut not_read: BTreeMap<i32, respond::NotRead> = BTreeMap::new();
         let mut look = |info: &[crate::host::gpus::GpuInfo]| {
-            let u = respond::uncovered(
+            let before: BTreeSet<i32> = not_read.keys().copied().collect();
+            let u = respond::uncovered_except(
                 node,
                 job_id,
                 job_uid,
@@ -471,6 +473,7 @@ impl<'a> Ctx<'a> {
                 info,
                 gpu_major,
                 mig,
+                &before,
             );
             for n in u.not_read {
                 not_read.entry(n.pid).or_insert(n);

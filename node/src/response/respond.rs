@@ -297,6 +297,35 @@ pub fn uncovered(
     gpu_major: u32,
     mig: &[MigSlice],
 ) -> Uncovered {
+    uncovered_except(
+        node,
+        job_id,
+        job_uid,
+        fence,
+        devs,
+        gpu_info,
+        gpu_major,
+        mig,
+        &BTreeSet::new(),
+    )
+}
+
+/// [`uncovered`], leaving out of the re-reads the processes in
+/// `not_read_before`: an earlier look of the same Prolog or Epilog found
+/// them not read whole (they are in its [`Uncovered::not_read`] already),
+/// so each round does not pay their re-read again.
+#[allow(clippy::too_many_arguments)]
+pub fn uncovered_except(
+    node: &Node,
+    job_id: u32,
+    job_uid: Option<u32>,
+    fence: Option<&Fence>,
+    devs: &BTreeSet<DevNum>,
+    gpu_info: &[GpuInfo],
+    gpu_major: u32,
+    mig: &[MigSlice],
+    not_read_before: &BTreeSet<i32>,
+) -> Uncovered {
     let me = std::process::id() as i32;
     let shared: BTreeSet<DevNum> = mig.iter().map(|s| s.parent).collect();
     let own_caps: BTreeSet<DevNum> = mig
@@ -321,7 +350,12 @@ pub fn uncovered(
         c.fds.extend(h.fds.iter().cloned());
         c.devices.extend(h.devices());
     }
-    let over: Vec<i32> = scanner.over_budget().iter().copied().collect();
+    let over: Vec<i32> = scanner
+        .over_budget()
+        .iter()
+        .copied()
+        .filter(|p| !not_read_before.contains(p))
+        .collect();
     let not_read = if over.is_empty() {
         Vec::new()
     } else {
