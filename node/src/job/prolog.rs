@@ -520,7 +520,8 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         // And what holds them now (one that let go before it was
         // stopped and took the device up again, or was handed it).
         let again = gpus.query(&minors).unwrap_or_default();
-        for c in respond::uncovered(
+        let known: BTreeSet<i32> = not_read.iter().map(|n| n.pid).collect();
+        for c in respond::uncovered_except(
             node,
             rec.job_id,
             Some(rec.uid),
@@ -529,6 +530,7 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
             &again,
             gpu_major,
             &rec.mig,
+            &known,
         )
         .candidates
         {

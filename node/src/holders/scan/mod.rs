@@ -1183,6 +1183,38 @@ mod tests {
         drop(null);
     }
 
+    /// The sweep's bounded `/proc` walk: given time it reads the process
+    /// whole (the hold and the sockets, nothing cut); past its deadline it
+    /// says where it stopped, never "holds nothing" for what it skipped.
+    #[test]
+    fn a_bounded_process_walk_says_where_it_stopped() {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let me = std::process::id() as i32;
+        let want = |d: DevNum| d == DevNum::new(1, 3);
+        let whole = Scanner::proc_walk().walk_process_within(
+            me,
+            &want,
+            Instant::now() + Duration::from_secs(60),
+        );
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
+        assert_eq!(whole.cut, None);
+        assert!(
+            whole
+                .holder
+                .as_ref()
+                .is_some_and(|h| h.fds.iter().any(|f| f.fd == fd)),
+            "{whole:?}"
+        );
+        let cut = Scanner::proc_walk().walk_process_within(me, &want, Instant::now());
+        assert!(cut.cut.is_some(), "{cut:?}");
+        assert!(cut.holder.is_none(), "{cut:?}");
+        let budgeted = Scanner::proc_walk()
+            .with_walk_budget(Duration::ZERO)
+            .process_fds(me, &want);
+        assert!(budgeted.cut.is_some(), "{budgeted:?}");
+        drop(null);
+    }
+
     /// A fixture process directory: a mapping of /dev/null (1:3) shown in
     /// `maps` and followed through `map_files`, and an io_uring whose
     /// fdinfo lists /dev/null as a registered file. Live mappings of
