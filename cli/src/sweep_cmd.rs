@@ -150,6 +150,9 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                         format!(", SURVIVED {:?}", o.survivors)
                     }
                 );
+                for n in &o.not_read {
+                    println!("{}", p(n));
+                }
                 for s in &o.spared {
                     println!("spared: pid {} ({})", s.pid, p(&s.why));
                 }

@@ -47,8 +47,10 @@ pub mod events {
     /// (`gpufence fence watch`).
     pub const EXEMPTION_APPLIED: &str = "exemption_applied";
     /// A scan for the holders of a job's devices did not read some
-    /// processes to their end within `scan_budget_ms`, outside the job's
-    /// own cgroup: named, left alone.
+    /// processes to their end within `scan_budget_ms` (other than the
+    /// job's own and its user's outside every job, which are candidates):
+    /// each read again alone; `not_read` lists those still unread (the
+    /// Epilog drains, the Prolog fails; never killed).
     pub const SCAN_OVER_BUDGET: &str = "scan_over_budget";
     /// A driver registered an NVIDIA major after the install (uvm loaded
     /// later): the fence protects it now.

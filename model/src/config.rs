@@ -162,11 +162,15 @@ pub struct Config {
     pub response_rounds: u32,
     /// How long one scan for the holders of a job's devices may take, in
     /// ms (each Prolog and Epilog scan; the kernel's passes stop at it).
-    /// A process whose descriptor table or mappings are not read to their
-    /// end by then counts as holding the job's devices when it is in the
-    /// job's own cgroup (the usual response ends it); anywhere else it is
-    /// named in a `scan_over_budget` audit line and left alone, so that
-    /// one job's table can never fail another job or the node.
+    /// Past it the GPU is never handed on uncertified: a process whose
+    /// descriptor tables or mappings are not read to their end by then
+    /// counts as holding the job's devices when it is in the job's own
+    /// cgroup or is the job's user's outside every job (the usual
+    /// response ends it); any other that no exemption covers is read
+    /// again alone within a further budget, and, still not read whole,
+    /// is never killed but keeps the GPU from the next job (the Epilog
+    /// drains, the Prolog fails). The sweep's `/proc` walk and `gpufence
+    /// respond` read each process within it too.
     pub scan_budget_ms: u64,
     /// Where the driver's /proc files are read (`driver/nvidia/gpus/*`,
     /// `driver/nvidia-caps/mig-minors`, capabilities); tests point it at

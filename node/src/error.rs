@@ -172,6 +172,17 @@ pub enum NodeError {
         /// The processes.
         pids: Vec<i32>,
     },
+    /// Processes not read whole within `scan_budget_ms` (the scan, then a
+    /// re-read of each alone) that gpufence does not end may hold the
+    /// job's GPUs: the job does not start on them
+    /// ([`crate::response::respond::uncovered`]).
+    #[error("job {job_id}: {what}; see the audit log (scan_over_budget)")]
+    NotRead {
+        /// The job.
+        job_id: u32,
+        /// Each process's [`crate::response::respond::NotRead::reason`].
+        what: String,
+    },
     /// The job runs as a uid gpufence takes for a system account
     /// ([`crate::host::accounts::is_system_job_uid`]).
     #[error("job {job_id} runs as uid {uid}, at or below protected_uid_max ({max}) in {config}: gpufence takes such uids for system accounts (never ended), so it runs no job of theirs; admin: set protected_uid_max below your users' uids (UID_MIN in /etc/login.defs)")]

@@ -375,3 +375,139 @@ fn a_receiver_of_a_thousand_tables_is_ended_by_the_epilog_on_a_real_cluster() {
     );
     assert!(took.as_secs() < 60, "stalled: {took:?}");
 }
+
+/// Issue 33, point 1 (second half), end to end: the same hand-off with a
+/// scan budget too short to reach the descriptor (`scan_budget_ms = 0`:
+/// the kernel's passes stop at a table's first clock check, 1,024
+/// slots). The receiver, of the job's user outside every job, has 8
+/// private tables of as many descriptors as `RLIMIT_NOFILE` allows and
+/// the job's GPU in the last slot of the last. Before, the Epilog took
+/// 0.06 s, named it in a `scan_over_budget` line and left it the GPU (the
+/// next job ran beside it); now it is a candidate ("not read to its end
+/// within scan_budget_ms"): ended (`process_killed`), the node idle, no
+/// drain for it.
+#[test]
+fn past_the_budget_a_receiver_outside_every_job_is_ended_on_a_real_cluster() {
+    if !privileged() {
+        return;
+    }
+    let mut env = TestEnv::new("e2ebudget");
+    let real = gpufence_tests::HoldableDevice::claim();
+    let n0 = env.mknod("nvidia0", 195, 0);
+    let held = env.mknod("nvidia-held", real.major, real.minor);
+    let gres = format!(
+        "Name=gpu Type=sim File={}\nName=gpu Type=held File={}\n",
+        n0.display(),
+        held.display()
+    );
+    let cluster = Cluster::start_with(
+        &env,
+        &gpufence_tests::cluster::ClusterSpec {
+            gres_conf: gres,
+            node_gres: "gpu:sim:1,gpu:held:1".into(),
+            gpufence_extra: format!(
+                "layout = \"own\"\nnvml = false\nterm_grace_ms = 500\nscan_budget_ms = 0\n[majors]\nnvidia = 195\nfake-held = {}\n",
+                real.major
+            ),
+            port_base: std::env::var("GPUFENCE_E2E_PORT_BASE")
+                .ok()
+                .and_then(|v| v.parse::<u16>().ok())
+                .map_or(17657, |p| p + 740),
+            ..Default::default()
+        },
+    );
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let probe = cluster.bin.join("gpufence-probe");
+    let sock = env.path("recv.sock");
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit into a struct we own.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let slots = (nofile.rlim_max.min(1 << 20) as usize).saturating_sub(100);
+    let mut cmd = gpufence_tests::as_test_user(&probe);
+    cmd.args([
+        "tables",
+        &format!("--recv={}", sock.display()),
+        "8",
+        &slots.to_string(),
+    ]);
+    // Started once the job runs: the job's Prolog, with the same budget,
+    // would take it for a holder of the job's GPU (rule 2) and end it
+    // before the hand-off. The job tries until the socket answers.
+    let out = env.path("jobs/sender.out");
+    let script = format!(
+        "echo running; for i in $(seq 300); do if {} sendfd {} {} | grep -q sent; then echo sent; break; fi; sleep 0.2; done; sleep 1",
+        probe.display(),
+        sock.display(),
+        held.display()
+    );
+    let o = cluster.as_user(
+        "sbatch",
+        &[
+            "--parsable",
+            "-o",
+            out.to_str().unwrap(),
+            "--gres=gpu:held:1",
+            "--wrap",
+            &script,
+        ],
+    );
+    assert!(o.status.success(), "sbatch: {}", both(&o));
+    let job: u32 = stdout(&o).trim().parse().expect("job id");
+    let running = Cluster::wait_for(Duration::from_secs(60), || {
+        std::fs::read_to_string(&out).is_ok_and(|t| t.contains("running"))
+    });
+    assert!(
+        running,
+        "job {job} did not start: {}",
+        cluster.log_tail("slurmd.log")
+    );
+    let receiver = env.spawn_ready(cmd, "listening");
+    let ended = Cluster::wait_for(Duration::from_secs(120), || gpufence_tests::gone(receiver));
+    let sent = std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(sent.contains("sent"), "the job did not hand it on: {sent}");
+    let lines = || -> Vec<Value> {
+        audit(&env)
+            .into_iter()
+            .filter(|e| e["job_id"] == job)
+            .collect()
+    };
+    assert!(
+        ended,
+        "the receiver outlived the Epilog: {:?} {}",
+        lines(),
+        cluster.log_tail("slurmd.log")
+    );
+    let settled = Cluster::wait_for(Duration::from_secs(30), || {
+        lines().iter().any(|e| e["event"] == "grant_revoked")
+            && stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T"])).trim() == "idle"
+    });
+    let lines = lines();
+    assert!(
+        settled,
+        "the node is not idle: {} {lines:?}",
+        stdout(&cluster.as_user("sinfo", &["-h", "-o", "%T %E"]))
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|e| e["event"] == "process_killed" && e["pid"] == receiver),
+        "{lines:?}"
+    );
+    assert!(
+        !lines.iter().any(
+            |e| (e["event"] == "survivor" || e["event"] == "scan_over_budget")
+                && (e["pid"] == receiver
+                    || e["pids"]
+                        .as_array()
+                        .is_some_and(|a| a.iter().any(|p| *p == receiver)))
+        ),
+        "{lines:?}"
+    );
+}

@@ -655,7 +655,9 @@ fn a_holder_that_let_go_is_left_alone() {
     cmd.args(["hold", gpu.to_str().unwrap()]);
     let holder = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
-    let cands = gpufence_node::response::respond::uncovered(&node, 0, None, &devs, &[], 195, &[]);
+    let cands =
+        gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
+            .candidates;
     let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
     found.sort();
     let mut want = vec![released, holder];
@@ -725,7 +727,8 @@ fn evidence_stays_within_its_budget() {
     };
     let respond = |budget: &mut Budget| {
         let cands =
-            gpufence_node::response::respond::uncovered(&node, 0, None, &devs, &[], 195, &[]);
+            gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
+                .candidates;
         gpufence_node::response::respond::respond(
             &node,
             gpufence_node::response::respond::Mode::End,
@@ -1145,17 +1148,18 @@ fn tables_past_one_pass_are_read_in_further_passes() {
     );
 }
 
-/// A scan past its budget (`scan_budget_ms`; 0 here) fails closed for the
-/// job it scans, and only for it. The kernel's passes stop at a table's
-/// first clock check (1,024 slots): a process whose table is larger is not
-/// read to its end. One of the job's own user in the job's cgroup
-/// (`job_<id>`) then counts as holding all of the job's devices (the usual
-/// response ends it); one of root there (a job's slurmstepd) never does (it
-/// would only fail the job and drain the node); one anywhere else is named
-/// in one `scan_over_budget` audit line and is no candidate (no kill, no
-/// drain). A process with a small table is read whole however late it
-/// comes, so the job's own small processes are never taken for holders.
-/// With the default budget none is a candidate.
+/// A scan past its budget (`scan_budget_ms`; 0 here) fails closed. The
+/// kernel's passes stop at a table's first clock check (1,024 slots): a
+/// process whose table is larger is not read to its end. One of the job's
+/// own user in the job's cgroup (`job_<id>`) then counts as holding all of
+/// the job's devices (the usual response ends it); one of root there (a
+/// job's slurmstepd) and one in another job are no candidates (never
+/// killed for being unread): each is read again alone, within the budget,
+/// and not read whole it is `not_read` (the GPU is not handed on), named
+/// in one `scan_over_budget` audit line. A process with a small table is
+/// read whole however late it comes, so the job's own small processes are
+/// never taken for holders. With the default budget none is a candidate
+/// and none unread.
 #[test]
 fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     if !privileged() {
@@ -1180,7 +1184,18 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     };
     let node = cfg_at(0);
     fence_ops::install(&node).unwrap();
-    let cands = gpufence_node::response::respond::uncovered(&node, job, None, &devs, &[], 195, &[]);
+    let user = gpufence_tests::cluster::test_uid();
+    let found = gpufence_node::response::respond::uncovered(
+        &node,
+        job,
+        Some(user),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    let cands = found.candidates;
     let c = cands.iter().find(|c| c.pid == mine).unwrap_or_else(|| {
         panic!("pid {mine} of job {job} not read within the budget is no candidate: {cands:?}")
     });
@@ -1199,18 +1214,65 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
             "{who} ({pid}) is no candidate: {cands:?}"
         );
     }
+    // Root's process in the job and the user's process in another job
+    // are read again alone, within a budget of 0 ms: not read whole, so
+    // the GPU is not handed on (never killed).
+    for (pid, who) in [
+        (stepd, "root's process in the job"),
+        (other, "another job's"),
+    ] {
+        let n = found
+            .not_read
+            .iter()
+            .find(|n| n.pid == pid)
+            .unwrap_or_else(|| panic!("{who} ({pid}) not read: {:?}", found.not_read));
+        assert!(n.reason().contains(&format!("pid {pid} ")), "{n:?}");
+        assert!(n.reason().contains("not read within scan_budget_ms (0 ms)"));
+    }
+    assert!(!found
+        .not_read
+        .iter()
+        .any(|n| n.pid == mine || n.pid == small));
     let lines: Vec<serde_json::Value> = gpufence_tests::audit_log(&env.path("log/audit.jsonl"))
         .into_iter()
         .filter(|e| e["event"] == "scan_over_budget")
         .collect();
     assert_eq!(lines.len(), 1, "{lines:?}");
+    let unread: Vec<i64> = lines[0]["not_read"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p.as_i64())
+        .collect();
+    assert!(
+        unread.contains(&i64::from(stepd)) || unread.len() == 20,
+        "{lines:?}"
+    );
     assert_eq!(lines[0]["job_id"], job);
     assert_eq!(lines[0]["budget_ms"], 0);
     assert!(lines[0]["processes"].as_u64().unwrap() >= 2, "{lines:?}");
     assert!(lines[0]["pids"].as_array().unwrap().len() <= 20);
     // The default budget: every table read, none a candidate.
     let node = cfg_at(2000);
-    let cands = gpufence_node::response::respond::uncovered(&node, job, None, &devs, &[], 195, &[]);
+    let found = gpufence_node::response::respond::uncovered(
+        &node,
+        job,
+        Some(user),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    let cands = found.candidates;
+    assert!(
+        !found
+            .not_read
+            .iter()
+            .any(|n| [mine, small, stepd, other].contains(&n.pid)),
+        "{:?}",
+        found.not_read
+    );
     assert!(
         !cands
             .iter()
@@ -1398,5 +1460,311 @@ fn a_holder_of_a_thousand_tables_is_ended_not_walked() {
     assert!(r.survivors.is_empty(), "{r:?}");
     assert!(gone(other));
     assert!(respond_took.as_secs() < 60, "stalled: {respond_took:?}");
+    drop(real);
+}
+
+/// A node whose scan budget is `budget_ms` (0: the kernel's passes stop
+/// at a table's first clock check, 1,024 slots, and a re-read at its
+/// first descriptor).
+fn node_with_budget(env: &TestEnv, major: u32, budget_ms: u64) -> Node {
+    let p = env.config(&format!(
+        "term_grace_ms = 500\nscan_budget_ms = {budget_ms}\n[majors]\nnvidia = 195\nfake-gpu = {major}\n"
+    ));
+    Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap()
+}
+
+/// `gpufence-probe tables PATH 8 2000` as uid 23456 (setpriv), in the
+/// test's own cgroup (outside every job, and outside the cgroup the
+/// test's fence is attached at, so it may open the device): eight private
+/// descriptor tables of 2,000 slots, `path` in the last slot of the last.
+fn tables_of_another_uid(env: &mut TestEnv, path: &std::path::Path) -> i32 {
+    let mut cmd = std::process::Command::new("setpriv");
+    cmd.args([
+        "--reuid",
+        "23456",
+        "--regid",
+        "23456",
+        "--clear-groups",
+        "--",
+    ])
+    .arg(gpufence_tests::probe_bin())
+    .args(["tables", path.to_str().unwrap(), "8", "2000"]);
+    env.spawn_ready(cmd, "held")
+}
+
+/// Survivors that are not this test's: "not read" lines of processes the
+/// test did not make (a budget of 0 ms reads no large table on the
+/// machine whole; their drain is the rule's, not this test's to judge).
+fn others_not_read(survivors: &[String], ours: &[i32]) -> bool {
+    survivors.iter().all(|s| {
+        s.contains("not read within scan_budget_ms")
+            && !ours.iter().any(|p| s.starts_with(&format!("pid {p} ")))
+    })
+}
+
+/// Issue 33, point 1 (second half), rule 2: past the budget, a process
+/// of the job's user outside every job that could not be read whole is a
+/// candidate, as it is inside the job. The job's user holds the job's
+/// device in the last slot of the last of eight private tables of 2,000
+/// slots, outside every job cgroup; with `scan_budget_ms = 0` the scan
+/// cannot reach it. Before, it was one `scan_over_budget` line and kept
+/// the GPU; now it is a candidate whose holds say "not read to its end",
+/// and the Epilog ends it (`process_killed`), no drain for it. `gpufence
+/// respond` on another such process says it was not read whole within
+/// 0 ms.
+#[test]
+fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("budget-user");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node_with_budget(&env, real.major, 0);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let user = gpufence_tests::cluster::test_uid();
+    // In the test's own cgroup: outside every job.
+    let flooded = |env: &mut TestEnv| {
+        let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+        cmd.args(["tables", gpu.to_str().unwrap(), "8", "2000"]);
+        env.spawn_ready(cmd, "held")
+    };
+    let holder = flooded(&mut env);
+    let devs: BTreeSet<DevNum> = [dev].into();
+    let found = gpufence_node::response::respond::uncovered(
+        &node,
+        53,
+        Some(user),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    let c = found
+        .candidates
+        .iter()
+        .find(|c| c.pid == holder)
+        .unwrap_or_else(|| panic!("{holder} is no candidate: {found:?}"));
+    assert_eq!(c.devices, devs);
+    assert!(
+        c.fds.iter().any(|f| f.unread
+            && f.path
+                .to_string_lossy()
+                .contains("not read to its end within scan_budget_ms (0 ms)")),
+        "{c:?}"
+    );
+    assert!(!found.not_read.iter().any(|n| n.pid == holder));
+    // Another job's uid (unknown here): the same process is only read
+    // again, never a candidate for being unread.
+    let strangers = gpufence_node::response::respond::uncovered(
+        &node,
+        53,
+        Some(23457),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    assert!(
+        !strangers.candidates.iter().any(|c| c.pid == holder),
+        "{strangers:?}"
+    );
+    assert!(strangers.not_read.iter().any(|n| n.pid == holder));
+
+    node.state
+        .write_record(&gpufence_tests::job_record(53, user, Some((dev, &gpu))))
+        .unwrap();
+    let o = epilog::run(&node, 53, None);
+    let l = o
+        .lingering
+        .iter()
+        .find(|l| l.pid == holder)
+        .unwrap_or_else(|| panic!("{holder} not responded to: {o:?}"));
+    assert!(l.gone() && l.evidence.is_some(), "{l:?}");
+    assert!(gone(holder));
+    assert!(others_not_read(&o.survivors, &[holder]), "{o:?}");
+    assert!(o.errors.is_empty(), "{o:?}");
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    assert!(audit
+        .iter()
+        .any(|e| e["event"] == "process_killed" && e["pid"] == holder));
+    assert!(!audit
+        .iter()
+        .any(|e| e["event"] == "survivor" && e["pid"] == holder));
+
+    // `gpufence respond PID`: it stops and kills, and says what it could
+    // not read within the budget (0 ms) instead of calling it clean.
+    let other = flooded(&mut env);
+    let r = gpufence_node::response::incident::respond_pid(&node, other, None).unwrap();
+    assert_eq!(r.killed, vec![other], "{r:?}");
+    assert!(
+        r.not_read
+            .iter()
+            .any(|n| n.starts_with(&format!("pid {other}: not read whole within 0 ms"))),
+        "{r:?}"
+    );
+    assert!(gone(other));
+    drop(real);
+}
+
+/// Rule 3: a process of another user (uid 23456), outside every job,
+/// whose eight tables of 2,000 slots a budget of 0 ms cannot read, holding
+/// nothing of the job's: it is read again alone, still not read whole,
+/// and so the Epilog does not hand the GPU on: not clean, the drain reason
+/// and the survivors name its pid and "not read", a `scan_over_budget`
+/// line lists it under `not_read`, and the next job's Prolog fails
+/// (`NodeError::NotRead`); it is never killed (it may be another user's
+/// job). The re-read itself, given time ([`settle_over_budget`] of
+/// the pids the real scan did not read): the one holding nothing is read
+/// whole and clears (no drain); one holding the job's device in its last
+/// slot is a holder (the usual rules apply); past its deadline, both are
+/// not read.
+#[test]
+fn past_the_budget_another_users_process_is_read_again_or_drains() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("budget-other");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node_with_budget(&env, real.major, 0);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let user = gpufence_tests::cluster::test_uid();
+    let idle = tables_of_another_uid(&mut env, std::path::Path::new("/dev/null"));
+    // Beside it, a holder the Epilog ends (the job's user outside every
+    // job, unread): the Epilog looks again after each round, and reads
+    // `idle` again only once.
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["tables", gpu.to_str().unwrap(), "8", "2000"]);
+    let ended = env.spawn_ready(cmd, "held");
+    let devs: BTreeSet<DevNum> = [dev].into();
+
+    node.state
+        .write_record(&gpufence_tests::job_record(54, user, Some((dev, &gpu))))
+        .unwrap();
+    let o = epilog::run(&node, 54, None);
+    assert!(!o.clean(), "not read whole: not handed on: {o:?}");
+    assert!(!gone(idle), "never killed");
+    assert!(
+        o.lingering.iter().any(|l| l.pid == ended && l.gone()) && gone(ended),
+        "{o:?}"
+    );
+    assert!(!o.lingering.iter().any(|l| l.pid == idle), "{o:?}");
+    let line = o
+        .survivors
+        .iter()
+        .find(|s| s.starts_with(&format!("pid {idle} (uid 23456, cgroup /")))
+        .unwrap_or_else(|| panic!("{idle} not named: {:?}", o.survivors));
+    assert!(
+        line.ends_with("not read within scan_budget_ms (0 ms); GPU not handed on"),
+        "{line}"
+    );
+    let reason = o.drain_reason.clone().unwrap_or_default();
+    assert!(
+        reason.starts_with("gpufence: job 54: pid ") && reason.contains("not read"),
+        "{reason}"
+    );
+    let audit = gpufence_tests::audit_log(&env.path("log/audit.jsonl"));
+    assert!(
+        audit.iter().any(|e| e["event"] == "scan_over_budget"
+            && e["job_id"] == 54
+            && e["not_read"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|p| *p == idle))),
+        "{audit:?}"
+    );
+    assert!(audit.iter().any(|e| e["event"] == "error"
+        && e["drain_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("not read"))));
+    let reread = audit
+        .iter()
+        .filter(|e| {
+            e["event"] == "scan_over_budget"
+                && e["job_id"] == 54
+                && e["pids"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|p| *p == idle))
+        })
+        .count();
+    assert_eq!(reread, 1, "read again once per Epilog: {audit:?}");
+    // The next job's Prolog does not start it on the GPU either.
+    let fence = Fence::open(&env.bpffs).unwrap();
+    let mut next = gpufence_tests::job_record(55, user, Some((dev, &gpu)));
+    match gpufence_node::job::prolog::clean_start(&node, &fence, &mut next) {
+        Err(e @ gpufence_node::NodeError::NotRead { .. }) => {
+            let e = e.to_string();
+            assert!(
+                e.starts_with("job 55: ") && e.contains(&format!("pid {idle} (uid 23456, ")),
+                "{e}"
+            );
+            assert!(e.contains("not read within scan_budget_ms (0 ms)"), "{e}");
+        }
+        other => panic!("the Prolog let job 55 start: {other:?}"),
+    }
+    assert!(!gone(idle), "never killed");
+
+    // The re-read, given time.
+    let holding = tables_of_another_uid(&mut env, &gpu);
+    let mut scan = Scanner::with_pins(&env.bpffs).with_budget(std::time::Duration::ZERO);
+    scan.holders(&devs);
+    for p in [idle, holding] {
+        assert!(scan.over_budget().contains(&p), "{p} read whole at 0 ms");
+    }
+    let settle = |deadline| {
+        gpufence_node::response::respond::settle_over_budget(
+            &node,
+            54,
+            Some(user),
+            None,
+            &devs,
+            &[idle, holding],
+            deadline,
+        )
+    };
+    let (cands, not_read) = settle(std::time::Instant::now() + std::time::Duration::from_secs(60));
+    assert!(not_read.is_empty(), "read whole: {not_read:?}");
+    assert_eq!(
+        cands.iter().map(|c| c.pid).collect::<Vec<_>>(),
+        vec![holding],
+        "{cands:?}"
+    );
+    assert_eq!(cands[0].devices, devs);
+    assert!(cands[0].fds.iter().all(|f| !f.unread && f.dev == dev));
+    let (cands, not_read) = settle(std::time::Instant::now());
+    assert!(cands.is_empty(), "{cands:?}");
+    let mut unread: Vec<i32> = not_read.iter().map(|n| n.pid).collect();
+    unread.sort();
+    let mut want = vec![idle, holding];
+    want.sort();
+    assert_eq!(unread, want);
+    for p in [idle, holding] {
+        // SAFETY: kill(2) of our own children, made above.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    let t0 = std::time::Instant::now();
+    while !(gone(idle) && gone(holding)) {
+        assert!(
+            t0.elapsed().as_secs() < 10,
+            "the test's holders did not end"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     drop(real);
 }

@@ -1895,3 +1895,117 @@ fn exempt_daemons_on_an_idle_gpu_are_not_busy_without_grant() {
         vec![Some(user)]
     );
 }
+
+/// `gpufence-probe tables /dev/null 8 N` in cgroup `cg`, as uid 23456
+/// (`as_other`) or root: eight private descriptor tables of up to 5,000
+/// slots (`RLIMIT_NOFILE` allowing), holding nothing the sweep looks for.
+fn big_tables(env: &mut TestEnv, cg: &str, as_other: bool) -> i32 {
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit into a struct we own.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let slots = (nofile.rlim_max.min(5_100) as usize)
+        .saturating_sub(100)
+        .to_string();
+    let mut cmd = env.command_in(cg, "setpriv");
+    if as_other {
+        cmd.args(["--reuid", "23456", "--regid", "23456", "--clear-groups"]);
+    }
+    cmd.arg("--")
+        .arg(gpufence_tests::probe_bin())
+        .args(["tables", "/dev/null", "8", &slots]);
+    env.spawn_ready(cmd, "held")
+}
+
+/// Issue 33, point 1: where the kernel's iterators cannot run, the
+/// sweep's `/proc` walk is bounded (`scan_budget_ms` per process, 20 ms
+/// here) and fails closed. A process outside every job whose eight tables
+/// of 5,000 descriptors are not read whole by then is a critical
+/// `not_read_whole` finding naming its pid and "not read" (`--drain`
+/// drains with that reason; nothing is killed); the same in a job cgroup
+/// is medium (its Epilog judges it); root's in an exempt cgroup is no
+/// finding; a small process is read whole. With the default budget
+/// every one of them is read whole: no such finding.
+#[test]
+fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
+    if !privileged() {
+        return;
+    }
+    gpufence_node::holders::scan::set_proc_only_in_this_thread(true);
+    let env = TestEnv::new("notread");
+    let exempt = format!("{}/exempt", env.root);
+    let mut node = config(
+        &env,
+        &format!("exempt_cgroups = [\"{exempt}\"]\nscan_budget_ms = 20"),
+        "",
+        None,
+    );
+    fence_ops::install(&node).unwrap();
+    let mut env = env;
+    let out = env.cgroup("outside");
+    let job = env.cgroup("job_7/step_0/user/task_0");
+    let ex = env.cgroup("exempt");
+    let outside = big_tables(&mut env, &out, true);
+    let in_job = big_tables(&mut env, &job, true);
+    let daemon = big_tables(&mut env, &ex, false);
+    let small = env.spawn_user_sleeper(&out);
+    let mut w = World {
+        env,
+        node: Node::new(node.cfg.clone(), node.origin.clone()).unwrap(),
+        scenario: None,
+    };
+    let args = w.env.path("scontrol.args");
+    let o = w.sweep_with(|r| r.drain_node = Some("node17".into()));
+    let nr = of_kind(&o, Kind::NotReadWhole);
+    let f = nr
+        .iter()
+        .find(|f| f.pid == Some(outside))
+        .unwrap_or_else(|| panic!("{outside} not reported: {o:#?}"));
+    assert_eq!(f.severity, Severity::Critical);
+    assert_eq!(f.uid, Some(23456));
+    assert!(
+        f.summary.starts_with(&format!(
+            "pid {outside} not read whole within scan_budget_ms (20 ms): "
+        )),
+        "{}",
+        f.summary
+    );
+    let j = nr
+        .iter()
+        .find(|f| f.pid == Some(in_job))
+        .unwrap_or_else(|| panic!("{in_job} not reported: {o:#?}"));
+    assert_eq!(j.severity, Severity::Medium);
+    assert_eq!(j.evidence["job_cgroup"], "job_7");
+    for p in [daemon, small] {
+        assert!(!nr.iter().any(|f| f.pid == Some(p)), "{p}: {o:#?}");
+    }
+    // Critical: `--drain` drains, the reason naming the pid and "not read".
+    assert_eq!(o.exit, 1);
+    let drained = o.drained.clone().unwrap_or_default();
+    assert!(
+        drained.starts_with(&format!(
+            "gpufence: sweep: critical not_read_whole pid {outside} "
+        )) && drained.contains("not read whole"),
+        "{drained}"
+    );
+    assert!(std::fs::read_to_string(&args)
+        .unwrap()
+        .contains(&format!("pid {outside} ")));
+    for p in [outside, in_job, daemon, small] {
+        assert!(!gone(p), "{p} is never killed");
+    }
+    assert!(o.report.duration_seconds < 60.0, "stalled: {o:#?}");
+    // The default budget: every one read whole.
+    node.cfg.scan_budget_ms = 2000;
+    w.node = node;
+    let o = w.sweep();
+    assert!(
+        !of_kind(&o, Kind::NotReadWhole)
+            .iter()
+            .any(|f| [outside, in_job, daemon, small].contains(&f.pid.unwrap_or(0))),
+        "{o:#?}"
+    );
+    gpufence_node::holders::scan::set_proc_only_in_this_thread(false);
+}

@@ -16,7 +16,7 @@
 //! exempt cgroup ([`crate::job::injob::step_out`]), so that every check above
 //! works as it does from slurmd's cgroup, and steps back before it exits.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,10 @@ pub struct EpilogOutcome {
     pub revoked: Vec<GrantEntry>,
     /// Processes that held the job's devices.
     pub lingering: Vec<Lingering>,
-    /// Processes still holding the job's devices after the response.
+    /// Processes still holding the job's devices after the response, and
+    /// processes not read whole within `scan_budget_ms` that gpufence
+    /// does not end ([`respond::NotRead::reason`]: "pid N (uid U, cgroup
+    /// C) not read within scan_budget_ms ...").
     pub survivors: Vec<String>,
     /// Problems that make the node unsafe (non-zero exit).
     pub errors: Vec<String>,
@@ -456,8 +459,29 @@ impl<'a> Ctx<'a> {
         );
         // The job's user: slurmd's SLURM_JOB_UID, or the record's.
         let job_uid = self.rec.as_ref().map(|r| r.uid).or(self.env.uid);
-        let mut cands =
-            respond::uncovered(node, job_id, fence.as_ref(), devs, &info, gpu_major, mig);
+        // Processes not read whole (by the scan nor their re-read) that
+        // gpufence does not end: each one drains the node, and is read
+        // again once only (later looks leave it out).
+        let mut not_read: BTreeMap<i32, respond::NotRead> = BTreeMap::new();
+        let mut look = |info: &[crate::host::gpus::GpuInfo]| {
+            let before: BTreeSet<i32> = not_read.keys().copied().collect();
+            let u = respond::uncovered_except(
+                node,
+                job_id,
+                job_uid,
+                fence.as_ref(),
+                devs,
+                info,
+                gpu_major,
+                mig,
+                &before,
+            );
+            for n in u.not_read {
+                not_read.entry(n.pid).or_insert(n);
+            }
+            u.candidates
+        };
+        let mut cands = look(&info);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
         let responded = !cands.is_empty();
         let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
@@ -492,7 +516,7 @@ impl<'a> Ctx<'a> {
             out.lingering.extend(lingering);
             out.errors.extend(errs.iter().map(ToString::to_string));
             let again = gpus.query(minors).unwrap_or_default();
-            cands = respond::uncovered(node, job_id, fence.as_ref(), devs, &again, gpu_major, mig);
+            cands = look(&again);
         }
         if let Some(s) = budget.summary() {
             let _ = node.audit(
@@ -508,8 +532,7 @@ impl<'a> Ctx<'a> {
         }
         if responded {
             let again = gpus.query(minors).unwrap_or_default();
-            for c in respond::uncovered(node, job_id, fence.as_ref(), devs, &again, gpu_major, mig)
-            {
+            for c in look(&again) {
                 if out
                     .lingering
                     .iter()
@@ -528,6 +551,9 @@ impl<'a> Ctx<'a> {
                 ));
             }
         }
+        // Past the budget, the GPU is never handed on uncertified.
+        out.survivors
+            .extend(not_read.values().map(respond::NotRead::reason));
     }
 
     /// Step 4: each job GPU's used memory comes back to its idle level; on

@@ -459,6 +459,9 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
 ///
 /// # Errors
 /// [`NodeError::Strays`] when the policy refuses or something survives;
+/// [`NodeError::NotRead`] when a process not read whole within
+/// `scan_budget_ms` (twice) that gpufence does not end may hold the GPUs
+/// ([`respond::uncovered`]);
 /// [`NodeError::Response`] / [`NodeError::Audit`] when a step of the
 /// response fails; [`NodeError::Nvml`] when NVML answers with an error.
 pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), NodeError> {
@@ -474,15 +477,18 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         node.open_gpus()
     };
     let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
-    let cands = respond::uncovered(
+    let found = respond::uncovered(
         node,
         rec.job_id,
+        Some(rec.uid),
         Some(fence),
         &gres,
         &info,
         gpu_major,
         &rec.mig,
     );
+    let not_read = found.not_read;
+    let cands = found.candidates;
     if !cands.is_empty() {
         let pids: Vec<i32> = cands.iter().map(|c| c.pid).collect();
         // `refuse`: evidence and the audit line only; `kill`: the response.
@@ -514,15 +520,20 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         // And what holds them now (one that let go before it was
         // stopped and took the device up again, or was handed it).
         let again = gpus.query(&minors).unwrap_or_default();
-        for c in respond::uncovered(
+        let known: BTreeSet<i32> = not_read.iter().map(|n| n.pid).collect();
+        for c in respond::uncovered_except(
             node,
             rec.job_id,
+            Some(rec.uid),
             Some(fence),
             &gres,
             &again,
             gpu_major,
             &rec.mig,
-        ) {
+            &known,
+        )
+        .candidates
+        {
             if !survived.contains(&c.pid) {
                 survived.push(c.pid);
             }
@@ -536,6 +547,18 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         }
         rec.notes
             .push(format!("clean start: killed {pids:?} on the job's GPUs"));
+    }
+    // Past the budget, the GPU is never handed on uncertified: a process
+    // not read whole that gpufence does not end fails the job's start.
+    if !not_read.is_empty() {
+        return Err(NodeError::NotRead {
+            job_id: rec.job_id,
+            what: not_read
+                .iter()
+                .map(respond::NotRead::reason)
+                .collect::<Vec<_>>()
+                .join("; "),
+        });
     }
     if gpus.available() {
         // A GPU another job's live grant covers (gres/shard, gres/mps:

@@ -176,6 +176,12 @@ pub struct IncidentOutcome {
     /// What the evidence left out to stay within its budget, if anything
     /// ([`evidence::Budget::summary`]).
     pub notes: Vec<String>,
+    /// Members whose holds could not be read whole within
+    /// `scan_budget_ms` (all members together): `pid P: not read whole
+    /// within N ms: where it stopped`. They were stopped and killed all
+    /// the same; what they held is not known whole.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_read: Vec<String>,
 }
 
 impl IncidentOutcome {
@@ -542,6 +548,12 @@ impl<'a> Incident<'a> {
         for p in &self.tree_pids {
             let look = scanner.holder_where_within(*p, &want, deadline);
             let holds = look.holder.map(|h| h.fds).unwrap_or_default();
+            if let Some(why) = &look.cut {
+                self.out.not_read.push(format!(
+                    "pid {p}: not read whole within {} ms (scan_budget_ms): {why}",
+                    node.cfg.scan_budget_ms
+                ));
+            }
             let mem: Vec<GpuMemory> = gpu_mem
                 .iter()
                 .filter(|(_, _, q, _)| i64::from(*q) == i64::from(*p))
@@ -666,8 +678,17 @@ impl<'a> Incident<'a> {
     /// (`respond_drained`, `respond_drain_failed`).
     fn drain(&mut self, name: &str) {
         let out = &self.out;
+        let unread = if out.not_read.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} not read whole within {} ms",
+                out.not_read.len(),
+                self.node.cfg.scan_budget_ms
+            )
+        };
         let reason = drain::clean_reason(&format!(
-            "gpufence: respond: pid {} ({}) of {} killed with its tree ({} process(es)){}",
+            "gpufence: respond: pid {} ({}) of {} killed with its tree ({} process(es)){}{unread}",
             self.pid,
             out.comm.as_deref().unwrap_or("?"),
             out.user

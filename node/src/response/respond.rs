@@ -19,6 +19,13 @@
 //! Exempt daemons and processes in a cgroup with a live grant for the device
 //! are never candidates ([`uncovered`]).
 //!
+//! Past the scan's budget (`scan_budget_ms`) the GPU is never handed on
+//! uncertified ([`over_budget_rule`]): a process not read whole in the
+//! job's cgroup, or of the job's user outside every job, is a candidate;
+//! any other is read again alone, and if it still cannot be read whole it
+//! is never killed, but the node is not handed on ([`NotRead`]: the Epilog
+//! drains, the Prolog fails).
+//!
 //! The Prolog's `prolog_strays = "refuse"` is the same response in
 //! [`Mode::Refuse`]: evidence and the `lingering_process` line for each
 //! holder, nothing stopped or signalled.
@@ -145,6 +152,109 @@ impl Lingering {
     }
 }
 
+/// What [`uncovered`] found: the candidates, and the processes not read
+/// whole that gpufence neither ends nor could clear.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Uncovered {
+    /// The holders to respond to ([`respond`]).
+    pub candidates: Vec<Candidate>,
+    /// Processes not read to their end within `scan_budget_ms`, by the
+    /// scan nor by their own re-read ([`settle_over_budget`]), that no
+    /// exemption covers and gpufence does not end (another user's, a
+    /// system account's, one in another job): the GPU is not handed on
+    /// ([`NotRead::reason`]: the Epilog drains, the Prolog fails).
+    pub not_read: Vec<NotRead>,
+}
+
+/// A process that could not be read whole within `scan_budget_ms`, twice
+/// (the scan, then a re-read of it alone): it may hold the job's GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotRead {
+    /// The process.
+    pub pid: i32,
+    /// Its real uid, when known.
+    pub uid: Option<u32>,
+    /// Its cgroup2 path.
+    pub cgroup: Option<String>,
+    /// Where its re-read stopped.
+    pub why: String,
+    /// The budget it was read within (`scan_budget_ms`).
+    pub budget_ms: u64,
+}
+
+impl NotRead {
+    /// The words of a drain reason or a Prolog failure: `pid 1234 (uid
+    /// 1001, cgroup /x) not read within scan_budget_ms (2000 ms); GPU not
+    /// handed on`.
+    pub fn reason(&self) -> String {
+        format!(
+            "pid {} (uid {}, cgroup {}) not read within scan_budget_ms ({} ms); GPU not handed on",
+            self.pid,
+            self.uid.map_or_else(|| "?".to_string(), |u| u.to_string()),
+            self.cgroup
+                .as_deref()
+                .map(crate::host::cgpath::abs)
+                .unwrap_or_else(|| "?".into()),
+            self.budget_ms
+        )
+    }
+}
+
+/// What the rule does with a process the scan did not read to its end
+/// within `scan_budget_ms` ([`over_budget_rule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverBudget {
+    /// Taken as holding every device of the job: a candidate, ended as
+    /// any holder (frozen, evidence, ended).
+    Candidate,
+    /// Read again, alone, within `scan_budget_ms`
+    /// ([`settle_over_budget`]): read whole, it is judged by what it
+    /// holds; not read whole, the GPU is not handed on (never killed).
+    ReRead,
+}
+
+/// The rule for a process of real uid `uid` in `cgroup` that the scan
+/// for job `job_id`'s devices (the job runs as `job_uid`) did not read to
+/// its end within `scan_budget_ms`:
+///
+/// 1. in the job's own cgroup (`job_<job_id>`), not a system account's
+///    (uid above `protected_uid_max`): a candidate, as the job has ended;
+/// 2. of the job's own user, outside every job cgroup (no `job_<n>` nor
+///    SLUID in its path), not a system account's: a candidate, the same
+///    (a user's process outside every job holds no GPU of right, and the
+///    job's user could hand it the job's descriptor);
+/// 3. any other (another user's, in another job, a system account's, or
+///    of an unknown uid; the job's uid unknown): read again alone
+///    ([`OverBudget::ReRead`]), never ended for being unread.
+///
+/// An exemption that covers the process (an exempt daemon for its own
+/// uid) is the caller's to apply first ([`crate::holders::cover`]).
+pub fn over_budget_rule(
+    cgroup: Option<&str>,
+    uid: Option<u32>,
+    job_id: u32,
+    job_uid: Option<u32>,
+    protected_uid_max: u32,
+) -> OverBudget {
+    let Some(uid) = uid.filter(|u| *u > protected_uid_max) else {
+        return OverBudget::ReRead;
+    };
+    let Some(cg) = cgroup else {
+        return OverBudget::ReRead;
+    };
+    if in_job(cg, job_id) || (job_uid == Some(uid) && outside_every_job(cg)) {
+        OverBudget::Candidate
+    } else {
+        OverBudget::ReRead
+    }
+}
+
+/// Whether cgroup path `cg` is in no Slurm job cgroup (no component
+/// `job_<n>` nor a SLUID, [`crate::host::slurm_cgroup::is_job_dir`]).
+fn outside_every_job(cg: &str) -> bool {
+    !cg.split('/').any(crate::host::slurm_cgroup::is_job_dir)
+}
+
 /// Processes holding any of `devs` — by descriptor, or listed by NVML on a
 /// GPU of `gpu_info` — that no grant or exemption covers. `gpu_major` is
 /// the major of `/dev/nvidia<minor>` (NVML minors are on it).
@@ -155,23 +265,67 @@ impl Lingering {
 /// those holding one of the job's slice caps. A process that holds only the
 /// shared parent is not this job's to judge (the sweep reports it).
 ///
-/// The descriptor scan has a time budget (`scan_budget_ms`). A process
-/// not read to its end within it ([`scan::Scanner::over_budget`]) counts
-/// as holding all of `devs` when it is in job `job_id`'s own cgroup
-/// (`job_<id>`): the usual response ends it, as the job has ended. Any
-/// other such process is named in one `scan_over_budget` audit line and
-/// left alone: one job's descriptor table never makes another job's
-/// Prolog or Epilog fail, kill or drain.
+/// The descriptor scan has a time budget (`scan_budget_ms`). Past it, the
+/// GPU is never handed on uncertified. A process not read to its end
+/// within it ([`scan::Scanner::over_budget`]) is judged by
+/// [`over_budget_rule`] (`job_uid`: the job's user, slurmd's
+/// `SLURM_JOB_UID` or the record's):
+///
+/// 1. in job `job_id`'s own cgroup, or of the job's user outside every
+///    job, and not a system account's: a candidate holding all of
+///    `devs`, its descriptors saying "not read to its end within
+///    scan_budget_ms"; the usual response ends it;
+/// 2. any other: covered by an exemption for its uid, nothing; otherwise
+///    read again, alone, within a further `scan_budget_ms`
+///    ([`settle_over_budget`]): read whole and holding none of `devs`,
+///    nothing; holding one, a candidate like any holder (the response's
+///    rules for system accounts and other users' jobs apply); still not
+///    read whole, it is in [`Uncovered::not_read`], never killed: the
+///    Epilog drains the node with a reason naming it and "not read", the
+///    Prolog fails. All of them are named in one `scan_over_budget`
+///    audit line (with `not_read`: those still unread).
+///
+/// At most two budgets: the scan's and the re-reads' (one for all).
 #[allow(clippy::too_many_arguments)]
 pub fn uncovered(
     node: &Node,
     job_id: u32,
+    job_uid: Option<u32>,
     fence: Option<&Fence>,
     devs: &BTreeSet<DevNum>,
     gpu_info: &[GpuInfo],
     gpu_major: u32,
     mig: &[MigSlice],
-) -> Vec<Candidate> {
+) -> Uncovered {
+    uncovered_except(
+        node,
+        job_id,
+        job_uid,
+        fence,
+        devs,
+        gpu_info,
+        gpu_major,
+        mig,
+        &BTreeSet::new(),
+    )
+}
+
+/// [`uncovered`], leaving out of the re-reads the processes in
+/// `not_read_before`: an earlier look of the same Prolog or Epilog found
+/// them not read whole (they are in its [`Uncovered::not_read`] already),
+/// so each round does not pay their re-read again.
+#[allow(clippy::too_many_arguments)]
+pub fn uncovered_except(
+    node: &Node,
+    job_id: u32,
+    job_uid: Option<u32>,
+    fence: Option<&Fence>,
+    devs: &BTreeSet<DevNum>,
+    gpu_info: &[GpuInfo],
+    gpu_major: u32,
+    mig: &[MigSlice],
+    not_read_before: &BTreeSet<i32>,
+) -> Uncovered {
     let me = std::process::id() as i32;
     let shared: BTreeSet<DevNum> = mig.iter().map(|s| s.parent).collect();
     let own_caps: BTreeSet<DevNum> = mig
@@ -187,75 +341,46 @@ pub fn uncovered(
                 .any(|s| Some(s.gi) == gi && (s.ci.is_none() || ci.is_none() || s.ci == ci))
     };
     let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
-    let new = |pid: i32| Candidate {
-        pid,
-        pidfd: PidFd::open(pid),
-        cgroup: node.cg.cgroup_of(pid).ok(),
-        devices: BTreeSet::new(),
-        fds: Vec::new(),
-        gpu_memory: Vec::new(),
-    };
     let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir)
         .with_budget(Duration::from_millis(node.cfg.scan_budget_ms));
     for h in scanner.holders(devs) {
-        let c = by_pid.entry(h.pid).or_insert_with(|| new(h.pid));
+        let c = by_pid
+            .entry(h.pid)
+            .or_insert_with(|| new_candidate(node, h.pid));
         c.fds.extend(h.fds.iter().cloned());
         c.devices.extend(h.devices());
     }
-    let mut elsewhere: Vec<(i32, Option<String>)> = Vec::new();
-    for &pid in scanner.over_budget() {
-        let cgroup = node.cg.cgroup_of(pid).ok();
-        // A system account's process (a job's slurmstepd) is never ended:
-        // as a candidate it would only fail the job and drain the node.
-        let system = uid_of(pid).is_none_or(|u| u <= node.cfg.protected_uid_max);
-        if !system && cgroup.as_deref().is_some_and(|cg| in_job(cg, job_id)) {
-            let c = by_pid.entry(pid).or_insert_with(|| new(pid));
-            for d in devs {
-                c.devices.insert(*d);
-                c.fds.push(HeldFd {
-                    fd: -1,
-                    path: PathBuf::from(format!(
-                        "not read to its end within scan_budget_ms ({} ms)",
-                        node.cfg.scan_budget_ms
-                    )),
-                    dev: *d,
-                    via: scan::Via::Fd,
-                    tid: None,
-                    unread: true,
-                });
-            }
-        } else {
-            elsewhere.push((pid, cgroup));
-        }
-    }
-    if !elsewhere.is_empty() {
-        let _ = node.audit(
-            AuditEvent::new(events::SCAN_OVER_BUDGET)
-                .job(job_id)
-                .field("budget_ms", node.cfg.scan_budget_ms)
-                .field("processes", elsewhere.len())
-                .field(
-                    "pids",
-                    elsewhere
-                        .iter()
-                        .take(OVER_BUDGET_LISTED)
-                        .map(|(p, _)| *p)
-                        .collect::<Vec<_>>(),
-                )
-                .field(
-                    "cgroups",
-                    elsewhere
-                        .iter()
-                        .take(OVER_BUDGET_LISTED)
-                        .map(|(_, c)| {
-                            c.as_deref()
-                                .map(crate::host::cgpath::abs)
-                                .unwrap_or_default()
-                        })
-                        .collect::<Vec<_>>(),
-                ),
+    let over: Vec<i32> = scanner
+        .over_budget()
+        .iter()
+        .copied()
+        .filter(|p| !not_read_before.contains(p))
+        .collect();
+    let not_read = if over.is_empty() {
+        Vec::new()
+    } else {
+        let (cands, not_read) = settle_over_budget(
+            node,
+            job_id,
+            job_uid,
+            fence,
+            devs,
+            &over,
+            Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms),
         );
-    }
+        for c in cands {
+            let e = by_pid
+                .entry(c.pid)
+                .or_insert_with(|| new_candidate(node, c.pid));
+            e.devices.extend(c.devices);
+            for f in c.fds {
+                if !e.fds.contains(&f) {
+                    e.fds.push(f);
+                }
+            }
+        }
+        not_read
+    };
     for g in gpu_info {
         let dev = DevNum::new(gpu_major, g.minor);
         for p in &g.processes {
@@ -268,7 +393,9 @@ pub fn uncovered(
             {
                 continue;
             }
-            let c = by_pid.entry(pid).or_insert_with(|| new(pid));
+            let c = by_pid
+                .entry(pid)
+                .or_insert_with(|| new_candidate(node, pid));
             c.devices.insert(dev);
             c.gpu_memory.push(GpuMemory {
                 minor: g.minor,
@@ -277,7 +404,7 @@ pub fn uncovered(
             });
         }
     }
-    by_pid
+    let candidates = by_pid
         .into_values()
         .filter_map(|mut c| {
             let cg = c.cgroup.clone();
@@ -293,7 +420,145 @@ pub fn uncovered(
             }
             (!c.devices.is_empty()).then_some(c)
         })
-        .collect()
+        .collect();
+    Uncovered {
+        candidates,
+        not_read,
+    }
+}
+
+fn new_candidate(node: &Node, pid: i32) -> Candidate {
+    Candidate {
+        pid,
+        pidfd: PidFd::open(pid),
+        cgroup: node.cg.cgroup_of(pid).ok(),
+        devices: BTreeSet::new(),
+        fds: Vec::new(),
+        gpu_memory: Vec::new(),
+    }
+}
+
+/// The descriptor [`uncovered`] gives a process it takes as holding `dev`
+/// without having read it to its end.
+fn unread_hold(node: &Node, dev: DevNum) -> HeldFd {
+    HeldFd {
+        fd: -1,
+        path: PathBuf::from(format!(
+            "not read to its end within scan_budget_ms ({} ms)",
+            node.cfg.scan_budget_ms
+        )),
+        dev,
+        via: scan::Via::Fd,
+        tid: None,
+        unread: true,
+    }
+}
+
+/// [`uncovered`]'s answer to the processes `over` the scan for job
+/// `job_id`'s devices `devs` did not read to their end
+/// ([`over_budget_rule`]): the candidates (the job's own and its user's
+/// outside every job, taken as holding all of `devs`; others found
+/// holding on a re-read) and those still not read whole. The re-reads
+/// (one `/proc` walk of each process alone, [`scan::Scanner::recheck`])
+/// all end by `deadline`; a process met after it is not read. A process
+/// an exemption covers for every device in `devs` is left alone; one gone
+/// meanwhile reads whole, holding nothing. One `scan_over_budget` audit
+/// line names those read again (`not_read`: those still unread).
+pub fn settle_over_budget(
+    node: &Node,
+    job_id: u32,
+    job_uid: Option<u32>,
+    fence: Option<&Fence>,
+    devs: &BTreeSet<DevNum>,
+    over: &[i32],
+    deadline: Instant,
+) -> (Vec<Candidate>, Vec<NotRead>) {
+    let mut cands = Vec::new();
+    let mut not_read = Vec::new();
+    let mut reread: Vec<(i32, Option<String>)> = Vec::new();
+    let mut scanner = scan::Scanner::new();
+    for &pid in over {
+        let cgroup = node.cg.cgroup_of(pid).ok();
+        let uid = uid_of(pid);
+        match over_budget_rule(
+            cgroup.as_deref(),
+            uid,
+            job_id,
+            job_uid,
+            node.cfg.protected_uid_max,
+        ) {
+            OverBudget::Candidate => {
+                let mut c = new_candidate(node, pid);
+                c.devices.extend(devs.iter().copied());
+                c.fds.extend(devs.iter().map(|d| unread_hold(node, *d)));
+                cands.push(c);
+            }
+            OverBudget::ReRead => {
+                let left: BTreeSet<DevNum> = devs
+                    .iter()
+                    .copied()
+                    .filter(|d| !covered(node, fence, cgroup.as_deref(), uid, *d))
+                    .collect();
+                if left.is_empty() {
+                    continue;
+                }
+                reread.push((pid, cgroup.clone()));
+                match scanner.recheck(pid, &[], &left, deadline) {
+                    scan::Recheck::HoldsNone => {}
+                    scan::Recheck::Holds(f) => {
+                        let mut c = new_candidate(node, pid);
+                        c.devices.insert(f.dev);
+                        c.fds.push(f);
+                        cands.push(c);
+                    }
+                    scan::Recheck::Unread { why } => not_read.push(NotRead {
+                        pid,
+                        uid,
+                        cgroup,
+                        why,
+                        budget_ms: node.cfg.scan_budget_ms,
+                    }),
+                }
+            }
+        }
+    }
+    if !reread.is_empty() {
+        let _ = node.audit(
+            AuditEvent::new(events::SCAN_OVER_BUDGET)
+                .job(job_id)
+                .field("budget_ms", node.cfg.scan_budget_ms)
+                .field("processes", reread.len())
+                .field(
+                    "pids",
+                    reread
+                        .iter()
+                        .take(OVER_BUDGET_LISTED)
+                        .map(|(p, _)| *p)
+                        .collect::<Vec<_>>(),
+                )
+                .field(
+                    "cgroups",
+                    reread
+                        .iter()
+                        .take(OVER_BUDGET_LISTED)
+                        .map(|(_, c)| {
+                            c.as_deref()
+                                .map(crate::host::cgpath::abs)
+                                .unwrap_or_default()
+                        })
+                        .collect::<Vec<_>>(),
+                )
+                .field(
+                    "not_read",
+                    not_read
+                        .iter()
+                        .take(OVER_BUDGET_LISTED)
+                        .map(|n| n.pid)
+                        .collect::<Vec<_>>(),
+                ),
+        );
+    }
+    (cands, not_read)
 }
 
 /// How many processes a `scan_over_budget` line names (it counts all).
@@ -363,6 +628,127 @@ mod in_job_tests {
         ));
         assert!(!in_job("user.slice/user-1000.slice/session-1.scope", 42));
         assert!(!in_job("system.slice/job_42x", 42));
+    }
+}
+
+#[cfg(test)]
+mod over_budget_tests {
+    use super::{over_budget_rule, NotRead, OverBudget};
+
+    const MAX: u32 = 999;
+
+    /// The rule past the budget: the job's own cgroup and the job's user
+    /// outside every job are candidates; everything else (another user
+    /// outside jobs, another job's cgroup, a SLUID's, a system account,
+    /// an unknown uid or cgroup, the job's uid unknown) is read again,
+    /// never ended for being unread.
+    #[test]
+    fn over_budget_processes_are_ended_or_read_again_by_the_rule() {
+        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
+        let other_job = "system.slice/slurmstepd.scope/job_43/step_0/user/task_0";
+        let sluid = "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/step_0";
+        let session = "user.slice/user-1001.slice/session-3.scope";
+        let rule = |cg, uid, job_uid| over_budget_rule(cg, uid, 42, job_uid, MAX);
+        // 1. The job's own cgroup: its user's, or another non-system uid.
+        assert_eq!(
+            rule(Some(job), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(
+            rule(Some(job), Some(1002), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(rule(Some(job), Some(1001), None), OverBudget::Candidate);
+        // 2. The job's user outside every job.
+        assert_eq!(
+            rule(Some(session), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(
+            rule(Some(""), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        // 3. Everything else.
+        for (cg, uid, job_uid, who) in [
+            (
+                Some(session),
+                Some(1002),
+                Some(1001),
+                "another user outside jobs",
+            ),
+            (Some(session), Some(1001), None, "the job's uid unknown"),
+            (
+                Some(other_job),
+                Some(1001),
+                Some(1001),
+                "the user's other job",
+            ),
+            (
+                Some(other_job),
+                Some(1002),
+                Some(1001),
+                "another user's job",
+            ),
+            (
+                Some(sluid),
+                Some(1001),
+                Some(1001),
+                "a job named by a SLUID",
+            ),
+            (
+                Some(job),
+                Some(0),
+                Some(1001),
+                "root in the job (slurmstepd)",
+            ),
+            (
+                Some(job),
+                Some(MAX),
+                Some(1001),
+                "a system account in the job",
+            ),
+            (
+                Some(session),
+                Some(MAX),
+                Some(MAX),
+                "a system account's own job uid",
+            ),
+            (Some(session), None, Some(1001), "gone: uid unknown"),
+            (None, Some(1001), Some(1001), "cgroup unknown"),
+            (
+                Some("system.slice/job_42x"),
+                Some(1002),
+                Some(1001),
+                "a lookalike name, another user",
+            ),
+        ] {
+            assert_eq!(rule(cg, uid, job_uid), OverBudget::ReRead, "{who}");
+        }
+    }
+
+    /// The reason names the pid, its uid and cgroup, the budget and "not
+    /// read"; unknowns read `?`.
+    #[test]
+    fn a_not_read_reason_names_the_process() {
+        let n = NotRead {
+            pid: 1234,
+            uid: Some(1001),
+            cgroup: Some("user.slice/user-1001.slice".into()),
+            why: "threads read up to the 7th".into(),
+            budget_ms: 5,
+        };
+        assert_eq!(
+            n.reason(),
+            "pid 1234 (uid 1001, cgroup /user.slice/user-1001.slice) not read within scan_budget_ms (5 ms); GPU not handed on"
+        );
+        let n = NotRead {
+            uid: None,
+            cgroup: None,
+            ..n
+        };
+        assert!(n
+            .reason()
+            .starts_with("pid 1234 (uid ?, cgroup ?) not read"));
     }
 }
 

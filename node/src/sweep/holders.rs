@@ -199,6 +199,51 @@ impl Sweep<'_> {
         }
     }
 
+    /// Processes the `/proc` walk did not read whole within
+    /// `scan_budget_ms` ([`Walk::not_read`]): they may hold a GPU. One
+    /// outside every job cgroup that no exemption covers (for its uid) is
+    /// a critical `not_read_whole` finding (`--drain` drains with a reason
+    /// naming it); one in a job cgroup is medium (its job's Epilog judges
+    /// it). Never ended: the sweep reports.
+    pub(super) fn not_read(&mut self, walk: &Walk) {
+        let node = self.node;
+        for (pid, why) in &walk.not_read {
+            let m = self.procs.meta(*pid);
+            let cg = m.cgroup.as_deref();
+            if config_exempt(node, cg, m.uid)
+                || cg.is_some_and(|c| {
+                    crate::holders::cover::exemption(node, self.fence.as_ref(), c, m.uid).is_some()
+                })
+            {
+                continue;
+            }
+            let job = cg.and_then(|c| {
+                c.split('/')
+                    .find(|d| crate::host::slurm_cgroup::is_job_dir(d))
+                    .map(str::to_string)
+            });
+            let mut f = Finding::new(
+                Kind::NotReadWhole,
+                format!(
+                    "pid {pid} not read whole within scan_budget_ms ({} ms): {why}; it may hold a GPU outside every grant{}; `gpufence respond {pid}` ends it",
+                    node.cfg.scan_budget_ms,
+                    job.as_deref()
+                        .map(|j| format!(" (in job cgroup {j}: its Epilog judges it)"))
+                        .unwrap_or_default(),
+                ),
+                json!({
+                    "not_read": why, "budget_ms": node.cfg.scan_budget_ms,
+                    "job_cgroup": job, "cmdline": m.cmdline,
+                }),
+            )
+            .who(&m);
+            if job.is_some() {
+                f = f.severity(Severity::Medium);
+            }
+            self.findings.push(f);
+        }
+    }
+
     pub(super) fn report_holders(&mut self, holding: BTreeMap<i32, Holding>) {
         for (pid, h) in holding {
             let m = self.procs.meta(pid);

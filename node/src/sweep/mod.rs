@@ -12,6 +12,7 @@
 //! | --- | --- | --- |
 //! | `unfenced_gpu_holder` | critical | a process holding an NVIDIA device (descriptor, mapping, io_uring file, or per NVML) that no grant or exemption covers |
 //! | `audit_gpu_holder` | low | the same while the attached fence runs in audit mode: what the enforcing fence would deny (a roll-out: `gpufence denials --by-cgroup` suggests the exemptions); below the default `sweep_fail_severity`, so `--drain` leaves the node alone |
+//! | `not_read_whole` | critical | a process outside every job cgroup that the `/proc` walk (the fallback where the kernel's iterators cannot run) did not read whole within `scan_budget_ms`, and that no exemption covers: it may hold a GPU outside every grant (medium inside a job cgroup, whose Epilog judges it); never "clean" |
 //! | `fence_not_attached` | critical | the fence's link is missing, detached or attached elsewhere |
 //! | `fence_not_enforcing` | high | the attached program is in audit mode (allows everything) while the config says enforce, or is another version's |
 //! | `unprotected_major` | critical | an NVIDIA major the node has (`/proc/devices` or `[majors]`) that the fence's majors map lacks (driver reloaded) |
@@ -235,13 +236,17 @@ pub enum Kind {
     /// A process of a foreign uid in one of gpufence's MPS daemon cgroups
     /// ([`crate::host::mps_cgroups::is_foreign`]).
     MpsForeignProcess,
+    /// A process the `/proc` walk did not read whole within
+    /// `scan_budget_ms`: it may hold a GPU.
+    NotReadWhole,
 }
 
 impl Kind {
     /// Every kind, in severity order (for the metrics, one series each).
-    pub const ALL: [Kind; 21] = [
+    pub const ALL: [Kind; 22] = [
         Kind::UnfencedGpuHolder,
         Kind::MpsForeignProcess,
+        Kind::NotReadWhole,
         Kind::FenceNotAttached,
         Kind::UnprotectedMajor,
         Kind::FenceNotEnforcing,
@@ -287,6 +292,7 @@ impl Kind {
             Kind::ExemptionMissing => "exemption_missing",
             Kind::ExecLeftover => "exec_leftover",
             Kind::MpsForeignProcess => "mps_foreign_process",
+            Kind::NotReadWhole => "not_read_whole",
         }
     }
 
@@ -294,6 +300,7 @@ impl Kind {
     pub fn severity(self) -> Severity {
         match self {
             Kind::UnfencedGpuHolder
+            | Kind::NotReadWhole
             | Kind::FenceNotAttached
             | Kind::UnprotectedMajor
             | Kind::MiningCmdline
@@ -602,6 +609,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
         ));
     }
     s.report.processes = walk.walked;
+    s.not_read(&walk);
     let mut holding = s.descriptor_holders(&walk);
     s.gpus(&live, &mut holding);
     s.report_holders(holding);

@@ -92,12 +92,20 @@ pub(super) struct Walk {
     /// network namespace → a pid in it.
     pub(super) netns: BTreeMap<u64, i32>,
     pub(super) stratum: BTreeMap<i32, Vec<String>>,
+    /// Processes the `/proc` walk did not read whole within
+    /// `scan_budget_ms` each: pid → where it stopped.
+    pub(super) not_read: BTreeMap<i32, String>,
 }
 
 pub(super) fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) -> Walk {
     let me = std::process::id() as i32;
     let mut w = Walk::default();
-    let mut scanner = Scanner::new();
+    // Where the iterators cannot run, each process's `/proc` walk is
+    // bounded by `scan_budget_ms`: one process of a thousand tables
+    // cannot hold the sweep for minutes, and what it did not read is
+    // reported (`not_read_whole`), never taken for "clean".
+    let mut scanner =
+        Scanner::new().with_walk_budget(std::time::Duration::from_millis(node.cfg.scan_budget_ms));
     for pid in crate::holders::scan::pids() {
         if pid == me {
             continue;
@@ -119,6 +127,9 @@ pub(super) fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) 
             w.stratum.insert(pid, urls);
         }
         let f = scanner.process_fds(pid, want);
+        if let Some(why) = f.cut {
+            w.not_read.insert(pid, why);
+        }
         if let Some(h) = f.holder {
             w.holders.insert(pid, h.fds);
         }

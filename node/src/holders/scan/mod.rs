@@ -167,6 +167,9 @@ pub struct Scanner {
     /// Processes the last scan did not read to their end within its
     /// budget.
     over_budget: BTreeSet<i32>,
+    /// How long the `/proc` walk of one process may take in
+    /// [`Scanner::process_fds`] ([`Scanner::with_walk_budget`]).
+    walk_budget: Option<Duration>,
     /// Further passes the last scan made over tables and mappings that
     /// one pass did not read whole.
     passes: usize,
@@ -181,7 +184,7 @@ impl Default for Scanner {
         Scanner {
             mapped: HashMap::new(),
             btf: PathBuf::from(VMLINUX_BTF),
-            proc_only: PROC_ONLY.load(Ordering::Relaxed),
+            proc_only: PROC_ONLY.load(Ordering::Relaxed) || PROC_ONLY_HERE.with(|c| c.get()),
             snapshot: None,
             source: None,
             unread_means: None,
@@ -191,6 +194,7 @@ impl Default for Scanner {
             read_pins: false,
             budget: None,
             over_budget: BTreeSet::new(),
+            walk_budget: None,
             passes: 0,
             readers: None,
         }
@@ -216,6 +220,16 @@ pub fn set_proc_only(on: bool) {
     PROC_ONLY.store(on, Ordering::Relaxed);
 }
 
+thread_local! {
+    static PROC_ONLY_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// [`set_proc_only`] for the scanners this thread creates only (tests
+/// that exercise the `/proc` fallback beside others that do not).
+pub fn set_proc_only_in_this_thread(on: bool) {
+    PROC_ONLY_HERE.with(|c| c.set(on));
+}
+
 /// Which devices a scan looks for.
 pub type DevicePredicate<'a> = &'a dyn Fn(DevNum) -> bool;
 
@@ -228,6 +242,10 @@ pub struct ProcessFds {
     pub holder: Option<Holder>,
     /// Socket inodes (`socket:[N]`) in its descriptor tables.
     pub sockets: BTreeSet<u64>,
+    /// Where a `/proc` walk bounded by [`Scanner::with_walk_budget`]
+    /// stopped, when it did not read the process whole: it may hold more
+    /// than `holder` says (fail closed: the caller reports it).
+    pub cut: Option<String>,
 }
 
 impl Scanner {
@@ -276,6 +294,18 @@ impl Scanner {
     /// (the response: [`crate::response::respond::uncovered`]).
     pub fn with_budget(mut self, budget: Duration) -> Self {
         self.budget = Some(budget);
+        self
+    }
+
+    /// A time budget for each process [`Scanner::process_fds`] walks in
+    /// `/proc` (every process when the iterators fail, a process the
+    /// snapshot did not list otherwise): the walk stops at it (the clock
+    /// is read before each descriptor, thread, mapping and ring), and the
+    /// answer says where ([`ProcessFds::cut`]), never "holds nothing"
+    /// for what it did not read. Without it the walk reads each process
+    /// whole, however long that takes.
+    pub fn with_walk_budget(mut self, per_process: Duration) -> Self {
+        self.walk_budget = Some(per_process);
         self
     }
 
@@ -725,13 +755,37 @@ impl Scanner {
                 Some(r) => ProcessFds {
                     holder: self.holder_from_records(pid, r, want),
                     sockets: r.sockets.clone(),
+                    cut: None,
                 },
                 None => ProcessFds::default(),
             },
-            _ => self.walk_process(pid, want),
+            _ => match self.walk_budget {
+                Some(b) => self.walk_process_within(pid, want, Instant::now() + b),
+                None => self.walk_process(pid, want),
+            },
         };
         self.snapshot = snap;
         out
+    }
+
+    /// [`Scanner::walk_process`] within `deadline`: what was read by
+    /// then, and where the walk stopped when it did not read the process
+    /// whole ([`ProcessFds::cut`]).
+    pub fn walk_process_within(
+        &mut self,
+        pid: i32,
+        want: DevicePredicate<'_>,
+        deadline: Instant,
+    ) -> ProcessFds {
+        let mut sockets = BTreeSet::new();
+        let mut stop = Stop::new(deadline, false);
+        let base = PathBuf::from(format!("/proc/{pid}"));
+        let holder = self.walk(&base, pid, want, Some(&mut sockets), Some(&mut stop));
+        ProcessFds {
+            holder,
+            sockets,
+            cut: stop.cut,
+        }
     }
 
     /// One walk of `/proc/<pid>`: [`Scanner::process_fds`] without the
@@ -742,7 +796,11 @@ impl Scanner {
         let mut sockets = BTreeSet::new();
         let base = PathBuf::from(format!("/proc/{pid}"));
         let holder = self.walk(&base, pid, want, Some(&mut sockets), None);
-        ProcessFds { holder, sockets }
+        ProcessFds {
+            holder,
+            sockets,
+            cut: None,
+        }
     }
 
     fn walk(
@@ -1122,6 +1180,38 @@ mod tests {
             .is_some_and(|h| h.fds.iter().any(|f| f.fd == fd)));
         let cut = Scanner::new().holder_where_within(me, &want, past);
         assert!(cut.cut.is_some(), "{cut:?}");
+        drop(null);
+    }
+
+    /// The sweep's bounded `/proc` walk: given time it reads the process
+    /// whole (the hold and the sockets, nothing cut); past its deadline it
+    /// says where it stopped, never "holds nothing" for what it skipped.
+    #[test]
+    fn a_bounded_process_walk_says_where_it_stopped() {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let me = std::process::id() as i32;
+        let want = |d: DevNum| d == DevNum::new(1, 3);
+        let whole = Scanner::proc_walk().walk_process_within(
+            me,
+            &want,
+            Instant::now() + Duration::from_secs(60),
+        );
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
+        assert_eq!(whole.cut, None);
+        assert!(
+            whole
+                .holder
+                .as_ref()
+                .is_some_and(|h| h.fds.iter().any(|f| f.fd == fd)),
+            "{whole:?}"
+        );
+        let cut = Scanner::proc_walk().walk_process_within(me, &want, Instant::now());
+        assert!(cut.cut.is_some(), "{cut:?}");
+        assert!(cut.holder.is_none(), "{cut:?}");
+        let budgeted = Scanner::proc_walk()
+            .with_walk_budget(Duration::ZERO)
+            .process_fds(me, &want);
+        assert!(budgeted.cut.is_some(), "{budgeted:?}");
         drop(null);
     }
 
