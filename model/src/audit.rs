@@ -58,6 +58,10 @@ pub mod events {
     /// NVML is unavailable: the scans read descriptors only. Said once,
     /// again only when the reason changes.
     pub const NVML_UNAVAILABLE: &str = "nvml_unavailable";
+    /// An NVML query failed in the Prolog or the Epilog and
+    /// `nvml_failure = "report"`: the job's GPUs were judged by the
+    /// descriptor scan alone (fields `component`, `reason`, `job_id`).
+    pub const CHECK_FAILED: &str = "check_failed";
     /// The Prolog removed what an earlier job with the same id left
     /// behind: grants, applied notes, its `own`-layout cgroup.
     pub const STALE_JOB_STATE: &str = "stale_job_state";
@@ -131,6 +135,7 @@ pub mod events {
         SCAN_OVER_BUDGET,
         MAJORS_ADDED,
         NVML_UNAVAILABLE,
+        CHECK_FAILED,
         STALE_JOB_STATE,
         MPS_STARTED,
         MPS_STOPPED,

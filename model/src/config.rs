@@ -122,6 +122,13 @@ pub struct Config {
     /// What the prolog does with processes that hold the job's GPUs before it
     /// starts: `kill` (and refuse the job only if one survives) or `refuse`.
     pub prolog_strays: StrayPolicy,
+    /// What a failed NVML query in the Prolog or Epilog does (the library
+    /// loaded, then answered with an error: a driver hiccup, an Xid, a GPU
+    /// fallen off the bus): `report` (the default: a `check_failed` audit
+    /// line, the job's GPUs judged by the descriptor scan alone, a holder
+    /// the scan finds still drains) or `drain` (the hook fails, Slurm
+    /// drains the node).
+    pub nvml_failure: NvmlFailure,
     /// Drain the node (`scontrol update ... state=drain`) when something
     /// survives, besides exiting non-zero.
     pub drain: bool,
@@ -272,6 +279,20 @@ pub enum Mode {
     Audit,
 }
 
+/// What a failed NVML query in the Prolog or Epilog does
+/// ([`Config::nvml_failure`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmlFailure {
+    /// Report it (`check_failed`) and go on with the descriptor scan's
+    /// answer: never drain on ignorance; a holder found still drains.
+    #[default]
+    Report,
+    /// Fail the hook: the Epilog drains the node, the Prolog fails the job
+    /// (Slurm requeues it and drains the node).
+    Drain,
+}
+
 /// What the prolog does with a process found on the job's GPUs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -309,6 +330,7 @@ impl Default for Config {
             shm_remove_leftovers: false,
             idle_memory_mib: 1024,
             prolog_strays: StrayPolicy::Kill,
+            nvml_failure: NvmlFailure::Report,
             drain: true,
             scontrol_bin: "/usr/bin/scontrol".into(),
             protected_uid_max: 999,

@@ -188,6 +188,27 @@ impl Node {
         g
     }
 
+    /// A failed NVML query (`what`, error `e`) of job `job_id`'s Prolog
+    /// or Epilog, by `nvml_failure`: `true` under `drain` (the caller
+    /// fails the hook); under `report` a `check_failed` audit line and
+    /// `false` (the caller goes on with the descriptor scan's answer).
+    pub fn nvml_failed(&self, job_id: u32, what: &str, e: &dyn std::fmt::Display) -> bool {
+        use gpufence_model::config::NvmlFailure;
+        match self.cfg.nvml_failure {
+            NvmlFailure::Drain => true,
+            NvmlFailure::Report => {
+                let _ = self.audit(
+                    AuditEvent::new(events::CHECK_FAILED)
+                        .job(job_id)
+                        .field("component", "nvml")
+                        .field("reason", format!("{what}: {e}"))
+                        .field("policy", "nvml_failure = report: the descriptor scan alone"),
+                );
+                false
+            }
+        }
+    }
+
     /// The cgroup `gpufence exec` runs commands in (relative to the mount).
     pub fn exec_cgroup(&self) -> String {
         join_cgroup(&self.cfg.cgroup_root, &self.cfg.exec_cgroup)

@@ -402,13 +402,14 @@ fn missing_driver_falls_back_and_says_so_once() {
     assert!(epilog::run(&node, 30, None).clean());
 }
 
-/// An NVML error in the middle of a query is a finding, never "clean".
+/// With `nvml_failure = "drain"`, an NVML error in the middle of a query
+/// is a finding, never "clean": the Epilog drains, the Prolog refuses.
 #[test]
-fn nvml_errors_mid_query_are_findings() {
+fn nvml_errors_mid_query_drain_when_asked() {
     if !privileged() {
         return;
     }
-    let w = world("nvml-err", "");
+    let w = world("nvml-err", "nvml_failure = \"drain\"\n");
     let mut g = gpu(0, json!([]));
     g["fail"] = json!({"processes": 15});
     w.scenario(json!({"gpus": [g]}));
@@ -430,7 +431,7 @@ fn nvml_errors_mid_query_are_findings() {
     )
     .unwrap();
     let p = w.env.config(&format!(
-        "nvml_library = \"{}\"\nslurmd_gres = \"{}\"\n[majors]\nnvidia = 195\n",
+        "nvml_failure = \"drain\"\nnvml_library = \"{}\"\nslurmd_gres = \"{}\"\n[majors]\nnvidia = 195\n",
         w.scenario.with_file_name("libnvidia-ml.so.1").display(),
         gf.display()
     ));
@@ -446,6 +447,49 @@ fn nvml_errors_mid_query_are_findings() {
         mps: false,
     };
     assert!(matches!(prolog::run(&node, &env), Err(NodeError::Nvml(_))));
+}
+
+/// By default (`nvml_failure = "report"`) a failed NVML query where the
+/// descriptor scan found nothing is one `check_failed` line: the Epilog
+/// is clean and drains nothing, the Prolog starts the job ("never drain on
+/// ignorance").
+#[test]
+fn nvml_errors_mid_query_are_reported_by_default() {
+    if !privileged() {
+        return;
+    }
+    let w = world("nvml-report", "");
+    let mut g = gpu(0, json!([]));
+    g["fail"] = json!({"processes": 15, "memory": 15});
+    w.scenario(json!({"gpus": [g]}));
+    w.record(33, &[0]);
+    let o = epilog::run(&w.node, 33, None);
+    assert!(o.clean(), "{o:?}");
+    assert!(o.drain_reason.is_none() && o.errors.is_empty(), "{o:?}");
+    assert!(
+        o.notes
+            .iter()
+            .any(|n| n.contains("NVML query failed") && n.contains("nvml_failure = report")),
+        "{:?}",
+        o.notes
+    );
+    let failed: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "check_failed")
+        .collect();
+    assert!(
+        failed
+            .iter()
+            .any(|e| e["job_id"] == 33 && e["component"] == "nvml"),
+        "{failed:?}"
+    );
+    let node = one_gpu_node(&w, 0, "");
+    assert!(prolog::run(&node, &prolog_env(34)).is_ok());
+    assert!(w
+        .audit()
+        .iter()
+        .any(|e| e["event"] == "check_failed" && e["job_id"] == 34));
 }
 
 /// grant_revoked carries GPU-seconds, and with accounting mode on, each

@@ -441,9 +441,14 @@ impl<'a> Ctx<'a> {
         let info = match self.gpus.query(&self.minors) {
             Ok(i) => i,
             Err(e) => {
-                out.errors.push(format!(
-                    "NVML query failed, the job's GPUs cannot be shown clean: {e}"
-                ));
+                let msg = format!("NVML query failed, the job's GPUs cannot be shown clean: {e}");
+                if self.node.nvml_failed(self.job_id, "NVML query", &e) {
+                    out.errors.push(msg);
+                } else {
+                    out.notes.push(format!(
+                        "{msg}; judged by the descriptor scan alone (nvml_failure = report)"
+                    ));
+                }
                 Vec::new()
             }
         };
@@ -654,7 +659,12 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     (Err(e), _) | (_, Err(e)) => {
-                        out.errors.push(format!("NVML memory query failed: {e}"));
+                        let msg = format!("NVML memory query failed: {e}");
+                        if node.nvml_failed(self.job_id, "NVML memory query", &e) {
+                            out.errors.push(msg);
+                        } else {
+                            out.notes.push(format!("{msg} (nvml_failure = report)"));
+                        }
                         break;
                     }
                 }

@@ -463,7 +463,9 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
 /// `scan_budget_ms` (twice) that gpufence does not end may hold the GPUs
 /// ([`respond::uncovered`]);
 /// [`NodeError::Response`] / [`NodeError::Audit`] when a step of the
-/// response fails; [`NodeError::Nvml`] when NVML answers with an error.
+/// response fails; [`NodeError::Nvml`] when NVML answers with an error
+/// and `nvml_failure = "drain"` (`report`: a `check_failed` line, the
+/// descriptor scan's answer alone).
 pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), NodeError> {
     let gres = rec.gres_devices();
     if gres.is_empty() {
@@ -476,7 +478,11 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
     } else {
         node.open_gpus()
     };
-    let info = gpus.query(&minors).map_err(NodeError::Nvml)?;
+    let info = match gpus.query(&minors) {
+        Ok(i) => i,
+        Err(e) if node.nvml_failed(rec.job_id, "NVML query", &e) => return Err(NodeError::Nvml(e)),
+        Err(_) => Vec::new(),
+    };
     let found = respond::uncovered(
         node,
         rec.job_id,
@@ -564,9 +570,13 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         // A GPU another job's live grant covers (gres/shard, gres/mps:
         // several jobs on one GPU) idles at no level this job can measure.
         let shared = granted_minors(Some(fence), gpu_major, Some(rec.job_id));
-        rec.gpu_idle = gpus
-            .memory_used(&minors)
-            .map_err(NodeError::Nvml)?
+        let used = match gpus.memory_used(&minors) {
+            Ok(u) => u,
+            // No idle level: the Epilog then uses idle_memory_mib.
+            Err(e) if !node.nvml_failed(rec.job_id, "NVML memory query", &e) => Vec::new(),
+            Err(e) => return Err(NodeError::Nvml(e)),
+        };
+        rec.gpu_idle = used
             .into_iter()
             .map(|(minor, used_bytes)| GpuIdle {
                 minor,
