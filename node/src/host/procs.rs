@@ -32,11 +32,14 @@ pub fn wait_until(
 
 /// `statx(2)` of `p` (following `/proc` magic links to the open file, as
 /// `stat` does) with `AT_STATX_DONT_SYNC`: the attributes the kernel
-/// holds, never a round trip to the file's file system. Without it a file
-/// on FUSE whose daemon never answers holds the caller in uninterruptible
-/// sleep (a FUSE `getattr` request; `fs/fuse/dir.c`
+/// holds, no `getattr` round trip to the file's file system. Without it a
+/// file on FUSE whose daemon never answers holds the caller in
+/// uninterruptible sleep (a FUSE `getattr` request; `fs/fuse/dir.c`
 /// `fuse_update_get_attr` takes the cached attributes under
-/// `AT_STATX_DONT_SYNC`, as `fs/nfs/inode.c` `nfs_getattr` does).
+/// `AT_STATX_DONT_SYNC`). NFS honours the flag in `nfs_getattr`, but the
+/// walk through a `/proc` magic link may still revalidate the dentry
+/// (`nfs_weak_revalidate`): a hung NFS server (an admin's mount, not a
+/// user's) can still stall it.
 /// `mask`: the `STATX_*` fields asked for (the type, device numbers and
 /// inode come always). `None` when `statx` fails.
 pub fn stat_cached(p: &std::path::Path, mask: u32) -> Option<libc::statx> {

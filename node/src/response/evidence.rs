@@ -148,7 +148,18 @@ impl Budget {
             return h.clone();
         }
         // Opening or reading a FUSE file waits on its daemon, which the
-        // process's user may run (`fusermount` is setuid): never read one.
+        // process's user may run (`fusermount` is setuid), and a mount in
+        // another mount namespace may be a user namespace's (overlayfs
+        // over the user's own FUSE reads through to it): only an
+        // executable in this process's mount namespace, on no FUSE file
+        // system, is read.
+        if !same_mount_ns(pid) {
+            left_out.push(
+                "exe_sha256: the process is in another mount namespace, whose mounts the response does not read through"
+                    .into(),
+            );
+            return None;
+        }
         match crate::host::procs::fs_type_of(pid, st.stx_dev_major, st.stx_dev_minor) {
             Some(t) if !t.starts_with("fuse") => {}
             Some(t) => {
@@ -182,6 +193,14 @@ impl Budget {
         self.hashed.insert(key, h.clone());
         h
     }
+}
+
+/// Whether `pid` is in this process's mount namespace (`/proc/<pid>/ns/mnt`
+/// names the same namespace as `/proc/self/ns/mnt`; namespaces(7)).
+fn same_mount_ns(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(p).ok();
+    let mine = ns("/proc/self/ns/mnt");
+    mine.is_some() && ns(&format!("/proc/{pid}/ns/mnt")) == mine
 }
 
 /// One socket of the process.
@@ -784,6 +803,28 @@ mod tests {
             );
         }
         drop((copies, null, l));
+    }
+
+    /// Only a process of this mount namespace has its executable read: one
+    /// in a user namespace's mount namespace (where a user mounts overlayfs
+    /// over their own FUSE) is not.
+    #[test]
+    fn executables_are_read_in_this_mount_namespace_only() {
+        assert!(same_mount_ns(std::process::id() as i32));
+        let mut child = std::process::Command::new("unshare")
+            .args(["-Urm", "sleep", "30"])
+            .spawn()
+            .expect("unshare");
+        let pid = child.id() as i32;
+        let moved = (0..200).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with("sleep"))
+        });
+        let same = same_mount_ns(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(moved, "unshare -Urm did not exec sleep");
+        assert!(!same, "a process in its own mount namespace");
     }
 
     /// A network namespace's table is read up to NET_TABLE_MAX bytes, cut

@@ -2,7 +2,6 @@
 
 use std::cmp::Ordering;
 use std::collections::BTreeSet;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -345,8 +344,10 @@ pub(super) fn io_uring_files(
         if target.as_os_str() != "anon_inode:[io_uring]" {
             continue;
         }
-        if let Ok(md) = std::fs::metadata(&link) {
-            rings.insert(md.ino());
+        // The cached statx: the descriptor may have been swapped for a
+        // FUSE file since the readlink.
+        if let Some(st) = crate::host::procs::stat_cached(&link, 0) {
+            rings.insert(st.stx_ino);
         }
         let Ok(info) = std::fs::read_to_string(table.join("fdinfo").join(fd.to_string())) else {
             continue;
@@ -399,6 +400,7 @@ pub(super) fn ring_user_files(info: &str, want: DevicePredicate<'_>) -> Vec<(Pat
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
 
     /// The cached `statx` names what `stat` names: a character device
     /// (directly and through a `/proc/self/fd` magic link), a socket by
