@@ -62,6 +62,10 @@ pub mod events {
     /// `nvml_failure = "report"`: the job's GPUs were judged by the
     /// descriptor scan alone (fields `component`, `reason`, `job_id`).
     pub const CHECK_FAILED: &str = "check_failed";
+    /// An Epilog of a job an earlier Epilog already ended (slurmd ran it
+    /// again): nothing revoked, scanned, killed or drained (field
+    /// `ended_at`).
+    pub const EPILOG_REPEATED: &str = "epilog_repeated";
     /// The Prolog removed what an earlier job with the same id left
     /// behind: grants, applied notes, its `own`-layout cgroup.
     pub const STALE_JOB_STATE: &str = "stale_job_state";
@@ -136,6 +140,7 @@ pub mod events {
         MAJORS_ADDED,
         NVML_UNAVAILABLE,
         CHECK_FAILED,
+        EPILOG_REPEATED,
         STALE_JOB_STATE,
         MPS_STARTED,
         MPS_STOPPED,

@@ -221,6 +221,13 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StateError + '_ {
     }
 }
 
+/// How many end notes `<state_dir>/ended` keeps ([`StateDir::write_ended`]):
+/// far more jobs than one node ends within slurmd's dedup window.
+pub const ENDED_KEPT: usize = 4096;
+
+/// Every how many job ids an Epilog prunes the end notes.
+pub const ENDED_PRUNE_EVERY: u32 = 256;
+
 impl StateDir {
     /// The tree rooted at `root` (nothing is created yet).
     pub fn new(root: impl Into<PathBuf>) -> Self {
@@ -435,6 +442,70 @@ impl StateDir {
         remove_if_exists(&self.record_path(job_id))
     }
 
+    /// `<state_dir>/ended`: one small file per job whose Epilog ended it
+    /// (named by the job id, holding the end time), so that a second
+    /// Epilog of the job (slurmctld resends TERMINATE_JOB after a lost
+    /// EPILOG_COMPLETE and slurmd runs it again once its dedup entry
+    /// expired: SchedMD commit 2090c3af3b, ticket 24874, before 26.05)
+    /// knows it was ended. Kept at most [`ENDED_KEPT`] files.
+    pub fn ended_dir(&self) -> PathBuf {
+        self.root.join("ended")
+    }
+
+    /// Notes that job `job_id` was ended at `when` (RFC 3339). Every
+    /// [`ENDED_PRUNE_EVERY`]th job id, the oldest notes past
+    /// [`ENDED_KEPT`] are removed (a directory read, not one per Epilog).
+    ///
+    /// # Errors
+    /// [`StateError::Io`].
+    pub fn write_ended(&self, job_id: u32, when: &str) -> Result<(), StateError> {
+        let d = Self::made(self.ended_dir())?;
+        let p = d.join(job_id.to_string());
+        write_atomic(&p, when.as_bytes(), 0o600).map_err(io_err(&p))?;
+        if job_id.is_multiple_of(ENDED_PRUNE_EVERY) {
+            self.prune_ended(ENDED_KEPT);
+        }
+        Ok(())
+    }
+
+    /// When job `job_id` was ended, if an Epilog noted it
+    /// ([`StateDir::write_ended`]).
+    pub fn ended_at(&self, job_id: u32) -> Option<String> {
+        let t = std::fs::read_to_string(self.ended_dir().join(job_id.to_string())).ok()?;
+        let t = t.trim();
+        (!t.is_empty() && t.len() <= 64).then(|| t.to_string())
+    }
+
+    /// Removes job `job_id`'s end note (a new job with that id started:
+    /// ids wrapped, or `slurmctld -i`); absent is fine.
+    ///
+    /// # Errors
+    /// [`StateError::Io`] for anything but "not found".
+    pub fn remove_ended(&self, job_id: u32) -> Result<(), StateError> {
+        remove_if_exists(&self.ended_dir().join(job_id.to_string()))
+    }
+
+    /// Removes the oldest end notes (by modification time) past `keep`
+    /// ([`ENDED_KEPT`] in the Epilog); what cannot be read or removed is
+    /// left.
+    pub fn prune_ended(&self, keep: usize) {
+        let Ok(rd) = std::fs::read_dir(self.ended_dir()) else {
+            return;
+        };
+        let mut notes: Vec<(std::time::SystemTime, PathBuf)> = rd
+            .flatten()
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        if notes.len() <= keep {
+            return;
+        }
+        notes.sort();
+        let extra = notes.len() - keep;
+        for (_, p) in notes.into_iter().take(extra) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
     fn applied_path(&self, job_id: u32, cgroup_id: u64) -> PathBuf {
         self.applied_dir()
             .join(format!("{job_id}-{cgroup_id}.json"))
@@ -549,6 +620,39 @@ mod tests {
             job_map: Vec::new(),
             mps: vec![],
         }
+    }
+
+    /// An ended job is noted, read back, forgotten when its id is reused;
+    /// past the bound the oldest notes go.
+    #[test]
+    fn end_notes_are_kept_within_their_bound() {
+        let d = tempfile::tempdir().unwrap();
+        let st = StateDir::new(d.path());
+        assert_eq!(st.ended_at(7), None);
+        st.write_ended(7, "2026-12-07T10:00:00Z").unwrap();
+        assert_eq!(st.ended_at(7).as_deref(), Some("2026-12-07T10:00:00Z"));
+        st.remove_ended(7).unwrap();
+        st.remove_ended(7).unwrap();
+        assert_eq!(st.ended_at(7), None);
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        for id in 1001..=1008 {
+            st.write_ended(id, "t").unwrap();
+            if id <= 1003 {
+                std::fs::File::options()
+                    .write(true)
+                    .open(st.ended_dir().join(id.to_string()))
+                    .unwrap()
+                    .set_modified(old)
+                    .unwrap();
+            }
+        }
+        st.prune_ended(5);
+        let left = std::fs::read_dir(st.ended_dir()).unwrap().count();
+        assert_eq!(left, 5);
+        for id in 1001..=1003 {
+            assert_eq!(st.ended_at(id), None, "the oldest go: {id}");
+        }
+        assert!(st.ended_at(1004).is_some());
     }
 
     #[test]

@@ -602,6 +602,53 @@ fi
         write_wrapper(&self.bin, &self.config, which, vars);
     }
 
+    /// Makes slurmd's Epilog save the environment slurmd gave it (`env
+    /// -0`) to `<dir>/<job id>.env` before it runs gpufence's, for
+    /// [`Cluster::replay_epilog`]; atomically, as [`Cluster::set_script_env`].
+    pub fn keep_epilog_env(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).expect("epilog env dir");
+        let p = self.bin.join("epilog.sh");
+        let tmp = self.bin.join(".epilog.sh.tmp");
+        std::fs::write(
+            &tmp,
+            format!(
+                "#!/bin/sh
+env -0 >{d}/$SLURM_JOB_ID.env.tmp && mv {d}/$SLURM_JOB_ID.env.tmp {d}/$SLURM_JOB_ID.env
+exec {} --config {}
+",
+                self.bin.join("gpufence-epilog").display(),
+                self.config.display(),
+                d = dir.display(),
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+    }
+
+    /// Runs gpufence's Epilog of job `job` again, as root, with exactly the
+    /// environment slurmd gave the first run (saved by
+    /// [`Cluster::keep_epilog_env`] in `dir`), in the cluster's root if
+    /// any: what slurmd does when it runs an Epilog a second time.
+    pub fn replay_epilog(&self, dir: &Path, job: u32) -> Output {
+        let saved = std::fs::read(dir.join(format!("{job}.env")))
+            .unwrap_or_else(|e| panic!("job {job}'s Epilog environment: {e}"));
+        let mut c = Command::new("env");
+        c.arg("-i");
+        for kv in saved.split(|b| *b == 0).filter(|kv| !kv.is_empty()) {
+            c.arg(String::from_utf8_lossy(kv).into_owned());
+        }
+        c.arg(self.bin.join("gpufence-epilog"))
+            .arg("--config")
+            .arg(&self.config);
+        match &self.root {
+            Some(r) => in_root(r, &c),
+            None => c,
+        }
+        .output()
+        .expect("replay the epilog")
+    }
+
     /// Runs `program args` as root with the cluster's `SLURM_CONF`
     /// (scontrol, scancel: what an admin does).
     pub fn admin(&self, program: &str, args: &[&str]) -> Output {

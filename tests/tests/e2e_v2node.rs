@@ -2345,6 +2345,8 @@ fn shard_co_tenants(release: &Release) {
     let slice = V2Slice::claim();
     let peer = gpufence_tests::cluster::PeerUser::create(release.root.as_deref());
     let cluster = Cluster::start_with(&env, &shared_gpu_spec(release, &slice, &d, "shard", ""));
+    let epilog_env = env.path("epilog-env");
+    cluster.keep_epilog_env(&epilog_env);
     let audit = env.path("log/audit.jsonl");
     let probe = cluster.bin.join("gpufence-probe").display().to_string();
     let script = format!(
@@ -2387,6 +2389,45 @@ fn shard_co_tenants(release: &Release) {
         cluster.log_tail("slurmd.log")
     );
     assert_eq!(events_on(&audit, a, pid_b), Vec::<String>::new());
+    // Issue 34: slurmd runs job a's Epilog a second time (a lost
+    // EPILOG_COMPLETE before 26.05), with the environment it gave the
+    // first, while the other user's job b holds the shared GPU: one line,
+    // exit 0, and b's grant, holder and node untouched.
+    let before = gpufence_tests::audit_log(&audit).len();
+    let grants = |job: u32| {
+        gpufence_cgroup::Fence::open(
+            &gpufence_model::config::Config::load(&cluster.config)
+                .unwrap()
+                .bpffs_dir,
+        )
+        .and_then(|f| f.entries())
+        .map(|g| g.into_iter().filter(|e| e.job_id == job).count())
+        .unwrap_or(0)
+    };
+    let b_grants = grants(b);
+    assert!(b_grants > 0, "job {b} holds a grant");
+    let o = cluster.replay_epilog(&epilog_env, a);
+    assert!(
+        o.status.success(),
+        "{}: the second Epilog of job {a}: {}",
+        release.slurm_version(),
+        both(&o)
+    );
+    let again: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .skip(before)
+        .collect();
+    assert_eq!(
+        again
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or("").to_string())
+            .collect::<Vec<_>>(),
+        ["epilog_repeated"],
+        "{again:?}"
+    );
+    assert_eq!(again[0]["job_id"], a);
+    assert!(!gone(pid_b) && job_state(&cluster, b) == "RUNNING");
+    assert_eq!(grants(b), b_grants, "job {b}'s grant is untouched");
     end_job(&cluster, &env, b);
     assert!(gone(pid_b));
     assert_node_clean(&cluster, &[a, b], &audit);

@@ -320,6 +320,26 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             }
         ));
     }
+    // A second Epilog of a job an earlier one ended (slurmd runs it again
+    // when slurmctld resent TERMINATE_JOB after a lost EPILOG_COMPLETE:
+    // SchedMD commit 2090c3af3b, ticket 24874, before 26.05). Another
+    // user's job may hold the same GPUs by now: nothing of this job is
+    // left to look at, so nothing is scanned, stopped, killed or drained.
+    if rec.is_none() && out.revoked.is_empty() && released.is_empty() && out.errors.is_empty() {
+        if let Some(at) = node.state.ended_at(job_id) {
+            out.notes.push(format!(
+                "job {job_id} was already ended at {at}: this Epilog (run again by slurmd) did nothing"
+            ));
+            if let Err(e) = node.audit(
+                AuditEvent::new(events::EPILOG_REPEATED)
+                    .job(job_id)
+                    .field("ended_at", at),
+            ) {
+                out.errors.push(e.to_string());
+            }
+            return out;
+        }
+    }
     let cx = Ctx::new(node, env, rec, fence, ended, &out.revoked);
     cx.audit_revoked(&mut out);
     crashpoint::reached(crashpoint::EPILOG_REVOKE_AUDITED);
@@ -800,6 +820,10 @@ impl<'a> Ctx<'a> {
                 .state
                 .remove_record(job_id)
                 .and_then(|_| node.state.remove_applied(job_id))
+                .and_then(|_| {
+                    node.state
+                        .write_ended(job_id, &gpufence_model::record::now_rfc3339())
+                })
             {
                 out.errors.push(e.to_string());
             }

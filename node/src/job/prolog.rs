@@ -770,6 +770,9 @@ pub fn run_with_sluid(
         undo_mps(&fence);
         return Err(e.into());
     }
+    // A new job with an old job's id (ids wrapped, `slurmctld -i`): its
+    // Epilog is a first one, whatever the old job's end note says.
+    let _ = node.state.remove_ended(rec.job_id);
     crashpoint::reached(crashpoint::PROLOG_RECORD_WRITTEN);
     if !rec.devices.is_empty() {
         let mut ev = AuditEvent::new(events::GRANT_RECORDED)
