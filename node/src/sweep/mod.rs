@@ -78,6 +78,7 @@ use crate::{is_under, Node};
 mod accounts;
 mod cmdline;
 mod fence;
+mod heal;
 mod holders;
 mod output;
 mod persistence;
@@ -86,6 +87,7 @@ mod shm;
 mod state;
 
 pub use cmdline::{auth_disabled, stratum_urls};
+pub use heal::{heal, why_not_clean, Healed};
 pub use output::{drain_reason, execute, prometheus, threshold, SweepOutcome, SweepRequest};
 use procs::*;
 pub use state::baseline_path;
