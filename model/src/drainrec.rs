@@ -180,7 +180,7 @@ pub struct NodeShow {
 /// another cause (slurmd not answering, a reboot, maintenance) that
 /// `state=resume` would wrongly clear or that is not gpufence's to judge
 /// (`node_state_string`, `src/common/slurm_protocol_defs.c`).
-const NOT_OURS: &[&str] = &[
+pub const NOT_OURS: &[&str] = &[
     "DOWN",
     "FAIL",
     "FAILING",
@@ -277,9 +277,9 @@ pub enum Decision {
 
 /// How `resume_window_s` reads in a reason: `24h`, `90m`, `45s`.
 pub fn window_words(window_s: u64) -> String {
-    if window_s % 3600 == 0 {
+    if window_s.is_multiple_of(3600) {
         format!("{}h", window_s / 3600)
-    } else if window_s % 60 == 0 {
+    } else if window_s.is_multiple_of(60) {
         format!("{}m", window_s / 60)
     } else {
         format!("{window_s}s")

@@ -39,7 +39,7 @@ pub struct Healed {
 /// not installed, not enforcing or missing a major, a foreign process in
 /// an MPS daemon's cgroup, a GPU in use without a grant, a check that did
 /// not run.
-const BLOCKING: &[Kind] = &[
+pub const KEEP_DRAINED: &[Kind] = &[
     Kind::UnfencedGpuHolder,
     Kind::AuditGpuHolder,
     Kind::NotReadWhole,
@@ -54,7 +54,7 @@ const BLOCKING: &[Kind] = &[
 /// `Ok` when `report` shows the node clean enough to resume: the fence
 /// installed and the config enforcing (`audit` is `mode = "audit"`), and
 /// no finding that is critical, at or above `threshold`, or of a
-/// [`BLOCKING`] kind. `Err` says why not: how many findings keep it and
+/// [`KEEP_DRAINED`] kind. `Err` says why not: how many findings keep it and
 /// the worst one's kind and summary.
 pub fn why_not_clean(report: &SweepReport, threshold: Severity, audit: bool) -> Result<(), String> {
     if !report.fence_installed {
@@ -69,7 +69,7 @@ pub fn why_not_clean(report: &SweepReport, threshold: Severity, audit: bool) -> 
         .filter(|f| {
             f.severity >= threshold
                 || f.severity >= Severity::Critical
-                || BLOCKING.contains(&f.kind)
+                || KEEP_DRAINED.contains(&f.kind)
         })
         .collect();
     match keep.iter().max_by_key(|f| f.severity) {
@@ -205,4 +205,68 @@ pub fn heal(node: &Node, node_name: &str, report: &SweepReport, threshold: Sever
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::Finding;
+    use serde_json::json;
+
+    fn report(kinds: &[Kind]) -> SweepReport {
+        SweepReport {
+            fence_installed: true,
+            findings: kinds
+                .iter()
+                .map(|k| Finding::new(*k, "x", json!({})))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn clean_means_fence_enforcing_and_nothing_that_keeps_a_drain() {
+        let m = Severity::Medium;
+        assert_eq!(why_not_clean(&report(&[]), m, false), Ok(()));
+        // Below the threshold and not blocking: clean.
+        assert_eq!(
+            why_not_clean(&report(&[Kind::DeniedOpen, Kind::StaleGrant]), m, false),
+            Ok(())
+        );
+        // A holder, even one the audit-mode fence lets through (low).
+        for k in [
+            Kind::UnfencedGpuHolder,
+            Kind::AuditGpuHolder,
+            Kind::NotReadWhole,
+            Kind::FenceNotEnforcing,
+            Kind::CheckFailed,
+            Kind::GpuBusyWithoutGrant,
+        ] {
+            let e = why_not_clean(&report(&[Kind::DeniedOpen, k]), Severity::Critical, false)
+                .unwrap_err();
+            assert!(e.starts_with("1 finding(s) remain, the worst "), "{e}");
+            assert!(e.contains(k.as_str()), "{e}");
+        }
+        // At the threshold.
+        assert_eq!(
+            why_not_clean(&report(&[Kind::PersistenceCron]), m, false),
+            Err("1 finding(s) remain, the worst medium persistence_cron: x".into())
+        );
+        assert_eq!(
+            why_not_clean(&report(&[Kind::PersistenceCron]), Severity::High, false),
+            Ok(())
+        );
+        // Critical whatever the threshold.
+        assert!(why_not_clean(&report(&[Kind::MiningCmdline]), Severity::Critical, false).is_err());
+        // No fence, or a fence in audit mode.
+        let mut r = report(&[]);
+        r.fence_installed = false;
+        assert_eq!(
+            why_not_clean(&r, m, false),
+            Err("the fence is not installed".into())
+        );
+        assert!(why_not_clean(&report(&[]), m, true)
+            .unwrap_err()
+            .contains("audit mode"));
+    }
 }

@@ -46,6 +46,10 @@
 //! files, opened without following links or blocking on FIFOs, 64 KiB at
 //! most, for at most 100 files a sweep.
 //!
+//! With `resume_when_clean`, a sweep also resumes a node gpufence itself
+//! drained once this sweep found the cause gone, and drains a flapping one
+//! again ([`heal`]; records in `state_dir/drain/`).
+//!
 //! Output ([`Finding`], one JSON object per line with `--json`):
 //!
 //! ```json
@@ -87,7 +91,7 @@ mod shm;
 mod state;
 
 pub use cmdline::{auth_disabled, stratum_urls};
-pub use heal::{heal, why_not_clean, Healed};
+pub use heal::{heal, why_not_clean, Healed, KEEP_DRAINED};
 pub use output::{drain_reason, execute, prometheus, threshold, SweepOutcome, SweepRequest};
 use procs::*;
 pub use state::baseline_path;
