@@ -109,6 +109,12 @@ pub fn heal(node: &Node, node_name: &str, report: &SweepReport, threshold: Sever
             return out;
         }
     };
+    // No drain of gpufence's on record: nothing to resume, and no
+    // `scontrol show node` (a call to slurmctld) from every node at every
+    // sweep.
+    if hist.drain.is_none() {
+        return out;
+    }
     let show = match drain::show(node, node_name) {
         Ok(s) => s,
         Err(e) => {
