@@ -102,9 +102,13 @@ fn gpufence_drains_heal_themselves_and_no_one_elses() {
     // outside every job that the fence would now deny.
     let out = env.cgroup("outside");
     let holder = env.spawn_user_probe(&out, &["hold", held.to_str().unwrap()], "held");
+    // The exemption is the test's own (never made): the machine's
+    // slurmd.service, which other clusters on this host restart, would
+    // otherwise be an `exemption_missing` finding of this node-wide check.
+    let exempt = format!("{}/exempt", env.root);
     let extra = |on: bool| {
         format!(
-            "layout = \"own\"\nnvml = false\ncron_spool_dir = \"{}\"\nsystemd_system_dir = \"{}\"\nresume_when_clean = {on}\nresume_max = 2\nresume_window_s = 86400\n[majors]\nnvidia = 195\nfake-held = {}\n",
+            "layout = \"own\"\nexempt_cgroups = [\"{exempt}\"]\nnvml = false\ncron_spool_dir = \"{}\"\nsystemd_system_dir = \"{}\"\nresume_when_clean = {on}\nresume_max = 2\nresume_window_s = 86400\n[majors]\nnvidia = 195\nfake-held = {}\n",
             cron.display(),
             units.display(),
             real.major

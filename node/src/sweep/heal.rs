@@ -52,8 +52,9 @@ pub const KEEP_DRAINED: &[Kind] = &[
 ];
 
 /// `Ok` when `report` shows the node clean enough to resume: the fence
-/// installed and the config enforcing (`audit` is `mode = "audit"`), and
-/// no finding that is critical, at or above `threshold`, or of a
+/// installed and the config enforcing (`audit` is `mode = "audit"`), no
+/// io_uring ring left unread ([`SweepReport::unread_rings`]), and no
+/// finding that is critical, at or above `threshold`, or of a
 /// [`KEEP_DRAINED`] kind. `Err` says why not: how many findings keep it and
 /// the worst one's kind and summary.
 pub fn why_not_clean(report: &SweepReport, threshold: Severity, audit: bool) -> Result<(), String> {
@@ -62,6 +63,12 @@ pub fn why_not_clean(report: &SweepReport, threshold: Severity, audit: bool) -> 
     }
     if audit {
         return Err("the fence runs in audit mode (mode = \"audit\"): it enforces nothing".into());
+    }
+    if report.unread_rings > 0 {
+        return Err(format!(
+            "{} io_uring ring(s) not read whole: their processes may hold a GPU",
+            report.unread_rings
+        ));
     }
     let keep: Vec<_> = report
         .findings
@@ -274,5 +281,12 @@ mod tests {
         assert!(why_not_clean(&report(&[]), m, true)
             .unwrap_err()
             .contains("audit mode"));
+        // A ring not read whole may hold a GPU.
+        let mut r = report(&[]);
+        r.unread_rings = 1;
+        assert_eq!(
+            why_not_clean(&r, m, false),
+            Err("1 io_uring ring(s) not read whole: their processes may hold a GPU".into())
+        );
     }
 }

@@ -468,6 +468,10 @@ pub struct SweepReport {
     pub processes: usize,
     /// How long it took.
     pub duration_seconds: f64,
+    /// Processes with an io_uring ring whose files were not read whole
+    /// (each also a note): they may hold a GPU, so they keep a gpufence
+    /// drain (`resume_when_clean`, [`why_not_clean`]).
+    pub unread_rings: usize,
     /// Things worth a line that are not findings (baseline recorded, no NVML).
     pub notes: Vec<String>,
     /// The sweep could not do part of its job (state not writable).
@@ -614,6 +618,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
             "io_uring rings registered with IORING_REGISTER_RING_FDS (in no descriptor table) were not read: {why}"
         ));
     }
+    s.report.unread_rings = walk.unread_rings.len();
     s.report.processes = walk.walked;
     s.not_read(&walk);
     let mut holding = s.descriptor_holders(&walk);
