@@ -284,4 +284,88 @@ mod tests {
         assert_eq!(long.len(), MAX_REASON);
         assert!(long.ends_with("..."));
     }
+
+    /// A node whose scontrol is `script` (a shell script standing in for
+    /// the binary: the bounded path, its arguments, output and status;
+    /// real Slurm is `tests/tests/e2e_resume.rs`).
+    fn node(dir: &std::path::Path, script: &str) -> Node {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("scontrol");
+        std::fs::write(&bin, format!("#!/bin/sh\n{script}")).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let text = format!(
+            "state_dir = \"{d}/state\"\naudit_log = \"{d}/audit.jsonl\"\nscontrol_bin = \"{b}\"\n",
+            d = dir.display(),
+            b = bin.display()
+        );
+        let cfg =
+            gpufence_model::config::Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
+        Node::new(cfg, gpufence_model::config::ConfigOrigin::Defaults).expect("cgroup2 mount")
+    }
+
+    #[test]
+    fn drains_are_recorded_and_every_call_is_one_bounded_path() {
+        let d = tempfile::tempdir().unwrap();
+        let args = d.path().join("args");
+        let n = node(
+            d.path(),
+            &format!(
+                "printf '%s\\n' \"$@\" >> {a}\nif [ \"$1\" = show ]; then printf 'NodeName=n1\\n   State=IDLE+DRAIN x=1\\n   Reason=gpufence: job 5: y [root@now]\\n'; fi\n",
+                a = args.display()
+            ),
+        );
+        // Resumes already counted are kept across a new drain.
+        n.state
+            .write_drain(
+                "n1",
+                &gpufence_model::drainrec::DrainHistory {
+                    drain: None,
+                    resumes: vec![7],
+                },
+            )
+            .unwrap();
+        drain_for(
+            &n,
+            "n1",
+            "job 5: y",
+            &Cause {
+                job_id: Some(5),
+                devices: vec!["195:0".into()],
+            },
+        )
+        .unwrap();
+        let h = n.state.read_drain("n1").unwrap();
+        let rec = h.drain.unwrap();
+        assert_eq!(
+            (rec.reason.as_str(), rec.job_id, rec.devices, rec.flapping),
+            (
+                "gpufence: job 5: y",
+                Some(5),
+                vec!["195:0".to_string()],
+                false
+            )
+        );
+        assert_eq!(h.resumes, vec![7]);
+        let s = show(&n, "n1").unwrap();
+        assert_eq!(s.state, "IDLE+DRAIN");
+        assert_eq!(s.reason.as_deref(), Some("gpufence: job 5: y"));
+        resume(&n, "n1").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&args).unwrap(),
+            "update\nnodename=n1\nstate=drain\nreason=gpufence: job 5: y\nshow\nnode\nn1\nupdate\nnodename=n1\nstate=resume\n"
+        );
+        // A failing scontrol names the call and its stderr; output without
+        // State= is an error, never a node state.
+        let bad = tempfile::tempdir().unwrap();
+        let f = node(bad.path(), "echo 'Access denied' >&2\nexit 1\n");
+        let e = resume(&f, "n1").unwrap_err().to_string();
+        assert!(
+            e.starts_with("scontrol update nodename=n1 state=resume: exit status: 1")
+                && e.ends_with(": Access denied"),
+            "{e}"
+        );
+        let empty = tempfile::tempdir().unwrap();
+        let q = node(empty.path(), "echo 'Node n1 not found'\n");
+        assert!(matches!(show(&q, "n1"), Err(DrainError::Unparsable { .. })));
+    }
 }
