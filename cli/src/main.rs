@@ -74,6 +74,12 @@ enum Cmd {
     /// Look for GPU misuse now: unfenced holders, busy GPUs without a grant,
     /// denied opens, mining, exposed notebooks, persistence, fence drift.
     ///
+    /// With resume_when_clean in the config, also resume the node
+    /// (SLURMD_NODENAME, else the host name) when gpufence drained it, its
+    /// reason is still gpufence's recorded one and this sweep found the
+    /// cause gone; at resume_max resumes within resume_window_s it is
+    /// drained again as flapping instead.
+    ///
     /// Exit 0 clean, 1 findings at or above --fail-on, 2 incomplete (or a
     /// drain asked for failed).
     Sweep(sweep_cmd::SweepArgs),

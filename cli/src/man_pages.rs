@@ -8,7 +8,7 @@ use gpufence_man::{see_also, Extra};
 pub const FILES: &[(&str, &str)] = &[
     ("/etc/slurm/gpufence.toml", "The configuration, gpufence.toml(5) (or GPUFENCE_CONFIG, or --config)."),
     ("/sys/fs/bpf/gpufence/", "The fence's pins (bpffs_dir): its link, maps and scan iterators."),
-    ("/run/gpufence/", "State (state_dir): job records, the slurmd -G cache, the sweep's cursor and baseline."),
+    ("/run/gpufence/", "State (state_dir): job records, the slurmd -G cache, the sweep's cursor and baseline, gpufence's record of its drains (drain/<node>.json, what resume_when_clean resumes)."),
     ("/var/log/gpufence/audit.jsonl", "The audit log (audit_log): one JSON object per line, every grant, revocation, response and finding."),
     ("/var/lib/gpufence/evidence/", "Evidence files (evidence_dir): one root-only JSON file per process a response acted on."),
     ("/etc/slurm/plugstack.conf.d/gpufence.conf", "Loads the SPANK plugin gpufence.so into slurmd and slurmstepd."),
@@ -65,7 +65,7 @@ pub fn sub(name: &str) -> Option<Extra> {
         "gpufence-sweep" => &[
             ("0", "Clean."),
             ("1", "A finding at or above --fail-on (default: sweep_fail_severity)."),
-            ("2", "Nothing fails but the sweep could not do all it was asked (textfile, state), the arguments are wrong, or a drain it was asked for failed (whatever it found)."),
+            ("2", "Nothing fails but the sweep could not do all it was asked (textfile, state, a resume or flapping drain under resume_when_clean), the arguments are wrong, or a drain it was asked for failed (whatever it found)."),
         ],
         "gpufence-respond" => &[
             ("0", "The tree is gone and every step worked."),

@@ -80,6 +80,11 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
             .then(|| gpufence_model::nodename::node_name(None)),
         prometheus: args.prometheus.clone(),
         cursor: args.cursor.clone(),
+        // Only read when the config's resume_when_clean is on.
+        resume_node: node
+            .cfg
+            .resume_when_clean
+            .then(|| gpufence_model::nodename::node_name(None)),
     };
     let o = sweep::execute(node, &req);
     for f in &o.report.findings {
@@ -98,6 +103,17 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
     }
     if let Some(r) = &o.drained {
         eprintln!("gpufence sweep: node drained: {}", p(r));
+    }
+    // On stderr, as every line of the sweep's: the journal of its timer or
+    // slurmd's log keeps them (the audit log has `node_resumed`).
+    if let Some(r) = &o.resumed {
+        eprintln!(
+            "gpufence sweep: node resumed: the cause of its drain is gone ({})",
+            p(r)
+        );
+    }
+    if let Some(r) = &o.flapping {
+        eprintln!("gpufence sweep: node flaps, drained again: {}", p(r));
     }
     ExitCode::from(o.exit)
 }

@@ -120,6 +120,14 @@ pub mod events {
     pub const RESPOND_DRAINED: &str = "respond_drained";
     /// `gpufence respond PID --drain` could not drain the node.
     pub const RESPOND_DRAIN_FAILED: &str = "respond_drain_failed";
+    /// `gpufence sweep` (`resume_when_clean`) resumed a node gpufence had
+    /// drained, its cause gone: the old reason, when it was drained, the
+    /// resumes within `resume_window_s` with this one.
+    pub const NODE_RESUMED: &str = "node_resumed";
+    /// `gpufence sweep` found the cause of its drain gone for the
+    /// `resume_max`th time within `resume_window_s`: the node stays drained
+    /// with a reason saying it flaps, for an admin.
+    pub const NODE_FLAPPING: &str = "node_flapping";
 
     /// Every event name above: the vocabulary SECURITY.md's table of
     /// audit events names, no more, no less (tested).
@@ -163,6 +171,8 @@ pub mod events {
         RESPOND_PERSISTENCE,
         RESPOND_DRAINED,
         RESPOND_DRAIN_FAILED,
+        NODE_RESUMED,
+        NODE_FLAPPING,
     ];
 }
 

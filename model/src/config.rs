@@ -132,8 +132,23 @@ pub struct Config {
     /// Drain the node (`scontrol update ... state=drain`) when something
     /// survives, besides exiting non-zero.
     pub drain: bool,
-    /// The scontrol binary used to drain.
+    /// The scontrol binary used to drain, resume and read a node's state.
     pub scontrol_bin: PathBuf,
+    /// `gpufence sweep` resumes a node that gpufence itself drained once
+    /// the cause is gone (no unfenced holder, the fence installed and
+    /// enforcing, nothing at or above the threshold or critical in that
+    /// sweep), and only while the node's reason is still the one gpufence
+    /// recorded. Off by default: a node that returns to service on its own
+    /// is a fleet-wide change of what a drain means, which an admin opts
+    /// into where it is wanted.
+    pub resume_when_clean: bool,
+    /// How many resumes within `resume_window_s` a node may have; at that
+    /// number it is drained again as flapping and left to an admin. At
+    /// least 1.
+    pub resume_max: u32,
+    /// The window `resume_max` counts resumes in, in seconds (default
+    /// 86400, a day); 1 to 31536000 (a year).
+    pub resume_window_s: u64,
     /// Processes of uids up to this one (system accounts: root, dbus,
     /// daemons) are never frozen or killed by the prolog or epilog: a user
     /// could otherwise hand a job's descriptor to such a daemon to have it
@@ -333,6 +348,9 @@ impl Default for Config {
             nvml_failure: NvmlFailure::Report,
             drain: true,
             scontrol_bin: "/usr/bin/scontrol".into(),
+            resume_when_clean: false,
+            resume_max: 3,
+            resume_window_s: 86_400,
             protected_uid_max: 999,
             login_defs: "/etc/login.defs".into(),
             service_uids: Vec::new(),
@@ -1233,6 +1251,15 @@ impl Config {
         }
         if self.max_grants == 0 {
             return Err(key_err("max_grants", "must be at least 1".into()));
+        }
+        if self.resume_max == 0 {
+            return Err(key_err("resume_max", "must be at least 1".into()));
+        }
+        if !(1..=31_536_000).contains(&self.resume_window_s) {
+            return Err(key_err(
+                "resume_window_s",
+                format!("{} s; 1 to 31536000 (a year)", self.resume_window_s),
+            ));
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ pub mod audit;
 pub mod cgpath;
 pub mod config;
 pub mod device;
+pub mod drainrec;
 pub mod error;
 pub mod fsutil;
 pub mod gres;

@@ -571,6 +571,20 @@ fn real_slurm_cluster_end_to_end() {
         .filter(|e| e["job_id"] == job_u && e["event"] == "survivor")
         .collect();
     assert_eq!(surv.len(), 1, "{:?}", events_for(&env, job_u));
+    // The Epilog recorded its drain (what `resume_when_clean` resumes):
+    // the reason as given to scontrol, the job, the device held.
+    let rec = gpufence_model::record::StateDir::new(env.path("state"))
+        .read_drain(&gpufence_tests::cluster::hostname())
+        .unwrap()
+        .drain
+        .expect("the Epilog's drain recorded");
+    assert!(reason_ok(&rec.reason), "{rec:?}");
+    assert_eq!(rec.job_id, Some(job_u), "{rec:?}");
+    assert!(
+        rec.devices
+            .contains(&format!("{}:{}", real.major, real.minor)),
+        "{rec:?}"
+    );
     let admin = |args: &[&str]| {
         std::process::Command::new("env")
             .arg(format!("SLURM_CONF={}", cluster.slurm_conf.display()))

@@ -879,7 +879,20 @@ impl<'a> Ctx<'a> {
             let reason = format!("gpufence: job {job_id}: {first}");
             if node.cfg.drain {
                 if let Some(name) = node_name {
-                    match drain::drain(node, name, &reason) {
+                    // The record lets `gpufence sweep` (resume_when_clean)
+                    // resume the node once these devices' holders are gone.
+                    let cause = drain::Cause {
+                        job_id: Some(job_id),
+                        devices: out
+                            .lingering
+                            .iter()
+                            .filter(|l| !l.gone())
+                            .flat_map(|l| l.devices.iter().map(|d| d.to_string()))
+                            .collect::<BTreeSet<_>>()
+                            .into_iter()
+                            .collect(),
+                    };
+                    match drain::drain_for(node, name, &reason, &cause) {
                         Ok(()) => out.notes.push(format!("node {name} drained: {reason}")),
                         Err(e) => out.errors.push(format!("could not drain {name}: {e}")),
                     }

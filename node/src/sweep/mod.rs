@@ -46,6 +46,10 @@
 //! files, opened without following links or blocking on FIFOs, 64 KiB at
 //! most, for at most 100 files a sweep.
 //!
+//! With `resume_when_clean`, a sweep also resumes a node gpufence itself
+//! drained once this sweep found the cause gone, and drains a flapping one
+//! again ([`heal`]; records in `state_dir/drain/`).
+//!
 //! Output ([`Finding`], one JSON object per line with `--json`):
 //!
 //! ```json
@@ -78,6 +82,7 @@ use crate::{is_under, Node};
 mod accounts;
 mod cmdline;
 mod fence;
+mod heal;
 mod holders;
 mod output;
 mod persistence;
@@ -86,6 +91,7 @@ mod shm;
 mod state;
 
 pub use cmdline::{auth_disabled, stratum_urls};
+pub use heal::{heal, why_not_clean, Healed, KEEP_DRAINED};
 pub use output::{drain_reason, execute, prometheus, threshold, SweepOutcome, SweepRequest};
 use procs::*;
 pub use state::baseline_path;
@@ -462,6 +468,10 @@ pub struct SweepReport {
     pub processes: usize,
     /// How long it took.
     pub duration_seconds: f64,
+    /// Processes with an io_uring ring whose files were not read whole
+    /// (each also a note): they may hold a GPU, so they keep a gpufence
+    /// drain (`resume_when_clean`, [`why_not_clean`]).
+    pub unread_rings: usize,
     /// Things worth a line that are not findings (baseline recorded, no NVML).
     pub notes: Vec<String>,
     /// The sweep could not do part of its job (state not writable).
@@ -608,6 +618,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
             "io_uring rings registered with IORING_REGISTER_RING_FDS (in no descriptor table) were not read: {why}"
         ));
     }
+    s.report.unread_rings = walk.unread_rings.len();
     s.report.processes = walk.walked;
     s.not_read(&walk);
     let mut holding = s.descriptor_holders(&walk);

@@ -102,6 +102,10 @@ pub struct SweepRequest {
     pub prometheus: Option<PathBuf>,
     /// See [`Options::cursor`].
     pub cursor: Option<String>,
+    /// The Slurm node whose gpufence drain this sweep may resume once its
+    /// cause is gone, when the config's `resume_when_clean` is on
+    /// ([`super::heal`]); `None`: no node is resumed.
+    pub resume_node: Option<String>,
 }
 
 /// What `gpufence sweep` did.
@@ -113,6 +117,11 @@ pub struct SweepOutcome {
     pub threshold: Severity,
     /// The drain reason, when the node was drained.
     pub drained: Option<String>,
+    /// The reason of the gpufence drain this sweep resumed
+    /// (`resume_when_clean`), when it resumed one.
+    pub resumed: Option<String>,
+    /// The flapping reason the node was drained again with, when it flaps.
+    pub flapping: Option<String>,
     /// What could not be done (textfile, drain, state).
     pub errors: Vec<String>,
     /// The exit status: 0 clean, 1 findings at or above the threshold, 2
@@ -131,13 +140,15 @@ pub fn threshold(node: &Node, fail_on: Option<&str>) -> Result<Severity, Severit
     }
 }
 
-/// Sweeps, writes the textfile, drains when asked and something fails.
+/// Sweeps, writes the textfile, drains when asked and something fails,
+/// and (`resume_when_clean`, [`SweepRequest::resume_node`]) resumes a
+/// gpufence drain whose cause this sweep found gone.
 pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
     let threshold = req
         .fail_on
         .or_else(|| node.cfg.sweep_fail_severity.parse().ok())
         .unwrap_or(Severity::Medium);
-    let report = match sweep(
+    let mut report = match sweep(
         node,
         &Options {
             cgroup: req.cgroup.clone(),
@@ -151,6 +162,8 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
                 report: SweepReport::default(),
                 threshold,
                 drained: None,
+                resumed: None,
+                flapping: None,
                 errors: vec![e.to_string()],
                 exit: 2,
             }
@@ -182,11 +195,22 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
             }
         }
     }
+    let any_failing = !failing.is_empty();
+    let mut healed = super::heal::Healed::default();
+    if let (true, Some(name), None) = (
+        node.cfg.resume_when_clean,
+        &req.resume_node,
+        drained.as_ref(),
+    ) {
+        healed = super::heal::heal(node, name, &report, threshold);
+        report.notes.append(&mut healed.notes);
+        errors.append(&mut healed.errors);
+    }
     // A drain that was asked for and failed is not a finding's code: the
     // node is not drained, and the caller (NHC, a timer) must hear that.
     let exit = if drain_failed {
         2
-    } else if !failing.is_empty() {
+    } else if any_failing {
         1
     } else if !errors.is_empty() {
         2
@@ -197,6 +221,8 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
         report,
         threshold,
         drained,
+        resumed: healed.resumed,
+        flapping: healed.flapping,
         errors,
         exit,
     }
