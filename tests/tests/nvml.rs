@@ -737,7 +737,7 @@ fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
         vec![DevNum::new(195, 3)]
     );
     assert!(mps_grants(&w).is_empty());
-    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3");
+    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3-u0");
     assert!(!node.cg.path(&cg).exists(), "{cg} left behind");
     let errors: Vec<Value> = w
         .audit()
@@ -745,14 +745,15 @@ fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
         .filter(|e| e["job_id"] == 50 && e["event"] == "error")
         .collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
-    assert_eq!(errors[0]["mps_daemon"], "gpu3");
+    assert_eq!(errors[0]["mps_daemon"], "gpu3-u0");
     let o = epilog::run(&node, 50, None);
     assert!(o.clean(), "{o:?}");
-    assert!(!node.state.mps_registration_path("gpu3", 50).exists());
+    assert!(!node.state.mps_registration_path("gpu3-u0", 50).exists());
 }
 
 /// The daemon (the stand-in, `gpufence-mps-standin -d`) is started once
-/// for two gres/mps jobs on one GPU, in `<cgroup_root>/gpufence-mps/gpu3`,
+/// for two gres/mps jobs of one user (root) on one GPU, in
+/// `<cgroup_root>/gpufence-mps/gpu3-u0`,
 /// granted that GPU (and the control devices) under `MPS_GRANT_JOB_ID`;
 /// the first job's Epilog leaves it running and granted; the second's
 /// stops it: no process, no cgroup, no grant.
@@ -786,7 +787,7 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
             w.env.path("mps").display()
         ),
     );
-    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3");
+    let cg = gpufence_node::job::mps::cgroup(&node, "gpu3-u0");
     for job in [51, 52] {
         let rec = prolog::run(
             &node,
@@ -801,7 +802,7 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
             gpufence_node::job::grant::job_env(&rec),
             vec![(
                 "CUDA_MPS_PIPE_DIRECTORY".to_string(),
-                w.env.path("mps/gpu3/pipe").display().to_string()
+                w.env.path("mps/gpu3/u0/pipe").display().to_string()
             )]
         );
     }
@@ -828,14 +829,14 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
     assert!(
         o.notes
             .iter()
-            .any(|n| n.starts_with("MPS daemon gpu3 stopped")),
+            .any(|n| n.starts_with("MPS daemon gpu3-u0 stopped")),
         "{:?}",
         o.notes
     );
     assert!(gone(daemon[0]), "the daemon ended");
     assert!(!node.cg.path(&cg).exists(), "{cg} removed");
     assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
-    assert!(!w.env.path("mps/gpu3").exists());
+    assert!(!w.env.path("mps/gpu3/u0").exists());
 }
 
 /// Every file in the job map directory `dir`, with its content (none
