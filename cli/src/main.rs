@@ -59,6 +59,10 @@ enum Cmd {
     },
     /// Why a process (or every process of a cgroup) can or cannot open each NVIDIA device.
     ///
+    /// Also warns when slurm.conf ($SLURM_CONF, else /etc/slurm/slurm.conf)
+    /// gives the Prolog or Epilog less time than gpufence's worst case
+    /// (`timeouts` in --json: what was compared).
+    ///
     /// Exit 0 every device is allowed; 1 at least one is denied, may be
     /// denied or unknown (or doctor could not answer); 2 not root.
     Doctor {
@@ -272,9 +276,15 @@ fn run_doctor(
     cgroup: Option<&str>,
     json: bool,
 ) -> Result<ExitCode, NodeError> {
-    let d = gpufence_node::admin::doctor::doctor(node, pid, cgroup)?;
+    let mut d = gpufence_node::admin::doctor::doctor(node, pid, cgroup)?;
+    // The hooks' worst cases against slurm.conf's timeouts, beside the
+    // account warnings; in --json, what was compared (`timeouts`).
+    let timeouts = gpufence_node::job::timeouts::host_report(&node.cfg);
+    d.warnings.extend(timeouts.warnings.iter().cloned());
     if json {
-        println!("{}", serde_json::to_string_pretty(&d).unwrap_or_default());
+        let mut v = serde_json::to_value(&d).unwrap_or_default();
+        v["timeouts"] = serde_json::to_value(&timeouts).unwrap_or_default();
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         print_doctor(&d);
     }
@@ -468,7 +478,9 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
         .unwrap_or_default();
     let io_uring =
         gpufence_node::holders::scan::io_uring_exposure(std::path::Path::new("/proc/sys"));
-    let warnings = gpufence_node::host::accounts::host_range_warnings(&node.cfg);
+    let mut warnings = gpufence_node::host::accounts::host_range_warnings(&node.cfg);
+    let timeouts = gpufence_node::job::timeouts::host_report(&node.cfg);
+    warnings.extend(timeouts.warnings.iter().cloned());
     if json {
         let v = json!({
             "installed": st.installed,
@@ -486,6 +498,7 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
             "exempt": exempt,
             "problems": st.problems,
             "warnings": warnings,
+            "timeouts": timeouts,
             "io_uring": io_uring,
             "config": node.origin.to_string(),
         });

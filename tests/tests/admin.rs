@@ -144,6 +144,47 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         t.contains("slurm_like") && t.contains("195:1    denied"),
         "{t}"
     );
+    // slurm.conf's hook timeout shorter than the hooks' worst cases: one
+    // warning each, and what was compared in --json.
+    let slurm_conf = env.path("slurm.conf");
+    std::fs::write(&slurm_conf, "PrologEpilogTimeout=5\n").unwrap();
+    let doctor = |json: bool| {
+        let mut c = Command::new(workspace_bin("gpufence"));
+        c.arg("--config")
+            .arg(&cfg)
+            .args(["doctor", &pid.to_string()]);
+        if json {
+            c.arg("--json");
+        }
+        c.env("SLURM_CONF", &slurm_conf).output().unwrap().stdout
+    };
+    let d: Value = serde_json::from_slice(&doctor(true)).unwrap();
+    let t = &d["timeouts"];
+    assert_eq!(t["slurm"]["epilog"]["seconds"], 5, "{t}");
+    assert_eq!(t["slurm"]["epilog"]["key"], "PrologEpilogTimeout", "{t}");
+    assert!(
+        t["epilog_worst"]["total_ms"].as_u64().unwrap() > 5000,
+        "{t}"
+    );
+    let w: Vec<&str> = d["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|w| w.contains("PrologEpilogTimeout=5"))
+        .collect();
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert!(
+        w[0].starts_with("gpufence's Epilog may take up to "),
+        "{}",
+        w[0]
+    );
+    let text = String::from_utf8_lossy(&doctor(false)).into_owned();
+    assert!(
+        text.contains("warning: gpufence's Prolog may take up to ")
+            && text.contains("raise PrologEpilogTimeout to "),
+        "{text}"
+    );
 }
 
 /// Slurm's cgroup/v2 device program for a job given 195:0 of 195:0-1

@@ -3,7 +3,8 @@
 //! Its modules use one another one way (`tests/tests/layering.rs`):
 //! `mps`, `report`, `shared`, `leftovers` and `jobmap` use none of the
 //! others;
-//! `injob` uses `apply`; `prolog` and `epilog` use those below them.
+//! `injob` uses `apply`; `prolog` and `epilog` use those below them; `timeouts` (their worst
+//! durations against slurm.conf's timeouts) reads their waits.
 
 pub mod epilog;
 pub mod grant;
@@ -15,3 +16,4 @@ pub mod mps;
 pub mod prolog;
 pub mod report;
 pub mod shared;
+pub mod timeouts;

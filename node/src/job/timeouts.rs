@@ -1,0 +1,627 @@
+//! How long gpufence's Prolog and Epilog may take at worst, from the
+//! config and the waits in the code, and whether slurm.conf gives them that
+//! long ([`timeout_warnings`]): `gpufence doctor` and `gpufence fence status`
+//! say so, one line each, with the numbers and what to change.
+//!
+//! The worst case adds up every bounded wait on the hook's path, each at
+//! its bound, as the code runs them one after the other
+//! ([`epilog_worst_case`], [`prolog_worst_case`]). A real hook takes far
+//! less: most waits end as soon as what they wait for happens.
+//!
+//! Slurm's keys (`src/common/read_config.c`, 22.05-26.05), all in seconds:
+//! - `PrologEpilogTimeout` (every series): both hooks; unset is `NO_VAL16`
+//!   (65534, "wait forever").
+//! - `PrologTimeout`, `EpilogTimeout` (25.05+): each hook's own; when one
+//!   is not set it takes `PrologEpilogTimeout`'s value (`_validate_and_set_defaults`,
+//!   slurm-25.05 read_config.c: `if (!s_p_get_uint16(&conf->prolog_timeout,
+//!   "PrologTimeout", hashtbl)) conf->prolog_timeout = uint16_tmp; /*
+//!   PrologEpilogTimeout */`). Before 25.05 they are unknown keys, which
+//!   slurmd refuses, so reading them on every series is safe.
+//! - A hook's timeout of `NO_VAL16` runs it without a limit
+//!   (`prep_script_slurmd.c`: `timeout != NO_VAL16 ? timeout * 1000 : -1`),
+//!   and `run_command` waits forever for a `max_wait <= 0`
+//!   (`src/common/run_command.c`): 0, 65534 and 65535 (`INFINITE16`, 18 h)
+//!   read as no limit here.
+//! - `MessageTimeout`: default 10 (`DEFAULT_MSG_TIMEOUT`, read_config.h).
+//! - `UnkillableStepTimeout`: default `MAX(60, 5 * MessageTimeout)`
+//!   (`DEFAULT_UNKILLABLE_TIMEOUT`). It is reported, never warned about:
+//!   it bounds slurmstepd's wait for the step's own tasks, which ends
+//!   (or drains the node for "Kill task failed") before the Epilog runs;
+//!   gpufence's kill waits are for processes outside the job's grants,
+//!   one after the other with Slurm's, never inside it. What they add
+//!   to the Epilog is in the Epilog's worst case.
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpufence_model::config::{Config, Layout};
+use serde::Serialize;
+
+use crate::host::slurmconf::conf_value;
+
+/// The allowance for loading NVML and starting it (`nvmlInit`): no bound
+/// in the code (the driver answers), so a fixed allowance, 2 s.
+pub const NVML_START_MS: u64 = 2000;
+
+/// The margin the suggested Slurm timeout adds to a worst case: a quarter,
+/// rounded up to whole seconds ([`suggested_timeout_s`]).
+pub const MARGIN_PERCENT: u64 = 25;
+
+/// One named part of a worst case.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Part {
+    /// What waits: a config key (`kill_wait_ms`) or a constant of the code
+    /// (`slurmd_g`, `nvml_start`).
+    pub name: &'static str,
+    /// How long at most, in ms (all its occurrences together).
+    pub ms: u64,
+    /// How it is counted (`3 rounds x 5 x 5000`).
+    pub how: String,
+}
+
+/// A hook's worst case: its parts, in the order they run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorstCase {
+    /// The sum of the parts, in ms.
+    pub total_ms: u64,
+    /// The parts.
+    pub parts: Vec<Part>,
+}
+
+impl WorstCase {
+    fn new(parts: Vec<Part>) -> Self {
+        let parts: Vec<Part> = parts.into_iter().filter(|p| p.ms > 0).collect();
+        WorstCase {
+            total_ms: parts.iter().map(|p| p.ms).sum(),
+            parts,
+        }
+    }
+
+    /// The largest parts first, at most `n`, as `name N s`.
+    pub fn dominant(&self, n: usize) -> String {
+        let mut p: Vec<&Part> = self.parts.iter().collect();
+        p.sort_by_key(|p| std::cmp::Reverse(p.ms));
+        p.iter()
+            .take(n)
+            .map(|p| format!("{} {}", p.name, secs(p.ms)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The largest part that is a gpufence.toml key (`..._ms`).
+    fn largest_key(&self) -> Option<&'static str> {
+        self.parts
+            .iter()
+            .filter(|p| p.name.ends_with("_ms"))
+            .max_by_key(|p| p.ms)
+            .map(|p| p.name)
+    }
+}
+
+/// `ms` as seconds, one decimal when not whole.
+fn secs(ms: u64) -> String {
+    if ms.is_multiple_of(1000) {
+        format!("{} s", ms / 1000)
+    } else {
+        format!("{:.1} s", ms as f64 / 1000.0)
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn part(name: &'static str, ms: u64, how: String) -> Part {
+    Part { name, ms, how }
+}
+
+/// The waits of one response ([`crate::response::respond::respond`]) but
+/// the evidence (its budget is one per hook): the pin's re-read
+/// (`scan_budget_ms`), the freeze and the thaw
+/// ([`crate::response::engine::FREEZE_WAIT`] each), `term_grace_ms`, and
+/// `kill_wait_ms` (at least 100 ms) once and
+/// [`crate::response::engine::EXITING_WAITS`] times more for a process on
+/// its way out ([`crate::response::engine::Engine::end`]).
+fn response_parts(cfg: &Config, times: u64, scans: &mut u64) -> Vec<Part> {
+    use crate::response::engine::{EXITING_WAITS, FREEZE_WAIT};
+    *scans += times; // the pin
+    let kill = cfg.kill_wait_ms.max(100);
+    let kills = 1 + u64::from(EXITING_WAITS);
+    vec![
+        part(
+            "freeze",
+            times * 2 * ms(FREEZE_WAIT),
+            format!("{times} x (freeze + thaw) x {}", ms(FREEZE_WAIT)),
+        ),
+        part(
+            "term_grace_ms",
+            times * cfg.term_grace_ms,
+            format!("{times} x {}", cfg.term_grace_ms),
+        ),
+        part(
+            "kill_wait_ms",
+            times * kills * kill,
+            format!("{times} x (1 + EXITING_WAITS {EXITING_WAITS}) x {kill}"),
+        ),
+    ]
+}
+
+fn scan_part(cfg: &Config, scans: u64) -> Part {
+    part(
+        "scan_budget_ms",
+        scans * cfg.scan_budget_ms,
+        format!("{scans} scans x {}", cfg.scan_budget_ms),
+    )
+}
+
+/// The Epilog's worst case ([`crate::job::epilog::run_with`]): NVML's
+/// start; the MPS daemons' stop when `mps_control` is set (one daemon:
+/// the lock and `quit`, [`crate::job::mps::MPS_WAIT`] each, then
+/// `kill_wait_ms` for it to leave and `kill_wait_ms` for its cgroup's
+/// kill); the first look (the scan and the re-read of processes not read
+/// whole: two `scan_budget_ms`); `response_rounds` rounds of a response
+/// and a look again; the evidence (`evidence_time_ms`, once for the
+/// hook); the last look; `memory_wait_ms`; the drain's scontrol call
+/// ([`crate::host::drain::SCONTROL_TIMEOUT`]) when `drain` is on.
+pub fn epilog_worst_case(cfg: &Config) -> WorstCase {
+    use crate::job::mps::MPS_WAIT;
+    let rounds = u64::from(cfg.response_rounds.max(1));
+    let mut scans = 2; // the first look: the scan and the re-read
+    let mut parts = Vec::new();
+    if cfg.nvml {
+        parts.push(part("nvml_start", NVML_START_MS, "fixed allowance".into()));
+    }
+    if cfg.mps_control.is_some() {
+        parts.push(part(
+            "mps_stop",
+            2 * ms(MPS_WAIT) + 2 * cfg.kill_wait_ms,
+            format!(
+                "lock {} + quit {} + 2 x kill_wait_ms {}",
+                ms(MPS_WAIT),
+                ms(MPS_WAIT),
+                cfg.kill_wait_ms
+            ),
+        ));
+    }
+    let response = response_parts(cfg, rounds, &mut scans);
+    scans += rounds * 2; // each round's look again
+    scans += 2; // the last look
+    parts.push(scan_part(cfg, scans));
+    parts.extend(response);
+    parts.push(part(
+        "evidence_time_ms",
+        cfg.evidence_time_ms,
+        "once per hook".into(),
+    ));
+    if cfg.nvml {
+        parts.push(part(
+            "memory_wait_ms",
+            cfg.memory_wait_ms,
+            "once, all GPUs together".into(),
+        ));
+    }
+    if cfg.drain {
+        parts.push(part(
+            "drain",
+            ms(crate::host::drain::SCONTROL_TIMEOUT),
+            "one scontrol call".into(),
+        ));
+    }
+    WorstCase::new(parts)
+}
+
+/// The Prolog's worst case ([`crate::job::prolog`]): NVML's start;
+/// `slurmd -G` on a cache miss ([`crate::host::gresmap::SLURMD_G_TIMEOUT`]);
+/// slurmctld's view of the job for nodes of several GPU types
+/// ([`crate::job::prolog::SLURMCTLD_TIMEOUT`]); a stale cgroup of the own
+/// layout (`kill_wait_ms`); the clean start (the look, one response with
+/// its evidence, the look again); the MPS daemon's start when
+/// `mps_control` is set (the lock, `-d`, and the kill of a daemon that
+/// did not start: [`crate::job::mps::MPS_WAIT`] each).
+pub fn prolog_worst_case(cfg: &Config) -> WorstCase {
+    use crate::job::mps::MPS_WAIT;
+    let mut scans = 2;
+    let mut parts = Vec::new();
+    if cfg.nvml {
+        parts.push(part("nvml_start", NVML_START_MS, "fixed allowance".into()));
+    }
+    parts.push(part(
+        "slurmd_g",
+        ms(crate::host::gresmap::SLURMD_G_TIMEOUT),
+        "slurmd -G, when its cache is stale".into(),
+    ));
+    parts.push(part(
+        "slurmctld",
+        ms(crate::job::prolog::SLURMCTLD_TIMEOUT),
+        "the job's GRES from slurmctld (several GPU types)".into(),
+    ));
+    if cfg.layout == Layout::Own {
+        parts.push(part(
+            "stale_cgroup",
+            cfg.kill_wait_ms,
+            "kill_wait_ms, a stale job cgroup".into(),
+        ));
+    }
+    let response = response_parts(cfg, 1, &mut scans);
+    scans += 2; // the look again
+    parts.push(scan_part(cfg, scans));
+    parts.extend(response);
+    parts.push(part(
+        "evidence_time_ms",
+        cfg.evidence_time_ms,
+        "once per hook".into(),
+    ));
+    if cfg.mps_control.is_some() {
+        parts.push(part(
+            "mps_start",
+            3 * ms(MPS_WAIT),
+            format!("lock + -d + kill, {} each", ms(MPS_WAIT)),
+        ));
+    }
+    WorstCase::new(parts)
+}
+
+/// `worst_ms` plus [`MARGIN_PERCENT`], in whole seconds, rounded up to ten.
+pub fn suggested_timeout_s(worst_ms: u64) -> u64 {
+    let with = worst_ms * (100 + MARGIN_PERCENT) / 100;
+    with.div_ceil(1000).div_ceil(10) * 10
+}
+
+/// Slurm's `DEFAULT_MSG_TIMEOUT` (s).
+pub const DEFAULT_MESSAGE_TIMEOUT_S: u64 = 10;
+
+/// Slurm's `DEFAULT_UNKILLABLE_TIMEOUT` (s).
+pub const DEFAULT_UNKILLABLE_TIMEOUT_S: u64 = 60;
+
+/// A hook's timeout as slurm.conf sets it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HookTimeout {
+    /// Seconds; `None`: no limit (unset, 0, 65534 or 65535).
+    pub seconds: Option<u64>,
+    /// The key it comes from (`EpilogTimeout`, `PrologEpilogTimeout`), or
+    /// `None` when neither is set.
+    pub key: Option<&'static str>,
+}
+
+/// The timeouts of slurm.conf gpufence compares with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SlurmTimeouts {
+    /// The Prolog's (`PrologTimeout`, else `PrologEpilogTimeout`).
+    pub prolog: HookTimeout,
+    /// The Epilog's (`EpilogTimeout`, else `PrologEpilogTimeout`).
+    pub epilog: HookTimeout,
+    /// `MessageTimeout` (s).
+    pub message_timeout_s: u64,
+    /// `UnkillableStepTimeout` (s), Slurm's default when unset.
+    pub unkillable_step_timeout_s: u64,
+}
+
+/// A timeout value: `None` for no limit or a value Slurm would refuse.
+fn limit(v: &str) -> Option<u64> {
+    match v.trim().parse::<u64>().ok()? {
+        0 | 65534.. => None,
+        s => Some(s),
+    }
+}
+
+fn hook(text: &str, own: &'static str) -> HookTimeout {
+    for key in [own, "PrologEpilogTimeout"] {
+        if let Some(v) = conf_value(text, key) {
+            return HookTimeout {
+                seconds: limit(&v),
+                key: Some(key),
+            };
+        }
+    }
+    HookTimeout {
+        seconds: None,
+        key: None,
+    }
+}
+
+impl SlurmTimeouts {
+    /// Reads them from slurm.conf `text` (see the module for Slurm's rules).
+    pub fn parse(text: &str) -> Self {
+        let message_timeout_s = conf_value(text, "MessageTimeout")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_MESSAGE_TIMEOUT_S);
+        let unkillable_step_timeout_s = conf_value(text, "UnkillableStepTimeout")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| {
+                (message_timeout_s * 5).clamp(DEFAULT_UNKILLABLE_TIMEOUT_S, u64::from(u16::MAX))
+            });
+        SlurmTimeouts {
+            prolog: hook(text, "PrologTimeout"),
+            epilog: hook(text, "EpilogTimeout"),
+            message_timeout_s,
+            unkillable_step_timeout_s,
+        }
+    }
+}
+
+/// What `gpufence doctor --json` shows as `timeouts`: the worst cases, the
+/// site's values, and where they were read.
+#[derive(Clone, Debug, Serialize)]
+pub struct TimeoutsReport {
+    /// The slurm.conf read.
+    pub slurm_conf: String,
+    /// Why it could not be read (then no Slurm value is compared).
+    pub slurm_conf_error: Option<String>,
+    /// The Prolog's worst case.
+    pub prolog_worst: WorstCase,
+    /// The Epilog's worst case.
+    pub epilog_worst: WorstCase,
+    /// The timeout suggested for the Epilog (worst case + margin), in s.
+    pub epilog_suggested_s: u64,
+    /// The timeout suggested for the Prolog, in s.
+    pub prolog_suggested_s: u64,
+    /// The drain's bound on one scontrol call, in s.
+    pub scontrol_timeout_s: u64,
+    /// slurm.conf's values, when it was read.
+    pub slurm: Option<SlurmTimeouts>,
+    /// The warnings ([`timeout_warnings`]).
+    pub warnings: Vec<String>,
+}
+
+/// `suggest`: the timeout to set, in s (for `PrologEpilogTimeout`, the
+/// larger hook's).
+fn hook_warning(
+    hook: &str,
+    worst: &WorstCase,
+    t: &HookTimeout,
+    file: &str,
+    suggest: u64,
+) -> Option<String> {
+    let (s, key) = (t.seconds?, t.key?);
+    if worst.total_ms <= s * 1000 {
+        return None;
+    }
+    let largest = worst.largest_key().unwrap_or("response_rounds");
+    Some(format!(
+        "gpufence's {hook} may take up to {} at worst ({}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower {largest} in gpufence.toml",
+        secs(worst.total_ms),
+        worst.dominant(3),
+        suggest,
+    ))
+}
+
+/// One line per timeout of `slurm` that gpufence's worst cases do not fit
+/// (`file` names slurm.conf in them): the Epilog's and the Prolog's; and
+/// `MessageTimeout` at or above the drain's scontrol bound (scontrol could
+/// be killed before slurmctld answers, and the drain lost). None when
+/// everything fits or a hook has no limit.
+pub fn timeout_warnings(cfg: &Config, slurm: &SlurmTimeouts, file: &str) -> Vec<String> {
+    let (epilog, prolog) = (epilog_worst_case(cfg), prolog_worst_case(cfg));
+    let both = suggested_timeout_s(epilog.total_ms.max(prolog.total_ms));
+    let suggest = |worst: &WorstCase, t: &HookTimeout| {
+        if t.key == Some("PrologEpilogTimeout") {
+            both
+        } else {
+            suggested_timeout_s(worst.total_ms)
+        }
+    };
+    let mut out = Vec::new();
+    out.extend(hook_warning(
+        "Epilog",
+        &epilog,
+        &slurm.epilog,
+        file,
+        suggest(&epilog, &slurm.epilog),
+    ));
+    out.extend(hook_warning(
+        "Prolog",
+        &prolog,
+        &slurm.prolog,
+        file,
+        suggest(&prolog, &slurm.prolog),
+    ));
+    let bound = crate::host::drain::SCONTROL_TIMEOUT.as_secs();
+    if cfg.drain && slurm.message_timeout_s >= bound {
+        out.push(format!(
+            "MessageTimeout={} in {file} is at or above the {bound} s gpufence gives one scontrol call: a drain may be killed before slurmctld answers; lower MessageTimeout below {bound}",
+            slurm.message_timeout_s
+        ));
+    }
+    out
+}
+
+/// [`TimeoutsReport`] for `cfg` and the slurm.conf at `slurm_conf`.
+pub fn report(cfg: &Config, slurm_conf: &Path) -> TimeoutsReport {
+    let file = slurm_conf.display().to_string();
+    let (slurm, slurm_conf_error) = match std::fs::read_to_string(slurm_conf) {
+        Ok(t) => (Some(SlurmTimeouts::parse(&t)), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let warnings = slurm
+        .as_ref()
+        .map(|s| timeout_warnings(cfg, s, &file))
+        .unwrap_or_default();
+    let (prolog_worst, epilog_worst) = (prolog_worst_case(cfg), epilog_worst_case(cfg));
+    TimeoutsReport {
+        slurm_conf: file,
+        slurm_conf_error,
+        prolog_suggested_s: suggested_timeout_s(prolog_worst.total_ms),
+        epilog_suggested_s: suggested_timeout_s(epilog_worst.total_ms),
+        prolog_worst,
+        epilog_worst,
+        scontrol_timeout_s: crate::host::drain::SCONTROL_TIMEOUT.as_secs(),
+        slurm,
+        warnings,
+    }
+}
+
+/// The slurm.conf doctor and `fence status` read: `$SLURM_CONF`, else
+/// [`crate::host::gresmap::DEFAULT_SLURM_CONF`].
+pub fn slurm_conf_path() -> std::path::PathBuf {
+    std::env::var_os("SLURM_CONF")
+        .filter(|v| !v.is_empty())
+        .map(Into::into)
+        .unwrap_or_else(|| crate::host::gresmap::DEFAULT_SLURM_CONF.into())
+}
+
+/// [`report`] for this host's slurm.conf ([`slurm_conf_path`]).
+pub fn host_report(cfg: &Config) -> TimeoutsReport {
+    report(cfg, &slurm_conf_path())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_worst_cases_are_the_stated_numbers() {
+        let cfg = Config::default();
+        let e = epilog_worst_case(&cfg);
+        // nvml 2 + scans 13 x 2 + freeze 3 x 2 + term 3 x 5 + kill 3 x 5 x 5
+        // + evidence 2 + memory 10 + drain 20.
+        assert_eq!(e.total_ms, 156_000, "{e:?}");
+        assert_eq!(
+            e.dominant(3),
+            "kill_wait_ms 75 s, scan_budget_ms 26 s, drain 20 s"
+        );
+        let p = prolog_worst_case(&cfg);
+        // nvml 2 + slurmd -G 60 + slurmctld 10 + scans 5 x 2 + freeze 2
+        // + term 5 + kill 25 + evidence 2.
+        assert_eq!(p.total_ms, 116_000, "{p:?}");
+        assert_eq!(suggested_timeout_s(e.total_ms), 200);
+        assert_eq!(suggested_timeout_s(p.total_ms), 150);
+    }
+
+    #[test]
+    fn a_key_changes_the_worst_case() {
+        let base = epilog_worst_case(&Config::default()).total_ms;
+        let fewer = Config {
+            response_rounds: 1,
+            ..Config::default()
+        };
+        // Two rounds less: each 2 + 5 + 25 + 3 x 2 s.
+        assert_eq!(epilog_worst_case(&fewer).total_ms, base - 2 * 38_000);
+        let kill = Config {
+            kill_wait_ms: 1000,
+            ..Config::default()
+        };
+        assert_eq!(epilog_worst_case(&kill).total_ms, base - 15 * 4000);
+        let mps = Config {
+            mps_control: Some("/usr/bin/nvidia-cuda-mps-control".into()),
+            ..Config::default()
+        };
+        assert_eq!(epilog_worst_case(&mps).total_ms, base + 30_000);
+        assert_eq!(
+            prolog_worst_case(&mps).total_ms,
+            prolog_worst_case(&Config::default()).total_ms + 30_000
+        );
+        let quiet = Config {
+            drain: false,
+            ..Config::default()
+        };
+        assert_eq!(epilog_worst_case(&quiet).total_ms, base - 20_000);
+    }
+
+    #[test]
+    fn slurm_timeouts_are_read_by_slurms_rules() {
+        let t = SlurmTimeouts::parse("PrologEpilogTimeout=300\n");
+        assert_eq!(t.prolog.seconds, Some(300));
+        assert_eq!(t.epilog.key, Some("PrologEpilogTimeout"));
+        assert_eq!((t.message_timeout_s, t.unkillable_step_timeout_s), (10, 60));
+        // The per-hook key wins, the other hook keeps PrologEpilogTimeout.
+        let t = SlurmTimeouts::parse("EpilogTimeout=400 PrologEpilogTimeout=300\n");
+        assert_eq!(
+            (t.epilog.seconds, t.epilog.key),
+            (Some(400), Some("EpilogTimeout"))
+        );
+        assert_eq!(
+            (t.prolog.seconds, t.prolog.key),
+            (Some(300), Some("PrologEpilogTimeout"))
+        );
+        let t = SlurmTimeouts::parse("PrologTimeout=50\nEpilogTimeout=65534\n");
+        assert_eq!(t.prolog.seconds, Some(50));
+        assert_eq!(
+            (t.epilog.seconds, t.epilog.key),
+            (None, Some("EpilogTimeout"))
+        );
+        // Unset, 0 and the infinite encodings: no limit.
+        for text in [
+            "",
+            "PrologEpilogTimeout=0",
+            "PrologEpilogTimeout=65534",
+            "PrologEpilogTimeout=65535",
+        ] {
+            let t = SlurmTimeouts::parse(text);
+            assert_eq!((t.prolog.seconds, t.epilog.seconds), (None, None), "{text}");
+        }
+        let t = SlurmTimeouts::parse("MessageTimeout=30\n");
+        assert_eq!(
+            (t.message_timeout_s, t.unkillable_step_timeout_s),
+            (30, 150)
+        );
+        let t = SlurmTimeouts::parse("UnkillableStepTimeout=120\n");
+        assert_eq!(t.unkillable_step_timeout_s, 120);
+    }
+
+    #[test]
+    fn the_warnings_say_what_to_change() {
+        let cfg = Config::default();
+        let f = "/etc/slurm/slurm.conf";
+        let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("PrologEpilogTimeout=5\n"), f);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(
+            w[0],
+            "gpufence's Epilog may take up to 156 s at worst (kill_wait_ms 75 s, scan_budget_ms 26 s, drain 20 s), more than PrologEpilogTimeout=5 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise PrologEpilogTimeout to 200 or more, or lower kill_wait_ms in gpufence.toml"
+        );
+        assert!(
+            w[1].starts_with("gpufence's Prolog may take up to 116 s at worst (slurmd_g 60 s,")
+                && w[1].contains("raise PrologEpilogTimeout to 200 or more")
+                && w[1].ends_with("or lower kill_wait_ms in gpufence.toml"),
+            "{}",
+            w[1]
+        );
+        // Each hook its own key.
+        let w = timeout_warnings(
+            &cfg,
+            &SlurmTimeouts::parse("PrologTimeout=600 EpilogTimeout=100\n"),
+            f,
+        );
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("more than EpilogTimeout=100"), "{}", w[0]);
+        let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("PrologTimeout=100\n"), f);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("raise PrologTimeout to 150 or more"),
+            "{}",
+            w[0]
+        );
+        // Everything fits, or no limit: nothing to say.
+        for text in [
+            "PrologEpilogTimeout=200",
+            "",
+            "PrologEpilogTimeout=65534",
+            "UnkillableStepTimeout=1",
+        ] {
+            assert!(
+                timeout_warnings(&cfg, &SlurmTimeouts::parse(text), f).is_empty(),
+                "{text}"
+            );
+        }
+        let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("MessageTimeout=20\n"), f);
+        assert_eq!(
+            w,
+            ["MessageTimeout=20 in /etc/slurm/slurm.conf is at or above the 20 s gpufence gives one scontrol call: a drain may be killed before slurmctld answers; lower MessageTimeout below 20"]
+        );
+    }
+
+    #[test]
+    fn the_report_shows_what_was_compared() {
+        let d = tempfile::tempdir().unwrap();
+        let conf = d.path().join("slurm.conf");
+        std::fs::write(&conf, "PrologEpilogTimeout=5\n").unwrap();
+        let r = report(&Config::default(), &conf);
+        assert_eq!(r.warnings.len(), 2);
+        assert_eq!(r.epilog_worst.total_ms, 156_000);
+        assert_eq!(r.slurm.as_ref().unwrap().epilog.seconds, Some(5));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["epilog_suggested_s"], 200);
+        let gone = report(&Config::default(), &d.path().join("absent"));
+        assert!(gone.slurm.is_none() && gone.slurm_conf_error.is_some());
+        assert!(gone.warnings.is_empty());
+    }
+}
