@@ -22,11 +22,17 @@ pub fn parse_daemon(name: &str) -> Option<(&str, u32)> {
 }
 
 /// Whether a process of real uid `uid` in the cgroup of a daemon of
-/// `daemon_uid` is foreign: neither root (the control daemon) nor the
-/// daemon's user (its server). Every process of a daemon of unknown user
-/// but root's is.
+/// `daemon_uid` is foreign: any uid but the daemon's user's, root's
+/// included (the control daemon runs as its user, its servers too; root
+/// is there only for the instant between the daemon's spawn joining the
+/// cgroup and dropping to its user, and gpufence asks nothing of a daemon
+/// through its pipes). Every process of a daemon of unknown user (one of
+/// gpufence before daemons ran per user, as root) but root's is.
 pub fn is_foreign(uid: u32, daemon_uid: Option<u32>) -> bool {
-    uid != 0 && Some(uid) != daemon_uid
+    match daemon_uid {
+        Some(d) => uid != d,
+        None => uid != 0,
+    }
 }
 
 /// The parent of the daemons' cgroups: `<cgroup_root>/<mps_cgroup>`.
@@ -106,9 +112,10 @@ mod tests {
     }
 
     #[test]
-    fn only_root_and_the_daemons_user_belong_in_its_cgroup() {
-        assert!(!is_foreign(0, Some(1000)), "the control daemon");
-        assert!(!is_foreign(1000, Some(1000)), "its user's server");
+    fn only_the_daemons_user_belongs_in_its_cgroup() {
+        assert!(is_foreign(0, Some(1000)), "root: the daemon runs as its user");
+        assert!(!is_foreign(1000, Some(1000)), "its daemon and server");
+        assert!(!is_foreign(0, Some(0)), "root's own daemon");
         assert!(is_foreign(1001, Some(1000)), "another user");
         assert!(is_foreign(1000, None), "a daemon of unknown user");
         assert!(!is_foreign(0, None));

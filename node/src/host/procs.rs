@@ -237,3 +237,43 @@ mod fs_type_tests {
         .is_some());
     }
 }
+
+/// Marks every descriptor from 3 up close-on-exec: for a `pre_exec` hook
+/// of a child that runs as a user (who may `ptrace(2)` it), so that no
+/// descriptor the parent opened without `O_CLOEXEC` (libnvidia-ml's,
+/// say) reaches it. `close_range(3, ~0, CLOSE_RANGE_CLOEXEC)` (Linux
+/// 5.11): marked rather than closed, so that the standard library's own
+/// close-on-exec pipe, which reports a failed `exec` to the parent, still
+/// works; on an older kernel each descriptor below `RLIMIT_NOFILE` is
+/// marked with `fcntl(2)`. Async-signal-safe: system calls only.
+///
+/// # Errors
+/// The `getrlimit(2)` error when neither way is open.
+pub fn cloexec_above_stdio() -> std::io::Result<()> {
+    // SAFETY: close_range(2) takes no memory; flags are the kernel's.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) into a struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let top = i32::try_from(lim.rlim_cur).unwrap_or(i32::MAX);
+    for fd in 3..top {
+        // SAFETY: fcntl(2) on a number; EBADF for one not open.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    Ok(())
+}

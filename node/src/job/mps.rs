@@ -99,10 +99,12 @@ pub const MPS_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 /// was told).
 pub const MPS_WAIT: Duration = Duration::from_secs(10);
 
-/// The modes of the directories on the way to a daemon's pipes, all
-/// root's: `<mps_dir>`, `<mps_dir>/<leaf>`, `<mps_dir>/<leaf>/u<uid>`
-/// (with the ACL [`traverse_acl`] for its uid), and its `pipe` and `log`.
-pub const DIR_MODES: [u32; 5] = [0o755, 0o755, 0o700, 0o755, 0o755];
+/// The modes of the directories on the way to a daemon's pipes:
+/// `<mps_dir>`, `<mps_dir>/<leaf>` (root's), `<mps_dir>/<leaf>/u<uid>`
+/// (root's, with the ACL [`traverse_acl`] for its uid), and its `pipe`
+/// and `log` (the daemon's user's: the daemon runs as that user and writes
+/// there).
+pub const DIR_MODES: [u32; 5] = [0o755, 0o755, 0o700, 0o700, 0o700];
 
 /// The name of the GPU of GRES device `dev`: `gpu<minor>` for
 /// `/dev/nvidia<minor>` (major `gpu_major`); `dev<major>.<minor>` for a
@@ -223,9 +225,36 @@ fn root_dir(p: &Path, mode: u32) -> Result<(), String> {
     }
 }
 
+/// Makes directory `p` (mode `mode`) for `uid`:`gid`, where no one but
+/// root may write the parent (so nothing can be swapped in between), and
+/// checks it is a directory, not a link, of that owner and mode.
+fn user_owned_dir(p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), String> {
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), mode & 0o700)
+        .create(p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    std::os::unix::fs::lchown(p, Some(uid), Some(gid))
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    let m = std::fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    if m.file_type().is_dir() && m.uid() == uid && m.mode() & 0o7777 == mode {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not the directory of uid {uid}, mode {mode:o} it was made as",
+            p.display()
+        ))
+    }
+}
+
 /// Makes uid `uid`'s directory on GPU `leaf` afresh, as [`DIR_MODES`]
-/// says: what an earlier daemon left there is removed first.
-fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf), String> {
+/// says: what an earlier daemon left there is removed first. `pipe` and
+/// `log` are `uid`'s (group `gid`), made inside root's `u<uid>`, which
+/// `uid` cannot write.
+fn make_user_dirs(
+    node: &Node,
+    leaf: &str,
+    uid: u32,
+    gid: u32,
+) -> Result<(PathBuf, PathBuf), String> {
     let mps = &node.cfg.mps_dir;
     if let Some(parent) = mps.parent() {
         std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
@@ -235,7 +264,8 @@ fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf
     root_dir(&g, DIR_MODES[1])?;
     let u = user_dir(node, leaf, uid);
     // A root-owned path under root-only directories: nothing on it is a
-    // user's to redirect (remove_dir_all removes a link, never follows it).
+    // user's to redirect; remove_dir_all removes the user's `pipe` and
+    // `log` and a link in them, never follows one.
     match std::fs::remove_dir_all(&u) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -244,8 +274,8 @@ fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf
     root_dir(&u, DIR_MODES[2])?;
     set_traverse_acl(&u, uid)?;
     let (pipe, log) = (u.join("pipe"), u.join("log"));
-    root_dir(&pipe, DIR_MODES[3])?;
-    root_dir(&log, DIR_MODES[4])?;
+    user_owned_dir(&pipe, DIR_MODES[3], uid, gid)?;
+    user_owned_dir(&log, DIR_MODES[4], uid, gid)?;
     Ok((pipe, log))
 }
 
@@ -253,23 +283,122 @@ fn err(msg: String) -> NodeError {
     NodeError::JobCgroup(msg)
 }
 
-/// The MPS lock, held until dropped.
+/// A daemon's lock, held until dropped.
 struct Lock(#[allow(dead_code)] std::fs::File);
 
-fn lock(node: &Node) -> Result<Lock, NodeError> {
-    let root = node.state.root();
-    gpufence_model::fsutil::create_dir_all_mode(root, 0o700)
-        .map_err(|e| NodeError::io("create", root, e))?;
-    let p = node.state.mps_lock_path();
+/// Takes daemon `name`'s lock (`<state_dir>/mps-locks/<name>.lock`): one
+/// per daemon, so that one user's slow start or stop never holds up
+/// another user's daemon.
+fn lock(node: &Node, name: &str) -> Result<Lock, NodeError> {
+    let p = node.state.mps_daemon_lock_path(name);
+    if let Some(dir) = p.parent() {
+        gpufence_model::fsutil::create_dir_all_mode(dir, 0o700)
+            .map_err(|e| NodeError::io("create", dir, e))?;
+    }
     match gpufence_model::fsutil::lock_file_within(&p, MPS_WAIT, Duration::from_millis(10)) {
         Ok(Some(f)) => Ok(Lock(f)),
         Ok(None) => Err(err(format!(
-            "{} stayed locked for {} s (another Prolog or Epilog starting or stopping an MPS daemon)",
+            "{} stayed locked for {} s (another Prolog or Epilog starting or stopping MPS daemon {name})",
             p.display(),
             MPS_WAIT.as_secs()
         ))),
         Err(e) => Err(NodeError::io("open", &p, e)),
     }
+}
+
+/// What a registration holds: the pid and start time (`/proc/<pid>/stat`
+/// field 22) of the Prolog that wrote it, so that a registration whose job
+/// has no record is told apart from one whose Prolog is still running
+/// (the record is written after the daemon is started).
+fn registration_mark() -> String {
+    let pid = std::process::id() as i32;
+    let start = gpufence_model::procstat::ProcStat::of(pid).map_or(0, |s| s.starttime);
+    format!("{pid} {start}\n")
+}
+
+/// How old a registration without a writer named in it must be to be
+/// stale when its job has no record.
+const UNMARKED_STALE: Duration = Duration::from_secs(300);
+
+/// Whether registration `path` of job `job_id` is stale: the job has no
+/// record in `state_dir` (readable or not) and the Prolog that wrote the
+/// registration is gone (an Epilog that never ran, a Prolog killed between
+/// registering and writing the record).
+fn stale_registration(node: &Node, path: &Path, job_id: u32) -> bool {
+    if node.state.record_path(job_id).exists() {
+        return false;
+    }
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut it = text.split_whitespace();
+    match (
+        it.next().and_then(|p| p.parse::<i32>().ok()),
+        it.next().and_then(|s| s.parse::<u64>().ok()),
+    ) {
+        (Some(pid), Some(start)) => !gpufence_model::procstat::ProcStat::of(pid)
+            .is_some_and(|s| s.starttime == start && s.state != 'Z' && s.state != 'X'),
+        _ => std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > UNMARKED_STALE),
+    }
+}
+
+/// The jobs registered with daemon `name`.
+fn registered(node: &Node, name: &str) -> Vec<u32> {
+    std::fs::read_dir(node.state.mps_daemon_dir(name))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes the stale registrations of daemon `name` ([`stale_registration`];
+/// job `except`'s is never one), each audited (`stale_job_state`). Called
+/// under the daemon's lock by the Prolog and the Epilog, and by the sweep.
+/// The jobs whose registrations went.
+pub fn prune_stale(node: &Node, name: &str, except: Option<u32>, phase: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for job in registered(node, name) {
+        if Some(job) == except {
+            continue;
+        }
+        let path = node.state.mps_registration_path(name, job);
+        if !stale_registration(node, &path, job) || std::fs::remove_file(&path).is_err() {
+            continue;
+        }
+        let mut ev = AuditEvent::new(events::STALE_JOB_STATE)
+            .job(job)
+            .field("phase", phase)
+            .field("mps_daemon", name)
+            .field(
+                "reason",
+                "MPS registration of a job with no record and no Prolog running: removed",
+            );
+        if let Some((_, uid)) = parse_daemon(name) {
+            ev = ev.uid(uid);
+        }
+        let _ = node.audit(ev);
+        out.push(job);
+    }
+    out.sort_unstable();
+    out
+}
+
+/// Every daemon in the registry (`<state_dir>/mps/<name>/`).
+pub fn registry_daemons(node: &Node) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(node.state.mps_registry_dir()) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = rd
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .collect();
+    out.sort();
+    out
 }
 
 /// Runs `cmd` with `input` on its stdin for up to `wait`; killed past it.
@@ -311,6 +440,44 @@ fn control(program: &Path, pipe: &Path, log: &Path, visible: Option<&str>) -> Co
     c
 }
 
+/// Who a daemon of uid `uid` runs as: `(gid, groups)`, its user's primary
+/// group and its supplementary groups (`getgrouplist(3)`).
+fn daemon_identity(uid: u32) -> Result<(u32, Vec<u32>), String> {
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .map_err(|e| format!("uid {uid}: {e}"))?
+        .ok_or_else(|| format!("uid {uid} has no passwd entry"))?;
+    let name = std::ffi::CString::new(user.name.as_bytes())
+        .map_err(|_| format!("uid {uid}: a NUL in the user name"))?;
+    let groups = nix::unistd::getgrouplist(&name, user.gid)
+        .map_err(|e| format!("uid {uid}: its groups: {e}"))?;
+    Ok((
+        user.gid.as_raw(),
+        groups.into_iter().map(|g| g.as_raw()).collect(),
+    ))
+}
+
+/// Makes `cmd` run as `uid` (primary group `gid`, supplementary `groups`)
+/// with no descriptor but stdio, after the `pre_exec` hooks already set
+/// (joining a cgroup needs root).
+fn drop_to(cmd: &mut Command, uid: u32, gid: u32, groups: Vec<u32>) {
+    use std::os::unix::process::CommandExt;
+    let groups: Vec<libc::gid_t> = groups;
+    // SAFETY: between fork and exec only async-signal-safe system calls:
+    // setgroups(2), setgid(2), setuid(2) and close_range(2) (or fcntl(2)),
+    // on memory the closure owns; nothing allocates.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setgid(gid) != 0
+                || libc::setuid(uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            crate::host::procs::cloexec_above_stdio()
+        });
+    }
+}
+
 /// The job's GPUs with slurmd's `CUDA_VISIBLE_DEVICES` entry for each:
 /// `(device, entry)`, from the record's GRES devices.
 fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
@@ -329,13 +496,13 @@ fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
         .collect()
 }
 
-/// Whether the control daemon of cgroup `cg` runs: a process of root's
-/// there (its servers run as its user, [`is_foreign`] ended the rest).
-fn daemon_runs(node: &Node, cg: &str) -> bool {
+/// Whether the control daemon of cgroup `cg` runs: a process of its uid
+/// there (it runs as its user, [`is_foreign`] ends every other uid's).
+fn daemon_runs(node: &Node, cg: &str, uid: u32) -> bool {
     node.cg
         .procs_recursive(cg)
         .into_iter()
-        .any(|p| crate::host::procs::uid_of(p) == Some(0))
+        .any(|p| crate::host::procs::uid_of(p) == Some(uid))
 }
 
 /// A process [`end_foreign`] found and ended.
@@ -419,16 +586,17 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
     }
     let gpu_major = node.gpu_major();
     let uid = rec.uid;
-    let _lock = lock(node)?;
     end_foreign(node, Some(rec.job_id), "prolog");
     for (dev, visible) in gpus {
         let leaf = leaf(dev, gpu_major);
         let name = daemon_name(&leaf, uid);
+        let _lock = lock(node, &name)?;
+        prune_stale(node, &name, Some(rec.job_id), "prolog");
         let users = node.state.mps_daemon_dir(&name);
         gpufence_model::fsutil::create_dir_all_mode(&users, 0o700)
             .map_err(|e| NodeError::io("create", &users, e))?;
         let mark = node.state.mps_registration_path(&name, rec.job_id);
-        std::fs::write(&mark, b"").map_err(|e| NodeError::io("write", &mark, e))?;
+        std::fs::write(&mark, registration_mark()).map_err(|e| NodeError::io("write", &mark, e))?;
         rec.mps.push(MpsDaemon {
             dev,
             pipe_dir: user_dir(node, &leaf, uid).join("pipe"),
@@ -441,7 +609,7 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
             g.shared = true;
         }
         let cg = cgroup(node, &name);
-        if daemon_runs(node, &cg) {
+        if daemon_runs(node, &cg, uid) {
             continue;
         }
         // Gone (its user's `quit`, a crash) or never started: what is left
@@ -496,7 +664,8 @@ fn start_one(
     restart: bool,
 ) -> Result<(), String> {
     let name = daemon_name(leaf, uid);
-    let (pipe, log) = match make_user_dirs(node, leaf, uid) {
+    let (gid, groups) = daemon_identity(uid)?;
+    let (pipe, log) = match make_user_dirs(node, leaf, uid, gid) {
         Ok(p) => p,
         Err(e) => {
             let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
@@ -517,9 +686,11 @@ fn start_one(
         .map_err(|e| e.to_string())?;
     let mut cmd = control(program, &pipe, &log, visible);
     cmd.arg("-d");
+    // First, as root: into the daemon's cgroup; then as its user.
     node.cg
         .join_at_exec(&cg, &mut cmd)
         .map_err(|e| e.to_string())?;
+    drop_to(&mut cmd, uid, gid, groups);
     if let Err(e) = run_bounded(cmd, b"", MPS_WAIT) {
         let _ = fence.revoke_cgroup(id);
         let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, MPS_WAIT);
@@ -548,63 +719,66 @@ pub struct Released {
     /// Whether the daemon was stopped (the job was its user's last MPS job
     /// on the GPU).
     pub stopped: bool,
-    /// Processes still in the daemon's cgroup after `quit`, killed.
+    /// Processes that were in the daemon's cgroup, killed.
     pub killed: Vec<i32>,
 }
 
-/// The Epilog's part: ends foreign processes in the daemons' cgroups
-/// ([`end_foreign`]) and removes job `job_id`'s registrations; a daemon no
-/// other job is registered with is stopped (`quit`, up to `kill_wait_ms`
-/// for its cgroup to empty; none when its user quit it already), its
-/// cgroup's grant revoked, what is left killed, the cgroup and its
-/// directories removed. Runs whatever `mps_control` says now (a daemon
-/// started before it was unset is still stopped; `quit` is skipped then).
-/// Returns what was done with each daemon, and what failed, as text, after
-/// trying every one: the lock, a grant that could not be revoked or a
-/// daemon cgroup that could not be emptied (the node is unclean: the
-/// Epilog drains it).
+/// The Epilog's part: removes job `job_id`'s registrations first, under no
+/// lock (an unlink each: however long a lock is held elsewhere, this job
+/// no longer keeps a daemon granted), ends foreign processes in the
+/// daemons' cgroups ([`end_foreign`]), and then, under each daemon's own
+/// lock, prunes its stale registrations ([`prune_stale`]) and stops a
+/// daemon no job is registered with any more ([`stop_one`]: its grant
+/// revoked first, its cgroup killed and removed, its directories removed).
+/// A daemon whose lock cannot be had within [`MPS_WAIT`] and that no job is
+/// registered with is stopped all the same (fail closed; `locked: false`
+/// in its `mps_stopped` line). Returns what was done with each daemon, and
+/// what failed, as text, after trying every one: a grant that could not
+/// be revoked or a daemon cgroup that could not be emptied (the
+/// node is unclean: the Epilog drains it).
 pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
-    let Ok(entries) = std::fs::read_dir(node.state.mps_registry_dir()) else {
-        return (done, errors);
-    };
-    let mine: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|name| node.state.mps_registration_path(name, job_id).exists())
+    let mine: Vec<String> = registry_daemons(node)
+        .into_iter()
+        .filter(|name| {
+            let p = node.state.mps_registration_path(name, job_id);
+            p.exists() && std::fs::remove_file(&p).is_ok()
+        })
         .collect();
     if mine.is_empty() {
         return (done, errors);
     }
-    let _lock = match lock(node) {
-        Ok(l) => l,
-        Err(e) => {
-            errors.push(e.to_string());
-            return (done, errors);
-        }
-    };
     end_foreign(node, Some(job_id), "epilog");
     for name in mine {
-        let users = node.state.mps_daemon_dir(&name);
-        let _ = std::fs::remove_file(node.state.mps_registration_path(&name, job_id));
-        let others = std::fs::read_dir(&users)
-            .map(|r| r.flatten().count())
-            .unwrap_or(0);
-        if others > 0 {
-            done.push(Released {
-                leaf: name,
-                stopped: false,
-                killed: Vec::new(),
-            });
+        let not_stopped = |name: String| Released {
+            leaf: name,
+            stopped: false,
+            killed: Vec::new(),
+        };
+        if !registered(node, &name).is_empty() {
+            done.push(not_stopped(name));
             continue;
         }
-        let _ = std::fs::remove_dir(&users);
+        // Without the lock (held past MPS_WAIT by a Prolog or Epilog of the
+        // same daemon) the daemon is stopped all the same when no job is
+        // registered with it: fail closed, no grant outlives its jobs.
+        let (_lock, locked) = match lock(node, &name) {
+            Ok(l) => (Some(l), true),
+            Err(_) => (None, false),
+        };
+        prune_stale(node, &name, None, "epilog");
+        if !registered(node, &name).is_empty() {
+            done.push(not_stopped(name));
+            continue;
+        }
+        let _ = std::fs::remove_dir(node.state.mps_daemon_dir(&name));
         match stop_one(node, fence, &name) {
             Ok(killed) => {
                 let mut ev = AuditEvent::new(events::MPS_STOPPED)
                     .job(job_id)
                     .field("mps_daemon", name.clone())
+                    .field("locked", locked)
                     .field("killed", killed.clone());
                 if let Some((_, uid)) = parse_daemon(&name) {
                     ev = ev.uid(uid);
@@ -622,9 +796,11 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
     (done, errors)
 }
 
-/// Stops daemon `name` ([`daemon_name`]): `quit` while it runs, its
-/// cgroup emptied and removed (its grant revoked first), its directories
-/// removed. What was killed after `quit`.
+/// Stops daemon `name` ([`daemon_name`]): its cgroup's grant revoked
+/// first, then everything in it killed (`cgroup.kill`: a daemon or server
+/// its user stopped or that does not answer is ended at once, none is
+/// asked to `quit` through a pipe directory its user owns), the cgroup
+/// removed, its directories removed. What was in the cgroup.
 fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, String> {
     let cg = cgroup(node, name);
     let id = node.cg.id(&cg).ok();
@@ -633,29 +809,19 @@ fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, 
         Some((leaf, uid)) => user_dir(node, leaf, uid),
         None => gpu_dir(node, name),
     };
-    if let Some(program) = &node.cfg.mps_control {
-        if daemon_runs(node, &cg) {
-            // A daemon that does not answer is killed below.
-            let q = control(program, &dir.join("pipe"), &dir.join("log"), None);
-            let _ = run_bounded(q, b"quit\n", MPS_WAIT);
-        }
-    }
-    let wait = Duration::from_millis(node.cfg.kill_wait_ms);
-    let deadline = Instant::now() + wait;
-    while !node.cg.procs_recursive(&cg).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
     if let (Some(f), Some(id)) = (fence, id) {
         f.revoke_cgroup(id)
             .map_err(|e| format!("revoking its grant: {e}"))?;
     }
     let killed = node.cg.procs_recursive(&cg);
     if node.cg.path(&cg).exists() {
+        let wait = Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1));
         crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
             .map_err(|e| format!("{e} (processes {killed:?})"))?;
     }
-    // Root's directories under root-only ones (DIR_MODES): no link on the
-    // way is a user's; remove_dir_all removes a link, never follows it.
+    // Root's `u<uid>` under root-only directories: nothing on the way is a
+    // user's; remove_dir_all removes the user's `pipe` and `log` and what
+    // is in them without following a link (unlinkat, O_NOFOLLOW).
     let _ = std::fs::remove_dir_all(&dir);
     if let Some((leaf, _)) = parse_daemon(name) {
         // The GPU's directory too, once no user's is left (fails while one is).
@@ -673,11 +839,12 @@ mod tests {
     #[test]
     fn only_the_user_may_traverse_and_root_owns_the_way() {
         // The way: <mps_dir>, <leaf> 0755; u<uid> 0700 (+ ACL); pipe, log.
-        assert_eq!(DIR_MODES, [0o755, 0o755, 0o700, 0o755, 0o755]);
+        assert_eq!(DIR_MODES, [0o755, 0o755, 0o700, 0o700, 0o700]);
         assert!(
             DIR_MODES.iter().all(|m| m & 0o022 == 0),
-            "root alone writes"
+            "the owner alone writes"
         );
+        assert!(DIR_MODES[3..].iter().all(|m| m & 0o077 == 0), "the user's own");
         assert_eq!(DIR_MODES[2] & 0o077, 0, "no one but root by mode");
         let acl = traverse_acl(1234);
         assert_eq!(acl.len(), 4 + 5 * 8);
