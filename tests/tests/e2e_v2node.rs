@@ -2551,6 +2551,56 @@ fn mps_co_tenants(release: &Release) {
         "{v}: A's server runs in A's daemon cgroup"
     );
 
+    // A's daemon runs as A, not root: everything in its cgroup is A's, and
+    // `start_server -uid 0` or `-uid <peer>` sent through A's own pipe
+    // starts nothing (a daemon not run as root cannot set another uid;
+    // NVIDIA's is what only a real GPU can confirm).
+    let procs_a = || -> Vec<i32> {
+        std::fs::read_to_string(daemon_cg(ua).join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    let before = procs_a();
+    assert!(
+        before.len() == 2
+            && before
+                .iter()
+                .all(|p| gpufence_node::host::procs::uid_of(*p) == Some(ua)),
+        "{v}: A's daemon and server, both A's: {before:?}"
+    );
+    for other in [0, ub] {
+        use std::io::Write;
+        let p = pipe(ua);
+        let env_a = [("CUDA_MPS_PIPE_DIRECTORY", p.as_path())];
+        let mut q = as_uid(ua, &standin, &env_a)
+            .arg("--gpu")
+            .arg(&d.held)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let _ = q
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(format!("start_server -uid {other}\n").as_bytes());
+        let o = q.wait_with_output().unwrap();
+        assert_eq!(
+            stdout(&o).trim(),
+            "server-failed EPERM",
+            "{v}: A's start_server -uid {other}: {}",
+            both(&o)
+        );
+        assert_eq!(
+            procs_a(),
+            before,
+            "{v}: start_server -uid {other} started one"
+        );
+    }
+
     // An outsider (the peer, no MPS job yet) cannot reach A's daemon, quit
     // it, or take its server's descriptor; A itself can (the server is
     // exec'ed, dumpable by its uid, as NVIDIA's is).

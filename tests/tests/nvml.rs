@@ -835,7 +835,7 @@ fn standin_node(w: &World) -> Node {
     )
     .unwrap();
     one_gpu_node(
-        &w,
+        w,
         3,
         &format!(
             "mps_control = \"{}\"\nmps_dir = \"{}\"\n",
@@ -949,7 +949,12 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
     for d in [&pipe, &pipe.with_file_name("log")] {
         let m = std::fs::symlink_metadata(d).unwrap();
         assert!(m.is_dir());
-        assert_eq!((m.uid(), m.mode() & 0o7777), (user, 0o700), "{}", d.display());
+        assert_eq!(
+            (m.uid(), m.mode() & 0o7777),
+            (user, 0o700),
+            "{}",
+            d.display()
+        );
     }
     let u = std::fs::symlink_metadata(pipe.parent().unwrap()).unwrap();
     assert_eq!((u.uid(), u.mode() & 0o7777 & !0o070), (0, 0o700));
@@ -967,7 +972,10 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
     }
     // The user's own client gets a server of the user's, in the cgroup.
     let said = as_user(user, &pipe, &["client"], "");
-    assert!(said.starts_with("MPS server ") && said.trim().ends_with(" ok"), "{said}");
+    assert!(
+        said.starts_with("MPS server ") && said.trim().ends_with(" ok"),
+        "{said}"
+    );
     let procs = node.cg.procs_recursive(&cg);
     assert_eq!(procs.len(), 2, "{procs:?}");
     assert!(procs.iter().all(|p| uid_of(*p) == user));
@@ -1009,7 +1017,10 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
     let o = epilog::run(&node, 61, None);
     drop(held);
     assert!(!node.state.mps_registration_path(&name, 61).exists());
-    assert!(procs.iter().all(|p| gone(*p)), "stopped daemon and server ended");
+    assert!(
+        procs.iter().all(|p| gone(*p)),
+        "stopped daemon and server ended"
+    );
     assert!(!node.cg.path(&cg).exists(), "{cg} removed");
     assert!(!pipe.parent().unwrap().exists());
     let cg0_id = node.cg.id(&cg0).unwrap();
@@ -1031,11 +1042,37 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
     )
     .unwrap();
     assert!(!node.state.mps_registration_path("gpu3-u0", 99).exists());
-    assert!(w.events(99).contains(&"stale_job_state".to_string()), "{:?}", w.events(99));
-    for job in [63, 64] {
-        let o = epilog::run(&node, job, None);
-        assert!(o.clean(), "{o:?}");
-    }
+    assert!(
+        w.events(99).contains(&"stale_job_state".to_string()),
+        "{:?}",
+        w.events(99)
+    );
+    let o = epilog::run(&node, 63, None);
+    assert!(o.clean(), "{o:?}");
+    assert!(node.cg.path(&cg0).exists(), "job 64 still uses it");
+    // Job 64's Epilog will not run (its record is gone, its Prolog too):
+    // the sweep removes its registration and stops the daemon no job uses.
+    node.state.remove_record(64).unwrap();
+    std::fs::write(node.state.mps_registration_path("gpu3-u0", 64), "1 0\n").unwrap();
+    let report = gpufence_node::sweep::sweep(
+        &node,
+        &gpufence_node::sweep::Options {
+            cgroup: Some(w.env.root.clone()),
+            cursor: None,
+        },
+    )
+    .unwrap();
+    let f = report
+        .findings
+        .iter()
+        .find(|f| f.evidence["mps_daemon"] == "gpu3-u0")
+        .unwrap_or_else(|| panic!("{:?}", report.findings));
+    assert_eq!(f.kind.as_str(), "stale_grant");
+    assert!(
+        f.action.as_deref().unwrap_or("").contains("stopped"),
+        "{f:?}"
+    );
+    assert!(!node.state.mps_registration_path("gpu3-u0", 64).exists());
     assert!(!node.cg.path(&cg0).exists());
     assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
     assert!(!w.env.path("mps/gpu3").exists());

@@ -113,7 +113,10 @@ mod tests {
 
     #[test]
     fn only_the_daemons_user_belongs_in_its_cgroup() {
-        assert!(is_foreign(0, Some(1000)), "root: the daemon runs as its user");
+        assert!(
+            is_foreign(0, Some(1000)),
+            "root: the daemon runs as its user"
+        );
         assert!(!is_foreign(1000, Some(1000)), "its daemon and server");
         assert!(!is_foreign(0, Some(0)), "root's own daemon");
         assert!(is_foreign(1001, Some(1000)), "another user");

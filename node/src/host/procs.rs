@@ -213,31 +213,6 @@ pub fn who() -> String {
     format!("{name} (uid {uid})")
 }
 
-#[cfg(test)]
-mod fs_type_tests {
-    use super::*;
-
-    #[test]
-    fn a_devices_file_system_is_read_from_mountinfo() {
-        let text = "\
-22 1 0:21 / /proc rw,nosuid - proc proc rw
-29 22 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
-61 29 0:52 / /home/u/mnt rw,nosuid,nodev shared:30 - fuse.sshfs u@h:/ rw,user_id=1000
-";
-        assert_eq!(fs_type_in(text, 8, 1).as_deref(), Some("ext4"));
-        assert_eq!(fs_type_in(text, 0, 52).as_deref(), Some("fuse.sshfs"));
-        assert_eq!(fs_type_in(text, 0, 5), None);
-        // This process's own root: what statx names, mountinfo knows.
-        let st = stat_cached(std::path::Path::new("/proc/self/exe"), 0).unwrap();
-        assert!(fs_type_of(
-            std::process::id() as i32,
-            st.stx_dev_major,
-            st.stx_dev_minor
-        )
-        .is_some());
-    }
-}
-
 /// Marks every descriptor from 3 up close-on-exec: for a `pre_exec` hook
 /// of a child that runs as a user (who may `ptrace(2)` it), so that no
 /// descriptor the parent opened without `O_CLOEXEC` (libnvidia-ml's,
@@ -276,4 +251,70 @@ pub fn cloexec_above_stdio() -> std::io::Result<()> {
         unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod fs_type_tests {
+    use super::*;
+
+    #[test]
+    fn a_devices_file_system_is_read_from_mountinfo() {
+        let text = "\
+22 1 0:21 / /proc rw,nosuid - proc proc rw
+29 22 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+61 29 0:52 / /home/u/mnt rw,nosuid,nodev shared:30 - fuse.sshfs u@h:/ rw,user_id=1000
+";
+        assert_eq!(fs_type_in(text, 8, 1).as_deref(), Some("ext4"));
+        assert_eq!(fs_type_in(text, 0, 52).as_deref(), Some("fuse.sshfs"));
+        assert_eq!(fs_type_in(text, 0, 5), None);
+        // This process's own root: what statx names, mountinfo knows.
+        let st = stat_cached(std::path::Path::new("/proc/self/exe"), 0).unwrap();
+        assert!(fs_type_of(
+            std::process::id() as i32,
+            st.stx_dev_major,
+            st.stx_dev_minor
+        )
+        .is_some());
+    }
+}
+
+#[cfg(test)]
+mod cloexec_tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// A descriptor opened without `O_CLOEXEC` before the spawn is not
+    /// the child's; stdio is, and a failed exec is still reported.
+    #[test]
+    fn no_descriptor_but_stdio_reaches_the_child() {
+        let t = tempfile::tempdir().unwrap();
+        let marker = t.path().join("marker");
+        std::fs::write(&marker, "x").unwrap();
+        let c = std::ffi::CString::new(marker.to_str().unwrap()).unwrap();
+        // SAFETY: open(2) of a path we own, closed below.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY) };
+        assert!(fd >= 3);
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("30");
+        // SAFETY: the hook makes system calls only.
+        unsafe { cmd.pre_exec(cloexec_above_stdio) };
+        let mut child = cmd.spawn().unwrap();
+        let links: Vec<std::path::PathBuf> = std::fs::read_dir(format!("/proc/{}/fd", child.id()))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .collect();
+        let _ = child.kill();
+        let _ = child.wait();
+        // SAFETY: our own descriptor.
+        unsafe { libc::close(fd) };
+        assert!(!links.contains(&marker), "inherited: {links:?}");
+        let mut bad = std::process::Command::new("/nonexistent/gpufence-no-such-program");
+        // SAFETY: as above.
+        unsafe { bad.pre_exec(cloexec_above_stdio) };
+        assert_eq!(
+            bad.spawn().unwrap_err().kind(),
+            std::io::ErrorKind::NotFound
+        );
+    }
 }

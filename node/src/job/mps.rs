@@ -37,29 +37,43 @@
 //!   a daemon not running (never started, or gone: its user's own `quit`,
 //!   a crash) makes `<cgroup_root>/<mps_cgroup>/<leaf>-u<uid>`
 //!   ([`cgroup`]), grants it that GPU and the job's control devices under
-//!   [`MPS_GRANT_JOB_ID`], and starts `mps_control -d` there with
+//!   [`MPS_GRANT_JOB_ID`], and starts `mps_control -d` there **as the
+//!   job's user** (its primary and supplementary groups) with
 //!   `CUDA_VISIBLE_DEVICES` (slurmd's value for that GPU, as Slurm's sample
 //!   passes it), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`
-//!   set (`<mps_dir>/<leaf>/u<uid>/{pipe,log}`, [`user_dir`]). The control
-//!   daemon starts its user's server as its child: it stays in that cgroup.
+//!   set (`<mps_dir>/<leaf>/u<uid>/{pipe,log}`, [`user_dir`]) and no
+//!   descriptor but stdio (`close_range(2)`). The control daemon starts its
+//!   user's server as its child: it stays in that cgroup.
+//! - Why as the user: nvidia-cuda-mps-control(1) lists `start_server -uid
+//!   UID`, taken from whoever reaches the pipe; a daemon run as root would
+//!   start a server of any uid (root's, another user's) in the cgroup
+//!   granted the GPU. A daemon run as a user cannot set another uid
+//!   (`setuid(2)`: EPERM), so the user can harm only their own daemon.
+//!   NVIDIA documents the control daemon as "typically" run as root, and
+//!   one run as a normal user as serving that user's clients only
+//!   (docs.nvidia.com/deploy/mps). Only a real GPU can confirm that
+//!   NVIDIA's daemon runs so with these directories and refuses
+//!   `start_server -uid` of another uid.
 //! - The directories ([`DIR_MODES`]): `<mps_dir>` and `<mps_dir>/<leaf>`
 //!   are root's, 0755; `<mps_dir>/<leaf>/u<uid>` is root's, 0700, with one
 //!   POSIX ACL entry `user:<uid>:r-x` ([`traverse_acl`]): only that uid
-//!   (and root) reaches the pipes, and, owning nothing on the path, it can
-//!   neither open it to others (`chmod`) nor swap a directory for a
-//!   symbolic link that root would then follow. A file system without
-//!   POSIX ACLs gets no daemon (fail closed: the job runs without MPS, with
-//!   a note).
+//!   (and root) reaches the pipes, and, owning nothing on the path to
+//!   `u<uid>`, it can neither open it to others (`chmod`) nor swap it for
+//!   a symbolic link that root would then follow. `pipe` and `log` inside
+//!   are the user's (0700: the daemon writes there); root only ever
+//!   removes them (`remove_dir_all`, which follows no link) and asks
+//!   nothing of the daemon through them. A file system without POSIX ACLs
+//!   gets no daemon (fail closed: the job runs without MPS, with a note).
 //! - The job's record names its user's pipe directory; the plugin sets
 //!   `CUDA_MPS_PIPE_DIRECTORY` in the job's tasks (Slurm sets no
 //!   `CUDA_MPS_*` besides the percentage).
-//! - The Epilog ends foreign processes as the Prolog does, removes the
-//!   job's registration; the last job of a user on a GPU stops that user's
-//!   daemon (`quit` on the control daemon's stdin, as
-//!   nvidia-cuda-mps-control(1) says; nothing to quit when its user quit
-//!   it), revokes the cgroup's grant, ends what is left in it and removes
-//!   it and the directories. A daemon is granted its GPU only while an MPS
-//!   job of its user holds that GPU.
+//! - The Epilog removes the job's registrations first, under no lock, ends
+//!   foreign processes as the Prolog does, and for a daemon no job is
+//!   registered with any more: revokes the cgroup's grant, kills
+//!   everything in it (`cgroup.kill`: a daemon its user stopped is ended
+//!   at once; no `quit` through a pipe directory the user owns) and
+//!   removes it and the directories. A daemon is granted its GPU only
+//!   while an MPS job of its user holds that GPU.
 //!
 //! A user's own `quit` ends that user's daemon and server only: self-harm,
 //! the other users' daemons are untouched; the user's next MPS job's Prolog
@@ -69,13 +83,18 @@
 //! two MPS servers, time-sliced by the driver, where NVIDIA's one daemon
 //! per GPU would queue the second user until the first's server exits; and
 //! under the `EXCLUSIVE_PROCESS` compute mode the second user's server
-//! cannot open the GPU until the first user's jobs end. Also unconfirmed
-//! without one: that NVIDIA's server needs nothing in the pipe or log
-//! directory it cannot write as the user (both are root's, 0755).
+//! cannot open the GPU until the first user's jobs end.
 //!
-//! One lock (`<state_dir>/mps.lock`) orders the Prologs and Epilogs of
-//! concurrent jobs, so that a daemon is started once and stopped only
-//! when no job of its user is registered.
+//! Locking: one lock per daemon (`<state_dir>/mps-locks/<leaf>-u<uid>.lock`)
+//! orders the Prologs and Epilogs of one user's jobs on one GPU, so that a
+//! daemon is started once and stopped only when no job of its user is
+//! registered; one user's slow daemon never holds up another's. A
+//! registration holds the pid and start time of the Prolog that wrote it:
+//! one whose job has no record and whose Prolog is gone is stale
+//! ([`prune_stale`]: by the next Prolog or Epilog of that daemon, and by
+//! `gpufence sweep`, which stops a daemon none is left of). An Epilog that
+//! cannot have the lock within [`MPS_WAIT`] stops a daemon no job is
+//! registered with all the same (fail closed).
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -94,9 +113,8 @@ use crate::{join_cgroup, Node, NodeError};
 /// The Prolog environment variable slurmd sets for gres/mps jobs only.
 pub const MPS_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 
-/// How long the Prolog or Epilog waits for the MPS lock, and for the
-/// control command (`-d` returns once the daemon forked; `quit` once it
-/// was told).
+/// How long the Prolog or Epilog waits for a daemon's lock, and for the
+/// control command (`-d` returns once the daemon forked).
 pub const MPS_WAIT: Duration = Duration::from_secs(10);
 
 /// The modes of the directories on the way to a daemon's pipes:
@@ -355,8 +373,9 @@ fn registered(node: &Node, name: &str) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// Removes the stale registrations of daemon `name` ([`stale_registration`];
-/// job `except`'s is never one), each audited (`stale_job_state`). Called
+/// Removes the stale registrations of daemon `name` (no record of the
+/// job, the Prolog that wrote it gone; job `except`'s is never one), each
+/// audited (`stale_job_state`). Called
 /// under the daemon's lock by the Prolog and the Epilog, and by the sweep.
 /// The jobs whose registrations went.
 pub fn prune_stale(node: &Node, name: &str, except: Option<u32>, phase: &str) -> Vec<u32> {
@@ -522,7 +541,7 @@ pub struct Foreign {
 /// whose real uid is foreign to it ([`is_foreign`]): the daemon serves its
 /// user only, and anything else there holds the daemon's grant. Each is
 /// audited (`mps_foreign_process`, with `job` when a Prolog or Epilog
-/// found it), never ended silently. Called under the MPS lock by the
+/// found it), never ended silently. Called (under no lock) by the
 /// Prolog and the Epilog of every gres/mps job.
 pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
     let mut out = Vec::new();
@@ -728,7 +747,7 @@ pub struct Released {
 /// no longer keeps a daemon granted), ends foreign processes in the
 /// daemons' cgroups ([`end_foreign`]), and then, under each daemon's own
 /// lock, prunes its stale registrations ([`prune_stale`]) and stops a
-/// daemon no job is registered with any more ([`stop_one`]: its grant
+/// daemon no job is registered with any more (its grant
 /// revoked first, its cgroup killed and removed, its directories removed).
 /// A daemon whose lock cannot be had within [`MPS_WAIT`] and that no job is
 /// registered with is stopped all the same (fail closed; `locked: false`
@@ -796,6 +815,57 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
     (done, errors)
 }
 
+/// What [`sweep_stale`] did with one daemon.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SweptDaemon {
+    /// The daemon's name ([`daemon_name`]).
+    pub name: String,
+    /// The jobs whose stale registrations were removed.
+    pub jobs: Vec<u32>,
+    /// `None` while a job is still registered with it; else what stopping
+    /// it gave (the processes killed, or why it failed).
+    pub stopped: Option<Result<Vec<i32>, String>>,
+}
+
+/// `gpufence sweep`'s part: under each daemon's lock, removes its stale
+/// registrations ([`prune_stale`]: a job with no record whose Prolog is
+/// gone, so whose Epilog will not release it) and stops a daemon that
+/// none is left of (as the Epilog would have). Daemons whose lock cannot
+/// be had are left to the next sweep.
+pub fn sweep_stale(node: &Node, fence: Option<&Fence>) -> Vec<SweptDaemon> {
+    let mut out = Vec::new();
+    for name in registry_daemons(node) {
+        let Ok(_lock) = lock(node, &name) else {
+            continue;
+        };
+        let jobs = prune_stale(node, &name, None, "sweep");
+        if jobs.is_empty() {
+            continue;
+        }
+        let stopped = registered(node, &name).is_empty().then(|| {
+            let _ = std::fs::remove_dir(node.state.mps_daemon_dir(&name));
+            let r = stop_one(node, fence, &name);
+            if let Ok(killed) = &r {
+                let mut ev = AuditEvent::new(events::MPS_STOPPED)
+                    .field("phase", "sweep")
+                    .field("mps_daemon", name.clone())
+                    .field("killed", killed.clone());
+                if let Some((_, uid)) = parse_daemon(&name) {
+                    ev = ev.uid(uid);
+                }
+                let _ = node.audit(ev);
+            }
+            r
+        });
+        out.push(SweptDaemon {
+            name,
+            jobs,
+            stopped,
+        });
+    }
+    out
+}
+
 /// Stops daemon `name` ([`daemon_name`]): its cgroup's grant revoked
 /// first, then everything in it killed (`cgroup.kill`: a daemon or server
 /// its user stopped or that does not answer is ended at once, none is
@@ -844,7 +914,10 @@ mod tests {
             DIR_MODES.iter().all(|m| m & 0o022 == 0),
             "the owner alone writes"
         );
-        assert!(DIR_MODES[3..].iter().all(|m| m & 0o077 == 0), "the user's own");
+        assert!(
+            DIR_MODES[3..].iter().all(|m| m & 0o077 == 0),
+            "the user's own"
+        );
         assert_eq!(DIR_MODES[2] & 0o077, 0, "no one but root by mode");
         let acl = traverse_acl(1234);
         assert_eq!(acl.len(), 4 + 5 * 8);

@@ -255,12 +255,13 @@ fn daemon(gpu: &str, dir: &std::path::Path) -> ExitCode {
             cmd if cmd.starts_with("start_server -uid ") => {
                 match cmd["start_server -uid ".len()..].trim().parse::<u32>() {
                     Err(_) => "start_server-failed bad-uid".into(),
+                    // Modelled at its worst: started whatever server runs
+                    // (NVIDIA documents no queueing for this command).
                     Ok(uid) => match server {
                         Some((u, pid)) if u == uid => format!("server {pid} ok"),
-                        Some((u, _)) => format!("busy {u}"),
-                        None => match start_server(gpu, uid) {
+                        _ => match start_server(gpu, uid) {
                             Ok(pid) => {
-                                server = Some((uid, pid));
+                                server.get_or_insert((uid, pid));
                                 format!("server {pid} ok")
                             }
                             Err(w) => format!("server-failed {w}"),
