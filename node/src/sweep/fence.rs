@@ -109,7 +109,7 @@ impl Sweep<'_> {
             f.cgroup = Some(crate::host::cgpath::abs(&p.cgroup));
             self.findings.push(f);
         }
-        for d in crate::job::mps::sweep_stale(node, self.fence.as_ref()) {
+        for d in crate::host::mps_cgroups::sweep_stale(node, self.fence.as_ref()) {
             let mut f = Finding::new(
                 Kind::StaleGrant,
                 format!(
@@ -118,10 +118,10 @@ impl Sweep<'_> {
                 ),
                 json!({"mps_daemon": d.name, "job_ids": d.jobs}),
             );
-            f.uid = crate::job::mps::parse_daemon(&d.name).map(|(_, u)| u);
-            f.cgroup = Some(crate::host::cgpath::abs(&crate::job::mps::cgroup(
-                node, &d.name,
-            )));
+            f.uid = crate::host::mps_cgroups::parse_daemon(&d.name).map(|(_, u)| u);
+            f.cgroup = Some(crate::host::cgpath::abs(
+                &crate::host::mps_cgroups::daemon_cgroup(node, &d.name),
+            ));
             f.action = Some(match &d.stopped {
                 None => "registrations removed; other jobs still use the daemon".to_string(),
                 Some(Ok(killed)) => format!(
