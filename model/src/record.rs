@@ -10,10 +10,11 @@
 //! <state_dir>/slurmd-G-<node>.txt           the same for one Slurm node,
 //!                                           when slurmd names its node (-N)
 //! <state_dir>/nvml-unavailable.txt          why NVML is unavailable, as last audited
-//! <state_dir>/mps.lock                      the MPS lock (flock)
+//! <state_dir>/mps-locks/<gpu>-u<uid>.lock   an MPS daemon's lock (flock)
 //! <state_dir>/job-map.lock                  the job map's lock (flock)
 //! <state_dir>/mps/<gpu>-u<uid>/<job_id>     a gres/mps job registered with its
-//!                                           user's MPS daemon on a GPU
+//!                                           user's MPS daemon on a GPU (the
+//!                                           pid and start time of its Prolog)
 //! <state_dir>/responding/<pid>-<start>.json a process a response is stopping
 //! <state_dir>/sweep/lock                    one sweep at a time (flock)
 //! <state_dir>/sweep/denials[-<cursor>].json the denial records the last sweep saw
@@ -279,10 +280,12 @@ impl StateDir {
         self.root.join("nvml-unavailable.txt")
     }
 
-    /// `<state_dir>/mps.lock`: the lock that orders the Prologs and
-    /// Epilogs starting and stopping MPS daemons.
-    pub fn mps_lock_path(&self) -> PathBuf {
-        self.root.join("mps.lock")
+    /// `<state_dir>/mps-locks/<daemon>.lock`: the lock that orders the
+    /// Prologs and Epilogs starting and stopping MPS daemon `daemon`, one
+    /// per daemon (GPU and uid), so that no user's daemon waits on
+    /// another's.
+    pub fn mps_daemon_lock_path(&self, daemon: &str) -> PathBuf {
+        self.root.join("mps-locks").join(format!("{daemon}.lock"))
     }
 
     /// `<state_dir>/job-map.lock`: the lock that orders the Prologs and
@@ -761,7 +764,10 @@ mod tests {
         let r = |p: PathBuf| p.strip_prefix(d.path()).unwrap().display().to_string();
         assert_eq!(r(s.record_path(3)), "jobs/3.json");
         assert_eq!(r(s.nvml_unavailable_path()), "nvml-unavailable.txt");
-        assert_eq!(r(s.mps_lock_path()), "mps.lock");
+        assert_eq!(
+            r(s.mps_daemon_lock_path("gpu3-u5")),
+            "mps-locks/gpu3-u5.lock"
+        );
         assert_eq!(r(s.mps_registration_path("gpu3", 50)), "mps/gpu3/50");
         assert_eq!(r(s.responding_dir()), "responding");
         assert_eq!(r(s.sweep_lock_path()), "sweep/lock");

@@ -654,6 +654,17 @@ fn reports_are_written_whole_and_as_the_user() {
     // the test saw it is tried again under a new name (a busy CI machine
     // once let one finish unseen), never counted as caught.
     let slow = "0123456789abcdef".repeat(2 * 1024 * 1024);
+    // A descriptor of ours without O_CLOEXEC (as libnvidia-ml may leave
+    // one): not the writer's once it has exec'd.
+    let marker = d.path().join("not-cloexec");
+    std::fs::write(&marker, "x").unwrap();
+    let c_marker = std::ffi::CString::new(marker.to_str().unwrap()).unwrap();
+    // SAFETY: open(2) of a path we own, closed after the loop.
+    let leaked = unsafe { libc::open(c_marker.as_ptr(), libc::O_RDONLY) };
+    assert!(leaked >= 0);
+    let me = std::fs::read_link("/proc/self/exe").unwrap();
+    let mut inherited = Vec::new();
+    let mut looked = 0;
     let mut caught = None;
     for attempt in 0..20 {
         let name = format!("stopped-{attempt}.txt");
@@ -679,6 +690,18 @@ fn reports_are_written_whole_and_as_the_user() {
                 }
                 // SAFETY: kill(2) on the writer the test just found.
                 unsafe { libc::kill(pid, libc::SIGSTOP) };
+                // Exec'd (no longer this test's image): its descriptors.
+                if std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e != me) {
+                    looked += 1;
+                    inherited.extend(
+                        std::fs::read_dir(format!("/proc/{pid}/fd"))
+                            .into_iter()
+                            .flatten()
+                            .flatten()
+                            .filter_map(|e| std::fs::read_link(e.path()).ok())
+                            .filter(|l| *l == marker),
+                    );
+                }
                 let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
                 // Its cgroup is fenced: a process of the user there is denied.
                 let opened = env.open_from(&writer_cg, &n0);
@@ -696,6 +719,12 @@ fn reports_are_written_whole_and_as_the_user() {
             (None, Err(e)) => panic!("an unseen writer failed: {e}"),
         }
     }
+    // SAFETY: our own descriptor.
+    unsafe { libc::close(leaked) };
+    assert!(
+        inherited.is_empty(),
+        "the writer inherited {inherited:?} ({looked} looked at)"
+    );
     let (name, t0, e, (pid, cg, opened)) =
         caught.expect("the writer was never stopped in its cgroup as the user in 20 tries");
     assert!(cg.trim_end().ends_with(&format!("/{writer_cg}")), "{cg}");

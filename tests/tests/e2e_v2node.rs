@@ -2493,8 +2493,13 @@ fn as_uid(uid: u32, program: &Path, envs: &[(&str, &Path)]) -> std::process::Com
 /// `quit` it nor take its server's descriptor; a process of another uid in
 /// a daemon's cgroup is reported and ended by the next MPS Prolog; a
 /// user's own `quit` ends only that user's daemon, and the user's next job
-/// gets a fresh one. The last job of each user stops that user's daemon,
-/// and the node is clean.
+/// gets a fresh one. The daemon runs as its user: `start_server -uid 0`
+/// (or the peer's uid) through the user's own pipe starts nothing. A user
+/// who stops (`SIGSTOP`) their daemon and server and has their last two
+/// jobs cancelled one second apart holds up neither those Epilogs nor the
+/// peer's new MPS job's Prolog; the stopped daemon is ended all the same.
+/// The last job of each user stops that user's daemon, no registration
+/// and no grant is left, and the node is clean.
 fn mps_co_tenants(release: &Release) {
     let env = TestEnv::new("v2mps");
     let d = Devices::make(&env);
@@ -2591,6 +2596,56 @@ fn mps_co_tenants(release: &Release) {
         in_cgroup(s_a, ua),
         "{v}: A's server runs in A's daemon cgroup"
     );
+
+    // A's daemon runs as A, not root: everything in its cgroup is A's, and
+    // `start_server -uid 0` or `-uid <peer>` sent through A's own pipe
+    // starts nothing (a daemon not run as root cannot set another uid;
+    // NVIDIA's is what only a real GPU can confirm).
+    let procs_a = || -> Vec<i32> {
+        std::fs::read_to_string(daemon_cg(ua).join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    let before = procs_a();
+    assert!(
+        before.len() == 2
+            && before
+                .iter()
+                .all(|p| gpufence_node::host::procs::uid_of(*p) == Some(ua)),
+        "{v}: A's daemon and server, both A's: {before:?}"
+    );
+    for other in [0, ub] {
+        use std::io::Write;
+        let p = pipe(ua);
+        let env_a = [("CUDA_MPS_PIPE_DIRECTORY", p.as_path())];
+        let mut q = as_uid(ua, &standin, &env_a)
+            .arg("--gpu")
+            .arg(&d.held)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let _ = q
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(format!("start_server -uid {other}\n").as_bytes());
+        let o = q.wait_with_output().unwrap();
+        assert_eq!(
+            stdout(&o).trim(),
+            "server-failed EPERM",
+            "{v}: A's start_server -uid {other}: {}",
+            both(&o)
+        );
+        assert_eq!(
+            procs_a(),
+            before,
+            "{v}: start_server -uid {other} started one"
+        );
+    }
 
     // An outsider (the peer, no MPS job yet) cannot reach A's daemon, quit
     // it, or take its server's descriptor; A itself can (the server is
@@ -2768,6 +2823,16 @@ fn mps_co_tenants(release: &Release) {
     );
     assert!(!gone(s_a3), "{v}: B's quit ended A's server");
 
+    // A stops A's daemon and server (SIGSTOP, as A): they would answer no
+    // `quit`, and must hold up neither A's Epilogs nor B's Prolog.
+    let stopped_a = procs_a();
+    assert!(stopped_a.contains(&s_a3), "{v}: {stopped_a:?}");
+    let mut k = as_uid(ua, Path::new("/bin/kill"), &[]);
+    k.arg("-STOP");
+    for p in &stopped_a {
+        k.arg(p.to_string());
+    }
+    assert!(k.status().unwrap().success(), "{v}: A's kill -STOP");
     let holders = [printed_pid(&t_b), printed_pid(&t_a2), printed_pid(&t_a3)];
     end_job(&cluster, &env, a1);
     assert!(
@@ -2787,24 +2852,70 @@ fn mps_co_tenants(release: &Release) {
     );
     assert!(!gone(s_a3), "{v}: B's daemon's end ended A's server");
     assert!(!pipe(ub).exists() && !daemon_cg(ub).exists());
-    end_job(&cluster, &env, a2);
-    assert!(!gone(s_a3), "A's server outlives A's second job");
-    end_job(&cluster, &env, a3);
+    // A's last two jobs are cancelled one second apart while B submits a
+    // new MPS job: A's stopped daemon is stopped all the same (grant
+    // revoked, cgroup killed), and B's Prolog is not held up.
+    let o = cluster.admin("scancel", &[&a2.to_string()]);
+    assert!(o.status.success(), "scancel {a2}: {}", both(&o));
+    std::thread::sleep(Duration::from_secs(1));
+    let o = cluster.admin("scancel", &[&a3.to_string()]);
+    assert!(o.status.success(), "scancel {a3}: {}", both(&o));
+    let b2 = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=mps:20"],
+        &out("b2"),
+        &script,
+    );
+    let t_b2 = wait_output(&cluster, &out("b2"), "held");
+    check_job("b2", &t_b2, ub);
+    for j in [a2, a3] {
+        let record = env.path(&format!("state/jobs/{j}.json"));
+        assert!(
+            Cluster::wait_for(Duration::from_secs(60), || !record.exists()
+                && job_state(&cluster, j).is_empty()),
+            "{v}: job {j} did not end:\n{}",
+            cluster.log_tail("slurmd.log")
+        );
+    }
     assert!(
-        Cluster::wait_for(Duration::from_secs(10), || gone(s_a3)),
-        "{v}: the last MPS job's Epilog did not stop A's server {s_a3}: {:?}",
+        Cluster::wait_for(Duration::from_secs(10), || stopped_a
+            .iter()
+            .all(|p| gone(*p))),
+        "{v}: A's last Epilog did not end A's stopped daemon and server {stopped_a:?}: {:?}",
         events_for(&audit, a3)
     );
+    assert!(!pipe(ua).exists() && !daemon_cg(ua).exists());
+    for j in [a2, a3] {
+        assert!(
+            !events_for(&audit, j).contains(&"error".to_string()),
+            "{v}: job {j}: {:?}",
+            events_for(&audit, j)
+        );
+    }
+    end_job(&cluster, &env, b2);
     assert!(
-        events_for(&audit, a3).contains(&"mps_stopped".to_string()),
-        "{:?}",
+        events_for(&audit, b2).contains(&"mps_stopped".to_string()),
+        "{v}: {:?}",
+        events_for(&audit, b2)
+    );
+    let registry = env.path("state/mps");
+    assert!(
+        std::fs::read_dir(&registry).map_or(true, |r| r.flatten().next().is_none()),
+        "{v}: MPS registrations left in {}",
+        registry.display()
+    );
+    assert!(
+        events_for(&audit, a2).contains(&"mps_stopped".to_string())
+            || events_for(&audit, a3).contains(&"mps_stopped".to_string()),
+        "{:?} {:?}",
+        events_for(&audit, a2),
         events_for(&audit, a3)
     );
     assert!(
         !env.path(&format!("mps/{leaf}")).exists(),
         "the GPU's MPS directory is removed"
     );
-    assert_node_clean(&cluster, &[a1, b, a2, a3], &audit);
+    assert_node_clean(&cluster, &[a1, b, a2, a3, b2], &audit);
     assert!(
         !slice
             .slurmd_cgroup()

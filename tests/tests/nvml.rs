@@ -752,7 +752,7 @@ fn an_mps_daemon_that_cannot_start_is_one_line_and_no_grant() {
 }
 
 /// The daemon (the stand-in, `gpufence-mps-standin -d`) is started once
-/// for two gres/mps jobs of one user (root) on one GPU, in
+/// for two gres/mps jobs of one user on one GPU, in
 /// `<cgroup_root>/gpufence-mps/gpu3-u0`,
 /// granted that GPU (and the control devices) under `MPS_GRANT_JOB_ID`;
 /// the first job's Epilog leaves it running and granted; the second's
@@ -764,29 +764,7 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
     }
     let w = world("mps-life", "");
     w.scenario(json!({"gpus": [gpu(3, json!([]))]}));
-    let control = w.env.path("mps-control");
-    std::fs::write(
-        &control,
-        format!(
-            "#!/bin/sh\nexec {} --gpu /dev/null \"$@\"\n",
-            workspace_bin("gpufence-mps-standin").display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &control,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let node = one_gpu_node(
-        &w,
-        3,
-        &format!(
-            "mps_control = \"{}\"\nmps_dir = \"{}\"\n",
-            control.display(),
-            w.env.path("mps").display()
-        ),
-    );
+    let node = standin_node(&w);
     let cg = gpufence_node::job::mps::cgroup(&node, "gpu3-u0");
     for job in [51, 52] {
         let rec = prolog::run(
@@ -837,6 +815,267 @@ fn an_mps_daemon_lives_while_an_mps_job_holds_its_gpu() {
     assert!(!node.cg.path(&cg).exists(), "{cg} removed");
     assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
     assert!(!w.env.path("mps/gpu3/u0").exists());
+}
+
+/// A node with GPU 3 whose `mps_control` is the stand-in (a script any
+/// user may run: `gpufence-mps-standin --gpu /dev/null "$@"`).
+fn standin_node(w: &World) -> Node {
+    let control = w.env.path("mps-control");
+    std::fs::write(
+        &control,
+        format!(
+            "#!/bin/sh\nexec {} --gpu /dev/null \"$@\"\n",
+            workspace_bin("gpufence-mps-standin").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &control,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    one_gpu_node(
+        w,
+        3,
+        &format!(
+            "mps_control = \"{}\"\nmps_dir = \"{}\"\n",
+            control.display(),
+            w.env.path("mps").display()
+        ),
+    )
+}
+
+/// The real uid of `pid`.
+fn uid_of(pid: i32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .unwrap()
+}
+
+/// What `cmd` (the stand-in) prints, run as `uid` with `pipe` as its
+/// pipe directory and `input` on stdin.
+fn as_user(uid: u32, pipe: &std::path::Path, args: &[&str], input: &str) -> String {
+    use std::io::Write;
+    use std::os::unix::process::CommandExt;
+    let mut c = std::process::Command::new(workspace_bin("gpufence-mps-standin"));
+    c.args(args)
+        .uid(uid)
+        .gid(uid)
+        .env_clear()
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .current_dir("/")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The daemon runs as its job's user (not root): the pipe and log
+/// directories are that user's, 0700; `start_server -uid 0` or `-uid
+/// <peer>` sent through the user's own pipe starts nothing (the
+/// stand-in's setuid fails with EPERM, as a daemon not run as root must),
+/// and nothing but the user's processes is ever in the daemon's cgroup.
+/// A descriptor the Prolog's process holds without `O_CLOEXEC` is not the
+/// daemon's. Then the user stops their daemon and server (`SIGSTOP`), and
+/// another Prolog or Epilog holds that daemon's lock: another uid's MPS
+/// Prolog on the same GPU is not held up (one lock per daemon); the
+/// user's last job's Epilog removes its registration at once, and, the
+/// lock not to be had, stops the daemon all the same (no job is
+/// registered: its grant revoked, its cgroup killed). A registration of a
+/// job with no record and no Prolog running is removed by the next Prolog.
+#[test]
+fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
+    if !privileged() {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let w = world("mps-user", "");
+    w.scenario(json!({"gpus": [gpu(3, json!([]))]}));
+    let node = standin_node(&w);
+    let user = gpufence_tests::cluster::test_uid();
+    let name = format!("gpu3-u{user}");
+    let cg = gpufence_node::job::mps::cgroup(&node, &name);
+    let pipe = w.env.path(&format!("mps/gpu3/u{user}/pipe"));
+    // A descriptor of the Prolog's process without O_CLOEXEC (as
+    // libnvidia-ml may leave one).
+    let marker = w.env.path("not-cloexec");
+    std::fs::write(&marker, "x").unwrap();
+    let c = std::ffi::CString::new(marker.to_str().unwrap()).unwrap();
+    // SAFETY: open(2) of a path we own, closed below.
+    let leaked = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY) };
+    assert!(leaked >= 0);
+    let rec = prolog::run(
+        &node,
+        &PrologEnv {
+            mps: true,
+            uid: user,
+            ..prolog_env(61)
+        },
+    );
+    // SAFETY: our own descriptor.
+    unsafe { libc::close(leaked) };
+    let rec = rec.unwrap();
+    if rec.user_notes.iter().any(|n| n.contains("POSIX ACL")) {
+        eprintln!("SKIPPED: no POSIX ACLs on the test's file system");
+        let _ = epilog::run(&node, 61, None);
+        return;
+    }
+    assert!(rec.user_notes.is_empty(), "{:?}", rec.user_notes);
+    let daemon = node.cg.procs_recursive(&cg);
+    assert_eq!(daemon.len(), 1, "{daemon:?}");
+    assert_eq!(uid_of(daemon[0]), user, "the daemon runs as its user");
+    let fds: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{}/fd", daemon[0]))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .collect();
+    assert!(!fds.contains(&marker), "inherited: {fds:?}");
+    for d in [&pipe, &pipe.with_file_name("log")] {
+        let m = std::fs::symlink_metadata(d).unwrap();
+        assert!(m.is_dir());
+        assert_eq!(
+            (m.uid(), m.mode() & 0o7777),
+            (user, 0o700),
+            "{}",
+            d.display()
+        );
+    }
+    let u = std::fs::symlink_metadata(pipe.parent().unwrap()).unwrap();
+    assert_eq!((u.uid(), u.mode() & 0o7777 & !0o070), (0, 0o700));
+    // start_server for root, and for a peer, through the user's own pipe.
+    for other in [0u32, 65534] {
+        let said = as_user(
+            user,
+            &pipe,
+            &["--gpu", "/dev/null"],
+            &format!("start_server -uid {other}\n"),
+        );
+        assert_eq!(said.trim(), "server-failed EPERM", "uid {other}");
+        assert!(gpufence_node::host::mps_cgroups::foreign_processes(&node).is_empty());
+        assert_eq!(node.cg.procs_recursive(&cg), daemon);
+    }
+    // The user's own client gets a server of the user's, in the cgroup.
+    let said = as_user(user, &pipe, &["client"], "");
+    assert!(
+        said.starts_with("MPS server ") && said.trim().ends_with(" ok"),
+        "{said}"
+    );
+    let procs = node.cg.procs_recursive(&cg);
+    assert_eq!(procs.len(), 2, "{procs:?}");
+    assert!(procs.iter().all(|p| uid_of(*p) == user));
+    // The user stops them, as the user.
+    let mut kill = std::process::Command::new("kill");
+    kill.arg("-STOP");
+    for p in &procs {
+        kill.arg(p.to_string());
+    }
+    std::os::unix::process::CommandExt::uid(&mut kill, user);
+    assert!(kill.status().unwrap().success());
+    // Another Prolog or Epilog holds the user's daemon's lock.
+    let held = gpufence_model::fsutil::lock_file_within(
+        &node.state.mps_daemon_lock_path(&name),
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_millis(10),
+    )
+    .unwrap()
+    .expect("the lock");
+    // Root's MPS job on the same GPU: its own daemon, at once.
+    let t0 = std::time::Instant::now();
+    let rec0 = prolog::run(
+        &node,
+        &PrologEnv {
+            mps: true,
+            ..prolog_env(63)
+        },
+    )
+    .unwrap();
+    assert!(rec0.user_notes.is_empty(), "{:?}", rec0.user_notes);
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(5),
+        "held up: {:?}",
+        t0.elapsed()
+    );
+    let cg0 = gpufence_node::job::mps::cgroup(&node, "gpu3-u0");
+    assert_eq!(node.cg.procs_recursive(&cg0).len(), 1);
+    // The user's job ends: registration gone, daemon stopped regardless.
+    let o = epilog::run(&node, 61, None);
+    drop(held);
+    assert!(!node.state.mps_registration_path(&name, 61).exists());
+    assert!(
+        procs.iter().all(|p| gone(*p)),
+        "stopped daemon and server ended"
+    );
+    assert!(!node.cg.path(&cg).exists(), "{cg} removed");
+    assert!(!pipe.parent().unwrap().exists());
+    let cg0_id = node.cg.id(&cg0).unwrap();
+    assert!(
+        mps_grants(&w).iter().all(|e| e.cgroup_id == cg0_id),
+        "only root's daemon is granted: {:?}",
+        mps_grants(&w)
+    );
+    assert!(o.clean(), "{o:?}");
+    // A registration of a job that has no record and whose Prolog is gone
+    // (pid 1 did not start at tick 0) goes at the next Prolog.
+    std::fs::write(node.state.mps_registration_path("gpu3-u0", 99), "1 0\n").unwrap();
+    prolog::run(
+        &node,
+        &PrologEnv {
+            mps: true,
+            ..prolog_env(64)
+        },
+    )
+    .unwrap();
+    assert!(!node.state.mps_registration_path("gpu3-u0", 99).exists());
+    assert!(
+        w.events(99).contains(&"stale_job_state".to_string()),
+        "{:?}",
+        w.events(99)
+    );
+    let o = epilog::run(&node, 63, None);
+    assert!(o.clean(), "{o:?}");
+    assert!(node.cg.path(&cg0).exists(), "job 64 still uses it");
+    // Job 64's Epilog will not run (its record is gone, its Prolog too):
+    // the sweep removes its registration and stops the daemon no job uses.
+    node.state.remove_record(64).unwrap();
+    std::fs::write(node.state.mps_registration_path("gpu3-u0", 64), "1 0\n").unwrap();
+    let report = gpufence_node::sweep::sweep(
+        &node,
+        &gpufence_node::sweep::Options {
+            cgroup: Some(w.env.root.clone()),
+            cursor: None,
+        },
+    )
+    .unwrap();
+    let f = report
+        .findings
+        .iter()
+        .find(|f| f.evidence["mps_daemon"] == "gpu3-u0")
+        .unwrap_or_else(|| panic!("{:?}", report.findings));
+    assert_eq!(f.kind.as_str(), "stale_grant");
+    assert!(
+        f.action.as_deref().unwrap_or("").contains("stopped"),
+        "{f:?}"
+    );
+    assert!(!node.state.mps_registration_path("gpu3-u0", 64).exists());
+    assert!(!node.cg.path(&cg0).exists());
+    assert!(mps_grants(&w).is_empty(), "{:?}", mps_grants(&w));
+    assert!(!w.env.path("mps/gpu3").exists());
 }
 
 /// Every file in the job map directory `dir`, with its content (none

@@ -316,7 +316,7 @@ pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
             if r.killed.is_empty() {
                 String::new()
             } else {
-                format!("; killed {:?} left after quit", r.killed)
+                format!("; its grant revoked, then {:?} killed", r.killed)
             }
         ));
     }

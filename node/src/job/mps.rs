@@ -37,29 +37,43 @@
 //!   a daemon not running (never started, or gone: its user's own `quit`,
 //!   a crash) makes `<cgroup_root>/<mps_cgroup>/<leaf>-u<uid>`
 //!   ([`cgroup`]), grants it that GPU and the job's control devices under
-//!   [`MPS_GRANT_JOB_ID`], and starts `mps_control -d` there with
+//!   [`MPS_GRANT_JOB_ID`], and starts `mps_control -d` there **as the
+//!   job's user** (its primary and supplementary groups) with
 //!   `CUDA_VISIBLE_DEVICES` (slurmd's value for that GPU, as Slurm's sample
 //!   passes it), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`
-//!   set (`<mps_dir>/<leaf>/u<uid>/{pipe,log}`, [`user_dir`]). The control
-//!   daemon starts its user's server as its child: it stays in that cgroup.
+//!   set (`<mps_dir>/<leaf>/u<uid>/{pipe,log}`, [`user_dir`]) and no
+//!   descriptor but stdio (`close_range(2)`). The control daemon starts its
+//!   user's server as its child: it stays in that cgroup.
+//! - Why as the user: nvidia-cuda-mps-control(1) lists `start_server -uid
+//!   UID`, taken from whoever reaches the pipe; a daemon run as root would
+//!   start a server of any uid (root's, another user's) in the cgroup
+//!   granted the GPU. A daemon run as a user cannot set another uid
+//!   (`setuid(2)`: EPERM), so the user can harm only their own daemon.
+//!   NVIDIA documents the control daemon as "typically" run as root, and
+//!   one run as a normal user as serving that user's clients only
+//!   (docs.nvidia.com/deploy/mps). Only a real GPU can confirm that
+//!   NVIDIA's daemon runs so with these directories and refuses
+//!   `start_server -uid` of another uid.
 //! - The directories ([`DIR_MODES`]): `<mps_dir>` and `<mps_dir>/<leaf>`
 //!   are root's, 0755; `<mps_dir>/<leaf>/u<uid>` is root's, 0700, with one
 //!   POSIX ACL entry `user:<uid>:r-x` ([`traverse_acl`]): only that uid
-//!   (and root) reaches the pipes, and, owning nothing on the path, it can
-//!   neither open it to others (`chmod`) nor swap a directory for a
-//!   symbolic link that root would then follow. A file system without
-//!   POSIX ACLs gets no daemon (fail closed: the job runs without MPS, with
-//!   a note).
+//!   (and root) reaches the pipes, and, owning nothing on the path to
+//!   `u<uid>`, it can neither open it to others (`chmod`) nor swap it for
+//!   a symbolic link that root would then follow. `pipe` and `log` inside
+//!   are the user's (0700: the daemon writes there); root only ever
+//!   removes them (`remove_dir_all`, which follows no link) and asks
+//!   nothing of the daemon through them. A file system without POSIX ACLs
+//!   gets no daemon (fail closed: the job runs without MPS, with a note).
 //! - The job's record names its user's pipe directory; the plugin sets
 //!   `CUDA_MPS_PIPE_DIRECTORY` in the job's tasks (Slurm sets no
 //!   `CUDA_MPS_*` besides the percentage).
-//! - The Epilog ends foreign processes as the Prolog does, removes the
-//!   job's registration; the last job of a user on a GPU stops that user's
-//!   daemon (`quit` on the control daemon's stdin, as
-//!   nvidia-cuda-mps-control(1) says; nothing to quit when its user quit
-//!   it), revokes the cgroup's grant, ends what is left in it and removes
-//!   it and the directories. A daemon is granted its GPU only while an MPS
-//!   job of its user holds that GPU.
+//! - The Epilog removes the job's registrations first, under no lock, ends
+//!   foreign processes as the Prolog does, and for a daemon no job is
+//!   registered with any more: revokes the cgroup's grant, kills
+//!   everything in it (`cgroup.kill`: a daemon its user stopped is ended
+//!   at once; no `quit` through a pipe directory the user owns) and
+//!   removes it and the directories. A daemon is granted its GPU only
+//!   while an MPS job of its user holds that GPU.
 //!
 //! A user's own `quit` ends that user's daemon and server only: self-harm,
 //! the other users' daemons are untouched; the user's next MPS job's Prolog
@@ -69,13 +83,18 @@
 //! two MPS servers, time-sliced by the driver, where NVIDIA's one daemon
 //! per GPU would queue the second user until the first's server exits; and
 //! under the `EXCLUSIVE_PROCESS` compute mode the second user's server
-//! cannot open the GPU until the first user's jobs end. Also unconfirmed
-//! without one: that NVIDIA's server needs nothing in the pipe or log
-//! directory it cannot write as the user (both are root's, 0755).
+//! cannot open the GPU until the first user's jobs end.
 //!
-//! One lock (`<state_dir>/mps.lock`) orders the Prologs and Epilogs of
-//! concurrent jobs, so that a daemon is started once and stopped only
-//! when no job of its user is registered.
+//! Locking: one lock per daemon (`<state_dir>/mps-locks/<leaf>-u<uid>.lock`)
+//! orders the Prologs and Epilogs of one user's jobs on one GPU, so that a
+//! daemon is started once and stopped only when no job of its user is
+//! registered; one user's slow daemon never holds up another's. A
+//! registration holds the pid and start time of the Prolog that wrote it:
+//! one whose job has no record and whose Prolog is gone is stale
+//! ([`prune_stale`]: by the next Prolog or Epilog of that daemon, and by
+//! `gpufence sweep`, which stops a daemon none is left of). An Epilog that
+//! cannot have the lock within [`MPS_WAIT`] stops a daemon no job is
+//! registered with all the same (fail closed).
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -89,20 +108,17 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::device::{DevNum, DeviceRole};
 use gpufence_model::record::{JobRecord, MpsDaemon, MPS_GRANT_JOB_ID};
 
-use crate::{join_cgroup, Node, NodeError};
+use crate::{Node, NodeError};
 
 /// The Prolog environment variable slurmd sets for gres/mps jobs only.
 pub const MPS_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 
-/// How long the Prolog or Epilog waits for the MPS lock, and for the
-/// control command (`-d` returns once the daemon forked; `quit` once it
-/// was told).
-pub const MPS_WAIT: Duration = Duration::from_secs(10);
-
-/// The modes of the directories on the way to a daemon's pipes, all
-/// root's: `<mps_dir>`, `<mps_dir>/<leaf>`, `<mps_dir>/<leaf>/u<uid>`
-/// (with the ACL [`traverse_acl`] for its uid), and its `pipe` and `log`.
-pub const DIR_MODES: [u32; 5] = [0o755, 0o755, 0o700, 0o755, 0o755];
+/// The modes of the directories on the way to a daemon's pipes:
+/// `<mps_dir>`, `<mps_dir>/<leaf>` (root's), `<mps_dir>/<leaf>/u<uid>`
+/// (root's, with the ACL [`traverse_acl`] for its uid), and its `pipe`
+/// and `log` (the daemon's user's: the daemon runs as that user and writes
+/// there).
+pub const DIR_MODES: [u32; 5] = [0o755, 0o755, 0o700, 0o700, 0o700];
 
 /// The name of the GPU of GRES device `dev`: `gpu<minor>` for
 /// `/dev/nvidia<minor>` (major `gpu_major`); `dev<major>.<minor>` for a
@@ -115,7 +131,11 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
     }
 }
 
-pub use crate::host::mps_cgroups::{daemon_name, is_foreign, parse_daemon};
+pub use crate::host::mps_cgroups::{
+    daemon_name, gpu_dir, is_foreign, parse_daemon, prune_stale, registry_daemons, sweep_stale,
+    user_dir, SweptDaemon, MPS_WAIT,
+};
+use crate::host::mps_cgroups::{lock, registered, registration_mark, stop_one};
 
 /// The parent of the daemons' cgroups: `<cgroup_root>/<mps_cgroup>`.
 pub fn cgroup_parent(node: &Node) -> String {
@@ -125,18 +145,7 @@ pub fn cgroup_parent(node: &Node) -> String {
 /// A daemon's cgroup (relative to the mount):
 /// `<cgroup_root>/<mps_cgroup>/<daemon>` ([`daemon_name`]).
 pub fn cgroup(node: &Node, daemon: &str) -> String {
-    join_cgroup(&cgroup_parent(node), daemon)
-}
-
-/// GPU `leaf`'s directory: `<mps_dir>/<leaf>`, root's, 0755.
-pub fn gpu_dir(node: &Node, leaf: &str) -> PathBuf {
-    node.cfg.mps_dir.join(leaf)
-}
-
-/// uid `uid`'s directory on GPU `leaf`: `<mps_dir>/<leaf>/u<uid>` (`pipe/`,
-/// `log/`), root's, 0700, reachable by `uid` through its ACL.
-pub fn user_dir(node: &Node, leaf: &str, uid: u32) -> PathBuf {
-    gpu_dir(node, leaf).join(format!("u{uid}"))
+    crate::host::mps_cgroups::daemon_cgroup(node, daemon)
 }
 
 /// The value of the `system.posix_acl_access` extended attribute that lets
@@ -223,9 +232,36 @@ fn root_dir(p: &Path, mode: u32) -> Result<(), String> {
     }
 }
 
+/// Makes directory `p` (mode `mode`) for `uid`:`gid`, where no one but
+/// root may write the parent (so nothing can be swapped in between), and
+/// checks it is a directory, not a link, of that owner and mode.
+fn user_owned_dir(p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), String> {
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), mode & 0o700)
+        .create(p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    std::os::unix::fs::lchown(p, Some(uid), Some(gid))
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    let m = std::fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    if m.file_type().is_dir() && m.uid() == uid && m.mode() & 0o7777 == mode {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not the directory of uid {uid}, mode {mode:o} it was made as",
+            p.display()
+        ))
+    }
+}
+
 /// Makes uid `uid`'s directory on GPU `leaf` afresh, as [`DIR_MODES`]
-/// says: what an earlier daemon left there is removed first.
-fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf), String> {
+/// says: what an earlier daemon left there is removed first. `pipe` and
+/// `log` are `uid`'s (group `gid`), made inside root's `u<uid>`, which
+/// `uid` cannot write.
+fn make_user_dirs(
+    node: &Node,
+    leaf: &str,
+    uid: u32,
+    gid: u32,
+) -> Result<(PathBuf, PathBuf), String> {
     let mps = &node.cfg.mps_dir;
     if let Some(parent) = mps.parent() {
         std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
@@ -235,7 +271,8 @@ fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf
     root_dir(&g, DIR_MODES[1])?;
     let u = user_dir(node, leaf, uid);
     // A root-owned path under root-only directories: nothing on it is a
-    // user's to redirect (remove_dir_all removes a link, never follows it).
+    // user's to redirect; remove_dir_all removes the user's `pipe` and
+    // `log` and a link in them, never follows one.
     match std::fs::remove_dir_all(&u) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -244,32 +281,9 @@ fn make_user_dirs(node: &Node, leaf: &str, uid: u32) -> Result<(PathBuf, PathBuf
     root_dir(&u, DIR_MODES[2])?;
     set_traverse_acl(&u, uid)?;
     let (pipe, log) = (u.join("pipe"), u.join("log"));
-    root_dir(&pipe, DIR_MODES[3])?;
-    root_dir(&log, DIR_MODES[4])?;
+    user_owned_dir(&pipe, DIR_MODES[3], uid, gid)?;
+    user_owned_dir(&log, DIR_MODES[4], uid, gid)?;
     Ok((pipe, log))
-}
-
-fn err(msg: String) -> NodeError {
-    NodeError::JobCgroup(msg)
-}
-
-/// The MPS lock, held until dropped.
-struct Lock(#[allow(dead_code)] std::fs::File);
-
-fn lock(node: &Node) -> Result<Lock, NodeError> {
-    let root = node.state.root();
-    gpufence_model::fsutil::create_dir_all_mode(root, 0o700)
-        .map_err(|e| NodeError::io("create", root, e))?;
-    let p = node.state.mps_lock_path();
-    match gpufence_model::fsutil::lock_file_within(&p, MPS_WAIT, Duration::from_millis(10)) {
-        Ok(Some(f)) => Ok(Lock(f)),
-        Ok(None) => Err(err(format!(
-            "{} stayed locked for {} s (another Prolog or Epilog starting or stopping an MPS daemon)",
-            p.display(),
-            MPS_WAIT.as_secs()
-        ))),
-        Err(e) => Err(NodeError::io("open", &p, e)),
-    }
 }
 
 /// Runs `cmd` with `input` on its stdin for up to `wait`; killed past it.
@@ -311,6 +325,44 @@ fn control(program: &Path, pipe: &Path, log: &Path, visible: Option<&str>) -> Co
     c
 }
 
+/// Who a daemon of uid `uid` runs as: `(gid, groups)`, its user's primary
+/// group and its supplementary groups (`getgrouplist(3)`).
+fn daemon_identity(uid: u32) -> Result<(u32, Vec<u32>), String> {
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .map_err(|e| format!("uid {uid}: {e}"))?
+        .ok_or_else(|| format!("uid {uid} has no passwd entry"))?;
+    let name = std::ffi::CString::new(user.name.as_bytes())
+        .map_err(|_| format!("uid {uid}: a NUL in the user name"))?;
+    let groups = nix::unistd::getgrouplist(&name, user.gid)
+        .map_err(|e| format!("uid {uid}: its groups: {e}"))?;
+    Ok((
+        user.gid.as_raw(),
+        groups.into_iter().map(|g| g.as_raw()).collect(),
+    ))
+}
+
+/// Makes `cmd` run as `uid` (primary group `gid`, supplementary `groups`)
+/// with no descriptor but stdio, after the `pre_exec` hooks already set
+/// (joining a cgroup needs root).
+fn drop_to(cmd: &mut Command, uid: u32, gid: u32, groups: Vec<u32>) {
+    use std::os::unix::process::CommandExt;
+    let groups: Vec<libc::gid_t> = groups;
+    // SAFETY: between fork and exec only async-signal-safe system calls:
+    // setgroups(2), setgid(2), setuid(2) and close_range(2) (or fcntl(2)),
+    // on memory the closure owns; nothing allocates.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setgid(gid) != 0
+                || libc::setuid(uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            crate::host::procs::cloexec_above_stdio()
+        });
+    }
+}
+
 /// The job's GPUs with slurmd's `CUDA_VISIBLE_DEVICES` entry for each:
 /// `(device, entry)`, from the record's GRES devices.
 fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
@@ -329,13 +381,13 @@ fn job_gpus(rec: &JobRecord) -> Vec<(DevNum, Option<String>)> {
         .collect()
 }
 
-/// Whether the control daemon of cgroup `cg` runs: a process of root's
-/// there (its servers run as its user, [`is_foreign`] ended the rest).
-fn daemon_runs(node: &Node, cg: &str) -> bool {
+/// Whether the control daemon of cgroup `cg` runs: a process of its uid
+/// there (it runs as its user, [`is_foreign`] ends every other uid's).
+fn daemon_runs(node: &Node, cg: &str, uid: u32) -> bool {
     node.cg
         .procs_recursive(cg)
         .into_iter()
-        .any(|p| crate::host::procs::uid_of(p) == Some(0))
+        .any(|p| crate::host::procs::uid_of(p) == Some(uid))
 }
 
 /// A process [`end_foreign`] found and ended.
@@ -355,7 +407,7 @@ pub struct Foreign {
 /// whose real uid is foreign to it ([`is_foreign`]): the daemon serves its
 /// user only, and anything else there holds the daemon's grant. Each is
 /// audited (`mps_foreign_process`, with `job` when a Prolog or Epilog
-/// found it), never ended silently. Called under the MPS lock by the
+/// found it), never ended silently. Called (under no lock) by the
 /// Prolog and the Epilog of every gres/mps job.
 pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
     let mut out = Vec::new();
@@ -419,16 +471,17 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
     }
     let gpu_major = node.gpu_major();
     let uid = rec.uid;
-    let _lock = lock(node)?;
     end_foreign(node, Some(rec.job_id), "prolog");
     for (dev, visible) in gpus {
         let leaf = leaf(dev, gpu_major);
         let name = daemon_name(&leaf, uid);
+        let _lock = lock(node, &name)?;
+        prune_stale(node, &name, Some(rec.job_id), "prolog");
         let users = node.state.mps_daemon_dir(&name);
         gpufence_model::fsutil::create_dir_all_mode(&users, 0o700)
             .map_err(|e| NodeError::io("create", &users, e))?;
         let mark = node.state.mps_registration_path(&name, rec.job_id);
-        std::fs::write(&mark, b"").map_err(|e| NodeError::io("write", &mark, e))?;
+        std::fs::write(&mark, registration_mark()).map_err(|e| NodeError::io("write", &mark, e))?;
         rec.mps.push(MpsDaemon {
             dev,
             pipe_dir: user_dir(node, &leaf, uid).join("pipe"),
@@ -441,7 +494,7 @@ pub fn start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<(), Node
             g.shared = true;
         }
         let cg = cgroup(node, &name);
-        if daemon_runs(node, &cg) {
+        if daemon_runs(node, &cg, uid) {
             continue;
         }
         // Gone (its user's `quit`, a crash) or never started: what is left
@@ -496,7 +549,8 @@ fn start_one(
     restart: bool,
 ) -> Result<(), String> {
     let name = daemon_name(leaf, uid);
-    let (pipe, log) = match make_user_dirs(node, leaf, uid) {
+    let (gid, groups) = daemon_identity(uid)?;
+    let (pipe, log) = match make_user_dirs(node, leaf, uid, gid) {
         Ok(p) => p,
         Err(e) => {
             let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
@@ -517,9 +571,11 @@ fn start_one(
         .map_err(|e| e.to_string())?;
     let mut cmd = control(program, &pipe, &log, visible);
     cmd.arg("-d");
+    // First, as root: into the daemon's cgroup; then as its user.
     node.cg
         .join_at_exec(&cg, &mut cmd)
         .map_err(|e| e.to_string())?;
+    drop_to(&mut cmd, uid, gid, groups);
     if let Err(e) = run_bounded(cmd, b"", MPS_WAIT) {
         let _ = fence.revoke_cgroup(id);
         let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, MPS_WAIT);
@@ -548,63 +604,66 @@ pub struct Released {
     /// Whether the daemon was stopped (the job was its user's last MPS job
     /// on the GPU).
     pub stopped: bool,
-    /// Processes still in the daemon's cgroup after `quit`, killed.
+    /// Processes that were in the daemon's cgroup, killed.
     pub killed: Vec<i32>,
 }
 
-/// The Epilog's part: ends foreign processes in the daemons' cgroups
-/// ([`end_foreign`]) and removes job `job_id`'s registrations; a daemon no
-/// other job is registered with is stopped (`quit`, up to `kill_wait_ms`
-/// for its cgroup to empty; none when its user quit it already), its
-/// cgroup's grant revoked, what is left killed, the cgroup and its
-/// directories removed. Runs whatever `mps_control` says now (a daemon
-/// started before it was unset is still stopped; `quit` is skipped then).
-/// Returns what was done with each daemon, and what failed, as text, after
-/// trying every one: the lock, a grant that could not be revoked or a
-/// daemon cgroup that could not be emptied (the node is unclean: the
-/// Epilog drains it).
+/// The Epilog's part: removes job `job_id`'s registrations first, under no
+/// lock (an unlink each: however long a lock is held elsewhere, this job
+/// no longer keeps a daemon granted), ends foreign processes in the
+/// daemons' cgroups ([`end_foreign`]), and then, under each daemon's own
+/// lock, prunes its stale registrations ([`prune_stale`]) and stops a
+/// daemon no job is registered with any more (its grant
+/// revoked first, its cgroup killed and removed, its directories removed).
+/// A daemon whose lock cannot be had within [`MPS_WAIT`] and that no job is
+/// registered with is stopped all the same (fail closed; `locked: false`
+/// in its `mps_stopped` line). Returns what was done with each daemon, and
+/// what failed, as text, after trying every one: a grant that could not
+/// be revoked or a daemon cgroup that could not be emptied (the
+/// node is unclean: the Epilog drains it).
 pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
-    let Ok(entries) = std::fs::read_dir(node.state.mps_registry_dir()) else {
-        return (done, errors);
-    };
-    let mine: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|name| node.state.mps_registration_path(name, job_id).exists())
+    let mine: Vec<String> = registry_daemons(node)
+        .into_iter()
+        .filter(|name| {
+            let p = node.state.mps_registration_path(name, job_id);
+            p.exists() && std::fs::remove_file(&p).is_ok()
+        })
         .collect();
     if mine.is_empty() {
         return (done, errors);
     }
-    let _lock = match lock(node) {
-        Ok(l) => l,
-        Err(e) => {
-            errors.push(e.to_string());
-            return (done, errors);
-        }
-    };
     end_foreign(node, Some(job_id), "epilog");
     for name in mine {
-        let users = node.state.mps_daemon_dir(&name);
-        let _ = std::fs::remove_file(node.state.mps_registration_path(&name, job_id));
-        let others = std::fs::read_dir(&users)
-            .map(|r| r.flatten().count())
-            .unwrap_or(0);
-        if others > 0 {
-            done.push(Released {
-                leaf: name,
-                stopped: false,
-                killed: Vec::new(),
-            });
+        let not_stopped = |name: String| Released {
+            leaf: name,
+            stopped: false,
+            killed: Vec::new(),
+        };
+        if !registered(node, &name).is_empty() {
+            done.push(not_stopped(name));
             continue;
         }
-        let _ = std::fs::remove_dir(&users);
+        // Without the lock (held past MPS_WAIT by a Prolog or Epilog of the
+        // same daemon) the daemon is stopped all the same when no job is
+        // registered with it: fail closed, no grant outlives its jobs.
+        let (_lock, locked) = match lock(node, &name) {
+            Ok(l) => (Some(l), true),
+            Err(_) => (None, false),
+        };
+        prune_stale(node, &name, None, "epilog");
+        if !registered(node, &name).is_empty() {
+            done.push(not_stopped(name));
+            continue;
+        }
+        let _ = std::fs::remove_dir(node.state.mps_daemon_dir(&name));
         match stop_one(node, fence, &name) {
             Ok(killed) => {
                 let mut ev = AuditEvent::new(events::MPS_STOPPED)
                     .job(job_id)
                     .field("mps_daemon", name.clone())
+                    .field("locked", locked)
                     .field("killed", killed.clone());
                 if let Some((_, uid)) = parse_daemon(&name) {
                     ev = ev.uid(uid);
@@ -622,50 +681,6 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
     (done, errors)
 }
 
-/// Stops daemon `name` ([`daemon_name`]): `quit` while it runs, its
-/// cgroup emptied and removed (its grant revoked first), its directories
-/// removed. What was killed after `quit`.
-fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, String> {
-    let cg = cgroup(node, name);
-    let id = node.cg.id(&cg).ok();
-    // A daemon of gpufence before one ran per user: `<mps_dir>/<leaf>`.
-    let dir = match parse_daemon(name) {
-        Some((leaf, uid)) => user_dir(node, leaf, uid),
-        None => gpu_dir(node, name),
-    };
-    if let Some(program) = &node.cfg.mps_control {
-        if daemon_runs(node, &cg) {
-            // A daemon that does not answer is killed below.
-            let q = control(program, &dir.join("pipe"), &dir.join("log"), None);
-            let _ = run_bounded(q, b"quit\n", MPS_WAIT);
-        }
-    }
-    let wait = Duration::from_millis(node.cfg.kill_wait_ms);
-    let deadline = Instant::now() + wait;
-    while !node.cg.procs_recursive(&cg).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    if let (Some(f), Some(id)) = (fence, id) {
-        f.revoke_cgroup(id)
-            .map_err(|e| format!("revoking its grant: {e}"))?;
-    }
-    let killed = node.cg.procs_recursive(&cg);
-    if node.cg.path(&cg).exists() {
-        crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
-            .map_err(|e| format!("{e} (processes {killed:?})"))?;
-    }
-    // Root's directories under root-only ones (DIR_MODES): no link on the
-    // way is a user's; remove_dir_all removes a link, never follows it.
-    let _ = std::fs::remove_dir_all(&dir);
-    if let Some((leaf, _)) = parse_daemon(name) {
-        // The GPU's directory too, once no user's is left (fails while one is).
-        let _ = std::fs::remove_dir(gpu_dir(node, leaf));
-    }
-    // The parent cgroup too, once no daemon is left (fails while one is).
-    let _ = std::fs::remove_dir(node.cg.path(&cgroup_parent(node)));
-    Ok(killed)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -673,10 +688,14 @@ mod tests {
     #[test]
     fn only_the_user_may_traverse_and_root_owns_the_way() {
         // The way: <mps_dir>, <leaf> 0755; u<uid> 0700 (+ ACL); pipe, log.
-        assert_eq!(DIR_MODES, [0o755, 0o755, 0o700, 0o755, 0o755]);
+        assert_eq!(DIR_MODES, [0o755, 0o755, 0o700, 0o700, 0o700]);
         assert!(
             DIR_MODES.iter().all(|m| m & 0o022 == 0),
-            "root alone writes"
+            "the owner alone writes"
+        );
+        assert!(
+            DIR_MODES[3..].iter().all(|m| m & 0o077 == 0),
+            "the user's own"
         );
         assert_eq!(DIR_MODES[2] & 0o077, 0, "no one but root by mode");
         let acl = traverse_acl(1234);

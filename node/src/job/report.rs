@@ -236,7 +236,8 @@ fn run_writer(
     node.cg
         .join_at_exec(cg, &mut cmd)
         .map_err(ReportError::JoinCgroup)?;
-    // SAFETY: only async-signal-safe calls between fork and exec.
+    // SAFETY: only async-signal-safe calls between fork and exec (system
+    // calls, no allocation).
     unsafe {
         cmd.pre_exec(move || {
             if libc::setgroups(0, std::ptr::null()) != 0
@@ -246,7 +247,9 @@ fn run_writer(
             {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // No descriptor of ours (libnvidia-ml's, opened without
+            // O_CLOEXEC) reaches a process the user may ptrace.
+            crate::host::procs::cloexec_above_stdio()
         });
     }
     // The report comes from a memfd and stderr goes to one: no pipe whose

@@ -99,7 +99,7 @@ impl Sweep<'_> {
                     p.pid,
                     p.uid,
                     crate::host::cgpath::abs(&p.cgroup),
-                    p.daemon_uid.map_or("root".to_string(), |u| format!("root and uid {u}")),
+                    p.daemon_uid.map_or("root".to_string(), |u| format!("uid {u}")),
                     p.pid
                 ),
                 json!({"daemon_uid": p.daemon_uid}),
@@ -107,6 +107,31 @@ impl Sweep<'_> {
             f.pid = Some(p.pid);
             f.uid = Some(p.uid);
             f.cgroup = Some(crate::host::cgpath::abs(&p.cgroup));
+            self.findings.push(f);
+        }
+        for d in crate::host::mps_cgroups::sweep_stale(node, self.fence.as_ref()) {
+            let mut f = Finding::new(
+                Kind::StaleGrant,
+                format!(
+                    "MPS daemon {} had registrations of job(s) {:?} that have no record and no Prolog running (their Epilog will not release them): removed",
+                    d.name, d.jobs
+                ),
+                json!({"mps_daemon": d.name, "job_ids": d.jobs}),
+            );
+            f.uid = crate::host::mps_cgroups::parse_daemon(&d.name).map(|(_, u)| u);
+            f.cgroup = Some(crate::host::cgpath::abs(
+                &crate::host::mps_cgroups::daemon_cgroup(node, &d.name),
+            ));
+            f.action = Some(match &d.stopped {
+                None => "registrations removed; other jobs still use the daemon".to_string(),
+                Some(Ok(killed)) => format!(
+                    "registrations removed; the daemon, used by no job, stopped (grant revoked, processes {killed:?} killed)"
+                ),
+                Some(Err(e)) => {
+                    f.severity = Severity::High;
+                    format!("registrations removed; stopping the daemon failed: {e}")
+                }
+            });
             self.findings.push(f);
         }
         if let Some(f) = &self.fence {

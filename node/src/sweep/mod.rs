@@ -23,13 +23,13 @@
 //! | `persistence_cron` | medium | crontab entries of a user above `protected_uid_max` |
 //! | `persistence_systemd` | medium | a unit, timer, drop-in or `.wants` link that appeared or changed since the baseline |
 //! | `exemption_missing` | medium | a configured exempt cgroup exists but the fence does not hold it (its service restarted since the exemptions were written; `gpufence fence watch` puts it back) |
-//! | `mps_foreign_process` | critical | a process whose real uid is neither root nor the daemon's user in one of gpufence's MPS daemon cgroups (granted the daemon's GPU): the next MPS Prolog or Epilog ends it |
+//! | `mps_foreign_process` | critical | a process whose real uid is not the daemon's user's (root's included: the daemon runs as its user) in one of gpufence's MPS daemon cgroups (granted the daemon's GPU): the next MPS Prolog or Epilog ends it |
 //! | `exec_leftover` | medium | a leaf of gpufence's exempt exec cgroup holds processes whose gpufence command (`exec`, a Prolog or Epilog stepping out, `slurmd -G`) is gone: exempt from the fence |
 //! | `system_uid_range` | medium | `protected_uid_max` reaches `UID_MIN` of login.defs, or login accounts have uids at or below it: they would be taken for system accounts (their jobs are refused) |
 //! | `check_failed` | medium | a check could not run (NVML error, unreadable maps, corrupt state): the node cannot be called clean |
 //! | `denied_open` | low | new denial records since the last sweep (the fence held; someone tried) |
 //! | `wildcard_listener` | low | a TCP listener on 0.0.0.0 or :: owned by a user above `protected_uid_max`, unless every owner runs one of `slurm_listeners` |
-//! | `stale_grant` | low | a grant whose cgroup no longer exists: revoked by the sweep (high when the revocation failed) |
+//! | `stale_grant` | low | a grant whose cgroup no longer exists: revoked by the sweep (high when the revocation failed); or MPS registrations of jobs with no record and no Prolog running: removed, and a daemon no job is left registered with stopped (high when stopping it failed) |
 //! | `stale_major` | low | a major the fence protects that the node no longer has |
 //!
 //! Nothing is probed over the network. `--cgroup` limits the process-based

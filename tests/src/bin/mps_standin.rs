@@ -10,7 +10,9 @@
 //!                                      connection starts (or finds) the server of the client's
 //!                                      uid (SO_PEERCRED); a client of another uid while one
 //!                                      server runs is answered "busy UID" (MPS queues it).
-//!                                      `quit` from whoever connects ends the server and the daemon.
+//!                                      `quit` from whoever connects ends the server and the daemon;
+//!                                      `start_server -uid UID` starts UID's server (as root: any
+//!                                      UID; as a user: its own, else "server-failed EPERM").
 //! gpufence-mps-standin --gpu PATH      the control command: each line of stdin (`quit`,
 //!                                      `status`) is sent to the daemon and its answer printed
 //!                                      (`echo quit | nvidia-cuda-mps-control`); exit 1 when the
@@ -31,6 +33,15 @@
 //!   daemon, and it writes `nvidia-cuda-mps-control.pid` there
 //!   (docs.nvidia.com/deploy/mps, appendix "Tools and Interface
 //!   Reference").
+//! - `start_server -uid UID` ("Start a new MPS server for the specified
+//!   user (UID)", nvidia-cuda-mps-control(1)) from whoever reaches the
+//!   pipe: the daemon starts the server as UID, which only a daemon run as
+//!   root can do for another uid. The stand-in, like gpufence's daemons,
+//!   runs as whoever started it: as a user, a server of another uid fails
+//!   with `setuid(2)`'s EPERM ("server-failed EPERM"). NVIDIA documents
+//!   the control daemon as "typically" run as root and a daemon run as a
+//!   user as serving that user only (docs.nvidia.com/deploy/mps); that
+//!   NVIDIA's fails the same way is what only a real GPU can confirm.
 //! - A server per client uid: the control daemon starts an MPS server
 //!   with the uid of the requesting client, and a client of another uid
 //!   while a server runs is queued until that server exits
@@ -48,10 +59,12 @@
 //!   NVIDIA documents no per-command access check, so only the pipe
 //!   directory's permissions keep anyone out.
 //!
-//! What only a real GPU can confirm: that NVIDIA's daemon and server need
-//! nothing more in the pipe and log directories than this stand-in does
-//! (root's, 0755, under a directory only the user may traverse), and how
-//! the driver schedules two users' servers on one GPU.
+//! What only a real GPU can confirm: that NVIDIA's daemon, run as the
+//! job's user, starts and serves that user's clients with nothing more
+//! than this stand-in needs (its `pipe` and `log` directories its own,
+//! 0700, under a root-owned directory only the user may traverse), that it
+//! refuses `start_server -uid` of another uid, and how the driver
+//! schedules two users' servers on one GPU.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -234,6 +247,28 @@ fn daemon(gpu: &str, dir: &std::path::Path) -> ExitCode {
                     },
                 }
             }
+            // `start_server -uid UID` (nvidia-cuda-mps-control(1): "Start
+            // a new MPS server for the specified user (UID)"), from
+            // whoever reaches the pipe: the daemon drops to UID for the
+            // server, which a daemon run as root may do for any UID and a
+            // daemon run as a user only for its own (setuid(2): EPERM).
+            cmd if cmd.starts_with("start_server -uid ") => {
+                match cmd["start_server -uid ".len()..].trim().parse::<u32>() {
+                    Err(_) => "start_server-failed bad-uid".into(),
+                    // Modelled at its worst: started whatever server runs
+                    // (NVIDIA documents no queueing for this command).
+                    Ok(uid) => match server {
+                        Some((u, pid)) if u == uid => format!("server {pid} ok"),
+                        _ => match start_server(gpu, uid) {
+                            Ok(pid) => {
+                                server.get_or_insert((uid, pid));
+                                format!("server {pid} ok")
+                            }
+                            Err(w) => format!("server-failed {w}"),
+                        },
+                    },
+                }
+            }
             other => format!("unknown {other}"),
         };
         let _ = writeln!(conn, "{answer}");
@@ -309,10 +344,16 @@ fn start_server(gpu: &str, uid: u32) -> Result<i32, String> {
             // server; it dies with the daemon (the death signal is set
             // after setuid, which clears it, and kept across the exec).
             unsafe {
+                // As a user: setgroups fails (EPERM) and leaves the
+                // groups as they are; setgid to its own group succeeds.
                 libc::setgroups(0, std::ptr::null());
                 libc::setgid(gid);
                 if libc::setuid(uid) != 0 {
-                    libc::write(w.as_raw_fd(), b"setuid\n".as_ptr().cast(), 7);
+                    if *libc::__errno_location() == libc::EPERM {
+                        libc::write(w.as_raw_fd(), b"EPERM\n".as_ptr().cast(), 6);
+                    } else {
+                        libc::write(w.as_raw_fd(), b"setuid\n".as_ptr().cast(), 7);
+                    }
                     libc::_exit(1);
                 }
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
