@@ -95,17 +95,8 @@ impl StateDir {
     /// `<state_dir>/drain/<node>.json`; characters outside
     /// `[A-Za-z0-9._-]` in the name become `_`.
     pub fn drain_path(&self, node: &str) -> PathBuf {
-        let safe: String = node
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        self.drain_dir().join(format!("{safe}.json"))
+        self.drain_dir()
+            .join(format!("{}.json", crate::record::node_file_name(node)))
     }
 
     /// The drain history of `node`; an empty one when there is no file.

@@ -355,19 +355,9 @@ impl StateDir {
     pub fn gres_cache_path_for(&self, node: Option<&str>) -> PathBuf {
         match node {
             None => self.gres_cache_path(),
-            Some(n) => {
-                let safe: String = n
-                    .chars()
-                    .map(|c| {
-                        if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                            c
-                        } else {
-                            '_'
-                        }
-                    })
-                    .collect();
-                self.root.join(format!("slurmd-G-{safe}.txt"))
-            }
+            Some(n) => self
+                .root
+                .join(format!("slurmd-G-{}.txt", node_file_name(n))),
         }
     }
 
@@ -588,6 +578,20 @@ fn remove_if_exists(p: &Path) -> Result<(), StateError> {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(p)(e)),
         _ => Ok(()),
     }
+}
+
+/// A Slurm node name as a part of a file name in `state_dir`: characters
+/// outside `[A-Za-z0-9._-]` become `_`.
+pub fn node_file_name(node: &str) -> String {
+    node.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// Now, as RFC 3339 with microseconds, in UTC.
