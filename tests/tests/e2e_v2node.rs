@@ -2481,6 +2481,21 @@ fn as_uid(uid: u32, program: &Path, envs: &[(&str, &Path)]) -> std::process::Com
     c
 }
 
+/// `echo quit | <control>` as `uid` ([`as_uid`] with `envs`): what a
+/// user's `quit` to an MPS control daemon answers.
+fn quit_as(uid: u32, control: &Path, envs: &[(&str, &Path)]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut q = as_uid(uid, control, envs)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = q.stdin.take().unwrap().write_all(b"quit\n");
+    q.wait_with_output().unwrap()
+}
+
 /// gres/mps with gpufence's MPS daemons, one per GPU and user
 /// (`mps_control`; here the stand-in `gpufence-mps-standin`, which serves
 /// clients over its pipe directory and execs a server per user that holds
@@ -2659,17 +2674,7 @@ fn mps_co_tenants(release: &Release) {
         "{v}: an outsider's client reaches A's daemon: {}",
         both(&o)
     );
-    let mut q = as_uid(ub, &control, &env_a)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::Write;
-        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
-    }
-    let o = q.wait_with_output().unwrap();
+    let o = quit_as(ub, &control, &env_a);
     assert!(
         !o.status.success()
             && !stdout(&o).contains("bye")
@@ -2770,16 +2775,7 @@ fn mps_co_tenants(release: &Release) {
 
     // A's own quit ends A's daemon and server only; A's next job gets a
     // fresh daemon.
-    let mut q = as_uid(ua, &control, &env_a)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::Write;
-        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
-    }
-    let o = q.wait_with_output().unwrap();
+    let o = quit_as(ua, &control, &env_a);
     assert!(stdout(&o).contains("bye"), "{v}: A's quit: {}", both(&o));
     assert!(
         Cluster::wait_for(Duration::from_secs(10), || gone(s_a)),
@@ -2802,20 +2798,11 @@ fn mps_co_tenants(release: &Release) {
     // B's own quit likewise ends B's daemon only; B's last Epilog then
     // finds it gone and cleans up all the same.
     let pipe_b = pipe(ub);
-    let mut q = as_uid(
+    let o = quit_as(
         ub,
         &control,
         &[("CUDA_MPS_PIPE_DIRECTORY", pipe_b.as_path())],
-    )
-    .stdin(std::process::Stdio::piped())
-    .stdout(std::process::Stdio::piped())
-    .spawn()
-    .unwrap();
-    {
-        use std::io::Write;
-        let _ = q.stdin.take().unwrap().write_all(b"quit\n");
-    }
-    let o = q.wait_with_output().unwrap();
+    );
     assert!(stdout(&o).contains("bye"), "{v}: B's quit: {}", both(&o));
     assert!(
         Cluster::wait_for(Duration::from_secs(10), || gone(s_b)),
