@@ -114,12 +114,18 @@ pub const SLURMCTLD_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 /// The job's GRES indices on this node. `SLURM_JOB_GPUS` is exact unless the
 /// node has GPUs of several types: then slurmd sets it once per type record
 /// of the job, each overwriting the last (`gres_g_prep_set_env`,
-/// `src/interfaces/gres.c`; still so in 25.11), and the Prolog sees only one
-/// type's GPUs. On such nodes the job's allocation on this node is read from
-/// slurmctld as JSON ([`crate::host::slurmctld`]) and united with the environment
-/// (which also carries shard allocations, that the JSON `gpu` entries do
-/// not). Both sources are Slurm's own; if slurmctld cannot answer, the
-/// environment alone is used (never more than allocated) and a note says so.
+/// `src/interfaces/gres.c`, `gres_common_prep_set_env`,
+/// `src/plugins/gres/common/gres_common.c`; still so in 26.05 and master),
+/// and the Prolog sees only one type's GPUs. No node-local source names the
+/// others (see [`crate::host::slurmctld`] for the Slurm sources checked),
+/// so on such nodes, and only there, the job's allocation on this node is
+/// read from slurmctld as JSON and united with the environment (which also
+/// carries shard allocations, that the JSON `gpu` entries do not): one
+/// command, two on 22.05 (`scontrol --json show job`, then `squeue
+/// --json`), within [`SLURMCTLD_TIMEOUT`] together. A node with one GPU
+/// type asks slurmctld nothing. Both sources are Slurm's own; if slurmctld
+/// cannot answer, the environment alone is used (never more than
+/// allocated: fail closed) and a note says so.
 fn complete_indices(
     node: &Node,
     env: &PrologEnv,

@@ -5,12 +5,31 @@
 //! plugin once per job GRES record (one record per type) and every call
 //! *overwrites* `SLURM_JOB_GPUS` (`gres_common_epilog_set_env` /
 //! `gres_common_prep_set_env` in `src/plugins/gres/common/gres_common.c`,
-//! `env_array_overwrite(..., "SLURM_JOB_GPUS", ...)`, 22.05 through 25.11),
-//! so only the last type's indices survive. Measured on 22.05.8 with
+//! `env_array_overwrite(..., "SLURM_JOB_GPUS", ...)`, 22.05 through 26.05
+//! and master: no release fixed it), so only the last type's indices
+//! survive (the last type with GPUs on the node: a record without any
+//! leaves the variable as it was). Measured on 22.05.8 with
 //! `gpu:sim` = indices 0-1 and `gpu:held` = 2-3: `--gres=gpu:sim:1,gpu:held:1`
 //! gives the step `0,2` but the Prolog `2`; an untyped `--gres=gpu:3` on the
 //! same node gives the step `0,1,2` and the Prolog `2` (slurmctld splits the
 //! allocation by type).
+//!
+//! Why no node-local source instead (checked in the sources, 22.05 to
+//! master):
+//! - the Prolog's environment (`_build_env`,
+//!   `src/plugins/prep/script/prep_script_slurmd.c`) holds no other GRES
+//!   variable: `CUDA_VISIBLE_DEVICES` is overwritten by the same call, and
+//!   the `SPANK_` variables are the user's;
+//! - no `spank_item` names GRES (`enum spank_item`, `slurm/spank.h`);
+//! - slurmstepd sets complete GPU variables after copying the user's
+//!   environment, before `spank_init` (`_step_setup`,
+//!   `src/slurmd/slurmstepd/slurmstepd.c`: `gres_g_job_set_env` for the
+//!   batch step, `gres_g_step_set_env` for a step, each OR-ing every type's
+//!   bits), but the extern step has no step GRES (its credential's
+//!   `step_gres_list` is never set: `launch_prolog`,
+//!   `src/slurmctld/node_scheduler.c`), the batch step runs on one node
+//!   only, a step names only its own GPUs, and all of them come after the
+//!   Prolog, whose clean start must cover every GPU of the job.
 //!
 //! What: slurmctld's `gres_detail` of the job, one string per node of the
 //! job, in the order of the job's node list, e.g.
