@@ -12,10 +12,12 @@
 //! gpufence-bench respond [--holders N,...] [--smoke]       the Epilog's response to N holders, evidence budget
 //! gpufence-bench flood [--procs N,..] [--fds N,..] [--runs N] [--smoke]
 //!                                                         a co-tenant's scan while another job floods its tables
+//! gpufence-bench ctld [--queued N,..] [--runs N] [--smoke]  the Prolog's several-types query against a full slurmctld
 //! ```
 //!
 //! See BENCHMARKS.md for the commands and the last results.
 
+mod ctld;
 mod flood;
 mod growth;
 mod job;
@@ -125,6 +127,18 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// The Prolog's several-types query (slurmctld) against held jobs in the queue, with and without it.
+    Ctld {
+        /// Jobs held in the queue while measuring.
+        #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1000, 5000])]
+        queued: Vec<usize>,
+        /// Jobs per mode and queue size (median).
+        #[arg(long, default_value_t = 15)]
+        runs: usize,
+        /// 0 and 20 jobs queued, one run (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
     /// Where a pinned scan's time goes (pieces timed alone).
     #[command(hide = true)]
     ScanProfile {
@@ -181,6 +195,11 @@ fn main() -> ExitCode {
             smoke,
         } => print_scan(crowds, runs, smoke, cli.json),
         Cmd::Respond { holders, smoke } => bench_respond(holders, smoke, cli.json),
+        Cmd::Ctld {
+            queued,
+            runs,
+            smoke,
+        } => bench_ctld(queued, runs, smoke, cli.json),
         Cmd::ScanProfile { procs, fds, runs } => scan::profile(procs, fds, runs),
         Cmd::Flood {
             procs,
@@ -250,6 +269,25 @@ fn bench_growth(
         let rows: Vec<serde_json::Value> = r
             .iter()
             .map(|x| serde_json::json!({"axis": x.axis, "value": x.value, "total_procs": x.total_procs, "prolog_s": x.prolog_s, "epilog_s": x.epilog_s, "scan_s": x.scan_s}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
+}
+
+/// `gpufence-bench ctld`: the Prolog with and without the several-types
+/// query, at each queue size.
+fn bench_ctld(queued: Vec<usize>, runs: usize, smoke: bool, json: Option<std::path::PathBuf>) {
+    let (queued, runs) = if smoke {
+        (vec![0, 20], 1)
+    } else {
+        (queued, runs.max(1))
+    };
+    let r = ctld::run(&queued, runs);
+    ctld::print(&r, runs);
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|x| serde_json::json!({"queued": x.queued, "prolog_query_s": x.query_s, "prolog_no_query_s": x.no_query_s, "srun_query_s": x.srun_query_s, "srun_no_query_s": x.srun_no_query_s}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
     }

@@ -6,7 +6,7 @@
 //! *overwrites* `SLURM_JOB_GPUS` (`gres_common_epilog_set_env` /
 //! `gres_common_prep_set_env` in `src/plugins/gres/common/gres_common.c`,
 //! `env_array_overwrite(..., "SLURM_JOB_GPUS", ...)`, 22.05 through 26.05
-//! and master: no release fixed it), so only the last type's indices
+//! and master at 284c3b95f0, August 2026: no release fixed it), so only the last type's indices
 //! survive (the last type with GPUs on the node: a record without any
 //! leaves the variable as it was). Measured on 22.05.8 with
 //! `gpu:sim` = indices 0-1 and `gpu:held` = 2-3: `--gres=gpu:sim:1,gpu:held:1`
