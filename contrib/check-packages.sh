@@ -62,6 +62,25 @@ check_plugstack() {
     [[ $line == '#'* ]] || { echo "$1: its plugstack.conf line is not commented out: $line" >&2; ok=1; }
     return $ok
 }
+# check_snippet PKG TEXT: TEXT, the slurm.conf lines PKG ships, sets the
+# hooks' limits with the keys of the package's series: PrologTimeout and
+# EpilogTimeout on 25.05+ (and not PrologEpilogTimeout, which they
+# override), PrologEpilogTimeout before (where the other two are unknown
+# keys slurmd refuses); and is the file of the source tree for that series.
+check_snippet() {
+    local want=(PrologEpilogTimeout) not=(PrologTimeout EpilogTimeout) file=contrib/slurm.conf.snippet k ok=0
+    if ((major * 100 + minor >= 2505)); then
+        want=(PrologTimeout EpilogTimeout) not=(PrologEpilogTimeout) file=contrib/slurm.conf.snippet-25.05
+    fi
+    for k in "${want[@]}"; do
+        grep -qE "^${k}=[0-9]+\$" <<<"$2" || { echo "$1: its slurm.conf.snippet does not set $k (Slurm $series)" >&2; ok=1; }
+    done
+    for k in "${not[@]}"; do
+        ! grep -qE "^[[:space:]]*${k}[[:space:]]*=" <<<"$2" || { echo "$1: its slurm.conf.snippet sets $k, wrong for Slurm $series" >&2; ok=1; }
+    done
+    [[ $2 == "$(cat "$file")" ]] || { echo "$1: its slurm.conf.snippet is not $file" >&2; ok=1; }
+    return $ok
+}
 
 want_deb=(
     ./usr/sbin/gpufence ./usr/sbin/gpufence-prolog ./usr/sbin/gpufence-epilog
@@ -110,6 +129,7 @@ for f in /etc/slurm/gpufence.toml /etc/slurm/plugstack.conf.d/gpufence.conf; do
     grep -qxF "$f" <<<"$conffiles" || { echo "$deb: $f is not a conffile" >&2; fail=1; }
 done
 check_plugstack "$deb" "$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./etc/slurm/plugstack.conf.d/gpufence.conf 2>/dev/null)" "$(sed 's|^\.||' <<<"$list")" || fail=1
+check_snippet "$deb" "$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/share/doc/gpufence/examples/slurm.conf.snippet 2>/dev/null)" || fail=1
 
 if compgen -G "target/packages/$rpm_arch/gpufence-*.rpm" >/dev/null; then
     rpm=$(ls target/packages/"$rpm_arch"/gpufence-*.rpm)
@@ -132,6 +152,7 @@ if compgen -G "target/packages/$rpm_arch/gpufence-*.rpm" >/dev/null; then
     ! rpm -qRp "$rpm" 2>/dev/null | grep -q slurmd || { echo "$rpm requires slurmd (login nodes have none)" >&2; fail=1; }
     # The example names the RPM's plugin path (Slurm's RPMs: /usr/lib64/slurm).
     check_plugstack "$rpm" "$(rpm2archive -n - <"$rpm" | tar -xO ./usr/share/doc/gpufence/examples/plugstack.conf 2>/dev/null)" "$rlist" || fail=1
+    check_snippet "$rpm" "$(rpm2archive -n - <"$rpm" | tar -xO ./usr/share/doc/gpufence/examples/slurm.conf.snippet 2>/dev/null)" || fail=1
 fi
 
 # root_series ROOT: the Slurm series of ROOT's slurmd and slurm-client when

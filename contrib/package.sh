@@ -103,6 +103,12 @@ gzip -9n "$stage"/man/*.8 "$stage"/man/*.5
 deb_plugin=/$(sed -n "s|^ *\\[\"target/release/package-stage/gpufence.so\", \"\\(usr/lib/$multiarch/[^\"]*\\)\".*|\\1|p" cli/Cargo.toml)
 [[ $deb_plugin == /usr/lib/"$multiarch"/*/gpufence.so ]] || { echo "package.sh: no $ARCH plugin asset in cli/Cargo.toml" >&2; exit 1; }
 sed "s|@GPUFENCE_PLUGIN@|$deb_plugin|g" contrib/plugstack.conf.in >"$stage/plugstack.conf"
+# The series' slurm.conf lines: a limit per hook (PrologTimeout,
+# EpilogTimeout) from 25.05, which has them; PrologEpilogTimeout before,
+# where they are unknown keys that slurmd refuses.
+snippet=contrib/slurm.conf.snippet
+((major * 100 + minor >= 2505)) && snippet=contrib/slurm.conf.snippet-25.05
+cp "$snippet" "$stage/slurm.conf.snippet"
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 # --fast: this .deb is only unpacked again, to fill in the Slurm series.

@@ -13,11 +13,14 @@
 //! gpufence-bench flood [--procs N,..] [--fds N,..] [--runs N] [--smoke]
 //!                                                         a co-tenant's scan while another job floods its tables
 //! gpufence-bench ctld [--queued N,..] [--runs N] [--smoke]  the Prolog's several-types query against a full slurmctld
+//! gpufence-bench deadline [--deadlines default,MS,..] [--runs N] [--smoke]
+//!                                                         the Epilog against a SIGTERM-ignoring holder, per deadline
 //! ```
 //!
 //! See BENCHMARKS.md for the commands and the last results.
 
 mod ctld;
+mod deadline;
 mod flood;
 mod growth;
 mod job;
@@ -91,6 +94,18 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_values_t = [100usize, 1000])]
         holders: Vec<usize>,
         /// 20 holders (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
+    /// The Epilog against one holder that ignores SIGTERM, with the default waits, per deadline (epilog_deadline_ms).
+    Deadline {
+        /// Deadlines in ms; `default` for none set (60 s without slurm.conf).
+        #[arg(long, value_delimiter = ',', default_values = ["default", "10000", "3000", "1500"], value_parser = parse_deadline)]
+        deadlines: Vec<Option<u64>>,
+        /// Runs per deadline (interleaved).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// One run at 1500 ms (CI).
         #[arg(long)]
         smoke: bool,
     },
@@ -200,6 +215,11 @@ fn main() -> ExitCode {
             runs,
             smoke,
         } => bench_ctld(queued, runs, smoke, cli.json),
+        Cmd::Deadline {
+            deadlines,
+            runs,
+            smoke,
+        } => bench_deadline(deadlines, runs, smoke, cli.json),
         Cmd::ScanProfile { procs, fds, runs } => scan::profile(procs, fds, runs),
         Cmd::Flood {
             procs,
@@ -288,6 +308,41 @@ fn bench_ctld(queued: Vec<usize>, runs: usize, smoke: bool, json: Option<std::pa
         let rows: Vec<serde_json::Value> = r
             .iter()
             .map(|x| serde_json::json!({"queued": x.queued, "prolog_query_s": x.query_s, "prolog_no_query_s": x.no_query_s, "srun_query_s": x.srun_query_s, "srun_no_query_s": x.srun_no_query_s}))
+            .collect();
+        let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    }
+}
+
+/// A `--deadlines` item: `default` (none set) or ms.
+fn parse_deadline(s: &str) -> Result<Option<u64>, String> {
+    match s {
+        "default" => Ok(None),
+        _ => s
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("{s}: {e} (ms, or default)")),
+    }
+}
+
+/// `gpufence-bench deadline`: the Epilog against a SIGTERM-ignoring
+/// holder, per deadline.
+fn bench_deadline(
+    deadlines: Vec<Option<u64>>,
+    runs: usize,
+    smoke: bool,
+    json: Option<std::path::PathBuf>,
+) {
+    let (asked, runs) = if smoke {
+        (vec![Some(1500)], 1)
+    } else {
+        (deadlines, runs.max(1))
+    };
+    let r = deadline::run(&asked, runs);
+    deadline::print(&asked, &r);
+    if let Some(p) = json {
+        let rows: Vec<serde_json::Value> = r
+            .iter()
+            .map(|x| serde_json::json!({"deadline_ms": x.deadline.ms, "from": x.deadline.from, "waits_ms": x.waits_ms, "epilog_ms": x.epilog_ms, "ended_by": x.ended_by, "gone": x.gone, "clean": x.clean, "cuts": x.cuts}))
             .collect();
         let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
     }

@@ -23,7 +23,7 @@ use gpufence_tests::{HoldableDevice, TestEnv};
 
 /// The uid the holders run as (nobody: above `protected_uid_max`, so they
 /// are ended, not spared).
-const HOLDER_UID: u32 = 65534;
+pub(crate) const HOLDER_UID: u32 = 65534;
 
 /// One Epilog's response.
 #[derive(Debug, Clone)]
@@ -42,6 +42,32 @@ pub struct RespondResult {
     pub bytes: u64,
     /// Whether every holder had an evidence file, cut or whole.
     pub all_recorded: bool,
+}
+
+/// The record of job `job`, of [`HOLDER_UID`], given `gpu` (at `path`).
+pub(crate) fn record(job: u32, path: &std::path::Path, gpu: DevNum) -> JobRecord {
+    JobRecord {
+        version: RECORD_VERSION,
+        job_id: job,
+        uid: HOLDER_UID,
+        gres_indices: vec![0],
+        devices: vec![DeviceGrant {
+            path: path.to_path_buf(),
+            dev: gpu,
+            access: Access::RW,
+            role: DeviceRole::Gres,
+            gres_index: Some(0),
+        }],
+        created: now_rfc3339(),
+        notes: vec![],
+        user_notes: vec![],
+        gpu_idle: vec![],
+        mig: vec![],
+        cuda_visible_devices: vec![],
+        saved_compute_modes: Vec::new(),
+        job_map: Vec::new(),
+        mps: Vec::new(),
+    }
 }
 
 /// Forks `n` processes that open `dev_path`, become [`HOLDER_UID`] and
@@ -144,28 +170,7 @@ pub fn run(counts: &[usize]) -> Vec<RespondResult> {
                 env.cg.move_pid(&holders_cg, *p).expect("move a holder");
             }
             node.state
-                .write_record(&JobRecord {
-                    version: RECORD_VERSION,
-                    job_id: job,
-                    uid: HOLDER_UID,
-                    gres_indices: vec![0],
-                    devices: vec![DeviceGrant {
-                        path: node_path.clone(),
-                        dev: gpu,
-                        access: Access::RW,
-                        role: DeviceRole::Gres,
-                        gres_index: Some(0),
-                    }],
-                    created: now_rfc3339(),
-                    notes: vec![],
-                    user_notes: vec![],
-                    gpu_idle: vec![],
-                    mig: vec![],
-                    cuda_visible_devices: vec![],
-                    saved_compute_modes: Vec::new(),
-                    job_map: Vec::new(),
-                    mps: Vec::new(),
-                })
+                .write_record(&record(job, &node_path, gpu))
                 .expect("record");
             let t = Instant::now();
             let o = epilog::run(&node, job, None);

@@ -287,6 +287,9 @@ fn run_doctor(
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         print_doctor(&d);
+        if let Some(f) = &timeouts.epilog_fits {
+            println!("note: {}", gpufence_model::text::printable(f));
+        }
     }
     // 0 only when every device opens: a script can ask `doctor PID && ...`.
     Ok(if d.devices.iter().all(|v| v.verdict == "allowed") {
@@ -549,6 +552,9 @@ fn run_fence_status(node: &Node, json: bool) -> ExitCode {
         }
         for w in &warnings {
             println!("warning: {}", gpufence_model::text::printable(w));
+        }
+        if let Some(f) = &timeouts.epilog_fits {
+            println!("note: {}", gpufence_model::text::printable(f));
         }
         // The io_uring note is said by `fence install` and `doctor`, not on
         // every status (a timer's journal); JSON keeps it.

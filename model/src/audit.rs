@@ -128,6 +128,10 @@ pub mod events {
     /// `resume_max`th time within `resume_window_s`: the node stays drained
     /// with a reason saying it flaps, for an admin.
     pub const NODE_FLAPPING: &str = "node_flapping";
+    /// The Epilog cut waits to end within its deadline
+    /// (`epilog_deadline_ms`): the deadline, where it came from, the time
+    /// taken, one line per wait cut.
+    pub const EPILOG_DEADLINE: &str = "epilog_deadline";
 
     /// Every event name above: the vocabulary SECURITY.md's table of
     /// audit events names, no more, no less (tested).
@@ -149,6 +153,7 @@ pub mod events {
         NVML_UNAVAILABLE,
         CHECK_FAILED,
         EPILOG_REPEATED,
+        EPILOG_DEADLINE,
         STALE_JOB_STATE,
         MPS_STARTED,
         MPS_STOPPED,

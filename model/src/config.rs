@@ -108,6 +108,15 @@ pub struct Config {
     pub memory_wait_ms: u64,
     /// How far above its idle level a GPU's used memory may stay, in MiB.
     pub memory_tolerance_mib: u64,
+    /// The Epilog's total deadline, in ms (1000 to 86400000): every wait
+    /// on its path (`term_grace_ms`, `kill_wait_ms`, `memory_wait_ms`,
+    /// each scan's `scan_budget_ms`, the evidence, the freezes, the MPS
+    /// daemon's stop, the drain's scontrol call) is cut to what is left of
+    /// it, less a reserve for the drain, and each cut is said. Unset (the
+    /// default): 80% of the Epilog's timeout in slurm.conf (`EpilogTimeout`
+    /// on 25.05+, else `PrologEpilogTimeout`), or 60 s when it sets none
+    /// or cannot be read.
+    pub epilog_deadline_ms: Option<u64>,
     /// The shared-memory directory whose leftovers the Epilog reports
     /// (`/dev/shm`: POSIX `shm_open` segments, and the files vLLM, NCCL,
     /// PSM and MPI stacks leave there when killed).
@@ -341,6 +350,7 @@ impl Default for Config {
             nvml_library: "libnvidia-ml.so.1".into(),
             memory_wait_ms: 10_000,
             memory_tolerance_mib: 64,
+            epilog_deadline_ms: None,
             shm_dir: "/dev/shm".into(),
             shm_remove_leftovers: false,
             idle_memory_mib: 1024,
@@ -1246,6 +1256,15 @@ impl Config {
                 return Err(key_err(key, format!("{v} MiB; at most 1048576 (1 TiB)")));
             }
         }
+        if let Some(d) = self
+            .epilog_deadline_ms
+            .filter(|d| !(1000..=86_400_000).contains(d))
+        {
+            return Err(key_err(
+                "epilog_deadline_ms",
+                format!("{d} ms; 1000 to 86400000 (a day)"),
+            ));
+        }
         if self.max_denials == 0 {
             return Err(key_err("max_denials", "must be at least 1".into()));
         }
@@ -1609,7 +1628,12 @@ mod tests {
             // optional keys are documented commented out
             if matches!(
                 key.as_str(),
-                "majors" | "slurmd_gres" | "passwd_file" | "mps_control" | "job_map_dir"
+                "majors"
+                    | "slurmd_gres"
+                    | "passwd_file"
+                    | "mps_control"
+                    | "job_map_dir"
+                    | "epilog_deadline_ms"
             ) {
                 assert!(
                     text.contains(&format!("# {key}")) || text.contains(&format!("# [{key}]")),

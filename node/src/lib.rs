@@ -66,6 +66,10 @@ pub struct Node {
     /// ([`Node::users`]; a long-lived `fence watch` takes a fresh one per
     /// rewrite, [`Node::afresh`]).
     users: std::sync::Arc<std::sync::OnceLock<host::users::Users>>,
+    /// The Epilog's deadline ([`host::deadline`]), shared by the node's
+    /// clones; `None` (the Prolog, the sweep, the CLI): every wait its own
+    /// bound.
+    deadline: Option<std::sync::Arc<host::deadline::Deadline>>,
 }
 
 impl Node {
@@ -83,6 +87,7 @@ impl Node {
             cg,
             slurm_node: None,
             users: Default::default(),
+            deadline: None,
         })
     }
 
@@ -107,6 +112,33 @@ impl Node {
         Node {
             slurm_node: name.map(str::to_string),
             ..self.clone()
+        }
+    }
+
+    /// This node with every wait bound by `deadline` ([`Node::bound`]).
+    pub fn with_deadline(&self, deadline: std::sync::Arc<host::deadline::Deadline>) -> Node {
+        Node {
+            deadline: Some(deadline),
+            ..self.clone()
+        }
+    }
+
+    /// The deadline this node's waits are bound by, if any.
+    pub fn deadline(&self) -> Option<&host::deadline::Deadline> {
+        self.deadline.as_deref()
+    }
+
+    /// How long `wait`, whose own bound is `configured`, may wait:
+    /// `configured`, cut by the deadline when there is one
+    /// ([`host::deadline::Deadline::bound`]).
+    pub fn bound(
+        &self,
+        wait: host::deadline::Wait,
+        configured: std::time::Duration,
+    ) -> std::time::Duration {
+        match &self.deadline {
+            Some(d) => d.bound(wait, configured),
+            None => configured,
         }
     }
 

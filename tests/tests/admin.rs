@@ -144,8 +144,9 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         t.contains("slurm_like") && t.contains("195:1    denied"),
         "{t}"
     );
-    // slurm.conf's hook timeout shorter than the hooks' worst cases: one
-    // warning each, and what was compared in --json.
+    // slurm.conf's hook timeout shorter than the hooks' worst cases: a
+    // warning for the Prolog; the Epilog's deadline (80% of it) fits, and
+    // doctor says so; what was compared in --json.
     let slurm_conf = env.path("slurm.conf");
     std::fs::write(&slurm_conf, "PrologEpilogTimeout=5\n").unwrap();
     let doctor = |json: bool| {
@@ -162,10 +163,12 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     let t = &d["timeouts"];
     assert_eq!(t["slurm"]["epilog"]["seconds"], 5, "{t}");
     assert_eq!(t["slurm"]["epilog"]["key"], "PrologEpilogTimeout", "{t}");
+    assert_eq!(t["epilog_worst"]["total_ms"], 4000, "{t}");
     assert!(
-        t["epilog_worst"]["total_ms"].as_u64().unwrap() > 5000,
+        t["epilog_worst"]["waits_ms"].as_u64().unwrap() > 5000,
         "{t}"
     );
+    assert_eq!(t["epilog_deadline"]["from"], "80% of PrologEpilogTimeout=5");
     let w: Vec<&str> = d["warnings"]
         .as_array()
         .unwrap()
@@ -173,16 +176,36 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         .filter_map(Value::as_str)
         .filter(|w| w.contains("PrologEpilogTimeout=5"))
         .collect();
-    assert_eq!(w.len(), 2, "{w:?}");
+    assert_eq!(w.len(), 1, "{w:?}");
     assert!(
-        w[0].starts_with("gpufence's Epilog may take up to "),
+        w[0].starts_with("gpufence's Prolog may take up to "),
         "{}",
         w[0]
     );
     let text = String::from_utf8_lossy(&doctor(false)).into_owned();
     assert!(
         text.contains("warning: gpufence's Prolog may take up to ")
-            && text.contains("raise PrologEpilogTimeout to "),
+            && text.contains("raise PrologEpilogTimeout to ")
+            && text.contains("note: the Epilog's deadline, 4 s (80% of PrologEpilogTimeout=5), is below PrologEpilogTimeout=5 in ")
+            && !text.contains("gpufence's Epilog may take"),
+        "{text}"
+    );
+    // A deadline set past the timeout: the Epilog's warning names it.
+    let late = env.path("late.toml");
+    // First: the file may end in a table.
+    let body = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&late, format!("epilog_deadline_ms = 90000\n{body}")).unwrap();
+    let out = Command::new(workspace_bin("gpufence"))
+        .arg("--config")
+        .arg(&late)
+        .args(["doctor", &pid.to_string()])
+        .env("SLURM_CONF", &slurm_conf)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("warning: gpufence's Epilog may take up to 90 s at worst (its deadline, epilog_deadline_ms 90000;")
+            && text.contains("lower epilog_deadline_ms below 5000"),
         "{text}"
     );
 }

@@ -480,6 +480,77 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     let _ = Fence::open(&env.bpffs).unwrap();
 }
 
+/// A holder that ignores SIGTERM, in a cgroup of its own, against an
+/// Epilog whose deadline (`epilog_deadline_ms` 1500) is far below its
+/// waits (`term_grace_ms` 5000, the test config's `kill_wait_ms` 3000):
+/// the Epilog cuts the
+/// grace to fit, says which waits it cut (notes and one `epilog_deadline`
+/// audit line), ends within less than the waits it was configured with,
+/// and still fails closed: the holder is killed by SIGKILL, or, not seen
+/// gone in a cut kill wait, the Epilog is unclean (the node drained).
+/// How long it takes is measured in `gpufence-bench deadline`, not here.
+#[test]
+fn an_epilog_deadline_cuts_the_waits_and_fails_closed() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("deadline");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let p = env.config(&format!(
+        "term_grace_ms = 5000\nepilog_deadline_ms = 1500\n[majors]\nnvidia = 195\nfake-gpu = {}\n",
+        real.major
+    ));
+    let node = Node::new(Config::load(&p).unwrap(), ConfigOrigin::File(p)).unwrap();
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["hold", "--ignore-term", gpu.to_str().unwrap()]);
+    let holder = env.spawn_ready(cmd, "held");
+    let cg = env.cgroup("stubborn");
+    env.cg.move_pid(&cg, holder).unwrap();
+    record(&node, 48, dev);
+    let t0 = std::time::Instant::now();
+    let o = epilog::run(&node, 48, None);
+    let took = t0.elapsed();
+    // Under the 8 s of term_grace_ms + kill_wait_ms it waits without the
+    // deadline (SIGTERM ignored: the whole grace).
+    assert!(took < std::time::Duration::from_secs(8), "{took:?} {o:?}");
+    let cut: Vec<&String> = o
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("epilog_deadline_ms 1500: "))
+        .collect();
+    assert!(
+        cut.iter().any(|n| n.contains("of term_grace_ms 5000")
+            || n.contains("term_grace_ms 5000 (nothing left)")),
+        "{:?}",
+        o.notes
+    );
+    let l = o.lingering.iter().find(|l| l.pid == holder).expect("found");
+    match l.ended_by {
+        Some(by) => {
+            assert_eq!(by, "SIGKILL", "it ignores SIGTERM: {o:?}");
+            assert!(gone(holder));
+        }
+        None => assert!(!o.clean(), "not seen gone: unclean, drained: {o:?}"),
+    }
+    let audit = gpufence_tests::audit_log_settled(&node.cfg.audit_log);
+    let line = audit
+        .iter()
+        .find(|e| e["event"] == "epilog_deadline")
+        .expect("an epilog_deadline audit line");
+    assert_eq!(line["deadline_ms"], 1500);
+    assert_eq!(line["from"], "epilog_deadline_ms");
+    assert!(
+        line["cut"].as_array().is_some_and(|c| c
+            .iter()
+            .any(|v| v.as_str().is_some_and(|s| s.contains("term_grace_ms")))),
+        "{line}"
+    );
+}
+
 /// A root process holding a job's device (a user handed it a descriptor:
 /// dbus keeps passed descriptors) is not killed: evidence, a survivor line,
 /// an unclean epilog and a drain reason saying it was spared.

@@ -75,9 +75,10 @@ pub enum DrainError {
         /// Its stderr, trimmed.
         stderr: String,
     },
-    /// scontrol did not exit within [`SCONTROL_TIMEOUT`]: killed.
-    #[error("scontrol did not answer within 20 s")]
-    Timeout,
+    /// scontrol did not exit within its bound ([`SCONTROL_TIMEOUT`], or
+    /// less: what was left of the Epilog's deadline): killed.
+    #[error("scontrol did not answer within {} ms", .0.as_millis())]
+    Timeout(Duration),
     /// Waiting for scontrol (or reading its output) failed.
     #[error(transparent)]
     Wait(std::io::Error),
@@ -105,7 +106,8 @@ fn scontrol(node: &Node, args: &[String], op: &str) -> Result<String, DrainError
             bin: node.cfg.scontrol_bin.clone(),
             source,
         })?;
-    let deadline = Instant::now() + SCONTROL_TIMEOUT;
+    let bound = node.bound(crate::host::deadline::Wait::Drain, SCONTROL_TIMEOUT);
+    let deadline = Instant::now() + bound;
     match crate::host::procs::wait_until(&mut child, deadline, Duration::from_millis(20)) {
         Ok(Some(st)) if st.success() => Ok(read_bounded(child.stdout.take())),
         Ok(Some(st)) => Err(DrainError::Failed {
@@ -113,7 +115,7 @@ fn scontrol(node: &Node, args: &[String], op: &str) -> Result<String, DrainError
             status: st,
             stderr: read_bounded(child.stderr.take()).trim().to_string(),
         }),
-        Ok(None) => Err(DrainError::Timeout),
+        Ok(None) => Err(DrainError::Timeout(bound)),
         Err(e) => Err(DrainError::Wait(e)),
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod accounts;
 pub mod cgpath;
+pub mod deadline;
 pub mod denials;
 pub mod drain;
 pub mod exec_cgroup;

@@ -126,12 +126,13 @@ pub(crate) fn lock(node: &Node, name: &str) -> Result<Lock, NodeError> {
         gpufence_model::fsutil::create_dir_all_mode(dir, 0o700)
             .map_err(|e| NodeError::io("create", dir, e))?;
     }
-    match gpufence_model::fsutil::lock_file_within(&p, MPS_WAIT, Duration::from_millis(10)) {
+    let wait = node.bound(crate::host::deadline::Wait::Mps, MPS_WAIT);
+    match gpufence_model::fsutil::lock_file_within(&p, wait, Duration::from_millis(10)) {
         Ok(Some(f)) => Ok(Lock(f)),
         Ok(None) => Err(NodeError::JobCgroup(format!(
-            "{} stayed locked for {} s (another Prolog or Epilog starting or stopping MPS daemon {name})",
+            "{} stayed locked for {} ms (another Prolog or Epilog starting or stopping MPS daemon {name})",
             p.display(),
-            MPS_WAIT.as_secs()
+            wait.as_millis()
         ))),
         Err(e) => Err(NodeError::io("open", &p, e)),
     }
@@ -303,7 +304,10 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
     }
     let killed = node.cg.procs_recursive(&cg);
     if node.cg.path(&cg).exists() {
-        let wait = Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1));
+        let wait = node.bound(
+            crate::host::deadline::Wait::KillWait,
+            Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1)),
+        );
         crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
             .map_err(|e| format!("{e} (processes {killed:?})"))?;
     }

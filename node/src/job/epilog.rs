@@ -26,6 +26,7 @@ use gpufence_model::config::Layout;
 use gpufence_model::device::{gpu_minors, DevNum};
 use gpufence_model::record::JobRecord;
 
+use crate::host::deadline::{Deadline, Wait};
 use crate::host::gpus::{AccountedProcess, GpuError, Gpus};
 use crate::job::shared::granted_minors;
 use crate::response::respond::{self, Lingering, Mode};
@@ -253,10 +254,51 @@ pub fn run(node: &Node, job_id: u32, node_name: Option<&str>) -> EpilogOutcome {
     )
 }
 
-/// Runs the epilog: the steps below, in order; from step 1's audit line
-/// on, each a method of the run's read-only context (`Ctx`) that adds to
-/// the outcome.
+/// Runs the epilog within its deadline ([`crate::job::timeouts::host_epilog_deadline`]):
+/// every wait on its path is cut to what is left of it
+/// ([`crate::host::deadline`]), and each cut is a note and one
+/// `epilog_deadline` audit line.
 pub fn run_with(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
+    let deadline = crate::job::timeouts::host_epilog_deadline(&node.cfg);
+    let clock = std::sync::Arc::new(Deadline::new(Duration::from_millis(deadline.ms)));
+    let node = node.with_deadline(clock.clone());
+    let mut out = run_within(&node, env);
+    say_cuts(&node, env.job_id, &deadline, &clock, &mut out);
+    out
+}
+
+/// The waits `clock` cut, one note each, and one `epilog_deadline` audit
+/// line with them all (none when nothing was cut).
+fn say_cuts(
+    node: &Node,
+    job_id: u32,
+    deadline: &crate::job::timeouts::EpilogDeadline,
+    clock: &Deadline,
+    out: &mut EpilogOutcome,
+) {
+    let lines = clock.lines();
+    if lines.is_empty() {
+        return;
+    }
+    let ev = AuditEvent::new(events::EPILOG_DEADLINE)
+        .job(job_id)
+        .field("deadline_ms", deadline.ms)
+        .field("from", deadline.from.clone())
+        .field(
+            "elapsed_ms",
+            clock.total().saturating_sub(clock.left()).as_millis() as u64,
+        )
+        .field("cut", lines.clone());
+    if let Err(e) = node.audit(ev) {
+        out.errors.push(e.to_string());
+    }
+    out.notes.extend(lines);
+}
+
+/// The epilog's steps, in order; from step 1's audit line on, each a
+/// method of the run's read-only context (`Ctx`) that adds to the
+/// outcome.
+fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let mut out = EpilogOutcome::default();
     // The job's end, for the audit line's and the report's wall time and
@@ -509,7 +551,7 @@ impl<'a> Ctx<'a> {
         let mut cands = look(&info);
         let mut handled: BTreeSet<i32> = BTreeSet::new();
         let responded = !cands.is_empty();
-        let mut budget = crate::response::evidence::Budget::from_config(&node.cfg);
+        let mut budget = crate::response::evidence::Budget::for_node(node);
         for round in 0..node.cfg.response_rounds.max(1) {
             let fresh: Vec<_> = cands
                 .into_iter()
@@ -642,7 +684,11 @@ impl<'a> Ctx<'a> {
                     .map(|(m, p)| (m, p.pid, p.used_memory.unwrap_or(0)))
                     .collect()
             };
-            let deadline = Instant::now() + Duration::from_millis(node.cfg.memory_wait_ms);
+            let wait = node.bound(
+                Wait::MemoryWait,
+                Duration::from_millis(node.cfg.memory_wait_ms),
+            );
+            let deadline = Instant::now() + wait;
             loop {
                 let high = gpus.memory_used(&check).map(|used| {
                     used.into_iter()
@@ -665,14 +711,14 @@ impl<'a> Ctx<'a> {
                                     "GPU /dev/nvidia{m} still has {} MiB in use (idle level {} MiB) after {} ms",
                                     u >> 20,
                                     idle(m) >> 20,
-                                    node.cfg.memory_wait_ms
+                                    wait.as_millis()
                                 ));
                             }
                             for (m, pid, u) in left {
                                 out.survivors.push(format!(
                                     "GPU /dev/nvidia{m} (shared with another job) still has {} MiB of pid {pid}, which no grant covers, after {} ms",
                                     u >> 20,
-                                    node.cfg.memory_wait_ms
+                                    wait.as_millis()
                                 ));
                             }
                             break;
@@ -706,7 +752,7 @@ impl<'a> Ctx<'a> {
                         left.len()
                     ));
                 }
-                let wait = Duration::from_millis(node.cfg.kill_wait_ms);
+                let wait = node.bound(Wait::KillWait, Duration::from_millis(node.cfg.kill_wait_ms));
                 if let Err(e) = crate::host::exec_cgroup::kill_and_remove(node, &job_cg, wait) {
                     out.errors.push(format!(
                         "{e} (processes left: {:?})",
@@ -852,6 +898,11 @@ impl<'a> Ctx<'a> {
     fn drain_if_unclean(&self, out: &mut EpilogOutcome) {
         let (node, job_id, node_name) = (self.node, self.job_id, self.node_name);
         if !out.clean() {
+            let kill_cut = node.deadline().is_some_and(|d| {
+                d.cuts()
+                    .iter()
+                    .any(|c| matches!(c.wait, Wait::KillWait | Wait::Exiting))
+            });
             let first = out
                 .lingering
                 .iter()
@@ -863,6 +914,8 @@ impl<'a> Ctx<'a> {
                         l.comm.clone().unwrap_or_default(),
                         if l.spared.is_some() {
                             "spared (system account)"
+                        } else if kill_cut {
+                            "not seen gone after SIGKILL (kill wait cut by epilog_deadline_ms)"
                         } else {
                             "survived SIGKILL"
                         },

@@ -170,11 +170,12 @@ pub fn sync(node: &Node, leaving: Option<u32>) -> Result<(), JobMapError> {
     let root = node.state.root();
     create_dir_all_mode(root, 0o700).map_err(io_err(root))?;
     let lock = node.state.job_map_lock_path();
-    let _held = lock_file_within(&lock, LOCK_WAIT, Duration::from_millis(10))
+    let wait = node.bound(crate::host::deadline::Wait::JobMap, LOCK_WAIT);
+    let _held = lock_file_within(&lock, wait, Duration::from_millis(10))
         .map_err(io_err(&lock))?
         .ok_or(JobMapError::Busy {
             lock: lock.clone(),
-            waited: LOCK_WAIT,
+            waited: wait,
         })?;
     create_dir_all_mode(dir, DIR_MODE).map_err(io_err(dir))?;
     let mut want: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();

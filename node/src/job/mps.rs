@@ -422,7 +422,13 @@ pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
             continue;
         }
         crate::response::engine::signal(&fd, libc::SIGKILL);
-        crate::response::engine::wait_all(&[&fd], Duration::from_millis(node.cfg.kill_wait_ms));
+        crate::response::engine::wait_all(
+            &[&fd],
+            node.bound(
+                crate::host::deadline::Wait::KillWait,
+                Duration::from_millis(node.cfg.kill_wait_ms),
+            ),
+        );
         let ended = crate::response::engine::exited(&fd);
         let mut ev = AuditEvent::new(events::MPS_FOREIGN_PROCESS)
             .pid(f.pid)

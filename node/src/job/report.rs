@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use gpufence_model::record::JobRecord;
 
+use crate::host::deadline::Wait;
 use crate::host::denials::Denial;
 use crate::response::respond::Lingering;
 use crate::{join_cgroup, Node};
@@ -200,7 +201,11 @@ pub fn write_as_user(
     node.cg.create(&cg).map_err(ReportError::MakeCgroup)?;
     let r = run_writer(node, &cg, text, path, work_dir, uid, gid);
     // Whatever the writer left (a process it forked) goes with its cgroup.
-    let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, Duration::from_secs(2));
+    let _ = crate::host::exec_cgroup::kill_and_remove(
+        node,
+        &cg,
+        node.bound(Wait::KillWait, Duration::from_secs(2)),
+    );
     r.map(|()| {
         if path.is_absolute() {
             path.to_path_buf()
@@ -278,11 +283,11 @@ fn run_writer(
         let r = cmd.spawn().and_then(|mut child| child.wait());
         let _ = tx.send(r);
     });
-    let answer = match rx.recv_timeout(WRITE_TIMEOUT) {
+    let answer = match rx.recv_timeout(node.bound(Wait::Report, WRITE_TIMEOUT)) {
         Ok(r) => Some(r),
         Err(_) => {
             let _ = node.cg.kill(cg);
-            let _ = rx.recv_timeout(Duration::from_secs(1));
+            let _ = rx.recv_timeout(node.bound(Wait::KillWait, Duration::from_secs(1)));
             None
         }
     };

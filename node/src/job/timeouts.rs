@@ -8,6 +8,13 @@
 //! ([`epilog_worst_case`], [`prolog_worst_case`]). A real hook takes far
 //! less: most waits end as soon as what they wait for happens.
 //!
+//! The Epilog has a total deadline besides ([`epilog_deadline`]:
+//! `epilog_deadline_ms`, else [`DEADLINE_PERCENT`] of slurm.conf's Epilog
+//! timeout, else [`DEFAULT_DEADLINE_MS`]) that cuts its waits to fit
+//! ([`crate::host::deadline`]): its worst case is the shorter of the two
+//! ([`WorstCase::with_deadline`]), so with the default it always fits the
+//! site's timeout, and doctor says so.
+//!
 //! Slurm's keys (`src/common/read_config.c`, 22.05-26.05), all in seconds:
 //! - `PrologEpilogTimeout` (every series): both hooks; unset is `NO_VAL16`
 //!   (65534, "wait forever").
@@ -47,6 +54,70 @@ pub const NVML_START_MS: u64 = 2000;
 /// rounded up to whole seconds ([`suggested_timeout_s`]).
 pub const MARGIN_PERCENT: u64 = 25;
 
+/// The Epilog's deadline when `epilog_deadline_ms` is unset and slurm.conf
+/// gives the Epilog a timeout: this much of it, in percent. The rest is
+/// for what the deadline's clock does not see (slurmd's fork and exec of
+/// the Epilog, its start, a loaded node's scheduling): 1 s of a 5 s
+/// timeout, 40 s of Slurm's 200 s in the shipped snippet.
+pub const DEADLINE_PERCENT: u64 = 80;
+
+/// The Epilog's deadline when `epilog_deadline_ms` is unset and slurm.conf
+/// sets no Epilog timeout (or cannot be read), in ms: 60 s, Slurm's own
+/// default for how long slurmstepd waits for a job's processes to die
+/// before it drains the node (`DEFAULT_UNKILLABLE_TIMEOUT`,
+/// `src/common/read_config.h`). Without a timeout slurmd waits for the
+/// Epilog forever and the job stays COMPLETING; past 60 s a holder that
+/// would not die has had the time Slurm gives its own, and the node is
+/// drained instead of held.
+pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
+
+/// The Epilog's total deadline ([`crate::host::deadline`]) and where it
+/// comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct EpilogDeadline {
+    /// The deadline, in ms.
+    pub ms: u64,
+    /// Where it comes from: `epilog_deadline_ms` (gpufence.toml),
+    /// `80% of EpilogTimeout=200` (or `PrologEpilogTimeout`), or
+    /// `default` (slurm.conf sets no Epilog timeout, or was not read).
+    pub from: String,
+}
+
+/// The Epilog's deadline: `epilog_deadline_ms` when set; else
+/// [`DEADLINE_PERCENT`] of the Epilog's timeout in `slurm` (see the module
+/// for which key Slurm uses); else [`DEFAULT_DEADLINE_MS`].
+pub fn epilog_deadline(cfg: &Config, slurm: Option<&SlurmTimeouts>) -> EpilogDeadline {
+    if let Some(ms) = cfg.epilog_deadline_ms {
+        return EpilogDeadline {
+            ms,
+            from: "epilog_deadline_ms".into(),
+        };
+    }
+    match slurm.and_then(|t| Some((t.epilog.seconds?, t.epilog.key?))) {
+        Some((s, key)) => EpilogDeadline {
+            ms: s * 1000 * DEADLINE_PERCENT / 100,
+            from: format!("{DEADLINE_PERCENT}% of {key}={s}"),
+        },
+        None => EpilogDeadline {
+            ms: DEFAULT_DEADLINE_MS,
+            from: "default".into(),
+        },
+    }
+}
+
+/// [`epilog_deadline`] on this host, for the Epilog: slurm.conf
+/// ([`slurm_conf_path`]) is read only when `epilog_deadline_ms` is unset
+/// (one read of one file, no `Include`).
+pub fn host_epilog_deadline(cfg: &Config) -> EpilogDeadline {
+    let slurm = cfg
+        .epilog_deadline_ms
+        .is_none()
+        .then(|| std::fs::read_to_string(slurm_conf_path()).ok())
+        .flatten()
+        .map(|t| SlurmTimeouts::parse(&t));
+    epilog_deadline(cfg, slurm.as_ref())
+}
+
 /// One named part of a worst case.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Part {
@@ -62,8 +133,13 @@ pub struct Part {
 /// A hook's worst case: its parts, in the order they run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WorstCase {
-    /// The sum of the parts, in ms.
+    /// How long the hook may take, in ms: the sum of the parts, or the
+    /// deadline when it is shorter.
     pub total_ms: u64,
+    /// The sum of the parts, in ms.
+    pub waits_ms: u64,
+    /// The hook's deadline (the Epilog's), which cuts its waits to fit.
+    pub deadline: Option<EpilogDeadline>,
     /// The parts.
     pub parts: Vec<Part>,
 }
@@ -71,10 +147,27 @@ pub struct WorstCase {
 impl WorstCase {
     fn new(parts: Vec<Part>) -> Self {
         let parts: Vec<Part> = parts.into_iter().filter(|p| p.ms > 0).collect();
+        let waits_ms = parts.iter().map(|p| p.ms).sum();
         WorstCase {
-            total_ms: parts.iter().map(|p| p.ms).sum(),
+            total_ms: waits_ms,
+            waits_ms,
+            deadline: None,
             parts,
         }
+    }
+
+    /// This worst case under `deadline`: at most its `ms`.
+    pub fn with_deadline(self, deadline: EpilogDeadline) -> Self {
+        WorstCase {
+            total_ms: self.waits_ms.min(deadline.ms),
+            deadline: Some(deadline),
+            ..self
+        }
+    }
+
+    /// Whether the deadline, not the sum of the waits, bounds it.
+    fn cut(&self) -> bool {
+        self.total_ms < self.waits_ms
     }
 
     /// The largest parts first, at most `n`, as `name N s`.
@@ -351,7 +444,8 @@ pub struct TimeoutsReport {
     pub prolog_worst: WorstCase,
     /// The Epilog's worst case.
     pub epilog_worst: WorstCase,
-    /// The timeout suggested for the Epilog (worst case + margin), in s.
+    /// The timeout suggested for the Epilog (its waits' sum + margin: the
+    /// deadline then cuts none of them), in s.
     pub epilog_suggested_s: u64,
     /// The timeout suggested for the Prolog, in s.
     pub prolog_suggested_s: u64,
@@ -361,6 +455,10 @@ pub struct TimeoutsReport {
     pub slurm: Option<SlurmTimeouts>,
     /// The warnings ([`timeout_warnings`]).
     pub warnings: Vec<String>,
+    /// The Epilog's deadline ([`epilog_deadline`]).
+    pub epilog_deadline: EpilogDeadline,
+    /// That the Epilog fits slurm.conf's timeout, when it does.
+    pub epilog_fits: Option<String>,
 }
 
 /// `suggest`: the timeout to set, in s (for `PrologEpilogTimeout`, the
@@ -376,6 +474,16 @@ fn hook_warning(
     if worst.total_ms <= s * 1000 {
         return None;
     }
+    if worst.cut() {
+        return Some(format!(
+            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}; its waits add up to {}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms below {} in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
+            secs(worst.total_ms),
+            worst.total_ms,
+            secs(worst.waits_ms),
+            suggest,
+            s * 1000,
+        ));
+    }
     let largest = worst.largest_key().unwrap_or("response_rounds");
     Some(format!(
         "gpufence's {hook} may take up to {} at worst ({}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower {largest} in gpufence.toml",
@@ -385,19 +493,44 @@ fn hook_warning(
     ))
 }
 
+/// What slurm.conf's Epilog timeout `t` says of `worst`, when it fits
+/// and a deadline bounds it: `the Epilog's deadline, 160 s (80% of
+/// EpilogTimeout=200), is below EpilogTimeout=200 in FILE: it fits (its
+/// waits add up to 156 s; those past the deadline are cut)`.
+fn epilog_fits(worst: &WorstCase, t: &HookTimeout, file: &str) -> Option<String> {
+    let d = worst.deadline.as_ref()?;
+    let (s, key) = (t.seconds?, t.key?);
+    (worst.total_ms <= s * 1000).then(|| {
+        format!(
+            "the Epilog's deadline, {} ({}), is below {key}={s} in {file}: it fits (its waits add up to {}{})",
+            secs(d.ms),
+            d.from,
+            secs(worst.waits_ms),
+            if worst.cut() {
+                "; those past the deadline are cut"
+            } else {
+                ""
+            }
+        )
+    })
+}
+
 /// One line per timeout of `slurm` that gpufence's worst cases do not fit
 /// (`file` names slurm.conf in them): the Epilog's and the Prolog's; and
 /// `MessageTimeout` at or above the drain's scontrol bound (scontrol could
 /// be killed before slurmctld answers, and the drain lost). None when
 /// everything fits or a hook has no limit.
 pub fn timeout_warnings(cfg: &Config, slurm: &SlurmTimeouts, file: &str) -> Vec<String> {
-    let (epilog, prolog) = (epilog_worst_case(cfg), prolog_worst_case(cfg));
-    let both = suggested_timeout_s(epilog.total_ms.max(prolog.total_ms));
+    let epilog = epilog_worst_case(cfg).with_deadline(epilog_deadline(cfg, Some(slurm)));
+    let prolog = prolog_worst_case(cfg);
+    // The timeouts that cut nothing: with the margin (a quarter), the
+    // Epilog's default deadline (80% of it) is its waits' sum.
+    let both = suggested_timeout_s(epilog.waits_ms.max(prolog.waits_ms));
     let suggest = |worst: &WorstCase, t: &HookTimeout| {
         if t.key == Some("PrologEpilogTimeout") {
             both
         } else {
-            suggested_timeout_s(worst.total_ms)
+            suggested_timeout_s(worst.waits_ms)
         }
     };
     let mut out = Vec::new();
@@ -436,17 +569,24 @@ pub fn report(cfg: &Config, slurm_conf: &Path) -> TimeoutsReport {
         .as_ref()
         .map(|s| timeout_warnings(cfg, s, &file))
         .unwrap_or_default();
-    let (prolog_worst, epilog_worst) = (prolog_worst_case(cfg), epilog_worst_case(cfg));
+    let epilog_deadline = epilog_deadline(cfg, slurm.as_ref());
+    let prolog_worst = prolog_worst_case(cfg);
+    let epilog_worst = epilog_worst_case(cfg).with_deadline(epilog_deadline.clone());
+    let epilog_fits = slurm
+        .as_ref()
+        .and_then(|s| epilog_fits(&epilog_worst, &s.epilog, &file));
     TimeoutsReport {
         slurm_conf: file,
         slurm_conf_error,
         prolog_suggested_s: suggested_timeout_s(prolog_worst.total_ms),
-        epilog_suggested_s: suggested_timeout_s(epilog_worst.total_ms),
+        epilog_suggested_s: suggested_timeout_s(epilog_worst.waits_ms),
         prolog_worst,
         epilog_worst,
         scontrol_timeout_s: crate::host::drain::SCONTROL_TIMEOUT.as_secs(),
         slurm,
         warnings,
+        epilog_deadline,
+        epilog_fits,
     }
 }
 
@@ -562,22 +702,39 @@ mod tests {
     fn the_warnings_say_what_to_change() {
         let cfg = Config::default();
         let f = "/etc/slurm/slurm.conf";
+        // The Epilog's deadline, 80% of it, fits; the Prolog has none.
         let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("PrologEpilogTimeout=5\n"), f);
-        assert_eq!(w.len(), 2, "{w:?}");
-        assert_eq!(
-            w[0],
-            "gpufence's Epilog may take up to 156 s at worst (kill_wait_ms 75 s, scan_budget_ms 26 s, drain 20 s), more than PrologEpilogTimeout=5 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise PrologEpilogTimeout to 200 or more, or lower kill_wait_ms in gpufence.toml"
-        );
+        assert_eq!(w.len(), 1, "{w:?}");
         assert!(
-            w[1].starts_with("gpufence's Prolog may take up to 116 s at worst (slurmd_g 60 s,")
-                && w[1].contains("raise PrologEpilogTimeout to 200 or more")
-                && w[1].ends_with("or lower kill_wait_ms in gpufence.toml"),
+            w[0].starts_with("gpufence's Prolog may take up to 116 s at worst (slurmd_g 60 s,")
+                && w[0].contains("raise PrologEpilogTimeout to 200 or more")
+                && w[0].ends_with("or lower kill_wait_ms in gpufence.toml"),
             "{}",
-            w[1]
+            w[0]
+        );
+        // A deadline set above the timeout, waits that do not fit: said,
+        // with the key to lower.
+        let late = Config {
+            epilog_deadline_ms: Some(300_000),
+            ..Config::default()
+        };
+        let w = timeout_warnings(&late, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
+        assert_eq!(
+            w,
+            ["gpufence's Epilog may take up to 156 s at worst (kill_wait_ms 75 s, scan_budget_ms 26 s, drain 20 s), more than EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise EpilogTimeout to 200 or more, or lower kill_wait_ms in gpufence.toml"]
+        );
+        let late = Config {
+            epilog_deadline_ms: Some(120_000),
+            ..Config::default()
+        };
+        let w = timeout_warnings(&late, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
+        assert_eq!(
+            w,
+            ["gpufence's Epilog may take up to 120 s at worst (its deadline, epilog_deadline_ms 120000; its waits add up to 156 s), more than EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms below 100000 in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
         );
         // Each hook its own key.
         let w = timeout_warnings(
-            &cfg,
+            &late,
             &SlurmTimeouts::parse("PrologTimeout=600 EpilogTimeout=100\n"),
             f,
         );
@@ -615,13 +772,100 @@ mod tests {
         let conf = d.path().join("slurm.conf");
         std::fs::write(&conf, "PrologEpilogTimeout=5\n").unwrap();
         let r = report(&Config::default(), &conf);
-        assert_eq!(r.warnings.len(), 2);
-        assert_eq!(r.epilog_worst.total_ms, 156_000);
+        assert_eq!(r.warnings.len(), 1, "the Prolog's only");
+        // The deadline, 80% of 5 s, bounds the Epilog.
+        assert_eq!(
+            (r.epilog_worst.total_ms, r.epilog_worst.waits_ms),
+            (4000, 156_000)
+        );
+        assert_eq!(r.epilog_deadline.from, "80% of PrologEpilogTimeout=5");
+        assert_eq!(
+            r.epilog_fits.as_deref(),
+            Some(format!(
+                "the Epilog's deadline, 4 s (80% of PrologEpilogTimeout=5), is below PrologEpilogTimeout=5 in {}: it fits (its waits add up to 156 s; those past the deadline are cut)",
+                conf.display()
+            ))
+            .as_deref()
+        );
         assert_eq!(r.slurm.as_ref().unwrap().epilog.seconds, Some(5));
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["epilog_suggested_s"], 200);
+        assert_eq!(v["epilog_worst"]["deadline"]["ms"], 4000);
+        // The shipped snippet's 200 s: a 160 s deadline that cuts nothing.
+        std::fs::write(&conf, "EpilogTimeout=200\nPrologTimeout=150\n").unwrap();
+        let r = report(&Config::default(), &conf);
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        assert_eq!(r.epilog_worst.total_ms, 156_000);
+        assert!(r
+            .epilog_fits
+            .unwrap()
+            .ends_with("it fits (its waits add up to 156 s)"));
         let gone = report(&Config::default(), &d.path().join("absent"));
         assert!(gone.slurm.is_none() && gone.slurm_conf_error.is_some());
-        assert!(gone.warnings.is_empty());
+        assert!(gone.warnings.is_empty() && gone.epilog_fits.is_none());
+        assert_eq!(gone.epilog_deadline.ms, DEFAULT_DEADLINE_MS);
+        assert_eq!(gone.epilog_worst.total_ms, 60_000);
+    }
+
+    /// The shipped slurm.conf lines, per series (contrib/package.sh picks
+    /// one): each hook's limit fits its worst case with the default
+    /// config, by the keys of its series, and the Epilog's deadline they
+    /// make cuts none of its waits; the rest of the two files is the same.
+    #[test]
+    fn the_shipped_snippets_fit_the_worst_cases() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib");
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+        let (old, new) = (read("slurm.conf.snippet"), read("slurm.conf.snippet-25.05"));
+        let cfg = Config::default();
+        for (text, key_e, key_p) in [
+            (&old, "PrologEpilogTimeout", "PrologEpilogTimeout"),
+            (&new, "EpilogTimeout", "PrologTimeout"),
+        ] {
+            let t = SlurmTimeouts::parse(text);
+            assert_eq!((t.epilog.key, t.prolog.key), (Some(key_e), Some(key_p)));
+            assert!(timeout_warnings(&cfg, &t, "f").is_empty(), "{text}");
+            let d = epilog_deadline(&cfg, Some(&t));
+            assert!(d.ms >= epilog_worst_case(&cfg).waits_ms, "{d:?}");
+            assert_eq!(
+                t.epilog.seconds,
+                Some(suggested_timeout_s(epilog_worst_case(&cfg).waits_ms))
+            );
+        }
+        assert!(!new.lines().any(|l| l.starts_with("PrologEpilogTimeout")));
+        let settings = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#') && !l.contains("Timeout="))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(settings(&old), settings(&new));
+    }
+
+    #[test]
+    fn the_epilog_deadline_comes_from_the_key_then_slurm_conf_then_60_s() {
+        let cfg = Config::default();
+        let t = SlurmTimeouts::parse("PrologEpilogTimeout=10 EpilogTimeout=30\n");
+        let d = epilog_deadline(&cfg, Some(&t));
+        assert_eq!((d.ms, d.from.as_str()), (24_000, "80% of EpilogTimeout=30"));
+        let t = SlurmTimeouts::parse("PrologEpilogTimeout=10\n");
+        assert_eq!(epilog_deadline(&cfg, Some(&t)).ms, 8000);
+        // No limit in slurm.conf, or none read: the fixed default.
+        for t in [Some(SlurmTimeouts::parse("EpilogTimeout=65534\n")), None] {
+            let d = epilog_deadline(&cfg, t.as_ref());
+            assert_eq!((d.ms, d.from.as_str()), (60_000, "default"));
+        }
+        // The key wins over everything.
+        let set = Config {
+            epilog_deadline_ms: Some(1500),
+            ..Config::default()
+        };
+        let t = SlurmTimeouts::parse("EpilogTimeout=30\n");
+        let d = epilog_deadline(&set, Some(&t));
+        assert_eq!((d.ms, d.from.as_str()), (1500, "epilog_deadline_ms"));
+        assert_eq!(
+            epilog_worst_case(&set).with_deadline(d).total_ms,
+            1500,
+            "the deadline bounds the worst case"
+        );
     }
 }

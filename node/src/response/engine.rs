@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use gpufence_model::audit::AuditEvent;
 
+use crate::host::deadline::Wait;
 use crate::Node;
 
 /// A pidfd (`pidfd_open(2)`), shared: it names one process for as long as
@@ -158,7 +159,7 @@ pub(crate) fn set_frozen(node: &Node, cgroup: &str, on: bool, wait: Duration) ->
     if !on {
         return true;
     }
-    let deadline = Instant::now() + wait;
+    let deadline = Instant::now() + node.bound(Wait::Freeze, wait);
     while Instant::now() < deadline {
         if std::fs::read_to_string(p.join("cgroup.events"))
             .is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
@@ -284,7 +285,10 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
             }
         }
         if let Some(fd) = &fd {
-            wait_all(&[fd.fd()], Duration::from_millis(node.cfg.kill_wait_ms));
+            wait_all(
+                &[fd.fd()],
+                node.bound(Wait::KillWait, Duration::from_millis(node.cfg.kill_wait_ms)),
+            );
         }
         let what = format!(
             "pid {} of job {} was left stopped by an interrupted response: {}",
@@ -398,7 +402,9 @@ impl<'a> Engine<'a> {
     /// ([`exiting`]: thousands of tables take seconds to close) is waited
     /// for up to [`EXITING_WAITS`] times as long again. Returns, per pid,
     /// the signal that ended it, or `None` when it is still there (a
-    /// survivor).
+    /// survivor). Each wait is cut by the node's deadline, if any
+    /// ([`Node::bound`]): a process not seen gone in a cut wait is a
+    /// survivor like any other.
     pub fn end(
         &mut self,
         targets: &[(i32, &OwnedFd)],
@@ -414,7 +420,7 @@ impl<'a> Engine<'a> {
                 }
             }
             self.thaw();
-            wait_all(&fds, grace);
+            wait_all(&fds, self.node.bound(Wait::TermGrace, grace));
             for (pid, fd) in targets {
                 if exited(fd) {
                     ended.insert(*pid, Some("SIGTERM"));
@@ -428,14 +434,17 @@ impl<'a> Engine<'a> {
         }
         self.thaw();
         let wait = Duration::from_millis(self.node.cfg.kill_wait_ms.max(100));
-        wait_all(&fds, wait);
+        wait_all(&fds, self.node.bound(Wait::KillWait, wait));
         let on_the_way: Vec<&OwnedFd> = targets
             .iter()
             .filter(|(pid, fd)| !exited(fd) && exiting(*pid))
             .map(|(_, fd)| *fd)
             .collect();
         if !on_the_way.is_empty() {
-            wait_all(&on_the_way, wait * EXITING_WAITS);
+            wait_all(
+                &on_the_way,
+                self.node.bound(Wait::Exiting, wait * EXITING_WAITS),
+            );
         }
         for (pid, fd) in targets {
             if !ended.contains_key(pid) {

@@ -117,6 +117,20 @@ impl Budget {
         )
     }
 
+    /// [`Budget::from_config`] for `node`, its time cut by the node's
+    /// deadline ([`crate::Node::bound`]).
+    pub fn for_node(node: &crate::Node) -> Budget {
+        let cfg = &node.cfg;
+        Budget::new(
+            cfg.evidence_hash_max_mib << 20,
+            node.bound(
+                crate::host::deadline::Wait::Evidence,
+                Duration::from_millis(cfg.evidence_time_ms),
+            ),
+            cfg.evidence_max_mib << 20,
+        )
+    }
+
     /// How many executables were hashed.
     pub fn hashed(&self) -> usize {
         self.hashed.values().filter(|h| h.is_some()).count()

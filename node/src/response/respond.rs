@@ -42,6 +42,7 @@ use gpufence_model::record::MigSlice;
 
 use crate::holders::cover::covered;
 use crate::holders::scan::{self, HeldFd};
+use crate::host::deadline::Wait;
 use crate::host::gpus::GpuInfo;
 use crate::host::procs::uid_of;
 use crate::response::engine::{exited, note_stopped, Engine, NoteError, PidFd};
@@ -341,8 +342,10 @@ pub fn uncovered_except(
                 .any(|s| Some(s.gi) == gi && (s.ci.is_none() || ci.is_none() || s.ci == ci))
     };
     let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
-    let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir)
-        .with_budget(Duration::from_millis(node.cfg.scan_budget_ms));
+    let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir).with_budget(node.bound(
+        Wait::ScanBudget,
+        Duration::from_millis(node.cfg.scan_budget_ms),
+    ));
     for h in scanner.holders(devs) {
         let c = by_pid
             .entry(h.pid)
@@ -366,7 +369,11 @@ pub fn uncovered_except(
             fence,
             devs,
             &over,
-            Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms),
+            Instant::now()
+                + node.bound(
+                    Wait::ScanBudget,
+                    Duration::from_millis(node.cfg.scan_budget_ms),
+                ),
         );
         for c in cands {
             let e = by_pid
@@ -1014,7 +1021,11 @@ fn pin(
     let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
     // One re-check budget for every candidate of this round: past it, a
     // candidate is taken as still holding without a look.
-    let deadline = Instant::now() + Duration::from_millis(node.cfg.scan_budget_ms);
+    let deadline = Instant::now()
+        + node.bound(
+            Wait::ScanBudget,
+            Duration::from_millis(node.cfg.scan_budget_ms),
+        );
     for c in cands {
         let uid = uid_of(c.pid);
         let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
