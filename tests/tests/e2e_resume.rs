@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use gpufence_tests::cluster::{hostname, Cluster, ClusterSpec, TEST_USER};
+use gpufence_tests::cluster::{hostname, Cluster, ClusterSpec, AS_USER_TIMEOUT_S, TEST_USER};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv, V1Freezer};
 use serde_json::Value;
 
@@ -323,8 +323,11 @@ fn the_epilogs_drain_heals_once_its_survivor_is_gone() {
     freezer.add(stuck);
     let go = env.path("jobs/go");
     let srun = cluster
-        .user_cmd("srun")
+        .user_cmd("timeout")
         .args([
+            "--kill-after=10",
+            AS_USER_TIMEOUT_S,
+            "srun",
             "--gres=gpu:held:1",
             "sh",
             "-c",
@@ -358,19 +361,25 @@ fn the_epilogs_drain_heals_once_its_survivor_is_gone() {
         .unwrap_or_else(|| panic!("JOB= in {}", both(&o)));
 
     // 1. The Epilog drained the node, with gpufence's reason, and
-    // recorded its drain.
+    // recorded its drain (after its scontrol: both are waited for, and the
+    // Epilog's last line, its `error` naming the drain).
     let reason_ok = |r: &str| {
         r.starts_with("gpufence")
             && r.contains(&format!("job {job}"))
             && r.contains(&format!("pid {stuck}"))
     };
+    let st = gpufence_model::record::StateDir::new(env.path("state"));
     let mut now = (String::new(), None);
     assert!(
         Cluster::wait_for(Duration::from_secs(60), || {
             now = show(&cluster);
-            now.0.contains("DRAIN") && now.1.as_deref().is_some_and(reason_ok)
+            now.0.contains("DRAIN")
+                && now.1.as_deref().is_some_and(reason_ok)
+                && st.read_drain(&host).is_ok_and(|h| h.drain.is_some())
+                && events(&env, "error").iter().any(|e| e["job_id"] == job)
         }),
-        "not drained by the Epilog: {now:?}\n{:?}\n{}",
+        "not drained by the Epilog: {now:?}, record {:?}\n{:?}\n{}",
+        st.read_drain(&host),
         events(&env, "survivor"),
         cluster.log_tail("slurmd.log")
     );
@@ -381,16 +390,17 @@ fn the_epilogs_drain_heals_once_its_survivor_is_gone() {
         .collect();
     assert_eq!(survivors.len(), 1, "{survivors:?}");
     assert_eq!(survivors[0]["pid"], stuck);
-    let st = gpufence_model::record::StateDir::new(env.path("state"));
-    let rec = st
-        .read_drain(&host)
-        .unwrap()
-        .drain
-        .expect("the Epilog's drain recorded");
+    let rec = st.read_drain(&host).unwrap().drain.unwrap();
     assert_eq!(
         (rec.reason.as_str(), rec.job_id),
         (reason.as_str(), Some(job))
     );
+    let drain_line: Vec<Value> = events(&env, "error")
+        .into_iter()
+        .filter(|e| e["job_id"] == job)
+        .collect();
+    assert_eq!(drain_line.len(), 1, "{drain_line:?}");
+    assert_eq!(drain_line[0]["drain_reason"], reason.as_str());
 
     // 2. The survivor lives: a sweep leaves the node drained, saying why.
     let o = sweep(&cluster, &config, &root, false);
