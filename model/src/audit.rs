@@ -122,7 +122,8 @@ pub mod events {
     pub const RESPOND_DRAIN_FAILED: &str = "respond_drain_failed";
     /// `gpufence sweep` (`resume_when_clean`) resumed a node gpufence had
     /// drained, its cause gone: the old reason, when it was drained, the
-    /// resumes within `resume_window_s` with this one.
+    /// resumes within `resume_window_s` with this one, and the drain's job
+    /// and devices when its record has them.
     pub const NODE_RESUMED: &str = "node_resumed";
     /// `gpufence sweep` found the cause of its drain gone for the
     /// `resume_max`th time within `resume_window_s`: the node stays drained

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use crate::out::{both, stdout};
 use crate::{workspace_bin, TestEnv};
 
 /// The unprivileged user jobs run as (created by `contrib/setup.sh`).
@@ -714,6 +715,117 @@ fn write_wrapper(bin: &Path, config: &Path, which: &str, vars: &[(&str, &str)]) 
     .unwrap();
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::rename(&tmp, &p).unwrap();
+}
+
+/// `sbatch --parsable -o OUT --wrap SCRIPT ARGS` through `cmd` (a user's
+/// `sbatch`, e.g. [`Cluster::user_cmd`] or [`PeerUser::cmd`]); the job
+/// id. Panics when sbatch fails.
+pub fn sbatch_as(mut cmd: Command, args: &[&str], out: &Path, script: &str) -> u32 {
+    let o = cmd
+        .arg("--parsable")
+        .arg("-o")
+        .arg(out)
+        .args(args)
+        .arg("--wrap")
+        .arg(script)
+        .output()
+        .expect("sbatch");
+    assert!(o.status.success(), "sbatch: {}", both(&o));
+    stdout(&o)
+        .trim()
+        .split(';')
+        .next()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or_else(|| panic!("job id in {}", both(&o)))
+}
+
+/// Waits (60 s at most) until file `out` (a job's output) has a line
+/// `line`; its text. Panics with slurmd's log otherwise.
+pub fn wait_output(cluster: &Cluster, out: &Path, line: &str) -> String {
+    let mut text = String::new();
+    let ok = Cluster::wait_for(Duration::from_secs(60), || {
+        text = std::fs::read_to_string(out).unwrap_or_default();
+        text.lines().any(|l| l == line)
+    });
+    assert!(
+        ok,
+        "{} never said {line:?}:\n{text}\n{}",
+        out.display(),
+        cluster.log_tail("slurmd.log")
+    );
+    text
+}
+
+/// A job's state (`squeue -h -o %T`); empty once it has left the queue.
+pub fn job_state(cluster: &Cluster, job: u32) -> String {
+    stdout(&cluster.admin("squeue", &["-h", "-j", &job.to_string(), "-o", "%T"]))
+        .trim()
+        .to_string()
+}
+
+/// Cancels `job` (as root, `scancel`) and waits (60 s at most) until its
+/// Epilog has run to its end (its record under `env`'s `state/jobs/`
+/// forgotten) and it has left the queue; panics otherwise.
+pub fn end_job(cluster: &Cluster, env: &TestEnv, job: u32) {
+    let o = cluster.admin("scancel", &[&job.to_string()]);
+    assert!(o.status.success(), "scancel {job}: {}", both(&o));
+    let record = env.path(&format!("state/jobs/{job}.json"));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(60), || !record.exists()
+            && job_state(cluster, job).is_empty()),
+        "job {job} did not end ({}; record {}):\n{}",
+        job_state(cluster, job),
+        if record.exists() { "kept" } else { "gone" },
+        cluster.log_tail("slurmd.log")
+    );
+}
+
+/// How many entries of the fence's `grants` map (the cluster config's
+/// `bpffs_dir`) carry job `job`'s id; 0 when the fence cannot be read.
+pub fn job_grants(cluster: &Cluster, job: u32) -> usize {
+    gpufence_cgroup::Fence::open(
+        &gpufence_model::config::Config::load(&cluster.config)
+            .expect("the cluster's gpufence config")
+            .bpffs_dir,
+    )
+    .and_then(|f| f.entries())
+    .map(|g| g.into_iter().filter(|e| e.job_id == job).count())
+    .unwrap_or(0)
+}
+
+/// After shared jobs: the node idle (not drained) within 30 s, no grant
+/// left (`gpufence grants --json`), and no Epilog of `jobs` found anything
+/// to end (no `lingering_process`, `process_killed` or `survivor` line of
+/// theirs in the audit log `audit`). Panics otherwise.
+pub fn assert_node_clean(cluster: &Cluster, jobs: &[u32], audit: &Path) {
+    let mut state = String::new();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(30), || {
+            state = stdout(&cluster.admin("sinfo", &["-h", "-o", "%T"]))
+                .trim()
+                .to_string();
+            state == "idle"
+        }),
+        "node not idle: {state}\n{}",
+        cluster.log_tail("slurmd.log")
+    );
+    let g = cluster.gpufence(&["grants", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&g.stdout).unwrap_or_default(),
+        serde_json::json!([]),
+        "no grant is left: {}",
+        both(&g)
+    );
+    for job in jobs {
+        let ev: Vec<String> = crate::audit_log(audit)
+            .into_iter()
+            .filter(|e| e["job_id"] == *job)
+            .map(|e| e["event"].as_str().unwrap_or("").to_string())
+            .collect();
+        for bad in ["lingering_process", "process_killed", "survivor"] {
+            assert!(!ev.iter().any(|e| e == bad), "job {job}: {ev:?}");
+        }
+    }
 }
 
 /// This machine's short hostname (Slurm's NodeName).

@@ -284,6 +284,87 @@ impl Drop for TestEnv {
     }
 }
 
+/// A cgroup v1 freezer cgroup of a test, `/sys/fs/cgroup/freezer/<root>`
+/// (a hybrid host's), standing in for a process nothing can end: a task
+/// the v1 freezer froze stays frozen whatever signal it gets, and a
+/// `SIGKILL` stays pending until it is thawed (the legacy freezer,
+/// `kernel/cgroup/legacy_freezer.c`; Linux's
+/// `Documentation/admin-guide/cgroup-v1/freezer-subsystem.rst`). It is
+/// frozen only when the test says so. On drop it is thawed, what is left
+/// in it (the test's own processes, by pid) is killed, and it is removed,
+/// so a failing test leaves no frozen process behind.
+pub struct V1Freezer {
+    /// Its directory.
+    pub dir: PathBuf,
+}
+
+impl V1Freezer {
+    /// Makes the freezer cgroup of `env` (panics where there is no v1
+    /// freezer: such a test needs one).
+    pub fn create(env: &TestEnv) -> V1Freezer {
+        let dir = PathBuf::from(format!("/sys/fs/cgroup/freezer/{}", env.root));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (a cgroup v1 freezer simulates an unkillable process here)",
+                dir.display()
+            )
+        });
+        V1Freezer { dir }
+    }
+
+    /// Moves process `pid` into it.
+    pub fn add(&self, pid: i32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
+            .unwrap_or_else(|e| panic!("pid {pid} into {}: {e}", self.dir.display()));
+    }
+
+    /// `FROZEN`, and waits (5 s at most) until the kernel says so.
+    pub fn freeze(&self) {
+        self.set("FROZEN");
+    }
+
+    /// `THAWED`, and waits (5 s at most) until the kernel says so.
+    pub fn thaw(&self) {
+        self.set("THAWED");
+    }
+
+    fn set(&self, state: &str) {
+        let f = self.dir.join("freezer.state");
+        std::fs::write(&f, state).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if std::fs::read_to_string(&f).is_ok_and(|s| s.trim() == state) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{} never read {state}", f.display());
+    }
+}
+
+impl Drop for V1Freezer {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("freezer.state"), "THAWED");
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            let left: Vec<i32> = std::fs::read_to_string(self.dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if left.is_empty() && std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            for pid in left {
+                // SAFETY: kill(2) of a process the test put in its own
+                // freezer cgroup.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// A real device a test can hold open, standing in for a GPU a process
 /// keeps using (a `mknod c 195 N` node can never be held: ENXIO).
 ///

@@ -17,12 +17,15 @@
 //! stand-in) and 10 there only. Layout `own` (this host's Slurm uses no
 //! cgroup2). One test function runs the scenarios in order on one cluster.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpufence_tests::cluster::{test_uid, Cluster};
+use gpufence_tests::cluster::{
+    assert_node_clean, end_job, job_grants, job_state, sbatch_as, test_uid, wait_output, Cluster,
+    ClusterSpec, PeerUser,
+};
 use gpufence_tests::out::{both, field, stdout, verdict};
-use gpufence_tests::{gone, privileged, probe_bin, TestEnv};
+use gpufence_tests::{gone, privileged, probe_bin, HoldableDevice, TestEnv};
 use serde_json::Value;
 
 fn audit(env: &TestEnv) -> Vec<Value> {
@@ -37,43 +40,76 @@ fn events_for(env: &TestEnv, job: u32) -> Vec<String> {
         .collect()
 }
 
+/// Two MIG slices of one GPU, `parent` (device minor `gpu`): GPU
+/// instances 1 and 2 with compute instance 0 each. Their caps are
+/// `mknod`-made `nvidia-caps` nodes (242:687, 688, 696, 697: the driver's
+/// numbering for gpu5, though gpufence takes the numbers from `mig-minors`
+/// alone), a fixture `<proc_dir>/driver/nvidia-caps/mig-minors` names
+/// them, and gres.conf lists each slice with `MultipleFiles=` as a manual
+/// MIG setup writes it.
+struct MigSlices {
+    /// gi1 access, gi1/ci0 access, gi2 access, gi2/ci0 access.
+    caps: Vec<PathBuf>,
+    /// The config's `proc_dir` (holds the fixture `mig-minors`).
+    proc_dir: PathBuf,
+    /// gres.conf's two `Name=gpu Type=mig MultipleFiles=` lines.
+    gres: String,
+}
+
+impl MigSlices {
+    fn make(env: &TestEnv, parent: &Path, gpu: u32) -> MigSlices {
+        let caps: Vec<PathBuf> = [687, 688, 696, 697]
+            .iter()
+            .map(|m| env.mknod(&format!("nvidia-caps/nvidia-cap{m}"), 242, *m))
+            .collect();
+        let proc_dir = env.path("proc");
+        std::fs::create_dir_all(proc_dir.join("driver/nvidia-caps")).unwrap();
+        std::fs::write(
+            proc_dir.join("driver/nvidia-caps/mig-minors"),
+            format!(
+                "config 1\nmonitor 2\ngpu{gpu}/gi1/access 687\ngpu{gpu}/gi1/ci0/access 688\n\
+                 gpu{gpu}/gi2/access 696\ngpu{gpu}/gi2/ci0/access 697\n"
+            ),
+        )
+        .unwrap();
+        let gres = format!(
+            "Name=gpu Type=mig MultipleFiles={p},{},{}\nName=gpu Type=mig MultipleFiles={p},{},{}\n",
+            caps[0].display(),
+            caps[1].display(),
+            caps[2].display(),
+            caps[3].display(),
+            p = parent.display(),
+        );
+        MigSlices {
+            caps,
+            proc_dir,
+            gres,
+        }
+    }
+}
+
 #[test]
 fn real_slurm_cluster_end_to_end() {
     if !privileged() {
         return;
     }
     let mut env = TestEnv::new("e2e");
-    let real = gpufence_tests::HoldableDevice::claim();
+    let real = HoldableDevice::claim();
     let n3 = env.mknod("nvidia3", 195, 3);
     let n1 = env.mknod("nvidia1", 195, 1);
     let held = env.mknod("nvidia-held", real.major, real.minor);
-    // Two MIG slices of one simulated GPU (parent nvidia5), gres.conf with
-    // MultipleFiles= as a manual MIG setup writes it; the caps' meaning comes
-    // from a fixture mig-minors (the driver's numbering for gpu5).
+    // Two MIG slices of one simulated GPU (parent nvidia5).
     let n5 = env.mknod("nvidia5", 195, 5);
-    let caps: Vec<PathBuf> = [687, 688, 696, 697]
-        .iter()
-        .map(|m| env.mknod(&format!("nvidia-caps/nvidia-cap{m}"), 242, *m))
-        .collect();
-    let proc_dir = env.path("proc");
-    std::fs::create_dir_all(proc_dir.join("driver/nvidia-caps")).unwrap();
-    std::fs::write(
-        proc_dir.join("driver/nvidia-caps/mig-minors"),
-        "config 1\nmonitor 2\ngpu5/gi1/access 687\ngpu5/gi1/ci0/access 688\ngpu5/gi2/access 696\ngpu5/gi2/ci0/access 697\n",
-    )
-    .unwrap();
+    let MigSlices {
+        caps,
+        proc_dir,
+        gres,
+    } = MigSlices::make(&env, &n5, 5);
     let gres = format!(
-        "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n\
-         Name=gpu Type=mig MultipleFiles={},{},{}\nName=gpu Type=mig MultipleFiles={},{},{}\n",
+        "Name=gpu Type=sim File={}\nName=gpu Type=sim File={}\nName=gpu Type=held File={}\n{gres}",
         n3.display(),
         n1.display(),
         held.display(),
-        n5.display(),
-        caps[0].display(),
-        caps[1].display(),
-        n5.display(),
-        caps[2].display(),
-        caps[3].display()
     );
     let by_index: [PathBuf; 3] = [n3.clone(), n1.clone(), held.clone()];
     // The driver's view through the fake NVML (tests/fake-nvml): the two
@@ -504,14 +540,12 @@ fn real_slurm_cluster_end_to_end() {
     // 7e. A holder that cannot be killed (frozen by the cgroup v1 freezer:
     //     SIGKILL stays pending): the epilog exits non-zero and drains the
     //     node with a reason naming gpufence, the job and the pid.
-    let freezer = PathBuf::from(format!("/sys/fs/cgroup/freezer/{}", env.root));
-    std::fs::create_dir_all(&freezer)
-        .expect("cgroup v1 freezer (this test simulates an unkillable process with it)");
+    let freezer = gpufence_tests::V1Freezer::create(&env);
     let sock2 = env.path("jobs/handoff2.sock");
     let mut recv2 = env.user_command_in(&outside, &probe);
     recv2.arg("recvfd").arg(&sock2);
     let stuck = env.spawn_ready(recv2, "listening");
-    std::fs::write(freezer.join("cgroup.procs"), stuck.to_string()).unwrap();
+    freezer.add(stuck);
     let go = env.path("jobs/frozen");
     let job_cmd = format!(
         "echo JOB=$SLURM_JOB_ID; {probe_s} sendfd {} {}; while [ ! -e {} ]; do sleep 0.1; done",
@@ -534,10 +568,7 @@ fn real_slurm_cluster_end_to_end() {
         }),
         "receiver never got the descriptor"
     );
-    std::fs::write(freezer.join("freezer.state"), "FROZEN").unwrap();
-    assert!(Cluster::wait_for(Duration::from_secs(5), || {
-        std::fs::read_to_string(freezer.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
-    }));
+    freezer.freeze();
     std::fs::write(&go, "").unwrap();
     let o = srun.wait_with_output().unwrap();
     let job_u: u32 = field(&stdout(&o), "JOB").unwrap().parse().unwrap();
@@ -554,12 +585,12 @@ fn real_slurm_cluster_end_to_end() {
             .any(|l| l.starts_with("drain") && reason_ok(l))
     });
     // Thaw before asserting, so a failure leaves no frozen process behind.
-    std::fs::write(freezer.join("freezer.state"), "THAWED").unwrap();
+    freezer.thaw();
     assert!(
         Cluster::wait_for(Duration::from_secs(10), || gone(stuck)),
         "pending SIGKILL ends it once thawed"
     );
-    let _ = std::fs::remove_dir(&freezer);
+    drop(freezer);
     assert!(
         drained,
         "sinfo -R: {reasons}\n{:?}\n{}",
@@ -807,7 +838,7 @@ fn real_slurm_cluster_end_to_end() {
         events_for(&env, job_f)
     );
     assert!(
-        !std::path::Path::new("/etc/gpufence-pwned").exists(),
+        !Path::new("/etc/gpufence-pwned").exists(),
         "the report was written as root"
     );
     // A bad value is refused at submission.
@@ -1034,4 +1065,220 @@ fn real_slurm_cluster_end_to_end() {
     }
     let _ = probe_bin();
     drop(cluster);
+}
+
+/// Issue 34, the Epilog run twice with a MIG slice: before 26.05 slurmd
+/// runs job J's Epilog a second time when slurmctld resent
+/// TERMINATE_JOB after a lost EPILOG_COMPLETE (SchedMD commit
+/// 2090c3af3b, ticket 24874), by then after job K of another user got
+/// the same MIG slice. The second run, with the environment slurmd gave
+/// the first, writes one line saying J was already ended and exits 0; K
+/// keeps its grant, its process (neither stopped, frozen nor killed) and
+/// its opens, the node is not drained, and no audit line says J's
+/// devices were held.
+///
+/// The MIG parent is the real, holdable stand-in ([`HoldableDevice`]): this
+/// test's `[majors]` names its misc major `nvidia`, so it is the GPU and
+/// `mig-minors` names its slices `gpu<minor>/...`, and K's process keeps
+/// it open as a CUDA process keeps its `/dev/nvidiaN`. The caps stay
+/// `mknod`-made (`ENXIO`: allowed). The node's other slice is taken by a
+/// job of the first user for the whole test, so that K gets J's.
+#[test]
+fn epilog_run_twice_leaves_the_next_tenant_of_a_mig_slice_alone() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("mig-again");
+    let real = HoldableDevice::claim();
+    let parent = env.mknod(&format!("nvidia{}", real.minor), real.major, real.minor);
+    let MigSlices {
+        caps,
+        proc_dir,
+        gres,
+    } = MigSlices::make(&env, &parent, real.minor);
+    let peer = PeerUser::create(None);
+    let cluster = Cluster::start_with(
+        &env,
+        &ClusterSpec {
+            gres_conf: gres,
+            node_gres: "gpu:mig:2".into(),
+            gpufence_extra: format!(
+                "layout = \"own\"\nnvml = false\nterm_grace_ms = 1000\nproc_dir = \"{}\"\n[majors]\nnvidia = {}\nnvidia-caps = 242\n",
+                proc_dir.display(),
+                real.major
+            ),
+            port_base: std::env::var("GPUFENCE_E2E_PORT_BASE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map_or(18417, |p: u16| p + 1500),
+            cpus: Some(4),
+            ..ClusterSpec::default()
+        },
+    );
+    let epilog_env = env.path("epilog-env");
+    cluster.keep_epilog_env(&epilog_env);
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe").display().to_string();
+    let open_all = format!(
+        "{probe} open {} {}",
+        parent.display(),
+        caps.iter()
+            .map(|c| c.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let slice = |out: &str| -> Vec<String> { caps.iter().map(|c| verdict(out, c)).collect() };
+    let slices = [
+        ["ENXIO", "ENXIO", "EPERM", "EPERM"],
+        ["EPERM", "EPERM", "ENXIO", "ENXIO"],
+    ];
+    let one_slice = |who: &str, out: &str| {
+        assert_eq!(
+            verdict(out, &parent),
+            "ok",
+            "{who} opens the parent:\n{out}"
+        );
+        let s = slice(out);
+        assert!(
+            slices.iter().any(|w| s == w),
+            "{who} opens its own slice's caps only: {s:?}\n{out}"
+        );
+        s
+    };
+
+    // The other slice, taken for the whole test (the first user's job F).
+    let (out_f, go_f) = (env.path("jobs/mig-f.out"), env.path("jobs/mig-f.go"));
+    let f = sbatch_as(
+        cluster.user_cmd("sbatch"),
+        &["--gres=gpu:mig:1"],
+        &out_f,
+        &format!(
+            "{open_all}; echo READY; while [ ! -e {} ]; do sleep 0.1; done",
+            go_f.display()
+        ),
+    );
+    let slice_f = one_slice("job F", &wait_output(&cluster, &out_f, "READY"));
+
+    // J (the first user) gets the other slice, opens it, ends.
+    let o = cluster.as_user(
+        "srun",
+        &[
+            "--gres=gpu:mig:1",
+            "sh",
+            "-c",
+            &format!(
+                "echo JOB=$SLURM_JOB_ID; echo GPUS=${{SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}}; {open_all}"
+            ),
+        ],
+    );
+    let out_j = stdout(&o);
+    assert!(o.status.success(), "{}", both(&o));
+    let j: u32 = field(&out_j, "JOB").unwrap().parse().unwrap();
+    let slice_j = one_slice("job J", &out_j);
+    assert_ne!(slice_j, slice_f, "J and F on one slice");
+    let st = gpufence_model::record::StateDir::new(env.path("state"));
+    assert!(
+        Cluster::wait_for(Duration::from_secs(60), || st.ended_at(j).is_some()
+            && job_state(&cluster, j).is_empty()
+            && epilog_env.join(format!("{j}.env")).exists()),
+        "job {j}'s Epilog did not end it: {:?}\n{}",
+        events_for(&env, j),
+        cluster.log_tail("slurmd.log")
+    );
+
+    // K (another user) gets J's slice and keeps its parent open.
+    let (out_k, go_k) = (env.path("jobs/mig-k.out"), env.path("jobs/mig-k.go"));
+    let k = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=gpu:mig:1"],
+        &out_k,
+        &format!(
+            "echo GPUS=$SLURM_JOB_GPUS; {open_all}; {probe} hold {} & echo HOLDER=$!; \
+             while [ ! -e {} ]; do sleep 0.1; done; echo AFTER; {open_all}; echo DONE; wait",
+            parent.display(),
+            go_k.display()
+        ),
+    );
+    let text_k = wait_output(&cluster, &out_k, "held");
+    assert_eq!(
+        (field(&text_k, "GPUS"), one_slice("job K", &text_k)),
+        (field(&out_j, "GPUS"), slice_j.clone()),
+        "K got J's slice (F holds the other)"
+    );
+    let holder: i32 = field(&text_k, "HOLDER").unwrap().parse().unwrap();
+    assert_eq!(gpufence_node::host::procs::uid_of(holder), Some(peer.uid));
+    let want: std::collections::BTreeSet<_> =
+        [gpufence_model::device::DevNum::new(real.major, real.minor)].into();
+    let holds = || gpufence_node::holders::scan::holder(holder, &want).is_some();
+    assert!(holds(), "K's process {holder} holds the MIG parent");
+    let k_grants = job_grants(&cluster, k);
+    assert!(k_grants > 0, "job {k} holds a grant");
+
+    // J's Epilog again, as slurmd would run it.
+    let before = gpufence_tests::audit_log(&audit).len();
+    let o = cluster.replay_epilog(&epilog_env, j);
+    assert!(
+        o.status.success(),
+        "the second Epilog of job {j}: {}",
+        both(&o)
+    );
+    let said: Vec<String> = both(&o).lines().map(str::to_string).collect();
+    assert!(
+        said.len() == 1 && said[0].contains(&format!("job {j} was already ended at ")),
+        "one line: {said:?}"
+    );
+    let again: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .skip(before)
+        .collect();
+    assert_eq!(
+        again
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or("").to_string())
+            .collect::<Vec<_>>(),
+        ["epilog_repeated"],
+        "{again:?}"
+    );
+    assert_eq!(again[0]["job_id"], j);
+    // K untouched: running, its process alive, holding, neither stopped
+    // (SIGSTOP) nor frozen (its cgroup's `frozen 0`), its grant whole.
+    assert_eq!(job_state(&cluster, k), "RUNNING");
+    let stat = gpufence_model::procstat::ProcStat::of(holder);
+    assert!(
+        stat.as_ref()
+            .is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z')),
+        "K's process {holder}: {stat:?}"
+    );
+    assert!(holds(), "K's process {holder} still holds the MIG parent");
+    let cg = std::fs::read_to_string(format!("/proc/{holder}/cgroup")).unwrap();
+    let cg = cg
+        .lines()
+        .find_map(|l| l.strip_prefix("0::/"))
+        .expect("cgroup2 line");
+    let events = std::fs::read_to_string(env.cg.path(cg).join("cgroup.events")).unwrap();
+    assert!(events.lines().any(|l| l == "frozen 0"), "{cg}: {events}");
+    assert_eq!(
+        job_grants(&cluster, k),
+        k_grants,
+        "job {k}'s grant is untouched"
+    );
+    let state = stdout(&cluster.admin("sinfo", &["-h", "-o", "%T"]));
+    assert!(!state.trim().starts_with("drain"), "node drained: {state}");
+    // K's processes still open its slice's caps and its GPU.
+    std::fs::write(&go_k, "").unwrap();
+    let text = wait_output(&cluster, &out_k, "DONE");
+    let after = text.split_once("AFTER\n").map_or("", |(_, a)| a);
+    assert_eq!(verdict(after, &parent), "ok", "{text}");
+    assert_eq!(slice(after), slice_j, "{text}");
+
+    end_job(&cluster, &env, k);
+    assert!(gone(holder));
+    std::fs::write(&go_f, "").unwrap();
+    assert!(
+        Cluster::wait_for(Duration::from_secs(60), || job_state(&cluster, f)
+            .is_empty()
+            && st.ended_at(f).is_some()),
+        "job {f} did not end"
+    );
+    assert_node_clean(&cluster, &[j, k, f], &audit);
 }

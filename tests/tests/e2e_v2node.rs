@@ -23,7 +23,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpufence_tests::cluster::{hostname, test_uid, Cluster, ClusterSpec};
+use gpufence_tests::cluster::{
+    assert_node_clean, end_job, hostname, job_grants, job_state, sbatch_as, test_uid, wait_output,
+    Cluster, ClusterSpec,
+};
 use gpufence_tests::out::{both, field, stdout, verdict};
 use gpufence_tests::v2node::{Release, V2Slice, SLICE};
 use gpufence_tests::{gone, privileged, HoldableDevice, TestEnv};
@@ -2257,66 +2260,6 @@ fn shared_gpu_spec(
     }
 }
 
-/// `sbatch --parsable -o OUT --wrap SCRIPT ARGS` through `cmd` (a user's
-/// `sbatch`); the job id.
-fn sbatch_as(mut cmd: std::process::Command, args: &[&str], out: &Path, script: &str) -> u32 {
-    let o = cmd
-        .arg("--parsable")
-        .arg("-o")
-        .arg(out)
-        .args(args)
-        .arg("--wrap")
-        .arg(script)
-        .output()
-        .expect("sbatch");
-    assert!(o.status.success(), "sbatch: {}", both(&o));
-    stdout(&o)
-        .trim()
-        .split(';')
-        .next()
-        .and_then(|j| j.parse().ok())
-        .unwrap_or_else(|| panic!("job id in {}", both(&o)))
-}
-
-/// Waits (60 s at most) until file `out` has a line `line`; its text.
-fn wait_output(cluster: &Cluster, out: &Path, line: &str) -> String {
-    let mut text = String::new();
-    let ok = Cluster::wait_for(Duration::from_secs(60), || {
-        text = std::fs::read_to_string(out).unwrap_or_default();
-        text.lines().any(|l| l == line)
-    });
-    assert!(
-        ok,
-        "{} never said {line:?}:\n{text}\n{}",
-        out.display(),
-        cluster.log_tail("slurmd.log")
-    );
-    text
-}
-
-/// A job's state (`squeue -h -o %T`); empty once it has left the queue.
-fn job_state(cluster: &Cluster, job: u32) -> String {
-    stdout(&cluster.admin("squeue", &["-h", "-j", &job.to_string(), "-o", "%T"]))
-        .trim()
-        .to_string()
-}
-
-/// Cancels `job` and waits until its Epilog has run to its end (its record
-/// forgotten) and it has left the queue.
-fn end_job(cluster: &Cluster, env: &TestEnv, job: u32) {
-    let o = cluster.admin("scancel", &[&job.to_string()]);
-    assert!(o.status.success(), "scancel {job}: {}", both(&o));
-    let record = env.path(&format!("state/jobs/{job}.json"));
-    assert!(
-        Cluster::wait_for(Duration::from_secs(60), || !record.exists()
-            && job_state(cluster, job).is_empty()),
-        "job {job} did not end ({}; record {}):\n{}",
-        job_state(cluster, job),
-        if record.exists() { "kept" } else { "gone" },
-        cluster.log_tail("slurmd.log")
-    );
-}
-
 /// The pid a job printed as `PID=` (its batch shell, which then execs the
 /// holder).
 fn printed_pid(text: &str) -> i32 {
@@ -2394,16 +2337,7 @@ fn shard_co_tenants(release: &Release) {
     // first, while the other user's job b holds the shared GPU: one line,
     // exit 0, and b's grant, holder and node untouched.
     let before = gpufence_tests::audit_log(&audit).len();
-    let grants = |job: u32| {
-        gpufence_cgroup::Fence::open(
-            &gpufence_model::config::Config::load(&cluster.config)
-                .unwrap()
-                .bpffs_dir,
-        )
-        .and_then(|f| f.entries())
-        .map(|g| g.into_iter().filter(|e| e.job_id == job).count())
-        .unwrap_or(0)
-    };
+    let grants = |job: u32| job_grants(&cluster, job);
     let b_grants = grants(b);
     assert!(b_grants > 0, "job {b} holds a grant");
     let o = cluster.replay_epilog(&epilog_env, a);
@@ -2431,35 +2365,6 @@ fn shard_co_tenants(release: &Release) {
     end_job(&cluster, &env, b);
     assert!(gone(pid_b));
     assert_node_clean(&cluster, &[a, b], &audit);
-}
-
-/// After shared jobs: the node idle (not drained), no grant left, and no
-/// job's Epilog found anything to end.
-fn assert_node_clean(cluster: &Cluster, jobs: &[u32], audit: &Path) {
-    let mut state = String::new();
-    assert!(
-        Cluster::wait_for(Duration::from_secs(30), || {
-            state = stdout(&cluster.admin("sinfo", &["-h", "-o", "%T"]))
-                .trim()
-                .to_string();
-            state == "idle"
-        }),
-        "node not idle: {state}\n{}",
-        cluster.log_tail("slurmd.log")
-    );
-    let g = cluster.gpufence(&["grants", "--json"]);
-    assert_eq!(
-        serde_json::from_slice::<Value>(&g.stdout).unwrap_or_default(),
-        serde_json::json!([]),
-        "no grant is left: {}",
-        both(&g)
-    );
-    for job in jobs {
-        let ev = events_for(audit, *job);
-        for bad in ["lingering_process", "process_killed", "survivor"] {
-            assert!(!ev.iter().any(|e| e == bad), "job {job}: {ev:?}");
-        }
-    }
 }
 
 /// `program` on this host as `uid` (its primary group, no other), with

@@ -96,7 +96,7 @@ pub fn why_not_clean(report: &SweepReport, threshold: Severity, audit: bool) -> 
 /// sweep, at `threshold`) found its cause gone; drains it as flapping at
 /// `resume_max` resumes within `resume_window_s`. Under the sweep lock.
 /// Every resume is audited (`node_resumed`: the old reason, when it was
-/// drained, the resumes in the window), every flap too
+/// drained, the resumes in the window, the job and devices when recorded), every flap too
 /// (`node_flapping`).
 pub fn heal(node: &Node, node_name: &str, report: &SweepReport, threshold: Severity) -> Healed {
     let mut out = Healed::default();
@@ -183,7 +183,8 @@ pub fn heal(node: &Node, node_name: &str, report: &SweepReport, threshold: Sever
                         ev = ev.job(j);
                     }
                     if !rec.devices.is_empty() {
-                        ev = ev.field("devices", rec.devices.clone());
+                        // `devices` is a reserved key: `field` would drop it.
+                        ev = ev.devices(&rec.devices);
                     }
                     let _ = node.audit(ev);
                     out.resumed = Some(rec.reason);
