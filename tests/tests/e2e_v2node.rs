@@ -2367,6 +2367,107 @@ fn shard_co_tenants(release: &Release) {
     assert_node_clean(&cluster, &[a, b], &audit);
 }
 
+/// Issue 34, the simple case kept tested: job `a` of one user has the
+/// node's whole GPU (`--gres=gpu:held:1`) and ends; job `b` of another
+/// user then gets that same GPU and holds it; slurmd runs `a`'s Epilog a
+/// second time with the environment it gave the first. One line, exit 0,
+/// one `epilog_repeated` audit line, and `b`'s grant, holder and node
+/// untouched.
+fn whole_gpu_epilog_twice(release: &Release) {
+    let env = TestEnv::new("v2twice");
+    let d = Devices::make(&env);
+    let slice = V2Slice::claim();
+    let peer = gpufence_tests::cluster::PeerUser::create(release.root.as_deref());
+    let cluster = Cluster::start_with(&env, &shared_gpu_spec(release, &slice, &d, "shard", ""));
+    let epilog_env = env.path("epilog-env");
+    cluster.keep_epilog_env(&epilog_env);
+    let audit = env.path("log/audit.jsonl");
+    let probe = cluster.bin.join("gpufence-probe").display().to_string();
+    let script = |hold: bool| {
+        format!(
+            "echo JOB=$SLURM_JOB_ID PID=$$ GPUS=$SLURM_JOB_GPUS; {probe} open {held} {n3}; {}",
+            if hold {
+                format!("exec {probe} hold {}", d.held.display())
+            } else {
+                "echo held".into()
+            },
+            held = d.held.display(),
+            n3 = d.n3.display()
+        )
+    };
+    let (out_a, out_b) = (env.path("jobs/whole-a.out"), env.path("jobs/whole-b.out"));
+    let a = sbatch_as(
+        cluster.user_cmd("sbatch"),
+        &["--gres=gpu:held:1"],
+        &out_a,
+        &script(false),
+    );
+    let text_a = wait_output(&cluster, &out_a, "held");
+    assert_eq!(verdict(&text_a, &d.held), "ok", "job {a}: {text_a}");
+    end_job(&cluster, &env, a);
+    let b = sbatch_as(
+        peer.cmd(&cluster, "sbatch"),
+        &["--gres=gpu:held:1"],
+        &out_b,
+        &script(true),
+    );
+    let text_b = wait_output(&cluster, &out_b, "held");
+    assert_eq!(
+        (verdict(&text_b, &d.held), verdict(&text_b, &d.n3)),
+        ("ok".to_string(), "EPERM".to_string()),
+        "{}: job {b} opens the GPU job {a} had and not the other:\n{text_b}",
+        release.slurm_version()
+    );
+    let pid_b = printed_pid(&text_b);
+    assert_eq!(gpufence_node::host::procs::uid_of(pid_b), Some(peer.uid));
+    let before = gpufence_tests::audit_log(&audit).len();
+    let b_grants = job_grants(&cluster, b);
+    assert!(b_grants > 0, "job {b} holds a grant");
+    let o = cluster.replay_epilog(&epilog_env, a);
+    assert!(
+        o.status.success(),
+        "{}: the second Epilog of job {a}: {}",
+        release.slurm_version(),
+        both(&o)
+    );
+    let said = both(&o);
+    assert_eq!(
+        said.lines().filter(|l| !l.trim().is_empty()).count(),
+        1,
+        "one line: {said}"
+    );
+    assert!(
+        said.contains(&format!("job {a} was already ended")),
+        "{said}"
+    );
+    let again: Vec<Value> = gpufence_tests::audit_log(&audit)
+        .into_iter()
+        .skip(before)
+        .collect();
+    assert_eq!(
+        again
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or("").to_string())
+            .collect::<Vec<_>>(),
+        ["epilog_repeated"],
+        "{again:?}"
+    );
+    assert_eq!(again[0]["job_id"], a);
+    assert!(
+        !gone(pid_b) && job_state(&cluster, b) == "RUNNING",
+        "{}: the second Epilog of job {a} touched job {b} (holder {pid_b})",
+        release.slurm_version()
+    );
+    assert_eq!(
+        job_grants(&cluster, b),
+        b_grants,
+        "job {b}'s grant is untouched"
+    );
+    end_job(&cluster, &env, b);
+    assert!(gone(pid_b));
+    assert_node_clean(&cluster, &[a, b], &audit);
+}
+
 /// `program` on this host as `uid` (its primary group, no other), with
 /// nothing of the test's environment but `envs`: a user's process outside
 /// every job.
@@ -2817,6 +2918,17 @@ fn mps_co_tenants(release: &Release) {
             .exists(),
         "the daemons' cgroup is removed"
     );
+}
+
+#[test]
+fn whole_gpu_epilog_twice_22_05_host() {
+    if !privileged() {
+        return;
+    }
+    whole_gpu_epilog_twice(&Release {
+        root: None,
+        plugin: None,
+    });
 }
 
 #[test]

@@ -93,14 +93,19 @@ pub fn epilog_deadline(cfg: &Config, slurm: Option<&SlurmTimeouts>) -> EpilogDea
             from: "epilog_deadline_ms".into(),
         };
     }
+    let unseen = if slurm.is_some_and(|t| t.has_include) {
+        "; slurm.conf's Include lines not followed"
+    } else {
+        ""
+    };
     match slurm.and_then(|t| Some((t.epilog.seconds?, t.epilog.key?))) {
         Some((s, key)) => EpilogDeadline {
             ms: s * 1000 * DEADLINE_PERCENT / 100,
-            from: format!("{DEADLINE_PERCENT}% of {key}={s}"),
+            from: format!("{DEADLINE_PERCENT}% of {key}={s}{unseen}"),
         },
         None => EpilogDeadline {
             ms: DEFAULT_DEADLINE_MS,
-            from: "default".into(),
+            from: format!("default{unseen}"),
         },
     }
 }
@@ -387,6 +392,11 @@ pub struct SlurmTimeouts {
     pub message_timeout_s: u64,
     /// `UnkillableStepTimeout` (s), Slurm's default when unset.
     pub unkillable_step_timeout_s: u64,
+    /// Whether the file has `Include` lines (`include` as the first word,
+    /// any case: `src/common/parse_config.c`, `_parse_include_directive`),
+    /// which gpufence does not follow: a timeout set in an included file
+    /// is not seen.
+    pub has_include: bool,
 }
 
 /// A timeout value: `None` for no limit or a value Slurm would refuse.
@@ -423,7 +433,13 @@ impl SlurmTimeouts {
             .unwrap_or_else(|| {
                 (message_timeout_s * 5).clamp(DEFAULT_UNKILLABLE_TIMEOUT_S, u64::from(u16::MAX))
             });
+        let has_include = text.lines().any(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.eq_ignore_ascii_case("include"))
+        });
         SlurmTimeouts {
+            has_include,
             prolog: hook(text, "PrologTimeout"),
             epilog: hook(text, "EpilogTimeout"),
             message_timeout_s,
@@ -471,17 +487,26 @@ fn hook_warning(
     suggest: u64,
 ) -> Option<String> {
     let (s, key) = (t.seconds?, t.key?);
-    if worst.total_ms <= s * 1000 {
+    // A deadline that bounds the hook must leave what its clock does not
+    // see (slurmd's fork and exec, NVML's start, what it cannot cut) the
+    // same fifth the default leaves: at most DEADLINE_PERCENT of the
+    // timeout, the default deadline itself included.
+    let fits_ms = if worst.cut() {
+        s * 1000 * DEADLINE_PERCENT / 100
+    } else {
+        s * 1000
+    };
+    if worst.total_ms <= fits_ms {
         return None;
     }
     if worst.cut() {
         return Some(format!(
-            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}; its waits add up to {}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms below {} in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
+            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}; its waits add up to {}), more than {DEADLINE_PERCENT}% of {key}={s} in {file}: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms to {} or less in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
             secs(worst.total_ms),
             worst.total_ms,
             secs(worst.waits_ms),
             suggest,
-            s * 1000,
+            fits_ms,
         ));
     }
     let largest = worst.largest_key().unwrap_or("response_rounds");
@@ -493,21 +518,72 @@ fn hook_warning(
     ))
 }
 
+/// What one holder that ignores SIGTERM needs of the Epilog, in ms:
+/// `term_grace_ms` + `kill_wait_ms` + two scans (`scan_budget_ms`: the
+/// look and the re-scan after the kill) + the drain's reserve under
+/// `deadline_ms` ([`crate::host::deadline::reserve_for`]).
+pub fn one_holder_ms(cfg: &Config, deadline_ms: u64) -> u64 {
+    let reserve = crate::host::deadline::reserve_for(Duration::from_millis(deadline_ms));
+    cfg.term_grace_ms + cfg.kill_wait_ms + 2 * cfg.scan_budget_ms + reserve.as_millis() as u64
+}
+
+/// A warning when the Epilog's deadline (`worst.deadline`) is shorter
+/// than what one SIGTERM-ignoring holder needs ([`one_holder_ms`]): the
+/// Epilog fits slurm.conf's timeout, but it cuts the grace and the kill
+/// wait, and may drain a node that the whole waits would have left clean.
+/// Names the timeout (`t`, in `file`) whose [`DEADLINE_PERCENT`] holds
+/// them.
+fn core_warning(cfg: &Config, worst: &WorstCase, t: &HookTimeout, file: &str) -> Option<String> {
+    let d = worst.deadline.as_ref()?;
+    let need = one_holder_ms(cfg, d.ms);
+    if d.ms >= need {
+        return None;
+    }
+    // The least timeout whose default deadline holds what one holder
+    // needs under it (the reserve grows with the deadline).
+    let enough = (1..=65533u64)
+        .find(|t| {
+            let ms = t * 1000 * DEADLINE_PERCENT / 100;
+            ms >= one_holder_ms(cfg, ms)
+        })
+        .unwrap_or(65533);
+    let raise = match (t.seconds, t.key) {
+        (Some(s), Some(key)) => format!("raise {key}={s} in {file} to {enough} or more"),
+        _ => "raise the Epilog's timeout in slurm.conf".into(),
+    };
+    Some(format!(
+        "the Epilog's deadline, {} ({}), is shorter than one holder that ignores SIGTERM needs ({}: term_grace_ms {} + kill_wait_ms {} + 2 scans of scan_budget_ms {} + the drain's reserve): the Epilog cuts those waits and may drain a node the whole waits would have left clean; {raise}, or lower those keys in gpufence.toml",
+        secs(d.ms),
+        d.from,
+        secs(need),
+        cfg.term_grace_ms,
+        cfg.kill_wait_ms,
+        cfg.scan_budget_ms,
+    ))
+}
+
 /// What slurm.conf's Epilog timeout `t` says of `worst`, when it fits
-/// and a deadline bounds it: `the Epilog's deadline, 160 s (80% of
-/// EpilogTimeout=200), is below EpilogTimeout=200 in FILE: it fits (its
-/// waits add up to 156 s; those past the deadline are cut)`.
+/// and a deadline bounds it ([`hook_warning`]'s rule: a deadline that
+/// cuts the waits at most [`DEADLINE_PERCENT`] of the timeout): `the
+/// Epilog fits EpilogTimeout=200 in FILE: at worst 156 s (its deadline,
+/// 160 s (80% of EpilogTimeout=200); its waits add up to 156 s)`.
 fn epilog_fits(worst: &WorstCase, t: &HookTimeout, file: &str) -> Option<String> {
     let d = worst.deadline.as_ref()?;
     let (s, key) = (t.seconds?, t.key?);
-    (worst.total_ms <= s * 1000).then(|| {
+    let fits_ms = if worst.cut() {
+        s * 1000 * DEADLINE_PERCENT / 100
+    } else {
+        s * 1000
+    };
+    (worst.total_ms <= fits_ms).then(|| {
         format!(
-            "the Epilog's deadline, {} ({}), is below {key}={s} in {file}: it fits (its waits add up to {}{})",
+            "the Epilog fits {key}={s} in {file}: at worst {} (its deadline, {} ({}); its waits add up to {}{})",
+            secs(worst.total_ms),
             secs(d.ms),
             d.from,
             secs(worst.waits_ms),
             if worst.cut() {
-                "; those past the deadline are cut"
+                ", those past the deadline are cut"
             } else {
                 ""
             }
@@ -548,6 +624,13 @@ pub fn timeout_warnings(cfg: &Config, slurm: &SlurmTimeouts, file: &str) -> Vec<
         file,
         suggest(&prolog, &slurm.prolog),
     ));
+    out.extend(core_warning(cfg, &epilog, &slurm.epilog, file));
+    if slurm.has_include && cfg.epilog_deadline_ms.is_none() {
+        out.push(format!(
+            "{file} has Include lines, which gpufence does not follow: a PrologEpilogTimeout or EpilogTimeout set in an included file is not seen, and the Epilog's deadline ({}) may be longer than slurmd's limit; set epilog_deadline_ms in gpufence.toml (at most {DEADLINE_PERCENT}% of the Epilog's timeout)",
+            secs(epilog.deadline.as_ref().map_or(DEFAULT_DEADLINE_MS, |d| d.ms))
+        ));
+    }
     let bound = crate::host::drain::SCONTROL_TIMEOUT.as_secs();
     if cfg.drain && slurm.message_timeout_s >= bound {
         out.push(format!(
@@ -702,9 +785,11 @@ mod tests {
     fn the_warnings_say_what_to_change() {
         let cfg = Config::default();
         let f = "/etc/slurm/slurm.conf";
-        // The Epilog's deadline, 80% of it, fits; the Prolog has none.
+        // The Epilog's deadline, 80% of it, fits (but is too short for one
+        // SIGTERM-ignoring holder: the second line); the Prolog has none.
         let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("PrologEpilogTimeout=5\n"), f);
-        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[1].starts_with("the Epilog's deadline, 4 s "), "{}", w[1]);
         assert!(
             w[0].starts_with("gpufence's Prolog may take up to 116 s at worst (slurmd_g 60 s,")
                 && w[0].contains("raise PrologEpilogTimeout to 200 or more")
@@ -730,8 +815,18 @@ mod tests {
         let w = timeout_warnings(&late, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
         assert_eq!(
             w,
-            ["gpufence's Epilog may take up to 120 s at worst (its deadline, epilog_deadline_ms 120000; its waits add up to 156 s), more than EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms below 100000 in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
+            ["gpufence's Epilog may take up to 120 s at worst (its deadline, epilog_deadline_ms 120000; its waits add up to 156 s), more than 80% of EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms to 80000 or less in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
         );
+        // A deadline equal to the timeout leaves nothing for what it
+        // cannot cut: warned; 80% of it (the default's own) is not.
+        for (ms, warned) in [(100_000, true), (80_001, true), (80_000, false)] {
+            let c = Config {
+                epilog_deadline_ms: Some(ms),
+                ..Config::default()
+            };
+            let w = timeout_warnings(&c, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
+            assert_eq!(w.len(), usize::from(warned), "{ms}: {w:?}");
+        }
         // Each hook its own key.
         let w = timeout_warnings(
             &late,
@@ -739,7 +834,11 @@ mod tests {
             f,
         );
         assert_eq!(w.len(), 1, "{w:?}");
-        assert!(w[0].contains("more than EpilogTimeout=100"), "{}", w[0]);
+        assert!(
+            w[0].contains("more than 80% of EpilogTimeout=100"),
+            "{}",
+            w[0]
+        );
         let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("PrologTimeout=100\n"), f);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(
@@ -759,6 +858,27 @@ mod tests {
                 "{text}"
             );
         }
+        // An Include line: the deadline's source says it was not
+        // followed, and a warning says to set the key.
+        let t = SlurmTimeouts::parse("PrologEpilogTimeout=200\ninclude /etc/slurm/timeouts.conf\n");
+        assert!(t.has_include);
+        assert_eq!(
+            epilog_deadline(&cfg, Some(&t)).from,
+            "80% of PrologEpilogTimeout=200; slurm.conf's Include lines not followed"
+        );
+        let w = timeout_warnings(&cfg, &t, f);
+        assert_eq!(
+            w,
+            ["/etc/slurm/slurm.conf has Include lines, which gpufence does not follow: a PrologEpilogTimeout or EpilogTimeout set in an included file is not seen, and the Epilog's deadline (160 s) may be longer than slurmd's limit; set epilog_deadline_ms in gpufence.toml (at most 80% of the Epilog's timeout)"]
+        );
+        let keyed = Config {
+            epilog_deadline_ms: Some(10_000),
+            ..Config::default()
+        };
+        assert!(timeout_warnings(&keyed, &t, f)
+            .iter()
+            .all(|w| !w.contains("Include")));
+        assert!(!SlurmTimeouts::parse("# Include x\nIncludeX=1\n").has_include);
         let w = timeout_warnings(&cfg, &SlurmTimeouts::parse("MessageTimeout=20\n"), f);
         assert_eq!(
             w,
@@ -772,7 +892,18 @@ mod tests {
         let conf = d.path().join("slurm.conf");
         std::fs::write(&conf, "PrologEpilogTimeout=5\n").unwrap();
         let r = report(&Config::default(), &conf);
-        assert_eq!(r.warnings.len(), 1, "the Prolog's only");
+        // The Prolog's, and the Epilog's deadline too short for one
+        // SIGTERM-ignoring holder: 5 + 5 + 2 x 2 s + the reserve 0.8 s =
+        // 14.8 s; 80% of 22 s holds it with its own reserve.
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.warnings[0].starts_with("gpufence's Prolog may take up to "));
+        assert_eq!(
+            r.warnings[1],
+            format!(
+                "the Epilog's deadline, 4 s (80% of PrologEpilogTimeout=5), is shorter than one holder that ignores SIGTERM needs (14.8 s: term_grace_ms 5000 + kill_wait_ms 5000 + 2 scans of scan_budget_ms 2000 + the drain's reserve): the Epilog cuts those waits and may drain a node the whole waits would have left clean; raise PrologEpilogTimeout=5 in {} to 22 or more, or lower those keys in gpufence.toml",
+                conf.display()
+            )
+        );
         // The deadline, 80% of 5 s, bounds the Epilog.
         assert_eq!(
             (r.epilog_worst.total_ms, r.epilog_worst.waits_ms),
@@ -782,7 +913,7 @@ mod tests {
         assert_eq!(
             r.epilog_fits.as_deref(),
             Some(format!(
-                "the Epilog's deadline, 4 s (80% of PrologEpilogTimeout=5), is below PrologEpilogTimeout=5 in {}: it fits (its waits add up to 156 s; those past the deadline are cut)",
+                "the Epilog fits PrologEpilogTimeout=5 in {}: at worst 4 s (its deadline, 4 s (80% of PrologEpilogTimeout=5); its waits add up to 156 s, those past the deadline are cut)",
                 conf.display()
             ))
             .as_deref()
@@ -799,7 +930,7 @@ mod tests {
         assert!(r
             .epilog_fits
             .unwrap()
-            .ends_with("it fits (its waits add up to 156 s)"));
+            .ends_with("at worst 156 s (its deadline, 160 s (80% of EpilogTimeout=200); its waits add up to 156 s)"));
         let gone = report(&Config::default(), &d.path().join("absent"));
         assert!(gone.slurm.is_none() && gone.slurm_conf_error.is_some());
         assert!(gone.warnings.is_empty() && gone.epilog_fits.is_none());
