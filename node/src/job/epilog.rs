@@ -297,8 +297,12 @@ fn say_cuts(
 
 /// The epilog's steps, in order; from step 1's audit line on, each a
 /// method of the run's read-only context (`Ctx`) that adds to the
-/// outcome.
-fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
+/// outcome. Its waits are bound by the deadline `node` carries
+/// ([`Node::with_deadline`]; none: each its own bound), and its cuts are
+/// not said: [`run_with`] makes the deadline from the config and says
+/// them. For a caller that keeps its own clock (a test of a deadline
+/// spent before the Epilog starts).
+pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let mut out = EpilogOutcome::default();
     // The job's end, for the audit line's and the report's wall time and
