@@ -163,7 +163,8 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     let t = &d["timeouts"];
     assert_eq!(t["slurm"]["epilog"]["seconds"], 5, "{t}");
     assert_eq!(t["slurm"]["epilog"]["key"], "PrologEpilogTimeout", "{t}");
-    assert_eq!(t["epilog_worst"]["total_ms"], 4000, "{t}");
+    // The deadline, 4 s, and the drain's 1 s past it.
+    assert_eq!(t["epilog_worst"]["total_ms"], 5000, "{t}");
     assert!(
         t["epilog_worst"]["waits_ms"].as_u64().unwrap() > 5000,
         "{t}"
@@ -204,8 +205,8 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
-        text.contains("warning: gpufence's Epilog may take up to 90 s at worst (its deadline, epilog_deadline_ms 90000;")
-            && text.contains("lower epilog_deadline_ms below 5000"),
+        text.contains("warning: gpufence's Epilog may take up to 91 s at worst (its deadline, epilog_deadline_ms 90000, and 1 s for a drain past it;")
+            && text.contains("lower epilog_deadline_ms below 4000"),
         "{text}"
     );
 }

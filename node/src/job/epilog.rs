@@ -756,7 +756,10 @@ impl<'a> Ctx<'a> {
                         left.len()
                     ));
                 }
-                let wait = node.bound(Wait::KillWait, Duration::from_millis(node.cfg.kill_wait_ms));
+                let wait = node.bound(
+                    Wait::LeftoverKill,
+                    Duration::from_millis(node.cfg.kill_wait_ms),
+                );
                 if let Err(e) = crate::host::exec_cgroup::kill_and_remove(node, &job_cg, wait) {
                     out.errors.push(format!(
                         "{e} (processes left: {:?})",
@@ -902,11 +905,9 @@ impl<'a> Ctx<'a> {
     fn drain_if_unclean(&self, out: &mut EpilogOutcome) {
         let (node, job_id, node_name) = (self.node, self.job_id, self.node_name);
         if !out.clean() {
-            let kill_cut = node.deadline().is_some_and(|d| {
-                d.cuts()
-                    .iter()
-                    .any(|c| matches!(c.wait, Wait::KillWait | Wait::Exiting))
-            });
+            let kill_cut = node
+                .deadline()
+                .is_some_and(|d| crate::host::deadline::kill_cut(&d.cuts()));
             let first = out
                 .lingering
                 .iter()

@@ -12,8 +12,9 @@
 //! `epilog_deadline_ms`, else [`DEADLINE_PERCENT`] of slurm.conf's Epilog
 //! timeout, else [`DEFAULT_DEADLINE_MS`]) that cuts its waits to fit
 //! ([`crate::host::deadline`]): its worst case is the shorter of the two
-//! ([`WorstCase::with_deadline`]), so with the default it always fits the
-//! site's timeout, and doctor says so.
+//! ([`WorstCase::with_deadline`]; with the 1 s a drain may take past it,
+//! [`crate::host::deadline::DRAIN_MIN`]), so with the default it fits the
+//! site's timeout (any of 5 s or more), and doctor says so.
 //!
 //! Slurm's keys (`src/common/read_config.c`, 22.05-26.05), all in seconds:
 //! - `PrologEpilogTimeout` (every series): both hooks; unset is `NO_VAL16`
@@ -134,7 +135,8 @@ pub struct Part {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WorstCase {
     /// How long the hook may take, in ms: the sum of the parts, or the
-    /// deadline when it is shorter.
+    /// deadline and the drain's floor past it
+    /// ([`crate::host::deadline::DRAIN_MIN`], 1 s) when that is shorter.
     pub total_ms: u64,
     /// The sum of the parts, in ms.
     pub waits_ms: u64,
@@ -156,10 +158,13 @@ impl WorstCase {
         }
     }
 
-    /// This worst case under `deadline`: at most its `ms`.
+    /// This worst case under `deadline`: at most its `ms`, and the 1 s
+    /// a drain is given however little of it is left
+    /// ([`crate::host::deadline::DRAIN_MIN`]).
     pub fn with_deadline(self, deadline: EpilogDeadline) -> Self {
+        let past = crate::host::deadline::DRAIN_MIN.as_millis() as u64;
         WorstCase {
-            total_ms: self.waits_ms.min(deadline.ms),
+            total_ms: self.waits_ms.min(deadline.ms + past),
             deadline: Some(deadline),
             ..self
         }
@@ -476,12 +481,13 @@ fn hook_warning(
     }
     if worst.cut() {
         return Some(format!(
-            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}; its waits add up to {}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms below {} in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
+            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}, and {} for a drain past it; its waits add up to {}), more than {key}={s} in {file}: slurmd would kill it and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms below {} in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
             secs(worst.total_ms),
-            worst.total_ms,
+            worst.deadline.as_ref().map_or(worst.total_ms, |d| d.ms),
+            secs(crate::host::deadline::DRAIN_MIN.as_millis() as u64),
             secs(worst.waits_ms),
             suggest,
-            s * 1000,
+            (s * 1000).saturating_sub(crate::host::deadline::DRAIN_MIN.as_millis() as u64),
         ));
     }
     let largest = worst.largest_key().unwrap_or("response_rounds");
@@ -730,7 +736,7 @@ mod tests {
         let w = timeout_warnings(&late, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
         assert_eq!(
             w,
-            ["gpufence's Epilog may take up to 120 s at worst (its deadline, epilog_deadline_ms 120000; its waits add up to 156 s), more than EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms below 100000 in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
+            ["gpufence's Epilog may take up to 121 s at worst (its deadline, epilog_deadline_ms 120000, and 1 s for a drain past it; its waits add up to 156 s), more than EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms below 99000 in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
         );
         // Each hook its own key.
         let w = timeout_warnings(
@@ -773,10 +779,11 @@ mod tests {
         std::fs::write(&conf, "PrologEpilogTimeout=5\n").unwrap();
         let r = report(&Config::default(), &conf);
         assert_eq!(r.warnings.len(), 1, "the Prolog's only");
-        // The deadline, 80% of 5 s, bounds the Epilog.
+        // The deadline, 80% of 5 s, and the drain's 1 s past it bound
+        // the Epilog: it still fits.
         assert_eq!(
             (r.epilog_worst.total_ms, r.epilog_worst.waits_ms),
-            (4000, 156_000)
+            (5000, 156_000)
         );
         assert_eq!(r.epilog_deadline.from, "80% of PrologEpilogTimeout=5");
         assert_eq!(
@@ -804,7 +811,10 @@ mod tests {
         assert!(gone.slurm.is_none() && gone.slurm_conf_error.is_some());
         assert!(gone.warnings.is_empty() && gone.epilog_fits.is_none());
         assert_eq!(gone.epilog_deadline.ms, DEFAULT_DEADLINE_MS);
-        assert_eq!(gone.epilog_worst.total_ms, 60_000);
+        assert_eq!(
+            gone.epilog_worst.total_ms, 61_000,
+            "the deadline and the drain's 1 s"
+        );
     }
 
     /// The shipped slurm.conf lines, per series (contrib/package.sh picks
@@ -864,8 +874,8 @@ mod tests {
         assert_eq!((d.ms, d.from.as_str()), (1500, "epilog_deadline_ms"));
         assert_eq!(
             epilog_worst_case(&set).with_deadline(d).total_ms,
-            1500,
-            "the deadline bounds the worst case"
+            2500,
+            "the deadline and the drain's 1 s past it bound the worst case"
         );
     }
 }
