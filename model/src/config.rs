@@ -123,7 +123,8 @@ pub struct Config {
     pub shm_dir: PathBuf,
     /// Remove a job's leftovers in `shm_dir` at job end (regular files of
     /// the job's user, changed since the job started, held by no process),
-    /// unless another job of that user runs on the node. Off by default:
+    /// unless another job of that user runs on the node or a live process
+    /// could not be read within `scan_budget_ms` (it may hold them). Off by default:
     /// sites with `job_container/tmpfs` give each job a private /dev/shm.
     pub shm_remove_leftovers: bool,
     /// The idle level when the prolog could not measure one, in MiB.

@@ -472,6 +472,22 @@ pub fn probe_bin() -> PathBuf {
     workspace_bin("gpufence-probe")
 }
 
+/// The live processes whose memory map (`/proc/<pid>/maps`) this
+/// process cannot read: none on a node where the tests run as root with
+/// every capability; in a sandbox whose init holds capabilities the
+/// tests lack (ptrace's access check, `security/commoncap.c`
+/// `cap_ptrace_access_check`), its init. The shared-memory leftovers
+/// check counts each as maybe holding every file, and then removes none.
+pub fn unreadable_pids() -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/maps")).is_err() && !gone(*p))
+        .collect()
+}
+
 /// Whether process `pid` is gone or a zombie.
 pub fn gone(pid: i32) -> bool {
     gpufence_model::procstat::ProcStat::of(pid).is_none_or(|s| s.state == 'Z')

@@ -164,7 +164,8 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
     let t = &d["timeouts"];
     assert_eq!(t["slurm"]["epilog"]["seconds"], 5, "{t}");
     assert_eq!(t["slurm"]["epilog"]["key"], "PrologEpilogTimeout", "{t}");
-    assert_eq!(t["epilog_worst"]["total_ms"], 4000, "{t}");
+    // The deadline, 4 s, and the drain's 1 s past it.
+    assert_eq!(t["epilog_worst"]["total_ms"], 5000, "{t}");
     assert!(
         t["epilog_worst"]["waits_ms"].as_u64().unwrap() > 5000,
         "{t}"
@@ -194,7 +195,7 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         text.contains("warning: gpufence's Prolog may take up to ")
             && text.contains("raise PrologEpilogTimeout to ")
             && text.contains("note: the Epilog fits PrologEpilogTimeout=5 in ")
-            && text.contains("at worst 4 s (its deadline, 4 s (80% of PrologEpilogTimeout=5);")
+            && text.contains("at worst 5 s (its deadline, 4 s (80% of PrologEpilogTimeout=5), and 1 s for a drain past it;")
             && !text.contains("gpufence's Epilog may take"),
         "{text}"
     );
@@ -212,7 +213,7 @@ fn doctor_lists_programs_up_the_tree_and_explains_each_device() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
-        text.contains("warning: gpufence's Epilog may take up to 90 s at worst (its deadline, epilog_deadline_ms 90000;")
+        text.contains("warning: gpufence's Epilog may take up to 91 s at worst (its deadline, epilog_deadline_ms 90000, and 1 s for a drain past it;")
             && text.contains("lower epilog_deadline_ms to 4000 or less"),
         "{text}"
     );

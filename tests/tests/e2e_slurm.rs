@@ -1055,10 +1055,19 @@ fn real_slurm_cluster_end_to_end() {
     let cfg = env.path("gpufence.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, format!("shm_remove_leftovers = true\n{text}")).unwrap();
+    let unreadable = gpufence_tests::unreadable_pids();
     let (job2, line) = leave("nccl");
     assert_eq!(line["files"][0]["name"], format!("nccl-{job2}"), "{line}");
-    assert_eq!(line["removed"], true, "{line}");
-    assert!(!shm.join(format!("nccl-{job2}")).exists());
+    // A process root cannot read (a sandbox's init) may hold it: kept.
+    assert_eq!(
+        line["removed"],
+        unreadable.is_empty(),
+        "{unreadable:?} {line}"
+    );
+    assert_eq!(
+        shm.join(format!("nccl-{job2}")).exists(),
+        !unreadable.is_empty()
+    );
     assert!(shm.join(format!("vllm-{job}")).exists());
     std::fs::write(&cfg, text).unwrap();
 

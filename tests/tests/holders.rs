@@ -1687,6 +1687,120 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
     drop(real);
 }
 
+/// A scan the Epilog's deadline cut (`epilog_deadline_ms`): the job's
+/// user's process outside every job that the cut scan could not read
+/// whole (its systemd --user, tmux, dbus) is never a candidate for being
+/// unread. The same process, with `scan_budget_ms = 0` configured (a full
+/// budget), is one (rule 2, above); with the deadline leaving the scan
+/// nothing of its 2000 ms it is read again, within what is left
+/// (nothing), and is not read: never killed, the GPU not handed on
+/// (`not_read`, the Epilog's drain reason). Then the Epilog itself, under
+/// a deadline spent before it starts: the process lives, and the drain
+/// reason names it "not read".
+#[test]
+fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
+    if !privileged() {
+        return;
+    }
+    let _serial = responses();
+    let mut env = TestEnv::new("budget-cut");
+    let real = HoldableDevice::claim();
+    let dev = DevNum::new(real.major, real.minor);
+    let node = node_with_budget(&env, real.major, 2000);
+    fence_ops::install(&node).unwrap();
+    let gpu = env.mknod("gpu", real.major, real.minor);
+    std::fs::set_permissions(
+        env.tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let user = gpufence_tests::cluster::test_uid();
+    // In the test's own cgroup: outside every job. It holds the job's
+    // device in its last slot, so a scan that read it would find it.
+    let mut cmd = gpufence_tests::as_test_user(gpufence_tests::probe_bin());
+    cmd.args(["tables", gpu.to_str().unwrap(), "8", "2000"]);
+    let session = env.spawn_ready(cmd, "held");
+    let devs: BTreeSet<DevNum> = [dev].into();
+    // Nothing left past the reserve: the scan gets 0 of its 2000 ms.
+    let spent = std::sync::Arc::new(gpufence_node::host::deadline::Deadline::new(
+        std::time::Duration::ZERO,
+    ));
+    let late = node.with_deadline(spent);
+    let found = gpufence_node::response::respond::uncovered(
+        &late,
+        56,
+        Some(user),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    assert!(
+        !found.candidates.iter().any(|c| c.pid == session),
+        "a cut scan made it a candidate: {found:?}"
+    );
+    let n = found
+        .not_read
+        .iter()
+        .find(|n| n.pid == session)
+        .unwrap_or_else(|| panic!("{session} not in not_read: {found:?}"));
+    assert!(
+        n.reason()
+            .contains("not read within scan_budget_ms (2000 ms)"),
+        "{}",
+        n.reason()
+    );
+    // Given its whole budget, the same process is read whole and found
+    // holding: a candidate by what it holds, not for being unread.
+    let full = gpufence_node::response::respond::uncovered(
+        &node,
+        56,
+        Some(user),
+        None,
+        &devs,
+        &[],
+        195,
+        &[],
+    );
+    let c = full
+        .candidates
+        .iter()
+        .find(|c| c.pid == session)
+        .unwrap_or_else(|| panic!("{session} not found holding: {full:?}"));
+    assert!(c.fds.iter().all(|f| !f.unread), "{c:?}");
+
+    // The Epilog under a deadline already spent: never killed, drained.
+    node.state
+        .write_record(&gpufence_tests::job_record(56, user, Some((dev, &gpu))))
+        .unwrap();
+    let o = epilog::run_within(
+        &late,
+        &epilog::EpilogEnv {
+            job_id: 56,
+            ..Default::default()
+        },
+    );
+    assert!(
+        !gone(session),
+        "the user's process outside the job was killed: {o:?}"
+    );
+    assert!(!o.clean(), "{o:?}");
+    assert!(!o.lingering.iter().any(|l| l.pid == session), "{o:?}");
+    assert!(
+        o.survivors.iter().any(
+            |s| s.starts_with(&format!("pid {session} (uid {user}, cgroup /"))
+                && s.contains("not read within scan_budget_ms (2000 ms)")
+        ),
+        "{o:?}"
+    );
+    let reason = o.drain_reason.clone().unwrap_or_default();
+    assert!(reason.contains("not read"), "{reason}");
+    // SAFETY: kill(2) of our own child, made above.
+    unsafe { libc::kill(session, libc::SIGKILL) };
+    drop(real);
+}
+
 /// Rule 3: a process of another user (uid 23456), outside every job,
 /// whose eight tables of 2,000 slots a budget of 0 ms cannot read, holding
 /// nothing of the job's: it is read again alone, still not read whole,
@@ -1806,7 +1920,10 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
             None,
             &devs,
             &[idle, holding],
-            deadline,
+            gpufence_node::response::respond::Settle {
+                scan: gpufence_node::response::respond::ScanTime::Full,
+                deadline,
+            },
         )
     };
     let (cands, not_read) = settle(std::time::Instant::now() + std::time::Duration::from_secs(60));

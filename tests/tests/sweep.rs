@@ -1333,6 +1333,99 @@ fn a_users_crowded_unit_tree_is_read_and_counted() {
     );
 }
 
+/// `shm_remove_leftovers = true` and an Epilog whose deadline left the
+/// leftovers check no time (`scan_budget_ms` cut to 0): no process was
+/// read, so any may hold the job's files (this test holds one open): none
+/// is removed, and the note and the `shm_leftovers` line say why
+/// (`processes_unread`). Given its time, the next Epilog reads every
+/// process: the file no one holds is removed, the held one is kept.
+#[test]
+fn shm_leftovers_are_kept_while_a_process_is_not_read() {
+    if !privileged() {
+        return;
+    }
+    let w = world("shmunread", "shm_remove_leftovers = true", "", true);
+    let uid = test_uid();
+    let job = 49;
+    let shm = w.node.cfg.shm_dir.clone();
+    let write = |name: &str| {
+        let p = shm.join(name);
+        std::fs::write(&p, b"0123456789").unwrap();
+        std::os::unix::fs::chown(&p, Some(uid), Some(uid)).unwrap();
+        p
+    };
+    let epilog = |node: &Node| {
+        w.node
+            .state
+            .write_record(&gpufence_tests::job_record(job, uid, None))
+            .unwrap();
+        // File times come from the kernel's coarse clock (a tick behind).
+        std::thread::sleep(Duration::from_millis(50));
+        write("vllm-free");
+        let held = write("psm_held");
+        let open = std::fs::File::open(held).unwrap();
+        let o = gpufence_node::job::epilog::run_within(
+            node,
+            &gpufence_node::job::epilog::EpilogEnv {
+                job_id: job,
+                ..Default::default()
+            },
+        );
+        (o, open)
+    };
+    let spent = std::sync::Arc::new(gpufence_node::host::deadline::Deadline::new(Duration::ZERO));
+    let (o, open) = epilog(&w.node.with_deadline(spent));
+    assert!(shm.join("vllm-free").exists() && shm.join("psm_held").exists());
+    assert!(
+        o.notes.iter().any(
+            |n| n.contains(&format!("left in {} (not removed: ", shm.display()))
+                && n.ends_with("process(es) not read within 0 ms: they may hold them)")
+        ),
+        "{:?}",
+        o.notes
+    );
+    let audit = gpufence_tests::audit_log(&w.node.cfg.audit_log);
+    let line = audit
+        .iter()
+        .rfind(|e| e["event"] == "shm_leftovers" && e["job_id"] == job)
+        .expect("a shm_leftovers line");
+    assert_eq!(line["removed"], false, "{line}");
+    assert!(line["processes_unread"].as_u64().unwrap() >= 1, "{line}");
+    assert!(
+        line["note"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("not removed: ") && n.ends_with("they may hold them")),
+        "{line}"
+    );
+    drop(open);
+
+    let unreadable = gpufence_tests::unreadable_pids();
+    let (o, _open) = epilog(&w.node);
+    assert!(shm.join("psm_held").exists(), "held open: kept");
+    let audit = gpufence_tests::audit_log(&w.node.cfg.audit_log);
+    let line = audit
+        .iter()
+        .rfind(|e| e["event"] == "shm_leftovers" && e["job_id"] == job)
+        .expect("a shm_leftovers line");
+    assert_eq!(
+        line["files_total"], 1,
+        "the held one is no leftover: {line}"
+    );
+    if unreadable.is_empty() {
+        assert!(!shm.join("vllm-free").exists(), "{:?}", o.notes);
+        assert_eq!(line["removed"], true, "{line}");
+        assert_eq!(line["processes_unread"], 0, "{line}");
+    } else {
+        // A sandbox whose init root cannot read: it may hold it.
+        assert!(shm.join("vllm-free").exists(), "{unreadable:?}");
+        assert_eq!(line["removed"], false, "{line}");
+        assert!(
+            line["processes_unread"].as_u64().unwrap() >= unreadable.len() as u64,
+            "{unreadable:?} {line}"
+        );
+    }
+}
+
 /// A job that leaves 100,000 long-named files in the shared-memory
 /// directory: the Epilog's `shm_leftovers` line stays under 64 KiB (the
 /// first names, then the counts and the total), and the sweep's output

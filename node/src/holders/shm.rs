@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
@@ -53,6 +53,10 @@ pub struct Leftovers {
     /// Whether every entry of the directory was examined (at most
     /// [`EXAMINED_MAX`] are).
     pub complete: bool,
+    /// Live processes [`held`] could not read (unreadable, or past its
+    /// time): any of them may hold any of `files`, so none may be removed
+    /// while this is not 0.
+    pub unread: usize,
 }
 
 impl Leftovers {
@@ -64,14 +68,21 @@ impl Leftovers {
 
 /// Regular files in `dir` (not followed: a symbolic link or a directory is
 /// never one) owned by a uid `owner` accepts and changed at or after
-/// `since`, that no live process holds open or mapped ([`held`]). At most
-/// [`EXAMINED_MAX`] entries are examined. Nothing when `dir` cannot be
-/// read.
-pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTime>) -> Leftovers {
+/// `since`, that no process read within `within` holds open or mapped
+/// ([`held`]; those not read are counted in [`Leftovers::unread`]). At
+/// most [`EXAMINED_MAX`] entries are examined. Nothing when `dir` cannot
+/// be read.
+pub fn leftovers(
+    dir: &Path,
+    owner: &dyn Fn(u32) -> bool,
+    since: Option<SystemTime>,
+    within: Duration,
+) -> Leftovers {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Leftovers {
             files: Vec::new(),
             complete: true,
+            unread: 0,
         };
     };
     // In nanoseconds: a job's files and the next job's start often fall in
@@ -111,16 +122,29 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
             });
         }
     }
+    let mut unread = 0;
     if !out.is_empty() {
         let candidates: HashSet<&str> = out.iter().map(|l| l.name.as_str()).collect();
-        let held = held(dir, &candidates);
-        out.retain(|l| !held.contains(&l.name));
+        let held = held(dir, &candidates, within);
+        unread = held.unread;
+        out.retain(|l| !held.names.contains(&l.name));
         out.sort_by(|a, b| a.name.cmp(&b.name));
     }
     Leftovers {
         files: out,
         complete,
+        unread,
     }
+}
+
+/// What [`held`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// The candidates a process read holds.
+    pub names: BTreeSet<String>,
+    /// Live processes not read: `maps` or `fd` unreadable, or met past
+    /// the time [`held`] had. Each may hold any candidate.
+    pub unread: usize,
 }
 
 /// Those of `candidates` (names of files directly in `dir`) that a live
@@ -129,8 +153,14 @@ pub fn leftovers(dir: &Path, owner: &dyn Fn(u32) -> bool, since: Option<SystemTi
 /// the leader exited, `read_maps` in `crate::holders::scan`). Read only when
 /// there are candidates, so an Epilog with nothing left pays one
 /// directory read; what is kept is bounded by the candidates, whatever
-/// the processes hold.
-pub fn held(dir: &Path, candidates: &HashSet<&str>) -> BTreeSet<String> {
+/// the processes hold. Every read ends by `within` from now (the clock is
+/// looked at before each process and each descriptor): a live process not
+/// read whole by then, or whose `maps` or `fd` cannot be read, counts in
+/// [`Held::unread`]; one gone meanwhile holds nothing.
+pub fn held(dir: &Path, candidates: &HashSet<&str>, within: Duration) -> Held {
+    let end = Instant::now() + within;
+    let late = || Instant::now() >= end;
+    let alive = |pid: i32| Path::new(&format!("/proc/{pid}")).exists();
     let prefix = format!("{}/", dir.display().to_string().trim_end_matches('/'));
     let name_of = |p: &str| -> Option<String> {
         let rest = p.strip_prefix(&prefix)?;
@@ -138,19 +168,35 @@ pub fn held(dir: &Path, candidates: &HashSet<&str>) -> BTreeSet<String> {
         (!rest.contains('/') && candidates.contains(name)).then(|| name.to_string())
     };
     let mut out = BTreeSet::new();
-    for pid in crate::holders::scan::pids() {
+    let mut unread = 0;
+    'procs: for pid in crate::holders::scan::pids() {
+        if late() {
+            unread += usize::from(alive(pid));
+            continue;
+        }
         // A live thread's view when the leader exited: it shows the
         // process's descriptors and mappings.
         let Some((base, maps)) =
             crate::holders::scan::read_maps(Path::new(&format!("/proc/{pid}")), pid)
         else {
+            unread += usize::from(alive(pid));
             continue;
         };
-        if let Ok(rd) = std::fs::read_dir(base.join("fd")) {
-            for e in rd.filter_map(|e| e.ok()) {
-                if let Ok(t) = std::fs::read_link(e.path()) {
-                    out.extend(t.to_str().and_then(name_of));
+        match std::fs::read_dir(base.join("fd")) {
+            Ok(rd) => {
+                for e in rd.filter_map(|e| e.ok()) {
+                    if late() {
+                        unread += usize::from(alive(pid));
+                        continue 'procs;
+                    }
+                    if let Ok(t) = std::fs::read_link(e.path()) {
+                        out.extend(t.to_str().and_then(name_of));
+                    }
                 }
+            }
+            Err(_) => {
+                unread += usize::from(alive(pid));
+                continue;
             }
         }
         for line in maps.lines() {
@@ -160,7 +206,7 @@ pub fn held(dir: &Path, candidates: &HashSet<&str>) -> BTreeSet<String> {
             }
         }
     }
-    out
+    Held { names: out, unread }
 }
 
 /// Removes `files` from `dir`: each only if the name is still a regular
@@ -218,16 +264,45 @@ mod tests {
         };
         assert_ne!(map, libc::MAP_FAILED);
         drop(m);
-        let got = leftovers(d.path(), &|u| u == me, None).files;
+        let all = leftovers(d.path(), &|u| u == me, None, Duration::from_secs(60));
+        if me == 0 {
+            assert_eq!(all.unread, 0, "as root every process reads");
+        }
+        let got = all.files;
         let names: Vec<&str> = got.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, ["psm_shm.abc", "vllm-1234"]);
         assert_eq!(
             (got[1].size_bytes, got[1].mode.as_str(), got[1].uid),
             (4096, "0644", me)
         );
-        assert!(leftovers(d.path(), &|u| u != me, None).files.is_empty());
+        let long = Duration::from_secs(60);
+        assert!(leftovers(d.path(), &|u| u != me, None, long)
+            .files
+            .is_empty());
         let later = SystemTime::now() + Duration::from_secs(3600);
-        assert!(leftovers(d.path(), &|_| true, Some(later)).files.is_empty());
+        assert!(leftovers(d.path(), &|_| true, Some(later), long)
+            .files
+            .is_empty());
+        // No time to read: every live process (this one at least) is not
+        // read, and may hold any of them.
+        let late = leftovers(d.path(), &|u| u == me, None, Duration::ZERO);
+        assert!(late.unread >= 1, "{late:?}");
+        let h = held(
+            d.path(),
+            &["held-open", "mapped"].into_iter().collect(),
+            Duration::ZERO,
+        );
+        assert!(h.names.is_empty() && h.unread >= 1, "{h:?}");
+        let h = held(
+            d.path(),
+            &["held-open", "mapped"].into_iter().collect(),
+            long,
+        );
+        assert!(me != 0 || h.unread == 0, "{h:?}");
+        assert_eq!(
+            h.names.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["held-open", "mapped"]
+        );
         assert!(remove(d.path(), &got).is_empty());
         assert!(!d.path().join("vllm-1234").exists());
         assert!(d.path().join("held-open").exists() && d.path().join("link").exists());

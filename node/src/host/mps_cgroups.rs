@@ -305,7 +305,7 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
     let killed = node.cg.procs_recursive(&cg);
     if node.cg.path(&cg).exists() {
         let wait = node.bound(
-            crate::host::deadline::Wait::KillWait,
+            crate::host::deadline::Wait::MpsKill,
             Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1)),
         );
         crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)

@@ -297,8 +297,12 @@ fn say_cuts(
 
 /// The epilog's steps, in order; from step 1's audit line on, each a
 /// method of the run's read-only context (`Ctx`) that adds to the
-/// outcome.
-fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
+/// outcome. Its waits are bound by the deadline `node` carries
+/// ([`Node::with_deadline`]; none: each its own bound), and its cuts are
+/// not said: [`run_with`] makes the deadline from the config and says
+/// them. For a caller that keeps its own clock (a test of a deadline
+/// spent before the Epilog starts).
+pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let job_id = env.job_id;
     let mut out = EpilogOutcome::default();
     // The job's end, for the audit line's and the report's wall time and
@@ -752,7 +756,10 @@ impl<'a> Ctx<'a> {
                         left.len()
                     ));
                 }
-                let wait = node.bound(Wait::KillWait, Duration::from_millis(node.cfg.kill_wait_ms));
+                let wait = node.bound(
+                    Wait::LeftoverKill,
+                    Duration::from_millis(node.cfg.kill_wait_ms),
+                );
                 if let Err(e) = crate::host::exec_cgroup::kill_and_remove(node, &job_cg, wait) {
                     out.errors.push(format!(
                         "{e} (processes left: {:?})",
@@ -898,11 +905,9 @@ impl<'a> Ctx<'a> {
     fn drain_if_unclean(&self, out: &mut EpilogOutcome) {
         let (node, job_id, node_name) = (self.node, self.job_id, self.node_name);
         if !out.clean() {
-            let kill_cut = node.deadline().is_some_and(|d| {
-                d.cuts()
-                    .iter()
-                    .any(|c| matches!(c.wait, Wait::KillWait | Wait::Exiting))
-            });
+            let kill_cut = node
+                .deadline()
+                .is_some_and(|d| crate::host::deadline::kill_cut(&d.cuts()));
             let first = out
                 .lingering
                 .iter()

@@ -11,7 +11,11 @@ use crate::Node;
 /// files of the job's user, changed since its record was made, held by no
 /// process: [`crate::holders::shm::leftovers`]) go into one `shm_leftovers` audit
 /// line, and with `shm_remove_leftovers` are removed, unless another job
-/// of the user has a record on the node (its files look the same). The
+/// of the user has a record on the node (its files look the same) or a
+/// live process could not be read within `scan_budget_ms` (cut by the
+/// Epilog's deadline, [`crate::host::deadline::Wait::ScanBudget`]): it may
+/// hold them ([`crate::holders::shm::Leftovers::unread`]), so they are
+/// kept and the note and the line say why. The
 /// line lists the first files by name within [`LISTED_BYTES`], then
 /// counts them all (`files_total`, `bytes_total`; `examined_all` false
 /// when the directory had more entries than one Epilog examines). What
@@ -25,14 +29,27 @@ pub(crate) fn report(
     let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
         .ok()
         .map(std::time::SystemTime::from);
-    let found = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since);
+    let within = node.bound(
+        crate::host::deadline::Wait::ScanBudget,
+        std::time::Duration::from_millis(node.cfg.scan_budget_ms),
+    );
+    let found = crate::holders::shm::leftovers(&node.cfg.shm_dir, &|u| u == rec.uid, since, within);
     let files = &found.files;
     if files.is_empty() {
         return;
     }
     let others = other_jobs_of(node, rec);
+    let unread = (found.unread > 0).then(|| {
+        format!(
+            "{} process(es) not read within {} ms: they may hold them",
+            found.unread,
+            within.as_millis()
+        )
+    });
     let (removed, why_not): (bool, Option<String>) = if !node.cfg.shm_remove_leftovers {
-        (false, None)
+        (false, unread.clone())
+    } else if let Some(u) = &unread {
+        (false, Some(format!("not removed: {u}")))
     } else if !others.is_empty() {
         (
             false,
@@ -62,7 +79,11 @@ pub(crate) fn report(
         if found.complete { "" } else { "at least " },
         files.len(),
         node.cfg.shm_dir.display(),
-        if removed { ": removed" } else { "" }
+        match (&unread, &why_not) {
+            _ if removed => ": removed".to_string(),
+            (Some(_), Some(w)) => format!(" ({w})"),
+            _ => String::new(),
+        }
     ));
     let listed = listed_within(files, LISTED_BYTES);
     let mut ev = AuditEvent::new(events::SHM_LEFTOVERS)
@@ -74,7 +95,8 @@ pub(crate) fn report(
         .field("files_listed", listed.len())
         .field("examined_all", found.complete)
         .field("files", listed)
-        .field("removed", removed);
+        .field("removed", removed)
+        .field("processes_unread", found.unread);
     if let Some(w) = why_not {
         ev = ev.field("note", w);
     }

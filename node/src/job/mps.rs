@@ -425,7 +425,7 @@ pub fn end_foreign(node: &Node, job: Option<u32>, phase: &str) -> Vec<Foreign> {
         crate::response::engine::wait_all(
             &[&fd],
             node.bound(
-                crate::host::deadline::Wait::KillWait,
+                crate::host::deadline::Wait::MpsKill,
                 Duration::from_millis(node.cfg.kill_wait_ms),
             ),
         );

@@ -204,7 +204,7 @@ pub fn write_as_user(
     let _ = crate::host::exec_cgroup::kill_and_remove(
         node,
         &cg,
-        node.bound(Wait::KillWait, Duration::from_secs(2)),
+        node.bound(Wait::ReportKill, Duration::from_secs(2)),
     );
     r.map(|()| {
         if path.is_absolute() {
@@ -287,7 +287,7 @@ fn run_writer(
         Ok(r) => Some(r),
         Err(_) => {
             let _ = node.cg.kill(cg);
-            let _ = rx.recv_timeout(node.bound(Wait::KillWait, Duration::from_secs(1)));
+            let _ = rx.recv_timeout(node.bound(Wait::ReportKill, Duration::from_secs(1)));
             None
         }
     };

@@ -12,8 +12,9 @@
 //! `epilog_deadline_ms`, else [`DEADLINE_PERCENT`] of slurm.conf's Epilog
 //! timeout, else [`DEFAULT_DEADLINE_MS`]) that cuts its waits to fit
 //! ([`crate::host::deadline`]): its worst case is the shorter of the two
-//! ([`WorstCase::with_deadline`]), so with the default it always fits the
-//! site's timeout, and doctor says so.
+//! ([`WorstCase::with_deadline`]; with the 1 s a drain may take past it,
+//! [`crate::host::deadline::DRAIN_MIN`]), so with the default it fits the
+//! site's timeout (any of 5 s or more), and doctor says so.
 //!
 //! Slurm's keys (`src/common/read_config.c`, 22.05-26.05), all in seconds:
 //! - `PrologEpilogTimeout` (every series): both hooks; unset is `NO_VAL16`
@@ -139,7 +140,8 @@ pub struct Part {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WorstCase {
     /// How long the hook may take, in ms: the sum of the parts, or the
-    /// deadline when it is shorter.
+    /// deadline and the drain's floor past it
+    /// ([`crate::host::deadline::DRAIN_MIN`], 1 s) when that is shorter.
     pub total_ms: u64,
     /// The sum of the parts, in ms.
     pub waits_ms: u64,
@@ -161,10 +163,13 @@ impl WorstCase {
         }
     }
 
-    /// This worst case under `deadline`: at most its `ms`.
+    /// This worst case under `deadline`: at most its `ms`, and the 1 s
+    /// a drain is given however little of it is left
+    /// ([`crate::host::deadline::DRAIN_MIN`]).
     pub fn with_deadline(self, deadline: EpilogDeadline) -> Self {
+        let past = crate::host::deadline::DRAIN_MIN.as_millis() as u64;
         WorstCase {
-            total_ms: self.waits_ms.min(deadline.ms),
+            total_ms: self.waits_ms.min(deadline.ms + past),
             deadline: Some(deadline),
             ..self
         }
@@ -477,6 +482,23 @@ pub struct TimeoutsReport {
     pub epilog_fits: Option<String>,
 }
 
+/// Whether `worst` fits a hook timeout of `s` seconds: `None` when it
+/// does, else `Some(the most it may take, ms)`. Bounded by a deadline that
+/// cuts its waits, the deadline must be at most [`DEADLINE_PERCENT`] of
+/// the timeout (the default deadline is exactly that), leaving the rest
+/// for what the deadline's clock cannot see or cut (slurmd's fork and
+/// exec, NVML's start, the drain's [`crate::host::deadline::DRAIN_MIN`]);
+/// else its whole worst case must be within the timeout.
+fn fits_within(worst: &WorstCase, s: u64) -> Option<u64> {
+    match worst.deadline.as_ref().filter(|_| worst.cut()) {
+        Some(d) => {
+            let most = s * 1000 * DEADLINE_PERCENT / 100;
+            (d.ms > most).then_some(most)
+        }
+        None => (worst.total_ms > s * 1000).then_some(s * 1000),
+    }
+}
+
 /// `suggest`: the timeout to set, in s (for `PrologEpilogTimeout`, the
 /// larger hook's).
 fn hook_warning(
@@ -487,26 +509,17 @@ fn hook_warning(
     suggest: u64,
 ) -> Option<String> {
     let (s, key) = (t.seconds?, t.key?);
-    // A deadline that bounds the hook must leave what its clock does not
-    // see (slurmd's fork and exec, NVML's start, what it cannot cut) the
-    // same fifth the default leaves: at most DEADLINE_PERCENT of the
-    // timeout, the default deadline itself included.
-    let fits_ms = if worst.cut() {
-        s * 1000 * DEADLINE_PERCENT / 100
-    } else {
-        s * 1000
-    };
-    if worst.total_ms <= fits_ms {
-        return None;
-    }
+    // Nothing to say when it fits.
+    fits_within(worst, s)?;
     if worst.cut() {
         return Some(format!(
-            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}; its waits add up to {}), more than {DEADLINE_PERCENT}% of {key}={s} in {file}: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms to {} or less in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
+            "gpufence's {hook} may take up to {} at worst (its deadline, epilog_deadline_ms {}, and {} for a drain past it; its waits add up to {}), a deadline above {DEADLINE_PERCENT}% of {key}={s} in {file}: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise {key} to {} or more, or lower epilog_deadline_ms to {} or less in gpufence.toml (unset, it is {DEADLINE_PERCENT}% of {key})",
             secs(worst.total_ms),
-            worst.total_ms,
+            worst.deadline.as_ref().map_or(worst.total_ms, |d| d.ms),
+            secs(crate::host::deadline::DRAIN_MIN.as_millis() as u64),
             secs(worst.waits_ms),
             suggest,
-            fits_ms,
+            s * 1000 * DEADLINE_PERCENT / 100,
         ));
     }
     let largest = worst.largest_key().unwrap_or("response_rounds");
@@ -570,17 +583,20 @@ fn core_warning(cfg: &Config, worst: &WorstCase, t: &HookTimeout, file: &str) ->
 fn epilog_fits(worst: &WorstCase, t: &HookTimeout, file: &str) -> Option<String> {
     let d = worst.deadline.as_ref()?;
     let (s, key) = (t.seconds?, t.key?);
-    let fits_ms = if worst.cut() {
-        s * 1000 * DEADLINE_PERCENT / 100
-    } else {
-        s * 1000
-    };
-    (worst.total_ms <= fits_ms).then(|| {
+    fits_within(worst, s).is_none().then(|| {
         format!(
-            "the Epilog fits {key}={s} in {file}: at worst {} (its deadline, {} ({}); its waits add up to {}{})",
+            "the Epilog fits {key}={s} in {file}: at worst {} (its deadline, {} ({}){}; its waits add up to {}{})",
             secs(worst.total_ms),
             secs(d.ms),
             d.from,
+            if worst.cut() {
+                format!(
+                    ", and {} for a drain past it",
+                    secs(crate::host::deadline::DRAIN_MIN.as_millis() as u64)
+                )
+            } else {
+                String::new()
+            },
             secs(worst.waits_ms),
             if worst.cut() {
                 ", those past the deadline are cut"
@@ -815,7 +831,7 @@ mod tests {
         let w = timeout_warnings(&late, &SlurmTimeouts::parse("EpilogTimeout=100\n"), f);
         assert_eq!(
             w,
-            ["gpufence's Epilog may take up to 120 s at worst (its deadline, epilog_deadline_ms 120000; its waits add up to 156 s), more than 80% of EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms to 80000 or less in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
+            ["gpufence's Epilog may take up to 121 s at worst (its deadline, epilog_deadline_ms 120000, and 1 s for a drain past it; its waits add up to 156 s), a deadline above 80% of EpilogTimeout=100 in /etc/slurm/slurm.conf: slurmd would kill it (what the deadline cannot cut, slurmd's fork and exec and NVML's start, needs the rest) and drain the node; raise EpilogTimeout to 200 or more, or lower epilog_deadline_ms to 80000 or less in gpufence.toml (unset, it is 80% of EpilogTimeout)"]
         );
         // A deadline equal to the timeout leaves nothing for what it
         // cannot cut: warned; 80% of it (the default's own) is not.
@@ -835,7 +851,7 @@ mod tests {
         );
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(
-            w[0].contains("more than 80% of EpilogTimeout=100"),
+            w[0].contains("a deadline above 80% of EpilogTimeout=100"),
             "{}",
             w[0]
         );
@@ -904,16 +920,17 @@ mod tests {
                 conf.display()
             )
         );
-        // The deadline, 80% of 5 s, bounds the Epilog.
+        // The deadline, 80% of 5 s, and the drain's 1 s past it bound
+        // the Epilog: it still fits.
         assert_eq!(
             (r.epilog_worst.total_ms, r.epilog_worst.waits_ms),
-            (4000, 156_000)
+            (5000, 156_000)
         );
         assert_eq!(r.epilog_deadline.from, "80% of PrologEpilogTimeout=5");
         assert_eq!(
             r.epilog_fits.as_deref(),
             Some(format!(
-                "the Epilog fits PrologEpilogTimeout=5 in {}: at worst 4 s (its deadline, 4 s (80% of PrologEpilogTimeout=5); its waits add up to 156 s, those past the deadline are cut)",
+                "the Epilog fits PrologEpilogTimeout=5 in {}: at worst 5 s (its deadline, 4 s (80% of PrologEpilogTimeout=5), and 1 s for a drain past it; its waits add up to 156 s, those past the deadline are cut)",
                 conf.display()
             ))
             .as_deref()
@@ -935,7 +952,10 @@ mod tests {
         assert!(gone.slurm.is_none() && gone.slurm_conf_error.is_some());
         assert!(gone.warnings.is_empty() && gone.epilog_fits.is_none());
         assert_eq!(gone.epilog_deadline.ms, DEFAULT_DEADLINE_MS);
-        assert_eq!(gone.epilog_worst.total_ms, 60_000);
+        assert_eq!(
+            gone.epilog_worst.total_ms, 61_000,
+            "the deadline and the drain's 1 s"
+        );
     }
 
     /// The shipped slurm.conf lines, per series (contrib/package.sh picks
@@ -995,8 +1015,8 @@ mod tests {
         assert_eq!((d.ms, d.from.as_str()), (1500, "epilog_deadline_ms"));
         assert_eq!(
             epilog_worst_case(&set).with_deadline(d).total_ms,
-            1500,
-            "the deadline bounds the worst case"
+            2500,
+            "the deadline and the drain's 1 s past it bound the worst case"
         );
     }
 }

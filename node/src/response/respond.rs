@@ -21,8 +21,9 @@
 //!
 //! Past the scan's budget (`scan_budget_ms`) the GPU is never handed on
 //! uncertified ([`over_budget_rule`]): a process not read whole in the
-//! job's cgroup, or of the job's user outside every job, is a candidate;
-//! any other is read again alone, and if it still cannot be read whole it
+//! job's cgroup, or of the job's user outside every job when the scan had
+//! its whole budget (not cut by `epilog_deadline_ms`, [`ScanTime`]), is a
+//! candidate; any other is read again alone, and if it still cannot be read whole it
 //! is never killed, but the node is not handed on ([`NotRead`]: the Epilog
 //! drains, the Prolog fails).
 //!
@@ -214,6 +215,42 @@ pub enum OverBudget {
     ReRead,
 }
 
+/// How much of its own budget (`scan_budget_ms`) the scan had: all of
+/// it, or less, cut by the Epilog's deadline (`epilog_deadline_ms`,
+/// [`crate::host::deadline`]). A cut scan may leave a process unread for
+/// no fault of its own (at 0 ms every process with an anonymous inode is
+/// "not read whole"), so only a full one may make the job's user's
+/// processes outside every job candidates ([`over_budget_rule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScanTime {
+    /// The whole of `scan_budget_ms`.
+    Full,
+    /// Less than `scan_budget_ms`: the deadline cut it.
+    Cut,
+}
+
+impl ScanTime {
+    /// `Cut` when the scan was `given` less than its `configured` budget.
+    pub fn of(given: Duration, configured: Duration) -> ScanTime {
+        if given < configured {
+            ScanTime::Cut
+        } else {
+            ScanTime::Full
+        }
+    }
+}
+
+/// When [`settle_over_budget`]'s re-reads must end, and how much time the
+/// scan that left the processes unread had ([`ScanTime`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Settle {
+    /// The scan's time: a [`ScanTime::Cut`] scan makes no candidates of
+    /// the job's user's processes outside every job (rule 2 is rule 3).
+    pub scan: ScanTime,
+    /// When every re-read ends; a process met after it is not read.
+    pub deadline: Instant,
+}
+
 /// The rule for a process of real uid `uid` in `cgroup` that the scan
 /// for job `job_id`'s devices (the job runs as `job_uid`) did not read to
 /// its end within `scan_budget_ms`:
@@ -223,7 +260,11 @@ pub enum OverBudget {
 /// 2. of the job's own user, outside every job cgroup (no `job_<n>` nor
 ///    SLUID in its path), not a system account's: a candidate, the same
 ///    (a user's process outside every job holds no GPU of right, and the
-///    job's user could hand it the job's descriptor);
+///    job's user could hand it the job's descriptor) — only when the scan
+///    had its whole budget (`scan` is [`ScanTime::Full`]): a scan the
+///    Epilog's deadline cut leaves the user's session (systemd --user,
+///    tmux, dbus) unread for want of time, and these are read again as
+///    rule 3 says;
 /// 3. any other (another user's, in another job, a system account's, or
 ///    of an unknown uid; the job's uid unknown): read again alone
 ///    ([`OverBudget::ReRead`]), never ended for being unread.
@@ -236,6 +277,7 @@ pub fn over_budget_rule(
     job_id: u32,
     job_uid: Option<u32>,
     protected_uid_max: u32,
+    scan: ScanTime,
 ) -> OverBudget {
     let Some(uid) = uid.filter(|u| *u > protected_uid_max) else {
         return OverBudget::ReRead;
@@ -243,7 +285,8 @@ pub fn over_budget_rule(
     let Some(cg) = cgroup else {
         return OverBudget::ReRead;
     };
-    if in_job(cg, job_id) || (job_uid == Some(uid) && outside_every_job(cg)) {
+    let users_outside = scan == ScanTime::Full && job_uid == Some(uid) && outside_every_job(cg);
+    if in_job(cg, job_id) || users_outside {
         OverBudget::Candidate
     } else {
         OverBudget::ReRead
@@ -273,7 +316,9 @@ fn outside_every_job(cg: &str) -> bool {
 /// `SLURM_JOB_UID` or the record's):
 ///
 /// 1. in job `job_id`'s own cgroup, or of the job's user outside every
-///    job, and not a system account's: a candidate holding all of
+///    job when the scan had its whole `scan_budget_ms` ([`ScanTime::Full`];
+///    the Epilog's deadline may cut it), and not a system account's: a
+///    candidate holding all of
 ///    `devs`, its descriptors saying "not read to its end within
 ///    scan_budget_ms"; the usual response ends it;
 /// 2. any other: covered by an exemption for its uid, nothing; otherwise
@@ -342,10 +387,9 @@ pub fn uncovered_except(
                 .any(|s| Some(s.gi) == gi && (s.ci.is_none() || ci.is_none() || s.ci == ci))
     };
     let mut by_pid: BTreeMap<i32, Candidate> = BTreeMap::new();
-    let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir).with_budget(node.bound(
-        Wait::ScanBudget,
-        Duration::from_millis(node.cfg.scan_budget_ms),
-    ));
+    let configured = Duration::from_millis(node.cfg.scan_budget_ms);
+    let given = node.bound(Wait::ScanBudget, configured);
+    let mut scanner = scan::Scanner::with_pins(&node.cfg.bpffs_dir).with_budget(given);
     for h in scanner.holders(devs) {
         let c = by_pid
             .entry(h.pid)
@@ -369,11 +413,10 @@ pub fn uncovered_except(
             fence,
             devs,
             &over,
-            Instant::now()
-                + node.bound(
-                    Wait::ScanBudget,
-                    Duration::from_millis(node.cfg.scan_budget_ms),
-                ),
+            Settle {
+                scan: ScanTime::of(given, configured),
+                deadline: Instant::now() + node.bound(Wait::ScanBudget, configured),
+            },
         );
         for c in cands {
             let e = by_pid
@@ -467,7 +510,9 @@ fn unread_hold(node: &Node, dev: DevNum) -> HeldFd {
 /// outside every job, taken as holding all of `devs`; others found
 /// holding on a re-read) and those still not read whole. The re-reads
 /// (one `/proc` walk of each process alone, [`scan::Scanner::recheck`])
-/// all end by `deadline`; a process met after it is not read. A process
+/// all end by `settle.deadline`; a process met after it is not read. A
+/// scan the deadline cut (`settle.scan`) makes no candidate of the job's
+/// user's processes outside every job: they are read again. A process
 /// an exemption covers for every device in `devs` is left alone; one gone
 /// meanwhile reads whole, holding nothing. One `scan_over_budget` audit
 /// line names those read again (`not_read`: those still unread).
@@ -478,8 +523,9 @@ pub fn settle_over_budget(
     fence: Option<&Fence>,
     devs: &BTreeSet<DevNum>,
     over: &[i32],
-    deadline: Instant,
+    settle: Settle,
 ) -> (Vec<Candidate>, Vec<NotRead>) {
+    let deadline = settle.deadline;
     let mut cands = Vec::new();
     let mut not_read = Vec::new();
     let mut reread: Vec<(i32, Option<String>)> = Vec::new();
@@ -493,6 +539,7 @@ pub fn settle_over_budget(
             job_id,
             job_uid,
             node.cfg.protected_uid_max,
+            settle.scan,
         ) {
             OverBudget::Candidate => {
                 let mut c = new_candidate(node, pid);
@@ -640,7 +687,7 @@ mod in_job_tests {
 
 #[cfg(test)]
 mod over_budget_tests {
-    use super::{over_budget_rule, NotRead, OverBudget};
+    use super::{over_budget_rule, NotRead, OverBudget, ScanTime};
 
     const MAX: u32 = 999;
 
@@ -655,7 +702,7 @@ mod over_budget_tests {
         let other_job = "system.slice/slurmstepd.scope/job_43/step_0/user/task_0";
         let sluid = "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/step_0";
         let session = "user.slice/user-1001.slice/session-3.scope";
-        let rule = |cg, uid, job_uid| over_budget_rule(cg, uid, 42, job_uid, MAX);
+        let rule = |cg, uid, job_uid| over_budget_rule(cg, uid, 42, job_uid, MAX, ScanTime::Full);
         // 1. The job's own cgroup: its user's, or another non-system uid.
         assert_eq!(
             rule(Some(job), Some(1001), Some(1001)),
@@ -731,6 +778,31 @@ mod over_budget_tests {
         ] {
             assert_eq!(rule(cg, uid, job_uid), OverBudget::ReRead, "{who}");
         }
+    }
+
+    /// A scan the Epilog's deadline cut: the job's own cgroup is still a
+    /// candidate, but the job's user outside every job (systemd --user,
+    /// tmux, dbus, left unread for want of time) is only read again,
+    /// never ended for being unread.
+    #[test]
+    fn a_cut_scan_makes_no_candidate_of_the_users_processes_outside_jobs() {
+        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
+        let session = "user.slice/user-1001.slice/user@1001.service/init.scope";
+        let rule = |cg, scan| over_budget_rule(Some(cg), Some(1001), 42, Some(1001), MAX, scan);
+        assert_eq!(rule(job, ScanTime::Cut), OverBudget::Candidate);
+        assert_eq!(rule(session, ScanTime::Cut), OverBudget::ReRead);
+        assert_eq!(rule(session, ScanTime::Full), OverBudget::Candidate);
+        assert_eq!(rule("", ScanTime::Cut), OverBudget::ReRead);
+    }
+
+    /// Only less than the configured budget is a cut.
+    #[test]
+    fn a_scan_is_cut_only_when_given_less_than_its_budget() {
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(ScanTime::of(ms(2000), ms(2000)), ScanTime::Full);
+        assert_eq!(ScanTime::of(ms(0), ms(0)), ScanTime::Full);
+        assert_eq!(ScanTime::of(ms(1999), ms(2000)), ScanTime::Cut);
+        assert_eq!(ScanTime::of(ms(0), ms(2000)), ScanTime::Cut);
     }
 
     /// The reason names the pid, its uid and cgroup, the budget and "not

@@ -33,6 +33,7 @@ impl Sweep<'_> {
             dir,
             &|u| !cfg.is_system_or_service_uid(u, &resolve),
             None,
+            std::time::Duration::from_millis(cfg.scan_budget_ms),
         );
         let mut by_uid: BTreeMap<u32, Vec<&crate::holders::shm::Leftover>> = BTreeMap::new();
         for l in &found.files {
