@@ -963,16 +963,17 @@ fn real_prolog_and_epilog_killed_at_every_boundary() {
                     && live_grant_jobs(&cluster).is_empty()
                     && state_files(&env.path("state")).is_empty()
                     && state == "idle"
+                    // The job cgroup goes too; under CI's two test threads
+                    // on two CPUs it has been seen to go after the node
+                    // is idle again.
+                    && !env.cg.path(&format!("{}/job_{job}", env.root)).exists()
             }),
-            "{when}: job {job}: {:?} grants {:?} files {:?} node {state}\n{}",
+            "{when}: job {job}: {:?} grants {:?} files {:?} node {state} job cgroup left {}\n{}",
             events(job),
             live_grant_jobs(&cluster),
             state_files(&env.path("state")),
+            env.cg.path(&format!("{}/job_{job}", env.root)).exists(),
             cluster.log_tail("slurmd.log")
-        );
-        assert!(
-            !env.cg.path(&format!("{}/job_{job}", env.root)).exists(),
-            "{when}: job cgroup left"
         );
         closed(when);
     };
