@@ -24,9 +24,14 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// The drain's bound on one scontrol call, 20 s: [`crate::host::drain`]
+/// takes it from here (drain asks this module for its cut, so this module
+/// names no item of drain's).
+pub const SCONTROL_BOUND: Duration = Duration::from_secs(20);
+
 /// The most of the reserve: the drain's bound on one scontrol call
-/// ([`crate::host::drain::SCONTROL_TIMEOUT`]).
-const RESERVE_MAX: Duration = crate::host::drain::SCONTROL_TIMEOUT;
+/// ([`SCONTROL_BOUND`]).
+const RESERVE_MAX: Duration = SCONTROL_BOUND;
 
 /// The least of the reserve: an `scontrol update` answered by a live
 /// slurmctld on the same network takes tens of ms.
@@ -80,7 +85,7 @@ pub enum Wait {
     LeftoverKill,
     /// The job map's lock (`job::jobmap::LOCK_WAIT`).
     JobMap,
-    /// The drain's scontrol call ([`crate::host::drain::SCONTROL_TIMEOUT`]).
+    /// The drain's scontrol call ([`SCONTROL_BOUND`]).
     Drain,
 }
 

@@ -46,7 +46,7 @@ pub fn clean_reason(reason: &str) -> String {
 }
 
 /// How long one scontrol call may take before it is killed.
-pub const SCONTROL_TIMEOUT: Duration = Duration::from_secs(20);
+pub const SCONTROL_TIMEOUT: Duration = crate::host::deadline::SCONTROL_BOUND;
 
 /// The most of scontrol's stdout read (`scontrol show node` prints about
 /// 1 KiB per node).
