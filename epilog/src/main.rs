@@ -68,8 +68,11 @@ fn main() -> ExitCode {
     };
     let env = epilog::EpilogEnv::from_env(job_id, &get);
     let out = epilog::run_with(&node, &env);
+    // All lines in one write(2): slurmd reads the Epilog's stderr through a
+    // pipe, and `eprintln!` writes each formatted piece on its own.
+    let mut text = String::new();
     for n in &out.notes {
-        eprintln!("gpufence-epilog: job {job_id}: {n}");
+        text.push_str(&format!("gpufence-epilog: job {job_id}: {n}\n"));
     }
     for l in &out.lingering {
         let ev = l
@@ -77,20 +80,23 @@ fn main() -> ExitCode {
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_else(|| "none".into());
-        eprintln!(
-            "gpufence-epilog: job {job_id}: pid {} held {:?} after the job ({}); evidence {ev}",
+        text.push_str(&format!(
+            "gpufence-epilog: job {job_id}: pid {} held {:?} after the job ({}); evidence {ev}\n",
             l.pid,
             l.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>(),
             l.ended_by
                 .map(|s| format!("ended by {s}"))
                 .unwrap_or_else(|| "SURVIVED SIGKILL".into())
-        );
+        ));
     }
     for s in &out.survivors {
-        eprintln!("gpufence-epilog: job {job_id}: survivor: {s}");
+        text.push_str(&format!("gpufence-epilog: job {job_id}: survivor: {s}\n"));
     }
     for e in &out.errors {
-        eprintln!("gpufence-epilog: job {job_id}: {e}");
+        text.push_str(&format!("gpufence-epilog: job {job_id}: {e}\n"));
+    }
+    if !text.is_empty() {
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
     }
     if out.clean() {
         ExitCode::SUCCESS

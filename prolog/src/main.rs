@@ -59,8 +59,15 @@ fn main() -> ExitCode {
     let result = PrologEnv::from_env(&get).and_then(|env| prolog::run(&node, &env));
     match result {
         Ok(rec) => {
-            for n in &rec.all_notes() {
-                eprintln!("gpufence-prolog: job {}: note: {n}", rec.job_id);
+            // All notes in one write(2): slurmd reads the Prolog's stderr
+            // through a pipe, and `eprintln!` writes each piece on its own.
+            let text: String = rec
+                .all_notes()
+                .iter()
+                .map(|n| format!("gpufence-prolog: job {}: note: {n}\n", rec.job_id))
+                .collect();
+            if !text.is_empty() {
+                let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
             }
             ExitCode::SUCCESS
         }
