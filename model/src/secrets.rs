@@ -29,7 +29,7 @@
 //! the script or a variable's name) and the first 8 hex digits of the
 //! SHA-256 of the matched text ([`Finding::hash`]).
 
-use regex::bytes::Regex;
+use regex::bytes::{Regex, RegexBuilder};
 use sha2::{Digest, Sha256};
 
 /// The bytes of a batch script scanned: the first MiB. A longer script is
@@ -259,6 +259,14 @@ fn generic_value_ok(v: &[u8]) -> bool {
         && v.iter().any(u8::is_ascii_digit)
 }
 
+/// `re` over bytes with Unicode off: `\w`, `\b`, `(?i)` and `.` are
+/// ASCII (and `.` any byte), as every rule's alphabet is; a script's
+/// invalid UTF-8 is matched like any byte, and the automata stay small
+/// (compiling them is most of a scan's cost: BENCHMARKS.md, section 8).
+fn ascii(re: &str) -> Result<Regex, regex::Error> {
+    RegexBuilder::new(re).unicode(false).build()
+}
+
 /// `findings` without a `generic-api-key` finding where a specific rule
 /// found something at the same place (`HF_TOKEN=hf_...` is one Hugging
 /// Face token, not also a token assignment).
@@ -283,11 +291,11 @@ impl Scanner {
     pub fn new() -> Result<Scanner, regex::Error> {
         let rules = RULES
             .iter()
-            .map(|r| Regex::new(r.regex).map(|re| (*r, re)))
+            .map(|r| ascii(r.regex).map(|re| (*r, re)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Scanner {
             rules,
-            aws_secret: Regex::new(AWS_SECRET)?,
+            aws_secret: ascii(AWS_SECRET)?,
         })
     }
 

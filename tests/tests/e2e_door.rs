@@ -122,7 +122,10 @@ fn run_batch(
     // the output file is complete once the batch step is gone
     std::thread::sleep(Duration::from_millis(500));
     let text = std::fs::read_to_string(&out).unwrap_or_default();
-    eprintln!("--- job {job} ({name}): {}\n{text}", job_state(cluster, job));
+    eprintln!(
+        "--- job {job} ({name}): {}\n{text}",
+        job_state(cluster, job)
+    );
     (job, text)
 }
 
