@@ -631,6 +631,21 @@ mod tests {
     }
 
     #[test]
+    fn a_login_environment_stays_silent() {
+        let s = Scanner::new().unwrap();
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/secrets/clean-env.txt");
+        let text = std::fs::read(&p).unwrap();
+        let vars: Vec<&[u8]> = text
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(vars.len() > 30);
+        let e = s.scan_env(vars);
+        assert_eq!(e, EnvScan::default(), "{}", p.display());
+    }
+
+    #[test]
     fn entropy_is_gitleaks() {
         assert_eq!(entropy(b""), 0.0);
         assert_eq!(entropy(b"aaaa"), 0.0);

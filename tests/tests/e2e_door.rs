@@ -288,8 +288,8 @@ fn secrets_and_images_at_the_door_slurm_22_05() {
     // 3. The false-positive corpus: real scripts of the kinds sites run,
     //    their #SBATCH lines made comments (they ask for nodes and GPUs
     //    this one-node cluster lacks); silent.
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/secrets/clean");
-    let mut names: Vec<PathBuf> = walk(&corpus);
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/secrets");
+    let mut names: Vec<PathBuf> = walk(&corpus.join("clean"));
     names.sort();
     for p in &names {
         let text = std::fs::read_to_string(p)
@@ -300,6 +300,40 @@ fn secrets_and_images_at_the_door_slurm_22_05() {
         assert!(door_line(&out).is_none(), "{name} warned:\n{out}");
         assert!(events(&env, job, "job_secret").is_empty(), "{name}");
     }
+
+    //    And a login environment of the same kinds (Lmod's base64
+    //    module table, conda, NCCL, GPU UUIDs, digests), sent by sbatch.
+    let login = std::fs::read_to_string(corpus.join("clean-env.txt")).unwrap();
+    let vars: Vec<(&str, &str)> = login
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .filter(|(k, _)| {
+            !k.starts_with("BASH_FUNC")
+                && ![
+                    "PATH",
+                    "HOME",
+                    "USER",
+                    "LOGNAME",
+                    "SHELL",
+                    "PWD",
+                    "LD_LIBRARY_PATH",
+                ]
+                .contains(k)
+        })
+        .collect();
+    assert!(vars.len() > 30);
+    let (job, out) = run_batch(
+        &cluster,
+        &env,
+        "login-env.sh",
+        "#!/bin/sh\necho RAN\n",
+        &vars,
+    );
+    assert!(
+        out.lines().any(|l| l == "RAN") && door_line(&out).is_none(),
+        "{out}"
+    );
+    assert!(events(&env, job, "job_secret").is_empty());
 
     // 4. A huge script (2 MiB, its secret past the first MiB): read to its
     //    first MiB, silent, runs.
@@ -361,6 +395,8 @@ fn secrets_and_images_at_the_door_slurm_22_05() {
     );
     let ev = events(&env, job, "job_secret");
     assert!(ev.len() == 1 && ev[0]["action"] == "refuse", "{ev:?}");
+    let o = cluster.admin("scontrol", &["show", "job", &job.to_string()]);
+    assert!(stdout(&o).contains("JobState=FAILED"), "{}", both(&o));
     outputs.push(out);
     let (_, out) = run_batch(
         &cluster,
