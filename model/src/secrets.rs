@@ -645,6 +645,22 @@ mod tests {
         assert_eq!(e, EnvScan::default(), "{}", p.display());
     }
 
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_scan_without_panicking(
+            text in proptest::collection::vec(proptest::num::u8::ANY, 0..4096),
+            vars in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..64),
+        ) {
+            static S: std::sync::OnceLock<Scanner> = std::sync::OnceLock::new();
+            let s = S.get_or_init(|| Scanner::new().unwrap());
+            for f in s.scan_script(&text) {
+                proptest::prop_assert!(matches!(f.place, Place::Line(n) if n >= 1));
+                proptest::prop_assert_eq!(f.hash.len(), HASH_HEX);
+            }
+            let _ = s.scan_env(vars.iter().map(Vec::as_slice));
+        }
+    }
+
     #[test]
     fn entropy_is_gitleaks() {
         assert_eq!(entropy(b""), 0.0);
