@@ -4,7 +4,8 @@
 //! - **Credentials** (`job_secrets`), at the batch step only, once per
 //!   job: the batch script and the environment the job was submitted
 //!   with, both of which slurmctld keeps in its StateSaveLocation while
-//!   the job lives (and slurmdbd, with `AccountingStoreFlags=job_script`
+//!   the job lives (for batch jobs only: `_copy_job_desc_to_file`, called
+//!   when the request has a script, `src/slurmctld/job_mgr.c`, 22.05) (and slurmdbd, with `AccountingStoreFlags=job_script`
 //!   / `job_env`). The script is the file slurmstepd wrote before
 //!   `spank_init`: `SlurmdSpoolDir/job%05u/slurm_script`, owned by the
 //!   user, mode 0700, in a 0750 directory of root's, and the batch step's
