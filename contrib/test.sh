@@ -34,6 +34,7 @@ target/debug/gpufence-bench growth --smoke >/dev/null
 target/debug/gpufence-bench flood --smoke >/dev/null
 target/debug/gpufence-bench ctld --smoke >/dev/null
 target/debug/gpufence-bench deadline --smoke >/dev/null
+target/debug/gpufence-bench door --smoke >/dev/null
 # Packages, one per tested Slurm series (the host's 22.05, then each root's):
 # build the .deb and .rpm from this tree and check their contents, their
 # plugstack lines, and dpkg installing the .deb with slurmd alone and with

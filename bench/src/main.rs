@@ -13,6 +13,7 @@
 //! gpufence-bench flood [--procs N,..] [--fds N,..] [--runs N] [--smoke]
 //!                                                         a co-tenant's scan while another job floods its tables
 //! gpufence-bench ctld [--queued N,..] [--runs N] [--smoke]  the Prolog's several-types query against a full slurmctld
+//! gpufence-bench door [--runs N] [--smoke]                 the job's door (credentials, images) off vs warn
 //! gpufence-bench deadline [--deadlines default,MS,..] [--runs N] [--smoke]
 //!                                                         the Epilog against a SIGTERM-ignoring holder, per deadline
 //! ```
@@ -21,6 +22,7 @@
 
 mod ctld;
 mod deadline;
+mod door;
 mod flood;
 mod growth;
 mod job;
@@ -154,6 +156,15 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
     },
+    /// The job's door (credentials in the batch script and environment, container images): off against warn, per input size.
+    Door {
+        /// Runs per mode and input (median).
+        #[arg(long, default_value_t = 41)]
+        runs: usize,
+        /// Three runs (CI).
+        #[arg(long)]
+        smoke: bool,
+    },
     /// Where a pinned scan's time goes (pieces timed alone).
     #[command(hide = true)]
     ScanProfile {
@@ -220,6 +231,18 @@ fn main() -> ExitCode {
             runs,
             smoke,
         } => bench_deadline(deadlines, runs, smoke, cli.json),
+        Cmd::Door { runs, smoke } => {
+            let runs = if smoke { 3 } else { runs };
+            let r = door::run(runs);
+            door::print(&r, runs);
+            if let Some(p) = cli.json {
+                let rows: Vec<serde_json::Value> = r
+                    .iter()
+                    .map(|x| serde_json::json!({"input": x.input, "script_bytes": x.script_bytes, "env_vars": x.env_vars, "off_ms": x.off_ms, "warn_ms": x.warn_ms, "warn_p95_ms": x.warn_p95_ms, "lines": x.lines}))
+                    .collect();
+                let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
+            }
+        }
         Cmd::ScanProfile { procs, fds, runs } => scan::profile(procs, fds, runs),
         Cmd::Flood {
             procs,

@@ -133,6 +133,17 @@ pub mod events {
     /// (`epilog_deadline_ms`): the deadline, where it came from, the time
     /// taken, one line per wait cut.
     pub const EPILOG_DEADLINE: &str = "epilog_deadline";
+    /// Credentials found in a batch job's script or submission
+    /// environment, once per job (the batch step): `action` (`warn`,
+    /// `refuse`), `findings` (each `rule`, `kind`, `place`, `sha256_8`:
+    /// the first 8 hex digits of the SHA-256 of the match; never the
+    /// value), `unread` (variables past the bound), `truncated` (a script
+    /// longer than its first MiB).
+    pub const JOB_SECRET: &str = "job_secret";
+    /// A step names a container image by tag and not by digest, or from a
+    /// registry outside `container_registries`: `action`, `step`,
+    /// `images` (each `image`, `registry`, `source`, `issue`).
+    pub const CONTAINER_IMAGE: &str = "container_image";
 
     /// Every event name above: the vocabulary SECURITY.md's table of
     /// audit events names, no more, no less (tested).
@@ -179,6 +190,8 @@ pub mod events {
         RESPOND_DRAIN_FAILED,
         NODE_RESUMED,
         NODE_FLAPPING,
+        JOB_SECRET,
+        CONTAINER_IMAGE,
     ];
 }
 

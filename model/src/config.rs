@@ -292,6 +292,49 @@ pub struct Config {
     /// Files with such names in it are gpufence's: it removes those no
     /// job holds.
     pub job_map_dir: Option<PathBuf>,
+    /// Credentials in a batch job's script and submission environment,
+    /// found by the plugin at the batch step's start
+    /// (`gpufence_node::job::door`): `warn` (default: one line on the
+    /// job's stderr, one `job_secret` audit event), `refuse` (the job
+    /// fails before its script runs, with that line) or `off`.
+    pub job_secrets: DoorMode,
+    /// A step's container image named by tag and not by digest, or from a
+    /// registry outside `container_registries` (Pyxis's
+    /// `--container-image`, a task running `podman run`,
+    /// `apptainer`/`singularity exec|run`, `enroot import`): `warn`
+    /// (default: a line on the step's stderr, a `container_image` audit
+    /// event), `refuse` (the step fails before its tasks run) or `off`.
+    /// A hint, not a control: a script can pull images itself.
+    pub container_images: DoorMode,
+    /// The registries (`nvcr.io`, `ghcr.io`, `docker.io` for Docker Hub,
+    /// `registry.example:5000`) images may come from, compared ignoring
+    /// ASCII case; empty (default): any registry.
+    pub container_registries: Vec<String>,
+}
+
+/// What the job's door does with what it finds ([`Config::job_secrets`],
+/// [`Config::container_images`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DoorMode {
+    /// Not checked.
+    Off,
+    /// One line on the job's stderr and one audit event; the job runs.
+    #[default]
+    Warn,
+    /// That line, the audit event, and the job (or step) fails before its
+    /// tasks run.
+    Refuse,
+}
+
+impl fmt::Display for DoorMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DoorMode::Off => "off",
+            DoorMode::Warn => "warn",
+            DoorMode::Refuse => "refuse",
+        })
+    }
 }
 
 /// Whether the fence denies or only records.
@@ -389,6 +432,9 @@ impl Default for Config {
             mps_dir: "/run/gpufence-mps".into(),
             mps_cgroup: "gpufence-mps".into(),
             job_map_dir: None,
+            job_secrets: DoorMode::Warn,
+            container_images: DoorMode::Warn,
+            container_registries: Vec::new(),
         }
     }
 }

@@ -8,7 +8,9 @@
 //! job records kept under `state_dir` ([`record`]), the JSON Lines audit
 //! log and its vocabulary ([`audit`]), file helpers and `flock(2)`
 //! ([`fsutil`]), `/proc/<pid>/stat` ([`procstat`]) and the node's name
-//! ([`nodename`]). Nothing here loads BPF or touches cgroups.
+//! ([`nodename`]), the credential rules for job scripts and environments
+//! ([`secrets`]) and container image references ([`image`]). Nothing here
+//! loads BPF or touches cgroups.
 
 pub mod audit;
 pub mod cgpath;
@@ -18,6 +20,7 @@ pub mod drainrec;
 pub mod error;
 pub mod fsutil;
 pub mod gres;
+pub mod image;
 pub mod mig;
 pub mod migdraw;
 pub mod nodename;
@@ -28,6 +31,7 @@ pub mod procdevices;
 pub mod procnet;
 pub mod procstat;
 pub mod record;
+pub mod secrets;
 pub mod text;
 pub mod visible;
 

@@ -15,7 +15,9 @@
 //!   grants the job cgroup itself (`gpufence_node::job::injob`). With
 //!   Slurm's `SwitchType=switch/nvidia_imex`, the job cgroup also gets
 //!   `mknod` of the IMEX major, for slurmstepd to make the step's channel
-//!   (`gpufence_node::job::imex`).
+//!   (`gpufence_node::job::imex`). Then the job's door
+//!   (`gpufence_node::job::door`): credentials in the batch script and
+//!   environment, container images by tag; its refusal is the step's.
 //! - `task_init_privileged` / `task_init` (in each task, before exec, stderr
 //!   connected to the job's): print the one line the user must see, and
 //!   stop the task when the step was refused; under `switch/nvidia_imex`,
@@ -34,8 +36,10 @@ use std::path::PathBuf;
 
 use slurm_spank::{spank_log, Context, LogLevel, Plugin, SpankHandle};
 
+use gpufence_node::job::door;
 use gpufence_node::job::grant::{self, StepRequest, StepVerdict};
 use gpufence_node::{host::fence_ops, host::gresmap, host::slurmconf, Node};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 include!(concat!(env!("OUT_DIR"), "/plugin_decl.rs"));
 
@@ -214,7 +218,7 @@ pub extern "C" fn slurm_spank_task_init(
 /// Validates option values where the user types them (srun, sbatch), so a
 /// bad value fails at submission with a clear line. Never panics.
 unsafe extern "C" fn option_cb(val: c_int, optarg: *const c_char, _remote: c_int) -> c_int {
-    let r = std::panic::catch_unwind(|| {
+    let r = catch_unwind(|| {
         if val == 2 && !optarg.is_null() {
             // SAFETY: Slurm passes a NUL-terminated string or NULL.
             let s = unsafe { std::ffi::CStr::from_ptr(optarg) }
@@ -464,9 +468,33 @@ impl GpuFence {
             }
         };
         let slurm = slurmconf::SlurmConf::load(&slurm_conf_path()).ok();
-        let g = grant::grant_step(&node, &req, &node_name(), || {
+        let mut g = grant::grant_step(&node, &req, &node_name(), || {
             slurm.as_ref().is_some_and(|c| c.run_in_job())
         });
+        // The job's door: credentials (batch step), container images
+        // (gpufence_node::job::door). slurm-spank panics on a NULL item:
+        // caught, it is an item not given, never a failed step.
+        if req.step_id != grant::EXTERN_STEP_ID {
+            let argv = catch_unwind(AssertUnwindSafe(|| spank.job_argv_os()))
+                .ok()
+                .and_then(Result::ok);
+            let env = catch_unwind(AssertUnwindSafe(|| spank.job_env_os()))
+                .ok()
+                .and_then(Result::ok);
+            let step = door::DoorStep {
+                req: &req,
+                argv: argv.as_deref().unwrap_or_default(),
+                env: env.as_deref(),
+            };
+            let d = door::check_step(&node, slurm.as_ref(), &step);
+            for l in &d.log_lines {
+                log(LogLevel::Error, l);
+            }
+            g.user_notes.extend(d.user_lines);
+            if let (Some(r), false) = (d.refuse, matches!(g.verdict, StepVerdict::Refuse(_))) {
+                g.verdict = StepVerdict::Refuse(r);
+            }
+        }
         // Slurm's IMEX channels: slurmstepd makes the step's channel node
         // after this callback, in the job cgroup (gpufence_node::job::imex).
         let major = slurm

@@ -125,6 +125,13 @@ pub struct SlurmConf {
     pub switch_type: Option<String>,
     /// `SwitchParameters` (a comma list), as written; `None` when unset.
     pub switch_parameters: Option<String>,
+    /// `AccountingStoreFlags` (a comma list: `job_comment`, `job_env`,
+    /// `job_extra`, `job_script`; slurm.conf(5)), as written; `None` when
+    /// unset.
+    pub accounting_store_flags: Option<String>,
+    /// `StateSaveLocation`, as written; `None` when unset (Slurm's default
+    /// is `/var/spool/slurmctld`, slurm.conf(5)).
+    pub state_save_location: Option<String>,
 }
 
 /// The `SwitchType` of Slurm's IMEX channel plugin (24.05+,
@@ -149,6 +156,8 @@ impl SlurmConf {
             prolog_flags: conf_value(text, "PrologFlags"),
             switch_type: conf_value(text, "SwitchType"),
             switch_parameters: conf_value(text, "SwitchParameters"),
+            accounting_store_flags: conf_value(text, "AccountingStoreFlags"),
+            state_save_location: conf_value(text, "StateSaveLocation"),
         }
     }
 
@@ -203,6 +212,15 @@ impl SlurmConf {
         self.proctrack_type
             .as_deref()
             .unwrap_or(DEFAULT_PROCTRACK_TYPE)
+    }
+
+    /// Whether `AccountingStoreFlags` lists `flag` (`job_script`,
+    /// `job_env`), ignoring ASCII case: slurmdbd then keeps each batch
+    /// job's script or environment (slurm.conf(5), `AccountingStoreFlags`).
+    pub fn accounting_stores(&self, flag: &str) -> bool {
+        self.accounting_store_flags
+            .as_deref()
+            .is_some_and(|f| f.split(',').any(|x| x.trim().eq_ignore_ascii_case(flag)))
     }
 
     /// Whether `TaskPlugin` lists `task/cgroup`.

@@ -2,10 +2,12 @@
 //!
 //! Its modules use one another one way (`tests/tests/layering.rs`):
 //! `mps`, `report`, `shared`, `leftovers` and `jobmap` use none of the
-//! others;
+//! others; `door` (credentials and images at a step's start) uses `grant`
+//! for the step's names;
 //! `injob` uses `apply`; `prolog` and `epilog` use those below them; `timeouts` (their worst
 //! durations against slurm.conf's timeouts) reads their waits.
 
+pub mod door;
 pub mod epilog;
 pub mod grant;
 pub mod imex;
