@@ -175,6 +175,61 @@ const PODMAN_VALUED: &[&str] = &[
     "--workdir",
     "--hooks-dir",
     "--uts",
+    "--add-host",
+    "-c",
+    "--cpu-shares",
+    "--cert-dir",
+    "--creds",
+    "--decryption-key",
+    "--dns-search",
+    "--gidmap",
+    "--health-cmd",
+    "--ip",
+    "--label-file",
+    "--log-opt",
+    "--memory-swap",
+    "--pids-limit",
+    "--pod",
+    "--restart",
+    "--retry",
+    "--secret",
+    "--stop-timeout",
+    "--sysctl",
+    "--uidmap",
+    "--variant",
+];
+
+/// Options of `podman run`/`create`/`pull` that take no value
+/// (podman-run(1), podman-pull(1)). An option in neither this list nor
+/// [`PODMAN_VALUED`] could take the next word as its value: the argv then
+/// names no image for gpufence, rather than a word that may not be one
+/// (and may be a credential, as `--creds user:password` is).
+const PODMAN_FLAGS: &[&str] = &[
+    "-d",
+    "--detach",
+    "-i",
+    "--interactive",
+    "-t",
+    "--tty",
+    "-it",
+    "-ti",
+    "--rm",
+    "--privileged",
+    "--init",
+    "--read-only",
+    "--replace",
+    "--no-hosts",
+    "--http-proxy",
+    "-q",
+    "--quiet",
+    "--tls-verify",
+    "--all-tags",
+    "--disable-content-trust",
+    "--sig-proxy",
+    "-P",
+    "--publish-all",
+    "--systemd",
+    "--oom-kill-disable",
 ];
 
 /// Global options of podman that take a separate value (podman(1)).
@@ -192,8 +247,13 @@ const PODMAN_GLOBAL_VALUED: &[&str] = &[
 ];
 
 /// The first positional word of `args`, skipping options and the values
-/// of those in `valued` (`--opt value`; `--opt=value` is one word).
-fn first_positional<'a>(args: &[&'a str], valued: &[&str]) -> Option<(usize, &'a str)> {
+/// of those in `valued` (`--opt value`; `--opt=value` is one word). With
+/// `flags`, an option in neither list (its arity unknown) gives `None`.
+fn first_positional<'a>(
+    args: &[&'a str],
+    valued: &[&str],
+    flags: Option<&[&str]>,
+) -> Option<(usize, &'a str)> {
     let mut i = 0;
     while i < args.len() {
         let a = args[i];
@@ -201,7 +261,16 @@ fn first_positional<'a>(args: &[&'a str], valued: &[&str]) -> Option<(usize, &'a
             return args.get(i + 1).map(|w| (i + 1, *w));
         }
         if a.starts_with('-') && a.len() > 1 {
-            i += if valued.contains(&a) { 2 } else { 1 };
+            if valued.contains(&a) {
+                i += 2;
+                continue;
+            }
+            if let Some(flags) = flags {
+                if !a.contains('=') && !flags.contains(&a) {
+                    return None;
+                }
+            }
+            i += 1;
             continue;
         }
         return Some((i, a));
@@ -219,16 +288,18 @@ pub fn from_argv(argv: &[&str]) -> Vec<ImageRef> {
     let mut out = Vec::new();
     match prog {
         "podman" => {
-            if let Some((i, sub)) = first_positional(args, PODMAN_GLOBAL_VALUED) {
+            if let Some((i, sub)) = first_positional(args, PODMAN_GLOBAL_VALUED, None) {
                 if matches!(sub, "run" | "create" | "pull") {
-                    if let Some((_, img)) = first_positional(&args[i + 1..], PODMAN_VALUED) {
+                    if let Some((_, img)) =
+                        first_positional(&args[i + 1..], PODMAN_VALUED, Some(PODMAN_FLAGS))
+                    {
                         out.extend(parse(img, "podman"));
                     }
                 }
             }
         }
         "apptainer" | "singularity" => {
-            if let Some((i, sub)) = first_positional(args, &[]) {
+            if let Some((i, sub)) = first_positional(args, &[], None) {
                 if matches!(sub, "exec" | "run" | "shell" | "pull" | "build") {
                     for w in &args[i + 1..] {
                         if let Some(rest) = ["docker://", "oras://", "library://"]
@@ -250,10 +321,10 @@ pub fn from_argv(argv: &[&str]) -> Vec<ImageRef> {
             }
         }
         "enroot" => {
-            if let Some((i, sub)) = first_positional(args, &[]) {
+            if let Some((i, sub)) = first_positional(args, &[], None) {
                 if sub == "import" {
                     if let Some((_, uri)) =
-                        first_positional(&args[i + 1..], &["-o", "--output", "-a", "--arch"])
+                        first_positional(&args[i + 1..], &["-o", "--output", "-a", "--arch"], None)
                     {
                         if uri.starts_with("docker://") {
                             out.extend(parse(uri, "enroot"));
@@ -350,6 +421,51 @@ mod tests {
         assert!(one(&["enroot", "start", "x"]).is_empty());
         assert!(one(&["python", "podman", "run", "x:1"]).is_empty());
         assert!(one(&[]).is_empty());
+    }
+
+    /// Options that take a value are skipped with it (`--restart always`,
+    /// `--secret name`); an option gpufence does not know names no image
+    /// rather than a word that may be its value: `--creds user:token`
+    /// never becomes an "image" printed to the job, the log and the audit.
+    #[test]
+    fn podman_option_values_are_never_images() {
+        let pinned = format!("ghcr.io/x/y@{D}");
+        for opts in [
+            &["--restart", "always"][..],
+            &["--secret", "mysecret"],
+            &[
+                "--creds",
+                "alice:ghp_FAKEfake0123456789TESTtestFAKEfake9999",
+            ],
+            &["-c", "512"],
+            &["--pod", "p1"],
+        ] {
+            let mut argv = vec!["podman", "run"];
+            argv.extend_from_slice(opts);
+            argv.push(&pinned);
+            let r = from_argv(&argv);
+            assert_eq!(r.len(), 1, "{argv:?}: {r:?}");
+            assert!(r[0].pinned && r[0].registry == "ghcr.io", "{argv:?}: {r:?}");
+        }
+        // Unknown, so nothing: neither the word after it nor the image.
+        let r = from_argv(&[
+            "podman",
+            "pull",
+            "--some-new-opt",
+            "alice:ghp_FAKE",
+            &pinned,
+        ]);
+        assert!(r.is_empty(), "{r:?}");
+        // Known flags and --opt=value forms still find the image.
+        let r = from_argv(&[
+            "podman",
+            "run",
+            "-it",
+            "--rm",
+            "--creds=a:b",
+            "ubuntu:22.04",
+        ]);
+        assert_eq!((r.len(), r[0].pinned), (1, false), "{r:?}");
     }
 
     #[test]

@@ -171,16 +171,25 @@ pub const RULES: &[Rule] = &[
 /// `secret` (`AWS_SECRET_ACCESS_KEY`, `aws_secret_access_key`) given 40
 /// characters of base64 (gitleaks' `aws-access-token` description: the
 /// secret is what makes the pair a credential).
-const AWS_SECRET: &str = r#"(?i)aws[a-z0-9_.-]{0,20}secret[a-z0-9_.-]{0,20}["']?[ \t]*(?::=|=|:)[ \t]*["']?([a-z0-9/+]{40})\b"#;
+const AWS_SECRET: &str = r#"(?i)aws[a-z0-9_.-]{0,20}secret[a-z0-9_.-]{0,20}["']?[ \t]*(?::=|=|:)[ \t]*["']?([a-z0-9/+]{40})(?:[^a-z0-9/+]|$)"#;
+
+/// The findings a scan of a script, or of an environment, keeps at most
+/// (the first by line, or in the environment's order): what the job's line
+/// and its audit event name stays bounded whatever the job holds.
+pub const MAX_FINDINGS: usize = 64;
 
 /// Where a finding is.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Place {
     /// A line of the script, from 1.
     Line(usize),
     /// A variable of the environment, by name (printable, at most 64
     /// characters).
     Var(String),
+    /// A variable of the environment by its number (from 1, in the
+    /// environment's order): where the match reaches into the name or the
+    /// entry has no `=`, so the name could hold the secret.
+    VarAt(usize),
 }
 
 impl std::fmt::Display for Place {
@@ -188,6 +197,7 @@ impl std::fmt::Display for Place {
         match self {
             Place::Line(n) => write!(f, "line {n}"),
             Place::Var(v) => write!(f, "variable {v}"),
+            Place::VarAt(n) => write!(f, "variable #{n}"),
         }
     }
 }
@@ -271,7 +281,7 @@ fn ascii(re: &str) -> Result<Regex, regex::Error> {
 /// found something at the same place (`HF_TOKEN=hf_...` is one Hugging
 /// Face token, not also a token assignment).
 fn without_generic_twins(findings: Vec<Finding>) -> Vec<Finding> {
-    let specific: Vec<Place> = findings
+    let specific: std::collections::HashSet<Place> = findings
         .iter()
         .filter(|f| f.rule != "generic-api-key")
         .map(|f| f.place.clone())
@@ -331,31 +341,42 @@ impl Scanner {
     /// one per line and rule.
     pub fn scan_script(&self, text: &[u8]) -> Vec<Finding> {
         let text = &text[..text.len().min(SCRIPT_MAX_BYTES)];
-        let line_of = |off: usize| 1 + text[..off].iter().filter(|&&b| b == b'\n').count();
-        let secrets: Vec<usize> = self.aws_secrets(text).into_iter().map(line_of).collect();
+        // Line numbers from one index of the newlines (a script of many
+        // matches must not count from byte 0 for each: quadratic).
+        let newlines: Vec<usize> = text
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &b)| (b == b'\n').then_some(i))
+            .collect();
+        let line_of = |off: usize| 1 + newlines.partition_point(|&p| p < off);
+        let mut secrets: Vec<usize> = self.aws_secrets(text).into_iter().map(line_of).collect();
+        secrets.sort_unstable();
+        let near_secret = |line: usize| {
+            let i = secrets.partition_point(|&s| s < line.saturating_sub(AWS_PAIR_LINES));
+            secrets.get(i).is_some_and(|&s| s <= line + AWS_PAIR_LINES)
+        };
+        let mut seen = std::collections::HashSet::new();
         let mut out: Vec<Finding> = Vec::new();
         for (off, rule, hash) in self.raw(text) {
             let line = line_of(off);
-            if rule.id == "aws-access-token"
-                && !secrets.iter().any(|&s| s.abs_diff(line) <= AWS_PAIR_LINES)
-            {
+            if rule.id == "aws-access-token" && !near_secret(line) {
                 continue;
             }
-            let f = Finding {
-                rule: rule.id,
-                kind: rule.kind,
-                place: Place::Line(line),
-                hash,
-            };
-            if !out.iter().any(|o| o.rule == f.rule && o.place == f.place) {
-                out.push(f);
+            if seen.insert((rule.id, line)) {
+                out.push(Finding {
+                    rule: rule.id,
+                    kind: rule.kind,
+                    place: Place::Line(line),
+                    hash,
+                });
             }
         }
         let mut out = without_generic_twins(out);
         out.sort_by_key(|f| match f.place {
             Place::Line(n) => n,
-            Place::Var(_) => 0,
+            Place::Var(_) | Place::VarAt(_) => 0,
         });
+        out.truncate(MAX_FINDINGS);
         out
     }
 
@@ -376,17 +397,24 @@ impl Scanner {
             text.extend_from_slice(v);
             text.push(b'\n');
         }
+        // The variable's name, unless the match reaches into it or the
+        // entry has no `=` (the secret could be the name itself): then
+        // its number ([`Place::VarAt`]).
         let var_of = |off: usize| {
             let i = starts.partition_point(|(s, _)| *s <= off).saturating_sub(1);
-            let entry = starts.get(i).map_or(&b""[..], |(_, v)| v);
-            let name = entry.split(|&b| b == b'=').next().unwrap_or(b"");
-            let name: String = crate::text::printable(&String::from_utf8_lossy(name))
-                .chars()
-                .take(64)
-                .collect();
-            name
+            let (start, entry) = starts.get(i).copied().unwrap_or((0, &b""[..]));
+            match entry.iter().position(|&b| b == b'=') {
+                Some(eq) if off >= start + eq => Place::Var(
+                    crate::text::printable(&String::from_utf8_lossy(&entry[..eq]))
+                        .chars()
+                        .take(64)
+                        .collect(),
+                ),
+                _ => Place::VarAt(i + 1),
+            }
         };
         let paired = !self.aws_secrets(&text).is_empty();
+        let mut seen = std::collections::HashSet::new();
         let mut findings: Vec<Finding> = Vec::new();
         for (off, rule, hash) in self.raw(&text) {
             if rule.id == "aws-access-token" && !paired {
@@ -395,20 +423,16 @@ impl Scanner {
             let f = Finding {
                 rule: rule.id,
                 kind: rule.kind,
-                place: Place::Var(var_of(off)),
+                place: var_of(off),
                 hash,
             };
-            if !findings
-                .iter()
-                .any(|o| o.rule == f.rule && o.place == f.place)
-            {
+            if seen.insert((f.rule, f.place.clone())) {
                 findings.push(f);
             }
         }
-        EnvScan {
-            findings: without_generic_twins(findings),
-            unread,
-        }
+        let mut findings = without_generic_twins(findings);
+        findings.truncate(MAX_FINDINGS);
+        EnvScan { findings, unread }
     }
 }
 
@@ -443,7 +467,8 @@ mod tests {
             (
                 "github-pat",
                 "git clone https://ghp_FAKEfake0123456789TESTtestFAKEfake0123@github.com/x/y\n".into(),
-                "git clone https://ghp_FAKEfake0123@github.com/x/y\n".into(),
+                // 35 characters of the 36
+                "git clone https://ghp_FAKEfake0123456789TESTtestFAKEfake0@github.com/x/y\n".into(),
             ),
             (
                 "github-fine-grained-pat",
@@ -453,7 +478,8 @@ mod tests {
             (
                 "github-oauth",
                 "T=gho_FAKEfake0123456789TESTtestFAKEfake0123\n".into(),
-                "T=gho_FAKE\n".into(),
+                // 35 characters of the 36
+                "T=gho_FAKEfake0123456789TESTtestFAKEfake0\n".into(),
             ),
             (
                 "github-app-token",
@@ -468,7 +494,8 @@ mod tests {
             (
                 "gitlab-pat",
                 "git clone https://oauth2:glpat-FAKEfake0123TESTtest@gitlab.example/x\n".into(),
-                "git clone https://oauth2:glpat-FAKE@gitlab.example/x\n".into(),
+                // 19 characters of the 20
+                "git clone https://oauth2:glpat-FAKEfake0123TESTtes@gitlab.example/x\n".into(),
             ),
             (
                 "gitlab-ptt",
@@ -478,7 +505,8 @@ mod tests {
             (
                 "gitlab-deploy-token",
                 "T=gldt-FAKEfake0123TESTtest\n".into(),
-                "T=gldt-FAKE\n".into(),
+                // 19 characters of the 20
+                "T=gldt-FAKEfake0123TESTtes\n".into(),
             ),
             (
                 "huggingface-access-token",
@@ -595,6 +623,71 @@ mod tests {
             .scan_script(far.as_bytes())
             .iter()
             .all(|f| f.rule != "aws-access-token"));
+    }
+
+    /// A script of 10,000 token lines: the findings stop at
+    /// [`MAX_FINDINGS`], the first ones by line, each with its own line
+    /// number (from one newline index: no count from byte 0 per match);
+    /// a single token deep in a long script has its line.
+    #[test]
+    fn many_matches_keep_their_lines_and_stop_at_the_bound() {
+        let s = Scanner::new().unwrap();
+        let text: String = (0..10_000)
+            .map(|i| format!("T{i}=glpat-FAKEfake{i:04}TESTtest\n"))
+            .collect();
+        let f = s.scan_script(text.as_bytes());
+        assert_eq!(f.len(), MAX_FINDINGS);
+        let lines: Vec<Place> = f.iter().map(|x| x.place.clone()).collect();
+        let want: Vec<Place> = (1..=MAX_FINDINGS).map(Place::Line).collect();
+        assert_eq!(lines, want);
+        let deep = format!("{}T=glpat-FAKEfake0123TESTtest\n", "echo\n".repeat(4999));
+        let f = s.scan_script(deep.as_bytes());
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].place, Place::Line(5000));
+    }
+
+    /// A variable whose name holds the token (or an entry with no `=`) is
+    /// named by its number, never by the name; a value's variable by name.
+    #[test]
+    fn a_secret_in_a_variable_name_is_never_named() {
+        let s = Scanner::new().unwrap();
+        let tok = "ghp_FAKEfake0123456789TESTtestFAKEfake0123";
+        let places = |vars: &[String]| -> Vec<Place> {
+            s.scan_env(vars.iter().map(|v| v.as_bytes()))
+                .findings
+                .into_iter()
+                .map(|f| f.place)
+                .collect()
+        };
+        assert_eq!(places(&[format!("{tok}=1")]), vec![Place::VarAt(1)]);
+        assert_eq!(
+            places(&["HOME=/home/a".into(), tok.to_string()]),
+            vec![Place::VarAt(2)]
+        );
+        assert_eq!(places(&[format!("T={tok}")]), vec![Place::Var("T".into())]);
+        for p in places(&[format!("{tok}=1"), tok.to_string()]) {
+            assert!(!p.to_string().contains("FAKEfake"), "{p}");
+        }
+    }
+
+    /// An AWS secret ending in `/` or `+` pairs with its access key id
+    /// (the pattern ends at a character outside the key's alphabet, not at
+    /// a word boundary, which `/` then a newline is not).
+    #[test]
+    fn aws_secrets_ending_in_slash_or_plus_pair() {
+        let s = Scanner::new().unwrap();
+        for end in ["/", "+"] {
+            let secret = format!("{}{end}", &aws_secret()[..39]);
+            let text = format!(
+                "export AWS_ACCESS_KEY_ID={}\nexport AWS_SECRET_ACCESS_KEY={secret}\n",
+                aws_id()
+            );
+            let f = s.scan_script(text.as_bytes());
+            assert!(
+                f.iter().any(|x| x.rule == "aws-access-token"),
+                "{end}: {f:?}"
+            );
+        }
     }
 
     #[test]

@@ -336,15 +336,24 @@ fn secrets_and_images_at_the_door_slurm_22_05() {
     assert!(events(&env, job, "job_secret").is_empty());
 
     // 4. A huge script (2 MiB, its secret past the first MiB): read to its
-    //    first MiB, silent, runs.
+    //    first MiB, silent to the user, runs; the audit log says what was
+    //    not read (a padded script is seen).
     let big = format!(
         "#!/bin/sh\n{}\nexport T=ghp_FAKEfake0123456789TESTtestFAKEfake9999\necho RAN\n",
         format!("# {}\n", "x".repeat(1000)).repeat(2048)
     );
-    let (_, out) = run_batch(&cluster, &env, "big.sh", &big, &[]);
+    let (job, out) = run_batch(&cluster, &env, "big.sh", &big, &[]);
     assert!(
         out.lines().any(|l| l == "RAN") && door_line(&out).is_none(),
         "{out}"
+    );
+    let partly = events(&env, job, "check_failed");
+    assert_eq!(partly.len(), 1, "{partly:?}");
+    assert!(
+        partly[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("partly read") && r.contains("first 1048576 bytes")),
+        "{partly:?}"
     );
 
     // 5. Images through the Pyxis option variable: a tag warned, a digest

@@ -39,7 +39,9 @@ use std::path::Path;
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::DoorMode;
 use gpufence_model::image::{self, ImageIssue, ImageRef, PYXIS_IMAGE_ENV};
-use gpufence_model::secrets::{Finding, Place, Scanner, ENV_MAX_VARS, SCRIPT_MAX_BYTES};
+use gpufence_model::secrets::{
+    Finding, Place, Scanner, ENV_MAX_BYTES, ENV_MAX_VARS, SCRIPT_MAX_BYTES,
+};
 use serde_json::json;
 
 use crate::host::slurmconf::SlurmConf;
@@ -187,6 +189,30 @@ fn secrets(node: &Node, slurm: Option<&SlurmConf>, step: &DoorStep, door: &mut D
         }
     }
     if findings.is_empty() {
+        // Nothing in what was read; what was not read is said, so that a
+        // padded script or environment is seen in the audit log.
+        if truncated || unread > 0 {
+            let mut parts = Vec::new();
+            if truncated {
+                parts.push(format!(
+                    "the batch script past its first {SCRIPT_MAX_BYTES} bytes"
+                ));
+            }
+            if unread > 0 {
+                parts.push(format!(
+                    "{unread} variables past the environment's bounds ({ENV_MAX_VARS} variables, {ENV_MAX_BYTES} bytes)"
+                ));
+            }
+            check_failed(
+                node,
+                door,
+                req,
+                format!(
+                    "partly read, nothing found in the rest: {} not read",
+                    parts.join(" and ")
+                ),
+            );
+        }
         return;
     }
     let mode = node.cfg.job_secrets;
@@ -225,6 +251,7 @@ pub fn secrets_line(
         .map(|(src, f)| match &f.place {
             Place::Line(n) => format!("{} on line {n} of the {src}", f.kind),
             Place::Var(v) => format!("{} in {v} of the {src}", f.kind),
+            Place::VarAt(n) => format!("{} in variable #{n} of the {src}", f.kind),
         })
         .collect();
     if findings.len() > LINE_FINDINGS {
@@ -275,9 +302,10 @@ fn images(node: &Node, step: &DoorStep, door: &mut Door) {
     let mut found: Vec<ImageRef> = Vec::new();
     if let Some(env) = step.env {
         let key = format!("{PYXIS_IMAGE_ENV}=");
+        // Every variable (a prefix comparison each): sbatch and srun add
+        // the option's variable after the user's own.
         if let Some(v) = env
             .iter()
-            .take(ENV_MAX_VARS)
             .find_map(|v| v.as_bytes().strip_prefix(key.as_bytes()))
         {
             found.extend(image::from_pyxis(&String::from_utf8_lossy(v)));
