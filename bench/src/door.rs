@@ -15,9 +15,25 @@
 //!   script, no rules compiled), its Pyxis image by tag.
 //!
 //! Times are the call's wall time, ms: reading the script (page cache),
-//! compiling the rules, scanning, and for findings the audit append. The
-//! slurm-spank conversion of `S_JOB_ENV` into a vector (one `strlen` per
-//! variable, every variable) is outside it, and not measured.
+//! the keyword search, compiling the rules it selects, scanning, and for
+//! findings the audit append. **Every run is a fresh process** (a `fork`
+//! of the bench, which never scans itself): slurmstepd is one per step,
+//! so the rules a step compiles are compiled again in the next; a
+//! measurement in a process that has scanned before would not pay them.
+//! Per input, interleaved run by run, each in its own child:
+//!
+//! - **off**: `check_step` with the checks `off`;
+//! - **warn**: `check_step` at `warn` (keywords, then the rules they
+//!   select, compiled);
+//! - **warm**: the same in a child that ran it once before (rules already
+//!   compiled: the scan alone);
+//! - **all rules**: the door before the keyword prefilter, replicated here
+//!   (not in the product): the script read as the door reads it, every
+//!   rule and the AWS secret's regex compiled (ASCII, as the door does)
+//!   and run over the script and the environment; no findings built.
+//!
+//! The slurm-spank conversion of `S_JOB_ENV` into a vector (one `strlen`
+//! per variable, every variable) is outside it, and not measured.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -25,6 +41,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use gpufence_model::config::{Config, ConfigOrigin, DoorMode};
+use gpufence_model::secrets::{self, ENV_MAX_BYTES, ENV_MAX_VARS, RULES, SCRIPT_MAX_BYTES};
 use gpufence_node::job::door::{check_step, DoorStep, BATCH_STEP_ID};
 use gpufence_node::job::grant::StepRequest;
 use gpufence_node::Node;
@@ -40,12 +57,86 @@ pub struct DoorResult {
     pub env_vars: usize,
     /// Median ms with the checks off.
     pub off_ms: f64,
-    /// Median ms with `warn`.
+    /// Median ms with `warn`, in a fresh process.
     pub warn_ms: f64,
-    /// 95th percentile ms with `warn`.
+    /// 95th percentile ms with `warn`, in a fresh process.
     pub warn_p95_ms: f64,
+    /// Median ms with `warn` in a process that ran it before.
+    pub warm_ms: f64,
+    /// Median ms of every rule compiled and run (the door before the
+    /// keyword prefilter, replicated in the bench).
+    pub all_rules_ms: f64,
+    /// The rules `warn` compiled.
+    pub compiled: usize,
     /// Findings (the lines `warn` gave).
     pub lines: usize,
+}
+
+/// Runs `f` in a forked child and returns what it gave: (ms, a count, a
+/// count). The child exits with `_exit` (no destructor of the parent's
+/// runs in it).
+fn in_child(f: impl FnOnce() -> (f64, u32, u32)) -> (f64, u32, u32) {
+    let mut fds = [0i32; 2];
+    // SAFETY: a two-int array for pipe(2).
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
+    // SAFETY: the bench is one thread here; the child only runs `f` and
+    // writes to the pipe before `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        let (ms, a, b) = f();
+        let mut buf = [0u8; 16];
+        buf[..8].copy_from_slice(&ms.to_ne_bytes());
+        buf[8..12].copy_from_slice(&a.to_ne_bytes());
+        buf[12..].copy_from_slice(&b.to_ne_bytes());
+        // SAFETY: writing our buffer to our pipe, then leaving at once.
+        unsafe {
+            libc::write(fds[1], buf.as_ptr().cast(), buf.len());
+            libc::_exit(0);
+        }
+    }
+    let mut buf = [0u8; 16];
+    // SAFETY: closing our copy of the write end; reading into our buffer;
+    // reaping our child.
+    let n = unsafe {
+        libc::close(fds[1]);
+        let n = libc::read(fds[0], buf.as_mut_ptr().cast(), buf.len());
+        libc::close(fds[0]);
+        let mut st = 0;
+        libc::waitpid(pid, &mut st, 0);
+        n
+    };
+    assert_eq!(n, 16, "the child gave no result");
+    let ms = f64::from_ne_bytes(buf[..8].try_into().unwrap_or_default());
+    let a = u32::from_ne_bytes(buf[8..12].try_into().unwrap_or_default());
+    let b = u32::from_ne_bytes(buf[12..].try_into().unwrap_or_default());
+    (ms, a, b)
+}
+
+/// The door before the keyword prefilter, for comparison: the script
+/// read to its bound, the environment joined to its bounds, every rule
+/// (and the AWS secret's regex) compiled with Unicode off and run over
+/// both. Returns the matches (so nothing is optimised away).
+fn all_rules(script: &Path, env: &[&OsStr]) -> usize {
+    let mut text = std::fs::read(script).unwrap_or_default();
+    text.truncate(SCRIPT_MAX_BYTES);
+    let mut joined = Vec::new();
+    for v in env.iter().take(ENV_MAX_VARS) {
+        if joined.len() + v.len() + 1 > ENV_MAX_BYTES {
+            break;
+        }
+        joined.extend_from_slice(v.as_bytes());
+        joined.push(b'\n');
+    }
+    let mut n = 0;
+    for re in RULES.iter().map(|r| r.regex).chain([secrets::AWS_SECRET]) {
+        let re = regex::bytes::RegexBuilder::new(re)
+            .unicode(false)
+            .build()
+            .expect("rule");
+        n += re.captures_iter(&text).count() + re.captures_iter(&joined).count();
+    }
+    n
 }
 
 /// (name, step id, script, environment).
@@ -133,19 +224,49 @@ pub fn run(runs: usize) -> Vec<DoorResult> {
             argv: &argv,
             env: Some(&env),
         };
-        let (mut t_off, mut t_warn) = (Vec::new(), Vec::new());
-        let mut lines = 0;
+        let (mut t_off, mut t_warn, mut t_warm, mut t_all) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut lines, mut compiled) = (0, 0);
         for i in 0..runs.max(1) {
-            for first in [i % 2 == 0, i % 2 != 0] {
-                let n = if first { &off } else { &warn };
-                let t = Instant::now();
-                let d = check_step(n, None, &step);
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                if first {
-                    t_off.push(ms);
-                } else {
-                    t_warn.push(ms);
-                    lines = d.user_lines.len();
+            for k in 0..4 {
+                match (i + k) % 4 {
+                    0 => t_off.push(
+                        in_child(|| {
+                            let t = Instant::now();
+                            let _ = check_step(&off, None, &step);
+                            (t.elapsed().as_secs_f64() * 1e3, 0, 0)
+                        })
+                        .0,
+                    ),
+                    1 => {
+                        let (ms, c, l) = in_child(|| {
+                            let t = Instant::now();
+                            let d = check_step(&warn, None, &step);
+                            let ms = t.elapsed().as_secs_f64() * 1e3;
+                            let c = secrets::compiled_rules().len() as u32;
+                            (ms, c, d.user_lines.len() as u32)
+                        });
+                        t_warn.push(ms);
+                        compiled = c as usize;
+                        lines = l as usize;
+                    }
+                    2 => t_warm.push(
+                        in_child(|| {
+                            let _ = check_step(&warn, None, &step);
+                            let t = Instant::now();
+                            let _ = check_step(&warn, None, &step);
+                            (t.elapsed().as_secs_f64() * 1e3, 0, 0)
+                        })
+                        .0,
+                    ),
+                    _ => t_all.push(
+                        in_child(|| {
+                            let t = Instant::now();
+                            let n = all_rules(&path, &env);
+                            (t.elapsed().as_secs_f64() * 1e3, n as u32, 0)
+                        })
+                        .0,
+                    ),
                 }
             }
         }
@@ -156,6 +277,9 @@ pub fn run(runs: usize) -> Vec<DoorResult> {
             off_ms: median(&mut t_off),
             warn_ms: median(&mut t_warn),
             warn_p95_ms: p95(&mut t_warn),
+            warm_ms: median(&mut t_warm),
+            all_rules_ms: median(&mut t_all),
+            compiled,
             lines,
         });
     }
@@ -165,12 +289,12 @@ pub fn run(runs: usize) -> Vec<DoorResult> {
 /// The results as a Markdown table.
 pub fn print(r: &[DoorResult], runs: usize) {
     println!(
-        "| input | script | variables | off, ms | warn, ms (median) | warn p95 | added | lines |"
+        "| input | script | variables | off, ms | warn, ms (median) | warn p95 | added | rules compiled | warm, ms | all rules (before), ms | lines |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for x in r {
         println!(
-            "| {} | {} B | {} | {:.3} | {:.2} | {:.2} | {:.2} ms | {} |",
+            "| {} | {} B | {} | {:.3} | {:.2} | {:.2} | {:.2} ms | {} of {} | {:.2} | {:.2} | {} |",
             x.input,
             x.script_bytes,
             x.env_vars,
@@ -178,8 +302,12 @@ pub fn print(r: &[DoorResult], runs: usize) {
             x.warn_ms,
             x.warn_p95_ms,
             x.warn_ms - x.off_ms,
+            x.compiled,
+            RULES.len(),
+            x.warm_ms,
+            x.all_rules_ms,
             x.lines
         );
     }
-    println!("\n{runs} runs per mode, interleaved.");
+    println!("\n{runs} runs per mode, interleaved, each in a fresh (forked) process.");
 }

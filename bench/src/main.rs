@@ -238,7 +238,7 @@ fn main() -> ExitCode {
             if let Some(p) = cli.json {
                 let rows: Vec<serde_json::Value> = r
                     .iter()
-                    .map(|x| serde_json::json!({"input": x.input, "script_bytes": x.script_bytes, "env_vars": x.env_vars, "off_ms": x.off_ms, "warn_ms": x.warn_ms, "warn_p95_ms": x.warn_p95_ms, "lines": x.lines}))
+                    .map(|x| serde_json::json!({"input": x.input, "script_bytes": x.script_bytes, "env_vars": x.env_vars, "off_ms": x.off_ms, "warn_ms": x.warn_ms, "warn_p95_ms": x.warn_p95_ms, "warm_ms": x.warm_ms, "all_rules_ms": x.all_rules_ms, "rules_compiled": x.compiled, "lines": x.lines}))
                     .collect();
                 let _ = std::fs::write(p, serde_json::to_vec_pretty(&rows).unwrap_or_default());
             }

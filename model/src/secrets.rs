@@ -19,6 +19,23 @@
 //!   end at a line's end as well as the text's (`(?m)`), as gitleaks
 //!   scans line by line.
 //!
+//! **Keywords first**, as gitleaks does (`detect/detect.go`,
+//! `Detector.detect`: one Aho-Corasick search of the lowercased text for
+//! every rule's `keywords`; a rule runs only if one of its keywords
+//! occurs, a rule without keywords always): one ASCII case-insensitive
+//! multi-literal search ([`aho_corasick`]) over the text, then only the
+//! rules it selects are compiled (once per process) and run. A clean
+//! script compiles no regex at all. Every text a rule's regex can match
+//! holds one of its keywords, so the prefilter loses nothing; two lists
+//! differ from gitleaks' for that reason:
+//! - `slack-webhook-url`: `hooks`, not `hooks.slack.com` (gitleaks' regex
+//!   leaves the dots unescaped, so `hooks-slack-com/...` matches it
+//!   without holding `hooks.slack.com`);
+//! - `generic-api-key`: the words the narrowed regex requires
+//!   (`passwd`, `password`, `pwd`, `token`, `secret`, `key`): gitleaks'
+//!   list lacks `pwd`, and its `access`, `api`, `auth`, `credential`,
+//!   `creds` are either implied by `key` here or not matched at all.
+//!
 //! Only high-confidence forms are kept: GitHub, GitLab, Hugging Face and
 //! Slack tokens, private-key PEM blocks, AWS key pairs, long random
 //! password/token assignments. Each rule has a true positive and a near
@@ -29,6 +46,9 @@
 //! the script or a variable's name) and the first 8 hex digits of the
 //! SHA-256 of the matched text ([`Finding::hash`]).
 
+use std::sync::OnceLock;
+
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder};
 use regex::bytes::{Regex, RegexBuilder};
 use sha2::{Digest, Sha256};
 
@@ -59,6 +79,13 @@ pub struct Rule {
     /// gitleaks' `entropy`: the least Shannon entropy (bits per byte) of
     /// the secret; 0: none asked.
     pub entropy: f64,
+    /// gitleaks' `keywords`, lowercase: the rule runs only on a text that
+    /// holds one of them, compared ASCII case-insensitively (as gitleaks
+    /// lowercases the text and its keywords, `detect/detect.go`,
+    /// `Detector.detect`). Every text the regex matches holds one (a test
+    /// checks each rule's true positive; the module's doc says where the
+    /// list differs from gitleaks'). Empty: the rule always runs.
+    pub keywords: &'static [&'static str],
 }
 
 /// The rules, in the order findings are reported.
@@ -68,110 +95,130 @@ pub const RULES: &[Rule] = &[
         kind: "a private key",
         regex: r"(?is)-----BEGIN[ A-Z0-9_-]{0,100}PRIVATE KEY(?: BLOCK)?-----.{64}.*?KEY(?: BLOCK)?-----",
         entropy: 0.0,
+        keywords: &["-----begin"],
     },
     Rule {
         id: "aws-access-token",
         kind: "an AWS access key",
         regex: r"\b((?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z2-7]{16})\b",
         entropy: 3.0,
+        keywords: &["a3t", "akia", "asia", "abia", "acca"],
     },
     Rule {
         id: "github-pat",
         kind: "a GitHub token",
         regex: r"ghp_[0-9a-zA-Z]{36}",
         entropy: 3.0,
+        keywords: &["ghp_"],
     },
     Rule {
         id: "github-fine-grained-pat",
         kind: "a GitHub token",
         regex: r"github_pat_\w{82}",
         entropy: 3.0,
+        keywords: &["github_pat_"],
     },
     Rule {
         id: "github-oauth",
         kind: "a GitHub token",
         regex: r"gho_[0-9a-zA-Z]{36}",
         entropy: 3.0,
+        keywords: &["gho_"],
     },
     Rule {
         id: "github-app-token",
         kind: "a GitHub token",
         regex: r"(?:ghu|ghs)_[0-9a-zA-Z]{36}",
         entropy: 3.0,
+        keywords: &["ghu_", "ghs_"],
     },
     Rule {
         id: "github-refresh-token",
         kind: "a GitHub token",
         regex: r"ghr_[0-9a-zA-Z]{36}",
         entropy: 3.0,
+        keywords: &["ghr_"],
     },
     Rule {
         id: "gitlab-pat",
         kind: "a GitLab token",
         regex: r"glpat-[\w-]{20}",
         entropy: 3.0,
+        keywords: &["glpat-"],
     },
     Rule {
         id: "gitlab-ptt",
         kind: "a GitLab token",
         regex: r"glptt-[0-9a-f]{40}",
         entropy: 3.0,
+        keywords: &["glptt-"],
     },
     Rule {
         id: "gitlab-deploy-token",
         kind: "a GitLab token",
         regex: r"gldt-[0-9a-zA-Z_\-]{20}",
         entropy: 3.0,
+        keywords: &["gldt-"],
     },
     Rule {
         id: "huggingface-access-token",
         kind: "a Hugging Face token",
         regex: r#"(?m)\b(hf_(?i:[a-z]{34}))(?:[`'"\s;]|\\[nr]|$)"#,
         entropy: 2.0,
+        keywords: &["hf_"],
     },
     Rule {
         id: "huggingface-organization-api-token",
         kind: "a Hugging Face token",
         regex: r#"(?m)\b(api_org_(?i:[a-z]{34}))(?:[`'"\s;]|\\[nr]|$)"#,
         entropy: 2.0,
+        keywords: &["api_org_"],
     },
     Rule {
         id: "slack-bot-token",
         kind: "a Slack token",
         regex: r"xoxb-[0-9]{10,13}-[0-9]{10,13}[a-zA-Z0-9-]*",
         entropy: 3.0,
+        keywords: &["xoxb"],
     },
     Rule {
         id: "slack-user-token",
         kind: "a Slack token",
         regex: r"xox[pe](?:-[0-9]{10,13}){3}-[a-zA-Z0-9-]{28,34}",
         entropy: 2.0,
+        keywords: &["xoxp-", "xoxe-"],
     },
     Rule {
         id: "slack-app-token",
         kind: "a Slack token",
         regex: r"(?i)xapp-\d-[A-Z0-9]+-\d+-[a-z0-9]+",
         entropy: 2.0,
+        keywords: &["xapp"],
     },
     Rule {
         id: "slack-webhook-url",
         kind: "a Slack webhook",
         regex: r"(?:https?://)?hooks.slack.com/(?:services|workflows|triggers)/[A-Za-z0-9+/]{43,56}",
         entropy: 0.0,
+        keywords: &["hooks"],
     },
     Rule {
         id: "generic-api-key",
         kind: "a password or token",
         regex: r#"(?i)\b[a-z0-9_.-]{0,40}(?:passw(?:or)?d|pwd|token|secret|api_?key|access_?key|auth_?key)["']?[ \t]*(?::=|=|:)[ \t]*["']?([a-z0-9_+/=.~-]{20,200})(?:["'`\s;,]|$)"#,
         entropy: 3.5,
+        keywords: &["passwd", "password", "pwd", "token", "secret", "key"],
     },
 ];
 
 /// The AWS secret access key beside an access key id: a key naming
 /// `secret` (`AWS_SECRET_ACCESS_KEY`, `aws_secret_access_key`) given 40
 /// characters of base64 (gitleaks' `aws-access-token` description: the
-/// secret is what makes the pair a credential).
-const AWS_SECRET: &str = r#"(?i)aws[a-z0-9_.-]{0,20}secret[a-z0-9_.-]{0,20}["']?[ \t]*(?::=|=|:)[ \t]*["']?([a-z0-9/+]{40})(?:[^a-z0-9/+]|$)"#;
+/// secret is what makes the pair a credential). Compiled only when an
+/// `aws-access-token` id is found. It ends at a character outside the
+/// key's alphabet, not at a word boundary (a key ending in `/` or `+`
+/// before a newline has none).
+pub const AWS_SECRET: &str = r#"(?i)aws[a-z0-9_.-]{0,20}secret[a-z0-9_.-]{0,20}["']?[ \t]*(?::=|=|:)[ \t]*["']?([a-z0-9/+]{40})(?:[^a-z0-9/+]|$)"#;
 
 /// The findings a scan of a script, or of an environment, keeps at most
 /// (the first by line, or in the environment's order): what the job's line
@@ -216,10 +263,75 @@ pub struct Finding {
     pub hash: String,
 }
 
-/// The rules, compiled once per scan.
+/// A rule that would not compile, or a keyword list that would not
+/// build (the tests build every one, so only a build with a broken rule
+/// would give it).
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RulesError {
+    /// A rule's regex (or [`AWS_SECRET`], named `aws-secret`).
+    #[error("rule {0}: {1}")]
+    Regex(&'static str, regex::Error),
+    /// The keywords' automaton.
+    #[error("keywords: {0}")]
+    Keywords(String),
+}
+
+/// The keywords' automaton and, for each of its patterns, the index in
+/// [`RULES`] of the rule it belongs to.
+struct Prefilter {
+    ac: AhoCorasick,
+    rule_of: Vec<usize>,
+}
+
+static PREFILTER: OnceLock<Result<Prefilter, RulesError>> = OnceLock::new();
+
+/// Each rule's compiled regex, index for index with [`RULES`]: compiled
+/// the first time the prefilter selects the rule in this process.
+static REGEXES: [OnceLock<Result<Regex, RulesError>>; RULES.len()] =
+    [const { OnceLock::new() }; RULES.len()];
+static AWS_SECRET_RE: OnceLock<Result<Regex, RulesError>> = OnceLock::new();
+
+#[cfg(test)]
+thread_local! {
+    /// The rules this thread asked [`rule_regex`] for (tests only: the
+    /// compiled regexes are shared by the tests' threads).
+    static ASKED: std::cell::RefCell<Vec<&'static str>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The compiled regex of `RULES[i]`, compiling it the first time.
+fn rule_regex(i: usize) -> Result<&'static Regex, RulesError> {
+    #[cfg(test)]
+    ASKED.with(|a| a.borrow_mut().push(RULES[i].id));
+    REGEXES[i]
+        .get_or_init(|| ascii(RULES[i].regex).map_err(|e| RulesError::Regex(RULES[i].id, e)))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn aws_secret_regex() -> Result<&'static Regex, RulesError> {
+    AWS_SECRET_RE
+        .get_or_init(|| ascii(AWS_SECRET).map_err(|e| RulesError::Regex("aws-secret", e)))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The ids of the rules compiled in this process so far (for tools that
+/// report what a scan cost; each is compiled at most once).
+pub fn compiled_rules() -> Vec<&'static str> {
+    RULES
+        .iter()
+        .zip(REGEXES.iter())
+        .filter(|(_, re)| matches!(re.get(), Some(Ok(_))))
+        .map(|(r, _)| r.id)
+        .collect()
+}
+
+/// The scanner: a handle on the keywords' automaton (built once per
+/// process); the rules' regexes are compiled when the keywords first
+/// select them.
+#[derive(Clone, Copy)]
 pub struct Scanner {
-    rules: Vec<(Rule, Regex)>,
-    aws_secret: Regex,
+    pre: &'static Prefilter,
 }
 
 /// What [`Scanner::scan_env`] read.
@@ -293,27 +405,66 @@ fn without_generic_twins(findings: Vec<Finding>) -> Vec<Finding> {
 }
 
 impl Scanner {
-    /// Compiles [`RULES`].
+    /// The scanner, building the keywords' automaton the first time in
+    /// this process (microseconds; no regex is compiled here).
     ///
     /// # Errors
-    /// `regex::Error` if a rule does not compile (the tests compile every
-    /// one, so only a build with a broken rule would).
-    pub fn new() -> Result<Scanner, regex::Error> {
-        let rules = RULES
-            .iter()
-            .map(|r| ascii(r.regex).map(|re| (*r, re)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Scanner {
-            rules,
-            aws_secret: ascii(AWS_SECRET)?,
-        })
+    /// [`RulesError::Keywords`] if the automaton does not build.
+    pub fn new() -> Result<Scanner, RulesError> {
+        let pre = PREFILTER.get_or_init(|| {
+            let mut pats = Vec::new();
+            let mut rule_of = Vec::new();
+            for (i, r) in RULES.iter().enumerate() {
+                for k in r.keywords {
+                    pats.push(*k);
+                    rule_of.push(i);
+                }
+            }
+            AhoCorasickBuilder::new()
+                .ascii_case_insensitive(true)
+                .build(&pats)
+                .map(|ac| Prefilter { ac, rule_of })
+                .map_err(|e| RulesError::Keywords(e.to_string()))
+        });
+        match pre {
+            Ok(pre) => Ok(Scanner { pre }),
+            Err(e) => Err(e.clone()),
+        }
     }
 
-    /// Every match of every rule in `text` (bounded by the caller), with
-    /// its byte offset and the hash of its secret; AWS ids unpaired.
-    fn raw(&self, text: &[u8]) -> Vec<(usize, &'static Rule, String)> {
+    /// Whether each rule (index for index with [`RULES`]) is to run on
+    /// `text`: one of its keywords occurs in it (ASCII case-insensitive,
+    /// overlapping occurrences included), or it has none.
+    pub fn selected(&self, text: &[u8]) -> [bool; RULES.len()] {
+        let mut sel = [false; RULES.len()];
+        for (s, r) in sel.iter_mut().zip(RULES) {
+            *s = r.keywords.is_empty();
+        }
+        let mut left = sel.iter().filter(|s| !**s).count();
+        for m in self.pre.ac.find_overlapping_iter(text) {
+            let i = self.pre.rule_of[m.pattern().as_usize()];
+            if !sel[i] {
+                sel[i] = true;
+                left -= 1;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        sel
+    }
+
+    /// Every match of every selected rule in `text` (bounded by the
+    /// caller), with its byte offset and the hash of its secret; AWS ids
+    /// unpaired.
+    fn raw(&self, text: &[u8]) -> Result<Vec<(usize, &'static Rule, String)>, RulesError> {
         let mut out = Vec::new();
-        for (rule, re) in &self.rules {
+        let sel = self.selected(text);
+        for (i, rule) in RULES.iter().enumerate() {
+            if !sel[i] {
+                continue;
+            }
+            let re = rule_regex(i)?;
             for c in re.captures_iter(text) {
                 let Some(whole) = c.get(0) else { continue };
                 let secret = c.get(1).unwrap_or(whole);
@@ -323,23 +474,36 @@ impl Scanner {
                 if rule.id == "generic-api-key" && !generic_value_ok(secret.as_bytes()) {
                     continue;
                 }
-                let r: &'static Rule = RULES.iter().find(|x| x.id == rule.id).unwrap_or(&RULES[0]);
-                out.push((secret.start(), r, short_hash(secret.as_bytes())));
+                out.push((secret.start(), rule, short_hash(secret.as_bytes())));
             }
         }
-        out
+        Ok(out)
     }
 
-    /// The AWS secret access keys in `text`: their offsets.
-    fn aws_secrets(&self, text: &[u8]) -> Vec<usize> {
-        self.aws_secret.find_iter(text).map(|m| m.start()).collect()
+    /// The AWS secret access keys in `text`: their offsets; none looked
+    /// for (nor [`AWS_SECRET`] compiled) unless `raw` holds an AWS id.
+    fn aws_secrets(
+        &self,
+        text: &[u8],
+        raw: &[(usize, &'static Rule, String)],
+    ) -> Result<Vec<usize>, RulesError> {
+        if !raw.iter().any(|(_, r, _)| r.id == "aws-access-token") {
+            return Ok(Vec::new());
+        }
+        Ok(aws_secret_regex()?
+            .find_iter(text)
+            .map(|m| m.start())
+            .collect())
     }
 
     /// The findings in a batch script: at most the first
     /// [`SCRIPT_MAX_BYTES`] of `text` (any bytes: a binary script is
     /// scanned as it is, in linear time: the `regex` crate's guarantee),
     /// one per line and rule.
-    pub fn scan_script(&self, text: &[u8]) -> Vec<Finding> {
+    ///
+    /// # Errors
+    /// [`RulesError`] if a rule the keywords selected does not compile.
+    pub fn scan_script(&self, text: &[u8]) -> Result<Vec<Finding>, RulesError> {
         let text = &text[..text.len().min(SCRIPT_MAX_BYTES)];
         // Line numbers from one index of the newlines (a script of many
         // matches must not count from byte 0 for each: quadratic).
@@ -349,7 +513,12 @@ impl Scanner {
             .filter_map(|(i, &b)| (b == b'\n').then_some(i))
             .collect();
         let line_of = |off: usize| 1 + newlines.partition_point(|&p| p < off);
-        let mut secrets: Vec<usize> = self.aws_secrets(text).into_iter().map(line_of).collect();
+        let raw = self.raw(text)?;
+        let mut secrets: Vec<usize> = self
+            .aws_secrets(text, &raw)?
+            .into_iter()
+            .map(line_of)
+            .collect();
         secrets.sort_unstable();
         let near_secret = |line: usize| {
             let i = secrets.partition_point(|&s| s < line.saturating_sub(AWS_PAIR_LINES));
@@ -357,7 +526,7 @@ impl Scanner {
         };
         let mut seen = std::collections::HashSet::new();
         let mut out: Vec<Finding> = Vec::new();
-        for (off, rule, hash) in self.raw(text) {
+        for (off, rule, hash) in raw {
             let line = line_of(off);
             if rule.id == "aws-access-token" && !near_secret(line) {
                 continue;
@@ -377,14 +546,20 @@ impl Scanner {
             Place::Var(_) | Place::VarAt(_) => 0,
         });
         out.truncate(MAX_FINDINGS);
-        out
+        Ok(out)
     }
 
     /// The findings in an environment (`NAME=value` entries, any bytes):
     /// the first [`ENV_MAX_VARS`] variables and [`ENV_MAX_BYTES`], one per
     /// variable and rule. An access key id pairs with a secret anywhere in
     /// the environment.
-    pub fn scan_env<'a>(&self, vars: impl IntoIterator<Item = &'a [u8]>) -> EnvScan {
+    ///
+    /// # Errors
+    /// [`RulesError`] if a rule the keywords selected does not compile.
+    pub fn scan_env<'a>(
+        &self,
+        vars: impl IntoIterator<Item = &'a [u8]>,
+    ) -> Result<EnvScan, RulesError> {
         let mut text = Vec::new();
         let mut starts: Vec<(usize, &'a [u8])> = Vec::new();
         let mut unread = 0;
@@ -413,10 +588,11 @@ impl Scanner {
                 _ => Place::VarAt(i + 1),
             }
         };
-        let paired = !self.aws_secrets(&text).is_empty();
+        let raw = self.raw(&text)?;
+        let paired = !self.aws_secrets(&text, &raw)?.is_empty();
         let mut seen = std::collections::HashSet::new();
         let mut findings: Vec<Finding> = Vec::new();
-        for (off, rule, hash) in self.raw(&text) {
+        for (off, rule, hash) in raw {
             if rule.id == "aws-access-token" && !paired {
                 continue;
             }
@@ -432,7 +608,7 @@ impl Scanner {
         }
         let mut findings = without_generic_twins(findings);
         findings.truncate(MAX_FINDINGS);
-        EnvScan { findings, unread }
+        Ok(EnvScan { findings, unread })
     }
 }
 
@@ -559,21 +735,149 @@ mod tests {
             );
         }
         for (id, yes, no) in cases {
-            let hit = s.scan_script(yes.as_bytes());
+            let hit = s.scan_script(yes.as_bytes()).unwrap();
             assert!(
                 hit.iter().any(|f| f.rule == id),
                 "{id}: not found in {yes:?}: {hit:?}"
             );
-            let miss = s.scan_script(no.as_bytes());
+            let miss = s.scan_script(no.as_bytes()).unwrap();
             assert!(miss.is_empty(), "{id}: near miss {no:?} found: {miss:?}");
         }
+    }
+
+    /// The keywords of the rule `id` that `text` holds (ASCII
+    /// case-insensitive), by plain search: the prefilter's reference.
+    fn keywords_in(id: &str, text: &[u8]) -> Vec<&'static str> {
+        let r = RULES.iter().find(|r| r.id == id).unwrap();
+        let low = text.to_ascii_lowercase();
+        r.keywords
+            .iter()
+            .copied()
+            .filter(|k| low.windows(k.len()).any(|w| w == k.as_bytes()))
+            .collect()
+    }
+
+    #[test]
+    fn the_keywords_select_every_true_positive() {
+        let s = Scanner::new().unwrap();
+        for (id, yes, _) in cases() {
+            let i = RULES.iter().position(|r| r.id == id).unwrap();
+            assert!(
+                s.selected(yes.as_bytes())[i],
+                "{id}: not selected in {yes:?}"
+            );
+            // every match of the regex holds a keyword itself, not only
+            // the text around it
+            let re = rule_regex(i).unwrap();
+            let mut n = 0;
+            for m in re.find_iter(yes.as_bytes()) {
+                assert!(
+                    !keywords_in(id, m.as_bytes()).is_empty(),
+                    "{id}: match {:?} holds none of {:?}",
+                    String::from_utf8_lossy(m.as_bytes()),
+                    RULES[i].keywords
+                );
+                n += 1;
+            }
+            assert!(n > 0, "{id}");
+            // in any case, and as an environment variable
+            for text in [yes.to_ascii_uppercase(), yes.to_ascii_lowercase()] {
+                assert!(s.selected(text.as_bytes())[i], "{id}: {text:?}");
+            }
+            let var = yes
+                .lines()
+                .map(|l| l.trim_start_matches("export "))
+                .collect::<Vec<_>>();
+            let e = s.scan_env(var.iter().map(|v| v.as_bytes())).unwrap();
+            assert!(
+                e.findings.iter().any(|f| f.rule == id) || id == "private-key",
+                "{id}: not found in the environment {var:?}: {e:?}"
+            );
+        }
+        // the prefilter agrees with a plain search on every case, both ways
+        for (_, yes, no) in cases() {
+            for text in [yes, no] {
+                let sel = s.selected(text.as_bytes());
+                for (i, r) in RULES.iter().enumerate() {
+                    assert_eq!(
+                        sel[i],
+                        r.keywords.is_empty() || !keywords_in(r.id, text.as_bytes()).is_empty(),
+                        "{}: {text:?}",
+                        r.id
+                    );
+                }
+            }
+        }
+    }
+
+    /// Where the keywords differ from gitleaks' (the module's doc): texts
+    /// the regex matches without holding gitleaks' keywords are found.
+    #[test]
+    fn the_keywords_gitleaks_would_miss() {
+        let s = Scanner::new().unwrap();
+        // gitleaks' keyword is `hooks.slack.com`; its regex's dots match
+        // any byte
+        let hook = "curl -X POST https://hooks-slack-com/services/TFAKE0000/BFAKE0000/FAKEfake0123456789TESTtest01\n";
+        assert!(s
+            .scan_script(hook.as_bytes())
+            .unwrap()
+            .iter()
+            .any(|f| f.rule == "slack-webhook-url"));
+        // gitleaks' list has no `pwd`
+        let pwd = "export DB_PWD=fake0123FAKE4567test89TEST\n";
+        assert!(s
+            .scan_script(pwd.as_bytes())
+            .unwrap()
+            .iter()
+            .any(|f| f.rule == "generic-api-key"));
+    }
+
+    /// The rules this thread asked for while `f` ran.
+    fn asked_during(f: impl FnOnce()) -> Vec<&'static str> {
+        ASKED.with(|a| a.borrow_mut().clear());
+        f();
+        ASKED.with(|a| a.borrow().clone())
+    }
+
+    #[test]
+    fn a_clean_script_compiles_no_regex() {
+        let s = Scanner::new().unwrap();
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/secrets/clean");
+        // scripts of the corpus without a keyword in them
+        for name in ["mpi-gromacs.sh", "digests-uuids.sh"] {
+            let text = std::fs::read(dir.join(name)).unwrap();
+            let env: Vec<&[u8]> = vec![b"PATH=/usr/bin:/bin", b"HOME=/home/u", b"SLURM_JOB_ID=1"];
+            assert_eq!(
+                asked_during(|| {
+                    assert!(s.scan_script(&text).unwrap().is_empty());
+                    assert!(s.scan_env(env).unwrap().findings.is_empty());
+                }),
+                Vec::<&str>::new(),
+                "{name}"
+            );
+        }
+        // a script naming HF_TOKEN_PATH and WANDB_API_KEY_FILE compiles
+        // those two rules, and finds nothing
+        let text = std::fs::read(dir.join("torchrun-ddp.sh")).unwrap();
+        let asked = asked_during(|| assert!(s.scan_script(&text).unwrap().is_empty()));
+        assert_eq!(asked, ["huggingface-access-token", "generic-api-key"]);
+        // and a token compiles its rule (and only the rules its words select)
+        let asked = asked_during(|| {
+            let f = s
+                .scan_script(b"export HF_TOKEN=hf_FAKEfakeFAKEfakeTESTtestTESTtestXY\n")
+                .unwrap();
+            assert_eq!(f.len(), 1);
+        });
+        assert_eq!(asked, ["huggingface-access-token", "generic-api-key"]);
+        assert!(compiled_rules().contains(&"huggingface-access-token"));
     }
 
     #[test]
     fn findings_never_hold_the_value() {
         let s = Scanner::new().unwrap();
         for (_, yes, _) in cases() {
-            for f in s.scan_script(yes.as_bytes()) {
+            for f in s.scan_script(yes.as_bytes()).unwrap() {
                 let shown = format!("{f:?} {}", f.place);
                 for word in yes.split(|c: char| !c.is_ascii_alphanumeric() && c != '_' && c != '-')
                 {
@@ -591,7 +895,7 @@ mod tests {
         let s = Scanner::new().unwrap();
         let f = s.scan_script(
             b"#!/bin/bash\n#SBATCH -N1\nexport HF_TOKEN=hf_FAKEfakeFAKEfakeTESTtestTESTtestXY\n",
-        );
+        ).unwrap();
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].place, Place::Line(3));
         assert_eq!(f[0].kind, "a Hugging Face token");
@@ -600,7 +904,7 @@ mod tests {
             b"GITLAB_TOKEN=glpat-FAKEfake0123TESTtest",
             b"HOME=/home/u",
         ];
-        let e = s.scan_env(env);
+        let e = s.scan_env(env).unwrap();
         assert_eq!(e.unread, 0);
         assert_eq!(e.findings.len(), 1, "{e:?}");
         assert_eq!(e.findings[0].place, Place::Var("GITLAB_TOKEN".into()));
@@ -611,16 +915,19 @@ mod tests {
         let s = Scanner::new().unwrap();
         let id = format!("AWS_ACCESS_KEY_ID={}", aws_id());
         let secret = format!("AWS_SECRET_ACCESS_KEY={}", aws_secret());
-        let e = s.scan_env([id.as_bytes(), b"X=1", secret.as_bytes()]);
+        let e = s
+            .scan_env([id.as_bytes(), b"X=1", secret.as_bytes()])
+            .unwrap();
         assert!(e
             .findings
             .iter()
             .any(|f| f.rule == "aws-access-token"
                 && f.place == Place::Var("AWS_ACCESS_KEY_ID".into())));
-        assert!(s.scan_env([id.as_bytes()]).findings.is_empty());
+        assert!(s.scan_env([id.as_bytes()]).unwrap().findings.is_empty());
         let far = format!("{id}\n{}{secret}\n", "echo\n".repeat(AWS_PAIR_LINES + 1));
         assert!(s
             .scan_script(far.as_bytes())
+            .unwrap()
             .iter()
             .all(|f| f.rule != "aws-access-token"));
     }
@@ -635,13 +942,13 @@ mod tests {
         let text: String = (0..10_000)
             .map(|i| format!("T{i}=glpat-FAKEfake{i:04}TESTtest\n"))
             .collect();
-        let f = s.scan_script(text.as_bytes());
+        let f = s.scan_script(text.as_bytes()).unwrap();
         assert_eq!(f.len(), MAX_FINDINGS);
         let lines: Vec<Place> = f.iter().map(|x| x.place.clone()).collect();
         let want: Vec<Place> = (1..=MAX_FINDINGS).map(Place::Line).collect();
         assert_eq!(lines, want);
         let deep = format!("{}T=glpat-FAKEfake0123TESTtest\n", "echo\n".repeat(4999));
-        let f = s.scan_script(deep.as_bytes());
+        let f = s.scan_script(deep.as_bytes()).unwrap();
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].place, Place::Line(5000));
     }
@@ -654,6 +961,7 @@ mod tests {
         let tok = "ghp_FAKEfake0123456789TESTtestFAKEfake0123";
         let places = |vars: &[String]| -> Vec<Place> {
             s.scan_env(vars.iter().map(|v| v.as_bytes()))
+                .unwrap()
                 .findings
                 .into_iter()
                 .map(|f| f.place)
@@ -682,7 +990,7 @@ mod tests {
                 "export AWS_ACCESS_KEY_ID={}\nexport AWS_SECRET_ACCESS_KEY={secret}\n",
                 aws_id()
             );
-            let f = s.scan_script(text.as_bytes());
+            let f = s.scan_script(text.as_bytes()).unwrap();
             assert!(
                 f.iter().any(|x| x.rule == "aws-access-token"),
                 "{end}: {f:?}"
@@ -696,15 +1004,15 @@ mod tests {
         let many: Vec<Vec<u8>> = (0..100_000)
             .map(|i| format!("V{i}=x").into_bytes())
             .collect();
-        let e = s.scan_env(many.iter().map(Vec::as_slice));
+        let e = s.scan_env(many.iter().map(Vec::as_slice)).unwrap();
         assert_eq!(e.unread, 100_000 - ENV_MAX_VARS);
         // a secret past the first MiB of a script is not read
         let mut big = vec![b'#'; SCRIPT_MAX_BYTES];
         big.extend_from_slice(b"\nT=ghp_FAKEfake0123456789TESTtestFAKEfake0123\n");
-        assert!(s.scan_script(&big).is_empty());
+        assert!(s.scan_script(&big).unwrap().is_empty());
         // binary
         let bin: Vec<u8> = (0..200_000u32).map(|i| (i * 7919 % 251) as u8).collect();
-        let _ = s.scan_script(&bin);
+        s.scan_script(&bin).unwrap();
     }
 
     #[test]
@@ -716,7 +1024,7 @@ mod tests {
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
             let text = std::fs::read(&p).unwrap();
-            let f = s.scan_script(&text);
+            let f = s.scan_script(&text).unwrap();
             assert!(f.is_empty(), "{}: {f:?}", p.display());
             n += 1;
         }
@@ -734,7 +1042,7 @@ mod tests {
             .filter(|l| !l.is_empty())
             .collect();
         assert!(vars.len() > 30);
-        let e = s.scan_env(vars);
+        let e = s.scan_env(vars).unwrap();
         assert_eq!(e, EnvScan::default(), "{}", p.display());
     }
 
@@ -744,13 +1052,12 @@ mod tests {
             text in proptest::collection::vec(proptest::num::u8::ANY, 0..4096),
             vars in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..64),
         ) {
-            static S: std::sync::OnceLock<Scanner> = std::sync::OnceLock::new();
-            let s = S.get_or_init(|| Scanner::new().unwrap());
-            for f in s.scan_script(&text) {
+            let s = Scanner::new().unwrap();
+            for f in s.scan_script(&text).unwrap() {
                 proptest::prop_assert!(matches!(f.place, Place::Line(n) if n >= 1));
                 proptest::prop_assert_eq!(f.hash.len(), HASH_HEX);
             }
-            let _ = s.scan_env(vars.iter().map(Vec::as_slice));
+            s.scan_env(vars.iter().map(Vec::as_slice)).unwrap();
         }
     }
 

@@ -164,12 +164,10 @@ fn secrets(node: &Node, slurm: Option<&SlurmConf>, step: &DoorStep, door: &mut D
         Some(p) => match read_script(Path::new(p)) {
             Ok((text, cut)) => {
                 truncated = cut;
-                findings.extend(
-                    scanner
-                        .scan_script(&text)
-                        .into_iter()
-                        .map(|f| ("script", f)),
-                );
+                match scanner.scan_script(&text) {
+                    Ok(f) => findings.extend(f.into_iter().map(|f| ("script", f))),
+                    Err(e) => check_failed(node, door, req, format!("batch script: {e}")),
+                }
             }
             Err(e) => check_failed(
                 node,
@@ -182,11 +180,13 @@ fn secrets(node: &Node, slurm: Option<&SlurmConf>, step: &DoorStep, door: &mut D
     let mut unread = 0;
     match step.env {
         None => check_failed(node, door, req, "no S_JOB_ENV".into()),
-        Some(env) => {
-            let e = scanner.scan_env(env.iter().map(|v| v.as_bytes()));
-            unread = e.unread;
-            findings.extend(e.findings.into_iter().map(|f| ("environment", f)));
-        }
+        Some(env) => match scanner.scan_env(env.iter().map(|v| v.as_bytes())) {
+            Ok(e) => {
+                unread = e.unread;
+                findings.extend(e.findings.into_iter().map(|f| ("environment", f)));
+            }
+            Err(e) => check_failed(node, door, req, format!("environment: {e}")),
+        },
     }
     if findings.is_empty() {
         // Nothing in what was read; what was not read is said, so that a
