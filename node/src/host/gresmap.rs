@@ -54,7 +54,7 @@
 //! fails ([`NodeError::SlurmdGCgroup`]).
 
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -66,10 +66,9 @@ use gpufence_model::config::{ConfigOrigin, DEFAULT_CONFIG_PATH};
 use gpufence_model::gres::{expand_file_list, parse_slurmd_g, GresDevice};
 
 use crate::host::exec_cgroup::kill_and_remove;
+use crate::host::slurmconf::slurm_conf_or_default;
 use crate::{join_cgroup, Node, NodeError};
 
-/// Default slurm.conf when `SLURM_CONF` is unset (Debian's and Slurm's default).
-pub const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
 /// Set in the environment of the `slurmd -G` child, so a plugin loaded
 /// there (it is not, as of 22.05-25.11, but cheap to guard) never recurses.
 pub const IN_SLURMD_G_ENV: &str = "GPUFENCE_IN_SLURMD_G";
@@ -132,9 +131,7 @@ pub fn load(node: &Node, slurm_conf: Option<&Path>) -> Result<GresMap, NodeError
 type Runner = fn(&Node, &Path) -> Result<String, NodeError>;
 
 fn load_with(node: &Node, slurm_conf: Option<&Path>, run: Runner) -> Result<GresMap, NodeError> {
-    let conf = slurm_conf
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SLURM_CONF));
+    let conf = slurm_conf_or_default(slurm_conf);
     if let Some(file) = &node.cfg.slurmd_gres {
         let text = std::fs::read_to_string(file).map_err(|e| NodeError::io("read", file, e))?;
         return checked(
@@ -561,6 +558,7 @@ mod tests {
     use super::*;
     use gpufence_model::config::{Config, ConfigOrigin};
     use std::os::unix::fs::PermissionsExt;
+    use std::path::PathBuf;
 
     /// A stand-in `slurmd` at the C-library-free boundary we call: a script
     /// that prints `slurmd -G`-shaped lines on stderr (as slurmd does) and

@@ -30,6 +30,29 @@ use gpufence_model::config::{ConfigOrigin, Layout, DEFAULT_CONFIG_PATH};
 
 use crate::{Node, NodeError};
 
+/// slurm.conf where `SLURM_CONF` names none: Slurm's default
+/// (`default_slurm_config_file`, `src/common/read_config.c`, set from
+/// `SLURM_CONFIG_DEFAULT` at build time; `/etc/slurm/slurm.conf` in
+/// Debian's packages and Slurm's own `--sysconfdir=/etc/slurm` builds).
+pub const DEFAULT_SLURM_CONF: &str = "/etc/slurm/slurm.conf";
+
+/// slurm.conf's path: `given` (a caller's `SLURM_CONF`: the Prolog's
+/// environment), else [`DEFAULT_SLURM_CONF`].
+pub fn slurm_conf_or_default(given: Option<&Path>) -> PathBuf {
+    given
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SLURM_CONF))
+}
+
+/// This process's slurm.conf: `$SLURM_CONF` when set and not empty
+/// (slurmd sets it for its plugins, with `-f` and configless too, and
+/// slurmstepd and the hooks inherit it), else [`DEFAULT_SLURM_CONF`]
+/// ([`slurm_conf_or_default`]).
+pub fn slurm_conf_path() -> PathBuf {
+    let env = std::env::var_os("SLURM_CONF").filter(|v| !v.is_empty());
+    slurm_conf_or_default(env.as_deref().map(Path::new))
+}
+
 /// Slurm's `ProctrackType` when slurm.conf sets none: `DEFAULT_PROCTRACK_TYPE`
 /// in `src/common/read_config.h` (22.05-26.05) is `proctrack/cgroup` when
 /// Slurm is built `WITH_CGROUP` (every Linux build; `proctrack/pgid`
@@ -298,7 +321,7 @@ pub fn check_layout(
 
 /// [`check_layout`] for this node: its layout, slurm.conf at `slurm_conf`
 /// (`$SLURM_CONF`, which slurmd sets for its plugins, else
-/// [`crate::host::gresmap::DEFAULT_SLURM_CONF`]) and the cgroup.conf next to it
+/// [`DEFAULT_SLURM_CONF`]) and the cgroup.conf next to it
 /// (where Slurm reads it). What slurmd start runs.
 ///
 /// # Errors

@@ -5,7 +5,9 @@
 //! others; `door` (credentials and images at a step's start) uses `grant`
 //! for the step's names;
 //! `injob` uses `apply`; `prolog` and `epilog` use those below them; `timeouts` (their worst
-//! durations against slurm.conf's timeouts) reads their waits.
+//! durations against slurm.conf's timeouts) reads their waits; `step` (the
+//! SPANK plugin's hooks as node calls: slurmd start, a step's start, its
+//! tasks' lines) uses `grant`, `door` and `imex`, and nothing uses it.
 
 pub mod door;
 pub mod epilog;
@@ -18,4 +20,5 @@ pub mod mps;
 pub mod prolog;
 pub mod report;
 pub mod shared;
+pub mod step;
 pub mod timeouts;

@@ -436,13 +436,10 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
     // The driver's shared IMEX channel, for GPU jobs, when the site opted
     // in (`imex_channel0`; NVIDIA: for trusted environments only).
     if node.cfg.imex_channel0 {
-        let slurm = env
-            .slurm_conf
-            .as_deref()
-            .map(|p| crate::host::slurmconf::SlurmConf::load(p).ok())
-            .unwrap_or_else(|| {
-                crate::host::slurmconf::SlurmConf::load(Path::new(gresmap::DEFAULT_SLURM_CONF)).ok()
-            });
+        let slurm = crate::host::slurmconf::SlurmConf::load(
+            &crate::host::slurmconf::slurm_conf_or_default(env.slurm_conf.as_deref()),
+        )
+        .ok();
         match crate::job::imex::channel_major(node, slurm.as_ref()) {
             Some(major) => {
                 let g = crate::job::imex::channel0_grant(node, major);
@@ -810,9 +807,7 @@ pub fn run_with_sluid(
     // (crate::job::imex::grant_scope_mknod). A failure is one `error`
     // line: without a namespace plugin the step's own grant suffices.
     let slurm = crate::host::slurmconf::SlurmConf::load(
-        env.slurm_conf
-            .as_deref()
-            .unwrap_or(Path::new(gresmap::DEFAULT_SLURM_CONF)),
+        &crate::host::slurmconf::slurm_conf_or_default(env.slurm_conf.as_deref()),
     )
     .ok();
     if let Some(major) = slurm

@@ -689,14 +689,9 @@ pub fn report(cfg: &Config, slurm_conf: &Path) -> TimeoutsReport {
     }
 }
 
-/// The slurm.conf doctor and `fence status` read: `$SLURM_CONF`, else
-/// [`crate::host::gresmap::DEFAULT_SLURM_CONF`].
-pub fn slurm_conf_path() -> std::path::PathBuf {
-    std::env::var_os("SLURM_CONF")
-        .filter(|v| !v.is_empty())
-        .map(Into::into)
-        .unwrap_or_else(|| crate::host::gresmap::DEFAULT_SLURM_CONF.into())
-}
+/// The slurm.conf doctor and `fence status` read:
+/// [`crate::host::slurmconf::slurm_conf_path`].
+pub use crate::host::slurmconf::slurm_conf_path;
 
 /// [`report`] for this host's slurm.conf ([`slurm_conf_path`]).
 pub fn host_report(cfg: &Config) -> TimeoutsReport {
