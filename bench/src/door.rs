@@ -11,6 +11,9 @@
 //! - **1 MiB script**: the corpus repeated to 1 MiB, the bound;
 //! - **100k env**: the typical script and 100,000 variables (4096 read);
 //! - **binary**: 1 MiB of pseudo-random bytes and the 100k environment;
+//! - **1 MiB of tokens**: a GitLab token on every line to 1 MiB (some
+//!   38,000 matches: the findings' bound and the line index, where a count
+//!   from byte 0 per match once took 20 s and more);
 //! - **srun step**: a step other than the batch one (images only: no
 //!   script, no rules compiled), its Pyxis image by tag.
 //!
@@ -185,6 +188,13 @@ pub fn run(runs: usize) -> Vec<DoorResult> {
         mib.extend_from_slice(&corpus);
     }
     mib.truncate(1 << 20);
+    let mut tokens = Vec::new();
+    let mut i = 0u64;
+    while tokens.len() < (1 << 20) {
+        tokens.extend_from_slice(format!("T=glpat-{:020x}\n", i * 2_654_435_761).as_bytes());
+        i += 1;
+    }
+    tokens.truncate(1 << 20);
     let binary: Vec<u8> = (0..(1u32 << 20))
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -198,6 +208,7 @@ pub fn run(runs: usize) -> Vec<DoorResult> {
         ("1 MiB script", BATCH_STEP_ID, &mib, &login_env),
         ("100k env", BATCH_STEP_ID, &corpus, &big_env),
         ("binary + 100k env", BATCH_STEP_ID, &binary, &big_env),
+        ("1 MiB of tokens", BATCH_STEP_ID, &tokens, &login_env),
         ("srun step, image by tag", 0, b"", &pyxis_env),
     ];
     let off = node(dir.path(), DoorMode::Off);
