@@ -108,26 +108,30 @@ pub(crate) fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
         what: "BPF_ITER_CREATE",
         err,
     })?;
-    // `read_to_end` reads into the vector's spare room as it grows
-    // (a first small read, then doubling): an empty walk, the usual one,
-    // costs one small read and no zeroed buffer, whose pages a hook's
-    // fresh process would fault in one by one.
-    let mut file = std::fs::File::from(file);
     let mut out = Vec::new();
+    // One buffer large enough for a whole walk's usual output: the cgroup
+    // iterator cannot resume a walk in a second read(2) (EOPNOTSUPP,
+    // `cgroup_iter_seq_start` in kernel/bpf/cgroup_iter.c), so a small
+    // first read (`read_to_end`'s probe) fails the level iterator.
+    let mut buf = vec![0u8; 1 << 16];
     let mut again = 0u32;
     loop {
-        match std::io::Read::read_to_end(&mut file, &mut out) {
-            Ok(_) => break,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && again < 10_000 => {
+        let n = match nix::unistd::read(&file, &mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) if again < 10_000 => {
                 again += 1;
+                continue;
             }
-            Err(err) => {
+            Err(e) => {
                 return Err(IterError::Sys {
                     what: "reading the iterator",
-                    err,
+                    err: e.into(),
                 })
             }
-        }
+        };
+        out.extend_from_slice(&buf[..n]);
     }
     Ok(out)
 }
