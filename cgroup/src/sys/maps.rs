@@ -332,23 +332,19 @@ pub(super) struct BatchAttr {
 /// A map's entries as raw bytes: `(key, value)` pairs.
 pub type RawEntries = Vec<(Vec<u8>, Vec<u8>)>;
 
-/// Every `(key, value)` of hash map `map` with `BPF_MAP_LOOKUP_BATCH`:
-/// one pass over the map's buckets in the kernel instead of a
-/// `BPF_MAP_GET_NEXT_KEY` and a `BPF_MAP_LOOKUP_ELEM` per entry (a map of
-/// 100,000 grants: about 30 calls instead of 200,000). The first call asks
-/// for 64 entries and each next one for twice as many, up to 4,096: a
-/// node's few grants cost one call into small buffers, not 4,096 entries'
-/// worth of zeroed memory. `Ok(None)` when the kernel has no batch
-/// operations for the map (`EINVAL`, `ENOTSUPP`, before 5.6) or a bucket
-/// holds more than 4,096 entries (`ENOSPC`; a smaller chunk is doubled
-/// first): the caller walks it key by key. Keys and values are of the
-/// map's sizes.
+/// Every `(key, value)` of hash map `map` with `BPF_MAP_LOOKUP_BATCH`, up
+/// to 4,096 entries per call: one pass over the map's buckets in the
+/// kernel instead of a `BPF_MAP_GET_NEXT_KEY` and a `BPF_MAP_LOOKUP_ELEM`
+/// per entry (a map of 100,000 grants: about 25 calls instead of
+/// 200,000). `Ok(None)` when the kernel has no batch operations for the
+/// map (`EINVAL`, `ENOTSUPP`, before 5.6) or a bucket holds more entries
+/// than a chunk (`ENOSPC`): the caller walks it key by key. Keys and
+/// values are of the map's sizes.
 ///
 /// # Errors
 /// `InvalidInput`, before any syscall, for a per-CPU map; errno of
 /// another failure.
 pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
-    const FIRST_CHUNK: usize = 64;
     const CHUNK: usize = 4096;
     // `ENOTSUPP` (524) is kernel-internal; it reaches user space as is.
     const ENOTSUPP: i32 = 524;
@@ -356,9 +352,8 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
     let key_size = map.shape.key_size as usize;
     let value_size = map.shape.value_size as usize;
     let mut out = Vec::new();
-    let mut chunk = FIRST_CHUNK;
-    let mut keys = vec![0u8; key_size * chunk];
-    let mut values = vec![0u8; value_size * chunk];
+    let mut keys = vec![0u8; key_size * CHUNK];
+    let mut values = vec![0u8; value_size * CHUNK];
     // A hash map's batch cursor is a bucket number (u32); other maps'
     // (`generic_map_lookup_batch`) is a key: room for either.
     let cursor = key_size.max(8);
@@ -375,7 +370,7 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
             out_batch: out_batch.as_mut_ptr() as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
-            count: chunk as u32,
+            count: CHUNK as u32,
             map_fd: map.as_raw_fd() as u32,
             elem_flags: 0,
             flags: 0,
@@ -383,16 +378,8 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
         let done = match bpf(cmd::MAP_LOOKUP_BATCH, &mut a) {
             Ok(_) => false,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
-            // One bucket holds more than this chunk: again from the same
-            // place with room for more (nothing was copied).
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < CHUNK => {
-                chunk = (chunk * 2).min(CHUNK);
-                keys.resize(key_size * chunk, 0);
-                values.resize(value_size * chunk, 0);
-                continue;
-            }
-            // No batch operations here; or one bucket holds more than the
-            // largest chunk (ENOSPC): walk key by key instead.
+            // No batch operations here; or one bucket holds more than a
+            // chunk (ENOSPC): walk key by key instead.
             Err(e)
                 if matches!(
                     e.raw_os_error(),
@@ -403,7 +390,7 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
             }
             Err(e) => return Err(e),
         };
-        let n = (a.count as usize).min(chunk);
+        let n = (a.count as usize).min(CHUNK);
         for i in 0..n {
             out.push((
                 keys[i * key_size..(i + 1) * key_size].to_vec(),
@@ -415,11 +402,6 @@ pub fn map_entries_batch(map: &MapFd) -> io::Result<Option<RawEntries>> {
         }
         in_batch.copy_from_slice(&out_batch);
         first = false;
-        if chunk < CHUNK {
-            chunk = (chunk * 2).min(CHUNK);
-            keys.resize(key_size * chunk, 0);
-            values.resize(value_size * chunk, 0);
-        }
     }
 }
 
@@ -496,10 +478,9 @@ mod tests {
         assert!(!map_lookup(&map, &key, &mut v).unwrap());
     }
 
-    /// The batch walk's chunks grow from 64 entries to 4,096: a map of
-    /// 10,000 entries (calls of 64, 128, ..., 4,096 and the rest) comes back
-    /// whole, each entry once with its own value, as the key-by-key walk
-    /// sees it.
+    /// The batch walk over several chunks (10,000 entries: calls of 4,096,
+    /// 4,096 and the rest) gives the map whole, each entry once with its
+    /// own value, as the key-by-key walk sees it.
     #[test]
     fn batches_grow_and_miss_nothing() {
         if !root() {
