@@ -151,7 +151,7 @@ impl V2Slice {
 }
 
 impl V2Slice {
-    /// Waits up to 10 s for the job cgroups under `node_name`'s scope to go
+    /// Waits up to 30 s for the job cgroups under `node_name`'s scope to go
     /// (slurmstepd removes a job cgroup as it exits, which may be just after
     /// the node reads idle), and panics naming those left.
     pub fn assert_no_job_cgroups(&self, node_name: &str) {
