@@ -2102,3 +2102,62 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
     );
     gpufence_node::holders::scan::set_proc_only_in_this_thread(false);
 }
+
+/// `fence watch`'s pass resolves the patterns again when it writes: a
+/// unit of a pattern started between the pass's look and its write is
+/// exempted by that write, and its `exemption_applied` line names it (it
+/// was exempted silently before: the e2e fabric test waited for a line
+/// that never came when the NVSM unit appeared in that window).
+#[test]
+fn a_unit_started_while_the_watch_writes_is_named() {
+    if !privileged() {
+        return;
+    }
+    let env = TestEnv::new("watchrace");
+    let svc = format!("{}/svc", env.root);
+    let fm = format!("{svc}/nvidia-fabricmanager.service");
+    let node = config(
+        &env,
+        &format!("exempt_cgroups = [\"{fm}\", \"{svc}/nvsm*.service\"]"),
+        "",
+        None,
+    );
+    let w = World {
+        env,
+        node,
+        scenario: None,
+    };
+    w.env.cgroup("svc/nvidia-fabricmanager.service");
+    fence_ops::install(&w.node).unwrap();
+    // A restart of the Fabric Manager unit: a new cgroup, a new id.
+    w.env.cg.remove_tree(&fm).unwrap();
+    w.env.cgroup("svc/nvidia-fabricmanager.service");
+    // The pass looked before the NVSM unit started, then it started.
+    let paths = fence_ops::exempt_paths(&w.node);
+    assert!(paths.iter().all(|p| !p.contains("nvsm")), "{paths:?}");
+    let nvsm = w.env.cgroup("svc/nvsm-core.service");
+    fence_ops::reapply_exemptions(&w.node, &paths).unwrap();
+    let fence = Fence::open(&w.env.bpffs).unwrap();
+    let ids = [w.env.cg.id(&fm).unwrap(), w.env.cg.id(&nvsm).unwrap()];
+    assert!(ids.iter().all(|id| fence.is_exempt(*id).unwrap()));
+    let named: Vec<Value> = w
+        .audit()
+        .into_iter()
+        .filter(|e| e["event"] == "exemption_applied")
+        .flat_map(|e| e["exempt"].as_array().cloned().unwrap_or_default())
+        .collect();
+    let named_ids: BTreeSet<u64> = named
+        .iter()
+        .filter_map(|e| e["cgroup_id"].as_u64())
+        .collect();
+    assert_eq!(named_ids, ids.into_iter().collect(), "{named:#?}");
+    // Nothing new: the next pass writes nothing and says nothing.
+    fence_ops::reapply_exemptions(&w.node, &fence_ops::exempt_paths(&w.node)).unwrap();
+    assert_eq!(
+        w.events()
+            .iter()
+            .filter(|e| *e == "exemption_applied")
+            .count(),
+        1
+    );
+}

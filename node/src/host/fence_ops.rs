@@ -284,12 +284,16 @@ pub fn watch_exemptions(node: &Node, stop: &dyn Fn() -> bool) {
 /// written.
 pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError> {
     let fence = open_installed(node)?;
-    let missing: Vec<(String, u64)> = paths
+    let exempt_before: Vec<u64> = paths
         .iter()
-        .filter_map(|p| node.cg.id(p).ok().map(|id| (p.clone(), id)))
-        .filter(|(_, id)| !fence.is_exempt(*id).unwrap_or(false))
+        .filter_map(|p| node.cg.id(p).ok())
+        .filter(|id| fence.is_exempt(*id).unwrap_or(false))
         .collect();
-    if missing.is_empty() {
+    if paths
+        .iter()
+        .filter_map(|p| node.cg.id(p).ok())
+        .all(|id| exempt_before.contains(&id))
+    {
         return Ok(());
     }
     if running_mode(node) == RunningMode::Other {
@@ -297,17 +301,31 @@ pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError
         return Ok(());
     }
     let mut plan = exempt_plan(node);
-    fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
+    let (written, _) = fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
+    // The patterns are resolved again for the write: a unit started since
+    // `paths` was read is written too, and named here (an id not seen
+    // exempt before the write), never exempted silently.
+    let newly = newly_exempt(&written, &exempt_before);
     node.audit(
         AuditEvent::new(events::EXEMPTION_APPLIED).field(
             "exempt",
-            missing
+            newly
                 .iter()
                 .map(|(p, id)| serde_json::json!({"cgroup": crate::host::cgpath::abs(p), "cgroup_id": id}))
                 .collect::<Vec<_>>(),
         ),
     )?;
     Ok(())
+}
+
+/// The entries of `written` (`(cgroup, id)`, as [`Fence::set_exempt`]
+/// wrote them) whose id is not in `exempt_before` (the ids seen exempt
+/// before the write): what the write made exempt.
+fn newly_exempt<'a>(written: &'a [(String, u64)], exempt_before: &[u64]) -> Vec<&'a (String, u64)> {
+    written
+        .iter()
+        .filter(|(_, id)| !exempt_before.contains(id))
+        .collect()
 }
 
 /// Installs or re-installs the fence and writes `fence_installed`; when
