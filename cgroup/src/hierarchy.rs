@@ -417,6 +417,28 @@ impl Cgroup2 {
         Ok(())
     }
 
+    /// Kills whatever is in cgroup `rel` and below ([`Cgroup2::kill`]) and
+    /// removes the tree ([`Cgroup2::remove_tree`]), killing again while
+    /// killed processes are still leaving, every 10 ms for up to `wait`.
+    /// The one way gpufence ends a cgroup of its own: `gpufence exec`
+    /// leaves, `slurmd -G` runs, MPS daemons, the report writer, and the
+    /// `own` layout's job cgroups (a stale one in the Prolog, the job's in
+    /// the Epilog).
+    ///
+    /// # Errors
+    /// [`Error::Cgroup`] when the tree is still there after `wait`.
+    pub fn kill_and_remove(&self, rel: &str, wait: std::time::Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            self.kill(rel)?;
+            match self.remove_tree(rel) {
+                Ok(()) => return Ok(()),
+                Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            }
+        }
+    }
+
     /// Removes cgroup `rel` and every cgroup below it, deepest first.
     /// Absent is fine.
     ///

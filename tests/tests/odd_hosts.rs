@@ -23,7 +23,7 @@ use gpufence_cgroup::fence::{programs_at, Fence, FORCE_NO_HELPER_ENV};
 use gpufence_cgroup::sys;
 use gpufence_model::config::{Config, ConfigOrigin};
 use gpufence_model::device::{Access, DevNum};
-use gpufence_node::job::grant::{self, GrantOutcome, StepRequest, StepVerdict};
+use gpufence_node::job::grant::{self, GrantOutcome, StepFate, StepRequest};
 use gpufence_node::{host::fence_ops, Node, NodeError};
 use gpufence_tests::cluster::test_uid;
 use gpufence_tests::{privileged, workspace_bin, TestEnv};
@@ -465,7 +465,7 @@ fn read_only_state_dir_fails_closed() {
         "EPERM",
         "job 62 has no GPU"
     );
-    let v = grant::verdict_with(
+    let v = grant::step_fate(
         &node,
         &s62.req,
         "n1",
@@ -474,7 +474,7 @@ fn read_only_state_dir_fails_closed() {
         false,
     );
     match v {
-        StepVerdict::RunWithoutGpus(l) => {
+        StepFate::RunWithoutGpus(l) => {
             assert!(
                 l.contains("state_dir") && l.contains("without GPU access"),
                 "{l}"
@@ -543,7 +543,7 @@ fn full_audit_log_fails_closed() {
     );
     assert_eq!(grants_of(&env, 72), 0);
     assert_eq!(env.open_from(&s72.cgroup, &n0), "EPERM");
-    match grant::verdict_with(
+    match grant::step_fate(
         &node,
         &s72.req,
         "n1",
@@ -551,7 +551,7 @@ fn full_audit_log_fails_closed() {
         Some(&s72.granted),
         false,
     ) {
-        StepVerdict::RunWithoutGpus(l) => {
+        StepFate::RunWithoutGpus(l) => {
             assert!(
                 l.contains("fix the audit log") && l.contains("without GPU access"),
                 "{l}"

@@ -5,7 +5,6 @@ use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 
-use nix::fcntl::{Flock, FlockArg};
 use nix::mount::{mount, MsFlags};
 use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
 use nix::sys::statfs::{statfs, FsType, BPF_FS_MAGIC};
@@ -86,23 +85,23 @@ pub fn ensure_bpffs(dir: &Path) -> Result<bool> {
     Ok(mounted)
 }
 
-/// Holds an exclusive `flock` on the bpffs directory while alive.
-pub(super) struct DirLock(#[allow(dead_code)] Flock<File>);
+/// Holds an exclusive `flock` on the bpffs directory while alive (taken
+/// with [`gpufence_model::fsutil::lock_exclusive`], gpufence's one flock
+/// helper; released when the descriptor closes).
+pub(super) struct DirLock(#[allow(dead_code)] File);
 
 impl DirLock {
     pub(super) fn take(dir: &Path) -> Result<Self> {
-        let f = File::open(dir).map_err(|e| Error::Cgroup {
-            op: "open",
-            path: dir.to_path_buf(),
-            source: e,
-        })?;
-        // Released when the lock (and the descriptor) is dropped.
-        let lock = Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| Error::Cgroup {
-            op: "flock",
-            path: dir.to_path_buf(),
-            source: e.into(),
-        })?;
-        Ok(DirLock(lock))
+        let err = |op: &'static str| {
+            move |e: io::Error| Error::Cgroup {
+                op,
+                path: dir.to_path_buf(),
+                source: e,
+            }
+        };
+        let f = File::open(dir).map_err(err("open"))?;
+        gpufence_model::fsutil::lock_exclusive(&f).map_err(err("flock"))?;
+        Ok(DirLock(f))
     }
 }
 

@@ -103,7 +103,7 @@ fn describe(pids: &[(i32, String)]) -> String {
 }
 
 /// Ends what is left in the exec leaf `leaf` once its command returned
-/// and removes the leaf ([`crate::host::exec_cgroup::kill_and_remove`]), audits `exec_leftover` with each
+/// and removes the leaf ([`gpufence_cgroup::Cgroup2::kill_and_remove`]), audits `exec_leftover` with each
 /// process and returns them: `(pid, comm)`.
 fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
     let left: Vec<(i32, String)> = node
@@ -120,12 +120,13 @@ fn end_leftovers(node: &Node, leaf: &str) -> Vec<(i32, String)> {
     if left.is_empty() {
         return left;
     }
-    let ended = crate::host::exec_cgroup::kill_and_remove(
-        node,
-        leaf,
-        std::time::Duration::from_millis(node.cfg.kill_wait_ms),
-    )
-    .is_ok();
+    let ended = node
+        .cg
+        .kill_and_remove(
+            leaf,
+            std::time::Duration::from_millis(node.cfg.kill_wait_ms),
+        )
+        .is_ok();
     let _ = node.audit(
         AuditEvent::new(events::EXEC_LEFTOVER)
             .field("cgroup", crate::host::cgpath::abs(leaf))

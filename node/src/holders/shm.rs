@@ -160,7 +160,7 @@ pub struct Held {
 pub fn held(dir: &Path, candidates: &HashSet<&str>, within: Duration) -> Held {
     let end = Instant::now() + within;
     let late = || Instant::now() >= end;
-    let alive = |pid: i32| Path::new(&format!("/proc/{pid}")).exists();
+    let alive = crate::host::procs::alive;
     let prefix = format!("{}/", dir.display().to_string().trim_end_matches('/'));
     let name_of = |p: &str| -> Option<String> {
         let rest = p.strip_prefix(&prefix)?;

@@ -60,27 +60,6 @@ pub fn pid_in_name(n: &str) -> Option<u32> {
     n.parse().ok()
 }
 
-/// Kills whatever is in cgroup `rel` and below
-/// ([`gpufence_cgroup::Cgroup2::kill`]) and removes the tree, killing
-/// again while killed processes are still leaving, for up to `wait`.
-/// gpufence's one way to end a cgroup of its own: exec leaves, `slurmd -G`
-/// runs, MPS daemons, the report writer, and the `own` layout's job
-/// cgroups (a stale one in the Prolog, the job's in the Epilog).
-///
-/// # Errors
-/// [`NodeError::Kernel`] when the tree is still there after `wait`.
-pub fn kill_and_remove(node: &Node, rel: &str, wait: std::time::Duration) -> Result<(), NodeError> {
-    let deadline = std::time::Instant::now() + wait;
-    loop {
-        node.cg.kill(rel)?;
-        match node.cg.remove_tree(rel) {
-            Ok(()) => return Ok(()),
-            Err(e) if std::time::Instant::now() >= deadline => return Err(e.into()),
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
-        }
-    }
-}
-
 /// The leaves of `<cgroup_root>/<exec_cgroup>` that hold processes and
 /// whose maker (the pid their name ends with: `<pid>`, `slurmd-G-<pid>`,
 /// `prolog-<pid>`, [`pid_in_name`]) is no longer alive.
@@ -95,9 +74,7 @@ pub fn stale_leaves(node: &Node) -> Vec<StaleLeaf> {
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
             let maker = pid_in_name(name.rsplit('-').next()?)?;
-            let alive =
-                crate::host::procs::state_of(maker as i32).is_some_and(|s| s != 'Z' && s != 'X');
-            if alive {
+            if i32::try_from(maker).is_ok_and(crate::host::procs::alive) {
                 return None;
             }
             let leaf = join_cgroup(&base, &name);

@@ -65,7 +65,6 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::{ConfigOrigin, DEFAULT_CONFIG_PATH};
 use gpufence_model::gres::{expand_file_list, parse_slurmd_g, GresDevice};
 
-use crate::host::exec_cgroup::kill_and_remove;
 use crate::host::slurmconf::slurm_conf_or_default;
 use crate::{join_cgroup, Node, NodeError};
 
@@ -311,7 +310,7 @@ pub fn is_stale_leaf(name: &str, me: u32, alive: impl Fn(u32) -> bool) -> bool {
 }
 
 fn pid_alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
+    i32::try_from(pid).is_ok_and(crate::host::procs::alive)
 }
 
 /// A fresh `INVOCATION_ID`: 128 random bits in 32 lowercase hex digits, as
@@ -382,7 +381,9 @@ fn remove_stale_leaves(node: &Node, me: u32) {
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if e.file_type().is_ok_and(|t| t.is_dir()) && is_stale_leaf(&name, me, pid_alive) {
-            let _ = kill_and_remove(node, &join_cgroup(&base, &name), CLEANUP_WAIT);
+            let _ = node
+                .cg
+                .kill_and_remove(&join_cgroup(&base, &name), CLEANUP_WAIT);
         }
     }
 }
@@ -461,7 +462,7 @@ fn run_contained(node: &Node, slurm_conf: &Path, timeout: Duration) -> Result<St
     let out = spawn_and_collect(cmd, &cmdline, timeout, &start_note, &|| {
         let _ = node.cg.kill(&rel);
     });
-    if let Err(e) = kill_and_remove(node, &rel, CLEANUP_WAIT) {
+    if let Err(e) = node.cg.kill_and_remove(&rel, CLEANUP_WAIT) {
         let _ = node.audit(
             AuditEvent::new(events::SLURMD_G_CGROUP_LEFT)
                 .field("cgroup", crate::host::cgpath::abs(&rel))
@@ -1027,7 +1028,7 @@ mod tests {
 
     impl Drop for Removed {
         fn drop(&mut self) {
-            let _ = kill_and_remove(&self.0, &self.1, CLEANUP_WAIT);
+            let _ = self.0.cg.kill_and_remove(&self.1, CLEANUP_WAIT);
         }
     }
 

@@ -308,7 +308,8 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
             crate::host::deadline::Wait::MpsKill,
             Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1)),
         );
-        crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
+        node.cg
+            .kill_and_remove(&cg, wait)
             .map_err(|e| format!("{e} (processes {killed:?})"))?;
     }
     // Root's `u<uid>` under root-only directories: nothing on the way is a

@@ -140,6 +140,24 @@ fn state_at(dir: &std::path::Path) -> Option<char> {
     ProcStat::read_at(dir).map(|s| s.state)
 }
 
+/// Whether `pid` is a live process: gpufence's one answer to "is it still
+/// there". `/proc/<pid>` shows it and it is neither dead (`X`) nor a
+/// zombie, unless the zombie is a leader whose other threads live on
+/// ([`leader_exited`]: they keep the process's descriptors, mappings and
+/// cgroup). Any other zombie holds nothing, runs nothing and cleans up
+/// after nothing. `false` for a pid ≤ 0. Reads `/proc/<pid>/stat` (and
+/// `task/` for a zombie).
+pub fn alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match state_of(pid) {
+        None | Some('X') => false,
+        Some('Z') => leader_exited(pid),
+        Some(_) => true,
+    }
+}
+
 /// The state letter of `pid` (`R`, `S`, `Z`, ...; `/proc/<pid>/stat`).
 pub fn state_of(pid: i32) -> Option<char> {
     state_at(std::path::Path::new(&format!("/proc/{pid}")))
@@ -319,5 +337,34 @@ mod cloexec_tests {
             bad.spawn().unwrap_err().kind(),
             std::io::ErrorKind::NotFound
         );
+    }
+}
+
+#[cfg(test)]
+mod alive_tests {
+    use super::*;
+
+    /// A running child is alive; once it exits and is not reaped (a
+    /// zombie whose only thread is gone) it is not; reaped, it is not.
+    #[test]
+    fn a_zombie_is_not_alive() {
+        assert!(alive(std::process::id() as i32));
+        assert!(!alive(0) && !alive(-1));
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        assert!(alive(pid));
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while state_of(pid) != Some('Z') && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(state_of(pid), Some('Z'));
+        assert!(!alive(pid), "an unreaped zombie");
+        child.wait().unwrap();
+        assert!(!alive(pid), "reaped");
     }
 }

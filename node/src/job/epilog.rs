@@ -28,7 +28,7 @@ use gpufence_model::record::JobRecord;
 
 use crate::host::deadline::{Deadline, Wait};
 use crate::host::gpus::{AccountedProcess, GpuError, Gpus};
-use crate::job::shared::granted_minors;
+use crate::job::grant::granted_minors;
 use crate::response::respond::{self, Lingering, Mode};
 use crate::{crashpoint, host::drain, Node};
 
@@ -760,7 +760,7 @@ impl<'a> Ctx<'a> {
                     Wait::LeftoverKill,
                     Duration::from_millis(node.cfg.kill_wait_ms),
                 );
-                if let Err(e) = crate::host::exec_cgroup::kill_and_remove(node, &job_cg, wait) {
+                if let Err(e) = node.cg.kill_and_remove(&job_cg, wait) {
                     out.errors.push(format!(
                         "{e} (processes left: {:?})",
                         node.cg.procs_recursive(&job_cg)

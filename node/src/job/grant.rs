@@ -438,7 +438,7 @@ fn drop_predecessors(node: &Node, req: &StepRequest, fence: &Fence, keep: u64) {
 pub struct StepGrant {
     /// The step's fate, with the user's line when it is not a plain run
     /// (logged as an error by the plugin, printed on task 0's stderr).
-    pub verdict: StepVerdict,
+    pub fate: StepFate,
     /// The plugin's verbose log line: what was granted
     /// ([`granted_line`]), or the extern step that has no record yet under
     /// `PrologFlags=RunInJob` ([`run_in_job_no_record_line`]).
@@ -458,7 +458,7 @@ pub struct StepGrant {
 }
 
 /// The grant step of one slurmstepd, whole: [`place`], [`grant_placed`], the
-/// [`verdict_with`] (and its `grant_refused` line), the log line and the
+/// [`step_fate`] (and its `grant_refused` line), the log line and the
 /// user's lines. What the plugin's `slurm_spank_init` runs in slurmstepd,
 /// and what the tests and `gpufence-probe apply` call. `node_name` is for
 /// the user's line; `run_in_job` says whether slurm.conf has
@@ -491,12 +491,12 @@ pub fn grant_step(
     }
     let run_in_job = matches!(granted, Some(Ok(GrantOutcome::NoRecord)))
         && no_record_expected(req, req.step_id == EXTERN_STEP_ID && run_in_job());
-    let verdict = verdict_with(node, req, node_name, &placed, granted.as_ref(), run_in_job);
-    if run_in_job && verdict == StepVerdict::Run {
+    let fate = step_fate(node, req, node_name, &placed, granted.as_ref(), run_in_job);
+    if run_in_job && fate == StepFate::Run {
         note = Some(run_in_job_no_record_line(req));
     }
     StepGrant {
-        verdict,
+        fate,
         note,
         user_notes,
         job_env: env,
@@ -511,7 +511,7 @@ pub fn grant_step(
 
 /// What the plugin does with a step, and the one line the user sees.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StepVerdict {
+pub enum StepFate {
     /// Run; the grant (if any) is in place.
     Run,
     /// Run with no GPU access; tell the user why.
@@ -532,28 +532,28 @@ pub fn no_record_expected(req: &StepRequest, run_in_job: bool) -> bool {
     run_in_job && req.step_id == EXTERN_STEP_ID
 }
 
-/// The step's fate, without the audit line: [`verdict_with`]'s decision.
+/// The step's fate, without the audit line: [`step_fate`]'s decision.
 fn decide(
     req: &StepRequest,
     node_name: &str,
     placed: Option<&NodeError>,
     granted: Option<Result<&GrantOutcome, &NodeError>>,
     run_in_job: bool,
-) -> StepVerdict {
+) -> StepFate {
     let step = step_label(req);
     match (placed, granted) {
-        (Some(e), _) => StepVerdict::Refuse(format!("gpufence: {step} refused on {node_name}: {e}")),
+        (Some(e), _) => StepFate::Refuse(format!("gpufence: {step} refused on {node_name}: {e}")),
         (None, Some(Ok(GrantOutcome::NoRecord))) if no_record_expected(req, run_in_job) => {
-            StepVerdict::Run
+            StepFate::Run
         }
-        (None, Some(Ok(GrantOutcome::NoRecord))) => StepVerdict::RunWithoutGpus(format!(
+        (None, Some(Ok(GrantOutcome::NoRecord))) => StepFate::RunWithoutGpus(format!(
             "gpufence: {step} has no GPU grant on {node_name} (the gpufence prolog left no record for the job); \
              this step runs without GPU access. Admin: check Prolog= in slurm.conf"
         )),
-        (None, Some(Err(e))) => StepVerdict::RunWithoutGpus(format!(
+        (None, Some(Err(e))) => StepFate::RunWithoutGpus(format!(
             "gpufence: {step} could not be granted its GPUs on {node_name}: {e}; this step runs without GPU access"
         )),
-        (None, _) => StepVerdict::Run,
+        (None, _) => StepFate::Run,
     }
 }
 
@@ -565,14 +565,14 @@ fn decide(
 /// with neither a line for the user nor a `grant_refused` line. Every
 /// other step without a record, and any step under other flags, runs
 /// without GPUs and says why.
-pub fn verdict_with(
+pub fn step_fate(
     node: &Node,
     req: &StepRequest,
     node_name: &str,
     placed: &Result<Placement, NodeError>,
     granted: Option<&Result<GrantOutcome, NodeError>>,
     run_in_job: bool,
-) -> StepVerdict {
+) -> StepFate {
     let v = decide(
         req,
         node_name,
@@ -581,18 +581,37 @@ pub fn verdict_with(
         run_in_job,
     );
     let job = req.job_id;
-    if let StepVerdict::Refuse(line) | StepVerdict::RunWithoutGpus(line) = &v {
+    if let StepFate::Refuse(line) | StepFate::RunWithoutGpus(line) = &v {
         let _ = node.audit(
             AuditEvent::new(events::GRANT_REFUSED)
                 .job(job)
                 .uid(req.uid)
                 .pid(req.stepd_pid)
                 .field("step", step_name(req.step_id))
-                .field("refused_step", matches!(v, StepVerdict::Refuse(_)))
+                .field("refused_step", matches!(v, StepFate::Refuse(_)))
                 .field("reason", line.clone()),
         );
     }
     v
+}
+
+/// The minors on major `gpu_major` that a live grant in `fence` covers,
+/// leaving out job `other_than`'s grants: the GPUs this job shares with
+/// another (gres/shard, gres/mps). The Prolog records them (their idle
+/// memory says nothing about one job), the Epilog checks them process by
+/// process. Empty without a fence or when its grants cannot be read.
+pub(crate) fn granted_minors(
+    fence: Option<&Fence>,
+    gpu_major: u32,
+    other_than: Option<u32>,
+) -> std::collections::BTreeSet<u32> {
+    fence
+        .and_then(|f| f.entries().ok())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.dev.major == gpu_major && Some(e.job_id) != other_than)
+        .map(|e| e.dev.minor)
+        .collect()
 }
 
 #[cfg(test)]
@@ -647,8 +666,8 @@ mod tests {
             let mut lines: Vec<String> = decided
                 .into_iter()
                 .map(|v| match v {
-                    StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) => l,
-                    StepVerdict::Run => panic!("{id}: a line was expected"),
+                    StepFate::Refuse(l) | StepFate::RunWithoutGpus(l) => l,
+                    StepFate::Run => panic!("{id}: a line was expected"),
                 })
                 .collect();
             lines.extend([
@@ -679,7 +698,7 @@ mod tests {
             stepd_pid: 1,
         };
         let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
-        let _ = verdict_with(&node, &req, "n1", &placed, None, false);
+        let _ = step_fate(&node, &req, "n1", &placed, None, false);
         let line = std::fs::read_to_string(&audit).unwrap();
         let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
         assert_eq!(v["step"], "extern", "{line}");
@@ -731,7 +750,7 @@ mod tests {
     }
 
     #[test]
-    fn verdicts() {
+    fn fates() {
         let d = tempfile::tempdir().unwrap();
         let (node, _) = audited_node(d.path());
         let req = StepRequest {
@@ -743,7 +762,7 @@ mod tests {
         let refused: Result<Placement, NodeError> =
             Err(NodeError::FenceMissing { detail: "x".into() });
         assert!(
-            matches!(verdict_with(&node, &req, "n1", &refused, None, false), StepVerdict::Refuse(l) if l.starts_with("gpufence: job 3 step 0 refused on n1: the GPU fence is not installed"))
+            matches!(step_fate(&node, &req, "n1", &refused, None, false), StepFate::Refuse(l) if l.starts_with("gpufence: job 3 step 0 refused on n1: the GPU fence is not installed"))
         );
         let audit = std::fs::read_to_string(d.path().join("a.jsonl")).unwrap();
         assert!(
@@ -768,13 +787,13 @@ mod tests {
         assert!(no_record_expected(&req(EXTERN_STEP_ID), true));
         assert_eq!(
             decide(&req(EXTERN_STEP_ID), "n1", None, Some(no_record), true),
-            StepVerdict::Run
+            StepFate::Run
         );
         for (step, run_in_job) in [(0, true), (0xffff_fffb, true), (EXTERN_STEP_ID, false)] {
             assert!(!no_record_expected(&req(step), run_in_job));
             let v = decide(&req(step), "n1", None, Some(no_record), run_in_job);
             assert!(
-                matches!(&v, StepVerdict::RunWithoutGpus(l) if l.starts_with(&format!("gpufence: job 4 step {} has no GPU grant on n1", step_name(step)))),
+                matches!(&v, StepFate::RunWithoutGpus(l) if l.starts_with(&format!("gpufence: job 4 step {} has no GPU grant on n1", step_name(step)))),
                 "{step} {run_in_job}: {v:?}"
             );
         }
@@ -783,11 +802,11 @@ mod tests {
         let e = NodeError::JobCgroup("x".into());
         assert!(matches!(
             decide(&req(EXTERN_STEP_ID), "n1", Some(&e), Some(no_record), true),
-            StepVerdict::Refuse(_)
+            StepFate::Refuse(_)
         ));
         assert!(matches!(
             decide(&req(EXTERN_STEP_ID), "n1", None, Some(Err(&e)), true),
-            StepVerdict::RunWithoutGpus(_)
+            StepFate::RunWithoutGpus(_)
         ));
         assert_eq!(
             decide(
@@ -797,11 +816,11 @@ mod tests {
                 Some(Ok(&GrantOutcome::NoGpus)),
                 true
             ),
-            StepVerdict::Run
+            StepFate::Run
         );
     }
 
-    /// Only [`StepVerdict::Refuse`] and [`StepVerdict::RunWithoutGpus`]
+    /// Only [`StepFate::Refuse`] and [`StepFate::RunWithoutGpus`]
     /// are audited (so the quiet extern step has no `grant_refused`): a
     /// refused extern step still is, RunInJob or not.
     #[test]
@@ -815,7 +834,7 @@ mod tests {
             stepd_pid: 1,
         };
         let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
-        let v = verdict_with(
+        let v = step_fate(
             &node,
             &req,
             "n1",
@@ -823,7 +842,7 @@ mod tests {
             Some(&Ok(GrantOutcome::NoRecord)),
             true,
         );
-        assert!(matches!(v, StepVerdict::Refuse(_)));
+        assert!(matches!(v, StepFate::Refuse(_)));
         let text = std::fs::read_to_string(&audit).unwrap();
         assert_eq!(
             text.matches("\"event\":\"grant_refused\"").count(),

@@ -39,12 +39,10 @@
 //! into, under the fence without a grant, and the own layout's Epilog
 //! clean-up of `job_<id>` would reach the Epilog and that slurmstepd.)
 
-use std::path::Path;
-
 use gpufence_cgroup::Fence;
 use gpufence_model::config::Layout;
 
-use crate::host::slurm_cgroup::{find_job_cgroup, is_sluid, SlurmJobCgroup};
+use crate::host::slurm_cgroup::{find_job_cgroup, is_sluid, job_dir_id, SlurmJobCgroup};
 use crate::job::grant::{self, JobCgroup};
 use crate::{Node, NodeError};
 
@@ -88,8 +86,7 @@ pub fn script_job_cgroup(
     // Another job's extern step, by job id?
     let parts: Vec<&str> = own_cgroup.split('/').filter(|s| !s.is_empty()).collect();
     if let [.., dir, _, _] = parts.as_slice() {
-        let id = dir.strip_prefix("job_").and_then(|n| n.parse::<u32>().ok());
-        if let Some(id) = id.filter(|id| *id != job_id) {
+        if let Some(id) = job_dir_id(dir).filter(|id| *id != job_id) {
             if find_job_cgroup(own_cgroup, id, "extern").is_some() {
                 return Err(other(dir));
             }
@@ -201,7 +198,7 @@ fn remove_dead_leaves(node: &Node) {
             .find_map(|p| name.strip_prefix(p))
             .and_then(|n| n.parse::<i32>().ok());
         let Some(pid) = pid else { continue };
-        if pid > 0 && !Path::new(&format!("/proc/{pid}")).exists() {
+        if pid > 0 && !crate::host::procs::alive(pid) {
             // rmdir refuses a cgroup that holds processes.
             let _ = node.cg.remove_tree(&crate::join_cgroup(&base, &name));
         }
@@ -327,7 +324,7 @@ mod tests {
                 d.path().display()
             );
             let node = Node::new(
-                Config::parse(&text, Path::new("t")).unwrap(),
+                Config::parse(&text, std::path::Path::new("t")).unwrap(),
                 ConfigOrigin::Defaults,
             )
             .unwrap();

@@ -1,7 +1,7 @@
 //! A job's life on the node: Prolog, grant step, Epilog, report.
 //!
 //! Its modules use one another one way (`tests/tests/layering.rs`):
-//! `mps`, `report`, `shared`, `leftovers` and `jobmap` use none of the
+//! `mps`, `report`, `leftovers` and `jobmap` use none of the
 //! others; `door` (credentials and images at a step's start) uses `grant`
 //! for the step's names;
 //! `injob` uses `apply`; `prolog` and `epilog` use those below them; `timeouts` (their worst
@@ -19,6 +19,5 @@ pub mod leftovers;
 pub mod mps;
 pub mod prolog;
 pub mod report;
-pub mod shared;
 pub mod step;
 pub mod timeouts;

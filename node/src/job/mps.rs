@@ -584,7 +584,7 @@ fn start_one(
     drop_to(&mut cmd, uid, gid, groups);
     if let Err(e) = run_bounded(cmd, b"", MPS_WAIT) {
         let _ = fence.revoke_cgroup(id);
-        let _ = crate::host::exec_cgroup::kill_and_remove(node, &cg, MPS_WAIT);
+        let _ = node.cg.kill_and_remove(&cg, MPS_WAIT);
         let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
         return Err(format!("{} -d: {e}", program.display()));
     }

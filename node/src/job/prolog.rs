@@ -20,7 +20,7 @@ use gpufence_model::record::{now_rfc3339, GpuIdle, JobRecord, MigSlice, RECORD_V
 
 use crate::host::fence_ops::open_installed;
 use crate::host::gpus::Gpus;
-use crate::job::shared::granted_minors;
+use crate::job::grant::granted_minors;
 use crate::response::respond::{self, Mode};
 use crate::{crashpoint, host::gresmap, response::evidence};
 use crate::{Node, NodeError};
@@ -622,11 +622,8 @@ pub fn clear_stale(node: &Node, fence: &Fence, job_id: u32) -> Result<Vec<String
         let cg = node.own_job_cgroup(job_id);
         if node.cg.path(&cg).exists() {
             let procs = node.cg.procs_recursive(&cg);
-            crate::host::exec_cgroup::kill_and_remove(
-                node,
-                &cg,
-                std::time::Duration::from_millis(node.cfg.kill_wait_ms),
-            )?;
+            node.cg
+                .kill_and_remove(&cg, std::time::Duration::from_millis(node.cfg.kill_wait_ms))?;
             notes.push(format!(
                 "removed the stale cgroup /{cg} (processes killed: {procs:?})"
             ));

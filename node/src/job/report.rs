@@ -201,11 +201,9 @@ pub fn write_as_user(
     node.cg.create(&cg).map_err(ReportError::MakeCgroup)?;
     let r = run_writer(node, &cg, text, path, work_dir, uid, gid);
     // Whatever the writer left (a process it forked) goes with its cgroup.
-    let _ = crate::host::exec_cgroup::kill_and_remove(
-        node,
-        &cg,
-        node.bound(Wait::ReportKill, Duration::from_secs(2)),
-    );
+    let _ = node
+        .cg
+        .kill_and_remove(&cg, node.bound(Wait::ReportKill, Duration::from_secs(2)));
     r.map(|()| {
         if path.is_absolute() {
             path.to_path_buf()

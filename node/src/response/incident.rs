@@ -47,9 +47,7 @@ use gpufence_model::record::now_rfc3339;
 use crate::holders::cover::exemption;
 use crate::holders::scan::Scanner;
 use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
-use crate::host::procs::{
-    leader_exited, live_view, read_cmdline, read_stat, read_uid, state_of, PF_KTHREAD,
-};
+use crate::host::procs::{alive, live_view, read_cmdline, read_stat, read_uid, PF_KTHREAD};
 use crate::host::users::Users;
 use crate::response::engine::{exited, pidfd_open, Engine};
 use crate::response::evidence::{self, GpuMemory};
@@ -191,12 +189,14 @@ impl IncidentOutcome {
     }
 }
 
+/// The thread group (process) id of task `pid`: `Tgid` of
+/// `/proc/<pid>/status` (`fs/proc/array.c`), read with `procfs`.
 fn tgid_of(pid: i32) -> Option<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
+    procfs::process::Process::new(pid)
         .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
+        .status()
+        .ok()
+        .map(|s| s.tgid)
 }
 
 /// pid → ppid of every process.
@@ -263,7 +263,7 @@ pub fn check(node: &Node, pid: i32) -> Result<(), Refusal> {
     }
     // A zombie is gone, unless only its leader exited and other threads
     // live on (they keep the process's descriptors and mappings).
-    if state_of(pid) == Some('Z') && !leader_exited(pid) {
+    if !alive(pid) {
         return Err(Refusal::NotFound(pid));
     }
     if let Some(tgid) = tgid_of(pid).filter(|t| *t != pid) {

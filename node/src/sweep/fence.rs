@@ -15,6 +15,15 @@ impl Sweep<'_> {
     /// The fence attached, its majors against the node's. Returns the
     /// node's protected majors.
     pub(super) fn drift(&mut self) -> BTreeSet<u32> {
+        self.attachment();
+        self.own_cgroups();
+        self.exemptions();
+        self.majors()
+    }
+
+    /// Whether the fence is attached and in the configured mode (sets
+    /// `report.fence_installed`, `audit` and `fence`).
+    fn attachment(&mut self) {
         let node = self.node;
         let attached = Fence::check_attached(&node.cg, &node.cfg.cgroup_root, &node.cfg.bpffs_dir);
         self.report.fence_installed = attached.is_ok();
@@ -84,6 +93,13 @@ impl Sweep<'_> {
                 None
             }
         };
+    }
+
+    /// gpufence's own cgroups: exec leaves left by a process that is gone,
+    /// foreign processes in MPS daemon cgroups, MPS registrations of jobs
+    /// that have ended (removed here).
+    fn own_cgroups(&mut self) {
+        let node = self.node;
         for l in crate::host::exec_cgroup::stale_leaves(node) {
             self.findings.push(Finding::new(
                 Kind::ExecLeftover,
@@ -134,6 +150,13 @@ impl Sweep<'_> {
             });
             self.findings.push(f);
         }
+    }
+
+    /// Each configured exemption whose cgroup exists and is not exempt in
+    /// the fence (a service restarted since the install or the last
+    /// `fence watch` pass).
+    fn exemptions(&mut self) {
+        let node = self.node;
         if let Some(f) = &self.fence {
             let exempt: Vec<u64> = f
                 .cgroup_flags()
@@ -154,6 +177,12 @@ impl Sweep<'_> {
                 }
             }
         }
+    }
+
+    /// The node's protected majors against the fence's. Returns the
+    /// node's.
+    fn majors(&mut self) -> BTreeSet<u32> {
+        let node = self.node;
         let want = match node.protected_majors() {
             Ok(p) => p,
             Err(e) => {

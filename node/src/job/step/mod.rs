@@ -25,7 +25,7 @@ use std::path::PathBuf;
 
 use crate::host::slurmconf::{slurm_conf_path, SlurmConf};
 use crate::job::door;
-use crate::job::grant::{self, StepRequest, StepVerdict};
+use crate::job::grant::{self, StepFate, StepRequest};
 use crate::job::imex;
 use crate::Node;
 
@@ -107,7 +107,7 @@ pub struct TaskStart {
 /// nothing.
 #[derive(Debug, Default)]
 pub struct Step {
-    verdict: Option<StepVerdict>,
+    fate: Option<StepFate>,
     /// Lines for the job's output (task 0's stderr), from the record's
     /// notes for the user (a `--gpu-exclusive` that could not be set, an
     /// MPS daemon that did not start) and the door's.
@@ -143,7 +143,7 @@ impl Step {
     /// then; its refusal is the step's unless the step is refused
     /// already), and under `switch/nvidia_imex` the job cgroup's `mknod`
     /// of the IMEX major. Lines for slurmd's log go to `log`; the
-    /// verdict's line is logged as an error. This node is named by
+    /// fate's line is logged as an error. This node is named by
     /// [`gpufence_model::nodename::node_name`].
     pub fn start<'a>(
         args: &PluginArgs,
@@ -158,7 +158,7 @@ impl Step {
                 let line = grant::load_refused_line(&req, &node_name, &e);
                 log(Level::Error, &line);
                 return Step {
-                    verdict: Some(StepVerdict::Refuse(line)),
+                    fate: Some(StepFate::Refuse(line)),
                     ..Step::default()
                 };
             }
@@ -180,8 +180,8 @@ impl Step {
                 log(Level::Error, l);
             }
             g.user_notes.extend(d.user_lines);
-            if let (Some(r), false) = (d.refuse, matches!(g.verdict, StepVerdict::Refuse(_))) {
-                g.verdict = StepVerdict::Refuse(r);
+            if let (Some(r), false) = (d.refuse, matches!(g.fate, StepFate::Refuse(_))) {
+                g.fate = StepFate::Refuse(r);
             }
         }
         // Slurm's IMEX channels: slurmstepd makes the step's channel node
@@ -211,11 +211,11 @@ impl Step {
         if let Some(n) = &g.note {
             log(Level::Verbose, n);
         }
-        if let StepVerdict::Refuse(l) | StepVerdict::RunWithoutGpus(l) = &g.verdict {
+        if let StepFate::Refuse(l) | StepFate::RunWithoutGpus(l) = &g.fate {
             log(Level::Error, l);
         }
         Step {
-            verdict: Some(g.verdict),
+            fate: Some(g.fate),
             user_notes: g.user_notes,
             job_env: g.job_env,
             imex: imex_step,
@@ -230,7 +230,7 @@ impl Step {
     /// ([`imex::grant_channel`]); a failure is logged and printed.
     pub fn task_init_privileged(&self, task0: bool, log: Log) -> TaskStart {
         let mut t = TaskStart::default();
-        if let Some(StepVerdict::Refuse(line)) = &self.verdict {
+        if let Some(StepFate::Refuse(line)) = &self.fate {
             if task0 {
                 t.stderr.push(line.clone());
             }
@@ -284,12 +284,12 @@ impl Step {
             return Vec::new();
         }
         let mut lines = self.user_notes.clone();
-        if matches!(self.verdict, Some(StepVerdict::Run)) && has_gpus(getenv) {
+        if matches!(self.fate, Some(StepFate::Run)) && has_gpus(getenv) {
             if let Some(hint) = argv().and_then(|a| container_hint(&a)) {
                 lines.push(hint.to_string());
             }
         }
-        if let Some(StepVerdict::RunWithoutGpus(l)) = &self.verdict {
+        if let Some(StepFate::RunWithoutGpus(l)) = &self.fate {
             lines.push(l.clone());
         }
         lines
@@ -300,9 +300,9 @@ impl Step {
 mod tests {
     use super::*;
 
-    fn step(verdict: Option<StepVerdict>) -> Step {
+    fn step(fate: Option<StepFate>) -> Step {
         Step {
-            verdict,
+            fate,
             user_notes: vec!["note".into()],
             ..Step::default()
         }
@@ -324,7 +324,7 @@ mod tests {
 
     #[test]
     fn a_refused_step_stops_every_task_and_tells_task_0() {
-        let s = step(Some(StepVerdict::Refuse("gpufence: no".into())));
+        let s = step(Some(StepFate::Refuse("gpufence: no".into())));
         let mut logged = Vec::new();
         let t = s.task_init_privileged(true, &mut |l, m: &str| logged.push((l, m.to_string())));
         assert_eq!(
@@ -354,7 +354,7 @@ mod tests {
     fn task_lines_in_order_for_task_0_only() {
         let gpus = |k: &str| (k == "SLURM_STEP_GPUS").then(|| "0".to_string());
         let podman = || Some(vec!["podman", "run", "img"]);
-        let s = step(Some(StepVerdict::Run));
+        let s = step(Some(StepFate::Run));
         let l = s.task_lines(true, gpus, podman);
         assert_eq!(l.len(), 2, "{l:?}");
         assert_eq!(l[0], "note");
@@ -368,7 +368,7 @@ mod tests {
         );
         assert_eq!(l, ["note"]);
         // Without GPUs: no hint, the reason last.
-        let s = step(Some(StepVerdict::RunWithoutGpus("gpufence: why".into())));
+        let s = step(Some(StepFate::RunWithoutGpus("gpufence: why".into())));
         assert_eq!(s.task_lines(true, gpus, podman), ["note", "gpufence: why"]);
         assert!(Step::default().task_lines(true, gpus, podman).is_empty());
     }
