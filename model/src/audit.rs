@@ -135,9 +135,9 @@ pub mod events {
     pub const EPILOG_DEADLINE: &str = "epilog_deadline";
     /// Credentials found in a batch job's script or submission
     /// environment, once per job (the batch step): `action` (`warn`,
-    /// `refuse`), `findings` (each `rule`, `kind`, `place`, `sha256_8`:
-    /// the first 8 hex digits of the SHA-256 of the match; never the
-    /// value), `unread` (variables past the bound), `truncated` (a script
+    /// `refuse`), `findings` (each `rule`, `kind`, `place`, `hmac_8`:
+    /// the first 8 hex digits of the HMAC-SHA256 of the match under the
+    /// node's key, `state_dir/door.key`; never the value), `unread` (variables past the bound), `truncated` (a script
     /// longer than its first MiB).
     pub const JOB_SECRET: &str = "job_secret";
     /// A step names a container image by tag and not by digest, or from a

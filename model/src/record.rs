@@ -323,6 +323,13 @@ impl StateDir {
         self.root.join("sweep")
     }
 
+    /// `<state_dir>/door.key`: the node's key (32 bytes, 0600) of the
+    /// hashes the job-start checks keep of a credential they find
+    /// ([`crate::secrets::HashKey`]).
+    pub fn door_key_path(&self) -> PathBuf {
+        self.root.join("door.key")
+    }
+
     /// `<state_dir>/sweep/lock`: one sweep at a time.
     pub fn sweep_lock_path(&self) -> PathBuf {
         self.sweep_dir().join("lock")

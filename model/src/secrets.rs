@@ -44,13 +44,15 @@
 //!
 //! A finding never holds the secret: only its rule, its place (a line of
 //! the script or a variable's name) and the first 8 hex digits of the
-//! SHA-256 of the matched text ([`Finding::hash`]).
+//! HMAC-SHA256 of the matched text under the node's key ([`HashKey`],
+//! [`Finding::hash`]).
 
 use std::sync::OnceLock;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder};
+use hmac::{KeyInit, Mac};
 use regex::bytes::{Regex, RegexBuilder};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 /// The bytes of a batch script scanned: the first MiB. A longer script is
 /// scanned that far (its tail unread, said in the finding line).
@@ -63,7 +65,8 @@ pub const ENV_MAX_BYTES: usize = 1 << 20;
 /// How far (in lines) an AWS secret access key may be from its access key
 /// id in a script for `aws-access-token` to fire.
 pub const AWS_PAIR_LINES: usize = 5;
-/// The digits of the SHA-256 of a secret that a finding keeps.
+/// The hex digits of a secret's keyed hash ([`HashKey`]) that a finding
+/// keeps.
 pub const HASH_HEX: usize = 8;
 
 /// One rule: a gitleaks rule id, what a user is told it is, gitleaks'
@@ -258,8 +261,11 @@ pub struct Finding {
     pub kind: &'static str,
     /// Where.
     pub place: Place,
-    /// The first [`HASH_HEX`] hex digits of the SHA-256 of the matched
-    /// text: enough to tell two findings apart, nothing to recover it by.
+    /// The first [`HASH_HEX`] hex digits of the HMAC-SHA256 of the
+    /// matched text under the node's [`HashKey`]: enough to tell two
+    /// findings apart (and to see one secret reused across jobs of the
+    /// node), nothing to recover it by, and, without the key, nothing to
+    /// confirm a guess against.
     pub hash: String,
 }
 
@@ -329,9 +335,10 @@ pub fn compiled_rules() -> Vec<&'static str> {
 /// The scanner: a handle on the keywords' automaton (built once per
 /// process); the rules' regexes are compiled when the keywords first
 /// select them.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Scanner {
     pre: &'static Prefilter,
+    key: HashKey,
 }
 
 /// What [`Scanner::scan_env`] read.
@@ -364,10 +371,50 @@ pub fn entropy(b: &[u8]) -> f64 {
         .sum()
 }
 
-/// The short hash a finding keeps ([`Finding::hash`]).
-pub fn short_hash(secret: &[u8]) -> String {
-    let d = Sha256::digest(secret);
-    d.iter()
+/// The key of the hash a finding keeps: 32 bytes, the node's own (the
+/// door keeps one in `state_dir`, root's, 0600). Unkeyed, 8 hex digits of
+/// a SHA-256 would let anyone who reads the audit log test a guessed
+/// password offline; under a key they cannot without it.
+#[derive(Clone)]
+pub struct HashKey([u8; 32]);
+
+impl HashKey {
+    /// The key made of `bytes`.
+    pub fn from_bytes(bytes: [u8; 32]) -> HashKey {
+        HashKey(bytes)
+    }
+
+    /// A new random key (`getrandom(2)`); `None` when the kernel gives
+    /// fewer bytes.
+    pub fn random() -> Option<HashKey> {
+        let mut b = [0u8; 32];
+        // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        (usize::try_from(n).ok() == Some(b.len())).then_some(HashKey(b))
+    }
+
+    /// Its bytes (to store it).
+    pub fn bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for HashKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HashKey(..)")
+    }
+}
+
+/// The short hash a finding keeps ([`Finding::hash`]): the first
+/// [`HASH_HEX`] hex digits of HMAC-SHA256 (RFC 2104) of `secret` under
+/// `key`.
+pub fn short_hash(key: &HashKey, secret: &[u8]) -> String {
+    let mut mac = <hmac::Hmac<Sha256> as KeyInit>::new_from_slice(&key.0)
+        .expect("HMAC takes a key of any length");
+    mac.update(secret);
+    mac.finalize()
+        .into_bytes()
+        .iter()
         .take(HASH_HEX / 2)
         .map(|b| format!("{b:02x}"))
         .collect()
@@ -405,12 +452,13 @@ fn without_generic_twins(findings: Vec<Finding>) -> Vec<Finding> {
 }
 
 impl Scanner {
-    /// The scanner, building the keywords' automaton the first time in
-    /// this process (microseconds; no regex is compiled here).
+    /// The scanner, its findings' hashes keyed with `key`, building the
+    /// keywords' automaton the first time in this process (microseconds;
+    /// no regex is compiled here).
     ///
     /// # Errors
     /// [`RulesError::Keywords`] if the automaton does not build.
-    pub fn new() -> Result<Scanner, RulesError> {
+    pub fn new(key: HashKey) -> Result<Scanner, RulesError> {
         let pre = PREFILTER.get_or_init(|| {
             let mut pats = Vec::new();
             let mut rule_of = Vec::new();
@@ -427,7 +475,7 @@ impl Scanner {
                 .map_err(|e| RulesError::Keywords(e.to_string()))
         });
         match pre {
-            Ok(pre) => Ok(Scanner { pre }),
+            Ok(pre) => Ok(Scanner { pre, key }),
             Err(e) => Err(e.clone()),
         }
     }
@@ -474,7 +522,11 @@ impl Scanner {
                 if rule.id == "generic-api-key" && !generic_value_ok(secret.as_bytes()) {
                     continue;
                 }
-                out.push((secret.start(), rule, short_hash(secret.as_bytes())));
+                out.push((
+                    secret.start(),
+                    rule,
+                    short_hash(&self.key, secret.as_bytes()),
+                ));
             }
         }
         Ok(out)
@@ -616,6 +668,32 @@ impl Scanner {
 mod tests {
     use super::*;
 
+    /// The key the tests hash under.
+    pub(super) fn key() -> HashKey {
+        HashKey::from_bytes([7; 32])
+    }
+
+    /// HMAC-SHA256, RFC 4231 test case 2 ("Jefe"; padded with zeros to 32
+    /// bytes, which HMAC does to a short key itself): the digits are the
+    /// standard's, so the hash is HMAC and not a home-grown mix.
+    #[test]
+    fn the_hash_is_hmac_sha256_under_the_key() {
+        let mut k = [0u8; 32];
+        k[..4].copy_from_slice(b"Jefe");
+        let h = short_hash(&HashKey::from_bytes(k), b"what do ya want for nothing?");
+        assert_eq!(h, "5bdcc146");
+        assert_ne!(
+            short_hash(&HashKey::from_bytes([1; 32]), b"hunter2hunter2"),
+            short_hash(&HashKey::from_bytes([2; 32]), b"hunter2hunter2"),
+            "another node's key, another hash"
+        );
+        assert_eq!(
+            format!("{:?}", key()),
+            "HashKey(..)",
+            "the key is never printed"
+        );
+    }
+
     /// Synthetic values of each rule's shape: obviously fake.
     fn aws_id() -> String {
         "AKIAFAKE2345TESTFAKE".into()
@@ -725,7 +803,7 @@ mod tests {
 
     #[test]
     fn every_rule_compiles_and_has_a_positive_and_a_near_miss() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let cases = cases();
         for r in RULES {
             assert!(
@@ -759,7 +837,7 @@ mod tests {
 
     #[test]
     fn the_keywords_select_every_true_positive() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         for (id, yes, _) in cases() {
             let i = RULES.iter().position(|r| r.id == id).unwrap();
             assert!(
@@ -814,7 +892,7 @@ mod tests {
     /// the regex matches without holding gitleaks' keywords are found.
     #[test]
     fn the_keywords_gitleaks_would_miss() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         // gitleaks' keyword is `hooks.slack.com`; its regex's dots match
         // any byte
         let hook = "curl -X POST https://hooks-slack-com/services/TFAKE0000/BFAKE0000/FAKEfake0123456789TESTtest01\n";
@@ -841,7 +919,7 @@ mod tests {
 
     #[test]
     fn a_clean_script_compiles_no_regex() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/secrets/clean");
         // scripts of the corpus without a keyword in them
@@ -875,7 +953,7 @@ mod tests {
 
     #[test]
     fn findings_never_hold_the_value() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         for (_, yes, _) in cases() {
             for f in s.scan_script(yes.as_bytes()).unwrap() {
                 let shown = format!("{f:?} {}", f.place);
@@ -892,7 +970,7 @@ mod tests {
 
     #[test]
     fn line_numbers_and_variables() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let f = s.scan_script(
             b"#!/bin/bash\n#SBATCH -N1\nexport HF_TOKEN=hf_FAKEfakeFAKEfakeTESTtestTESTtestXY\n",
         ).unwrap();
@@ -912,7 +990,7 @@ mod tests {
 
     #[test]
     fn aws_pairs_in_the_environment_anywhere_in_a_script_nearby() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let id = format!("AWS_ACCESS_KEY_ID={}", aws_id());
         let secret = format!("AWS_SECRET_ACCESS_KEY={}", aws_secret());
         let e = s
@@ -938,7 +1016,7 @@ mod tests {
     /// a single token deep in a long script has its line.
     #[test]
     fn many_matches_keep_their_lines_and_stop_at_the_bound() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let text: String = (0..10_000)
             .map(|i| format!("T{i}=glpat-FAKEfake{i:04}TESTtest\n"))
             .collect();
@@ -957,7 +1035,7 @@ mod tests {
     /// named by its number, never by the name; a value's variable by name.
     #[test]
     fn a_secret_in_a_variable_name_is_never_named() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let tok = "ghp_FAKEfake0123456789TESTtestFAKEfake0123";
         let places = |vars: &[String]| -> Vec<Place> {
             s.scan_env(vars.iter().map(|v| v.as_bytes()))
@@ -983,7 +1061,7 @@ mod tests {
     /// a word boundary, which `/` then a newline is not).
     #[test]
     fn aws_secrets_ending_in_slash_or_plus_pair() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         for end in ["/", "+"] {
             let secret = format!("{}{end}", &aws_secret()[..39]);
             let text = format!(
@@ -1000,7 +1078,7 @@ mod tests {
 
     #[test]
     fn bounds_hold() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let many: Vec<Vec<u8>> = (0..100_000)
             .map(|i| format!("V{i}=x").into_bytes())
             .collect();
@@ -1017,7 +1095,7 @@ mod tests {
 
     #[test]
     fn the_false_positive_corpus_stays_silent() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/secrets/clean");
         let mut n = 0;
@@ -1033,7 +1111,7 @@ mod tests {
 
     #[test]
     fn a_login_environment_stays_silent() {
-        let s = Scanner::new().unwrap();
+        let s = Scanner::new(key()).unwrap();
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../testdata/secrets/clean-env.txt");
         let text = std::fs::read(&p).unwrap();
@@ -1052,7 +1130,7 @@ mod tests {
             text in proptest::collection::vec(proptest::num::u8::ANY, 0..4096),
             vars in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..64),
         ) {
-            let s = Scanner::new().unwrap();
+            let s = Scanner::new(key()).unwrap();
             for f in s.scan_script(&text).unwrap() {
                 proptest::prop_assert!(matches!(f.place, Place::Line(n) if n >= 1));
                 proptest::prop_assert_eq!(f.hash.len(), HASH_HEX);

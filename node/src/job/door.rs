@@ -28,7 +28,7 @@
 //! cannot be read is a `check_failed` audit line and a log line, never a
 //! refusal. The value of a credential never leaves this module: lines and
 //! audit events name the kind, the line or variable, and 8 hex digits of
-//! its SHA-256.
+//! its HMAC-SHA256 under the node's key ([`hash_key`]).
 
 use std::ffi::OsStr;
 use std::io::Read;
@@ -40,7 +40,7 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::DoorMode;
 use gpufence_model::image::{self, ImageIssue, ImageRef, PYXIS_IMAGE_ENV};
 use gpufence_model::secrets::{
-    Finding, Place, Scanner, ENV_MAX_BYTES, ENV_MAX_VARS, SCRIPT_MAX_BYTES,
+    Finding, HashKey, Place, Scanner, ENV_MAX_BYTES, ENV_MAX_VARS, SCRIPT_MAX_BYTES,
 };
 use serde_json::json;
 
@@ -151,9 +151,85 @@ fn check_failed(node: &Node, door: &mut Door, req: &StepRequest, reason: String)
     );
 }
 
+/// The node's key of the hashes findings keep
+/// ([`gpufence_model::secrets::HashKey`]): `<state_dir>/door.key`, made
+/// (32 random bytes, 0600, root's; `O_EXCL`, so that concurrent steps
+/// agree on one) when absent, read with `O_NOFOLLOW` and used only when
+/// it is a regular file of exactly 32 bytes owned by root and private to
+/// it. When it cannot be made or read so, a key of this step's own: the
+/// hashes then tell findings of this job apart but not across jobs, and
+/// are still not unkeyed. The reason, when there is one, is returned for
+/// a `check_failed` line.
+pub fn hash_key(node: &Node) -> (HashKey, Option<String>) {
+    let p = node.state.door_key_path();
+    let read = || -> std::io::Result<HashKey> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&p)?;
+        let m = f.metadata()?;
+        if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 || m.len() != 32 {
+            return Err(std::io::Error::other(
+                "not a regular file of 32 bytes, root's, mode 0600",
+            ));
+        }
+        let mut b = [0u8; 32];
+        f.read_exact(&mut b)?;
+        Ok(HashKey::from_bytes(b))
+    };
+    let made = || -> std::io::Result<()> {
+        let _ = gpufence_model::fsutil::create_dir_all_mode(node.state.root(), 0o700);
+        let key = HashKey::random().ok_or_else(|| std::io::Error::other("getrandom"))?;
+        match gpufence_model::fsutil::write_new(&p, key.bytes(), 0o600) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+            _ => Ok(()),
+        }
+    };
+    let why = match read() {
+        Ok(k) => return (k, None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match made().and_then(|()| read()) {
+            Ok(k) => return (k, None),
+            Err(e) => e,
+        },
+        Err(e) => e,
+    };
+    let own = HashKey::random().unwrap_or_else(|| {
+        // No randomness from the kernel: the time and the pid, still a key
+        // no reader of the log holds.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut b = [0u8; 32];
+        b[..16].copy_from_slice(&t.to_le_bytes());
+        b[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+        HashKey::from_bytes(b)
+    });
+    (
+        own,
+        Some(format!(
+            "hash key {}: {why}; this job's findings are hashed under a key of its own",
+            p.display()
+        )),
+    )
+}
+
 fn secrets(node: &Node, slurm: Option<&SlurmConf>, step: &DoorStep, door: &mut Door) {
     let req = step.req;
-    let scanner = match Scanner::new() {
+    let (key, why) = hash_key(node);
+    if let Some(why) = why {
+        door.log_lines
+            .push(format!("gpufence: {}: {why}", step_label(req)));
+        audit(
+            node,
+            door,
+            AuditEvent::new(events::ERROR)
+                .job(req.job_id)
+                .field("component", "job_secrets")
+                .field("reason", why),
+        );
+    }
+    let scanner = match Scanner::new(key) {
         Ok(s) => s,
         Err(e) => return check_failed(node, door, req, format!("rules: {e}")),
     };
@@ -220,7 +296,7 @@ fn secrets(node: &Node, slurm: Option<&SlurmConf>, step: &DoorStep, door: &mut D
     let list: Vec<_> = findings
         .iter()
         .map(|(src, f)| {
-            json!({"rule": f.rule, "kind": f.kind, "place": format!("{src} {}", f.place), "sha256_8": f.hash})
+            json!({"rule": f.rule, "kind": f.kind, "place": format!("{src} {}", f.place), "hmac_8": f.hash})
         })
         .collect();
     audit(
@@ -422,6 +498,49 @@ mod tests {
         std::fs::read_to_string(dir.join("audit.jsonl")).unwrap_or_default()
     }
 
+    /// The node's hash key: made once (32 bytes, 0600) and the same for
+    /// every later step; a key file that is a link, the wrong size or not
+    /// root's is not used, and the reason says so. Run as another uid
+    /// than root (the fast unit tests), no file can be root's: every key
+    /// is a step's own, with its reason.
+    #[test]
+    fn the_hash_key_is_the_nodes_own_file_or_a_steps_own() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let n = node(d.path(), "");
+        let p = n.state.door_key_path();
+        let (k1, why1) = hash_key(&n);
+        let (k2, why2) = hash_key(&n);
+        let root = nix::unistd::geteuid().is_root();
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!((m.len(), m.mode() & 0o777), (32, 0o600));
+        if root {
+            assert_eq!((why1, why2), (None, None));
+            assert_eq!(k1.bytes(), k2.bytes(), "one key for the node");
+            assert_eq!(&std::fs::read(&p).unwrap()[..], &k1.bytes()[..]);
+        } else {
+            assert!(why1.is_some_and(|w| w.contains("root's")));
+            assert!(why2.is_some());
+            assert_ne!(k1.bytes(), k2.bytes(), "each step its own key");
+        }
+        // A link in its place is not followed.
+        std::fs::remove_file(&p).unwrap();
+        let elsewhere = d.path().join("elsewhere.key");
+        std::fs::write(&elsewhere, [9u8; 32]).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &p).unwrap();
+        let (k, why) = hash_key(&n);
+        assert!(why.is_some(), "a link is refused");
+        assert_ne!(k.bytes(), &[9u8; 32]);
+        // The wrong size.
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, [9u8; 31]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let (k, why) = hash_key(&n);
+        assert!(why.is_some_and(|w| w.contains("32 bytes")));
+        assert_ne!(&k.bytes()[..31], &[9u8; 31]);
+    }
+
     #[test]
     fn warn_names_kind_and_place_never_the_value() {
         let d = tempfile::tempdir().unwrap();
@@ -462,7 +581,7 @@ mod tests {
         }
         let audit = audit_text(d.path());
         assert_eq!(audit.lines().count(), 1, "{audit}");
-        assert!(audit.contains("\"job_secret\"") && audit.contains("sha256_8"));
+        assert!(audit.contains("\"job_secret\"") && audit.contains("hmac_8"));
         for out in [l.as_str(), audit.as_str()] {
             assert!(!out.contains(HF) && !out.contains("glpat-FAKE"), "{out}");
         }
