@@ -33,11 +33,17 @@ use crate::uapi::helper;
 
 pub mod fdtable;
 mod links;
+mod record;
 mod ring;
 mod task;
 
 pub(crate) use links::{load_with_callback, open_pin, pin_link, read_all, read_raw, Loaded};
 pub use links::{PINS, PIN_RINGS};
+pub(crate) use record::{
+    load_seq, seq_write, Seq, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_PENDING,
+    KIND_RING, KIND_RING_SEEN, KIND_RING_TRUNC, KIND_SOCK,
+};
+pub use record::{Object, RawRecord, Record, RECORD_LEN};
 pub use ring::{ring_program, FileTable, RingIterator, RingLayout};
 pub use task::{file_program, vma_program, Iterators, Layout};
 
@@ -59,59 +65,6 @@ const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
 /// `major << 20 | minor`.
 pub(crate) const MINORBITS: u32 = 20;
 
-/// The size of one [`Record`] as the programs write it.
-pub const RECORD_LEN: usize = 24;
-
-/// What a record describes. Values are the `kind` word of the record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Object {
-    /// A character device open in a descriptor table: `(major, minor)`.
-    CharFd(u32, u32),
-    /// A socket open in a descriptor table: its inode number (what
-    /// `stat(/proc/<pid>/fd/N).st_ino` and `socket:[N]` say).
-    Socket(u64),
-    /// A file on the anonymous-inode filesystem (eventfd, epoll, io_uring,
-    /// ...): its inode number.
-    AnonInode(u64),
-    /// A mapping of a character device: `(major, minor)`.
-    CharMap(u32, u32),
-    /// A mapping of a file on the anonymous-inode filesystem (an io_uring's
-    /// rings, which keep the ring alive without a descriptor): its inode.
-    AnonMap(u64),
-    /// A ring a task registered (`IORING_REGISTER_RING_FDS`): the inode of
-    /// its file, so that its mappings are known as read. `fd` is its slot.
-    RingSeen(u64),
-    /// A character device registered as a fixed file of an io_uring whose
-    /// own descriptor the task registered (`IORING_REGISTER_RING_FDS`):
-    /// `(major, minor)`; the record's `fd` is the ring's registered slot.
-    RingFile(u32, u32),
-    /// A registered ring that was not read whole: more than
-    /// [`RING_RECORDS`] character-device records, or more fixed files than
-    /// `bpf_loop` walks; the value is its number of fixed files. The
-    /// record's `fd` is the ring's registered slot. What else the ring
-    /// holds is unknown.
-    RingTruncated(u64),
-    /// A task whose run of the fd-table program stopped before its end
-    /// (more than [`crate::iter::fdtable::FD_RECORDS`] records, more slots than
-    /// one `bpf_loop` walks, its mmap lock busy, or the scan's deadline
-    /// passed): where a further pass resumes
-    /// ([`crate::iter::fdtable::FdTableIterator::resume`]). The record's `fd` is
-    /// the batch of 8 slots to resume the descriptor table at (-1: the
-    /// table is read), the value the address to resume the mappings at
-    /// (`u64::MAX`: they are read).
-    Pending(u64),
-}
-
-pub(crate) const KIND_CHAR: i32 = 1;
-const KIND_SOCK: i32 = 2;
-pub(crate) const KIND_ANON: i32 = 3;
-pub(crate) const KIND_MAP: i32 = 4;
-const KIND_RING: i32 = 5;
-const KIND_RING_TRUNC: i32 = 6;
-pub(crate) const KIND_ANON_MAP: i32 = 7;
-const KIND_RING_SEEN: i32 = 8;
-pub(crate) const KIND_PENDING: i32 = 10;
-
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
 /// says so ([`Object::RingTruncated`]). What one program run writes must
@@ -127,62 +80,6 @@ const RING_FDS: usize = 16;
 /// (`FFS_NOWAIT`, `FFS_ISREG`, and in 5.18-6.6 `FFS_SCM`:
 /// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
 const FFS_FLAGS: i32 = 7;
-
-/// One object the iterators report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Record {
-    /// `task->tgid`: the process.
-    pub tgid: i32,
-    /// `task->pid`: the thread whose table (or, for mappings, whose walk)
-    /// showed it; equal to `tgid` for the leader.
-    pub tid: i32,
-    /// The descriptor number (0 for mappings).
-    pub fd: i32,
-    /// What it is.
-    pub object: Object,
-}
-
-impl Record {
-    /// Decodes one record: `{ u32 tgid; u32 tid; u32 fd; u32 kind; u64 value; }`
-    /// in native byte order, as [`file_program`] and [`vma_program`] write it.
-    pub fn decode(b: &[u8; RECORD_LEN]) -> Option<Record> {
-        let w = |i: usize| i32::from_ne_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let value = u64::from_ne_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]);
-        let dev = || {
-            (
-                (value as u32) >> MINORBITS,
-                (value as u32) & ((1 << MINORBITS) - 1),
-            )
-        };
-        let object = match w(12) {
-            KIND_CHAR => {
-                let (ma, mi) = dev();
-                Object::CharFd(ma, mi)
-            }
-            KIND_SOCK => Object::Socket(value),
-            KIND_ANON => Object::AnonInode(value),
-            KIND_MAP => {
-                let (ma, mi) = dev();
-                Object::CharMap(ma, mi)
-            }
-            KIND_RING => {
-                let (ma, mi) = dev();
-                Object::RingFile(ma, mi)
-            }
-            KIND_RING_TRUNC => Object::RingTruncated(value),
-            KIND_ANON_MAP => Object::AnonMap(value),
-            KIND_RING_SEEN => Object::RingSeen(value),
-            KIND_PENDING => Object::Pending(value),
-            _ => return None,
-        };
-        Some(Record {
-            tgid: w(0),
-            tid: w(4),
-            fd: w(8),
-            object,
-        })
-    }
-}
 
 pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
     let f = btf.field(s, m)?;
