@@ -333,6 +333,26 @@ pub struct Program {
     pub listing: String,
 }
 
+impl Program {
+    /// A stable fingerprint of the program's bytes: its instruction count
+    /// and the 64-bit FNV-1a hash of each instruction's encoding (code,
+    /// registers, little-endian offset and immediate). Tests record it to
+    /// check that a refactor emits the same program.
+    pub fn fingerprint(&self) -> (usize, u64) {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for i in &self.insns {
+            let mut b = vec![i.code, i.regs];
+            b.extend_from_slice(&i.off.to_le_bytes());
+            b.extend_from_slice(&i.imm.to_le_bytes());
+            for x in b {
+                h ^= u64::from(x);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        (self.insns.len(), h)
+    }
+}
+
 /// The assembler: push instructions, then [`Asm::assemble`].
 #[derive(Clone, Debug, Default)]
 pub struct Asm {

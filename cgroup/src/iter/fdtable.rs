@@ -55,8 +55,6 @@ use std::mem::{offset_of, size_of};
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
-#[cfg(feature = "baseline")]
-pub mod baseline;
 mod program;
 
 pub use program::fdtable_program;
@@ -81,51 +79,72 @@ pub const FD_RECORDS: i32 = 1000;
 /// `CHRDEV_MAJOR_MAX` in `fs/char_dev.c`).
 const MAJORS_ENTRIES: i32 = crate::maps::MAJORS_ENTRIES as i32;
 
-/// Where the program finds what it reads, from the running kernel's BTF.
+/// Where the program finds what it reads, from the running kernel's BTF
+/// ([`FdTableLayout::from_btf`]). Public for programs built outside this
+/// crate on the same facts (the benchmark's frozen first program).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FdTableLayout {
     /// BTF id of `bpf_iter_task` (the `attach_btf_id`).
     pub task: u32,
     /// BTF id of the kfunc `bpf_rdonly_cast` (6.2+, `kernel/bpf/helpers.c`).
-    rdonly_cast: u32,
+    pub rdonly_cast: u32,
     /// BTF id of `struct file`.
-    file: u32,
-    /// BTF ids of the open-coded vma iterator's kfuncs (6.7+,
-    /// `kernel/bpf/task_iter.c`): `bpf_iter_task_vma_new`, `_next`,
-    /// `_destroy`.
-    vma_new: u32,
-    vma_next: u32,
-    vma_destroy: u32,
+    pub file: u32,
+    /// BTF id of the open-coded vma iterator's kfunc
+    /// `bpf_iter_task_vma_new` (6.7+, `kernel/bpf/task_iter.c`).
+    pub vma_new: u32,
+    /// `bpf_iter_task_vma_next`'s.
+    pub vma_next: u32,
+    /// `bpf_iter_task_vma_destroy`'s.
+    pub vma_destroy: u32,
     /// `vm_area_struct.vm_start`: where a resumed walk of the mappings
     /// starts.
-    vm_start: Field,
+    pub vm_start: Field,
     /// `file.private_data`: a ring's `struct io_ring_ctx`.
-    private_data: Field,
+    pub private_data: Field,
     /// The offset of a ring's count of fixed files in its context
     /// ([`crate::iter::FileTable`]); `None` (no io_uring in the kernel):
     /// every ring is written.
-    ring_nr: Option<i32>,
-    ctx_task: Field,
-    meta_seq: Field,
-    tgid: Field,
-    pid: Field,
-    files: Field,
-    group_leader: Field,
-    mm: Field,
-    vm_file: Field,
-    fdt: Field,
-    max_fds: Field,
-    fd: Field,
-    f_inode: Field,
-    i_mode: Field,
-    i_rdev: Field,
-    i_ino: Field,
-    i_sb: Field,
-    s_magic: Field,
-    /// `file->f_path.dentry` and `dentry->d_name.name`: offsets of
-    /// pointers inside a member struct.
-    f_path_dentry: i16,
-    d_name_name: i16,
+    pub ring_nr: Option<i32>,
+    /// `bpf_iter__task.task` (`kernel/bpf/task_iter.c`).
+    pub ctx_task: Field,
+    /// `bpf_iter_meta.seq` (`include/linux/bpf.h`).
+    pub meta_seq: Field,
+    /// `task_struct.tgid` (`include/linux/sched.h`).
+    pub tgid: Field,
+    /// `task_struct.pid`.
+    pub pid: Field,
+    /// `task_struct.files`.
+    pub files: Field,
+    /// `task_struct.group_leader`.
+    pub group_leader: Field,
+    /// `task_struct.mm`.
+    pub mm: Field,
+    /// `vm_area_struct.vm_file` (`include/linux/mm_types.h`).
+    pub vm_file: Field,
+    /// `files_struct.fdt` (`include/linux/fdtable.h`).
+    pub fdt: Field,
+    /// `fdtable.max_fds`.
+    pub max_fds: Field,
+    /// `fdtable.fd`: the array of `struct file *`.
+    pub fd: Field,
+    /// `file.f_inode` (`include/linux/fs.h`).
+    pub f_inode: Field,
+    /// `inode.i_mode`.
+    pub i_mode: Field,
+    /// `inode.i_rdev`.
+    pub i_rdev: Field,
+    /// `inode.i_ino`.
+    pub i_ino: Field,
+    /// `inode.i_sb`.
+    pub i_sb: Field,
+    /// `super_block.s_magic`.
+    pub s_magic: Field,
+    /// `file->f_path.dentry`: the offset of a pointer inside a member
+    /// struct.
+    pub f_path_dentry: i16,
+    /// `dentry->d_name.name`, likewise.
+    pub d_name_name: i16,
 }
 
 impl FdTableLayout {

@@ -37,13 +37,13 @@ mod record;
 mod ring;
 mod task;
 
-pub(crate) use links::{load_with_callback, open_pin, pin_link, read_all, read_raw, Loaded};
-pub use links::{PINS, PIN_RINGS};
-pub(crate) use record::{
-    load_seq, seq_write, Seq, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_PENDING,
-    KIND_RING, KIND_RING_SEEN, KIND_RING_TRUNC, KIND_SOCK,
+pub(crate) use links::read_all;
+pub use links::{load_with_callback, open_pin, pin_link, read_raw, Loaded, PINS, PIN_RINGS};
+pub use record::{
+    load_seq, seq_write, Object, RawRecord, Record, Seq, KIND_ANON, KIND_ANON_MAP, KIND_CHAR,
+    KIND_MAP, RECORD_LEN,
 };
-pub use record::{Object, RawRecord, Record, RECORD_LEN};
+pub(crate) use record::{KIND_PENDING, KIND_RING, KIND_RING_SEEN, KIND_RING_TRUNC, KIND_SOCK};
 pub use ring::{ring_program, FileTable, RingIterator, RingLayout};
 pub use task::{file_program, vma_program, Iterators, Layout};
 
@@ -53,9 +53,9 @@ pub use task::{file_program, vma_program, Iterators, Layout};
 /// `fs/anon_inodes.c`), so every ring is on it.
 pub const ANON_INODE_FS_MAGIC: u64 = 0x0904_1934;
 /// `S_IFMT` (`include/uapi/linux/stat.h`).
-pub(crate) const S_IFMT: i32 = 0o170000;
+pub const S_IFMT: i32 = 0o170000;
 /// `S_IFCHR`.
-pub(crate) const S_IFCHR: i32 = 0o020000;
+pub const S_IFCHR: i32 = 0o020000;
 /// `S_IFSOCK`.
 const S_IFSOCK: i32 = 0o140000;
 /// `PROC_PID_INIT_INO` (`include/linux/proc_ns.h`): the inode of the
@@ -63,7 +63,7 @@ const S_IFSOCK: i32 = 0o140000;
 const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
 /// `MINORBITS` (`include/linux/kdev_t.h`): a kernel `dev_t` is
 /// `major << 20 | minor`.
-pub(crate) const MINORBITS: u32 = 20;
+pub const MINORBITS: u32 = 20;
 
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
@@ -72,7 +72,7 @@ pub(crate) const MINORBITS: u32 = 20;
 /// `kernel/bpf/bpf_iter.c`): 16 rings of 66 records of 24 bytes do.
 pub const RING_RECORDS: i32 = 64;
 /// `BPF_MAX_LOOPS` (`kernel/bpf/bpf_iter.c`).
-pub(crate) const MAX_LOOPS: i32 = 1 << 23;
+pub const MAX_LOOPS: i32 = 1 << 23;
 /// `IO_RINGFD_REG_MAX` (`include/linux/io_uring_types.h`): the registered
 /// ring slots of a task.
 const RING_FDS: usize = 16;
@@ -81,7 +81,12 @@ const RING_FDS: usize = 16;
 /// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
 const FFS_FLAGS: i32 = 7;
 
-pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
+/// Member `m` of struct `s` in `btf`, checked to be `size` bytes and a
+/// pointer or not (`ptr`), at an offset a load's 16-bit offset reaches.
+///
+/// # Errors
+/// [`BtfError`]: missing, or of another size or kind.
+pub fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
     let f = btf.field(s, m)?;
     if f.size != size || f.is_ptr != ptr {
         return Err(BtfError::Unexpected {
@@ -103,12 +108,14 @@ pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result
     Ok(f)
 }
 
-pub(crate) fn off(f: &Field) -> i16 {
+/// `f`'s offset as a load's offset ([`sized`] checked that it fits).
+pub fn off(f: &Field) -> i16 {
     // sized() checked the range.
     f.offset as i16
 }
 
-pub(crate) fn size(f: &Field) -> Size {
+/// The load width of `f` (1, 2, 4 bytes, else 8).
+pub fn size(f: &Field) -> Size {
     match f.size {
         1 => Size::B,
         2 => Size::H,
@@ -119,7 +126,7 @@ pub(crate) fn size(f: &Field) -> Size {
 
 /// `r0 = bpf_probe_read_kernel(fp+tmp, bytes, r3)`; on failure goto
 /// `fail`; else `dst = *(size *)(fp+tmp)`.
-pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
+pub fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
     a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, tmp as i32)
@@ -133,7 +140,7 @@ pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg
 /// back with `bpf_probe_read_kernel` from the scratch word at `fp + tmp`):
 /// a counter a loop compares and adds to then stays imprecise, and the
 /// loop is verified in a few passes, not once per value.
-pub(crate) fn zero_unknown(a: &mut Asm, tmp: i16, slot: i16, fail: &str) {
+pub fn zero_unknown(a: &mut Asm, tmp: i16, slot: i16, fail: &str) {
     a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R3, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R3, tmp as i32);
@@ -185,20 +192,9 @@ pub(crate) mod tests {
     use super::*;
     use crate::asm::Program;
 
-    /// FNV-1a over the encoded instructions: a stable fingerprint of a
-    /// program's bytes, to check that a refactor emits the same program.
+    /// [`Program::fingerprint`]: the programs' fingerprint tests.
     pub(crate) fn insn_hash(p: &Program) -> (usize, u64) {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for i in &p.insns {
-            let mut b = vec![i.code, i.regs];
-            b.extend_from_slice(&i.off.to_le_bytes());
-            b.extend_from_slice(&i.imm.to_le_bytes());
-            for x in b {
-                h ^= u64::from(x);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-        (p.insns.len(), h)
+        p.fingerprint()
     }
 
     /// A field at `offset` of `size` bytes, for the synthetic layouts.

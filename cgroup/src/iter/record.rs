@@ -79,7 +79,7 @@ fn bytes<const N: usize>(b: &[u8; RECORD_LEN], at: i16) -> [u8; N] {
 /// Where a program finds the `struct seq_file *` that `bpf_seq_write`
 /// writes to.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Seq {
+pub enum Seq {
     /// `ctx->meta->seq`: the context in `ctx`; `meta_seq` is the offset of
     /// `seq` in `struct bpf_iter_meta` (from BTF).
     Ctx {
@@ -100,7 +100,7 @@ pub(crate) enum Seq {
 
 /// `r1 = ctx->meta->seq`: the context in `ctx`, `meta_seq` the offset of
 /// `seq` in `struct bpf_iter_meta`.
-pub(crate) fn load_seq(a: &mut Asm, ctx: Reg, meta_seq: i16) {
+pub fn load_seq(a: &mut Asm, ctx: Reg, meta_seq: i16) {
     a.load(Size::DW, Reg::R1, ctx, CTX_META)
         .load(Size::DW, Reg::R1, Reg::R1, meta_seq);
 }
@@ -109,7 +109,7 @@ pub(crate) fn load_seq(a: &mut Asm, ctx: Reg, meta_seq: i16) {
 /// `bpf_seq_write(seq, fp + rec, len)` (`r1`..`r3`, the call clobbers
 /// `r0`..`r5`). `rec` is the record's `r10`-relative slot, `len` its size
 /// ([`RECORD_LEN`], or the level iterator's).
-pub(crate) fn seq_write(a: &mut Asm, seq: Seq, rec: i16, len: usize) {
+pub fn seq_write(a: &mut Asm, seq: Seq, rec: i16, len: usize) {
     match seq {
         Seq::Ctx { ctx, meta_seq } => load_seq(a, ctx, meta_seq),
         Seq::Saved { base, off } => {
@@ -163,19 +163,19 @@ pub enum Object {
 }
 
 /// [`Object::CharFd`]'s kind word.
-pub(crate) const KIND_CHAR: i32 = 1;
+pub const KIND_CHAR: i32 = 1;
 /// [`Object::Socket`]'s.
 pub(crate) const KIND_SOCK: i32 = 2;
 /// [`Object::AnonInode`]'s.
-pub(crate) const KIND_ANON: i32 = 3;
+pub const KIND_ANON: i32 = 3;
 /// [`Object::CharMap`]'s.
-pub(crate) const KIND_MAP: i32 = 4;
+pub const KIND_MAP: i32 = 4;
 /// [`Object::RingFile`]'s.
 pub(crate) const KIND_RING: i32 = 5;
 /// [`Object::RingTruncated`]'s.
 pub(crate) const KIND_RING_TRUNC: i32 = 6;
 /// [`Object::AnonMap`]'s.
-pub(crate) const KIND_ANON_MAP: i32 = 7;
+pub const KIND_ANON_MAP: i32 = 7;
 /// [`Object::RingSeen`]'s.
 pub(crate) const KIND_RING_SEEN: i32 = 8;
 /// [`Object::Pending`]'s. (9 was the first fd-table program's "not read
