@@ -222,7 +222,7 @@ const BATCH_DONE: u32 = u32::MAX;
 /// and by when. Written into the program's control map under the reading
 /// thread's id for the length of one read, then removed: the map's value
 /// is this struct's 32 bytes in native byte order, which the program reads
-/// at the offsets [`Pass::SHARES`] ... give.
+/// at its members' offsets (`offset_of!`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pass {
