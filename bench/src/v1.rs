@@ -96,14 +96,14 @@ const SLOTS: i32 = 8;
 /// In the main frame: writes `{ tgid, tid, fd, kind, r3 }` with
 /// `bpf_seq_write(state.seq)` and goes on; `kind` is `r2` when `None`.
 fn main_record(a: &mut Asm, kind: Option<i32>, fd: i32) {
-    a.store(Size::DW, Reg::R10, REC + RawRecord::VALUE, Reg::R3);
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3);
     match kind {
-        Some(k) => a.store_imm(Size::W, Reg::R10, REC + RawRecord::KIND, k),
-        None => a.store(Size::W, Reg::R10, REC + RawRecord::KIND, Reg::R2),
+        Some(k) => a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, k),
+        None => a.store(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, Reg::R2),
     };
-    a.store_imm(Size::W, Reg::R10, REC + RawRecord::FD, fd)
+    a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_FD, fd)
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
-        .store(Size::DW, Reg::R10, REC + RawRecord::TGID, Reg::R1);
+        .store(Size::DW, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R1);
     let seq = Seq::Saved {
         base: Reg::R10,
         off: STATE + ST_SEQ,
@@ -416,13 +416,13 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .comment(&format!(
             "rec = {{ tgid, tid, 8j + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
         ))
-        .store(Size::DW, Reg::R10, CB_REC + RawRecord::VALUE, Reg::R3)
-        .store(Size::W, Reg::R10, CB_REC + RawRecord::KIND, Reg::R2)
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_KIND, Reg::R2)
         .mov64_reg(Reg::R1, Reg::R9)
         .alu64_imm(AluOp::Add, Reg::R1, k)
-        .store(Size::W, Reg::R10, CB_REC + RawRecord::FD, Reg::R1)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_FD, Reg::R1)
         .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-        .store(Size::DW, Reg::R10, CB_REC + RawRecord::TGID, Reg::R1);
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_TGID, Reg::R1);
     let seq = Seq::Saved {
         base: Reg::R6,
         off: ST_SEQ,

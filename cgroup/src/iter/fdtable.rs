@@ -260,17 +260,17 @@ impl Pass {
     }
 
     /// Offset of `shares` in the control map's value.
-    const SHARES: i16 = offset_of!(Pass, shares) as i16;
+    const OFF_SHARES: i16 = offset_of!(Pass, shares) as i16;
     /// Offset of `share`.
-    const SHARE: i16 = offset_of!(Pass, share) as i16;
+    const OFF_SHARE: i16 = offset_of!(Pass, share) as i16;
     /// Offset of `tid`.
-    const TID: i16 = offset_of!(Pass, tid) as i16;
+    const OFF_TID: i16 = offset_of!(Pass, tid) as i16;
     /// Offset of `batch`.
-    const BATCH: i16 = offset_of!(Pass, batch) as i16;
+    const OFF_BATCH: i16 = offset_of!(Pass, batch) as i16;
     /// Offset of `vaddr`.
-    const VADDR: i16 = offset_of!(Pass, vaddr) as i16;
+    const OFF_VADDR: i16 = offset_of!(Pass, vaddr) as i16;
     /// Offset of `deadline_ns`.
-    const DEADLINE_NS: i16 = offset_of!(Pass, deadline_ns) as i16;
+    const OFF_DEADLINE_NS: i16 = offset_of!(Pass, deadline_ns) as i16;
 
     /// The control map's value: each member at its offset.
     fn bytes(&self) -> [u8; PASS_LEN] {
@@ -279,12 +279,12 @@ impl Pass {
             let at = at as usize;
             b[at..at + w.len()].copy_from_slice(w);
         };
-        put(Self::SHARES, &self.shares.to_ne_bytes());
-        put(Self::SHARE, &self.share.to_ne_bytes());
-        put(Self::TID, &self.tid.to_ne_bytes());
-        put(Self::BATCH, &self.batch.to_ne_bytes());
-        put(Self::VADDR, &self.vaddr.to_ne_bytes());
-        put(Self::DEADLINE_NS, &self.deadline_ns.to_ne_bytes());
+        put(Self::OFF_SHARES, &self.shares.to_ne_bytes());
+        put(Self::OFF_SHARE, &self.share.to_ne_bytes());
+        put(Self::OFF_TID, &self.tid.to_ne_bytes());
+        put(Self::OFF_BATCH, &self.batch.to_ne_bytes());
+        put(Self::OFF_VADDR, &self.vaddr.to_ne_bytes());
+        put(Self::OFF_DEADLINE_NS, &self.deadline_ns.to_ne_bytes());
         b
     }
 }

@@ -14,7 +14,7 @@ use crate::uapi::helper;
 /// One record as the programs write it with `bpf_seq_write`, in native
 /// byte order: `struct { u32 tgid; u32 tid; u32 fd; u32 kind; u64 value; }`.
 /// The programs keep it at the end of their stack frame; its member
-/// offsets ([`RawRecord::TGID`] ...) are where they store each word.
+/// offsets ([`RawRecord::OFF_TGID`] ...) are where they store each word.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RawRecord {
@@ -34,6 +34,9 @@ pub struct RawRecord {
 
 /// Bytes of one [`RawRecord`]: 24.
 pub const RECORD_LEN: usize = size_of::<RawRecord>();
+// What fits the iterator's buffer ([`RING_RECORDS`](super::RING_RECORDS),
+// `FD_RECORDS`) was counted in records of 24 bytes.
+const _: () = assert!(RECORD_LEN == 24);
 
 /// The byte offset of `meta` in every iterator context
 /// (`struct bpf_iter__task { meta; task; }`, `bpf_iter__task_file`,
@@ -44,25 +47,25 @@ const CTX_META: i16 = 0;
 impl RawRecord {
     /// Offset of `tgid`; a program that keeps the task as one word
     /// (`tgid | tid << 32`) stores it here as a `u64`, which puts `tid`
-    /// at [`RawRecord::TID`] on the little-endian machines gpufence runs on.
-    pub const TGID: i16 = offset_of!(RawRecord, tgid) as i16;
+    /// at [`RawRecord::OFF_TID`] on the little-endian machines gpufence runs on.
+    pub const OFF_TGID: i16 = offset_of!(RawRecord, tgid) as i16;
     /// Offset of `tid`.
-    pub const TID: i16 = offset_of!(RawRecord, tid) as i16;
+    pub const OFF_TID: i16 = offset_of!(RawRecord, tid) as i16;
     /// Offset of `fd`.
-    pub const FD: i16 = offset_of!(RawRecord, fd) as i16;
+    pub const OFF_FD: i16 = offset_of!(RawRecord, fd) as i16;
     /// Offset of `kind`.
-    pub const KIND: i16 = offset_of!(RawRecord, kind) as i16;
+    pub const OFF_KIND: i16 = offset_of!(RawRecord, kind) as i16;
     /// Offset of `value`.
-    pub const VALUE: i16 = offset_of!(RawRecord, value) as i16;
+    pub const OFF_VALUE: i16 = offset_of!(RawRecord, value) as i16;
 
     /// Reads one record's words in native byte order.
     pub fn from_ne_bytes(b: &[u8; RECORD_LEN]) -> RawRecord {
         RawRecord {
-            tgid: i32::from_ne_bytes(bytes(b, Self::TGID)),
-            tid: i32::from_ne_bytes(bytes(b, Self::TID)),
-            fd: i32::from_ne_bytes(bytes(b, Self::FD)),
-            kind: i32::from_ne_bytes(bytes(b, Self::KIND)),
-            value: u64::from_ne_bytes(bytes(b, Self::VALUE)),
+            tgid: i32::from_ne_bytes(bytes(b, Self::OFF_TGID)),
+            tid: i32::from_ne_bytes(bytes(b, Self::OFF_TID)),
+            fd: i32::from_ne_bytes(bytes(b, Self::OFF_FD)),
+            kind: i32::from_ne_bytes(bytes(b, Self::OFF_KIND)),
+            value: u64::from_ne_bytes(bytes(b, Self::OFF_VALUE)),
         }
     }
 }

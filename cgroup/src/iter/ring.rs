@@ -180,13 +180,13 @@ const CB_INODE: i16 = fp_slot!(CbFrame, inode);
 /// In the ring program's main frame: writes the record `{ tgid, tid, slot,
 /// kind, r3 }` of task `r7` with `bpf_seq_write(state.seq)`, and goes on.
 fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
-    a.store(Size::DW, Reg::R10, REC + RawRecord::VALUE, Reg::R3)
-        .store_imm(Size::W, Reg::R10, REC + RawRecord::KIND, kind)
-        .store_imm(Size::W, Reg::R10, REC + RawRecord::FD, slot as i32)
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, kind)
+        .store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_FD, slot as i32)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-        .store(Size::W, Reg::R10, REC + RawRecord::TGID, Reg::R2)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R2)
         .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-        .store(Size::W, Reg::R10, REC + RawRecord::TID, Reg::R2);
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TID, Reg::R2);
     let seq = Seq::Saved {
         base: Reg::R10,
         off: STATE + ST_SEQ,
@@ -344,12 +344,12 @@ fn read_file(a: &mut Asm, l: &RingLayout) {
     .alu64_imm(AluOp::Add, Reg::R4, 1)
     .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
     .comment("rec = { tgid, tid, slot, RING, rdev }; bpf_seq_write(st->seq, &rec, 24)")
-    .store(Size::DW, Reg::R10, CB_REC + RawRecord::VALUE, Reg::R3)
-    .store_imm(Size::W, Reg::R10, CB_REC + RawRecord::KIND, KIND_RING)
+    .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_VALUE, Reg::R3)
+    .store_imm(Size::W, Reg::R10, CB_REC + RawRecord::OFF_KIND, KIND_RING)
     .load(Size::DW, Reg::R1, Reg::R6, ST_SLOT)
-    .store(Size::W, Reg::R10, CB_REC + RawRecord::FD, Reg::R1)
+    .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_FD, Reg::R1)
     .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-    .store(Size::DW, Reg::R10, CB_REC + RawRecord::TGID, Reg::R1);
+    .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_TGID, Reg::R1);
     let seq = Seq::Saved {
         base: Reg::R6,
         off: ST_SEQ,

@@ -88,13 +88,13 @@ const REC: i16 = fp_slot!(Frame, rec);
 fn emit(a: &mut Asm, l: &Layout) {
     a.label("emit")
         .comment("struct { u32 tgid, tid, fd, kind; u64 value; } rec (fp-24)")
-        .store(Size::W, Reg::R10, REC + RawRecord::KIND, Reg::R2)
-        .store(Size::DW, Reg::R10, REC + RawRecord::VALUE, Reg::R3)
-        .store(Size::W, Reg::R10, REC + RawRecord::FD, Reg::R4)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, Reg::R2)
+        .store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_FD, Reg::R4)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-        .store(Size::W, Reg::R10, REC + RawRecord::TGID, Reg::R2)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R2)
         .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-        .store(Size::W, Reg::R10, REC + RawRecord::TID, Reg::R2)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TID, Reg::R2)
         .comment("bpf_seq_write(ctx->meta->seq, &rec, 24)");
     let seq = Seq::Ctx {
         ctx: Reg::R6,

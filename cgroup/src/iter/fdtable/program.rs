@@ -119,12 +119,12 @@ pub(super) const CLOCK_EVERY: i32 = 128;
 /// In the main frame: writes `{ tgid, tid, fd, kind, r3 }` with
 /// `bpf_seq_write(state.seq)` and goes on; `kind` is `r2` when `None`.
 fn main_record(a: &mut Asm, kind: Option<i32>, fd: i32) {
-    a.store(Size::DW, Reg::R10, REC + RawRecord::VALUE, Reg::R3);
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3);
     match kind {
-        Some(k) => a.store_imm(Size::W, Reg::R10, REC + RawRecord::KIND, k),
-        None => a.store(Size::W, Reg::R10, REC + RawRecord::KIND, Reg::R2),
+        Some(k) => a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, k),
+        None => a.store(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, Reg::R2),
     };
-    a.store_imm(Size::W, Reg::R10, REC + RawRecord::FD, fd);
+    a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_FD, fd);
     seq_write_main(a);
 }
 
@@ -134,7 +134,7 @@ fn seq_write_main(a: &mut Asm) {
     a.load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK).store(
         Size::DW,
         Reg::R10,
-        REC + RawRecord::TGID,
+        REC + RawRecord::OFF_TGID,
         Reg::R1,
     );
     let seq = Seq::Saved {
@@ -148,9 +148,9 @@ fn seq_write_main(a: &mut Asm) {
 /// record `{ tgid, tid, batch (fd), PENDING, vaddr }` (`batch` in `r4`,
 /// `vaddr` in `r5`), then out.
 fn pending_record(a: &mut Asm) {
-    a.store(Size::DW, Reg::R10, REC + RawRecord::VALUE, Reg::R5)
-        .store_imm(Size::W, Reg::R10, REC + RawRecord::KIND, KIND_PENDING)
-        .store(Size::W, Reg::R10, REC + RawRecord::FD, Reg::R4);
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R5)
+        .store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, KIND_PENDING)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_FD, Reg::R4);
     seq_write_main(a);
     a.ja("out");
 }
@@ -248,23 +248,23 @@ fn task_state(a: &mut Asm, l: &FdTableLayout, ctl_fd: i32) {
         .call(Helper::MapLookupElem)
         .jmp_imm(JmpOp::Eq, Reg::R0, 0, "state")
         .comment("a share: tgid % pass.shares == pass.share, else not this reader's (before any other work)")
-        .load(Size::W, Reg::R1, Reg::R0, Pass::SHARES)
+        .load(Size::W, Reg::R1, Reg::R0, Pass::OFF_SHARES)
         .jmp_imm(JmpOp::Le, Reg::R1, 1, "one")
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
         .alu64_reg(AluOp::Mod, Reg::R2, Reg::R1)
-        .load(Size::W, Reg::R3, Reg::R0, Pass::SHARE)
+        .load(Size::W, Reg::R3, Reg::R0, Pass::OFF_SHARE)
         .jmp_reg(JmpOp::Ne, Reg::R2, Reg::R3, "out")
         .label("one")
-        .load(Size::DW, Reg::R1, Reg::R0, Pass::DEADLINE_NS)
+        .load(Size::DW, Reg::R1, Reg::R0, Pass::OFF_DEADLINE_NS)
         .store(Size::DW, Reg::R10, STATE + ST_DEADLINE, Reg::R1)
         .comment("a resumption: pass.tid only, its table from pass.batch, its mappings from pass.vaddr")
-        .load(Size::W, Reg::R1, Reg::R0, Pass::TID)
+        .load(Size::W, Reg::R1, Reg::R0, Pass::OFF_TID)
         .jmp_imm(JmpOp::Eq, Reg::R1, 0, "state")
         .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
         .jmp_reg(JmpOp::Ne, Reg::R1, Reg::R2, "out")
-        .load(Size::W, Reg::R1, Reg::R0, Pass::BATCH)
+        .load(Size::W, Reg::R1, Reg::R0, Pass::OFF_BATCH)
         .store(Size::DW, Reg::R10, STATE + ST_START, Reg::R1)
-        .load(Size::DW, Reg::R1, Reg::R0, Pass::VADDR)
+        .load(Size::DW, Reg::R1, Reg::R0, Pass::OFF_VADDR)
         .store(Size::DW, Reg::R10, VSTART, Reg::R1)
         .label("state")
         .comment("r8 = task->files (NULL: an exiting task or a kernel thread's)")
@@ -615,13 +615,13 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .comment(&format!(
             "rec = {{ tgid, tid, 8(start+j) + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
         ))
-        .store(Size::DW, Reg::R10, CB_REC + RawRecord::VALUE, Reg::R3)
-        .store(Size::W, Reg::R10, CB_REC + RawRecord::KIND, Reg::R2)
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_KIND, Reg::R2)
         .mov64_reg(Reg::R1, Reg::R9)
         .alu64_imm(AluOp::Add, Reg::R1, k)
-        .store(Size::W, Reg::R10, CB_REC + RawRecord::FD, Reg::R1)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_FD, Reg::R1)
         .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-        .store(Size::DW, Reg::R10, CB_REC + RawRecord::TGID, Reg::R1);
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_TGID, Reg::R1);
     let seq = Seq::Saved {
         base: Reg::R6,
         off: ST_SEQ,
