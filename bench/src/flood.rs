@@ -4,7 +4,7 @@
 //! `Scanner::with_pins(..).with_budget(scan_budget_ms).holders(devs)`)
 //! while another job floods its descriptor tables, side by side in the same
 //! runs with the scan before further passes (the first fd-table program,
-//! [`gpufence_cgroup::iter::fdtable::baseline`]: a table of more than
+//! [`crate::v1`]: a table of more than
 //! `FD_RECORDS` records cut there, then its process walked in `/proc`,
 //! plus the pinned ring iterator, as `Scanner::holders` did).
 //!

@@ -29,6 +29,7 @@ mod job;
 mod open;
 mod respond;
 mod scan;
+mod v1;
 
 use std::process::ExitCode;
 

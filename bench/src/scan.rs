@@ -41,7 +41,7 @@ pub struct ScanResult {
     pub total_procs: usize,
     /// Median wall time of the same scan with the first fd-table program
     /// (before further passes and split readers:
-    /// [`gpufence_cgroup::iter::fdtable::baseline`]), same runs, seconds.
+    /// [`crate::v1`]), same runs, seconds.
     pub epilog_scan_v1_s: f64,
     /// Median wall time of the pinned scan with this process given 1, 2
     /// and all of the machine's CPUs (its affinity; the scan splits its
@@ -352,8 +352,7 @@ pub(crate) fn v1_scan(dir: &std::path::Path, devs: &BTreeSet<DevNum>) -> (BTreeS
     use gpufence_cgroup::iter::{Object, RingIterator};
     let majors: Vec<u32> = devs.iter().map(|d| d.major).collect();
     assert!(gpufence_cgroup::Fence::majors_protected(dir, &majors).unwrap_or(false));
-    let it = gpufence_cgroup::iter::fdtable::baseline::BaselineIterator::open_pinned(dir)
-        .expect("the first program's pin");
+    let it = crate::v1::BaselineIterator::open_pinned(dir).expect("the first program's pin");
     let rings = RingIterator::open_pinned(dir).expect("the pinned ring iterator");
     let (recs, unread) = it.files().expect("the first program");
     let _ = rings.files().expect("the ring iterator");
@@ -392,7 +391,8 @@ pub(crate) struct BenchNode {
 
 impl BenchNode {
     pub(crate) fn new(tag: &str) -> BenchNode {
-        use gpufence_cgroup::iter::fdtable::{baseline::BaselineIterator, FdTableLayout};
+        use crate::v1::BaselineIterator;
+        use gpufence_cgroup::iter::fdtable::FdTableLayout;
         let dev = HoldableDevice::claim();
         let env = TestEnv::new(tag);
         let gpu_path = env.mknod("gpu", dev.major, dev.minor);

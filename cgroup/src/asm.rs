@@ -290,6 +290,40 @@ pub enum AsmError {
     Identities(String),
 }
 
+/// `MAX_BPF_STACK` (`include/linux/filter.h`): the bytes of stack one BPF
+/// frame may use below its frame pointer `r10`.
+pub const MAX_STACK: usize = 512;
+
+/// The offset from the frame pointer (`r10`) of a stack slot. A program's
+/// frame is laid out as a `#[repr(C)]` struct of `frame` bytes whose end
+/// is `r10` (the stack grows down from it); its member at byte `offset`
+/// is then at `r10 - frame + offset`. [`fp_slot!`](crate::fp_slot) names
+/// the member instead of the number.
+///
+/// # Panics
+/// At compile time, where a const uses it: a frame past [`MAX_STACK`], not
+/// a whole number of 8-byte words (`r10` is 8-byte aligned), or an offset
+/// outside it.
+pub const fn fp_offset(offset: usize, frame: usize) -> i16 {
+    assert!(frame <= MAX_STACK, "a BPF frame holds at most 512 bytes");
+    assert!(frame.is_multiple_of(8), "a BPF frame is whole 8-byte words");
+    assert!(offset <= frame, "a slot inside its frame");
+    offset as i16 - frame as i16
+}
+
+/// The `r10`-relative offset ([`fp_offset`]) of member `$field` (a path:
+/// `state.seq`) of the `#[repr(C)]` stack frame struct `$frame`, for a
+/// const: `const SEQ: i16 = fp_slot!(Frame, state.seq);`.
+#[macro_export]
+macro_rules! fp_slot {
+    ($frame:ty, $($field:tt).+) => {
+        $crate::asm::fp_offset(
+            ::core::mem::offset_of!($frame, $($field).+),
+            ::core::mem::size_of::<$frame>(),
+        )
+    };
+}
+
 /// The assembled program: the instructions and their annotated listing.
 #[derive(Clone, Debug)]
 pub struct Program {
@@ -297,6 +331,26 @@ pub struct Program {
     pub insns: Vec<RawInsn>,
     /// One line per instruction, comment or label; stable, for golden tests.
     pub listing: String,
+}
+
+impl Program {
+    /// A stable fingerprint of the program's bytes: its instruction count
+    /// and the 64-bit FNV-1a hash of each instruction's encoding (code,
+    /// registers, little-endian offset and immediate). Tests record it to
+    /// check that a refactor emits the same program.
+    pub fn fingerprint(&self) -> (usize, u64) {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for i in &self.insns {
+            let mut b = vec![i.code, i.regs];
+            b.extend_from_slice(&i.off.to_le_bytes());
+            b.extend_from_slice(&i.imm.to_le_bytes());
+            for x in b {
+                h ^= u64::from(x);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        (self.insns.len(), h)
+    }
 }
 
 /// The assembler: push instructions, then [`Asm::assemble`].

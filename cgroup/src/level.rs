@@ -25,13 +25,14 @@
 //! Nothing is attached to any cgroup: the link only names the program and
 //! holds a reference to the start cgroup while it is read.
 
+use std::mem::{offset_of, size_of};
 use std::os::fd::{AsFd, BorrowedFd};
 
-use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
+use crate::asm::{Asm, AsmError, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
-use crate::iter::{self, IterError};
+use crate::fp_slot;
+use crate::iter::{self, IterError, Seq};
 use crate::sys;
-use crate::uapi::helper;
 
 /// Where the program finds what it reads, from the running kernel's BTF.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,8 +83,35 @@ impl CgroupLayout {
 /// a cgroup namespace's root included, has another id.
 pub const ROOT_CGROUP_ID: u64 = 1;
 
-/// Bytes of one record: `{ u64 id; u32 level; u32 pad; }`.
-pub const LEVEL_RECORD_LEN: usize = 16;
+/// One record as [`level_program`] writes it with `bpf_seq_write`, in
+/// native byte order: `struct { u64 id; u32 level; u32 pad; }`. The
+/// program's store offsets and [`decode`]'s read offsets both come from
+/// this layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LevelRecord {
+    /// `cgroup->kn->id`.
+    pub id: u64,
+    /// `cgroup->level`.
+    pub level: u32,
+    /// 0.
+    pub pad: u32,
+}
+
+/// Bytes of one [`LevelRecord`]: 16.
+pub const LEVEL_RECORD_LEN: usize = size_of::<LevelRecord>();
+
+/// The level program's stack frame: the record alone.
+#[repr(C)]
+struct Frame {
+    rec: LevelRecord,
+}
+
+/// The record's slot (fp-16) and its members' offsets.
+const REC: i16 = fp_slot!(Frame, rec);
+const ID: usize = offset_of!(LevelRecord, id);
+const LEVEL: usize = offset_of!(LevelRecord, level);
+const PAD: usize = offset_of!(LevelRecord, pad);
 
 /// One cgroup as the kernel sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,20 +149,17 @@ pub fn level_program(l: &CgroupLayout) -> Result<Program, AsmError> {
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
         .comment("r = { kn->id, cgroup->level, 0 } (fp-16)")
         .load(iter::size(&l.kn_id), Reg::R3, Reg::R8, iter::off(&l.kn_id))
-        .store(Size::DW, Reg::R10, -16, Reg::R3)
+        .store(Size::DW, Reg::R10, REC + ID as i16, Reg::R3)
         .load(iter::size(&l.level), Reg::R2, Reg::R7, iter::off(&l.level))
-        .store(Size::W, Reg::R10, -8, Reg::R2)
-        .store_imm(Size::W, Reg::R10, -4, 0)
-        .comment("bpf_seq_write(ctx->meta->seq, &r, 16)")
-        .load(Size::DW, Reg::R1, Reg::R6, 0)
-        .load(Size::DW, Reg::R1, Reg::R1, iter::off(&l.meta_seq))
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(LEVEL_RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, LEVEL_RECORD_LEN as i32)
-        .call_id(helper::SEQ_WRITE, "seq_write")
-        .label("out")
-        .mov64_imm(Reg::R0, 0)
-        .exit();
+        .store(Size::W, Reg::R10, REC + LEVEL as i16, Reg::R2)
+        .store_imm(Size::W, Reg::R10, REC + PAD as i16, 0)
+        .comment("bpf_seq_write(ctx->meta->seq, &r, 16)");
+    let seq = Seq::Ctx {
+        ctx: Reg::R6,
+        meta_seq: iter::off(&l.meta_seq),
+    };
+    iter::seq_write(&mut a, seq, REC, LEVEL_RECORD_LEN);
+    a.label("out").mov64_imm(Reg::R0, 0).exit();
     a.assemble()
 }
 
@@ -154,9 +179,9 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<KernelCgroup>, IterError> {
         .chunks_exact(LEVEL_RECORD_LEN)
         .map(|c| {
             let mut id = [0u8; 8];
-            id.copy_from_slice(&c[0..8]);
+            id.copy_from_slice(&c[ID..ID + 8]);
             let mut level = [0u8; 4];
-            level.copy_from_slice(&c[8..12]);
+            level.copy_from_slice(&c[LEVEL..LEVEL + 4]);
             KernelCgroup {
                 id: u64::from_ne_bytes(id),
                 level: u32::from_ne_bytes(level),
@@ -309,6 +334,23 @@ mod tests {
         let odd_root = decode(&[rec(77, 1), rec(5, 0)].concat()).unwrap();
         assert!(chain_by_level(&odd_root, 77).is_err());
         assert!(chain_by_level(&[], 77).is_err());
+    }
+
+    /// The level program emits exactly the instructions it emitted when
+    /// this fingerprint was recorded (before its record was typed).
+    #[test]
+    fn program_keeps_its_bytes() {
+        use crate::iter::tests::{field, insn_hash};
+        let l = CgroupLayout {
+            iter_cgroup: 99,
+            ctx_cgroup: field(8, 8, true),
+            meta_seq: field(0, 8, true),
+            level: field(100, 4, false),
+            kn: field(200, 8, true),
+            kn_id: field(48, 8, false),
+        };
+        let got = insn_hash(&level_program(&l).unwrap());
+        assert_eq!(got, (18, 6229468317542342033), "{got:?}");
     }
 }
 

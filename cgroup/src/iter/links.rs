@@ -9,9 +9,16 @@ use crate::sys;
 /// One loaded iterator: its program (none when opened from a pin) and
 /// link.
 #[derive(Debug)]
-pub(crate) struct Loaded {
+pub struct Loaded {
     pub(crate) _prog: Option<OwnedFd>,
     pub(crate) link: OwnedFd,
+}
+
+impl Loaded {
+    /// The iterator's link: what [`read_raw`] reads and [`pin_link`] pins.
+    pub fn link(&self) -> &OwnedFd {
+        &self.link
+    }
 }
 
 /// Links loaded iterator program `prog` (`BPF_LINK_CREATE`).
@@ -57,7 +64,10 @@ pub const PINS: [&str; 3] = [
 /// directory: `bpf_dir_iops`, `kernel/bpf/inode.c`), so a reader opens
 /// the old link or the new one, never none. (bpffs refuses names with a
 /// dot, `bpf_lookup` in `kernel/bpf/inode.c`: hence `_`.)
-pub(crate) fn pin_link(link: &OwnedFd, dir: &std::path::Path, name: &str) -> Result<(), IterError> {
+///
+/// # Errors
+/// [`IterError::Sys`].
+pub fn pin_link(link: &OwnedFd, dir: &std::path::Path, name: &str) -> Result<(), IterError> {
     let tmp = dir.join(format!("{name}_new"));
     let _ = std::fs::remove_file(&tmp);
     sys::obj_pin(link.as_fd(), &tmp).map_err(|err| IterError::Sys {
@@ -73,7 +83,11 @@ pub(crate) fn pin_link(link: &OwnedFd, dir: &std::path::Path, name: &str) -> Res
     })
 }
 
-pub(crate) fn open_pin(dir: &std::path::Path, name: &str) -> Result<Loaded, IterError> {
+/// Opens the iterator link pinned at `dir/name`.
+///
+/// # Errors
+/// [`IterError::Sys`] (`ENOENT`: not pinned).
+pub fn open_pin(dir: &std::path::Path, name: &str) -> Result<Loaded, IterError> {
     let link = sys::obj_get(&dir.join(name)).map_err(|err| IterError::Sys {
         what: "BPF_OBJ_GET (pinned iterator link)",
         err,
@@ -103,7 +117,10 @@ pub(crate) fn read_all(link: &OwnedFd) -> Result<Vec<Record>, IterError> {
 }
 
 /// The bytes a fresh walk of iterator `link` writes, to its end.
-pub(crate) fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
+///
+/// # Errors
+/// [`IterError::Sys`]: `BPF_ITER_CREATE` or a read failed.
+pub fn read_raw(link: &OwnedFd) -> Result<Vec<u8>, IterError> {
     let file = sys::iter_create(link.as_fd()).map_err(|err| IterError::Sys {
         what: "BPF_ITER_CREATE",
         err,
@@ -188,7 +205,11 @@ fn funcs_btf(main: &str, callback: &str) -> Vec<u8> {
 /// Loads iterator program `p` of two functions (the main one at 0, the
 /// `bpf_loop` callback where its one `ld_imm64` of a function points)
 /// through the real verifier, with their BTF, and links it.
-pub(crate) fn load_with_callback(
+///
+/// # Errors
+/// [`IterError::Load`] (the verifier's refusal, with its log),
+/// [`IterError::Sys`].
+pub fn load_with_callback(
     p: &Program,
     prog_name: &str,
     target: &'static str,

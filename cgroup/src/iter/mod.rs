@@ -33,11 +33,17 @@ use crate::uapi::helper;
 
 pub mod fdtable;
 mod links;
+mod record;
 mod ring;
 mod task;
 
-pub(crate) use links::{load_with_callback, open_pin, pin_link, read_all, read_raw, Loaded};
-pub use links::{PINS, PIN_RINGS};
+pub(crate) use links::read_all;
+pub use links::{load_with_callback, open_pin, pin_link, read_raw, Loaded, PINS, PIN_RINGS};
+pub use record::{
+    load_seq, seq_write, Object, RawRecord, Record, Seq, KIND_ANON, KIND_ANON_MAP, KIND_CHAR,
+    KIND_MAP, RECORD_LEN,
+};
+pub(crate) use record::{KIND_PENDING, KIND_RING, KIND_RING_SEEN, KIND_RING_TRUNC, KIND_SOCK};
 pub use ring::{ring_program, FileTable, RingIterator, RingLayout};
 pub use task::{file_program, vma_program, Iterators, Layout};
 
@@ -47,9 +53,9 @@ pub use task::{file_program, vma_program, Iterators, Layout};
 /// `fs/anon_inodes.c`), so every ring is on it.
 pub const ANON_INODE_FS_MAGIC: u64 = 0x0904_1934;
 /// `S_IFMT` (`include/uapi/linux/stat.h`).
-pub(crate) const S_IFMT: i32 = 0o170000;
+pub const S_IFMT: i32 = 0o170000;
 /// `S_IFCHR`.
-pub(crate) const S_IFCHR: i32 = 0o020000;
+pub const S_IFCHR: i32 = 0o020000;
 /// `S_IFSOCK`.
 const S_IFSOCK: i32 = 0o140000;
 /// `PROC_PID_INIT_INO` (`include/linux/proc_ns.h`): the inode of the
@@ -57,60 +63,7 @@ const S_IFSOCK: i32 = 0o140000;
 const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
 /// `MINORBITS` (`include/linux/kdev_t.h`): a kernel `dev_t` is
 /// `major << 20 | minor`.
-pub(crate) const MINORBITS: u32 = 20;
-
-/// The size of one [`Record`] as the programs write it.
-pub const RECORD_LEN: usize = 24;
-
-/// What a record describes. Values are the `kind` word of the record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Object {
-    /// A character device open in a descriptor table: `(major, minor)`.
-    CharFd(u32, u32),
-    /// A socket open in a descriptor table: its inode number (what
-    /// `stat(/proc/<pid>/fd/N).st_ino` and `socket:[N]` say).
-    Socket(u64),
-    /// A file on the anonymous-inode filesystem (eventfd, epoll, io_uring,
-    /// ...): its inode number.
-    AnonInode(u64),
-    /// A mapping of a character device: `(major, minor)`.
-    CharMap(u32, u32),
-    /// A mapping of a file on the anonymous-inode filesystem (an io_uring's
-    /// rings, which keep the ring alive without a descriptor): its inode.
-    AnonMap(u64),
-    /// A ring a task registered (`IORING_REGISTER_RING_FDS`): the inode of
-    /// its file, so that its mappings are known as read. `fd` is its slot.
-    RingSeen(u64),
-    /// A character device registered as a fixed file of an io_uring whose
-    /// own descriptor the task registered (`IORING_REGISTER_RING_FDS`):
-    /// `(major, minor)`; the record's `fd` is the ring's registered slot.
-    RingFile(u32, u32),
-    /// A registered ring that was not read whole: more than
-    /// [`RING_RECORDS`] character-device records, or more fixed files than
-    /// `bpf_loop` walks; the value is its number of fixed files. The
-    /// record's `fd` is the ring's registered slot. What else the ring
-    /// holds is unknown.
-    RingTruncated(u64),
-    /// A task whose run of the fd-table program stopped before its end
-    /// (more than [`crate::iter::fdtable::FD_RECORDS`] records, more slots than
-    /// one `bpf_loop` walks, its mmap lock busy, or the scan's deadline
-    /// passed): where a further pass resumes
-    /// ([`crate::iter::fdtable::FdTableIterator::resume`]). The record's `fd` is
-    /// the batch of 8 slots to resume the descriptor table at (-1: the
-    /// table is read), the value the address to resume the mappings at
-    /// (`u64::MAX`: they are read).
-    Pending(u64),
-}
-
-pub(crate) const KIND_CHAR: i32 = 1;
-const KIND_SOCK: i32 = 2;
-pub(crate) const KIND_ANON: i32 = 3;
-pub(crate) const KIND_MAP: i32 = 4;
-const KIND_RING: i32 = 5;
-const KIND_RING_TRUNC: i32 = 6;
-pub(crate) const KIND_ANON_MAP: i32 = 7;
-const KIND_RING_SEEN: i32 = 8;
-pub(crate) const KIND_PENDING: i32 = 10;
+pub const MINORBITS: u32 = 20;
 
 /// How many character-device records the ring iterator writes for one
 /// registered ring (a run of one device is one record); a ring with more
@@ -119,7 +72,7 @@ pub(crate) const KIND_PENDING: i32 = 10;
 /// `kernel/bpf/bpf_iter.c`): 16 rings of 66 records of 24 bytes do.
 pub const RING_RECORDS: i32 = 64;
 /// `BPF_MAX_LOOPS` (`kernel/bpf/bpf_iter.c`).
-pub(crate) const MAX_LOOPS: i32 = 1 << 23;
+pub const MAX_LOOPS: i32 = 1 << 23;
 /// `IO_RINGFD_REG_MAX` (`include/linux/io_uring_types.h`): the registered
 /// ring slots of a task.
 const RING_FDS: usize = 16;
@@ -128,63 +81,12 @@ const RING_FDS: usize = 16;
 /// `io_uring/filetable.h`); a `struct file` is at least 8-byte aligned.
 const FFS_FLAGS: i32 = 7;
 
-/// One object the iterators report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Record {
-    /// `task->tgid`: the process.
-    pub tgid: i32,
-    /// `task->pid`: the thread whose table (or, for mappings, whose walk)
-    /// showed it; equal to `tgid` for the leader.
-    pub tid: i32,
-    /// The descriptor number (0 for mappings).
-    pub fd: i32,
-    /// What it is.
-    pub object: Object,
-}
-
-impl Record {
-    /// Decodes one record: `{ u32 tgid; u32 tid; u32 fd; u32 kind; u64 value; }`
-    /// in native byte order, as [`file_program`] and [`vma_program`] write it.
-    pub fn decode(b: &[u8; RECORD_LEN]) -> Option<Record> {
-        let w = |i: usize| i32::from_ne_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let value = u64::from_ne_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]);
-        let dev = || {
-            (
-                (value as u32) >> MINORBITS,
-                (value as u32) & ((1 << MINORBITS) - 1),
-            )
-        };
-        let object = match w(12) {
-            KIND_CHAR => {
-                let (ma, mi) = dev();
-                Object::CharFd(ma, mi)
-            }
-            KIND_SOCK => Object::Socket(value),
-            KIND_ANON => Object::AnonInode(value),
-            KIND_MAP => {
-                let (ma, mi) = dev();
-                Object::CharMap(ma, mi)
-            }
-            KIND_RING => {
-                let (ma, mi) = dev();
-                Object::RingFile(ma, mi)
-            }
-            KIND_RING_TRUNC => Object::RingTruncated(value),
-            KIND_ANON_MAP => Object::AnonMap(value),
-            KIND_RING_SEEN => Object::RingSeen(value),
-            KIND_PENDING => Object::Pending(value),
-            _ => return None,
-        };
-        Some(Record {
-            tgid: w(0),
-            tid: w(4),
-            fd: w(8),
-            object,
-        })
-    }
-}
-
-pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
+/// Member `m` of struct `s` in `btf`, checked to be `size` bytes and a
+/// pointer or not (`ptr`), at an offset a load's 16-bit offset reaches.
+///
+/// # Errors
+/// [`BtfError`]: missing, or of another size or kind.
+pub fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result<Field, BtfError> {
     let f = btf.field(s, m)?;
     if f.size != size || f.is_ptr != ptr {
         return Err(BtfError::Unexpected {
@@ -206,12 +108,14 @@ pub(crate) fn sized(btf: &Btf, s: &str, m: &str, size: u32, ptr: bool) -> Result
     Ok(f)
 }
 
-pub(crate) fn off(f: &Field) -> i16 {
+/// `f`'s offset as a load's offset ([`sized`] checked that it fits).
+pub fn off(f: &Field) -> i16 {
     // sized() checked the range.
     f.offset as i16
 }
 
-pub(crate) fn size(f: &Field) -> Size {
+/// The load width of `f` (1, 2, 4 bytes, else 8).
+pub fn size(f: &Field) -> Size {
     match f.size {
         1 => Size::B,
         2 => Size::H,
@@ -222,7 +126,7 @@ pub(crate) fn size(f: &Field) -> Size {
 
 /// `r0 = bpf_probe_read_kernel(fp+tmp, bytes, r3)`; on failure goto
 /// `fail`; else `dst = *(size *)(fp+tmp)`.
-pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
+pub fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg, fail: &str) {
     a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R1, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R1, tmp as i32)
@@ -236,7 +140,7 @@ pub(crate) fn probe_read(a: &mut Asm, tmp: i16, size: Size, bytes: i32, dst: Reg
 /// back with `bpf_probe_read_kernel` from the scratch word at `fp + tmp`):
 /// a counter a loop compares and adds to then stays imprecise, and the
 /// loop is verified in a few passes, not once per value.
-pub(crate) fn zero_unknown(a: &mut Asm, tmp: i16, slot: i16, fail: &str) {
+pub fn zero_unknown(a: &mut Asm, tmp: i16, slot: i16, fail: &str) {
     a.store_imm(Size::DW, Reg::R10, tmp, 0)
         .mov64_reg(Reg::R3, Reg::R10)
         .alu64_imm(AluOp::Add, Reg::R3, tmp as i32);
@@ -288,20 +192,9 @@ pub(crate) mod tests {
     use super::*;
     use crate::asm::Program;
 
-    /// FNV-1a over the encoded instructions: a stable fingerprint of a
-    /// program's bytes, to check that a refactor emits the same program.
+    /// [`Program::fingerprint`]: the programs' fingerprint tests.
     pub(crate) fn insn_hash(p: &Program) -> (usize, u64) {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for i in &p.insns {
-            let mut b = vec![i.code, i.regs];
-            b.extend_from_slice(&i.off.to_le_bytes());
-            b.extend_from_slice(&i.imm.to_le_bytes());
-            for x in b {
-                h ^= u64::from(x);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-        (p.insns.len(), h)
+        p.fingerprint()
     }
 
     /// A field at `offset` of `size` bytes, for the synthetic layouts.

@@ -4,12 +4,13 @@
 
 use super::links::{load_with_callback, open_pin, pin_link, read_all, Loaded};
 use super::{
-    off, probe_read, size, sized, zero_unknown, IterError, Layout, Record, FFS_FLAGS, KIND_RING,
-    KIND_RING_SEEN, KIND_RING_TRUNC, MAX_LOOPS, PIN_RINGS, RECORD_LEN, RING_FDS, RING_RECORDS,
-    S_IFCHR, S_IFMT,
+    load_seq, off, probe_read, seq_write, size, sized, zero_unknown, IterError, RawRecord, Record,
+    Seq, FFS_FLAGS, KIND_RING, KIND_RING_SEEN, KIND_RING_TRUNC, MAX_LOOPS, PIN_RINGS, RECORD_LEN,
+    RING_FDS, RING_RECORDS, S_IFCHR, S_IFMT,
 };
 use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
+use crate::fp_slot;
 use crate::uapi::helper;
 
 /// Where a ring's fixed files are (`struct io_ring_ctx`'s `file_table`,
@@ -122,40 +123,75 @@ impl RingLayout {
     }
 }
 
-// The ring program's stack (main frame): the record at fp-24 (as `emit`),
-// a scratch word, the ring's count of fixed files, then the state the
-// callback reads and fills:
-// { table; seq; tgid_tid; slot; last; records; more; } (u64 each).
-const RING_TMP: i16 = -32;
-const RING_NR: i16 = -40;
-const STATE: i16 = -96;
-const ST_TABLE: i16 = 0;
-const ST_SEQ: i16 = 8;
-const ST_TASK: i16 = 16;
-const ST_SLOT: i16 = 24;
-const ST_LAST: i16 = 32;
-const ST_RECORDS: i16 = 40;
-const ST_MORE: i16 = 48;
-// The callback's own frame: the record at fp-24, a scratch word, the
-// file's inode.
-const CB_TMP: i16 = -32;
-const CB_INODE: i16 = -40;
+/// The state the `read_file` callback reads and fills, on the main
+/// frame's stack.
+#[repr(C)]
+struct State {
+    /// The ring's table of fixed files (or of their nodes).
+    table: u64,
+    /// `ctx->meta->seq`.
+    seq: u64,
+    /// `tgid | tid << 32`: the record's first word.
+    task: u64,
+    /// The registered ring slot read.
+    slot: u64,
+    /// The last device written (a run of one device is one record).
+    last: u64,
+    /// Records written for this ring.
+    records: u64,
+    /// Not read whole.
+    more: u64,
+}
+
+/// The ring program's main frame (96 bytes): the loop state, the ring's
+/// count of fixed files, a scratch word, the record.
+#[repr(C)]
+struct Frame {
+    state: State,
+    nr: u64,
+    tmp: u64,
+    rec: RawRecord,
+}
+
+/// The callback's own frame (40 bytes): the file's inode, a scratch word,
+/// the record.
+#[repr(C)]
+struct CbFrame {
+    inode: u64,
+    tmp: u64,
+    rec: RawRecord,
+}
+
+const REC: i16 = fp_slot!(Frame, rec);
+const RING_TMP: i16 = fp_slot!(Frame, tmp);
+const RING_NR: i16 = fp_slot!(Frame, nr);
+const STATE: i16 = fp_slot!(Frame, state);
+const ST_TABLE: i16 = std::mem::offset_of!(State, table) as i16;
+const ST_SEQ: i16 = std::mem::offset_of!(State, seq) as i16;
+const ST_TASK: i16 = std::mem::offset_of!(State, task) as i16;
+const ST_SLOT: i16 = std::mem::offset_of!(State, slot) as i16;
+const ST_LAST: i16 = std::mem::offset_of!(State, last) as i16;
+const ST_RECORDS: i16 = std::mem::offset_of!(State, records) as i16;
+const ST_MORE: i16 = std::mem::offset_of!(State, more) as i16;
+const CB_REC: i16 = fp_slot!(CbFrame, rec);
+const CB_TMP: i16 = fp_slot!(CbFrame, tmp);
+const CB_INODE: i16 = fp_slot!(CbFrame, inode);
 
 /// In the ring program's main frame: writes the record `{ tgid, tid, slot,
 /// kind, r3 }` of task `r7` with `bpf_seq_write(state.seq)`, and goes on.
 fn emit_ring_record(a: &mut Asm, l: &RingLayout, kind: i32, slot: usize) {
-    a.store(Size::DW, Reg::R10, -8, Reg::R3)
-        .store_imm(Size::W, Reg::R10, -12, kind)
-        .store_imm(Size::W, Reg::R10, -16, slot as i32)
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, kind)
+        .store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_FD, slot as i32)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-        .store(Size::W, Reg::R10, -24, Reg::R2)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R2)
         .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-        .store(Size::W, Reg::R10, -20, Reg::R2)
-        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(helper::SEQ_WRITE, "seq_write");
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TID, Reg::R2);
+    let seq = Seq::Saved {
+        base: Reg::R10,
+        off: STATE + ST_SEQ,
+    };
+    seq_write(a, seq, REC, RECORD_LEN);
 }
 
 /// The ring program (`task` iterator): for each task with an io_uring
@@ -195,10 +231,9 @@ fn ring_task(a: &mut Asm, l: &RingLayout) {
         .comment("r8 = task->io_uring (NULL: the task never used io_uring)")
         .load(Size::DW, Reg::R8, Reg::R7, off(&l.io_uring))
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
-        .comment("state.seq = ctx->meta->seq; state.task = tgid | tid << 32")
-        .load(Size::DW, Reg::R1, Reg::R6, Layout::CTX_META)
-        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
-        .store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
+        .comment("state.seq = ctx->meta->seq; state.task = tgid | tid << 32");
+    load_seq(a, Reg::R6, off(&l.meta_seq));
+    a.store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
         .alu64_imm(AluOp::Lsh, Reg::R1, 32)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
@@ -309,24 +344,24 @@ fn read_file(a: &mut Asm, l: &RingLayout) {
     .alu64_imm(AluOp::Add, Reg::R4, 1)
     .store(Size::DW, Reg::R6, ST_RECORDS, Reg::R4)
     .comment("rec = { tgid, tid, slot, RING, rdev }; bpf_seq_write(st->seq, &rec, 24)")
-    .store(Size::DW, Reg::R10, -8, Reg::R3)
-    .store_imm(Size::W, Reg::R10, -12, KIND_RING)
+    .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_VALUE, Reg::R3)
+    .store_imm(Size::W, Reg::R10, CB_REC + RawRecord::OFF_KIND, KIND_RING)
     .load(Size::DW, Reg::R1, Reg::R6, ST_SLOT)
-    .store(Size::W, Reg::R10, -16, Reg::R1)
+    .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_FD, Reg::R1)
     .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-    .store(Size::DW, Reg::R10, -24, Reg::R1)
-    .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
-    .mov64_reg(Reg::R2, Reg::R10)
-    .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-    .mov64_imm(Reg::R3, RECORD_LEN as i32)
-    .call_id(helper::SEQ_WRITE, "seq_write")
-    .label("cb_next")
-    .mov64_imm(Reg::R0, 0)
-    .exit()
-    .label("cb_full")
-    .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
-    .mov64_imm(Reg::R0, 1)
-    .exit();
+    .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_TGID, Reg::R1);
+    let seq = Seq::Saved {
+        base: Reg::R6,
+        off: ST_SEQ,
+    };
+    seq_write(a, seq, CB_REC, RECORD_LEN);
+    a.label("cb_next")
+        .mov64_imm(Reg::R0, 0)
+        .exit()
+        .label("cb_full")
+        .store_imm(Size::DW, Reg::R6, ST_MORE, 1)
+        .mov64_imm(Reg::R0, 1)
+        .exit();
 }
 
 /// The ring iterator ([`ring_program`]), loaded and linked; each

@@ -3,12 +3,12 @@
 
 use super::links::{load, read_all, Loaded};
 use super::{
-    off, size, sized, IterError, Record, ANON_INODE_FS_MAGIC, KIND_ANON, KIND_ANON_MAP, KIND_CHAR,
-    KIND_MAP, KIND_SOCK, RECORD_LEN, S_IFCHR, S_IFMT, S_IFSOCK,
+    off, seq_write, size, sized, IterError, RawRecord, Record, Seq, ANON_INODE_FS_MAGIC, KIND_ANON,
+    KIND_ANON_MAP, KIND_CHAR, KIND_MAP, KIND_SOCK, RECORD_LEN, S_IFCHR, S_IFMT, S_IFSOCK,
 };
 use crate::asm::{AluOp, Asm, AsmError, JmpOp, Program, Reg, Size};
 use crate::btf::{Btf, BtfError, Field};
-use crate::uapi::helper;
+use crate::fp_slot;
 
 /// Where the programs find what they read, from the running kernel's BTF.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,34 +71,37 @@ impl Layout {
     pub fn vmlinux() -> Result<Layout, BtfError> {
         Self::from_btf(&Btf::vmlinux()?)
     }
-
-    /// The byte offset of the ctx's `meta` (first member of both contexts).
-    pub(super) const CTX_META: i16 = 0;
 }
 
-/// The common tail: the record at `fp-24` from task `r7` (tgid, pid), fd in
-/// `r4`, kind in `r2`, value in `r3`, written with `bpf_seq_write(meta->seq)`
+/// The stack frame of both programs: the record alone.
+#[repr(C)]
+struct Frame {
+    rec: RawRecord,
+}
+
+/// The record's slot (fp-24).
+const REC: i16 = fp_slot!(Frame, rec);
+
+/// The common tail: the record from task `r7` (tgid, pid), fd in `r4`,
+/// kind in `r2`, value in `r3`, written with `bpf_seq_write(meta->seq)`
 /// from ctx `r6`.
 fn emit(a: &mut Asm, l: &Layout) {
     a.label("emit")
         .comment("struct { u32 tgid, tid, fd, kind; u64 value; } rec (fp-24)")
-        .store(Size::W, Reg::R10, -12, Reg::R2)
-        .store(Size::DW, Reg::R10, -8, Reg::R3)
-        .store(Size::W, Reg::R10, -16, Reg::R4)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, Reg::R2)
+        .store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_FD, Reg::R4)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
-        .store(Size::W, Reg::R10, -24, Reg::R2)
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R2)
         .load(size(&l.pid), Reg::R2, Reg::R7, off(&l.pid))
-        .store(Size::W, Reg::R10, -20, Reg::R2)
-        .comment("bpf_seq_write(ctx->meta->seq, &rec, 24)")
-        .load(Size::DW, Reg::R1, Reg::R6, Layout::CTX_META)
-        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(helper::SEQ_WRITE, "seq_write")
-        .label("out")
-        .mov64_imm(Reg::R0, 0)
-        .exit();
+        .store(Size::W, Reg::R10, REC + RawRecord::OFF_TID, Reg::R2)
+        .comment("bpf_seq_write(ctx->meta->seq, &rec, 24)");
+    let seq = Seq::Ctx {
+        ctx: Reg::R6,
+        meta_seq: off(&l.meta_seq),
+    };
+    seq_write(a, seq, REC, RECORD_LEN);
+    a.label("out").mov64_imm(Reg::R0, 0).exit();
 }
 
 /// The `chr` and `anon` tails shared by both programs: `r6` ctx, `r7`

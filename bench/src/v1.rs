@@ -1,22 +1,27 @@
 //! The fd-table program as it was before further passes (pin
-//! `iter_fdtable_v1`), kept behind the `baseline` feature for the
-//! benchmark that measures it side by side with today's
-//! ([`super::fdtable_program`]): no copy of a descriptor dropped, a table
-//! of more than [`FD_RECORDS`] records cut there with one "not read whole"
-//! record (kind 9), after which its process was walked in `/proc`. The
-//! product never uses it; only a build that includes the benchmark
-//! compiles it.
+//! `iter_fdtable_v1`), frozen here for the benchmarks that measure it side
+//! by side with today's ([`gpufence_cgroup::iter::fdtable::fdtable_program`]):
+//! no copy of a descriptor dropped, a table of more than [`FD_RECORDS`]
+//! records cut there with one "not read whole" record (kind 9), after
+//! which its process was walked in `/proc`. Written with the cgroup
+//! crate's public assembler and iterator API; the product never compiles
+//! it.
 
 use std::collections::BTreeSet;
+use std::mem::offset_of;
 
-use super::{FdTableLayout, FD_RECORDS, MAJORS_ENTRIES};
-use crate::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
-use crate::iter::{
-    self, off, probe_read, size, zero_unknown, IterError, Loaded, Record, ANON_INODE_FS_MAGIC,
-    KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, MAX_LOOPS, MINORBITS, RECORD_LEN, S_IFCHR,
-    S_IFMT,
+use gpufence_cgroup::asm::{AluOp, Asm, AsmError, Helper, JmpOp, Program, Reg, Size};
+use gpufence_cgroup::fp_slot;
+use gpufence_cgroup::iter::fdtable::{FdTableLayout, FD_RECORDS};
+use gpufence_cgroup::iter::{
+    self, load_seq, off, probe_read, seq_write, size, zero_unknown, IterError, Loaded, RawRecord,
+    Record, Seq, ANON_INODE_FS_MAGIC, KIND_ANON, KIND_ANON_MAP, KIND_CHAR, KIND_MAP, MAX_LOOPS,
+    MINORBITS, RECORD_LEN, S_IFCHR, S_IFMT,
 };
-use crate::uapi::helper;
+use gpufence_cgroup::uapi::helper;
+
+/// Entries in the fence's `majors` map, as the compare's immediate.
+const MAJORS_ENTRIES: i32 = gpufence_cgroup::maps::MAJORS_ENTRIES as i32;
 
 /// The first program's pin name.
 const PIN_V1: &str = "iter_fdtable_v1";
@@ -24,26 +29,62 @@ const PIN_V1: &str = "iter_fdtable_v1";
 /// The first program's "table not read whole" record kind.
 const KIND_TABLE_UNREAD_V1: i32 = 9;
 
-// The main frame: the record at fp-24, scratch at fp-32, the callback's
-// state at fp-72..fp-33, the vma iterator at fp-80, the name read at
-// fp-96..fp-86, the major looked up at fp-104.
-const TMP: i16 = -32;
-const STATE: i16 = -72;
-const IT: i16 = -80;
-const NAME: i16 = -96;
-const KEY: i16 = -104;
-const ST_TABLE: i16 = 0;
-const ST_SEQ: i16 = 8;
-const ST_TASK: i16 = 16;
-const ST_RECORDS: i16 = 24;
-const ST_MORE: i16 = 32;
-// The callback's frame: its record at fp-24, scratch at fp-32, the major
-// looked up at fp-40, the name read at fp-56..fp-46, the batch of slots
-// at fp-120..fp-57.
-const CB_TMP: i16 = -32;
-const CB_KEY: i16 = -40;
-const CB_NAME: i16 = -56;
-const CB_BATCH: i16 = -120;
+/// A task's state, on the main frame's stack, which the `read_slots`
+/// callback reads and fills.
+#[repr(C)]
+struct State {
+    /// `fdt->fd`.
+    table: u64,
+    /// `ctx->meta->seq`.
+    seq: u64,
+    /// `tgid | tid << 32`: the record's first word.
+    task: u64,
+    /// Records written for this task.
+    records: u64,
+    /// Not read whole.
+    more: u64,
+}
+
+/// The main frame (104 bytes), from `r10 - 104` up: the major looked up
+/// (a `u32`), the name read, the vma iterator, the task's state, a
+/// scratch word, the record.
+#[repr(C)]
+struct Frame {
+    key: u64,
+    name: [u8; 16],
+    it: u64,
+    state: State,
+    tmp: u64,
+    rec: RawRecord,
+}
+
+/// The callback's frame (120 bytes): the batch of slots read, the name
+/// read, the major looked up, a scratch word, the record.
+#[repr(C)]
+struct CbFrame {
+    batch: [u64; SLOTS as usize],
+    name: [u8; 16],
+    key: u64,
+    tmp: u64,
+    rec: RawRecord,
+}
+
+const REC: i16 = fp_slot!(Frame, rec);
+const TMP: i16 = fp_slot!(Frame, tmp);
+const STATE: i16 = fp_slot!(Frame, state);
+const IT: i16 = fp_slot!(Frame, it);
+const NAME: i16 = fp_slot!(Frame, name);
+const KEY: i16 = fp_slot!(Frame, key);
+const ST_TABLE: i16 = offset_of!(State, table) as i16;
+const ST_SEQ: i16 = offset_of!(State, seq) as i16;
+const ST_TASK: i16 = offset_of!(State, task) as i16;
+const ST_RECORDS: i16 = offset_of!(State, records) as i16;
+const ST_MORE: i16 = offset_of!(State, more) as i16;
+const CB_REC: i16 = fp_slot!(CbFrame, rec);
+const CB_TMP: i16 = fp_slot!(CbFrame, tmp);
+const CB_KEY: i16 = fp_slot!(CbFrame, key);
+const CB_NAME: i16 = fp_slot!(CbFrame, name);
+const CB_BATCH: i16 = fp_slot!(CbFrame, batch);
 /// `ENOENT`: `bpf_iter_task_vma_new`'s answer for a task without memory.
 const ENOENT: i32 = 2;
 
@@ -55,19 +96,19 @@ const SLOTS: i32 = 8;
 /// In the main frame: writes `{ tgid, tid, fd, kind, r3 }` with
 /// `bpf_seq_write(state.seq)` and goes on; `kind` is `r2` when `None`.
 fn main_record(a: &mut Asm, kind: Option<i32>, fd: i32) {
-    a.store(Size::DW, Reg::R10, -8, Reg::R3);
+    a.store(Size::DW, Reg::R10, REC + RawRecord::OFF_VALUE, Reg::R3);
     match kind {
-        Some(k) => a.store_imm(Size::W, Reg::R10, -12, k),
-        None => a.store(Size::W, Reg::R10, -12, Reg::R2),
+        Some(k) => a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, k),
+        None => a.store(Size::W, Reg::R10, REC + RawRecord::OFF_KIND, Reg::R2),
     };
-    a.store_imm(Size::W, Reg::R10, -16, fd)
+    a.store_imm(Size::W, Reg::R10, REC + RawRecord::OFF_FD, fd)
         .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_TASK)
-        .store(Size::DW, Reg::R10, -24, Reg::R1)
-        .load(Size::DW, Reg::R1, Reg::R10, STATE + ST_SEQ)
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(helper::SEQ_WRITE, "seq_write");
+        .store(Size::DW, Reg::R10, REC + RawRecord::OFF_TGID, Reg::R1);
+    let seq = Seq::Saved {
+        base: Reg::R10,
+        off: STATE + ST_SEQ,
+    };
+    seq_write(a, seq, REC, RECORD_LEN);
 }
 
 /// With the name pointer in `r3`: reads 11 bytes of it into `fp+at` and
@@ -120,10 +161,9 @@ fn task_state(a: &mut Asm, l: &FdTableLayout) {
         .comment("r8 = task->files (NULL: an exiting task or a kernel thread's)")
         .load(Size::DW, Reg::R8, Reg::R7, off(&l.files))
         .jmp_imm(JmpOp::Eq, Reg::R8, 0, "out")
-        .comment("state = { -, seq, tgid | tid << 32, records 0, more 0 }")
-        .load(Size::DW, Reg::R1, Reg::R6, 0)
-        .load(Size::DW, Reg::R1, Reg::R1, off(&l.meta_seq))
-        .store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
+        .comment("state = { -, seq, tgid | tid << 32, records 0, more 0 }");
+    load_seq(a, Reg::R6, off(&l.meta_seq));
+    a.store(Size::DW, Reg::R10, STATE + ST_SEQ, Reg::R1)
         .load(size(&l.pid), Reg::R1, Reg::R7, off(&l.pid))
         .alu64_imm(AluOp::Lsh, Reg::R1, 32)
         .load(size(&l.tgid), Reg::R2, Reg::R7, off(&l.tgid))
@@ -376,18 +416,18 @@ fn slot(a: &mut Asm, l: &FdTableLayout, majors_fd: i32, k: i32) {
         .comment(&format!(
             "rec = {{ tgid, tid, 8j + {k}, kind, value }}; bpf_seq_write(st->seq, &rec, 24)"
         ))
-        .store(Size::DW, Reg::R10, -8, Reg::R3)
-        .store(Size::W, Reg::R10, -12, Reg::R2)
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_VALUE, Reg::R3)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_KIND, Reg::R2)
         .mov64_reg(Reg::R1, Reg::R9)
         .alu64_imm(AluOp::Add, Reg::R1, k)
-        .store(Size::W, Reg::R10, -16, Reg::R1)
+        .store(Size::W, Reg::R10, CB_REC + RawRecord::OFF_FD, Reg::R1)
         .load(Size::DW, Reg::R1, Reg::R6, ST_TASK)
-        .store(Size::DW, Reg::R10, -24, Reg::R1)
-        .load(Size::DW, Reg::R1, Reg::R6, ST_SEQ)
-        .mov64_reg(Reg::R2, Reg::R10)
-        .alu64_imm(AluOp::Add, Reg::R2, -(RECORD_LEN as i32))
-        .mov64_imm(Reg::R3, RECORD_LEN as i32)
-        .call_id(helper::SEQ_WRITE, "seq_write");
+        .store(Size::DW, Reg::R10, CB_REC + RawRecord::OFF_TGID, Reg::R1);
+    let seq = Seq::Saved {
+        base: Reg::R6,
+        off: ST_SEQ,
+    };
+    seq_write(a, seq, CB_REC, RECORD_LEN);
 }
 
 /// The first fd-table program, loaded and linked (not pinned).
@@ -403,7 +443,7 @@ impl BaselineIterator {
     /// [`IterError`].
     pub fn load(
         layout: &FdTableLayout,
-        majors: &crate::maps::Map<crate::maps::MajorsMap>,
+        majors: &gpufence_cgroup::maps::Map<gpufence_cgroup::maps::MajorsMap>,
     ) -> Result<BaselineIterator, IterError> {
         use std::os::fd::AsRawFd;
         Ok(BaselineIterator {
@@ -423,7 +463,7 @@ impl BaselineIterator {
     /// # Errors
     /// [`IterError::Sys`].
     pub fn pin(&self, dir: &std::path::Path) -> Result<(), IterError> {
-        iter::pin_link(&self.it.link, dir, PIN_V1)
+        iter::pin_link(self.it.link(), dir, PIN_V1)
     }
 
     /// Opens the link pinned by [`BaselineIterator::pin`], as its scans did.
@@ -442,20 +482,74 @@ impl BaselineIterator {
     /// # Errors
     /// [`IterError`].
     pub fn files(&self) -> Result<(Vec<Record>, BTreeSet<i32>), IterError> {
-        let raw = iter::read_raw(&self.it.link)?;
+        let raw = iter::read_raw(self.it.link())?;
         let mut recs = Vec::new();
         let mut unread = BTreeSet::new();
         for c in raw.chunks_exact(RECORD_LEN) {
-            let kind = i32::from_ne_bytes([c[12], c[13], c[14], c[15]]);
-            if kind == KIND_TABLE_UNREAD_V1 {
-                unread.insert(i32::from_ne_bytes([c[0], c[1], c[2], c[3]]));
-            } else if let Some(r) = <&[u8; RECORD_LEN]>::try_from(c)
-                .ok()
-                .and_then(Record::decode)
-            {
+            let Ok(b) = <&[u8; RECORD_LEN]>::try_from(c) else {
+                continue;
+            };
+            let r = RawRecord::from_ne_bytes(b);
+            if r.kind == KIND_TABLE_UNREAD_V1 {
+                unread.insert(r.tgid);
+            } else if let Some(r) = Record::decode(b) {
                 recs.push(r);
             }
         }
         Ok((recs, unread))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::program;
+    use gpufence_cgroup::btf::Field;
+    use gpufence_cgroup::iter::fdtable::FdTableLayout;
+
+    fn field(offset: u32, size: u32, is_ptr: bool) -> Field {
+        Field {
+            offset,
+            size,
+            is_ptr,
+        }
+    }
+
+    /// The frozen program emits exactly the instructions it emitted in the
+    /// cgroup crate, when this fingerprint was recorded: it stays the
+    /// program the benchmarks compare against.
+    #[test]
+    fn the_first_program_keeps_its_bytes() {
+        let l = FdTableLayout {
+            task: 103,
+            rdonly_cast: 104,
+            file: 105,
+            vma_new: 106,
+            vma_next: 107,
+            vma_destroy: 108,
+            vm_start: field(0, 8, false),
+            private_data: field(200, 8, true),
+            ring_nr: Some(1024),
+            ctx_task: field(8, 8, true),
+            meta_seq: field(0, 8, true),
+            tgid: field(1240, 4, false),
+            pid: field(1236, 4, false),
+            files: field(1900, 8, true),
+            group_leader: field(1300, 8, true),
+            mm: field(900, 8, true),
+            vm_file: field(160, 8, true),
+            fdt: field(32, 8, true),
+            max_fds: field(0, 4, false),
+            fd: field(8, 8, true),
+            f_inode: field(32, 8, true),
+            i_mode: field(0, 2, false),
+            i_rdev: field(76, 4, false),
+            i_ino: field(64, 8, false),
+            i_sb: field(40, 8, true),
+            s_magic: field(96, 8, false),
+            f_path_dentry: 24,
+            d_name_name: 40,
+        };
+        let got = program(&l, 7).unwrap().fingerprint();
+        assert_eq!(got, (738, 18350818569060539144), "{got:?}");
     }
 }
