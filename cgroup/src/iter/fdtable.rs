@@ -317,7 +317,7 @@ impl FdTableIterator {
     ) -> Result<FdTableIterator, IterError> {
         use std::os::fd::AsRawFd;
         let ctl = crate::sys::map_create(
-            crate::uapi::map_type::LRU_HASH,
+            crate::uapi::map_type::HASH,
             size_of::<u64>() as u32,
             PASS_LEN as u32,
             CTL_ENTRIES,
@@ -859,5 +859,37 @@ pub(crate) mod live {
                 libc::close(ring as i32);
             }
         }
+    }
+
+    /// The control map is a plain hash: full of the entries of readers
+    /// that are gone (killed before they removed theirs), a read is
+    /// refused room (`E2BIG`), removes those entries and is written; an
+    /// LRU map would instead have dropped one entry, whoever's, a live
+    /// reader's included, and kept the dead ones.
+    #[test]
+    fn a_full_control_map_loses_gone_readers_not_live_ones() {
+        let Some(l) = layout() else { return };
+        let it = FdTableIterator::load(&l, &majors(&[1])).unwrap_or_else(|e| panic!("{e}"));
+        let _null = std::fs::File::open("/dev/null").unwrap();
+        // Keys of threads that do not exist: tgid 0 is never a process.
+        for tid in 1..=u64::from(CTL_ENTRIES) {
+            crate::sys::map_update(
+                &it.ctl,
+                &tid.to_ne_bytes(),
+                &Pass::resume(0, 0, 0, 0).bytes(),
+            )
+            .unwrap();
+        }
+        let me = std::process::id() as i32;
+        let recs = it.files().unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            recs.iter().any(|r| r.tgid == me),
+            "this process's /dev/null"
+        );
+        assert_eq!(
+            crate::sys::map_keys(&it.ctl).unwrap().len(),
+            0,
+            "the gone readers' entries are removed, and this reader's after its read"
+        );
     }
 }
