@@ -42,6 +42,29 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Writes `bytes` to `path` whole and only when `path` does not exist: a
+/// temporary file in the same directory, `fsync`, permissions `mode`,
+/// then `link(2)`, which never replaces. Readers see no file or the whole
+/// one; a writer killed midway leaves no short file at `path` (a `.tmp`
+/// one that readers ignore). Of concurrent writers, one wins.
+///
+/// # Errors
+/// `AlreadyExists` when `path` is there (another writer's), or the
+/// `io::Error` of the first failing step.
+pub fn write_new_whole(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".gpufence-")
+        .suffix(".tmp")
+        .tempfile_in(dir)?;
+    tmp.as_file()
+        .set_permissions(fs::Permissions::from_mode(mode))?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist_noclobber(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
 /// Creates `path` with `mode`, failing if it exists (`O_EXCL`), and writes
 /// `bytes`. Used for evidence, which is never overwritten.
 ///
@@ -121,6 +144,27 @@ pub fn lock_file_within(path: &Path, wait: Duration, poll: Duration) -> io::Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Written whole or not at all, never over an existing file; no
+    /// temporary file stays after.
+    #[test]
+    fn a_new_file_is_whole_and_never_replaces() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("key");
+        write_new_whole(&p, &[1; 32], 0o600).unwrap();
+        let e = write_new_whole(&p, &[2; 32], 0o600).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(&p).unwrap(), vec![1; 32]);
+        assert_eq!(
+            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(
+            fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
+    }
 
     #[test]
     fn one_holder_at_a_time() {

@@ -384,13 +384,21 @@ impl HashKey {
         HashKey(bytes)
     }
 
-    /// A new random key (`getrandom(2)`); `None` when the kernel gives
-    /// fewer bytes.
+    /// A new random key (`getrandom(2)`, tried again when a signal
+    /// interrupts it); `None` when the kernel gives fewer bytes.
     pub fn random() -> Option<HashKey> {
         let mut b = [0u8; 32];
-        // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
-        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-        (usize::try_from(n).ok() == Some(b.len())).then_some(HashKey(b))
+        for _ in 0..8 {
+            // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+            let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+            if usize::try_from(n).ok() == Some(b.len()) {
+                return Some(HashKey(b));
+            }
+            if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                return None;
+            }
+        }
+        None
     }
 
     /// Its bytes (to store it).

@@ -156,17 +156,20 @@ impl V2Slice {
     /// the node reads idle), and panics naming those left, with the
     /// processes and cgroups in each.
     ///
-    /// One leftover is Slurm's and is excused, with a line on stderr: an
-    /// empty `job_<id>` whose extern step logged "Unable to move pid ... to
-    /// system cgroup" in a log under `log_dir`. Before 25.05, slurmstepd's
-    /// SIGTERM handler drops privileges process-wide for the X11 shutdown
+    /// One leftover is Slurm's and is excused, with a line on stderr, on
+    /// a `release` before 24.11.6 only: a `job_<id>` that holds no process
+    /// and no cgroup but its extern step's, whose extern step logged
+    /// "Unable to move pid ... to system cgroup" of this node's scope in a
+    /// log under `log_dir`. There slurmstepd's SIGTERM handler drops
+    /// privileges process-wide for the X11 shutdown
     /// (`_shutdown_x11_forward`, `src/slurmd/slurmstepd/mgr.c`) while
     /// `cgroup_p_step_destroy` (`src/plugins/cgroup/v2/cgroup_v2.c`) moves
     /// the step daemon out as root: the move fails with EACCES and the
-    /// step's and job's cgroups stay. SchedMD fixed it in 25.05 (commit
-    /// 1c065cb908, "Fix x11 cleanup race condition", ticket 22736); 24.11
-    /// has it (seen here on Debian trixie's 24.11).
-    pub fn assert_no_job_cgroups(&self, node_name: &str, log_dir: &Path) {
+    /// extern step's and the job's cgroups stay. SchedMD ticket 22736,
+    /// fixed by commit 1c065cb908 in 25.05 and its cherry-pick 46cec1d440
+    /// in 24.11.6 (seen here on Debian trixie's 24.11.5; 22.05 has the
+    /// same handler).
+    pub fn assert_no_job_cgroups(&self, node_name: &str, log_dir: &Path, release: &Release) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let left = loop {
             let left = self.job_cgroups(node_name);
@@ -176,17 +179,22 @@ impl V2Slice {
             std::thread::sleep(Duration::from_millis(100));
         };
         let logs = logs_in(log_dir);
+        let racy = slurm_has_x11_race(&release.slurm_version());
         let mut inside: Vec<(String, Vec<i32>, Vec<String>)> = Vec::new();
         for j in left {
             let rel = format!("{}/{j}", V2Slice::scope(node_name));
             let procs = self.cg.procs_recursive(&rel);
-            if procs.is_empty() && slurm_x11_race(&logs, &j) {
+            let dirs = subdirs(&self.cg.path(&rel));
+            let extern_only = dirs
+                .iter()
+                .all(|d| d == "step_extern" || d.starts_with("step_extern/"));
+            if racy && procs.is_empty() && extern_only && slurm_x11_race(&logs, &j, node_name) {
                 eprintln!(
                     "{j} left by slurmstepd's X11 shutdown race (Slurm ticket 22736, fixed in 25.05)"
                 );
                 continue;
             }
-            inside.push((j, procs, subdirs(&self.cg.path(&rel))));
+            inside.push((j, procs, dirs));
         }
         assert!(
             inside.is_empty(),
@@ -370,16 +378,32 @@ fn logs_in(dir: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// `logs` show the pre-25.05 X11 shutdown race for job cgroup `job`
-/// (`job_<id>`): its extern step's "Unable to move pid" error
-/// (`cgroup_p_step_destroy`, `src/plugins/cgroup/v2/cgroup_v2.c`).
-fn slurm_x11_race(logs: &str, job: &str) -> bool {
+/// `logs` show the X11 shutdown race for job cgroup `job` (`job_<id>`)
+/// of node `node_name`: its extern step's "Unable to move pid" error
+/// (`cgroup_p_step_destroy`, `src/plugins/cgroup/v2/cgroup_v2.c`) naming
+/// that node's scope (every node of a test cluster logs to one file).
+fn slurm_x11_race(logs: &str, job: &str, node_name: &str) -> bool {
     let Some(id) = job.strip_prefix("job_") else {
         return false;
     };
     let tag = format!("[{id}.extern] error: Unable to move pid ");
+    let scope = format!("/{node_name}_slurmstepd.scope/");
     logs.lines()
-        .any(|l| l.contains(&tag) && l.contains(" to system cgroup "))
+        .any(|l| l.contains(&tag) && l.contains(" to system cgroup ") && l.contains(&scope))
+}
+
+/// Whether Slurm `version` (`slurmd -V`: `slurm 24.11.5`) has the X11
+/// shutdown race: before 24.11.6 (ticket 22736). An unreadable version
+/// has it not (nothing is excused).
+fn slurm_has_x11_race(version: &str) -> bool {
+    let v: Vec<u32> = version
+        .split_whitespace()
+        .last()
+        .unwrap_or("")
+        .split(['.', '-'])
+        .map_while(|p| p.parse().ok())
+        .collect();
+    v.len() >= 3 && (v[0], v[1], v[2]) < (24, 11, 6)
 }
 
 #[cfg(test)]
@@ -390,9 +414,25 @@ mod tests {
     fn the_x11_race_is_the_extern_steps_own() {
         let logs = "[2026-12-07T21:15:55.827] [3.extern] error: Unable to move pid 18883 to system cgroup /sys/fs/cgroup/system.slice/vm_slurmstepd.scope/system\n\
                     [2026-12-07T21:15:55.827] [4.0] error: Unable to move pid 1 to system cgroup /x\n";
-        assert!(slurm_x11_race(logs, "job_3"));
-        assert!(!slurm_x11_race(logs, "job_4"), "a step other than extern");
-        assert!(!slurm_x11_race(logs, "job_33"));
-        assert!(!slurm_x11_race(logs, "1f2e3d4c5b6a7980"), "a SLUID (26.05)");
+        assert!(slurm_x11_race(logs, "job_3", "vm"));
+        assert!(
+            !slurm_x11_race(logs, "job_3", "vm2"),
+            "another node's scope"
+        );
+        assert!(
+            !slurm_x11_race(logs, "job_4", "vm"),
+            "a step other than extern"
+        );
+        assert!(!slurm_x11_race(logs, "job_33", "vm"));
+        assert!(
+            !slurm_x11_race(logs, "s7C5M8ST6RSJ00", "vm"),
+            "a SLUID (26.05)"
+        );
+        assert!(slurm_has_x11_race("slurm 24.11.5"));
+        assert!(slurm_has_x11_race("slurm-wlm 22.05.8"));
+        assert!(!slurm_has_x11_race("slurm 24.11.6"));
+        assert!(!slurm_has_x11_race("slurm 25.05.0"));
+        assert!(!slurm_has_x11_race("slurm 26.05.0-0rc1"));
+        assert!(!slurm_has_x11_race(""));
     }
 }

@@ -497,7 +497,7 @@ fn real_cgroup_v2_node(release: &Release) {
         serde_json::json!([]),
         "no grant is left"
     );
-    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"));
+    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"), release);
 
     let table = [
         (
@@ -724,7 +724,7 @@ fn run_in_job(release: &Release) {
         serde_json::from_slice::<Value>(&g.stdout).unwrap(),
         serde_json::json!([])
     );
-    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"));
+    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"), release);
     drop(cluster);
 }
 
@@ -881,7 +881,7 @@ fn run_in_job_nvml(release: &Release) {
         serde_json::from_slice::<Value>(&g.stdout).unwrap(),
         serde_json::json!([])
     );
-    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"));
+    slice.assert_no_job_cgroups(&host, &cluster.dir.join("log"), release);
     drop(cluster);
 }
 
@@ -1426,7 +1426,7 @@ fn two_nodes_each_grant_their_own_share_22_05_host() {
         "grants left"
     );
     for n in nodes {
-        slice.assert_no_job_cgroups(n, &cluster.dir.join("log"));
+        slice.assert_no_job_cgroups(n, &cluster.dir.join("log"), &Release::host());
     }
     drop(cluster);
 }

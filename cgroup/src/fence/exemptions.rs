@@ -242,8 +242,12 @@ impl Fence {
             .iter()
             .map(|(p, _)| cg.kernel_level(p))
             .collect::<Result<Vec<_>>>()?;
-        for (((_, id), level), class) in applied.iter().zip(levels).zip(classes) {
+        let mut newly = Vec::new();
+        for (((path, id), level), class) in applied.iter().zip(levels).zip(classes) {
             let f = self.flags_of(*id)?;
+            if f & CGROUP_EXEMPT == 0 {
+                newly.push((path.clone(), *id));
+            }
             let stays = f & CGROUP_EXEMPT != 0 && class_of(f) == class;
             let class = if interim && !stays {
                 CGROUP_CLASS_MASK
@@ -261,7 +265,11 @@ impl Fence {
                 self.write_flags(id, with_class(f & !CGROUP_EXEMPT, 0), None)?;
             }
         }
-        Ok((applied, missing))
+        Ok(ExemptSplit {
+            applied,
+            newly,
+            missing,
+        })
     }
 
     /// Rewrites the level of every entry whose recorded level is not the

@@ -11,7 +11,7 @@ use gpufence_model::policy::ExemptIdentities;
 
 use super::bpffs::{ensure_bpffs, raise_memlock, DirLock};
 use super::status::{fence_programs_at, join_ids};
-use super::{bpf_err, typed_map, Fence, FenceSpec, InstallReport, PROG_NAME};
+use super::{bpf_err, typed_map, ExemptSplit, Fence, FenceSpec, InstallReport, PROG_NAME};
 use crate::error::{Error, Result};
 use crate::hierarchy::Cgroup2;
 use crate::maps::{
@@ -331,7 +331,9 @@ impl Fence {
     ) -> Result<()> {
         self.set_majors(&spec.protected)?;
         report.majors = spec.protected.majors().collect();
-        let (applied, missing) = self.set_exempt_unlocked(cg, &spec.exempt, true)?;
+        let ExemptSplit {
+            applied, missing, ..
+        } = self.set_exempt_unlocked(cg, &spec.exempt, true)?;
         report.relevelled = self.relevel_unlocked(cg)?;
         self.refresh_levels()?;
         report.exempt_applied = applied;

@@ -166,9 +166,18 @@ pub struct GrantEntry {
     pub job_id: u32,
 }
 
-/// What [`Fence::set_exempt`] did: `(applied, missing)`, applied as
-/// `(cgroup path, cgroup id)`, missing as the paths with no cgroup.
-pub type ExemptSplit = (Vec<(String, u64)>, Vec<String>);
+/// What [`Fence::set_exempt`] did, read under the fence lock.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExemptSplit {
+    /// Each exemption written: `(cgroup path, cgroup id)`.
+    pub applied: Vec<(String, u64)>,
+    /// Those of `applied` that were not exempt before this write: what
+    /// it made exempt (an exemption another writer made first is not
+    /// among them).
+    pub newly: Vec<(String, u64)>,
+    /// The paths with no cgroup.
+    pub missing: Vec<String>,
+}
 
 /// The pinned maps, opened, each of its layout ([`Map`]).
 #[derive(Debug)]

@@ -301,31 +301,24 @@ pub fn reapply_exemptions(node: &Node, paths: &[String]) -> Result<(), NodeError
         return Ok(());
     }
     let mut plan = exempt_plan(node);
-    let (written, _) = fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
-    // The patterns are resolved again for the write: a unit started since
-    // `paths` was read is written too, and named here (an id not seen
-    // exempt before the write), never exempted silently.
-    let newly = newly_exempt(&written, &exempt_before);
+    // The patterns are resolved again for the write, and what it made
+    // exempt is read under the fence lock: a unit started since `paths`
+    // was read is named, one another writer exempted first is not.
+    let split = fence.set_exempt(&node.cg, &exempt_cgroups(node, &mut plan))?;
+    if split.newly.is_empty() {
+        return Ok(());
+    }
     node.audit(
         AuditEvent::new(events::EXEMPTION_APPLIED).field(
             "exempt",
-            newly
+            split
+                .newly
                 .iter()
                 .map(|(p, id)| serde_json::json!({"cgroup": crate::host::cgpath::abs(p), "cgroup_id": id}))
                 .collect::<Vec<_>>(),
         ),
     )?;
     Ok(())
-}
-
-/// The entries of `written` (`(cgroup, id)`, as [`Fence::set_exempt`]
-/// wrote them) whose id is not in `exempt_before` (the ids seen exempt
-/// before the write): what the write made exempt.
-fn newly_exempt<'a>(written: &'a [(String, u64)], exempt_before: &[u64]) -> Vec<&'a (String, u64)> {
-    written
-        .iter()
-        .filter(|(_, id)| !exempt_before.contains(id))
-        .collect()
 }
 
 /// Installs or re-installs the fence and writes `fence_installed`; when

@@ -159,7 +159,7 @@ fn check_failed(node: &Node, door: &mut Door, req: &StepRequest, reason: String)
 /// it. When it cannot be made or read so, a key of this step's own: the
 /// hashes then tell findings of this job apart but not across jobs, and
 /// are still not unkeyed. The reason, when there is one, is returned for
-/// a `check_failed` line.
+/// the step's log and an `error` audit line (`component` `job_secrets`).
 pub fn hash_key(node: &Node) -> (HashKey, Option<String>) {
     let p = node.state.door_key_path();
     let read = || -> std::io::Result<HashKey> {
@@ -178,10 +178,14 @@ pub fn hash_key(node: &Node) -> (HashKey, Option<String>) {
         f.read_exact(&mut b)?;
         Ok(HashKey::from_bytes(b))
     };
+    // Written whole to a temporary file (0600) in state_dir, synced, then
+    // linked into place without replacing (`link(2)`): a step killed
+    // halfway, or a full disk, leaves no short key behind, and concurrent
+    // first steps read either no key or the whole one.
     let made = || -> std::io::Result<()> {
         let _ = gpufence_model::fsutil::create_dir_all_mode(node.state.root(), 0o700);
         let key = HashKey::random().ok_or_else(|| std::io::Error::other("getrandom"))?;
-        match gpufence_model::fsutil::write_new(&p, key.bytes(), 0o600) {
+        match gpufence_model::fsutil::write_new_whole(&p, key.bytes(), 0o600) {
             Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
             _ => Ok(()),
         }
