@@ -93,9 +93,9 @@ mod state;
 pub use cmdline::{auth_disabled, stratum_urls};
 pub use heal::{heal, why_not_clean, Healed, KEEP_DRAINED};
 pub use output::{drain_reason, execute, prometheus, threshold, SweepOutcome, SweepRequest};
-use procs::*;
+use procs::{walk_proc, ProcMeta, Procs};
 pub use state::baseline_path;
-use state::*;
+use state::{lock, valid_cursor};
 
 /// Why a sweep could not run, or could not keep its state
 /// (`state_dir/sweep`). [`sweep`] returns the first two; the others land in
@@ -647,6 +647,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
 
 #[cfg(test)]
 mod tests {
+    use super::state::{new_denials, DenialState};
     use super::*;
     use crate::host::persistence::{cron_entries, unit_files, UnitRoot};
     use gpufence_cgroup::fence::DenialEntry;

@@ -45,8 +45,8 @@ use serde::Serialize;
 mod proc_walk;
 mod snapshot;
 pub(crate) use proc_walk::read_maps;
-use proc_walk::*;
-use snapshot::*;
+use proc_walk::{char_rdev, fd_table, finish, io_uring_files, MapsView, Stop, Tables};
+use snapshot::{take_snapshot, ProcRecords, Snapshot, SnapshotError};
 
 /// Where a device is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -1046,6 +1046,7 @@ mod io_uring_tests {
 
 #[cfg(test)]
 mod tests {
+    use super::proc_walk::kcmp_files;
     use super::*;
     use std::os::unix::fs::symlink;
 
