@@ -631,206 +631,6 @@ fn in_job(cg: &str, job_id: u32) -> bool {
         .is_some_and(|d| job_dir_id(d) == Some(job_id))
 }
 
-#[cfg(test)]
-mod error_tests {
-    use super::ResponseError;
-    use crate::NodeError;
-
-    /// A response's audit failure is the Prolog's [`NodeError::Audit`],
-    /// message and all; any other failed step is [`NodeError::Response`]
-    /// with the step's own message.
-    #[test]
-    fn response_errors_become_node_errors_as_they_read() {
-        let audit = ResponseError::Audit(NodeError::Audit(std::io::Error::other("disk full")));
-        let text = audit.to_string();
-        let e = NodeError::from(audit);
-        assert!(matches!(e, NodeError::Audit(_)), "{e:?}");
-        assert_eq!(e.to_string(), text);
-        let ev = ResponseError::Evidence {
-            pid: 42,
-            source: NodeError::Mig("x".into()),
-        };
-        assert_eq!(ev.to_string(), "evidence for pid 42: MIG: x");
-        let e = NodeError::from(ev);
-        assert!(matches!(e, NodeError::Response(_)), "{e:?}");
-        assert_eq!(e.to_string(), "evidence for pid 42: MIG: x");
-    }
-}
-
-#[cfg(test)]
-mod in_job_tests {
-    use super::in_job;
-
-    /// The job's own cgroup and below; never a lookalike inside another
-    /// job's, one below a SLUID, another job's, or a name that only
-    /// starts like one.
-    #[test]
-    fn in_job_is_anchored_at_the_first_job_dir() {
-        assert!(in_job(
-            "system.slice/slurmstepd.scope/job_42/step_0/user/task_0",
-            42
-        ));
-        assert!(in_job("gpufence-test/job_42", 42));
-        assert!(!in_job("system.slice/slurmstepd.scope/job_43/step_0", 42));
-        assert!(!in_job(
-            "system.slice/slurmstepd.scope/job_7/step_0/user/task_0/job_42/step_0",
-            42
-        ));
-        assert!(!in_job(
-            "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/job_42",
-            42
-        ));
-        assert!(!in_job("user.slice/user-1000.slice/session-1.scope", 42));
-        assert!(!in_job("system.slice/job_42x", 42));
-    }
-}
-
-#[cfg(test)]
-mod over_budget_tests {
-    use super::{over_budget_rule, NotRead, OverBudget, ScanTime};
-
-    const MAX: u32 = 999;
-
-    /// The rule past the budget: the job's own cgroup and the job's user
-    /// outside every job are candidates; everything else (another user
-    /// outside jobs, another job's cgroup, a SLUID's, a system account,
-    /// an unknown uid or cgroup, the job's uid unknown) is read again,
-    /// never ended for being unread.
-    #[test]
-    fn over_budget_processes_are_ended_or_read_again_by_the_rule() {
-        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
-        let other_job = "system.slice/slurmstepd.scope/job_43/step_0/user/task_0";
-        let sluid = "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/step_0";
-        let session = "user.slice/user-1001.slice/session-3.scope";
-        let rule = |cg, uid, job_uid| over_budget_rule(cg, uid, 42, job_uid, MAX, ScanTime::Full);
-        // 1. The job's own cgroup: its user's, or another non-system uid.
-        assert_eq!(
-            rule(Some(job), Some(1001), Some(1001)),
-            OverBudget::Candidate
-        );
-        assert_eq!(
-            rule(Some(job), Some(1002), Some(1001)),
-            OverBudget::Candidate
-        );
-        assert_eq!(rule(Some(job), Some(1001), None), OverBudget::Candidate);
-        // 2. The job's user outside every job.
-        assert_eq!(
-            rule(Some(session), Some(1001), Some(1001)),
-            OverBudget::Candidate
-        );
-        assert_eq!(
-            rule(Some(""), Some(1001), Some(1001)),
-            OverBudget::Candidate
-        );
-        // 3. Everything else.
-        for (cg, uid, job_uid, who) in [
-            (
-                Some(session),
-                Some(1002),
-                Some(1001),
-                "another user outside jobs",
-            ),
-            (Some(session), Some(1001), None, "the job's uid unknown"),
-            (
-                Some(other_job),
-                Some(1001),
-                Some(1001),
-                "the user's other job",
-            ),
-            (
-                Some(other_job),
-                Some(1002),
-                Some(1001),
-                "another user's job",
-            ),
-            (
-                Some(sluid),
-                Some(1001),
-                Some(1001),
-                "a job named by a SLUID",
-            ),
-            (
-                Some(job),
-                Some(0),
-                Some(1001),
-                "root in the job (slurmstepd)",
-            ),
-            (
-                Some(job),
-                Some(MAX),
-                Some(1001),
-                "a system account in the job",
-            ),
-            (
-                Some(session),
-                Some(MAX),
-                Some(MAX),
-                "a system account's own job uid",
-            ),
-            (Some(session), None, Some(1001), "gone: uid unknown"),
-            (None, Some(1001), Some(1001), "cgroup unknown"),
-            (
-                Some("system.slice/job_42x"),
-                Some(1002),
-                Some(1001),
-                "a lookalike name, another user",
-            ),
-        ] {
-            assert_eq!(rule(cg, uid, job_uid), OverBudget::ReRead, "{who}");
-        }
-    }
-
-    /// A scan the Epilog's deadline cut: the job's own cgroup is still a
-    /// candidate, but the job's user outside every job (systemd --user,
-    /// tmux, dbus, left unread for want of time) is only read again,
-    /// never ended for being unread.
-    #[test]
-    fn a_cut_scan_makes_no_candidate_of_the_users_processes_outside_jobs() {
-        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
-        let session = "user.slice/user-1001.slice/user@1001.service/init.scope";
-        let rule = |cg, scan| over_budget_rule(Some(cg), Some(1001), 42, Some(1001), MAX, scan);
-        assert_eq!(rule(job, ScanTime::Cut), OverBudget::Candidate);
-        assert_eq!(rule(session, ScanTime::Cut), OverBudget::ReRead);
-        assert_eq!(rule(session, ScanTime::Full), OverBudget::Candidate);
-        assert_eq!(rule("", ScanTime::Cut), OverBudget::ReRead);
-    }
-
-    /// Only less than the configured budget is a cut.
-    #[test]
-    fn a_scan_is_cut_only_when_given_less_than_its_budget() {
-        let ms = std::time::Duration::from_millis;
-        assert_eq!(ScanTime::of(ms(2000), ms(2000)), ScanTime::Full);
-        assert_eq!(ScanTime::of(ms(0), ms(0)), ScanTime::Full);
-        assert_eq!(ScanTime::of(ms(1999), ms(2000)), ScanTime::Cut);
-        assert_eq!(ScanTime::of(ms(0), ms(2000)), ScanTime::Cut);
-    }
-
-    /// The reason names the pid, its uid and cgroup, the budget and "not
-    /// read"; unknowns read `?`.
-    #[test]
-    fn a_not_read_reason_names_the_process() {
-        let n = NotRead {
-            pid: 1234,
-            uid: Some(1001),
-            cgroup: Some("user.slice/user-1001.slice".into()),
-            why: "threads read up to the 7th".into(),
-            budget_ms: 5,
-        };
-        assert_eq!(
-            n.reason(),
-            "pid 1234 (uid 1001, cgroup /user.slice/user-1001.slice) not read within scan_budget_ms (5 ms); GPU not handed on"
-        );
-        let n = NotRead {
-            uid: None,
-            cgroup: None,
-            ..n
-        };
-        assert!(n
-            .reason()
-            .starts_with("pid 1234 (uid ?, cgroup ?) not read"));
-    }
-}
-
 /// A holder that is there but cannot be pinned (no pidfd: out of
 /// descriptors).
 #[derive(Debug, thiserror::Error)]
@@ -1200,4 +1000,204 @@ fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u
         a = a.field("ended_by", s);
     }
     a
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::ResponseError;
+    use crate::NodeError;
+
+    /// A response's audit failure is the Prolog's [`NodeError::Audit`],
+    /// message and all; any other failed step is [`NodeError::Response`]
+    /// with the step's own message.
+    #[test]
+    fn response_errors_become_node_errors_as_they_read() {
+        let audit = ResponseError::Audit(NodeError::Audit(std::io::Error::other("disk full")));
+        let text = audit.to_string();
+        let e = NodeError::from(audit);
+        assert!(matches!(e, NodeError::Audit(_)), "{e:?}");
+        assert_eq!(e.to_string(), text);
+        let ev = ResponseError::Evidence {
+            pid: 42,
+            source: NodeError::Mig("x".into()),
+        };
+        assert_eq!(ev.to_string(), "evidence for pid 42: MIG: x");
+        let e = NodeError::from(ev);
+        assert!(matches!(e, NodeError::Response(_)), "{e:?}");
+        assert_eq!(e.to_string(), "evidence for pid 42: MIG: x");
+    }
+}
+
+#[cfg(test)]
+mod in_job_tests {
+    use super::in_job;
+
+    /// The job's own cgroup and below; never a lookalike inside another
+    /// job's, one below a SLUID, another job's, or a name that only
+    /// starts like one.
+    #[test]
+    fn in_job_is_anchored_at_the_first_job_dir() {
+        assert!(in_job(
+            "system.slice/slurmstepd.scope/job_42/step_0/user/task_0",
+            42
+        ));
+        assert!(in_job("gpufence-test/job_42", 42));
+        assert!(!in_job("system.slice/slurmstepd.scope/job_43/step_0", 42));
+        assert!(!in_job(
+            "system.slice/slurmstepd.scope/job_7/step_0/user/task_0/job_42/step_0",
+            42
+        ));
+        assert!(!in_job(
+            "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/job_42",
+            42
+        ));
+        assert!(!in_job("user.slice/user-1000.slice/session-1.scope", 42));
+        assert!(!in_job("system.slice/job_42x", 42));
+    }
+}
+
+#[cfg(test)]
+mod over_budget_tests {
+    use super::{over_budget_rule, NotRead, OverBudget, ScanTime};
+
+    const MAX: u32 = 999;
+
+    /// The rule past the budget: the job's own cgroup and the job's user
+    /// outside every job are candidates; everything else (another user
+    /// outside jobs, another job's cgroup, a SLUID's, a system account,
+    /// an unknown uid or cgroup, the job's uid unknown) is read again,
+    /// never ended for being unread.
+    #[test]
+    fn over_budget_processes_are_ended_or_read_again_by_the_rule() {
+        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
+        let other_job = "system.slice/slurmstepd.scope/job_43/step_0/user/task_0";
+        let sluid = "system.slice/slurmstepd.scope/s7C5M8ST6RSJ00/step_0";
+        let session = "user.slice/user-1001.slice/session-3.scope";
+        let rule = |cg, uid, job_uid| over_budget_rule(cg, uid, 42, job_uid, MAX, ScanTime::Full);
+        // 1. The job's own cgroup: its user's, or another non-system uid.
+        assert_eq!(
+            rule(Some(job), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(
+            rule(Some(job), Some(1002), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(rule(Some(job), Some(1001), None), OverBudget::Candidate);
+        // 2. The job's user outside every job.
+        assert_eq!(
+            rule(Some(session), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        assert_eq!(
+            rule(Some(""), Some(1001), Some(1001)),
+            OverBudget::Candidate
+        );
+        // 3. Everything else.
+        for (cg, uid, job_uid, who) in [
+            (
+                Some(session),
+                Some(1002),
+                Some(1001),
+                "another user outside jobs",
+            ),
+            (Some(session), Some(1001), None, "the job's uid unknown"),
+            (
+                Some(other_job),
+                Some(1001),
+                Some(1001),
+                "the user's other job",
+            ),
+            (
+                Some(other_job),
+                Some(1002),
+                Some(1001),
+                "another user's job",
+            ),
+            (
+                Some(sluid),
+                Some(1001),
+                Some(1001),
+                "a job named by a SLUID",
+            ),
+            (
+                Some(job),
+                Some(0),
+                Some(1001),
+                "root in the job (slurmstepd)",
+            ),
+            (
+                Some(job),
+                Some(MAX),
+                Some(1001),
+                "a system account in the job",
+            ),
+            (
+                Some(session),
+                Some(MAX),
+                Some(MAX),
+                "a system account's own job uid",
+            ),
+            (Some(session), None, Some(1001), "gone: uid unknown"),
+            (None, Some(1001), Some(1001), "cgroup unknown"),
+            (
+                Some("system.slice/job_42x"),
+                Some(1002),
+                Some(1001),
+                "a lookalike name, another user",
+            ),
+        ] {
+            assert_eq!(rule(cg, uid, job_uid), OverBudget::ReRead, "{who}");
+        }
+    }
+
+    /// A scan the Epilog's deadline cut: the job's own cgroup is still a
+    /// candidate, but the job's user outside every job (systemd --user,
+    /// tmux, dbus, left unread for want of time) is only read again,
+    /// never ended for being unread.
+    #[test]
+    fn a_cut_scan_makes_no_candidate_of_the_users_processes_outside_jobs() {
+        let job = "system.slice/slurmstepd.scope/job_42/step_0/user/task_0";
+        let session = "user.slice/user-1001.slice/user@1001.service/init.scope";
+        let rule = |cg, scan| over_budget_rule(Some(cg), Some(1001), 42, Some(1001), MAX, scan);
+        assert_eq!(rule(job, ScanTime::Cut), OverBudget::Candidate);
+        assert_eq!(rule(session, ScanTime::Cut), OverBudget::ReRead);
+        assert_eq!(rule(session, ScanTime::Full), OverBudget::Candidate);
+        assert_eq!(rule("", ScanTime::Cut), OverBudget::ReRead);
+    }
+
+    /// Only less than the configured budget is a cut.
+    #[test]
+    fn a_scan_is_cut_only_when_given_less_than_its_budget() {
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(ScanTime::of(ms(2000), ms(2000)), ScanTime::Full);
+        assert_eq!(ScanTime::of(ms(0), ms(0)), ScanTime::Full);
+        assert_eq!(ScanTime::of(ms(1999), ms(2000)), ScanTime::Cut);
+        assert_eq!(ScanTime::of(ms(0), ms(2000)), ScanTime::Cut);
+    }
+
+    /// The reason names the pid, its uid and cgroup, the budget and "not
+    /// read"; unknowns read `?`.
+    #[test]
+    fn a_not_read_reason_names_the_process() {
+        let n = NotRead {
+            pid: 1234,
+            uid: Some(1001),
+            cgroup: Some("user.slice/user-1001.slice".into()),
+            why: "threads read up to the 7th".into(),
+            budget_ms: 5,
+        };
+        assert_eq!(
+            n.reason(),
+            "pid 1234 (uid 1001, cgroup /user.slice/user-1001.slice) not read within scan_budget_ms (5 ms); GPU not handed on"
+        );
+        let n = NotRead {
+            uid: None,
+            cgroup: None,
+            ..n
+        };
+        assert!(n
+            .reason()
+            .starts_with("pid 1234 (uid ?, cgroup ?) not read"));
+    }
 }
