@@ -85,6 +85,8 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
             .cfg
             .resume_when_clean
             .then(|| gpufence_model::nodename::node_name(None)),
+        // The iterators first, `/proc` where they cannot run.
+        proc_walk: false,
     };
     let o = sweep::execute(node, &req);
     for f in &o.report.findings {

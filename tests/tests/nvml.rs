@@ -1059,6 +1059,7 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
         &gpufence_node::sweep::Options {
             cgroup: Some(w.env.root.clone()),
             cursor: None,
+            proc_walk: false,
         },
     )
     .unwrap();

@@ -2026,7 +2026,6 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
     if !privileged() {
         return;
     }
-    gpufence_node::holders::scan::set_proc_only_in_this_thread(true);
     let env = TestEnv::new("notread");
     let exempt = format!("{}/exempt", env.root);
     let mut node = config(
@@ -2050,7 +2049,11 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
         scenario: None,
     };
     let args = w.env.path("scontrol.args");
-    let o = w.sweep_with(|r| r.drain_node = Some("node17".into()));
+    // The `/proc` walk, whatever the iterators could do.
+    let o = w.sweep_with(|r| {
+        r.drain_node = Some("node17".into());
+        r.proc_walk = true;
+    });
     let nr = of_kind(&o, Kind::NotReadWhole);
     let f = nr
         .iter()
@@ -2093,12 +2096,11 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
     // The default budget: every one read whole.
     node.cfg.scan_budget_ms = 2000;
     w.node = node;
-    let o = w.sweep();
+    let o = w.sweep_with(|r| r.proc_walk = true);
     assert!(
         !of_kind(&o, Kind::NotReadWhole)
             .iter()
             .any(|f| [outside, in_job, daemon, small].contains(&f.pid.unwrap_or(0))),
         "{o:#?}"
     );
-    gpufence_node::holders::scan::set_proc_only_in_this_thread(false);
 }

@@ -35,7 +35,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::btf::VMLINUX_BTF;
@@ -184,7 +183,7 @@ impl Default for Scanner {
         Scanner {
             mapped: HashMap::new(),
             btf: PathBuf::from(VMLINUX_BTF),
-            proc_only: PROC_ONLY.load(Ordering::Relaxed) || PROC_ONLY_HERE.with(|c| c.get()),
+            proc_only: false,
             snapshot: None,
             source: None,
             unread_means: None,
@@ -206,28 +205,9 @@ impl Default for Scanner {
 pub enum Source {
     /// The BPF iterators, then `/proc` for the processes they named.
     Iterators,
-    /// The `/proc` walk: asked for ([`Scanner::proc_walk`],
-    /// [`set_proc_only`]), or the iterators failed (the reason).
+    /// The `/proc` walk: asked for ([`Scanner::proc_walk`]), or the
+    /// iterators failed (the reason).
     Proc(Option<String>),
-}
-
-static PROC_ONLY: AtomicBool = AtomicBool::new(false);
-
-/// Makes every [`Scanner`] created after this call walk `/proc` (`true`) or
-/// try the iterators first (`false`, the default): for benchmarks comparing
-/// the two through code that makes its own scanner (`gpufence sweep`).
-pub fn set_proc_only(on: bool) {
-    PROC_ONLY.store(on, Ordering::Relaxed);
-}
-
-thread_local! {
-    static PROC_ONLY_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// [`set_proc_only`] for the scanners this thread creates only (tests
-/// that exercise the `/proc` fallback beside others that do not).
-pub fn set_proc_only_in_this_thread(on: bool) {
-    PROC_ONLY_HERE.with(|c| c.set(on));
 }
 
 /// Which devices a scan looks for.
@@ -249,8 +229,7 @@ pub struct ProcessFds {
 }
 
 impl Scanner {
-    /// A fresh scan: the iterators first, `/proc` if they fail (unless
-    /// [`set_proc_only`]).
+    /// A fresh scan: the iterators first, `/proc` if they fail.
     pub fn new() -> Self {
         Self::default()
     }

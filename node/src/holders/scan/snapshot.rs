@@ -63,8 +63,8 @@ pub(super) struct Snapshot {
 /// ([`Source::Proc`]).
 #[derive(Debug, thiserror::Error)]
 pub(super) enum SnapshotError {
-    /// The scanner was told to walk `/proc` ([`Scanner::proc_walk`],
-    /// [`set_proc_only`]): no failure, no reason to show.
+    /// The scanner was told to walk `/proc` ([`Scanner::proc_walk`]): no
+    /// failure, no reason to show.
     #[error("the /proc walk was asked for")]
     ProcWalkAsked,
     /// In a pid namespace other than the initial one: the iterators give
