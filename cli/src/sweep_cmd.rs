@@ -156,7 +156,7 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                     o.tree.len(),
                     o.frozen
                         .values()
-                        .cloned()
+                        .map(|h| h.as_str())
                         .collect::<std::collections::BTreeSet<_>>()
                         .into_iter()
                         .collect::<Vec<_>>()

@@ -531,7 +531,7 @@ fn an_epilog_deadline_cuts_the_waits_and_fails_closed() {
     let l = o.lingering.iter().find(|l| l.pid == holder).expect("found");
     match l.ended_by {
         Some(by) => {
-            assert_eq!(by, "SIGKILL", "it ignores SIGTERM: {o:?}");
+            assert_eq!(by.as_str(), "SIGKILL", "it ignores SIGTERM: {o:?}");
             assert!(gone(holder));
         }
         None => assert!(!o.clean(), "not seen gone: unclean, drained: {o:?}"),
@@ -577,8 +577,9 @@ fn system_accounts_are_spared_and_the_node_flagged() {
     assert!(
         o.lingering[0]
             .spared
-            .as_deref()
+            .as_ref()
             .unwrap()
+            .to_string()
             .starts_with("system account (uid 0"),
         "{o:?}"
     );
@@ -1425,10 +1426,9 @@ fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
         .find(|l| l.pid == other_job)
         .expect("the receiver in job 9 is a holder");
     assert!(
-        spared
-            .spared
-            .as_deref()
-            .is_some_and(|w| w.contains("in another user's job (job_9, uid 23456)")),
+        spared.spared.as_ref().is_some_and(|w| w
+            .to_string()
+            .contains("in another user's job (job_9, uid 23456)")),
         "{spared:?}"
     );
     assert!(spared.evidence.is_some(), "evidence kept");

@@ -1041,7 +1041,10 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     let got: BTreeSet<i32> = o.tree.iter().map(|t| t.pid).collect();
     assert_eq!(got, tree.iter().copied().collect(), "{o:#?}");
     assert_eq!(o.tree[0].pid, tree[0], "the process first");
-    assert!(o.frozen.values().all(|h| h == "cgroup-freeze"), "{o:#?}");
+    assert!(
+        o.frozen.values().all(|h| h.as_str() == "cgroup-freeze"),
+        "{o:#?}"
+    );
     assert_eq!(o.killed.iter().copied().collect::<BTreeSet<_>>(), got);
     assert!(tree.iter().all(|p| gone(*p)));
     assert_eq!(o.uid, Some(test_uid()));
@@ -1519,7 +1522,7 @@ fn respond_uses_sigstop_in_a_shared_cgroup_and_spares_bystanders() {
     let target = w.env.spawn_user_sleeper(&cg);
     let o = incident::respond_pid(&w.node, target, None).unwrap();
     assert!(o.complete(), "{o:#?}");
-    assert_eq!(o.frozen.get(&target).map(String::as_str), Some("SIGSTOP"));
+    assert_eq!(o.frozen.get(&target).map(|h| h.as_str()), Some("SIGSTOP"));
     assert_eq!(o.killed, vec![target]);
     assert!(gone(target));
     assert!(!gone(bystander), "a bystander in the same cgroup lives");

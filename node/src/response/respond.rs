@@ -46,7 +46,7 @@ use crate::holders::scan::{self, HeldFd};
 use crate::host::deadline::Wait;
 use crate::host::gpus::GpuInfo;
 use crate::host::procs::uid_of;
-use crate::response::engine::{exited, note_stopped, Engine, NoteError, PidFd};
+use crate::response::engine::{exited, note_stopped, EndedBy, Engine, NoteError, PidFd, Stopped};
 use crate::response::evidence::{self, GpuMemory};
 use crate::{Node, NodeError};
 
@@ -139,12 +139,48 @@ pub struct Lingering {
     /// The evidence file, when written.
     pub evidence: Option<PathBuf>,
     /// How it was stopped first.
-    pub frozen: Option<String>,
-    /// The signal that ended it, when it is gone (`SIGTERM`, `SIGKILL`, or
-    /// `exited` when it was gone before we signalled).
-    pub ended_by: Option<&'static str>,
-    /// Why it was left alive on purpose (a system account), if so.
-    pub spared: Option<String>,
+    pub frozen: Option<Stopped>,
+    /// The signal that ended it, when it is gone.
+    pub ended_by: Option<EndedBy>,
+    /// Why it was left alive on purpose, if so.
+    pub spared: Option<LeftAlive>,
+}
+
+/// Why a holder is left alive on purpose ([`respond`]'s step 1): it gets
+/// evidence and its audit lines, and makes the node unclean. The text
+/// (`Display`) is the audit lines' `not_killed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeftAlive {
+    /// A system account (uid at or below `protected_uid_max`): a user
+    /// could hand a job's descriptor to a root daemon to have it killed.
+    SystemAccount {
+        /// Its uid.
+        uid: u32,
+        /// The config's `protected_uid_max`.
+        max: u32,
+    },
+    /// In another user's job ([`other_users_job`]).
+    OtherUsersJob {
+        /// That job's cgroup directory (`job_<id>`).
+        dir: String,
+        /// Its uid (0 when unread).
+        uid: u32,
+    },
+}
+
+impl std::fmt::Display for LeftAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeftAlive::SystemAccount { uid, max } => write!(
+                f,
+                "system account (uid {uid} <= protected_uid_max {max}): not killed"
+            ),
+            LeftAlive::OtherUsersJob { dir, uid } => write!(
+                f,
+                "in another user's job ({dir}, uid {uid}): gpufence does not end another user's job for a descriptor handed to it; evidence kept, node drained for an admin"
+            ),
+        }
+    }
 }
 
 impl Lingering {
@@ -841,12 +877,12 @@ fn record(
     phase: &str,
     reason: &str,
     c: &Candidate,
-    frozen: Option<String>,
-    spared: Option<String>,
+    frozen: Option<Stopped>,
+    spared: Option<LeftAlive>,
     budget: &mut evidence::Budget,
     errors: &mut Vec<ResponseError>,
 ) -> (Lingering, Option<u32>) {
-    let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen.clone(), budget);
+    let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen, budget);
     let mut l = Lingering {
         pid: c.pid,
         comm: ev.comm.clone(),
@@ -863,7 +899,7 @@ fn record(
     }
     let mut line = audit_line(events::LINGERING_PROCESS, job_id, phase, &l, ev.uid);
     if let Some(why) = &l.spared {
-        line = line.field("not_killed", why.clone());
+        line = line.field("not_killed", why.to_string());
     }
     if let Err(e) = node.audit(line) {
         errors.push(ResponseError::Audit(e));
@@ -901,17 +937,16 @@ fn pin(
     for c in cands {
         let uid = uid_of(c.pid);
         let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
-            Some(format!(
-                "system account (uid {} <= protected_uid_max {}): not killed",
-                uid.unwrap_or(0),
-                node.cfg.protected_uid_max
-            ))
+            Some(LeftAlive::SystemAccount {
+                uid: uid.unwrap_or(0),
+                max: node.cfg.protected_uid_max,
+            })
         } else {
             other_users_job(c.cgroup.as_deref(), job_id, job_uid, uid).map(|dir| {
-                format!(
-                    "in another user's job ({dir}, uid {}): gpufence does not end another user's job for a descriptor handed to it; evidence kept, node drained for an admin",
-                    uid.unwrap_or(0)
-                )
+                LeftAlive::OtherUsersJob {
+                    dir,
+                    uid: uid.unwrap_or(0),
+                }
             })
         };
         if let Some(why) = spare {
@@ -927,7 +962,8 @@ fn pin(
                 errors,
             );
             if let Err(e) = node.audit(
-                audit_line(events::SURVIVOR, job_id, phase, &l, uid).field("not_killed", why),
+                audit_line(events::SURVIVOR, job_id, phase, &l, uid)
+                    .field("not_killed", why.to_string()),
             ) {
                 errors.push(ResponseError::Audit(e));
             }
@@ -993,19 +1029,35 @@ fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u
     if let Some(p) = &l.evidence {
         a = a.field("evidence", p.display().to_string());
     }
-    if let Some(f) = &l.frozen {
-        a = a.field("frozen", f.clone());
+    if let Some(f) = l.frozen {
+        a = a.field("frozen", f.as_str());
     }
     if let Some(s) = l.ended_by {
-        a = a.field("ended_by", s);
+        a = a.field("ended_by", s.as_str());
     }
     a
 }
 
 #[cfg(test)]
 mod error_tests {
-    use super::ResponseError;
+    use super::{LeftAlive, ResponseError};
     use crate::NodeError;
+
+    /// Why a holder is left alive reads as the audit lines' `not_killed`
+    /// always did.
+    #[test]
+    fn left_alive_reads_as_before() {
+        assert_eq!(
+            LeftAlive::SystemAccount { uid: 0, max: 999 }.to_string(),
+            "system account (uid 0 <= protected_uid_max 999): not killed"
+        );
+        assert!(LeftAlive::OtherUsersJob {
+            dir: "job_9".into(),
+            uid: 23456
+        }
+        .to_string()
+        .starts_with("in another user's job (job_9, uid 23456): gpufence does not end"));
+    }
 
     /// A response's audit failure is the Prolog's [`NodeError::Audit`],
     /// message and all; any other failed step is [`NodeError::Response`]
