@@ -458,8 +458,9 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     let first = env.spawn_ready(cmd, "held");
     record(&node, 41, dev);
     let o = epilog::run(&node, 41, None);
-    let who = |s: &String| {
-        s.split_whitespace()
+    let who = |s: &epilog::Survivor| {
+        s.to_string()
+            .split_whitespace()
             .nth(1)
             .and_then(|p| std::fs::read(format!("/proc/{p}/cmdline")).ok())
             .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
@@ -1566,8 +1567,8 @@ fn tables_of_another_uid(env: &mut TestEnv, path: &std::path::Path) -> i32 {
 /// Survivors that are not this test's: "not read" lines of processes the
 /// test did not make (a budget of 0 ms reads no large table on the
 /// machine whole; their drain is the rule's, not this test's to judge).
-fn others_not_read(survivors: &[String], ours: &[i32]) -> bool {
-    survivors.iter().all(|s| {
+fn others_not_read(survivors: &[epilog::Survivor], ours: &[i32]) -> bool {
+    survivors.iter().map(ToString::to_string).all(|s| {
         s.contains("not read within scan_budget_ms")
             && !ours.iter().any(|p| s.starts_with(&format!("pid {p} ")))
     })
@@ -1788,10 +1789,11 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
     assert!(!o.clean(), "{o:?}");
     assert!(!o.lingering.iter().any(|l| l.pid == session), "{o:?}");
     assert!(
-        o.survivors.iter().any(
-            |s| s.starts_with(&format!("pid {session} (uid {user}, cgroup /"))
-                && s.contains("not read within scan_budget_ms (2000 ms)")
-        ),
+        o.survivors.iter().any(|s| s
+            .to_string()
+            .starts_with(&format!("pid {session} (uid {user}, cgroup /"))
+            && s.to_string()
+                .contains("not read within scan_budget_ms (2000 ms)")),
         "{o:?}"
     );
     let reason = o.drain_reason.clone().unwrap_or_default();
@@ -1854,6 +1856,7 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
     let line = o
         .survivors
         .iter()
+        .map(ToString::to_string)
         .find(|s| s.starts_with(&format!("pid {idle} (uid 23456, cgroup /")))
         .unwrap_or_else(|| panic!("{idle} not named: {:?}", o.survivors));
     assert!(

@@ -235,7 +235,7 @@ pub fn registry_daemons(node: &Node) -> Vec<String> {
 }
 
 /// What [`sweep_stale`] did with one daemon.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct SweptDaemon {
     /// The daemon's name ([`daemon_name`]).
     pub name: String,
@@ -243,7 +243,7 @@ pub struct SweptDaemon {
     pub jobs: Vec<u32>,
     /// `None` while a job is still registered with it; else what stopping
     /// it gave (the processes killed, or why it failed).
-    pub stopped: Option<Result<Vec<i32>, String>>,
+    pub stopped: Option<Result<Vec<i32>, MpsStopError>>,
 }
 
 /// `gpufence sweep`'s part: under each daemon's lock, removes its stale
@@ -285,12 +285,33 @@ pub fn sweep_stale(node: &Node, fence: Option<&Fence>) -> Vec<SweptDaemon> {
     out
 }
 
+/// Why [`stop_one`] could not stop a daemon: its grant may still be in
+/// the fence, or something may still run in its cgroup.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsStopError {
+    /// Its cgroup's grant could not be revoked (nothing was killed).
+    #[error("revoking its grant: {0}")]
+    Revoke(gpufence_cgroup::Error),
+    /// Its cgroup could not be emptied and removed.
+    #[error("{source} (processes {processes:?})")]
+    Kill {
+        /// Why.
+        source: Box<NodeError>,
+        /// What was in the cgroup.
+        processes: Vec<i32>,
+    },
+}
+
 /// Stops daemon `name` ([`daemon_name`]): its cgroup's grant revoked
 /// first, then everything in it killed (`cgroup.kill`: a daemon or server
 /// its user stopped or that does not answer is ended at once, none is
 /// asked to `quit` through a pipe directory its user owns), the cgroup
 /// removed, its directories removed. What was in the cgroup.
-pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, String> {
+pub(crate) fn stop_one(
+    node: &Node,
+    fence: Option<&Fence>,
+    name: &str,
+) -> Result<Vec<i32>, MpsStopError> {
     let cg = daemon_cgroup(node, name);
     let id = node.cg.id(&cg).ok();
     // A daemon of gpufence before one ran per user: `<mps_dir>/<leaf>`.
@@ -299,8 +320,7 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
         None => gpu_dir(node, name),
     };
     if let (Some(f), Some(id)) = (fence, id) {
-        f.revoke_cgroup(id)
-            .map_err(|e| format!("revoking its grant: {e}"))?;
+        f.revoke_cgroup(id).map_err(MpsStopError::Revoke)?;
     }
     let killed = node.cg.procs_recursive(&cg);
     if node.cg.path(&cg).exists() {
@@ -308,8 +328,12 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
             crate::host::deadline::Wait::MpsKill,
             Duration::from_millis(node.cfg.kill_wait_ms).max(Duration::from_secs(1)),
         );
-        crate::host::exec_cgroup::kill_and_remove(node, &cg, wait)
-            .map_err(|e| format!("{e} (processes {killed:?})"))?;
+        crate::host::exec_cgroup::kill_and_remove(node, &cg, wait).map_err(|source| {
+            MpsStopError::Kill {
+                source: Box::new(source),
+                processes: killed.clone(),
+            }
+        })?;
     }
     // Root's `u<uid>` under root-only directories: nothing on the way is a
     // user's; remove_dir_all removes the user's `pipe` and `log` and what

@@ -133,7 +133,7 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
 
 pub use crate::host::mps_cgroups::{
     daemon_name, gpu_dir, is_foreign, parse_daemon, prune_stale, registry_daemons, sweep_stale,
-    user_dir, SweptDaemon, MPS_WAIT,
+    user_dir, MpsStopError, SweptDaemon, MPS_WAIT,
 };
 use crate::host::mps_cgroups::{lock, registered, registration_mark, stop_one};
 
@@ -624,10 +624,14 @@ pub struct Released {
 /// A daemon whose lock cannot be had within [`MPS_WAIT`] and that no job is
 /// registered with is stopped all the same (fail closed; `locked: false`
 /// in its `mps_stopped` line). Returns what was done with each daemon, and
-/// what failed, as text, after trying every one: a grant that could not
+/// what failed (each daemon's name and why), after trying every one: a grant that could not
 /// be revoked or a daemon cgroup that could not be emptied (the
 /// node is unclean: the Epilog drains it).
-pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
+pub fn release(
+    node: &Node,
+    fence: Option<&Fence>,
+    job_id: u32,
+) -> (Vec<Released>, Vec<(String, MpsStopError)>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
     let mine: Vec<String> = registry_daemons(node)
@@ -681,7 +685,7 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
                     killed,
                 });
             }
-            Err(e) => errors.push(format!("MPS daemon {name}: {e}")),
+            Err(e) => errors.push((name, e)),
         }
     }
     (done, errors)
