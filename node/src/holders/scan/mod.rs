@@ -44,7 +44,7 @@ use serde::Serialize;
 mod proc_walk;
 mod snapshot;
 pub(crate) use proc_walk::read_maps;
-use proc_walk::{char_rdev, fd_table, finish, io_uring_files, MapsView, Stop, Tables};
+use proc_walk::{char_rdev, fd_table, finish, io_uring_files, MapsView, Stop, TableRead, Tables};
 use snapshot::{take_snapshot, ProcRecords, Snapshot, SnapshotError};
 
 /// Where a device is held.
@@ -385,7 +385,7 @@ impl Scanner {
             .filter(|(_, r)| r.over_budget)
             .map(|(p, _)| *p)
             .collect();
-        self.ring_error = snap.ring_error.clone();
+        self.ring_error = snap.ring_error.as_ref().map(ToString::to_string);
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = Vec::new();
         let mut pids: Vec<&i32> = snap.procs.keys().filter(|p| **p != me).collect();
@@ -723,7 +723,7 @@ impl Scanner {
                 Err(why) => Source::Proc(why.reason()),
             });
             self.ring_error = match &s {
-                Ok(snap) => snap.ring_error.clone(),
+                Ok(snap) => snap.ring_error.as_ref().map(ToString::to_string),
                 Err(_) => Some("the iterators did not run".into()),
             };
             self.snapshot = Some(s);
@@ -798,10 +798,12 @@ impl Scanner {
             want,
             Via::Fd,
             None,
-            &mut fds,
-            sockets.as_deref_mut(),
-            Some(&mut anon),
-            stop.as_deref_mut(),
+            TableRead {
+                out: &mut fds,
+                sockets: sockets.as_deref_mut(),
+                anon: Some(&mut anon),
+                stop: stop.as_deref_mut(),
+            },
         );
         // Threads: only those whose table differs are worth a walk. Where
         // kcmp can tell, tables already walked are skipped (found in
@@ -836,10 +838,12 @@ impl Scanner {
                     want,
                     Via::ThreadFd,
                     Some(tid),
-                    &mut fds,
-                    sockets.as_deref_mut(),
-                    Some(&mut thread_anon),
-                    stop.as_deref_mut(),
+                    TableRead {
+                        out: &mut fds,
+                        sockets: sockets.as_deref_mut(),
+                        anon: Some(&mut thread_anon),
+                        stop: stop.as_deref_mut(),
+                    },
                 );
                 anon.extend(thread_anon.into_iter().map(|fd| (Some(tid), fd)));
             }
