@@ -729,8 +729,7 @@ fn a_holder_that_let_go_is_left_alone() {
     let holder = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
     let cands =
-        gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
-            .candidates;
+        gpufence_node::response::respond::uncovered(&node, 0, None, &sought(&devs)).candidates;
     let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
     found.sort();
     let mut want = vec![released, holder];
@@ -745,11 +744,13 @@ fn a_holder_that_let_go_is_left_alone() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let (done, errors) = gpufence_node::response::respond::respond(
-        &node,
+        &gpufence_node::response::respond::Responder {
+            node: &node,
+            job_id: 45,
+            job_uid: None,
+            phase: "epilog",
+        },
         gpufence_node::response::respond::Mode::End,
-        45,
-        None,
-        "epilog",
         "test",
         cands,
         &mut gpufence_node::response::evidence::Budget::from_config(&node.cfg),
@@ -800,14 +801,15 @@ fn evidence_stays_within_its_budget() {
     };
     let respond = |budget: &mut Budget| {
         let cands =
-            gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
-                .candidates;
+            gpufence_node::response::respond::uncovered(&node, 0, None, &sought(&devs)).candidates;
         gpufence_node::response::respond::respond(
-            &node,
+            &gpufence_node::response::respond::Responder {
+                node: &node,
+                job_id: 46,
+                job_uid: None,
+                phase: "epilog",
+            },
             gpufence_node::response::respond::Mode::End,
-            46,
-            None,
-            "epilog",
             "test",
             cands,
             budget,
@@ -1258,16 +1260,7 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     let node = cfg_at(0);
     fence_ops::install(&node).unwrap();
     let user = gpufence_tests::cluster::test_uid();
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        job,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, job, Some(user), &sought(&devs));
     let cands = found.candidates;
     let c = cands.iter().find(|c| c.pid == mine).unwrap_or_else(|| {
         panic!("pid {mine} of job {job} not read within the budget is no candidate: {cands:?}")
@@ -1327,16 +1320,7 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     assert!(lines[0]["pids"].as_array().unwrap().len() <= 20);
     // The default budget: every table read, none a candidate.
     let node = cfg_at(2000);
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        job,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, job, Some(user), &sought(&devs));
     let cands = found.candidates;
     assert!(
         !found
@@ -1610,16 +1594,7 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
     };
     let holder = flooded(&mut env);
     let devs: BTreeSet<DevNum> = [dev].into();
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        53,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, 53, Some(user), &sought(&devs));
     let c = found
         .candidates
         .iter()
@@ -1636,16 +1611,8 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
     assert!(!found.not_read.iter().any(|n| n.pid == holder));
     // Another job's uid (unknown here): the same process is only read
     // again, never a candidate for being unread.
-    let strangers = gpufence_node::response::respond::uncovered(
-        &node,
-        53,
-        Some(23457),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let strangers =
+        gpufence_node::response::respond::uncovered(&node, 53, Some(23457), &sought(&devs));
     assert!(
         !strangers.candidates.iter().any(|c| c.pid == holder),
         "{strangers:?}"
@@ -1727,16 +1694,7 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
         std::time::Duration::ZERO,
     ));
     let late = node.with_deadline(spent);
-    let found = gpufence_node::response::respond::uncovered(
-        &late,
-        56,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&late, 56, Some(user), &sought(&devs));
     assert!(
         !found.candidates.iter().any(|c| c.pid == session),
         "a cut scan made it a candidate: {found:?}"
@@ -1754,16 +1712,7 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
     );
     // Given its whole budget, the same process is read whole and found
     // holding: a candidate by what it holds, not for being unread.
-    let full = gpufence_node::response::respond::uncovered(
-        &node,
-        56,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let full = gpufence_node::response::respond::uncovered(&node, 56, Some(user), &sought(&devs));
     let c = full
         .candidates
         .iter()
@@ -1958,4 +1907,16 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     drop(real);
+}
+
+/// What the tests' scans look for: `devs` on major 195, no fence (only
+/// exemptions cover), no NVML, no MIG.
+fn sought(devs: &BTreeSet<DevNum>) -> gpufence_node::response::respond::Sought<'_> {
+    gpufence_node::response::respond::Sought {
+        fence: None,
+        devs,
+        gpu_info: &[],
+        gpu_major: 195,
+        mig: &[],
+    }
 }

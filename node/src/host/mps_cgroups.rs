@@ -129,11 +129,11 @@ pub(crate) fn lock(node: &Node, name: &str) -> Result<Lock, NodeError> {
     let wait = node.bound(crate::host::deadline::Wait::Mps, MPS_WAIT);
     match gpufence_model::fsutil::lock_file_within(&p, wait, Duration::from_millis(10)) {
         Ok(Some(f)) => Ok(Lock(f)),
-        Ok(None) => Err(NodeError::JobCgroup(format!(
-            "{} stayed locked for {} ms (another Prolog or Epilog starting or stopping MPS daemon {name})",
-            p.display(),
-            wait.as_millis()
-        ))),
+        Ok(None) => Err(NodeError::MpsLocked {
+            path: p,
+            waited_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            daemon: name.to_string(),
+        }),
         Err(e) => Err(NodeError::io("open", &p, e)),
     }
 }

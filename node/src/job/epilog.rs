@@ -495,17 +495,14 @@ impl<'a> Ctx<'a> {
         let mut not_read: BTreeMap<i32, respond::NotRead> = BTreeMap::new();
         let mut look = |info: &[crate::host::gpus::GpuInfo]| {
             let before: BTreeSet<i32> = not_read.keys().copied().collect();
-            let u = respond::uncovered_except(
-                node,
-                job_id,
-                job_uid,
-                fence.as_ref(),
+            let sought = respond::Sought {
+                fence: fence.as_ref(),
                 devs,
-                info,
+                gpu_info: info,
                 gpu_major,
                 mig,
-                &before,
-            );
+            };
+            let u = respond::uncovered_except(node, job_id, job_uid, &sought, &before);
             for n in u.not_read {
                 not_read.entry(n.pid).or_insert(n);
             }
@@ -531,11 +528,13 @@ impl<'a> Ctx<'a> {
                 ));
             }
             let (lingering, errs) = respond::respond(
-                node,
+                &respond::Responder {
+                    node,
+                    job_id,
+                    job_uid,
+                    phase: "epilog",
+                },
                 Mode::End,
-                job_id,
-                job_uid,
-                "epilog",
                 "holds a device of an ended job outside any grant",
                 fresh,
                 &mut budget,

@@ -368,46 +368,46 @@ fn outside_every_job(cg: &str) -> bool {
 ///    audit line (with `not_read`: those still unread).
 ///
 /// At most two budgets: the scan's and the re-reads' (one for all).
-#[allow(clippy::too_many_arguments)]
-pub fn uncovered(
-    node: &Node,
-    job_id: u32,
-    job_uid: Option<u32>,
-    fence: Option<&Fence>,
-    devs: &BTreeSet<DevNum>,
-    gpu_info: &[GpuInfo],
-    gpu_major: u32,
-    mig: &[MigSlice],
-) -> Uncovered {
-    uncovered_except(
-        node,
-        job_id,
-        job_uid,
-        fence,
-        devs,
-        gpu_info,
-        gpu_major,
-        mig,
-        &BTreeSet::new(),
-    )
+pub fn uncovered(node: &Node, job_id: u32, job_uid: Option<u32>, sought: &Sought<'_>) -> Uncovered {
+    uncovered_except(node, job_id, job_uid, sought, &BTreeSet::new())
+}
+
+/// What [`uncovered`] looks for: the job's devices (`devs`; `gpu_major`,
+/// the GPUs' major; `mig`, the job's MIG slices, whose parents other jobs
+/// share), what covers a holder (`fence`'s live grants, `None`: only
+/// exemptions), and what NVML says runs on the job's GPUs (`gpu_info`).
+#[derive(Clone, Copy, Debug)]
+pub struct Sought<'a> {
+    /// The fence, for its live grants.
+    pub fence: Option<&'a Fence>,
+    /// The job's devices.
+    pub devs: &'a BTreeSet<DevNum>,
+    /// NVML's processes on the job's GPUs.
+    pub gpu_info: &'a [GpuInfo],
+    /// The GPUs' major.
+    pub gpu_major: u32,
+    /// The job's MIG slices.
+    pub mig: &'a [MigSlice],
 }
 
 /// [`uncovered`], leaving out of the re-reads the processes in
 /// `not_read_before`: an earlier look of the same Prolog or Epilog found
 /// them not read whole (they are in its [`Uncovered::not_read`] already),
 /// so each round does not pay their re-read again.
-#[allow(clippy::too_many_arguments)]
 pub fn uncovered_except(
     node: &Node,
     job_id: u32,
     job_uid: Option<u32>,
-    fence: Option<&Fence>,
-    devs: &BTreeSet<DevNum>,
-    gpu_info: &[GpuInfo],
-    gpu_major: u32,
-    mig: &[MigSlice],
+    sought: &Sought<'_>,
     not_read_before: &BTreeSet<i32>,
 ) -> Uncovered {
+    let Sought {
+        fence,
+        devs,
+        gpu_info,
+        gpu_major,
+        mig,
+    } = *sought;
     let me = std::process::id() as i32;
     let shared: BTreeSet<DevNum> = mig.iter().map(|s| s.parent).collect();
     let own_caps: BTreeSet<DevNum> = mig
@@ -739,57 +739,50 @@ fn still_holding(c: &Candidate, deadline: Instant) -> Result<Option<PidFd>, Unpi
     Ok(Some(fd))
 }
 
-/// Responds to `cands` as the module says, in `mode`, with evidence
-/// within `budget` (one per Epilog or Prolog, over all its rounds).
-/// `job_uid` is the job's user: a holder of another uid inside another
-/// job's cgroup is spared ([`other_users_job`]). `phase`
-/// (`prolog`/`epilog`) goes into evidence and audit lines, `reason` into
-/// evidence. Failed steps (evidence, audit, notes, a holder that cannot
+/// Whose response it is, one value for each of its steps: the node, the
+/// job and its user (`job_uid`: a holder of another uid inside another
+/// job's cgroup is spared, [`other_users_job`]), and the phase that
+/// responds (`prolog`, `epilog`: in evidence and audit lines).
+#[derive(Clone, Copy, Debug)]
+pub struct Responder<'a> {
+    /// The node.
+    pub node: &'a Node,
+    /// The job.
+    pub job_id: u32,
+    /// The job's user, when known.
+    pub job_uid: Option<u32>,
+    /// `prolog` or `epilog`.
+    pub phase: &'a str,
+}
+
+/// Responds to `cands` as the module says, for `job` ([`Responder`]),
+/// in `mode`, with evidence within `budget` (one per Epilog or Prolog,
+/// over all its rounds). `reason` goes into evidence. Failed steps (evidence, audit, notes, a holder that cannot
 /// be pinned) are returned beside the outcome, each holder still
 /// responded to.
-#[allow(clippy::too_many_arguments)]
 pub fn respond(
-    node: &Node,
+    job: &Responder<'_>,
     mode: Mode,
-    job_id: u32,
-    job_uid: Option<u32>,
-    phase: &str,
     reason: &str,
     cands: Vec<Candidate>,
     budget: &mut evidence::Budget,
 ) -> (Vec<Lingering>, Vec<ResponseError>) {
+    let Responder {
+        node,
+        job_id,
+        phase,
+        ..
+    } = *job;
     let mut errors = Vec::new();
     if mode == Mode::Refuse {
         let out = cands
             .iter()
-            .map(|c| {
-                record(
-                    node,
-                    job_id,
-                    phase,
-                    reason,
-                    c,
-                    None,
-                    None,
-                    budget,
-                    &mut errors,
-                )
-                .0
-            })
+            .map(|c| record(job, reason, c, None, None, budget, &mut errors).0)
             .collect();
         return (out, errors);
     }
     // 1. Pin identities; system accounts are spared.
-    let (spared_out, pinned) = pin(
-        node,
-        job_id,
-        job_uid,
-        phase,
-        reason,
-        cands,
-        budget,
-        &mut errors,
-    );
+    let (spared_out, pinned) = pin(job, reason, cands, budget, &mut errors);
     let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
     // Noted before they are stopped: a response killed from here on
     // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
@@ -827,17 +820,7 @@ pub fn respond(
         .iter()
         .map(|(c, _)| {
             let how = engine.how(c.pid);
-            record(
-                node,
-                job_id,
-                phase,
-                reason,
-                c,
-                how,
-                None,
-                budget,
-                &mut errors,
-            )
+            record(job, reason, c, how, None, budget, &mut errors)
         })
         .collect();
 
@@ -870,11 +853,8 @@ pub fn respond(
 /// how it was stopped), then its `lingering_process` line (with
 /// `not_killed` when `spared` says why it is left alive). Returns it and
 /// its uid.
-#[allow(clippy::too_many_arguments)]
 fn record(
-    node: &Node,
-    job_id: u32,
-    phase: &str,
+    job: &Responder<'_>,
     reason: &str,
     c: &Candidate,
     frozen: Option<Stopped>,
@@ -882,6 +862,12 @@ fn record(
     budget: &mut evidence::Budget,
     errors: &mut Vec<ResponseError>,
 ) -> (Lingering, Option<u32>) {
+    let Responder {
+        node,
+        job_id,
+        phase,
+        ..
+    } = *job;
     let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen, budget);
     let mut l = Lingering {
         pid: c.pid,
@@ -914,17 +900,19 @@ fn record(
 /// descriptors) to have it killed. They get evidence, their audit lines
 /// (`lingering_process`, `survivor` with `not_killed`) and make the node
 /// unclean. Returns the spared and the pinned.
-#[allow(clippy::too_many_arguments)]
 fn pin(
-    node: &Node,
-    job_id: u32,
-    job_uid: Option<u32>,
-    phase: &str,
+    job: &Responder<'_>,
     reason: &str,
     cands: Vec<Candidate>,
     budget: &mut evidence::Budget,
     errors: &mut Vec<ResponseError>,
 ) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
+    let Responder {
+        node,
+        job_id,
+        job_uid,
+        phase,
+    } = *job;
     let mut spared_out = Vec::new();
     let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
     // One re-check budget for every candidate of this round: past it, a
@@ -950,17 +938,7 @@ fn pin(
             })
         };
         if let Some(why) = spare {
-            let (l, uid) = record(
-                node,
-                job_id,
-                phase,
-                reason,
-                &c,
-                None,
-                Some(why.clone()),
-                budget,
-                errors,
-            );
+            let (l, uid) = record(job, reason, &c, None, Some(why.clone()), budget, errors);
             if let Err(e) = node.audit(
                 audit_line(events::SURVIVOR, job_id, phase, &l, uid)
                     .field("not_killed", why.to_string()),
