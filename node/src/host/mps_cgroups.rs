@@ -285,8 +285,9 @@ pub fn sweep_stale(node: &Node, fence: Option<&Fence>) -> Vec<SweptDaemon> {
     out
 }
 
-/// Why [`stop_one`] could not stop a daemon: its grant may still be in
-/// the fence, or something may still run in its cgroup.
+/// Why a daemon could not be stopped (the Epilog's release, the sweep):
+/// its grant may still be in the fence, or something may still run in its
+/// cgroup.
 #[derive(Debug, thiserror::Error)]
 pub enum MpsStopError {
     /// Its cgroup's grant could not be revoked (nothing was killed).

@@ -266,7 +266,7 @@ pub enum MpsStartError {
     },
 }
 
-/// Why a bounded command ([`run_bounded`]) failed.
+/// Why a bounded command (the control program, run with a wait) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// It could not be started, or waited for.
