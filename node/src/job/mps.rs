@@ -133,7 +133,7 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
 
 pub use crate::host::mps_cgroups::{
     daemon_name, gpu_dir, is_foreign, parse_daemon, prune_stale, registry_daemons, sweep_stale,
-    user_dir, MpsStopError, SweptDaemon, MPS_WAIT,
+    user_dir, MpsStartError, MpsStopError, RunError, SweptDaemon, MPS_WAIT,
 };
 use crate::host::mps_cgroups::{lock, registered, registration_mark, stop_one};
 
@@ -173,114 +173,6 @@ pub fn traverse_acl(uid: u32) -> Vec<u8> {
         v.extend_from_slice(&id.to_le_bytes());
     }
     v
-}
-
-/// Why an MPS control daemon could not be started ([`start`]): the job
-/// runs without MPS. Each text is the one the user's note and the `error`
-/// audit line give.
-#[derive(Debug, thiserror::Error)]
-pub enum MpsStartError {
-    /// A directory on the way to the pipes could not be made, read or
-    /// removed.
-    #[error("{}: {source}", path.display())]
-    Dir {
-        /// The directory.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A path with a NUL byte (no system call can take it).
-    #[error("{}: a NUL in the path", path.display())]
-    NulInPath {
-        /// The path.
-        path: PathBuf,
-    },
-    /// The POSIX ACL that lets the user alone traverse could not be set.
-    #[error("{}: setting the POSIX ACL that lets uid {uid} alone reach the pipes: {source} (a file system without POSIX ACLs cannot hold mps_dir)", path.display())]
-    Acl {
-        /// The directory.
-        path: PathBuf,
-        /// The daemon's user.
-        uid: u32,
-        /// Why (`lsetxattr(2)`).
-        source: std::io::Error,
-    },
-    /// A directory that must be root's and root-writable only is not.
-    #[error("{} is not a directory of root's that only root may write (owner {owner}, mode {mode:o}): it is left as it is", path.display())]
-    NotRootOnly {
-        /// The directory.
-        path: PathBuf,
-        /// Its owner.
-        owner: u32,
-        /// Its permission bits.
-        mode: u32,
-    },
-    /// A directory made for the user is not as it was made.
-    #[error("{} is not the directory of uid {uid}, mode {mode:o} it was made as", path.display())]
-    NotAsMade {
-        /// The directory.
-        path: PathBuf,
-        /// The user it was made for.
-        uid: u32,
-        /// The mode it was made with.
-        mode: u32,
-    },
-    /// The user's passwd entry could not be read.
-    #[error("uid {uid}: {source}")]
-    User {
-        /// The user.
-        uid: u32,
-        /// Why.
-        source: nix::Error,
-    },
-    /// The user has no passwd entry.
-    #[error("uid {uid} has no passwd entry")]
-    NoUser {
-        /// The user.
-        uid: u32,
-    },
-    /// The user's name has a NUL byte.
-    #[error("uid {uid}: a NUL in the user name")]
-    NulInName {
-        /// The user.
-        uid: u32,
-    },
-    /// The user's groups could not be read (`getgrouplist(3)`).
-    #[error("uid {uid}: its groups: {source}")]
-    Groups {
-        /// The user.
-        uid: u32,
-        /// Why.
-        source: nix::Error,
-    },
-    /// The daemon's cgroup could not be made or joined, or granted.
-    #[error("{0}")]
-    Kernel(#[from] gpufence_cgroup::Error),
-    /// `mps_control -d` failed.
-    #[error("{} -d: {source}", program.display())]
-    Run {
-        /// The control program.
-        program: PathBuf,
-        /// Why.
-        source: RunError,
-    },
-}
-
-/// Why a bounded command (the control program, run with a wait) failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    /// It could not be started, or waited for.
-    #[error("{0}")]
-    Io(std::io::Error),
-    /// It exited unsuccessfully.
-    #[error("exited with {0}")]
-    Exited(std::process::ExitStatus),
-    /// It ran past its wait, and was killed.
-    #[error("still running after {secs} s: killed")]
-    TimedOut {
-        /// The wait, seconds.
-        secs: u64,
-    },
 }
 
 /// Sets [`traverse_acl`] on directory `path` (no symbolic link followed).
