@@ -141,7 +141,11 @@ pub fn run(asked: &[Option<u64>], runs: usize) -> Vec<DeadlineResult> {
                 .lingering
                 .iter()
                 .find(|l| l.pid == pid)
-                .map(|l| l.ended_by.unwrap_or("not seen gone").to_string())
+                .map(|l| {
+                    l.ended_by
+                        .map_or("not seen gone", |e| e.as_str())
+                        .to_string()
+                })
                 .unwrap_or_else(|| "not found".into());
             let r = DeadlineResult {
                 asked_ms: a,

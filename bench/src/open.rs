@@ -199,9 +199,7 @@ impl World {
                     )
                     .expect("grant");
                 // Filler grants of other (absent) job cgroups at level 3.
-                fence
-                    .fill_grants_for_bench(n.saturating_sub(1), 3)
-                    .expect("fill grants");
+                fill_grants(&self.bpffs, n.saturating_sub(1), 3);
                 None
             }
         }
@@ -328,4 +326,32 @@ pub fn run(configs: &[Config], depths: &[usize], rounds: usize, iters: u32) -> B
             (k, v[v.len() / 2])
         })
         .collect()
+}
+
+/// Fills the fence's maps in `bpffs` with `n` grants of 8 devices each to
+/// cgroups that do not exist (ids from 2^48 up, job id `u32::MAX`), flagged
+/// GRANTED at `level` (which a real grant has already set in the `levels`
+/// mask): what a node with many live grants looks like to the program,
+/// written straight into the pinned maps (one bulk write instead of
+/// `n / 8` [`Fence::grant`] calls, which check each cgroup's path).
+fn fill_grants(bpffs: &std::path::Path, n: usize, level: u32) {
+    use gpufence_cgroup::maps::{
+        CgroupValue, CgroupsMap, GrantKey, GrantValue, GrantsMap, CGROUP_GRANTED,
+    };
+    let grants = Fence::open_map::<GrantsMap>(bpffs).expect("open grants");
+    let cgroups = Fence::open_map::<CgroupsMap>(bpffs).expect("open cgroups");
+    for i in 0..n as u64 {
+        let cgroup_id = (1u64 << 48) + i / 8;
+        let key = GrantKey::new(cgroup_id, DevNum::new(195, (i % 8) as u32));
+        grants
+            .update(&key, &GrantValue::new(Access::RW, u32::MAX))
+            .expect("fill grants");
+        if i % 8 == 0 {
+            let flags = CgroupValue {
+                flags: CGROUP_GRANTED,
+                level,
+            };
+            cgroups.update(&cgroup_id, &flags).expect("fill cgroups");
+        }
+    }
 }

@@ -9,7 +9,8 @@
 //!
 //! Each run measures both ways of scanning, alternating: the default (BPF
 //! iterators, [`gpufence_node::holders::scan::Source::Iterators`]) and the `/proc`
-//! walk it falls back to ([`gpufence_node::holders::scan::set_proc_only`]), and
+//! walk it falls back to ([`gpufence_node::holders::scan::Scanner::proc_walk`], and
+//! [`gpufence_node::sweep::SweepRequest::proc_walk`] for the sweep), and
 //! checks that both found the same holders.
 //!
 //! The extra processes are forked from this one, die with it
@@ -274,8 +275,11 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
                 if proc_walk && !walks {
                     continue;
                 }
-                scan::set_proc_only(proc_walk);
-                let mut s = scan::Scanner::new();
+                let mut s = if proc_walk {
+                    scan::Scanner::proc_walk()
+                } else {
+                    scan::Scanner::new()
+                };
                 let t = Instant::now();
                 let h = s.holders(&devs);
                 let dt = t.elapsed().as_secs_f64();
@@ -295,7 +299,11 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
                     continue;
                 }
                 let t = Instant::now();
-                let o = sweep::execute(node, &SweepRequest::default());
+                let req = SweepRequest {
+                    proc_walk,
+                    ..SweepRequest::default()
+                };
+                let o = sweep::execute(node, &req);
                 let dt = t.elapsed().as_secs_f64();
                 if proc_walk {
                     sweeps_proc.push(dt);
@@ -305,7 +313,6 @@ pub fn run(counts: &[(usize, usize)], runs: usize) -> Vec<ScanResult> {
                     findings = o.report.findings.len();
                 }
             }
-            scan::set_proc_only(false);
             same &= pinned == found[0];
             if walks {
                 let t = Instant::now();

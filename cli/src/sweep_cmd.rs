@@ -85,6 +85,8 @@ pub fn run_sweep(node: &Node, args: &SweepArgs) -> ExitCode {
             .cfg
             .resume_when_clean
             .then(|| gpufence_model::nodename::node_name(None)),
+        // The iterators first, `/proc` where they cannot run.
+        proc_walk: false,
     };
     let o = sweep::execute(node, &req);
     for f in &o.report.findings {
@@ -154,7 +156,7 @@ pub fn run_respond(node: &Node, args: &RespondArgs) -> ExitCode {
                     o.tree.len(),
                     o.frozen
                         .values()
-                        .cloned()
+                        .map(|h| h.as_str())
                         .collect::<std::collections::BTreeSet<_>>()
                         .into_iter()
                         .collect::<Vec<_>>()

@@ -159,9 +159,109 @@ pub enum NodeError {
     /// A cgroup path given by the admin is not one (`..`).
     #[error(transparent)]
     CgroupPath(#[from] gpufence_model::CgroupPathError),
-    /// The job's cgroup cannot be found or made.
+    /// `gpufence exec` run by a user other than root.
+    #[error("gpufence exec: only root may run commands in the exempt cgroup")]
+    ExecNotRoot,
+    /// `gpufence exec` given no command.
+    #[error("gpufence exec: no command (gpufence exec -- CMD ...)")]
+    ExecNoCommand,
+    /// The process asked about is gone.
+    #[error("process {pid} is gone")]
+    ProcessGone {
+        /// The process.
+        pid: i32,
+    },
+    /// The record the Prolog wrote is gone before its grant.
+    #[error("job {job_id}: the record written a moment ago is gone from {}", path.display())]
+    RecordGone {
+        /// The job.
+        job_id: u32,
+        /// Where the record was.
+        path: PathBuf,
+    },
+    /// slurmstepd is in no job cgroup of Slurm's (`layout = "slurm"`).
+    #[error(
+        "slurmstepd of job {job_id} step {step} (pid {pid}) is in cgroup {cgroup}, not in Slurm's \
+         <job_{job_id} or SLUID>/step_{step}/slurm (layout = \"slurm\"): either Slurm's cgroup/v2 plugin \
+         runs without proctrack/cgroup (set ProctrackType=proctrack/cgroup in slurm.conf and \
+         CgroupPlugin=cgroup/v2 in cgroup.conf), or this is a cgroup v1/hybrid host, where Slurm \
+         makes no cgroup2 job cgroups (set layout = \"own\" in gpufence.toml)"
+    )]
+    NoJobCgroup {
+        /// The job.
+        job_id: u32,
+        /// The step, by name (`extern`, `batch`, `0`).
+        step: String,
+        /// slurmstepd.
+        pid: i32,
+        /// Its cgroup, absolute.
+        cgroup: String,
+    },
+    /// slurmstepd could not be moved into its step's cgroup (`layout =
+    /// "own"`).
+    #[error("cannot move slurmstepd (pid {pid}) into {cgroup}: {source}")]
+    MoveStepd {
+        /// slurmstepd.
+        pid: i32,
+        /// The step's cgroup (relative).
+        cgroup: String,
+        /// Why.
+        source: Box<gpufence_cgroup::Error>,
+    },
+    /// A Prolog or Epilog could not step out of the job cgroup into the
+    /// exempt one (`PrologFlags=RunInJob`).
+    #[error("cannot move the {tag} (pid {pid}) from {from} into the exempt cgroup {to}: {source}")]
+    StepOut {
+        /// `prolog`, `epilog`.
+        tag: String,
+        /// This process.
+        pid: i32,
+        /// Where it was, absolute.
+        from: String,
+        /// The exempt leaf, absolute.
+        to: String,
+        /// Why.
+        source: Box<gpufence_cgroup::Error>,
+    },
+    /// The job cgroup lies outside `cgroup_root`: a grant there would
+    /// guard nothing.
+    #[error("job cgroup {job} is outside the fenced subtree {root}")]
+    OutsideFence {
+        /// The job cgroup, absolute.
+        job: String,
+        /// `cgroup_root`, absolute.
+        root: String,
+    },
+    /// The job cgroup is below an exempt cgroup.
+    #[error(
+        "the job cgroup {job} is below the exempt cgroup {exempt}, so every process of every job could open every GPU: \
+         remove {path} from exempt_cgroups in {config} (exemptions are for system services outside Slurm's job tree)"
+    )]
+    ExemptAncestor {
+        /// The job cgroup, absolute.
+        job: String,
+        /// The exempt cgroup, absolute.
+        exempt: String,
+        /// The exempt cgroup as `exempt_cgroups` names it (relative).
+        path: String,
+        /// The gpufence config.
+        config: String,
+    },
+    /// A Prolog or Epilog runs in another job's extern step: the text of
+    /// `job::injob::WrongJob` (which names the job layer's facts this
+    /// crate-root error cannot).
     #[error("{0}")]
-    JobCgroup(String),
+    WrongJob(String),
+    /// An MPS daemon's lock stayed taken past its wait.
+    #[error("{} stayed locked for {waited_ms} ms (another Prolog or Epilog starting or stopping MPS daemon {daemon})", path.display())]
+    MpsLocked {
+        /// The lock file.
+        path: PathBuf,
+        /// How long it was waited for, ms.
+        waited_ms: u64,
+        /// The daemon.
+        daemon: String,
+    },
     /// Processes hold the job's GPUs before it starts (clean start).
     #[error("job {job_id}: {what} on its GPUs before it starts: {pids:?}; evidence in the evidence directory, see the audit log")]
     Strays {

@@ -458,8 +458,9 @@ fn a_descriptor_handed_on_during_sigterm_is_followed() {
     let first = env.spawn_ready(cmd, "held");
     record(&node, 41, dev);
     let o = epilog::run(&node, 41, None);
-    let who = |s: &String| {
-        s.split_whitespace()
+    let who = |s: &epilog::Survivor| {
+        s.to_string()
+            .split_whitespace()
             .nth(1)
             .and_then(|p| std::fs::read(format!("/proc/{p}/cmdline")).ok())
             .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
@@ -531,7 +532,7 @@ fn an_epilog_deadline_cuts_the_waits_and_fails_closed() {
     let l = o.lingering.iter().find(|l| l.pid == holder).expect("found");
     match l.ended_by {
         Some(by) => {
-            assert_eq!(by, "SIGKILL", "it ignores SIGTERM: {o:?}");
+            assert_eq!(by.as_str(), "SIGKILL", "it ignores SIGTERM: {o:?}");
             assert!(gone(holder));
         }
         None => assert!(!o.clean(), "not seen gone: unclean, drained: {o:?}"),
@@ -577,8 +578,9 @@ fn system_accounts_are_spared_and_the_node_flagged() {
     assert!(
         o.lingering[0]
             .spared
-            .as_deref()
+            .as_ref()
             .unwrap()
+            .to_string()
             .starts_with("system account (uid 0"),
         "{o:?}"
     );
@@ -727,8 +729,7 @@ fn a_holder_that_let_go_is_left_alone() {
     let holder = env.spawn_ready(cmd, "held");
     let devs: BTreeSet<DevNum> = [dev].into();
     let cands =
-        gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
-            .candidates;
+        gpufence_node::response::respond::uncovered(&node, 0, None, &sought(&devs)).candidates;
     let mut found: Vec<i32> = cands.iter().map(|c| c.pid).collect();
     found.sort();
     let mut want = vec![released, holder];
@@ -743,11 +744,13 @@ fn a_holder_that_let_go_is_left_alone() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let (done, errors) = gpufence_node::response::respond::respond(
-        &node,
+        &gpufence_node::response::respond::Responder {
+            node: &node,
+            job_id: 45,
+            job_uid: None,
+            phase: "epilog",
+        },
         gpufence_node::response::respond::Mode::End,
-        45,
-        None,
-        "epilog",
         "test",
         cands,
         &mut gpufence_node::response::evidence::Budget::from_config(&node.cfg),
@@ -798,14 +801,15 @@ fn evidence_stays_within_its_budget() {
     };
     let respond = |budget: &mut Budget| {
         let cands =
-            gpufence_node::response::respond::uncovered(&node, 0, None, None, &devs, &[], 195, &[])
-                .candidates;
+            gpufence_node::response::respond::uncovered(&node, 0, None, &sought(&devs)).candidates;
         gpufence_node::response::respond::respond(
-            &node,
+            &gpufence_node::response::respond::Responder {
+                node: &node,
+                job_id: 46,
+                job_uid: None,
+                phase: "epilog",
+            },
             gpufence_node::response::respond::Mode::End,
-            46,
-            None,
-            "epilog",
             "test",
             cands,
             budget,
@@ -1256,16 +1260,7 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     let node = cfg_at(0);
     fence_ops::install(&node).unwrap();
     let user = gpufence_tests::cluster::test_uid();
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        job,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, job, Some(user), &sought(&devs));
     let cands = found.candidates;
     let c = cands.iter().find(|c| c.pid == mine).unwrap_or_else(|| {
         panic!("pid {mine} of job {job} not read within the budget is no candidate: {cands:?}")
@@ -1325,16 +1320,7 @@ fn a_scan_past_its_budget_fails_closed_for_its_own_job_only() {
     assert!(lines[0]["pids"].as_array().unwrap().len() <= 20);
     // The default budget: every table read, none a candidate.
     let node = cfg_at(2000);
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        job,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, job, Some(user), &sought(&devs));
     let cands = found.candidates;
     assert!(
         !found
@@ -1425,10 +1411,9 @@ fn another_users_job_is_not_ended_for_a_descriptor_handed_to_it() {
         .find(|l| l.pid == other_job)
         .expect("the receiver in job 9 is a holder");
     assert!(
-        spared
-            .spared
-            .as_deref()
-            .is_some_and(|w| w.contains("in another user's job (job_9, uid 23456)")),
+        spared.spared.as_ref().is_some_and(|w| w
+            .to_string()
+            .contains("in another user's job (job_9, uid 23456)")),
         "{spared:?}"
     );
     assert!(spared.evidence.is_some(), "evidence kept");
@@ -1566,8 +1551,8 @@ fn tables_of_another_uid(env: &mut TestEnv, path: &std::path::Path) -> i32 {
 /// Survivors that are not this test's: "not read" lines of processes the
 /// test did not make (a budget of 0 ms reads no large table on the
 /// machine whole; their drain is the rule's, not this test's to judge).
-fn others_not_read(survivors: &[String], ours: &[i32]) -> bool {
-    survivors.iter().all(|s| {
+fn others_not_read(survivors: &[epilog::Survivor], ours: &[i32]) -> bool {
+    survivors.iter().map(ToString::to_string).all(|s| {
         s.contains("not read within scan_budget_ms")
             && !ours.iter().any(|p| s.starts_with(&format!("pid {p} ")))
     })
@@ -1609,16 +1594,7 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
     };
     let holder = flooded(&mut env);
     let devs: BTreeSet<DevNum> = [dev].into();
-    let found = gpufence_node::response::respond::uncovered(
-        &node,
-        53,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&node, 53, Some(user), &sought(&devs));
     let c = found
         .candidates
         .iter()
@@ -1635,16 +1611,8 @@ fn past_the_budget_the_job_users_process_outside_every_job_is_ended() {
     assert!(!found.not_read.iter().any(|n| n.pid == holder));
     // Another job's uid (unknown here): the same process is only read
     // again, never a candidate for being unread.
-    let strangers = gpufence_node::response::respond::uncovered(
-        &node,
-        53,
-        Some(23457),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let strangers =
+        gpufence_node::response::respond::uncovered(&node, 53, Some(23457), &sought(&devs));
     assert!(
         !strangers.candidates.iter().any(|c| c.pid == holder),
         "{strangers:?}"
@@ -1726,16 +1694,7 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
         std::time::Duration::ZERO,
     ));
     let late = node.with_deadline(spent);
-    let found = gpufence_node::response::respond::uncovered(
-        &late,
-        56,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let found = gpufence_node::response::respond::uncovered(&late, 56, Some(user), &sought(&devs));
     assert!(
         !found.candidates.iter().any(|c| c.pid == session),
         "a cut scan made it a candidate: {found:?}"
@@ -1753,16 +1712,7 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
     );
     // Given its whole budget, the same process is read whole and found
     // holding: a candidate by what it holds, not for being unread.
-    let full = gpufence_node::response::respond::uncovered(
-        &node,
-        56,
-        Some(user),
-        None,
-        &devs,
-        &[],
-        195,
-        &[],
-    );
+    let full = gpufence_node::response::respond::uncovered(&node, 56, Some(user), &sought(&devs));
     let c = full
         .candidates
         .iter()
@@ -1788,10 +1738,11 @@ fn a_deadline_cut_scan_never_ends_the_users_processes_outside_jobs() {
     assert!(!o.clean(), "{o:?}");
     assert!(!o.lingering.iter().any(|l| l.pid == session), "{o:?}");
     assert!(
-        o.survivors.iter().any(
-            |s| s.starts_with(&format!("pid {session} (uid {user}, cgroup /"))
-                && s.contains("not read within scan_budget_ms (2000 ms)")
-        ),
+        o.survivors.iter().any(|s| s
+            .to_string()
+            .starts_with(&format!("pid {session} (uid {user}, cgroup /"))
+            && s.to_string()
+                .contains("not read within scan_budget_ms (2000 ms)")),
         "{o:?}"
     );
     let reason = o.drain_reason.clone().unwrap_or_default();
@@ -1854,6 +1805,7 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
     let line = o
         .survivors
         .iter()
+        .map(ToString::to_string)
         .find(|s| s.starts_with(&format!("pid {idle} (uid 23456, cgroup /")))
         .unwrap_or_else(|| panic!("{idle} not named: {:?}", o.survivors));
     assert!(
@@ -1955,4 +1907,16 @@ fn past_the_budget_another_users_process_is_read_again_or_drains() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     drop(real);
+}
+
+/// What the tests' scans look for: `devs` on major 195, no fence (only
+/// exemptions cover), no NVML, no MIG.
+fn sought(devs: &BTreeSet<DevNum>) -> gpufence_node::response::respond::Sought<'_> {
+    gpufence_node::response::respond::Sought {
+        fence: None,
+        devs,
+        gpu_info: &[],
+        gpu_major: 195,
+        mig: &[],
+    }
 }

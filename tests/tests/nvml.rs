@@ -179,7 +179,9 @@ fn memory_that_never_comes_back_is_a_survivor() {
     assert!(!o.clean());
     assert_eq!(o.survivors.len(), 1, "{o:?}");
     assert!(
-        o.survivors[0].contains("/dev/nvidia0 still has 2548 MiB in use"),
+        o.survivors[0]
+            .to_string()
+            .contains("/dev/nvidia0 still has 2548 MiB in use"),
         "{}",
         o.survivors[0]
     );
@@ -240,7 +242,7 @@ fn drain_calls_scontrol_and_its_failure_is_not_hidden() {
     assert!(
         o.errors
             .iter()
-            .any(|e| e.starts_with("could not drain gpu17")),
+            .any(|e| e.to_string().starts_with("could not drain gpu17")),
         "{:?}",
         o.errors
     );
@@ -417,7 +419,9 @@ fn nvml_errors_mid_query_drain_when_asked() {
     let o = epilog::run(&w.node, 31, None);
     assert!(!o.clean());
     assert!(
-        o.errors.iter().any(|e| e.contains("NVML query failed")),
+        o.errors
+            .iter()
+            .any(|e| e.to_string().contains("NVML query failed")),
         "{:?}",
         o.errors
     );
@@ -660,7 +664,7 @@ fn a_shared_gpu_is_checked_per_process() {
     let o = epilog::run(&node, 40, None);
     assert!(!o.clean(), "{o:?}");
     assert!(
-        o.survivors.iter().any(|s| s.contains(&format!(
+        o.survivors.iter().any(|s| s.to_string().contains(&format!(
             "GPU /dev/nvidia3 (shared with another job) still has 1000 MiB of pid {left}, which no grant covers"
         ))),
         "{:?}",
@@ -669,7 +673,7 @@ fn a_shared_gpu_is_checked_per_process() {
     assert!(
         !o.survivors
             .iter()
-            .any(|s| s.contains(&format!("pid {co_tenant}"))),
+            .any(|s| s.to_string().contains(&format!("pid {co_tenant}"))),
         "the co-tenant's process is covered by its grant: {:?}",
         o.survivors
     );
@@ -1059,6 +1063,7 @@ fn an_mps_daemon_runs_as_its_user_and_never_holds_up_another() {
         &gpufence_node::sweep::Options {
             cgroup: Some(w.env.root.clone()),
             cursor: None,
+            proc_walk: false,
         },
     )
     .unwrap();

@@ -1041,7 +1041,10 @@ fn respond_stops_preserves_and_kills_a_process_tree() {
     let got: BTreeSet<i32> = o.tree.iter().map(|t| t.pid).collect();
     assert_eq!(got, tree.iter().copied().collect(), "{o:#?}");
     assert_eq!(o.tree[0].pid, tree[0], "the process first");
-    assert!(o.frozen.values().all(|h| h == "cgroup-freeze"), "{o:#?}");
+    assert!(
+        o.frozen.values().all(|h| h.as_str() == "cgroup-freeze"),
+        "{o:#?}"
+    );
     assert_eq!(o.killed.iter().copied().collect::<BTreeSet<_>>(), got);
     assert!(tree.iter().all(|p| gone(*p)));
     assert_eq!(o.uid, Some(test_uid()));
@@ -1519,7 +1522,7 @@ fn respond_uses_sigstop_in_a_shared_cgroup_and_spares_bystanders() {
     let target = w.env.spawn_user_sleeper(&cg);
     let o = incident::respond_pid(&w.node, target, None).unwrap();
     assert!(o.complete(), "{o:#?}");
-    assert_eq!(o.frozen.get(&target).map(String::as_str), Some("SIGSTOP"));
+    assert_eq!(o.frozen.get(&target).map(|h| h.as_str()), Some("SIGSTOP"));
     assert_eq!(o.killed, vec![target]);
     assert!(gone(target));
     assert!(!gone(bystander), "a bystander in the same cgroup lives");
@@ -2026,7 +2029,6 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
     if !privileged() {
         return;
     }
-    gpufence_node::holders::scan::set_proc_only_in_this_thread(true);
     let env = TestEnv::new("notread");
     let exempt = format!("{}/exempt", env.root);
     let mut node = config(
@@ -2050,7 +2052,11 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
         scenario: None,
     };
     let args = w.env.path("scontrol.args");
-    let o = w.sweep_with(|r| r.drain_node = Some("node17".into()));
+    // The `/proc` walk, whatever the iterators could do.
+    let o = w.sweep_with(|r| {
+        r.drain_node = Some("node17".into());
+        r.proc_walk = true;
+    });
     let nr = of_kind(&o, Kind::NotReadWhole);
     let f = nr
         .iter()
@@ -2093,14 +2099,13 @@ fn the_sweeps_proc_walk_is_bounded_and_fails_closed() {
     // The default budget: every one read whole.
     node.cfg.scan_budget_ms = 2000;
     w.node = node;
-    let o = w.sweep();
+    let o = w.sweep_with(|r| r.proc_walk = true);
     assert!(
         !of_kind(&o, Kind::NotReadWhole)
             .iter()
             .any(|f| [outside, in_job, daemon, small].contains(&f.pid.unwrap_or(0))),
         "{o:#?}"
     );
-    gpufence_node::holders::scan::set_proc_only_in_this_thread(false);
 }
 
 /// `fence watch`'s pass resolves the patterns again when it writes: a

@@ -84,31 +84,6 @@ impl Fence {
         result
     }
 
-    /// Fills the maps with `n` grants of 8 devices each to cgroups that do
-    /// not exist (ids from 2^48 up, job id `u32::MAX`), flagged GRANTED at
-    /// `level`: what a node with many live grants looks like to the
-    /// program, for the benchmarks (one bulk write instead of `n / 8`
-    /// [`Fence::grant`] calls).
-    ///
-    /// # Errors
-    /// [`Error::Bpf`] (`E2BIG` past `max_grants`).
-    pub fn fill_grants_for_bench(&self, n: usize, level: u32) -> Result<()> {
-        self.locked(|| {
-            for i in 0..n as u64 {
-                let cgroup_id = (1u64 << 48) + i / 8;
-                let key = GrantKey::new(cgroup_id, DevNum::new(195, (i % 8) as u32));
-                let val = GrantValue::new(Access::RW, u32::MAX);
-                self.grants
-                    .update(&key, &val)
-                    .map_err(bpf_err("BPF_MAP_UPDATE_ELEM", "grants (bench fill)"))?;
-                if i % 8 == 0 {
-                    self.write_flags(cgroup_id, CGROUP_GRANTED, Some(level))?;
-                }
-            }
-            Ok(())
-        })
-    }
-
     /// Every grant in the map.
     ///
     /// # Errors

@@ -204,8 +204,9 @@ pub fn doctor(node: &Node, pid: Option<i32>, cgroup: Option<&str>) -> Result<Doc
     let fence_current = fence_current(node, fence.as_ref(), ours, audit);
     let (levels, runs) = programs_on_path(node, &cg, ours);
     let me = std::process::id() as i32;
-    let uid = crate::host::procs::uid_of(pid.unwrap_or(me))
-        .ok_or_else(|| NodeError::JobCgroup(format!("process {} is gone", pid.unwrap_or(me))))?;
+    let uid = crate::host::procs::uid_of(pid.unwrap_or(me)).ok_or(NodeError::ProcessGone {
+        pid: pid.unwrap_or(me),
+    })?;
     let under_fence = crate::is_under(&cg, &node.cfg.cgroup_root);
     let kernel = node.cg.kernel_ancestry(&cg);
     let target = Target {

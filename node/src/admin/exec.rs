@@ -24,14 +24,10 @@ use crate::{Node, NodeError};
 pub fn exec(node: &Node, argv: &[OsString]) -> Result<i32, NodeError> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Err(NodeError::JobCgroup(
-            "gpufence exec: only root may run commands in the exempt cgroup".into(),
-        ));
+        return Err(NodeError::ExecNotRoot);
     }
     let Some((prog, args)) = argv.split_first() else {
-        return Err(NodeError::JobCgroup(
-            "gpufence exec: no command (gpufence exec -- CMD ...)".into(),
-        ));
+        return Err(NodeError::ExecNoCommand);
     };
     let fence = open_installed(node)?;
     let mine = exempt_leaf(node, &fence, &std::process::id().to_string())?;

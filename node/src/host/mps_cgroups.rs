@@ -129,11 +129,11 @@ pub(crate) fn lock(node: &Node, name: &str) -> Result<Lock, NodeError> {
     let wait = node.bound(crate::host::deadline::Wait::Mps, MPS_WAIT);
     match gpufence_model::fsutil::lock_file_within(&p, wait, Duration::from_millis(10)) {
         Ok(Some(f)) => Ok(Lock(f)),
-        Ok(None) => Err(NodeError::JobCgroup(format!(
-            "{} stayed locked for {} ms (another Prolog or Epilog starting or stopping MPS daemon {name})",
-            p.display(),
-            wait.as_millis()
-        ))),
+        Ok(None) => Err(NodeError::MpsLocked {
+            path: p,
+            waited_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            daemon: name.to_string(),
+        }),
         Err(e) => Err(NodeError::io("open", &p, e)),
     }
 }
@@ -235,7 +235,7 @@ pub fn registry_daemons(node: &Node) -> Vec<String> {
 }
 
 /// What [`sweep_stale`] did with one daemon.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct SweptDaemon {
     /// The daemon's name ([`daemon_name`]).
     pub name: String,
@@ -243,7 +243,7 @@ pub struct SweptDaemon {
     pub jobs: Vec<u32>,
     /// `None` while a job is still registered with it; else what stopping
     /// it gave (the processes killed, or why it failed).
-    pub stopped: Option<Result<Vec<i32>, String>>,
+    pub stopped: Option<Result<Vec<i32>, MpsStopError>>,
 }
 
 /// `gpufence sweep`'s part: under each daemon's lock, removes its stale
@@ -285,12 +285,142 @@ pub fn sweep_stale(node: &Node, fence: Option<&Fence>) -> Vec<SweptDaemon> {
     out
 }
 
+/// Why an MPS control daemon could not be started
+/// ([`crate::job::mps::start`]): the job runs without MPS. Each text is
+/// the one the user's note and the `error` audit line give.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsStartError {
+    /// A directory on the way to the pipes could not be made, read or
+    /// removed.
+    #[error("{}: {source}", path.display())]
+    Dir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A path with a NUL byte (no system call can take it).
+    #[error("{}: a NUL in the path", path.display())]
+    NulInPath {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The POSIX ACL that lets the user alone traverse could not be set.
+    #[error("{}: setting the POSIX ACL that lets uid {uid} alone reach the pipes: {source} (a file system without POSIX ACLs cannot hold mps_dir)", path.display())]
+    Acl {
+        /// The directory.
+        path: PathBuf,
+        /// The daemon's user.
+        uid: u32,
+        /// Why (`lsetxattr(2)`).
+        source: std::io::Error,
+    },
+    /// A directory that must be root's and root-writable only is not.
+    #[error("{} is not a directory of root's that only root may write (owner {owner}, mode {mode:o}): it is left as it is", path.display())]
+    NotRootOnly {
+        /// The directory.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// A directory made for the user is not as it was made.
+    #[error("{} is not the directory of uid {uid}, mode {mode:o} it was made as", path.display())]
+    NotAsMade {
+        /// The directory.
+        path: PathBuf,
+        /// The user it was made for.
+        uid: u32,
+        /// The mode it was made with.
+        mode: u32,
+    },
+    /// The user's passwd entry could not be read.
+    #[error("uid {uid}: {source}")]
+    User {
+        /// The user.
+        uid: u32,
+        /// Why.
+        source: nix::Error,
+    },
+    /// The user has no passwd entry.
+    #[error("uid {uid} has no passwd entry")]
+    NoUser {
+        /// The user.
+        uid: u32,
+    },
+    /// The user's name has a NUL byte.
+    #[error("uid {uid}: a NUL in the user name")]
+    NulInName {
+        /// The user.
+        uid: u32,
+    },
+    /// The user's groups could not be read (`getgrouplist(3)`).
+    #[error("uid {uid}: its groups: {source}")]
+    Groups {
+        /// The user.
+        uid: u32,
+        /// Why.
+        source: nix::Error,
+    },
+    /// The daemon's cgroup could not be made or joined, or granted.
+    #[error("{0}")]
+    Kernel(#[from] gpufence_cgroup::Error),
+    /// `mps_control -d` failed.
+    #[error("{} -d: {source}", program.display())]
+    Run {
+        /// The control program.
+        program: PathBuf,
+        /// Why.
+        source: RunError,
+    },
+}
+
+/// Why a bounded command (the control program, run with a wait) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// It could not be started, or waited for.
+    #[error("{0}")]
+    Io(std::io::Error),
+    /// It exited unsuccessfully.
+    #[error("exited with {0}")]
+    Exited(std::process::ExitStatus),
+    /// It ran past its wait, and was killed.
+    #[error("still running after {secs} s: killed")]
+    TimedOut {
+        /// The wait, seconds.
+        secs: u64,
+    },
+}
+
+/// Why a daemon could not be stopped (the Epilog's release, the sweep):
+/// its grant may still be in the fence, or something may still run in its
+/// cgroup.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsStopError {
+    /// Its cgroup's grant could not be revoked (nothing was killed).
+    #[error("revoking its grant: {0}")]
+    Revoke(gpufence_cgroup::Error),
+    /// Its cgroup could not be emptied and removed.
+    #[error("{source} (processes {processes:?})")]
+    Kill {
+        /// Why.
+        source: Box<NodeError>,
+        /// What was in the cgroup.
+        processes: Vec<i32>,
+    },
+}
+
 /// Stops daemon `name` ([`daemon_name`]): its cgroup's grant revoked
 /// first, then everything in it killed (`cgroup.kill`: a daemon or server
 /// its user stopped or that does not answer is ended at once, none is
 /// asked to `quit` through a pipe directory its user owns), the cgroup
 /// removed, its directories removed. What was in the cgroup.
-pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result<Vec<i32>, String> {
+pub(crate) fn stop_one(
+    node: &Node,
+    fence: Option<&Fence>,
+    name: &str,
+) -> Result<Vec<i32>, MpsStopError> {
     let cg = daemon_cgroup(node, name);
     let id = node.cg.id(&cg).ok();
     // A daemon of gpufence before one ran per user: `<mps_dir>/<leaf>`.
@@ -299,8 +429,7 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
         None => gpu_dir(node, name),
     };
     if let (Some(f), Some(id)) = (fence, id) {
-        f.revoke_cgroup(id)
-            .map_err(|e| format!("revoking its grant: {e}"))?;
+        f.revoke_cgroup(id).map_err(MpsStopError::Revoke)?;
     }
     let killed = node.cg.procs_recursive(&cg);
     if node.cg.path(&cg).exists() {
@@ -310,7 +439,10 @@ pub(crate) fn stop_one(node: &Node, fence: Option<&Fence>, name: &str) -> Result
         );
         node.cg
             .kill_and_remove(&cg, wait)
-            .map_err(|e| format!("{e} (processes {killed:?})"))?;
+            .map_err(|source| MpsStopError::Kill {
+                source: Box::new(source.into()),
+                processes: killed.clone(),
+            })?;
     }
     // Root's `u<uid>` under root-only directories: nothing on the way is a
     // user's; remove_dir_all removes the user's `pipe` and `log` and what

@@ -21,6 +21,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::fence::{Fence, GrantEntry};
+
+pub use crate::job::outcome::{EpilogError, EpilogOutcome, RevokeFailed, Survivor};
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Layout;
 use gpufence_model::device::{gpu_minors, DevNum};
@@ -29,53 +31,8 @@ use gpufence_model::record::JobRecord;
 use crate::host::deadline::{Deadline, Wait};
 use crate::host::gpus::{AccountedProcess, GpuError, Gpus};
 use crate::job::grant::granted_minors;
-use crate::response::respond::{self, Lingering, Mode};
+use crate::response::respond::{self, Mode};
 use crate::{crashpoint, host::drain, Node};
-
-/// What the epilog did.
-#[derive(Clone, Debug, Default)]
-pub struct EpilogOutcome {
-    /// Grants removed from the fence.
-    pub revoked: Vec<GrantEntry>,
-    /// Processes that held the job's devices.
-    pub lingering: Vec<Lingering>,
-    /// Processes still holding the job's devices after the response, and
-    /// processes not read whole within `scan_budget_ms` that gpufence
-    /// does not end ([`respond::NotRead::reason`]: "pid N (uid U, cgroup
-    /// C) not read within scan_budget_ms ...").
-    pub survivors: Vec<String>,
-    /// Problems that make the node unsafe (non-zero exit).
-    pub errors: Vec<String>,
-    /// The job's grant could not be revoked (one of `errors` too): it is
-    /// still in the fence, so the job's record and note are kept.
-    pub revoke_failed: Option<RevokeFailed>,
-    /// Things worth a line that do not fail the epilog.
-    pub notes: Vec<String>,
-    /// The drain reason, when the node was (or should have been) drained.
-    pub drain_reason: Option<String>,
-    /// Compute modes restored after `--gpu-exclusive`.
-    pub exclusive: Vec<String>,
-}
-
-impl EpilogOutcome {
-    /// Whether the node is clean: nothing survived and every step worked.
-    pub fn clean(&self) -> bool {
-        self.errors.is_empty()
-            && self.survivors.is_empty()
-            && self.lingering.iter().all(Lingering::gone)
-    }
-}
-
-/// The job's grant could not be revoked from the fence (step 1 of
-/// [`run_with`]).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("revoking job {job_id}'s grant: {reason}")]
-pub struct RevokeFailed {
-    /// The job.
-    pub job_id: u32,
-    /// The fence's error.
-    pub reason: String,
-}
 
 /// The job's accounting, computed once, for the `grant_revoked` line and
 /// the user's report alike: from its record's creation to its end.
@@ -224,14 +181,13 @@ fn step_out_of_job<'a>(
     env: &EpilogEnv,
     out: &mut EpilogOutcome,
 ) -> Option<crate::job::injob::SteppedOut<'a>> {
-    let stepped = match crate::job::injob::locate_script(node, env.job_id, env.job_sluid.as_deref()) {
+    let stepped = match crate::job::injob::locate_script(node, env.job_id, env.job_sluid.as_deref())
+    {
         Ok(None) => return None,
-        Ok(Some(_)) => crate::job::injob::step_out(node, fence, "epilog").map_err(|e| {
-            format!(
-                "{e}; NVML cannot check the job's GPUs from inside the job cgroup once its grant is revoked"
-            )
-        }),
-        Err(e) => Err(e.to_string()),
+        Ok(Some(_)) => {
+            crate::job::injob::step_out(node, fence, "epilog").map_err(EpilogError::StepOut)
+        }
+        Err(e) => Err(EpilogError::LocateScript(e)),
     };
     match stepped {
         Ok(s) => Some(s),
@@ -290,7 +246,7 @@ fn say_cuts(
         )
         .field("cut", lines.clone());
     if let Err(e) = node.audit(ev) {
-        out.errors.push(e.to_string());
+        out.errors.push(EpilogError::Audit(e));
     }
     out.notes.extend(lines);
 }
@@ -311,7 +267,7 @@ pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     let rec = match node.state.read_record(job_id) {
         Ok(r) => r,
         Err(e) => {
-            out.errors.push(e.to_string());
+            out.errors.push(EpilogError::ReadRecord(e));
             None
         }
     };
@@ -340,12 +296,10 @@ pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
         match f.revoke_job(job_id) {
             Ok(gone) => out.revoked = gone,
             Err(e) => {
-                let failed = RevokeFailed {
+                out.errors.push(EpilogError::Revoke(RevokeFailed {
                     job_id,
                     reason: e.to_string(),
-                };
-                out.errors.push(failed.to_string());
-                out.revoke_failed = Some(failed);
+                }));
             }
         }
     }
@@ -354,7 +308,11 @@ pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
     //     GPU stops that user's daemon, whose grant goes with it
     //     (crate::job::mps).
     let (released, mps_errors) = crate::job::mps::release(node, fence.as_ref(), job_id);
-    out.errors.extend(mps_errors);
+    out.errors.extend(
+        mps_errors
+            .into_iter()
+            .map(|(daemon, source)| EpilogError::Mps { daemon, source }),
+    );
     for r in released.iter().filter(|r| r.stopped) {
         out.notes.push(format!(
             "MPS daemon {} stopped (its user's last MPS job on the GPU){}",
@@ -381,7 +339,7 @@ pub fn run_within(node: &Node, env: &EpilogEnv) -> EpilogOutcome {
                     .job(job_id)
                     .field("ended_at", at),
             ) {
-                out.errors.push(e.to_string());
+                out.errors.push(EpilogError::Audit(e));
             }
             return out;
         }
@@ -493,7 +451,7 @@ impl<'a> Ctx<'a> {
                 }
             }
             if let Err(e) = node.audit(ev) {
-                out.errors.push(e.to_string());
+                out.errors.push(EpilogError::Audit(e));
             }
         }
     }
@@ -507,12 +465,13 @@ impl<'a> Ctx<'a> {
         let info = match self.gpus.query(&self.minors) {
             Ok(i) => i,
             Err(e) => {
-                let msg = format!("NVML query failed, the job's GPUs cannot be shown clean: {e}");
-                if self.node.nvml_failed(self.job_id, "NVML query", &e) {
-                    out.errors.push(msg);
+                let fails = self.node.nvml_failed(self.job_id, "NVML query", &e);
+                let err = EpilogError::NvmlQuery(e);
+                if fails {
+                    out.errors.push(err);
                 } else {
                     out.notes.push(format!(
-                        "{msg}; judged by the descriptor scan alone (nvml_failure = report)"
+                        "{err}; judged by the descriptor scan alone (nvml_failure = report)"
                     ));
                 }
                 Vec::new()
@@ -536,17 +495,14 @@ impl<'a> Ctx<'a> {
         let mut not_read: BTreeMap<i32, respond::NotRead> = BTreeMap::new();
         let mut look = |info: &[crate::host::gpus::GpuInfo]| {
             let before: BTreeSet<i32> = not_read.keys().copied().collect();
-            let u = respond::uncovered_except(
-                node,
-                job_id,
-                job_uid,
-                fence.as_ref(),
+            let sought = respond::Sought {
+                fence: fence.as_ref(),
                 devs,
-                info,
+                gpu_info: info,
                 gpu_major,
                 mig,
-                &before,
-            );
+            };
+            let u = respond::uncovered_except(node, job_id, job_uid, &sought, &before);
             for n in u.not_read {
                 not_read.entry(n.pid).or_insert(n);
             }
@@ -572,11 +528,13 @@ impl<'a> Ctx<'a> {
                 ));
             }
             let (lingering, errs) = respond::respond(
-                node,
+                &respond::Responder {
+                    node,
+                    job_id,
+                    job_uid,
+                    phase: "epilog",
+                },
                 Mode::End,
-                job_id,
-                job_uid,
-                "epilog",
                 "holds a device of an ended job outside any grant",
                 fresh,
                 &mut budget,
@@ -585,7 +543,8 @@ impl<'a> Ctx<'a> {
             // before it was stopped is looked for again like any other).
             handled.extend(lingering.iter().map(|l| l.pid));
             out.lingering.extend(lingering);
-            out.errors.extend(errs.iter().map(ToString::to_string));
+            out.errors
+                .extend(errs.into_iter().map(EpilogError::Response));
             let again = gpus.query(minors).unwrap_or_default();
             cands = look(&again);
         }
@@ -611,20 +570,15 @@ impl<'a> Ctx<'a> {
                 {
                     continue; // already a survivor, on purpose
                 }
-                out.survivors.push(format!(
-                    "pid {} still holds {}",
-                    c.pid,
-                    c.devices
-                        .iter()
-                        .map(|d| d.to_string())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                ));
+                out.survivors.push(Survivor::StillHolds {
+                    pid: c.pid,
+                    devices: c.devices.iter().copied().collect(),
+                });
             }
         }
         // Past the budget, the GPU is never handed on uncertified.
         out.survivors
-            .extend(not_read.values().map(respond::NotRead::reason));
+            .extend(not_read.into_values().map(Survivor::NotRead));
     }
 
     /// Step 4: each job GPU's used memory comes back to its idle level; on
@@ -711,29 +665,31 @@ impl<'a> Ctx<'a> {
                         }
                         if Instant::now() >= deadline {
                             for (m, u) in high {
-                                out.survivors.push(format!(
-                                    "GPU /dev/nvidia{m} still has {} MiB in use (idle level {} MiB) after {} ms",
-                                    u >> 20,
-                                    idle(m) >> 20,
-                                    wait.as_millis()
-                                ));
+                                out.survivors.push(Survivor::MemoryInUse {
+                                    minor: m,
+                                    used_mib: u >> 20,
+                                    idle_mib: idle(m) >> 20,
+                                    waited_ms: wait.as_millis(),
+                                });
                             }
                             for (m, pid, u) in left {
-                                out.survivors.push(format!(
-                                    "GPU /dev/nvidia{m} (shared with another job) still has {} MiB of pid {pid}, which no grant covers, after {} ms",
-                                    u >> 20,
-                                    wait.as_millis()
-                                ));
+                                out.survivors.push(Survivor::SharedMemory {
+                                    minor: m,
+                                    pid,
+                                    mib: u >> 20,
+                                    waited_ms: wait.as_millis(),
+                                });
                             }
                             break;
                         }
                     }
                     (Err(e), _) | (_, Err(e)) => {
-                        let msg = format!("NVML memory query failed: {e}");
-                        if node.nvml_failed(self.job_id, "NVML memory query", &e) {
-                            out.errors.push(msg);
+                        let fails = node.nvml_failed(self.job_id, "NVML memory query", &e);
+                        let err = EpilogError::NvmlMemory(e);
+                        if fails {
+                            out.errors.push(err);
                         } else {
-                            out.notes.push(format!("{msg} (nvml_failure = report)"));
+                            out.notes.push(format!("{err} (nvml_failure = report)"));
                         }
                         break;
                     }
@@ -761,10 +717,10 @@ impl<'a> Ctx<'a> {
                     Duration::from_millis(node.cfg.kill_wait_ms),
                 );
                 if let Err(e) = node.cg.kill_and_remove(&job_cg, wait) {
-                    out.errors.push(format!(
-                        "{e} (processes left: {:?})",
-                        node.cg.procs_recursive(&job_cg)
-                    ));
+                    out.errors.push(EpilogError::OwnCgroup {
+                        source: e.into(),
+                        left: node.cg.procs_recursive(&job_cg),
+                    });
                 }
             }
         }
@@ -786,9 +742,10 @@ impl<'a> Ctx<'a> {
                         Ok(_) => out.exclusive.push(format!(
                             "/dev/nvidia{minor}: exclusive-process during the job, mode {old} restored"
                         )),
-                        Err(e) => out.errors.push(format!(
-                            "restoring the compute mode of /dev/nvidia{minor}: {e}"
-                        )),
+                        Err(e) => out.errors.push(EpilogError::ComputeMode {
+                            minor: *minor,
+                            source: e,
+                        }),
                     }
                 }
             }
@@ -868,7 +825,7 @@ impl<'a> Ctx<'a> {
     /// Step 6: forget the job, unless its grant is still in the fence.
     fn forget(&self, out: &mut EpilogOutcome) {
         let (node, job_id) = (self.node, self.job_id);
-        if out.revoke_failed.is_none() {
+        if out.revoke_failed().is_none() {
             if let Err(e) = node
                 .state
                 .remove_record(job_id)
@@ -878,7 +835,7 @@ impl<'a> Ctx<'a> {
                         .write_ended(job_id, &gpufence_model::record::now_rfc3339())
                 })
             {
-                out.errors.push(e.to_string());
+                out.errors.push(EpilogError::Forget(e));
             }
         }
     }
@@ -908,33 +865,7 @@ impl<'a> Ctx<'a> {
             let kill_cut = node
                 .deadline()
                 .is_some_and(|d| crate::host::deadline::kill_cut(&d.cuts()));
-            let first = out
-                .lingering
-                .iter()
-                .find(|l| !l.gone())
-                .map(|l| {
-                    format!(
-                        "pid {} ({}) {} holding {}",
-                        l.pid,
-                        l.comm.clone().unwrap_or_default(),
-                        if l.spared.is_some() {
-                            "spared (system account)"
-                        } else if kill_cut {
-                            "not seen gone after SIGKILL (kill wait cut by epilog_deadline_ms)"
-                        } else {
-                            "survived SIGKILL"
-                        },
-                        l.devices
-                            .iter()
-                            .map(|d| d.to_string())
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    )
-                })
-                .or_else(|| out.survivors.first().cloned())
-                .or_else(|| out.errors.first().cloned())
-                .unwrap_or_default();
-            let reason = format!("gpufence: job {job_id}: {first}");
+            let reason = format!("gpufence: job {job_id}: {}", out.drain_cause(kill_cut));
             if node.cfg.drain {
                 if let Some(name) = node_name {
                     // The record lets `gpufence sweep` (resume_when_clean)
@@ -952,7 +883,10 @@ impl<'a> Ctx<'a> {
                     };
                     match drain::drain_for(node, name, &reason, &cause) {
                         Ok(()) => out.notes.push(format!("node {name} drained: {reason}")),
-                        Err(e) => out.errors.push(format!("could not drain {name}: {e}")),
+                        Err(e) => out.errors.push(EpilogError::Drain {
+                            node: name.to_string(),
+                            source: e,
+                        }),
                     }
                 }
             }
@@ -961,32 +895,22 @@ impl<'a> Ctx<'a> {
                     .job(job_id)
                     .field("component", "epilog")
                     .field("drain_reason", drain::clean_reason(&reason))
-                    .field("survivors", out.survivors.clone())
-                    .field("errors", out.errors.clone()),
+                    .field(
+                        "survivors",
+                        out.survivors
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>(),
+                    )
+                    .field(
+                        "errors",
+                        out.errors
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>(),
+                    ),
             );
             out.drain_reason = Some(drain::clean_reason(&reason));
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A failed revoke reads as it always did among the errors, and it is
-    /// what keeps the record ([`Ctx::forget`] asks the typed field).
-    #[test]
-    fn a_failed_revoke_is_typed_and_reads_as_before() {
-        let f = RevokeFailed {
-            job_id: 7,
-            reason: "bpf: EPERM".into(),
-        };
-        assert_eq!(f.to_string(), "revoking job 7's grant: bpf: EPERM");
-        let out = EpilogOutcome {
-            errors: vec![f.to_string()],
-            revoke_failed: Some(f),
-            ..Default::default()
-        };
-        assert!(!out.clean());
     }
 }

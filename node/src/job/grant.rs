@@ -135,11 +135,12 @@ pub struct JobCgroup {
 ///   job cgroup must lie under `cgroup_root`.
 ///
 /// # Errors
-/// [`NodeError::JobCgroup`] when there is no job cgroup (the message says
+/// [`NodeError::NoJobCgroup`] when there is no job cgroup (the message says
 /// which cgroup slurmstepd is in and the two reasons: Slurm's cgroup/v2
 /// plugin without proctrack/cgroup, or a cgroup v1/hybrid host that wants
-/// `layout = "own"`), when it lies outside the fenced subtree, or when
-/// slurmstepd cannot be moved; [`NodeError::Kernel`] when slurmstepd's
+/// `layout = "own"`), [`NodeError::OutsideFence`] when it lies outside
+/// the fenced subtree, [`NodeError::MoveStepd`] when slurmstepd cannot be
+/// moved; [`NodeError::Kernel`] when slurmstepd's
 /// cgroup cannot be read or the own layout's cgroup cannot be made.
 pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
     let step = step_name(req.step_id);
@@ -149,28 +150,24 @@ pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
             let job = node.own_job_cgroup(req.job_id);
             let step_cg = join_cgroup(&job, &format!("step_{step}"));
             node.cg.create(&step_cg)?;
-            node.cg.move_pid(&step_cg, req.stepd_pid).map_err(|e| {
-                NodeError::JobCgroup(format!(
-                    "cannot move slurmstepd (pid {}) into {step_cg}: {e}",
-                    req.stepd_pid
-                ))
-            })?;
+            node.cg
+                .move_pid(&step_cg, req.stepd_pid)
+                .map_err(|e| NodeError::MoveStepd {
+                    pid: req.stepd_pid,
+                    cgroup: step_cg.clone(),
+                    source: Box::new(e),
+                })?;
             Ok(JobCgroup { path: job, dir })
         }
         Layout::Slurm => {
             let own = node.cg.cgroup_of(req.stepd_pid)?;
-            let job = find_job_cgroup(&own, req.job_id, &step).ok_or_else(|| {
-                NodeError::JobCgroup(format!(
-                    "slurmstepd of job {job} step {step} (pid {pid}) is in cgroup {own_abs}, not in Slurm's \
-                     <job_{job} or SLUID>/step_{step}/slurm (layout = \"slurm\"): either Slurm's cgroup/v2 plugin \
-                     runs without proctrack/cgroup (set ProctrackType=proctrack/cgroup in slurm.conf and \
-                     CgroupPlugin=cgroup/v2 in cgroup.conf), or this is a cgroup v1/hybrid host, where Slurm \
-                     makes no cgroup2 job cgroups (set layout = \"own\" in gpufence.toml)",
-                    job = req.job_id,
-                    pid = req.stepd_pid,
-                    own_abs = crate::host::cgpath::abs(&own),
-                ))
-            })?;
+            let job =
+                find_job_cgroup(&own, req.job_id, &step).ok_or_else(|| NodeError::NoJobCgroup {
+                    job_id: req.job_id,
+                    step: step.clone(),
+                    pid: req.stepd_pid,
+                    cgroup: crate::host::cgpath::abs(&own),
+                })?;
             fenced(node, &job.path)?;
             Ok(JobCgroup {
                 path: job.path,
@@ -183,18 +180,17 @@ pub fn locate(node: &Node, req: &StepRequest) -> Result<JobCgroup, NodeError> {
 /// Whether job cgroup `job` lies in the fenced subtree (`cgroup_root`).
 ///
 /// # Errors
-/// [`NodeError::JobCgroup`] when it does not: a grant there would guard
+/// [`NodeError::OutsideFence`] when it does not: a grant there would guard
 /// nothing, and the job's tasks would not be under the fence.
 pub(crate) fn fenced(node: &Node, job: &str) -> Result<(), NodeError> {
     let root = &node.cfg.cgroup_root;
     if is_under(job, root) {
         return Ok(());
     }
-    Err(NodeError::JobCgroup(format!(
-        "job cgroup {} is outside the fenced subtree {}",
-        crate::host::cgpath::abs(job),
-        crate::host::cgpath::abs(root)
-    )))
+    Err(NodeError::OutsideFence {
+        job: crate::host::cgpath::abs(job),
+        root: crate::host::cgpath::abs(root),
+    })
 }
 
 /// Where a step's grant goes: the fence is installed and the job cgroup is
@@ -212,7 +208,9 @@ pub struct Placement {
 /// First half of [`grant_step`]: checks the fence and places the step.
 ///
 /// # Errors
-/// [`NodeError::FenceMissing`], [`NodeError::JobCgroup`], [`NodeError::Kernel`].
+/// [`NodeError::FenceMissing`], [`NodeError::NoJobCgroup`],
+/// [`NodeError::OutsideFence`], [`NodeError::MoveStepd`],
+/// [`NodeError::ExemptAncestor`], [`NodeError::Kernel`].
 /// The step must not run: its tasks would not be under the fence's control
 /// (no fence) or could land in slurmd's (possibly exempt) cgroup.
 pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
@@ -234,22 +232,22 @@ pub fn place(node: &Node, req: &StepRequest) -> Result<Placement, NodeError> {
 /// exemption to remove.
 ///
 /// # Errors
-/// [`NodeError::JobCgroup`] naming the exempt cgroup; [`NodeError::Kernel`]
+/// [`NodeError::ExemptAncestor`] naming the exempt cgroup; [`NodeError::Kernel`]
 /// when the fence's flags cannot be read.
 fn refuse_exempt_ancestor(node: &Node, fence: &Fence, job: &str) -> Result<(), NodeError> {
     for (path, id) in node.cg.ancestry(job) {
         if fence.is_exempt(id)? {
-            return Err(NodeError::JobCgroup(format!(
-                "the job cgroup {} is below the exempt cgroup {}, so every process of every job could open every GPU: \
-                 remove {path} from exempt_cgroups in {} (exemptions are for system services outside Slurm's job tree)",
-                crate::host::cgpath::abs(job),
-                crate::host::cgpath::abs(&path),
-                match &node.origin {
+            return Err(NodeError::ExemptAncestor {
+                job: crate::host::cgpath::abs(job),
+                exempt: crate::host::cgpath::abs(&path),
+                path,
+                config: match &node.origin {
                     gpufence_model::config::ConfigOrigin::File(p) => p.display().to_string(),
-                    gpufence_model::config::ConfigOrigin::Defaults =>
-                        gpufence_model::config::DEFAULT_CONFIG_PATH.to_string(),
-                }
-            )));
+                    gpufence_model::config::ConfigOrigin::Defaults => {
+                        gpufence_model::config::DEFAULT_CONFIG_PATH.to_string()
+                    }
+                },
+            });
         }
     }
     Ok(())
@@ -644,7 +642,7 @@ mod tests {
     /// extern step) would fail here.
     #[test]
     fn step_lines_name_special_steps() {
-        let e = NodeError::JobCgroup("x".into());
+        let e = NodeError::ProcessGone { pid: 1 };
         for (id, name) in [
             (0xffff_fffc, "extern"),
             (0xffff_fffb, "batch"),
@@ -697,7 +695,7 @@ mod tests {
             uid: 1000,
             stepd_pid: 1,
         };
-        let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
+        let placed: Result<Placement, NodeError> = Err(NodeError::ProcessGone { pid: 1 });
         let _ = step_fate(&node, &req, "n1", &placed, None, false);
         let line = std::fs::read_to_string(&audit).unwrap();
         let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
@@ -734,7 +732,7 @@ mod tests {
         };
         let e = locate(&node, &req).unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, NodeError::JobCgroup(_)), "{msg}");
+        assert!(matches!(e, NodeError::NoJobCgroup { .. }), "{msg}");
         for want in [
             format!(
                 "job 7 step extern (pid {me}) is in cgroup {}",
@@ -799,7 +797,7 @@ mod tests {
         }
         // Only a missing record is expected: a refused placement or a
         // failed grant of the extern step still says so.
-        let e = NodeError::JobCgroup("x".into());
+        let e = NodeError::ProcessGone { pid: 1 };
         assert!(matches!(
             decide(&req(EXTERN_STEP_ID), "n1", Some(&e), Some(no_record), true),
             StepFate::Refuse(_)
@@ -833,7 +831,7 @@ mod tests {
             uid: 1000,
             stepd_pid: 1,
         };
-        let placed: Result<Placement, NodeError> = Err(NodeError::JobCgroup("x".into()));
+        let placed: Result<Placement, NodeError> = Err(NodeError::ProcessGone { pid: 1 });
         let v = step_fate(
             &node,
             &req,

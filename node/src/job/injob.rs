@@ -120,8 +120,9 @@ pub struct WrongJob {
 /// with `layout = "own"`.
 ///
 /// # Errors
-/// [`NodeError::JobCgroup`] when this process is in another job's extern
-/// step, or the job cgroup is outside the fenced subtree;
+/// [`NodeError::WrongJob`] when this process is in another job's extern
+/// step, [`NodeError::OutsideFence`] when the job cgroup is outside the
+/// fenced subtree;
 /// [`NodeError::Kernel`] when `/proc/self/cgroup` cannot be read.
 pub fn locate_script(
     node: &Node,
@@ -133,7 +134,7 @@ pub fn locate_script(
     }
     let own = node.cg.cgroup_of(std::process::id() as i32)?;
     let Some(job) =
-        script_job_cgroup(&own, job_id, sluid).map_err(|e| NodeError::JobCgroup(e.to_string()))?
+        script_job_cgroup(&own, job_id, sluid).map_err(|e| NodeError::WrongJob(e.to_string()))?
     else {
         return Ok(None);
     };
@@ -173,11 +174,13 @@ pub fn step_out<'a>(node: &'a Node, fence: &Fence, tag: &str) -> Result<SteppedO
     let here = crate::host::exec_cgroup::exempt_leaf(node, fence, &format!("{tag}-{me}"))?;
     if let Err(e) = node.cg.move_pid(&here, me) {
         let _ = node.cg.remove_tree(&here);
-        return Err(NodeError::JobCgroup(format!(
-            "cannot move the {tag} (pid {me}) from {} into the exempt cgroup {}: {e}",
-            crate::host::cgpath::abs(&back),
-            crate::host::cgpath::abs(&here)
-        )));
+        return Err(NodeError::StepOut {
+            tag: tag.to_string(),
+            pid: me,
+            from: crate::host::cgpath::abs(&back),
+            to: crate::host::cgpath::abs(&here),
+            source: Box::new(e),
+        });
     }
     Ok(SteppedOut { node, back, here })
 }

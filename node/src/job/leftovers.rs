@@ -5,6 +5,7 @@
 use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::record::JobRecord;
 
+use crate::job::outcome::EpilogError;
 use crate::Node;
 
 /// Step 5d of [`crate::job::epilog::run_with`]: the job's leftovers in `shm_dir` (regular
@@ -23,7 +24,7 @@ use crate::Node;
 pub(crate) fn report(
     node: &Node,
     rec: &JobRecord,
-    errors: &mut Vec<String>,
+    errors: &mut Vec<EpilogError>,
     notes: &mut Vec<String>,
 ) {
     let since = chrono::DateTime::parse_from_rfc3339(&rec.created)
@@ -61,15 +62,11 @@ pub(crate) fn report(
         let failed = crate::holders::shm::remove(&node.cfg.shm_dir, files);
         // One error line for all of them: a user decides how many there are.
         if let Some((name, e)) = failed.first() {
-            errors.push(format!(
-                "removing {}: {e}{}",
-                node.cfg.shm_dir.join(name).display(),
-                if failed.len() > 1 {
-                    format!(" (and {} more not removed)", failed.len() - 1)
-                } else {
-                    String::new()
-                }
-            ));
+            errors.push(EpilogError::ShmRemove {
+                path: node.cfg.shm_dir.join(name),
+                reason: e.clone(),
+                more: failed.len() - 1,
+            });
         }
         (failed.is_empty(), None)
     };
@@ -101,7 +98,7 @@ pub(crate) fn report(
         ev = ev.field("note", w);
     }
     if let Err(e) = node.audit(ev) {
-        errors.push(e.to_string());
+        errors.push(EpilogError::Audit(e));
     }
 }
 

@@ -133,7 +133,7 @@ pub fn leaf(dev: DevNum, gpu_major: u32) -> String {
 
 pub use crate::host::mps_cgroups::{
     daemon_name, gpu_dir, is_foreign, parse_daemon, prune_stale, registry_daemons, sweep_stale,
-    user_dir, SweptDaemon, MPS_WAIT,
+    user_dir, MpsStartError, MpsStopError, RunError, SweptDaemon, MPS_WAIT,
 };
 use crate::host::mps_cgroups::{lock, registered, registration_mark, stop_one};
 
@@ -176,9 +176,12 @@ pub fn traverse_acl(uid: u32) -> Vec<u8> {
 }
 
 /// Sets [`traverse_acl`] on directory `path` (no symbolic link followed).
-fn set_traverse_acl(path: &Path, uid: u32) -> Result<(), String> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{}: a NUL in the path", path.display()))?;
+fn set_traverse_acl(path: &Path, uid: u32) -> Result<(), MpsStartError> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+        MpsStartError::NulInPath {
+            path: path.to_path_buf(),
+        }
+    })?;
     let acl = traverse_acl(uid);
     // SAFETY: lsetxattr(2) with NUL-terminated strings and a buffer of
     // acl.len() bytes we own.
@@ -194,11 +197,11 @@ fn set_traverse_acl(path: &Path, uid: u32) -> Result<(), String> {
     if r == 0 {
         Ok(())
     } else {
-        Err(format!(
-            "{}: setting the POSIX ACL that lets uid {uid} alone reach the pipes: {} (a file system without POSIX ACLs cannot hold mps_dir)",
-            path.display(),
-            std::io::Error::last_os_error()
-        ))
+        Err(MpsStartError::Acl {
+            path: path.to_path_buf(),
+            uid,
+            source: std::io::Error::last_os_error(),
+        })
     }
 }
 
@@ -210,45 +213,52 @@ fn root_only_dir(meta: &std::fs::Metadata) -> bool {
 
 /// Makes directory `p` (mode `mode`, root's) if missing, and checks it is
 /// a directory, not a link, root's and writable by root alone.
-fn root_dir(p: &Path, mode: u32) -> Result<(), String> {
+fn root_dir(p: &Path, mode: u32) -> Result<(), MpsStartError> {
     match std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), mode & 0o700)
         .create(p)
     {
         Ok(()) => std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| format!("{}: {e}", p.display()))?,
+            .map_err(dir_error(p))?,
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("{}: {e}", p.display())),
+        Err(e) => return Err(dir_error(p)(e)),
     }
-    let m = std::fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    let m = std::fs::symlink_metadata(p).map_err(dir_error(p))?;
     if root_only_dir(&m) {
         Ok(())
     } else {
-        Err(format!(
-            "{} is not a directory of root's that only root may write (owner {}, mode {:o}): it is left as it is",
-            p.display(),
-            m.uid(),
-            m.mode() & 0o7777
-        ))
+        Err(MpsStartError::NotRootOnly {
+            path: p.to_path_buf(),
+            owner: m.uid(),
+            mode: m.mode() & 0o7777,
+        })
+    }
+}
+
+/// [`MpsStartError::Dir`] of `p`.
+fn dir_error(p: &Path) -> impl Fn(std::io::Error) -> MpsStartError + '_ {
+    move |source| MpsStartError::Dir {
+        path: p.to_path_buf(),
+        source,
     }
 }
 
 /// Makes directory `p` (mode `mode`) for `uid`:`gid`, where no one but
 /// root may write the parent (so nothing can be swapped in between), and
 /// checks it is a directory, not a link, of that owner and mode.
-fn user_owned_dir(p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), String> {
+fn user_owned_dir(p: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), MpsStartError> {
     std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), mode & 0o700)
         .create(p)
-        .map_err(|e| format!("{}: {e}", p.display()))?;
-    std::os::unix::fs::lchown(p, Some(uid), Some(gid))
-        .map_err(|e| format!("{}: {e}", p.display()))?;
-    let m = std::fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        .map_err(dir_error(p))?;
+    std::os::unix::fs::lchown(p, Some(uid), Some(gid)).map_err(dir_error(p))?;
+    let m = std::fs::symlink_metadata(p).map_err(dir_error(p))?;
     if m.file_type().is_dir() && m.uid() == uid && m.mode() & 0o7777 == mode {
         Ok(())
     } else {
-        Err(format!(
-            "{} is not the directory of uid {uid}, mode {mode:o} it was made as",
-            p.display()
-        ))
+        Err(MpsStartError::NotAsMade {
+            path: p.to_path_buf(),
+            uid,
+            mode,
+        })
     }
 }
 
@@ -261,10 +271,10 @@ fn make_user_dirs(
     leaf: &str,
     uid: u32,
     gid: u32,
-) -> Result<(PathBuf, PathBuf), String> {
+) -> Result<(PathBuf, PathBuf), MpsStartError> {
     let mps = &node.cfg.mps_dir;
     if let Some(parent) = mps.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        std::fs::create_dir_all(parent).map_err(dir_error(parent))?;
     }
     root_dir(mps, DIR_MODES[0])?;
     let g = gpu_dir(node, leaf);
@@ -276,7 +286,7 @@ fn make_user_dirs(
     match std::fs::remove_dir_all(&u) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("{}: {e}", u.display())),
+        Err(e) => return Err(dir_error(&u)(e)),
     }
     root_dir(&u, DIR_MODES[2])?;
     set_traverse_acl(&u, uid)?;
@@ -287,11 +297,11 @@ fn make_user_dirs(
 }
 
 /// Runs `cmd` with `input` on its stdin for up to `wait`; killed past it.
-fn run_bounded(mut cmd: Command, input: &[u8], wait: Duration) -> Result<(), String> {
+fn run_bounded(mut cmd: Command, input: &[u8], wait: Duration) -> Result<(), RunError> {
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let mut child = cmd.spawn().map_err(|e| e.to_string())?;
+    let mut child = cmd.spawn().map_err(RunError::Io)?;
     if let Some(mut i) = child.stdin.take() {
         let _ = i.write_all(input);
     }
@@ -301,9 +311,11 @@ fn run_bounded(mut cmd: Command, input: &[u8], wait: Duration) -> Result<(), Str
         Duration::from_millis(10),
     ) {
         Ok(Some(s)) if s.success() => Ok(()),
-        Ok(Some(s)) => Err(format!("exited with {s}")),
-        Ok(None) => Err(format!("still running after {} s: killed", wait.as_secs())),
-        Err(e) => Err(e.to_string()),
+        Ok(Some(s)) => Err(RunError::Exited(s)),
+        Ok(None) => Err(RunError::TimedOut {
+            secs: wait.as_secs(),
+        }),
+        Err(e) => Err(RunError::Io(e)),
     }
 }
 
@@ -327,14 +339,14 @@ fn control(program: &Path, pipe: &Path, log: &Path, visible: Option<&str>) -> Co
 
 /// Who a daemon of uid `uid` runs as: `(gid, groups)`, its user's primary
 /// group and its supplementary groups (`getgrouplist(3)`).
-fn daemon_identity(uid: u32) -> Result<(u32, Vec<u32>), String> {
+fn daemon_identity(uid: u32) -> Result<(u32, Vec<u32>), MpsStartError> {
     let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-        .map_err(|e| format!("uid {uid}: {e}"))?
-        .ok_or_else(|| format!("uid {uid} has no passwd entry"))?;
+        .map_err(|source| MpsStartError::User { uid, source })?
+        .ok_or(MpsStartError::NoUser { uid })?;
     let name = std::ffi::CString::new(user.name.as_bytes())
-        .map_err(|_| format!("uid {uid}: a NUL in the user name"))?;
+        .map_err(|_| MpsStartError::NulInName { uid })?;
     let groups = nix::unistd::getgrouplist(&name, user.gid)
-        .map_err(|e| format!("uid {uid}: its groups: {e}"))?;
+        .map_err(|source| MpsStartError::Groups { uid, source })?;
     Ok((
         user.gid.as_raw(),
         groups.into_iter().map(|g| g.as_raw()).collect(),
@@ -553,7 +565,7 @@ fn start_one(
     (gpu, leaf, uid): (DevNum, &str, u32),
     visible: Option<&str>,
     restart: bool,
-) -> Result<(), String> {
+) -> Result<(), MpsStartError> {
     let name = daemon_name(leaf, uid);
     let (gid, groups) = daemon_identity(uid)?;
     let (pipe, log) = match make_user_dirs(node, leaf, uid, gid) {
@@ -564,29 +576,28 @@ fn start_one(
         }
     };
     let cg = cgroup(node, &name);
-    node.cg.create(&cg).map_err(|e| e.to_string())?;
-    let id = node.cg.id(&cg).map_err(|e| e.to_string())?;
+    node.cg.create(&cg)?;
+    let id = node.cg.id(&cg)?;
     let devs: Vec<(DevNum, gpufence_model::device::Access)> = rec
         .devices
         .iter()
         .filter(|d| d.role == DeviceRole::Control || d.dev == gpu)
         .map(|d| (d.dev, d.access))
         .collect();
-    fence
-        .grant_in(&node.cg, id, &cg, MPS_GRANT_JOB_ID, &devs)
-        .map_err(|e| e.to_string())?;
+    fence.grant_in(&node.cg, id, &cg, MPS_GRANT_JOB_ID, &devs)?;
     let mut cmd = control(program, &pipe, &log, visible);
     cmd.arg("-d");
     // First, as root: into the daemon's cgroup; then as its user.
-    node.cg
-        .join_at_exec(&cg, &mut cmd)
-        .map_err(|e| e.to_string())?;
+    node.cg.join_at_exec(&cg, &mut cmd)?;
     drop_to(&mut cmd, uid, gid, groups);
     if let Err(e) = run_bounded(cmd, b"", MPS_WAIT) {
         let _ = fence.revoke_cgroup(id);
         let _ = node.cg.kill_and_remove(&cg, MPS_WAIT);
         let _ = std::fs::remove_dir_all(user_dir(node, leaf, uid));
-        return Err(format!("{} -d: {e}", program.display()));
+        return Err(MpsStartError::Run {
+            program: program.to_path_buf(),
+            source: e,
+        });
     }
     let _ = node.audit(
         AuditEvent::new(events::MPS_STARTED)
@@ -624,10 +635,14 @@ pub struct Released {
 /// A daemon whose lock cannot be had within [`MPS_WAIT`] and that no job is
 /// registered with is stopped all the same (fail closed; `locked: false`
 /// in its `mps_stopped` line). Returns what was done with each daemon, and
-/// what failed, as text, after trying every one: a grant that could not
+/// what failed (each daemon's name and why), after trying every one: a grant that could not
 /// be revoked or a daemon cgroup that could not be emptied (the
 /// node is unclean: the Epilog drains it).
-pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released>, Vec<String>) {
+pub fn release(
+    node: &Node,
+    fence: Option<&Fence>,
+    job_id: u32,
+) -> (Vec<Released>, Vec<(String, MpsStopError)>) {
     let mut done = Vec::new();
     let mut errors = Vec::new();
     let mine: Vec<String> = registry_daemons(node)
@@ -681,7 +696,7 @@ pub fn release(node: &Node, fence: Option<&Fence>, job_id: u32) -> (Vec<Released
                     killed,
                 });
             }
-            Err(e) => errors.push(format!("MPS daemon {name}: {e}")),
+            Err(e) => errors.push((name, e)),
         }
     }
     (done, errors)
@@ -744,7 +759,7 @@ mod tests {
                 // The group bits show the mask (r-x), the other bits none.
                 assert_eq!(m.mode() & 0o777, 0o750, "{:o}", m.mode());
             }
-            Err(e) => assert!(e.contains("POSIX ACL"), "{e}"),
+            Err(e) => assert!(e.to_string().contains("POSIX ACL"), "{e}"),
         }
         let link = t.path().join("link");
         std::os::unix::fs::symlink(&d, &link).unwrap();

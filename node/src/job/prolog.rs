@@ -59,16 +59,14 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         Err(e) if node.nvml_failed(rec.job_id, "NVML query", &e) => return Err(NodeError::Nvml(e)),
         Err(_) => Vec::new(),
     };
-    let found = respond::uncovered(
-        node,
-        rec.job_id,
-        Some(rec.uid),
-        Some(fence),
-        &gres,
-        &info,
+    let sought = |gpu_info| respond::Sought {
+        fence: Some(fence),
+        devs: &gres,
+        gpu_info,
         gpu_major,
-        &rec.mig,
-    );
+        mig: &rec.mig,
+    };
+    let found = respond::uncovered(node, rec.job_id, Some(rec.uid), &sought(&info));
     let not_read = found.not_read;
     let cands = found.candidates;
     if !cands.is_empty() {
@@ -76,11 +74,13 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         // `refuse`: evidence and the audit line only; `kill`: the response.
         let mode = Mode::from(node.cfg.prolog_strays);
         let (done, errors) = respond::respond(
-            node,
+            &respond::Responder {
+                node,
+                job_id: rec.job_id,
+                job_uid: Some(rec.uid),
+                phase: "prolog",
+            },
             mode,
-            rec.job_id,
-            Some(rec.uid),
-            "prolog",
             match mode {
                 Mode::Refuse => "held the job's GPU before it started (policy: refuse)",
                 Mode::End => "held the job's GPU before it started",
@@ -103,18 +103,8 @@ pub fn clean_start(node: &Node, fence: &Fence, rec: &mut JobRecord) -> Result<()
         // stopped and took the device up again, or was handed it).
         let again = gpus.query(&minors).unwrap_or_default();
         let known: BTreeSet<i32> = not_read.iter().map(|n| n.pid).collect();
-        for c in respond::uncovered_except(
-            node,
-            rec.job_id,
-            Some(rec.uid),
-            Some(fence),
-            &gres,
-            &again,
-            gpu_major,
-            &rec.mig,
-            &known,
-        )
-        .candidates
+        for c in respond::uncovered_except(node, rec.job_id, Some(rec.uid), &sought(&again), &known)
+            .candidates
         {
             if !survived.contains(&c.pid) {
                 survived.push(c.pid);
@@ -288,8 +278,10 @@ pub fn run(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError> {
 /// written is an `error` audit line, never a failed Prolog.
 ///
 /// # Errors
-/// As [`run`]; also [`NodeError::JobCgroup`] when the Prolog runs in
-/// another job's extern step or cannot step out.
+/// As [`run`]; also [`NodeError::WrongJob`] when the Prolog runs in
+/// another job's extern step, [`NodeError::OutsideFence`] when that lies
+/// outside the fenced subtree, [`NodeError::StepOut`] when it cannot step
+/// out.
 pub fn run_with_sluid(
     node: &Node,
     env: &PrologEnv,
@@ -428,11 +420,10 @@ fn grant_job_cgroup(
             crate::job::grant::GrantOutcome::Granted { .. }
             | crate::job::grant::GrantOutcome::NoGpus,
         ) => return Ok(()),
-        Ok(crate::job::grant::GrantOutcome::NoRecord) => NodeError::JobCgroup(format!(
-            "job {}: the record written a moment ago is gone from {}",
-            rec.job_id,
-            node.state.record_path(rec.job_id).display()
-        )),
+        Ok(crate::job::grant::GrantOutcome::NoRecord) => NodeError::RecordGone {
+            job_id: rec.job_id,
+            path: node.state.record_path(rec.job_id),
+        },
         Err(e) => e,
     };
     // The job is requeued: neither its grant nor its record may stay.

@@ -315,10 +315,61 @@ pub fn finish_interrupted(node: &Node) -> Vec<String> {
     out
 }
 
-/// How [`Engine::stop`] stopped a process whose cgroup it froze whole.
-pub const STOPPED_BY_FREEZE: &str = "cgroup-freeze";
-/// How [`Engine::stop`] stopped a process by signal.
-pub const STOPPED_BY_SIGSTOP: &str = "SIGSTOP";
+/// How [`Engine::stop`] stopped a process. Written as in the audit lines
+/// and evidence (`cgroup-freeze`, `SIGSTOP`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Stopped {
+    /// Its cgroup was frozen whole (`cgroup.freeze`).
+    #[serde(rename = "cgroup-freeze")]
+    CgroupFreeze,
+    /// `SIGSTOP`.
+    #[serde(rename = "SIGSTOP")]
+    Sigstop,
+}
+
+impl Stopped {
+    /// As written in audit lines and evidence.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stopped::CgroupFreeze => "cgroup-freeze",
+            Stopped::Sigstop => "SIGSTOP",
+        }
+    }
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What ended a process ([`Engine::end`]). Written as in the audit lines
+/// (`ended_by`) and the user's report (`SIGTERM`, `SIGKILL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum EndedBy {
+    /// It exited within the grace after `SIGTERM`.
+    #[serde(rename = "SIGTERM")]
+    Sigterm,
+    /// `SIGKILL`.
+    #[serde(rename = "SIGKILL")]
+    Sigkill,
+}
+
+impl EndedBy {
+    /// As written in audit lines and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndedBy::Sigterm => "SIGTERM",
+            EndedBy::Sigkill => "SIGKILL",
+        }
+    }
+}
+
+impl std::fmt::Display for EndedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Stops processes and ends them, the same way for every caller. One per
 /// response: it remembers how each process was stopped and which cgroups
@@ -327,7 +378,7 @@ pub const STOPPED_BY_SIGSTOP: &str = "SIGSTOP";
 pub struct Engine<'a> {
     node: &'a Node,
     frozen: BTreeSet<String>,
-    how: BTreeMap<i32, String>,
+    how: BTreeMap<i32, Stopped>,
 }
 
 impl<'a> Engine<'a> {
@@ -343,28 +394,28 @@ impl<'a> Engine<'a> {
     /// Stops `pid` (pinned as `fd`, in `cgroup`) unless it is stopped
     /// already: its cgroup frozen whole when every process in it is one of
     /// `members` (a cgroup of other processes is never frozen), else
-    /// `SIGSTOP`. Returns how ([`STOPPED_BY_FREEZE`], [`STOPPED_BY_SIGSTOP`]).
+    /// `SIGSTOP`. Returns how.
     pub fn stop(
         &mut self,
         pid: i32,
         fd: &OwnedFd,
         cgroup: Option<&str>,
         members: &BTreeSet<i32>,
-    ) -> String {
+    ) -> Stopped {
         if let Some(h) = self.how.get(&pid) {
-            return h.clone();
+            return *h;
         }
         let frozen = cgroup
             .filter(|c| !c.is_empty())
             .is_some_and(|cg| self.frozen.contains(cg) || self.freeze_if_only(cg, members));
         let how = if frozen {
-            STOPPED_BY_FREEZE
+            Stopped::CgroupFreeze
         } else {
             signal(fd, libc::SIGSTOP);
-            STOPPED_BY_SIGSTOP
+            Stopped::Sigstop
         };
-        self.how.insert(pid, how.to_string());
-        how.to_string()
+        self.how.insert(pid, how);
+        how
     }
 
     /// Freezes `cg` whole when every process in it is one of `members`;
@@ -380,8 +431,8 @@ impl<'a> Engine<'a> {
     }
 
     /// How `pid` was stopped, if it was.
-    pub fn how(&self, pid: i32) -> Option<String> {
-        self.how.get(&pid).cloned()
+    pub fn how(&self, pid: i32) -> Option<Stopped> {
+        self.how.get(&pid).copied()
     }
 
     /// Whether the response froze `cgroup` whole.
@@ -409,13 +460,13 @@ impl<'a> Engine<'a> {
         &mut self,
         targets: &[(i32, &OwnedFd)],
         grace: Option<Duration>,
-    ) -> BTreeMap<i32, Option<&'static str>> {
+    ) -> BTreeMap<i32, Option<EndedBy>> {
         let fds: Vec<&OwnedFd> = targets.iter().map(|(_, f)| *f).collect();
-        let mut ended: BTreeMap<i32, Option<&'static str>> = BTreeMap::new();
+        let mut ended: BTreeMap<i32, Option<EndedBy>> = BTreeMap::new();
         if let Some(grace) = grace {
             for (pid, fd) in targets {
                 signal(fd, libc::SIGTERM);
-                if self.how.get(pid).map(String::as_str) == Some(STOPPED_BY_SIGSTOP) {
+                if self.how.get(pid) == Some(&Stopped::Sigstop) {
                     signal(fd, libc::SIGCONT);
                 }
             }
@@ -423,7 +474,7 @@ impl<'a> Engine<'a> {
             wait_all(&fds, self.node.bound(Wait::TermGrace, grace));
             for (pid, fd) in targets {
                 if exited(fd) {
-                    ended.insert(*pid, Some("SIGTERM"));
+                    ended.insert(*pid, Some(EndedBy::Sigterm));
                 }
             }
         }
@@ -448,7 +499,7 @@ impl<'a> Engine<'a> {
         }
         for (pid, fd) in targets {
             if !ended.contains_key(pid) {
-                ended.insert(*pid, exited(fd).then_some("SIGKILL"));
+                ended.insert(*pid, exited(fd).then_some(EndedBy::Sigkill));
             }
         }
         ended
@@ -465,6 +516,27 @@ impl<'a> Engine<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How a process was stopped and what ended it read in the audit
+    /// lines, evidence and reports as they always did.
+    #[test]
+    fn stops_and_ends_are_written_as_before() {
+        assert_eq!(Stopped::CgroupFreeze.to_string(), "cgroup-freeze");
+        assert_eq!(
+            serde_json::to_value(Stopped::Sigstop).unwrap(),
+            serde_json::json!("SIGSTOP")
+        );
+        assert_eq!(
+            serde_json::to_value(Some(Stopped::CgroupFreeze)).unwrap(),
+            serde_json::json!("cgroup-freeze")
+        );
+        assert_eq!(EndedBy::Sigterm.as_str(), "SIGTERM");
+        assert_eq!(format!("ended by {}", EndedBy::Sigkill), "ended by SIGKILL");
+        assert_eq!(
+            serde_json::to_value(EndedBy::Sigkill).unwrap(),
+            serde_json::json!("SIGKILL")
+        );
+    }
 
     /// A live process is not exiting; a zombie is, and its pidfd, polled,
     /// says it exited.

@@ -15,6 +15,7 @@ use gpufence_model::fsutil::{create_dir_all_mode, write_new};
 use gpufence_model::record::now_rfc3339;
 
 use crate::holders::scan::HeldFd;
+use crate::response::engine::Stopped;
 use crate::NodeError;
 
 /// Evidence about one process.
@@ -61,7 +62,7 @@ pub struct Evidence {
     /// GPU memory it uses per GPU, from NVML.
     pub gpu_memory: Vec<GpuMemory>,
     /// How it was stopped before this was written (`cgroup-freeze`, `SIGSTOP`).
-    pub frozen: Option<String>,
+    pub frozen: Option<Stopped>,
     /// What this record leaves out to stay within the response's
     /// [`Budget`] (empty when nothing).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -485,7 +486,7 @@ pub fn collect(
     job_id: u32,
     reason: &str,
     found: Found,
-    frozen: Option<String>,
+    frozen: Option<Stopped>,
     budget: &mut Budget,
 ) -> Evidence {
     let mut left_out = Vec::new();

@@ -49,7 +49,7 @@ use crate::holders::scan::Scanner;
 use crate::host::persistence::{persistence_of_uid, PersistenceEntry};
 use crate::host::procs::{alive, live_view, read_cmdline, read_stat, read_uid, PF_KTHREAD};
 use crate::host::users::Users;
-use crate::response::engine::{exited, pidfd_open, Engine};
+use crate::response::engine::{exited, pidfd_open, Engine, Stopped};
 use crate::response::evidence::{self, GpuMemory};
 use crate::{host::drain, Node};
 
@@ -156,7 +156,7 @@ pub struct IncidentOutcome {
     /// Descendants left alone.
     pub spared: Vec<Spared>,
     /// How each member was stopped: `cgroup-freeze` or `SIGSTOP`.
-    pub frozen: BTreeMap<i32, String>,
+    pub frozen: BTreeMap<i32, Stopped>,
     /// The evidence files, one per member.
     pub evidence: Vec<PathBuf>,
     /// The incident file (tree, persistence, evidence list).
@@ -494,7 +494,7 @@ impl<'a> Incident<'a> {
                 self.out
                     .frozen
                     .iter()
-                    .map(|(p, h)| (p.to_string(), serde_json::Value::from(h.clone())))
+                    .map(|(p, h)| (p.to_string(), serde_json::Value::from(h.as_str())))
                     .collect::<serde_json::Map<_, _>>(),
             )
             .field(
@@ -579,7 +579,7 @@ impl<'a> Incident<'a> {
                 0,
                 REASON,
                 found,
-                self.out.frozen.get(p).cloned(),
+                self.out.frozen.get(p).copied(),
                 &mut budget,
             );
             match evidence::write_within(&node.cfg.evidence_dir, &ev, &mut budget) {

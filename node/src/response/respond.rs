@@ -46,7 +46,7 @@ use crate::holders::scan::{self, HeldFd};
 use crate::host::deadline::Wait;
 use crate::host::gpus::GpuInfo;
 use crate::host::procs::uid_of;
-use crate::response::engine::{exited, note_stopped, Engine, NoteError, PidFd};
+use crate::response::engine::{exited, note_stopped, EndedBy, Engine, NoteError, PidFd, Stopped};
 use crate::response::evidence::{self, GpuMemory};
 use crate::{Node, NodeError};
 
@@ -139,12 +139,48 @@ pub struct Lingering {
     /// The evidence file, when written.
     pub evidence: Option<PathBuf>,
     /// How it was stopped first.
-    pub frozen: Option<String>,
-    /// The signal that ended it, when it is gone (`SIGTERM`, `SIGKILL`, or
-    /// `exited` when it was gone before we signalled).
-    pub ended_by: Option<&'static str>,
-    /// Why it was left alive on purpose (a system account), if so.
-    pub spared: Option<String>,
+    pub frozen: Option<Stopped>,
+    /// The signal that ended it, when it is gone.
+    pub ended_by: Option<EndedBy>,
+    /// Why it was left alive on purpose, if so.
+    pub spared: Option<LeftAlive>,
+}
+
+/// Why a holder is left alive on purpose ([`respond`]'s step 1): it gets
+/// evidence and its audit lines, and makes the node unclean. The text
+/// (`Display`) is the audit lines' `not_killed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeftAlive {
+    /// A system account (uid at or below `protected_uid_max`): a user
+    /// could hand a job's descriptor to a root daemon to have it killed.
+    SystemAccount {
+        /// Its uid.
+        uid: u32,
+        /// The config's `protected_uid_max`.
+        max: u32,
+    },
+    /// In another user's job ([`other_users_job`]).
+    OtherUsersJob {
+        /// That job's cgroup directory (`job_<id>`).
+        dir: String,
+        /// Its uid (0 when unread).
+        uid: u32,
+    },
+}
+
+impl std::fmt::Display for LeftAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeftAlive::SystemAccount { uid, max } => write!(
+                f,
+                "system account (uid {uid} <= protected_uid_max {max}): not killed"
+            ),
+            LeftAlive::OtherUsersJob { dir, uid } => write!(
+                f,
+                "in another user's job ({dir}, uid {uid}): gpufence does not end another user's job for a descriptor handed to it; evidence kept, node drained for an admin"
+            ),
+        }
+    }
 }
 
 impl Lingering {
@@ -332,46 +368,46 @@ fn outside_every_job(cg: &str) -> bool {
 ///    audit line (with `not_read`: those still unread).
 ///
 /// At most two budgets: the scan's and the re-reads' (one for all).
-#[allow(clippy::too_many_arguments)]
-pub fn uncovered(
-    node: &Node,
-    job_id: u32,
-    job_uid: Option<u32>,
-    fence: Option<&Fence>,
-    devs: &BTreeSet<DevNum>,
-    gpu_info: &[GpuInfo],
-    gpu_major: u32,
-    mig: &[MigSlice],
-) -> Uncovered {
-    uncovered_except(
-        node,
-        job_id,
-        job_uid,
-        fence,
-        devs,
-        gpu_info,
-        gpu_major,
-        mig,
-        &BTreeSet::new(),
-    )
+pub fn uncovered(node: &Node, job_id: u32, job_uid: Option<u32>, sought: &Sought<'_>) -> Uncovered {
+    uncovered_except(node, job_id, job_uid, sought, &BTreeSet::new())
+}
+
+/// What [`uncovered`] looks for: the job's devices (`devs`; `gpu_major`,
+/// the GPUs' major; `mig`, the job's MIG slices, whose parents other jobs
+/// share), what covers a holder (`fence`'s live grants, `None`: only
+/// exemptions), and what NVML says runs on the job's GPUs (`gpu_info`).
+#[derive(Clone, Copy, Debug)]
+pub struct Sought<'a> {
+    /// The fence, for its live grants.
+    pub fence: Option<&'a Fence>,
+    /// The job's devices.
+    pub devs: &'a BTreeSet<DevNum>,
+    /// NVML's processes on the job's GPUs.
+    pub gpu_info: &'a [GpuInfo],
+    /// The GPUs' major.
+    pub gpu_major: u32,
+    /// The job's MIG slices.
+    pub mig: &'a [MigSlice],
 }
 
 /// [`uncovered`], leaving out of the re-reads the processes in
 /// `not_read_before`: an earlier look of the same Prolog or Epilog found
 /// them not read whole (they are in its [`Uncovered::not_read`] already),
 /// so each round does not pay their re-read again.
-#[allow(clippy::too_many_arguments)]
 pub fn uncovered_except(
     node: &Node,
     job_id: u32,
     job_uid: Option<u32>,
-    fence: Option<&Fence>,
-    devs: &BTreeSet<DevNum>,
-    gpu_info: &[GpuInfo],
-    gpu_major: u32,
-    mig: &[MigSlice],
+    sought: &Sought<'_>,
     not_read_before: &BTreeSet<i32>,
 ) -> Uncovered {
+    let Sought {
+        fence,
+        devs,
+        gpu_info,
+        gpu_major,
+        mig,
+    } = *sought;
     let me = std::process::id() as i32;
     let shared: BTreeSet<DevNum> = mig.iter().map(|s| s.parent).collect();
     let own_caps: BTreeSet<DevNum> = mig
@@ -631,10 +667,375 @@ fn in_job(cg: &str, job_id: u32) -> bool {
         .is_some_and(|d| job_dir_id(d) == Some(job_id))
 }
 
+/// A holder that is there but cannot be pinned (no pidfd: out of
+/// descriptors).
+#[derive(Debug, thiserror::Error)]
+#[error("pid {pid} holds {devices} but cannot be pinned (pidfd_open: {source})")]
+pub struct Unpinnable {
+    /// The holder.
+    pid: i32,
+    /// What it holds, comma-separated.
+    devices: String,
+    /// Why `pidfd_open` failed.
+    source: std::io::Error,
+}
+
+/// The pidfd of `c` (taken when it was found) when the process is still
+/// there and still holds what made it a candidate: one of its devices by
+/// descriptor, or (listed by NVML, or in a registered ring) nothing to
+/// look at again. Checked
+/// through `/proc/<pid>` and then the pidfd: the pidfd still open
+/// afterwards means `/proc/<pid>` was that process when it was read.
+/// `Ok(None)`: gone, or let go of the device.
+///
+/// The look costs what the scan found, not what the process owns
+/// ([`scan::Scanner::recheck`]): the descriptors the scan named are
+/// looked at first (one `stat` each), then a walk that stops at its first
+/// hold or at `deadline` (the response's re-check budget,
+/// `scan_budget_ms`); a process not read whole by then is taken as
+/// still holding (fail closed: a candidate stays a candidate), so a
+/// holder of thousands of private tables costs the response at most the
+/// budget, never minutes.
+///
+/// # Errors
+/// [`Unpinnable`] when the process is there but cannot be pinned (no
+/// pidfd: out of descriptors): it cannot be acted on safely, and the node
+/// is not clean.
+fn still_holding(c: &Candidate, deadline: Instant) -> Result<Option<PidFd>, Unpinnable> {
+    let fd = match &c.pidfd {
+        Some(fd) => fd.clone(),
+        None => match PidFd::open(c.pid) {
+            Some(fd) => fd,
+            None if std::path::Path::new(&format!("/proc/{}", c.pid)).exists() => {
+                return Err(Unpinnable {
+                    pid: c.pid,
+                    devices: c
+                        .devices
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            None => return Ok(None),
+        },
+    };
+    if exited(fd.fd()) {
+        return Ok(None);
+    }
+    // Holds `/proc` cannot show (per NVML; in a registered ring, which
+    // only the kernel's iterator reads) are taken as found.
+    let proc_shows_all = c.gpu_memory.is_empty()
+        && c.fds
+            .iter()
+            .all(|f| f.via != scan::Via::IoUringRegisteredRing && !f.unread);
+    if proc_shows_all {
+        let look = scan::Scanner::new().recheck(c.pid, &c.fds, &c.devices, deadline);
+        if look == scan::Recheck::HoldsNone || exited(fd.fd()) {
+            return Ok(None);
+        }
+    }
+    Ok(Some(fd))
+}
+
+/// Whose response it is, one value for each of its steps: the node, the
+/// job and its user (`job_uid`: a holder of another uid inside another
+/// job's cgroup is spared, [`other_users_job`]), and the phase that
+/// responds (`prolog`, `epilog`: in evidence and audit lines).
+#[derive(Clone, Copy, Debug)]
+pub struct Responder<'a> {
+    /// The node.
+    pub node: &'a Node,
+    /// The job.
+    pub job_id: u32,
+    /// The job's user, when known.
+    pub job_uid: Option<u32>,
+    /// `prolog` or `epilog`.
+    pub phase: &'a str,
+}
+
+/// Responds to `cands` as the module says, for `job` ([`Responder`]),
+/// in `mode`, with evidence within `budget` (one per Epilog or Prolog,
+/// over all its rounds). `reason` goes into evidence. Failed steps (evidence, audit, notes, a holder that cannot
+/// be pinned) are returned beside the outcome, each holder still
+/// responded to.
+pub fn respond(
+    job: &Responder<'_>,
+    mode: Mode,
+    reason: &str,
+    cands: Vec<Candidate>,
+    budget: &mut evidence::Budget,
+) -> (Vec<Lingering>, Vec<ResponseError>) {
+    let Responder {
+        node,
+        job_id,
+        phase,
+        ..
+    } = *job;
+    let mut errors = Vec::new();
+    if mode == Mode::Refuse {
+        let out = cands
+            .iter()
+            .map(|c| record(job, reason, c, None, None, budget, &mut errors).0)
+            .collect();
+        return (out, errors);
+    }
+    // 1. Pin identities; system accounts are spared.
+    let (spared_out, pinned) = pin(job, reason, cands, budget, &mut errors);
+    let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
+    // Noted before they are stopped: a response killed from here on
+    // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
+    // acts on ([`finish_interrupted`]), never processes stopped for good.
+    let notes: Vec<PathBuf> = pinned
+        .iter()
+        .filter_map(
+            |(c, _)| match note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), false) {
+                Ok(p) => p,
+                Err(e) => {
+                    errors.push(e.into());
+                    None
+                }
+            },
+        )
+        .collect();
+
+    // 2. Stop: whole cgroups when they hold only candidates, else SIGSTOP.
+    let mut engine = Engine::new(node);
+    for (c, fd) in &pinned {
+        engine.stop(c.pid, fd, c.cgroup.as_deref(), &pids);
+    }
+    // The notes of holders whose cgroup was frozen whole say so.
+    for (c, _) in &pinned {
+        if c.cgroup.as_deref().is_some_and(|cg| engine.froze(cg)) {
+            if let Err(e) = note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), true) {
+                errors.push(e.into());
+            }
+        }
+    }
+    crate::crashpoint::reached(crate::crashpoint::RESPOND_FROZEN);
+
+    // 3. Evidence, then the audit line.
+    let out: Vec<(Lingering, Option<u32>)> = pinned
+        .iter()
+        .map(|(c, _)| {
+            let how = engine.how(c.pid);
+            record(job, reason, c, how, None, budget, &mut errors)
+        })
+        .collect();
+
+    // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
+    let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(c, f)| (c.pid, &**f)).collect();
+    let ended = engine.end(
+        &targets,
+        Some(Duration::from_millis(node.cfg.term_grace_ms)),
+    );
+    for n in notes {
+        let _ = std::fs::remove_file(n);
+    }
+    let mut result = spared_out;
+    for (mut l, uid) in out {
+        l.ended_by = ended.get(&l.pid).copied().flatten();
+        let name = if l.gone() {
+            events::PROCESS_KILLED
+        } else {
+            events::SURVIVOR
+        };
+        if let Err(e) = node.audit(audit_line(name, job_id, phase, &l, uid)) {
+            errors.push(ResponseError::Audit(e));
+        }
+        result.push(l);
+    }
+    (result, errors)
+}
+
+/// Step 3 for one holder `c`, in either [`Mode`]: its evidence (`frozen`:
+/// how it was stopped), then its `lingering_process` line (with
+/// `not_killed` when `spared` says why it is left alive). Returns it and
+/// its uid.
+fn record(
+    job: &Responder<'_>,
+    reason: &str,
+    c: &Candidate,
+    frozen: Option<Stopped>,
+    spared: Option<LeftAlive>,
+    budget: &mut evidence::Budget,
+    errors: &mut Vec<ResponseError>,
+) -> (Lingering, Option<u32>) {
+    let Responder {
+        node,
+        job_id,
+        phase,
+        ..
+    } = *job;
+    let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen, budget);
+    let mut l = Lingering {
+        pid: c.pid,
+        comm: ev.comm.clone(),
+        cgroup: c.cgroup.clone(),
+        devices: c.devices.iter().copied().collect(),
+        evidence: None,
+        frozen,
+        ended_by: None,
+        spared,
+    };
+    match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
+        Ok(p) => l.evidence = p,
+        Err(source) => errors.push(ResponseError::Evidence { pid: c.pid, source }),
+    }
+    let mut line = audit_line(events::LINGERING_PROCESS, job_id, phase, &l, ev.uid);
+    if let Some(why) = &l.spared {
+        line = line.field("not_killed", why.to_string());
+    }
+    if let Err(e) = node.audit(line) {
+        errors.push(ResponseError::Audit(e));
+    }
+    (l, ev.uid)
+}
+
+/// Step 1 of [`respond`]: pins each candidate still holding what made it
+/// one ([`still_holding`], all of them together within `scan_budget_ms`).
+/// System accounts are kept alive: a user could
+/// hand a job's descriptor to a root daemon (dbus keeps passed
+/// descriptors) to have it killed. They get evidence, their audit lines
+/// (`lingering_process`, `survivor` with `not_killed`) and make the node
+/// unclean. Returns the spared and the pinned.
+fn pin(
+    job: &Responder<'_>,
+    reason: &str,
+    cands: Vec<Candidate>,
+    budget: &mut evidence::Budget,
+    errors: &mut Vec<ResponseError>,
+) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
+    let Responder {
+        node,
+        job_id,
+        job_uid,
+        phase,
+    } = *job;
+    let mut spared_out = Vec::new();
+    let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
+    // One re-check budget for every candidate of this round: past it, a
+    // candidate is taken as still holding without a look.
+    let deadline = Instant::now()
+        + node.bound(
+            Wait::ScanBudget,
+            Duration::from_millis(node.cfg.scan_budget_ms),
+        );
+    for c in cands {
+        let uid = uid_of(c.pid);
+        let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
+            Some(LeftAlive::SystemAccount {
+                uid: uid.unwrap_or(0),
+                max: node.cfg.protected_uid_max,
+            })
+        } else {
+            other_users_job(c.cgroup.as_deref(), job_id, job_uid, uid).map(|dir| {
+                LeftAlive::OtherUsersJob {
+                    dir,
+                    uid: uid.unwrap_or(0),
+                }
+            })
+        };
+        if let Some(why) = spare {
+            let (l, uid) = record(job, reason, &c, None, Some(why.clone()), budget, errors);
+            if let Err(e) = node.audit(
+                audit_line(events::SURVIVOR, job_id, phase, &l, uid)
+                    .field("not_killed", why.to_string()),
+            ) {
+                errors.push(ResponseError::Audit(e));
+            }
+            spared_out.push(l);
+            continue;
+        }
+        match still_holding(&c, deadline) {
+            Ok(Some(fd)) => pinned.push((c, fd)),
+            Ok(None) => {}
+            Err(e) => errors.push(e.into()),
+        }
+    }
+    (spared_out, pinned)
+}
+
+/// The Slurm job cgroup directory (`job_<id>` of another job, or a SLUID:
+/// 26.05 names job cgroups by it) that `cgroup` is in, when the holder's
+/// real uid `uid` is not the ending job's `job_uid`: a process of another
+/// user's job. A user can hand their job's descriptor to any process that
+/// accepts descriptors (NCCL's abstract unix sockets need no permission);
+/// ending the receiver would let one user end another's job at will, so
+/// such a holder is spared like a system account (evidence, survivor, the
+/// node drained for an admin). Outside any job a holder is ended as
+/// always: no job holds a GPU there. `None` when the job's uid or the
+/// holder's is unknown, or the uids are the same.
+pub fn other_users_job(
+    cgroup: Option<&str>,
+    job_id: u32,
+    job_uid: Option<u32>,
+    uid: Option<u32>,
+) -> Option<String> {
+    let (Some(job_uid), Some(uid), Some(cg)) = (job_uid, uid, cgroup) else {
+        return None;
+    };
+    if uid == job_uid {
+        return None;
+    }
+    cg.split('/')
+        .find(|d| {
+            crate::host::slurm_cgroup::job_dir_id(d).is_some_and(|n| n != job_id)
+                || crate::host::slurm_cgroup::is_sluid(d)
+        })
+        .map(str::to_string)
+}
+
+fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u32>) -> AuditEvent {
+    let mut a = AuditEvent::new(name)
+        .job(job_id)
+        .pid(l.pid)
+        .devices(l.devices.iter())
+        .field("phase", phase)
+        .field(
+            "cgroup",
+            l.cgroup
+                .as_deref()
+                .map(crate::host::cgpath::abs)
+                .unwrap_or_default(),
+        )
+        .field("comm", l.comm.clone().unwrap_or_default());
+    if let Some(u) = uid {
+        a = a.uid(u);
+    }
+    if let Some(p) = &l.evidence {
+        a = a.field("evidence", p.display().to_string());
+    }
+    if let Some(f) = l.frozen {
+        a = a.field("frozen", f.as_str());
+    }
+    if let Some(s) = l.ended_by {
+        a = a.field("ended_by", s.as_str());
+    }
+    a
+}
+
 #[cfg(test)]
 mod error_tests {
-    use super::ResponseError;
+    use super::{LeftAlive, ResponseError};
     use crate::NodeError;
+
+    /// Why a holder is left alive reads as the audit lines' `not_killed`
+    /// always did.
+    #[test]
+    fn left_alive_reads_as_before() {
+        assert_eq!(
+            LeftAlive::SystemAccount { uid: 0, max: 999 }.to_string(),
+            "system account (uid 0 <= protected_uid_max 999): not killed"
+        );
+        assert!(LeftAlive::OtherUsersJob {
+            dir: "job_9".into(),
+            uid: 23456
+        }
+        .to_string()
+        .starts_with("in another user's job (job_9, uid 23456): gpufence does not end"));
+    }
 
     /// A response's audit failure is the Prolog's [`NodeError::Audit`],
     /// message and all; any other failed step is [`NodeError::Response`]
@@ -829,375 +1230,4 @@ mod over_budget_tests {
             .reason()
             .starts_with("pid 1234 (uid ?, cgroup ?) not read"));
     }
-}
-
-/// A holder that is there but cannot be pinned (no pidfd: out of
-/// descriptors).
-#[derive(Debug, thiserror::Error)]
-#[error("pid {pid} holds {devices} but cannot be pinned (pidfd_open: {source})")]
-pub struct Unpinnable {
-    /// The holder.
-    pid: i32,
-    /// What it holds, comma-separated.
-    devices: String,
-    /// Why `pidfd_open` failed.
-    source: std::io::Error,
-}
-
-/// The pidfd of `c` (taken when it was found) when the process is still
-/// there and still holds what made it a candidate: one of its devices by
-/// descriptor, or (listed by NVML, or in a registered ring) nothing to
-/// look at again. Checked
-/// through `/proc/<pid>` and then the pidfd: the pidfd still open
-/// afterwards means `/proc/<pid>` was that process when it was read.
-/// `Ok(None)`: gone, or let go of the device.
-///
-/// The look costs what the scan found, not what the process owns
-/// ([`scan::Scanner::recheck`]): the descriptors the scan named are
-/// looked at first (one `stat` each), then a walk that stops at its first
-/// hold or at `deadline` (the response's re-check budget,
-/// `scan_budget_ms`); a process not read whole by then is taken as
-/// still holding (fail closed: a candidate stays a candidate), so a
-/// holder of thousands of private tables costs the response at most the
-/// budget, never minutes.
-///
-/// # Errors
-/// [`Unpinnable`] when the process is there but cannot be pinned (no
-/// pidfd: out of descriptors): it cannot be acted on safely, and the node
-/// is not clean.
-fn still_holding(c: &Candidate, deadline: Instant) -> Result<Option<PidFd>, Unpinnable> {
-    let fd = match &c.pidfd {
-        Some(fd) => fd.clone(),
-        None => match PidFd::open(c.pid) {
-            Some(fd) => fd,
-            None if std::path::Path::new(&format!("/proc/{}", c.pid)).exists() => {
-                return Err(Unpinnable {
-                    pid: c.pid,
-                    devices: c
-                        .devices
-                        .iter()
-                        .map(|d| d.to_string())
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            None => return Ok(None),
-        },
-    };
-    if exited(fd.fd()) {
-        return Ok(None);
-    }
-    // Holds `/proc` cannot show (per NVML; in a registered ring, which
-    // only the kernel's iterator reads) are taken as found.
-    let proc_shows_all = c.gpu_memory.is_empty()
-        && c.fds
-            .iter()
-            .all(|f| f.via != scan::Via::IoUringRegisteredRing && !f.unread);
-    if proc_shows_all {
-        let look = scan::Scanner::new().recheck(c.pid, &c.fds, &c.devices, deadline);
-        if look == scan::Recheck::HoldsNone || exited(fd.fd()) {
-            return Ok(None);
-        }
-    }
-    Ok(Some(fd))
-}
-
-/// Responds to `cands` as the module says, in `mode`, with evidence
-/// within `budget` (one per Epilog or Prolog, over all its rounds).
-/// `job_uid` is the job's user: a holder of another uid inside another
-/// job's cgroup is spared ([`other_users_job`]). `phase`
-/// (`prolog`/`epilog`) goes into evidence and audit lines, `reason` into
-/// evidence. Failed steps (evidence, audit, notes, a holder that cannot
-/// be pinned) are returned beside the outcome, each holder still
-/// responded to.
-#[allow(clippy::too_many_arguments)]
-pub fn respond(
-    node: &Node,
-    mode: Mode,
-    job_id: u32,
-    job_uid: Option<u32>,
-    phase: &str,
-    reason: &str,
-    cands: Vec<Candidate>,
-    budget: &mut evidence::Budget,
-) -> (Vec<Lingering>, Vec<ResponseError>) {
-    let mut errors = Vec::new();
-    if mode == Mode::Refuse {
-        let out = cands
-            .iter()
-            .map(|c| {
-                record(
-                    node,
-                    job_id,
-                    phase,
-                    reason,
-                    c,
-                    None,
-                    None,
-                    budget,
-                    &mut errors,
-                )
-                .0
-            })
-            .collect();
-        return (out, errors);
-    }
-    // 1. Pin identities; system accounts are spared.
-    let (spared_out, pinned) = pin(
-        node,
-        job_id,
-        job_uid,
-        phase,
-        reason,
-        cands,
-        budget,
-        &mut errors,
-    );
-    let pids: BTreeSet<i32> = pinned.iter().map(|(c, _)| c.pid).collect();
-    // Noted before they are stopped: a response killed from here on
-    // (PrologEpilogTimeout) leaves notes the next Prolog, Epilog or sweep
-    // acts on ([`finish_interrupted`]), never processes stopped for good.
-    let notes: Vec<PathBuf> = pinned
-        .iter()
-        .filter_map(
-            |(c, _)| match note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), false) {
-                Ok(p) => p,
-                Err(e) => {
-                    errors.push(e.into());
-                    None
-                }
-            },
-        )
-        .collect();
-
-    // 2. Stop: whole cgroups when they hold only candidates, else SIGSTOP.
-    let mut engine = Engine::new(node);
-    for (c, fd) in &pinned {
-        engine.stop(c.pid, fd, c.cgroup.as_deref(), &pids);
-    }
-    // The notes of holders whose cgroup was frozen whole say so.
-    for (c, _) in &pinned {
-        if c.cgroup.as_deref().is_some_and(|cg| engine.froze(cg)) {
-            if let Err(e) = note_stopped(node, job_id, c.pid, c.cgroup.as_deref(), true) {
-                errors.push(e.into());
-            }
-        }
-    }
-    crate::crashpoint::reached(crate::crashpoint::RESPOND_FROZEN);
-
-    // 3. Evidence, then the audit line.
-    let out: Vec<(Lingering, Option<u32>)> = pinned
-        .iter()
-        .map(|(c, _)| {
-            let how = engine.how(c.pid);
-            record(
-                node,
-                job_id,
-                phase,
-                reason,
-                c,
-                how,
-                None,
-                budget,
-                &mut errors,
-            )
-        })
-        .collect();
-
-    // 4. SIGTERM, thaw, grace; SIGKILL, wait; check.
-    let targets: Vec<(i32, &OwnedFd)> = pinned.iter().map(|(c, f)| (c.pid, &**f)).collect();
-    let ended = engine.end(
-        &targets,
-        Some(Duration::from_millis(node.cfg.term_grace_ms)),
-    );
-    for n in notes {
-        let _ = std::fs::remove_file(n);
-    }
-    let mut result = spared_out;
-    for (mut l, uid) in out {
-        l.ended_by = ended.get(&l.pid).copied().flatten();
-        let name = if l.gone() {
-            events::PROCESS_KILLED
-        } else {
-            events::SURVIVOR
-        };
-        if let Err(e) = node.audit(audit_line(name, job_id, phase, &l, uid)) {
-            errors.push(ResponseError::Audit(e));
-        }
-        result.push(l);
-    }
-    (result, errors)
-}
-
-/// Step 3 for one holder `c`, in either [`Mode`]: its evidence (`frozen`:
-/// how it was stopped), then its `lingering_process` line (with
-/// `not_killed` when `spared` says why it is left alive). Returns it and
-/// its uid.
-#[allow(clippy::too_many_arguments)]
-fn record(
-    node: &Node,
-    job_id: u32,
-    phase: &str,
-    reason: &str,
-    c: &Candidate,
-    frozen: Option<String>,
-    spared: Option<String>,
-    budget: &mut evidence::Budget,
-    errors: &mut Vec<ResponseError>,
-) -> (Lingering, Option<u32>) {
-    let ev = evidence::collect(c.pid, job_id, reason, c.found(), frozen.clone(), budget);
-    let mut l = Lingering {
-        pid: c.pid,
-        comm: ev.comm.clone(),
-        cgroup: c.cgroup.clone(),
-        devices: c.devices.iter().copied().collect(),
-        evidence: None,
-        frozen,
-        ended_by: None,
-        spared,
-    };
-    match evidence::write_within(&node.cfg.evidence_dir, &ev, budget) {
-        Ok(p) => l.evidence = p,
-        Err(source) => errors.push(ResponseError::Evidence { pid: c.pid, source }),
-    }
-    let mut line = audit_line(events::LINGERING_PROCESS, job_id, phase, &l, ev.uid);
-    if let Some(why) = &l.spared {
-        line = line.field("not_killed", why.clone());
-    }
-    if let Err(e) = node.audit(line) {
-        errors.push(ResponseError::Audit(e));
-    }
-    (l, ev.uid)
-}
-
-/// Step 1 of [`respond`]: pins each candidate still holding what made it
-/// one ([`still_holding`], all of them together within `scan_budget_ms`).
-/// System accounts are kept alive: a user could
-/// hand a job's descriptor to a root daemon (dbus keeps passed
-/// descriptors) to have it killed. They get evidence, their audit lines
-/// (`lingering_process`, `survivor` with `not_killed`) and make the node
-/// unclean. Returns the spared and the pinned.
-#[allow(clippy::too_many_arguments)]
-fn pin(
-    node: &Node,
-    job_id: u32,
-    job_uid: Option<u32>,
-    phase: &str,
-    reason: &str,
-    cands: Vec<Candidate>,
-    budget: &mut evidence::Budget,
-    errors: &mut Vec<ResponseError>,
-) -> (Vec<Lingering>, Vec<(Candidate, PidFd)>) {
-    let mut spared_out = Vec::new();
-    let mut pinned: Vec<(Candidate, PidFd)> = Vec::new();
-    // One re-check budget for every candidate of this round: past it, a
-    // candidate is taken as still holding without a look.
-    let deadline = Instant::now()
-        + node.bound(
-            Wait::ScanBudget,
-            Duration::from_millis(node.cfg.scan_budget_ms),
-        );
-    for c in cands {
-        let uid = uid_of(c.pid);
-        let spare = if uid.is_some_and(|u| u <= node.cfg.protected_uid_max) {
-            Some(format!(
-                "system account (uid {} <= protected_uid_max {}): not killed",
-                uid.unwrap_or(0),
-                node.cfg.protected_uid_max
-            ))
-        } else {
-            other_users_job(c.cgroup.as_deref(), job_id, job_uid, uid).map(|dir| {
-                format!(
-                    "in another user's job ({dir}, uid {}): gpufence does not end another user's job for a descriptor handed to it; evidence kept, node drained for an admin",
-                    uid.unwrap_or(0)
-                )
-            })
-        };
-        if let Some(why) = spare {
-            let (l, uid) = record(
-                node,
-                job_id,
-                phase,
-                reason,
-                &c,
-                None,
-                Some(why.clone()),
-                budget,
-                errors,
-            );
-            if let Err(e) = node.audit(
-                audit_line(events::SURVIVOR, job_id, phase, &l, uid).field("not_killed", why),
-            ) {
-                errors.push(ResponseError::Audit(e));
-            }
-            spared_out.push(l);
-            continue;
-        }
-        match still_holding(&c, deadline) {
-            Ok(Some(fd)) => pinned.push((c, fd)),
-            Ok(None) => {}
-            Err(e) => errors.push(e.into()),
-        }
-    }
-    (spared_out, pinned)
-}
-
-/// The Slurm job cgroup directory (`job_<id>` of another job, or a SLUID:
-/// 26.05 names job cgroups by it) that `cgroup` is in, when the holder's
-/// real uid `uid` is not the ending job's `job_uid`: a process of another
-/// user's job. A user can hand their job's descriptor to any process that
-/// accepts descriptors (NCCL's abstract unix sockets need no permission);
-/// ending the receiver would let one user end another's job at will, so
-/// such a holder is spared like a system account (evidence, survivor, the
-/// node drained for an admin). Outside any job a holder is ended as
-/// always: no job holds a GPU there. `None` when the job's uid or the
-/// holder's is unknown, or the uids are the same.
-pub fn other_users_job(
-    cgroup: Option<&str>,
-    job_id: u32,
-    job_uid: Option<u32>,
-    uid: Option<u32>,
-) -> Option<String> {
-    let (Some(job_uid), Some(uid), Some(cg)) = (job_uid, uid, cgroup) else {
-        return None;
-    };
-    if uid == job_uid {
-        return None;
-    }
-    cg.split('/')
-        .find(|d| {
-            crate::host::slurm_cgroup::job_dir_id(d).is_some_and(|n| n != job_id)
-                || crate::host::slurm_cgroup::is_sluid(d)
-        })
-        .map(str::to_string)
-}
-
-fn audit_line(name: &str, job_id: u32, phase: &str, l: &Lingering, uid: Option<u32>) -> AuditEvent {
-    let mut a = AuditEvent::new(name)
-        .job(job_id)
-        .pid(l.pid)
-        .devices(l.devices.iter())
-        .field("phase", phase)
-        .field(
-            "cgroup",
-            l.cgroup
-                .as_deref()
-                .map(crate::host::cgpath::abs)
-                .unwrap_or_default(),
-        )
-        .field("comm", l.comm.clone().unwrap_or_default());
-    if let Some(u) = uid {
-        a = a.uid(u);
-    }
-    if let Some(p) = &l.evidence {
-        a = a.field("evidence", p.display().to_string());
-    }
-    if let Some(f) = &l.frozen {
-        a = a.field("frozen", f.clone());
-    }
-    if let Some(s) = l.ended_by {
-        a = a.field("ended_by", s);
-    }
-    a
 }

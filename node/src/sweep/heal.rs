@@ -17,7 +17,8 @@ use gpufence_model::audit::{events, AuditEvent};
 use gpufence_model::config::Mode;
 use gpufence_model::drainrec::{decide, Decision};
 
-use super::{lock, Kind, Severity, SweepReport};
+use super::state::lock;
+use super::{Kind, Severity, SweepReport};
 use crate::host::drain;
 use crate::Node;
 

@@ -93,9 +93,9 @@ mod state;
 pub use cmdline::{auth_disabled, stratum_urls};
 pub use heal::{heal, why_not_clean, Healed, KEEP_DRAINED};
 pub use output::{drain_reason, execute, prometheus, threshold, SweepOutcome, SweepRequest};
-use procs::*;
+use procs::{walk_proc, ProcMeta, Procs};
 pub use state::baseline_path;
-use state::*;
+use state::{lock, valid_cursor};
 
 /// Why a sweep could not run, or could not keep its state
 /// (`state_dir/sweep`). [`sweep`] returns the first two; the others land in
@@ -451,6 +451,10 @@ pub struct Options {
     /// (`sweep/denials-<name>.json`), so a timer and a health check each
     /// report every denial once. Names are 1 to 64 of `[A-Za-z0-9_-]`.
     pub cursor: Option<String>,
+    /// Walk `/proc` only, without trying the BPF iterators first
+    /// ([`Scanner::proc_walk`](crate::holders::scan::Scanner::proc_walk)):
+    /// the benchmark's side-by-side, and tests of the fallback.
+    pub proc_walk: bool,
 }
 
 /// What a sweep found, and the numbers it exports.
@@ -602,7 +606,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
     s.report.grants = live.len();
     s.denials();
     let want = |d: DevNum| protected.contains(&d.major);
-    let walk = walk_proc(node, s.scope.as_deref(), &want);
+    let walk = walk_proc(node, s.scope.as_deref(), opts.proc_walk, &want);
     for (pid, tid, slot, n) in &walk.unread_rings {
         let which = if *slot < 0 {
             "kept by a mapping alone".to_string()
@@ -647,6 +651,7 @@ pub fn sweep(node: &Node, opts: &Options) -> Result<SweepReport, SweepError> {
 
 #[cfg(test)]
 mod tests {
+    use super::state::{new_denials, DenialState};
     use super::*;
     use crate::host::persistence::{cron_entries, unit_files, UnitRoot};
     use gpufence_cgroup::fence::DenialEntry;

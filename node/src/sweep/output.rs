@@ -106,6 +106,8 @@ pub struct SweepRequest {
     /// cause is gone, when the config's `resume_when_clean` is on
     /// ([`super::heal`]); `None`: no node is resumed.
     pub resume_node: Option<String>,
+    /// See [`Options::proc_walk`].
+    pub proc_walk: bool,
 }
 
 /// What `gpufence sweep` did.
@@ -153,6 +155,7 @@ pub fn execute(node: &Node, req: &SweepRequest) -> SweepOutcome {
         &Options {
             cgroup: req.cgroup.clone(),
             cursor: req.cursor.clone(),
+            proc_walk: req.proc_walk,
         },
     ) {
         Ok(r) => r,

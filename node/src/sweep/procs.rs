@@ -97,15 +97,27 @@ pub(super) struct Walk {
     pub(super) not_read: BTreeMap<i32, String>,
 }
 
-pub(super) fn walk_proc(node: &Node, scope: Option<&str>, want: &dyn Fn(DevNum) -> bool) -> Walk {
+/// `proc_only`: walk `/proc` without trying the iterators
+/// ([`Options::proc_walk`](super::Options::proc_walk)).
+pub(super) fn walk_proc(
+    node: &Node,
+    scope: Option<&str>,
+    proc_only: bool,
+    want: &dyn Fn(DevNum) -> bool,
+) -> Walk {
     let me = std::process::id() as i32;
     let mut w = Walk::default();
     // Where the iterators cannot run, each process's `/proc` walk is
     // bounded by `scan_budget_ms`: one process of a thousand tables
     // cannot hold the sweep for minutes, and what it did not read is
     // reported (`not_read_whole`), never taken for "clean".
+    let scanner = if proc_only {
+        Scanner::proc_walk()
+    } else {
+        Scanner::new()
+    };
     let mut scanner =
-        Scanner::new().with_walk_budget(std::time::Duration::from_millis(node.cfg.scan_budget_ms));
+        scanner.with_walk_budget(std::time::Duration::from_millis(node.cfg.scan_budget_ms));
     for pid in crate::holders::scan::pids() {
         if pid == me {
             continue;

@@ -35,7 +35,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gpufence_cgroup::btf::VMLINUX_BTF;
@@ -45,8 +44,8 @@ use serde::Serialize;
 mod proc_walk;
 mod snapshot;
 pub(crate) use proc_walk::read_maps;
-use proc_walk::*;
-use snapshot::*;
+use proc_walk::{char_rdev, fd_table, finish, io_uring_files, MapsView, Stop, TableRead, Tables};
+use snapshot::{take_snapshot, ProcRecords, Snapshot, SnapshotError};
 
 /// Where a device is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -184,7 +183,7 @@ impl Default for Scanner {
         Scanner {
             mapped: HashMap::new(),
             btf: PathBuf::from(VMLINUX_BTF),
-            proc_only: PROC_ONLY.load(Ordering::Relaxed) || PROC_ONLY_HERE.with(|c| c.get()),
+            proc_only: false,
             snapshot: None,
             source: None,
             unread_means: None,
@@ -206,28 +205,9 @@ impl Default for Scanner {
 pub enum Source {
     /// The BPF iterators, then `/proc` for the processes they named.
     Iterators,
-    /// The `/proc` walk: asked for ([`Scanner::proc_walk`],
-    /// [`set_proc_only`]), or the iterators failed (the reason).
+    /// The `/proc` walk: asked for ([`Scanner::proc_walk`]), or the
+    /// iterators failed (the reason).
     Proc(Option<String>),
-}
-
-static PROC_ONLY: AtomicBool = AtomicBool::new(false);
-
-/// Makes every [`Scanner`] created after this call walk `/proc` (`true`) or
-/// try the iterators first (`false`, the default): for benchmarks comparing
-/// the two through code that makes its own scanner (`gpufence sweep`).
-pub fn set_proc_only(on: bool) {
-    PROC_ONLY.store(on, Ordering::Relaxed);
-}
-
-thread_local! {
-    static PROC_ONLY_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// [`set_proc_only`] for the scanners this thread creates only (tests
-/// that exercise the `/proc` fallback beside others that do not).
-pub fn set_proc_only_in_this_thread(on: bool) {
-    PROC_ONLY_HERE.with(|c| c.set(on));
 }
 
 /// Which devices a scan looks for.
@@ -249,8 +229,7 @@ pub struct ProcessFds {
 }
 
 impl Scanner {
-    /// A fresh scan: the iterators first, `/proc` if they fail (unless
-    /// [`set_proc_only`]).
+    /// A fresh scan: the iterators first, `/proc` if they fail.
     pub fn new() -> Self {
         Self::default()
     }
@@ -406,7 +385,7 @@ impl Scanner {
             .filter(|(_, r)| r.over_budget)
             .map(|(p, _)| *p)
             .collect();
-        self.ring_error = snap.ring_error.clone();
+        self.ring_error = snap.ring_error.as_ref().map(ToString::to_string);
         let me = std::process::id() as i32;
         let mut out: Vec<Holder> = Vec::new();
         let mut pids: Vec<&i32> = snap.procs.keys().filter(|p| **p != me).collect();
@@ -744,7 +723,7 @@ impl Scanner {
                 Err(why) => Source::Proc(why.reason()),
             });
             self.ring_error = match &s {
-                Ok(snap) => snap.ring_error.clone(),
+                Ok(snap) => snap.ring_error.as_ref().map(ToString::to_string),
                 Err(_) => Some("the iterators did not run".into()),
             };
             self.snapshot = Some(s);
@@ -819,10 +798,12 @@ impl Scanner {
             want,
             Via::Fd,
             None,
-            &mut fds,
-            sockets.as_deref_mut(),
-            Some(&mut anon),
-            stop.as_deref_mut(),
+            TableRead {
+                out: &mut fds,
+                sockets: sockets.as_deref_mut(),
+                anon: Some(&mut anon),
+                stop: stop.as_deref_mut(),
+            },
         );
         // Threads: only those whose table differs are worth a walk. Where
         // kcmp can tell, tables already walked are skipped (found in
@@ -857,10 +838,12 @@ impl Scanner {
                     want,
                     Via::ThreadFd,
                     Some(tid),
-                    &mut fds,
-                    sockets.as_deref_mut(),
-                    Some(&mut thread_anon),
-                    stop.as_deref_mut(),
+                    TableRead {
+                        out: &mut fds,
+                        sockets: sockets.as_deref_mut(),
+                        anon: Some(&mut thread_anon),
+                        stop: stop.as_deref_mut(),
+                    },
                 );
                 anon.extend(thread_anon.into_iter().map(|fd| (Some(tid), fd)));
             }
@@ -1046,6 +1029,7 @@ mod io_uring_tests {
 
 #[cfg(test)]
 mod tests {
+    use super::proc_walk::kcmp_files;
     use super::*;
     use std::os::unix::fs::symlink;
 

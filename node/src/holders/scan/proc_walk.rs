@@ -251,24 +251,38 @@ pub(super) fn finish(pid: i32, mut fds: Vec<HeldFd>) -> Option<Holder> {
     })
 }
 
+/// What [`fd_table`] reads one table into, and when it stops.
+pub(super) struct TableRead<'a> {
+    /// Holds of the devices sought.
+    pub(super) out: &'a mut Vec<HeldFd>,
+    /// Socket inodes, when wanted.
+    pub(super) sockets: Option<&'a mut BTreeSet<u64>>,
+    /// Descriptors of anonymous inodes (maybe io_uring rings), when wanted.
+    pub(super) anon: Option<&'a mut Vec<i32>>,
+    /// The deadline and the first-hold rule, when the read is bounded.
+    pub(super) stop: Option<&'a mut Stop>,
+}
+
 /// Reads the descriptor table `dir/fd` (a `/proc/<pid>` or
-/// `/proc/<pid>/task/<tid>`): holds of devices `want` selects into `out`,
-/// socket inodes into `sockets`, anonymous inodes (maybe rings) into
-/// `anon`. With a [`Stop`], it looks at the clock before each descriptor
+/// `/proc/<pid>/task/<tid>`): holds of devices `want` selects into
+/// `into.out`, socket inodes into `into.sockets`, anonymous inodes (maybe
+/// rings) into `into.anon` ([`TableRead`]). With a [`Stop`], it looks at the clock before each descriptor
 /// (a `stat` each, some 14 µs: a table of 20,000 costs a quarter second)
 /// and stops at its deadline, or at the first hold when that is all it
 /// needs.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn fd_table(
     dir: &Path,
     want: DevicePredicate<'_>,
     via: Via,
     tid: Option<i32>,
-    out: &mut Vec<HeldFd>,
-    mut sockets: Option<&mut BTreeSet<u64>>,
-    mut anon: Option<&mut Vec<i32>>,
-    mut stop: Option<&mut Stop>,
+    into: TableRead<'_>,
 ) {
+    let TableRead {
+        out,
+        mut sockets,
+        mut anon,
+        mut stop,
+    } = into;
     let Ok(rd) = std::fs::read_dir(dir.join("fd")) else {
         return;
     };

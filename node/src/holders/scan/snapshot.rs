@@ -51,7 +51,7 @@ pub(super) struct Snapshot {
     pub(super) listed: BTreeSet<i32>,
     pub(super) procs: HashMap<i32, ProcRecords>,
     /// Why registered rings could not be read, if so.
-    pub(super) ring_error: Option<String>,
+    pub(super) ring_error: Option<iter::IterError>,
     /// Read from the fence's pinned iterators.
     pub(super) pinned: bool,
     /// Further passes over tables and mappings stopped short (one per
@@ -63,8 +63,8 @@ pub(super) struct Snapshot {
 /// ([`Source::Proc`]).
 #[derive(Debug, thiserror::Error)]
 pub(super) enum SnapshotError {
-    /// The scanner was told to walk `/proc` ([`Scanner::proc_walk`],
-    /// [`set_proc_only`]): no failure, no reason to show.
+    /// The scanner was told to walk `/proc` ([`Scanner::proc_walk`]): no
+    /// failure, no reason to show.
     #[error("the /proc walk was asked for")]
     ProcWalkAsked,
     /// In a pid namespace other than the initial one: the iterators give
@@ -215,7 +215,7 @@ fn monotonic_ns(at: Instant) -> u64 {
 #[allow(clippy::type_complexity)]
 fn read_pinned(
     t: &FdTableIterator,
-    rings: Result<RingIterator, String>,
+    rings: Result<RingIterator, iter::IterError>,
     cpus: usize,
     deadline: Option<Instant>,
 ) -> Result<
@@ -223,7 +223,7 @@ fn read_pinned(
         Vec<iter::Record>,
         BTreeSet<i32>,
         BTreeSet<i32>,
-        Result<Vec<iter::Record>, String>,
+        Result<Vec<iter::Record>, iter::IterError>,
         usize,
     ),
     SnapshotError,
@@ -236,8 +236,7 @@ fn read_pinned(
         deadline_ns,
         ..Pass::default()
     };
-    let ring_read =
-        |r: Result<RingIterator, String>| r.and_then(|it| it.files().map_err(|e| e.to_string()));
+    let ring_read = |r: Result<RingIterator, iter::IterError>| r.and_then(|it| it.files());
     let (mut files, ring_files) = if shares == 1 {
         let f = t.pass(&pass(0))?;
         (f, ring_read(rings))
@@ -336,8 +335,8 @@ pub(super) fn take_snapshot(
             // Loaded (and verified) before any read, so that the three
             // reads follow each other closely.
             let rings = RingLayout::from_btf(&btf)
-                .map_err(|e| e.to_string())
-                .and_then(|l| RingIterator::load(&l).map_err(|e| e.to_string()));
+                .map_err(iter::IterError::from)
+                .and_then(|l| RingIterator::load(&l));
             (Readers::Loaded(it), rings)
         }
     };
@@ -366,7 +365,7 @@ pub(super) fn take_snapshot(
             // descriptor table, maybe): read from the kernel where it can
             // be; where it cannot (no io_uring in the kernel, no
             // bpf_loop), the snapshot says why.
-            let r = rings.and_then(|it| it.files().map_err(|e| e.to_string()));
+            let r = rings.and_then(|it| it.files());
             (files, maps, BTreeSet::new(), BTreeSet::new(), r, 0)
         }
     };

@@ -68,13 +68,9 @@ use crate::NodeError;
 
 mod gres_detail;
 mod hostlist;
-#[allow(unused_imports)]
-use gres_detail::*;
 pub use gres_detail::{
     gpu_indices, parse_gres_detail, GresAlloc, GresDetailEntry, GresDetailError,
 };
-#[allow(unused_imports)]
-use hostlist::*;
 pub use hostlist::{expand_hostlist, hostlist_find, HostlistError};
 
 /// The most bytes of output read from the command. 22.05's `squeue --json`
