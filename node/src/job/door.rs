@@ -155,8 +155,8 @@ fn check_failed(node: &Node, door: &mut Door, req: &StepRequest, reason: String)
 /// ([`gpufence_model::secrets::HashKey`]): `<state_dir>/door.key`, made
 /// (32 random bytes, 0600, root's; `O_EXCL`, so that concurrent steps
 /// agree on one) when absent, read with `O_NOFOLLOW` and used only when
-/// it is a regular file of exactly 32 bytes owned by root and private to
-/// it. When it cannot be made or read so, a key of this step's own: the
+/// it is a regular file of exactly 32 bytes owned by this process's
+/// effective uid (root in slurmstepd) and private to it. When it cannot be made or read so, a key of this step's own: the
 /// hashes then tell findings of this job apart but not across jobs, and
 /// are still not unkeyed. The reason, when there is one, is returned for
 /// the step's log and an `error` audit line (`component` `job_secrets`).
@@ -169,9 +169,13 @@ pub fn hash_key(node: &Node) -> (HashKey, Option<String>) {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(&p)?;
         let m = f.metadata()?;
-        if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 || m.len() != 32 {
+        if !m.is_file()
+            || m.uid() != nix::unistd::geteuid().as_raw()
+            || m.mode() & 0o077 != 0
+            || m.len() != 32
+        {
             return Err(std::io::Error::other(
-                "not a regular file of 32 bytes, root's, mode 0600",
+                "not a regular file of 32 bytes, ours (root's in slurmstepd), mode 0600",
             ));
         }
         let mut b = [0u8; 32];
@@ -503,10 +507,8 @@ mod tests {
     }
 
     /// The node's hash key: made once (32 bytes, 0600) and the same for
-    /// every later step; a key file that is a link, the wrong size or not
-    /// root's is not used, and the reason says so. Run as another uid
-    /// than root (the fast unit tests), no file can be root's: every key
-    /// is a step's own, with its reason.
+    /// every later step; a key file that is a link, the wrong size or
+    /// another uid's is not used, and the reason says so.
     #[test]
     fn the_hash_key_is_the_nodes_own_file_or_a_steps_own() {
         use std::os::unix::fs::MetadataExt;
@@ -515,17 +517,18 @@ mod tests {
         let p = n.state.door_key_path();
         let (k1, why1) = hash_key(&n);
         let (k2, why2) = hash_key(&n);
-        let root = nix::unistd::geteuid().is_root();
         let m = std::fs::metadata(&p).unwrap();
         assert_eq!((m.len(), m.mode() & 0o777), (32, 0o600));
-        if root {
-            assert_eq!((why1, why2), (None, None));
-            assert_eq!(k1.bytes(), k2.bytes(), "one key for the node");
-            assert_eq!(&std::fs::read(&p).unwrap()[..], &k1.bytes()[..]);
-        } else {
-            assert!(why1.is_some_and(|w| w.contains("root's")));
-            assert!(why2.is_some());
-            assert_ne!(k1.bytes(), k2.bytes(), "each step its own key");
+        assert_eq!((why1, why2), (None, None));
+        assert_eq!(k1.bytes(), k2.bytes(), "one key for the node");
+        assert_eq!(&std::fs::read(&p).unwrap()[..], &k1.bytes()[..]);
+        // Another uid's key is not used (as root: chown it away).
+        if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&p, Some(1), None).unwrap();
+            let (k, why) = hash_key(&n);
+            assert!(why.is_some_and(|w| w.contains("ours")));
+            assert_ne!(k.bytes(), k1.bytes());
+            std::os::unix::fs::chown(&p, Some(0), None).unwrap();
         }
         // A link in its place is not followed.
         std::fs::remove_file(&p).unwrap();
