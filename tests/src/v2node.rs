@@ -180,7 +180,9 @@ impl V2Slice {
         };
         let logs = logs_in(log_dir);
         let racy = slurm_has_x11_race(&release.slurm_version());
-        let mut inside: Vec<(String, Vec<i32>, Vec<String>)> = Vec::new();
+        // (job cgroup, its processes, its cgroups, its extern step's errors)
+        type Left = (String, Vec<i32>, Vec<String>, Vec<String>);
+        let mut inside: Vec<Left> = Vec::new();
         for j in left {
             let rel = format!("{}/{j}", V2Slice::scope(node_name));
             let procs = self.cg.procs_recursive(&rel);
@@ -194,11 +196,15 @@ impl V2Slice {
                 );
                 continue;
             }
-            inside.push((j, procs, dirs));
+            let errors: Vec<String> = extern_errors(&logs, &j)
+                .into_iter()
+                .map(str::to_string)
+                .collect();
+            inside.push((j, procs, dirs, errors));
         }
         assert!(
             inside.is_empty(),
-            "job cgroups left under /{} (with the processes and the cgroups in each): {inside:?}",
+            "job cgroups left under /{} (with the processes, the cgroups and the extern step's logged errors of each): {inside:?}",
             V2Slice::scope(node_name)
         );
     }
@@ -379,17 +385,28 @@ fn logs_in(dir: &Path) -> String {
 }
 
 /// `logs` show the X11 shutdown race for job cgroup `job` (`job_<id>`)
-/// of node `node_name`: its extern step's "Unable to move pid" error
-/// (`cgroup_p_step_destroy`, `src/plugins/cgroup/v2/cgroup_v2.c`) naming
-/// that node's scope (every node of a test cluster logs to one file).
+/// of node `node_name`: an error of its extern step that a root step
+/// daemon cannot have, naming that node's scope (every node of a test
+/// cluster logs to one file): "Permission denied" on a cgroup file of the
+/// scope (moving itself out, `common_file_write_uints`; removing a task's
+/// or the step's cgroup, `common_cgroup_delete`,
+/// `src/plugins/cgroup/common/cgroup_common.c`), or "Unable to move pid"
+/// (`cgroup_p_step_destroy`, `src/plugins/cgroup/v2/cgroup_v2.c`).
 fn slurm_x11_race(logs: &str, job: &str, node_name: &str) -> bool {
+    extern_errors(logs, job).iter().any(|l| {
+        l.contains(&format!("/{node_name}_slurmstepd.scope/"))
+            && (l.contains("Permission denied") || l.contains("Unable to move pid "))
+    })
+}
+
+/// The error lines of job cgroup `job`'s (`job_<id>`) extern step in
+/// `logs`, at most 8 (for a failure's message).
+fn extern_errors<'a>(logs: &'a str, job: &str) -> Vec<&'a str> {
     let Some(id) = job.strip_prefix("job_") else {
-        return false;
+        return Vec::new();
     };
-    let tag = format!("[{id}.extern] error: Unable to move pid ");
-    let scope = format!("/{node_name}_slurmstepd.scope/");
-    logs.lines()
-        .any(|l| l.contains(&tag) && l.contains(" to system cgroup ") && l.contains(&scope))
+    let tag = format!("[{id}.extern] error: ");
+    logs.lines().filter(|l| l.contains(&tag)).take(8).collect()
 }
 
 /// Whether Slurm `version` (`slurmd -V`: `slurm 24.11.5`) has the X11
@@ -413,7 +430,9 @@ mod tests {
     #[test]
     fn the_x11_race_is_the_extern_steps_own() {
         let logs = "[2026-12-07T21:15:55.827] [3.extern] error: Unable to move pid 18883 to system cgroup /sys/fs/cgroup/system.slice/vm_slurmstepd.scope/system\n\
-                    [2026-12-07T21:15:55.827] [4.0] error: Unable to move pid 1 to system cgroup /x\n";
+                    [2026-12-07T21:15:55.827] [4.0] error: Unable to move pid 1 to system cgroup /x\n\
+                    [2026-12-07T21:15:56.001] [5.extern] error: Unable to rmdir(/sys/fs/cgroup/system.slice/vm_slurmstepd.scope/job_5/step_extern/user/task_special), unexpected error: Permission denied\n\
+                    [2026-12-07T21:15:56.002] [6.extern] error: Unable to rmdir(/sys/fs/cgroup/system.slice/vm_slurmstepd.scope/job_6/step_extern/slurm), unexpected error: Device or resource busy\n";
         assert!(slurm_x11_race(logs, "job_3", "vm"));
         assert!(
             !slurm_x11_race(logs, "job_3", "vm2"),
@@ -428,6 +447,12 @@ mod tests {
             !slurm_x11_race(logs, "s7C5M8ST6RSJ00", "vm"),
             "a SLUID (26.05)"
         );
+        assert!(
+            slurm_x11_race(logs, "job_5", "vm"),
+            "a removal refused to the dropped ids"
+        );
+        assert!(!slurm_x11_race(logs, "job_6", "vm"), "busy is not the race");
+        assert_eq!(extern_errors(logs, "job_6").len(), 1);
         assert!(slurm_has_x11_race("slurm 24.11.5"));
         assert!(slurm_has_x11_race("slurm-wlm 22.05.8"));
         assert!(!slurm_has_x11_race("slurm 24.11.6"));
