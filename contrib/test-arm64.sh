@@ -17,6 +17,7 @@ triple=aarch64-unknown-linux-gnu
 skip=(
     iter::live:: iter::fdtable::live:: level::live::
     sys::maps::tests::per_cpu_values_are_refused
+    sys::maps::tests::batches_grow_and_miss_nothing
     sys::maps::tests::slices_of_another_size_never_reach_the_kernel
     procstat::tests::this_process_reads_itself
 )
