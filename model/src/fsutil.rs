@@ -29,6 +29,16 @@ pub fn create_dir_all_mode(dir: &Path, mode: u32) -> io::Result<()> {
 /// # Errors
 /// The `io::Error` of the first failing step.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    synced_temp(path, bytes, mode)?
+        .persist(path)
+        .map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// A temporary file beside `path` (`.gpufence-*.tmp`, mode `mode`)
+/// holding `bytes`, synced: what [`write_atomic`] and
+/// [`write_new_whole`] put in place.
+fn synced_temp(path: &Path, bytes: &[u8], mode: u32) -> io::Result<tempfile::NamedTempFile> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let mut tmp = tempfile::Builder::new()
         .prefix(".gpufence-")
@@ -38,8 +48,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
         .set_permissions(fs::Permissions::from_mode(mode))?;
     tmp.write_all(bytes)?;
     tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
+    Ok(tmp)
 }
 
 /// Writes `bytes` to `path` whole and only when `path` does not exist: a
@@ -52,16 +61,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
 /// `AlreadyExists` when `path` is there (another writer's), or the
 /// `io::Error` of the first failing step.
 pub fn write_new_whole(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".gpufence-")
-        .suffix(".tmp")
-        .tempfile_in(dir)?;
-    tmp.as_file()
-        .set_permissions(fs::Permissions::from_mode(mode))?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist_noclobber(path).map_err(|e| e.error)?;
+    synced_temp(path, bytes, mode)?
+        .persist_noclobber(path)
+        .map_err(|e| e.error)?;
     Ok(())
 }
 
