@@ -80,11 +80,13 @@ impl PrologEnv {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env(vars: &[(&str, &str)]) -> Result<PrologEnv, NodeError> {
+    /// The Prolog's environment made of `vars` (the record's tests use it
+    /// too).
+    pub(in crate::job::prolog) fn env(vars: &[(&str, &str)]) -> Result<PrologEnv, NodeError> {
         let m: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -221,9 +221,9 @@ pub fn build_record(node: &Node, env: &PrologEnv) -> Result<JobRecord, NodeError
 
 #[cfg(test)]
 mod tests {
+    use super::super::env::tests::env;
     use super::*;
     use gpufence_model::config::{Config, ConfigOrigin};
-    use std::collections::HashMap;
 
     /// A node whose GRES list comes from a file; device files are ordinary
     /// character devices every machine has (/dev/null 1:3, /dev/zero 1:5),
@@ -243,14 +243,6 @@ mod tests {
     const GRES: &str = "slurmd: Gres Name=gpu Type=(null) Count=1 Index=0 ID=1 File=/dev/zero (null)\n\
                         slurmd: Gres Name=gpu Type=(null) Count=1 Index=3 ID=1 File=/dev/null (null)\n";
     const MAJORS: &str = "[majors]\nnvidia = 1\nnvidia-uvm = 241\n";
-
-    fn env(vars: &[(&str, &str)]) -> Result<PrologEnv, NodeError> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        PrologEnv::from_env(&|k| m.get(k).cloned())
-    }
 
     #[test]
     fn index_maps_by_position_and_adds_control_devices() {
